@@ -1,0 +1,184 @@
+//! The [`Array`] handle: creation, properties, readback, evaluation.
+use crate::error::{Error, OpExt, Result};
+use crate::{DType, Element};
+
+/// An n-dimensional MLX array (lazy: operations build a graph, [`Array::eval`] computes it).
+///
+/// Cloning is cheap (a reference count). `Array` is `Send`: it can move between threads, but
+/// one array must not be used from two threads at once.
+#[derive(Clone)]
+pub struct Array {
+    pub(crate) inner: mlx_rs::Array,
+}
+
+impl std::fmt::Debug for Array {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Array({:?}, {})", self.shape(), self.dtype())
+    }
+}
+
+pub(crate) fn check_shape(op: &'static str, shape: &[usize]) -> Result<Vec<i32>> {
+    shape
+        .iter()
+        .map(|&d| i32::try_from(d).map_err(|_| Error::shape(op, format!("dimension {d} exceeds i32"))))
+        .collect()
+}
+
+impl Array {
+    pub(crate) fn wrap(inner: mlx_rs::Array) -> Self {
+        Array { inner }
+    }
+
+    /// Escape hatch to the underlying mlx-rs array.
+    pub fn as_mlx(&self) -> &mlx_rs::Array {
+        &self.inner
+    }
+
+    /// Wrap an mlx-rs array.
+    pub fn from_mlx(inner: mlx_rs::Array) -> Self {
+        Array { inner }
+    }
+
+    /// An array holding a copy of `data` with the given shape (row-major).
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self> {
+        let dims = check_shape("from_slice", shape)?;
+        let n: usize = shape.iter().product();
+        if n != data.len() {
+            return Err(Error::shape("from_slice", format!("{} elements for shape {shape:?} ({n})", data.len())));
+        }
+        Ok(Self::wrap(T::make_array(data, &dims)))
+    }
+
+    /// A 0-d array.
+    pub fn scalar<T: Element>(v: T) -> Self {
+        Self::wrap(T::make_array(&[v], &[]))
+    }
+
+    /// A 0-d array of `v` converted to `dtype`.
+    pub fn scalar_as(v: f32, dtype: DType) -> Result<Self> {
+        Self::scalar(v).astype(dtype)
+    }
+
+    /// Zeros.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Result<Self> {
+        let dims = check_shape("zeros", shape)?;
+        mlx_rs::ops::zeros_dtype(&dims, dtype.to_mlx()).op("zeros").map(Self::wrap)
+    }
+
+    /// Ones.
+    pub fn ones(shape: &[usize], dtype: DType) -> Result<Self> {
+        let dims = check_shape("ones", shape)?;
+        mlx_rs::ops::ones_dtype(&dims, dtype.to_mlx()).op("ones").map(Self::wrap)
+    }
+
+    /// Every element `value`.
+    pub fn full(shape: &[usize], value: f32, dtype: DType) -> Result<Self> {
+        let dims = check_shape("full", shape)?;
+        let v = Self::scalar(value).astype(dtype)?;
+        mlx_rs::ops::broadcast_to(&v.inner, &dims).op("full").map(Self::wrap)
+    }
+
+    /// `start, start+1, ..., stop-1` as a 1-d array of `dtype`.
+    pub fn arange(start: i64, stop: i64, dtype: DType) -> Result<Self> {
+        if stop < start {
+            return Err(Error::arg("arange", format!("stop {stop} < start {start}")));
+        }
+        let n = usize::try_from(stop - start).map_err(|_| Error::arg("arange", "range too long"))?;
+        let dims = check_shape("arange", &[n])?;
+        let a = mlx_rs::Array::arange::<_, f64>(start as f64, stop as f64, None).op("arange")?;
+        let a = mlx_rs::ops::reshape(&a, &dims).op("arange")?;
+        Self::wrap(a).astype(dtype)
+    }
+
+    /// Shape as `usize` dimensions.
+    pub fn shape(&self) -> Vec<usize> {
+        self.inner.shape().iter().map(|&d| d as usize).collect()
+    }
+
+    /// Shape as MLX's `i32` dimensions.
+    pub fn dims(&self) -> &[i32] {
+        self.inner.shape()
+    }
+
+    /// Size of dimension `axis` (negative counts from the end).
+    pub fn dim(&self, axis: isize) -> Result<usize> {
+        let n = self.ndim() as isize;
+        let a = if axis < 0 { axis + n } else { axis };
+        if a < 0 || a >= n {
+            return Err(Error::shape("dim", format!("axis {axis} out of range for {}-d array", n)));
+        }
+        Ok(self.inner.shape()[a as usize] as usize)
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.inner.ndim()
+    }
+
+    /// Number of elements.
+    pub fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    /// Bytes of the array's data.
+    pub fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+
+    pub fn dtype(&self) -> DType {
+        DType::from_mlx(self.inner.dtype())
+    }
+
+    /// Convert element type.
+    pub fn astype(&self, dtype: DType) -> Result<Self> {
+        if self.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        self.inner.as_dtype(dtype.to_mlx()).op("astype").map(Self::wrap)
+    }
+
+    /// Compute this array (and what it depends on).
+    pub fn eval(&self) -> Result<()> {
+        self.inner.eval().op("eval")
+    }
+
+    /// Evaluate and copy out the elements in row-major order; `T` must match [`Array::dtype`].
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if self.dtype() != <T as Element>::DTYPE {
+            return Err(Error::DType { op: "to_vec", expected: <T as Element>::DTYPE.to_string(), got: self.dtype().to_string() });
+        }
+        // A transposed or broadcast view is not laid out row-major: reshape copies it when needed.
+        let flat = mlx_rs::ops::reshape(&self.inner, &[-1]).op("to_vec")?;
+        flat.eval().op("to_vec")?;
+        flat.try_as_slice::<T>()
+            .map(|s| s.to_vec())
+            .map_err(|e| Error::Mlx { op: "to_vec", msg: e.to_string() })
+    }
+
+    /// Evaluate, convert to f32 and copy out.
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        self.astype(DType::F32)?.to_vec()
+    }
+
+    /// The single element of a one-element array.
+    pub fn item<T: Element>(&self) -> Result<T> {
+        if self.size() != 1 {
+            return Err(Error::shape("item", format!("array of shape {:?} has {} elements", self.shape(), self.size())));
+        }
+        Ok(self.to_vec::<T>()?[0])
+    }
+
+    /// The single element, converted to f32.
+    pub fn item_f32(&self) -> Result<f32> {
+        self.astype(DType::F32)?.item()
+    }
+}
+
+/// Evaluate several arrays together (one graph traversal).
+pub fn eval(arrays: &[&Array]) -> Result<()> {
+    mlx_rs::transforms::eval(arrays.iter().map(|a| &a.inner)).op("eval")
+}
+
+/// Start evaluating arrays in the background; a later [`eval`] or readback waits for them.
+pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    mlx_rs::transforms::async_eval(arrays.iter().map(|a| &a.inner)).op("async_eval")
+}

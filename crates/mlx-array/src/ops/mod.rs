@@ -1,0 +1,28 @@
+//! Operations, as methods on [`crate::Array`] (and a few free functions over several arrays).
+//! Every one is lazy and returns `Result`: MLX's own checks become [`crate::Error::Mlx`].
+mod index;
+mod linalg;
+mod math;
+mod nn;
+mod quant;
+mod reduce;
+mod shape;
+
+pub use index::scatter_rows;
+pub use linalg::gather_mm;
+pub use math::where_;
+pub use nn::{AttentionMask, RopeConfig};
+pub use quant::{gather_qmm, QuantMode, Quantized};
+pub use shape::{concatenate, stack};
+
+use crate::Array;
+
+/// Normalise an axis against `ndim`, allowing negative axes.
+pub(crate) fn axis(op: &'static str, a: &Array, axis: i32) -> crate::Result<i32> {
+    let n = a.ndim() as i32;
+    let ax = if axis < 0 { axis + n } else { axis };
+    if ax < 0 || ax >= n {
+        return Err(crate::Error::shape(op, format!("axis {axis} out of range for shape {:?}", a.shape())));
+    }
+    Ok(ax)
+}

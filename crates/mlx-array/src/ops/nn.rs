@@ -1,0 +1,110 @@
+//! Neural-network kernels: norms, rotary embeddings, attention, convolution.
+use crate::error::{Error, OpExt, Result};
+use crate::{Array, DType};
+use mlx_rs::fast;
+
+/// The mask of [`Array::sdpa`].
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionMask<'a> {
+    /// Every query sees every key.
+    None,
+    /// Query `i` of `L` sees keys `0..=K-L+i` (queries are the last `L` of `K` positions).
+    Causal,
+    /// Causal, and query at position `p` sees only keys in `p-window+1..=p`.
+    SlidingWindow(usize),
+    /// A mask broadcastable to `[B, H, L, K]`: boolean (true = attend) or additive (added to scores).
+    Array(&'a Array),
+}
+
+/// Rotary position embedding settings (see [`Array::rope`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RopeConfig<'a> {
+    /// Number of leading feature dims rotated (`head_dim * partial_rotary_factor`).
+    pub dims: usize,
+    /// Rotate adjacent pairs (GPT-J) instead of the two halves (GPT-NeoX, Llama, Qwen).
+    pub traditional: bool,
+    pub base: f32,
+    /// Position scale (1.0 = none).
+    pub scale: f32,
+    /// Explicit inverse frequencies (`dims / 2` of them) replacing `base`, for scaled ropes.
+    pub freqs: Option<&'a Array>,
+}
+
+impl Default for RopeConfig<'_> {
+    fn default() -> Self {
+        RopeConfig { dims: 0, traditional: false, base: 10000.0, scale: 1.0, freqs: None }
+    }
+}
+
+impl Array {
+    /// RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight`.
+    pub fn rms_norm(&self, weight: Option<&Array>, eps: f32) -> Result<Array> {
+        fast::rms_norm(&self.inner, weight.map(|w| &w.inner), eps).op("rms_norm").map(Array::wrap)
+    }
+    /// LayerNorm over the last axis.
+    pub fn layer_norm(&self, weight: Option<&Array>, bias: Option<&Array>, eps: f32) -> Result<Array> {
+        fast::layer_norm(&self.inner, weight.map(|w| &w.inner), bias.map(|b| &b.inner), eps)
+            .op("layer_norm")
+            .map(Array::wrap)
+    }
+    /// Rotary embedding of `[.., L, D]`; position of row `l` is `offset + l`. Only the first
+    /// `cfg.dims` features rotate (partial rotary); the rest pass through.
+    pub fn rope(&self, cfg: &RopeConfig, offset: usize) -> Result<Array> {
+        let d = *self.dims().last().ok_or_else(|| Error::shape("rope", "0-d input"))? as usize;
+        if cfg.dims == 0 || cfg.dims > d || cfg.dims % 2 != 0 {
+            return Err(Error::arg("rope", format!("rotary dims {} for head dim {d}", cfg.dims)));
+        }
+        let base = if cfg.freqs.is_some() { None } else { Some(cfg.base) };
+        fast::rope(&self.inner, cfg.dims as i32, cfg.traditional, base, cfg.scale, offset as i32, cfg.freqs.map(|f| &f.inner))
+            .op("rope")
+            .map(Array::wrap)
+    }
+
+    /// Scaled dot-product attention. `self` = queries `[B, Hq, L, D]`, keys/values `[B, Hkv, K, D]`
+    /// with `Hq` a multiple of `Hkv` (grouped-query attention).
+    pub fn sdpa(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
+        let (q, k) = (self.dims(), keys.dims());
+        if q.len() != 4 || k.len() != 4 || values.ndim() != 4 {
+            return Err(Error::shape("sdpa", format!("need 4-d q/k/v, got {:?} {:?} {:?}", q, k, values.dims())));
+        }
+        if k[1] == 0 || q[1] % k[1] != 0 {
+            return Err(Error::shape("sdpa", format!("{} query heads for {} kv heads", q[1], k[1])));
+        }
+        use mlx_rs::fast::ScaledDotProductAttentionMask as M;
+        let owned;
+        let m = match mask {
+            AttentionMask::None => None,
+            AttentionMask::Causal => Some(M::Causal),
+            AttentionMask::Array(a) => Some(M::Array(&a.inner)),
+            AttentionMask::SlidingWindow(w) => {
+                owned = sliding_window_mask(q[2] as usize, k[2] as usize, w)?;
+                Some(M::Array(&owned.inner))
+            }
+        };
+        fast::scaled_dot_product_attention(&self.inner, &keys.inner, &values.inner, scale, m, None)
+            .op("sdpa")
+            .map(Array::wrap)
+    }
+
+    /// 1-d convolution. Input `[N, L, C_in]`, weight `[C_out, K, C_in / groups]` (MLX layout).
+    pub fn conv1d(&self, weight: &Array, stride: usize, padding: usize, dilation: usize, groups: usize) -> Result<Array> {
+        if groups == 0 || stride == 0 || dilation == 0 {
+            return Err(Error::arg("conv1d", "stride, dilation and groups must be positive"));
+        }
+        mlx_rs::ops::conv1d(&self.inner, &weight.inner, stride as i32, padding as i32, dilation as i32, groups as i32)
+            .op("conv1d")
+            .map(Array::wrap)
+    }
+}
+
+/// Boolean `[L, K]` mask: query `i` (at position `K-L+i`) sees keys `j` with `p-w < j <= p`.
+pub fn sliding_window_mask(l: usize, k: usize, window: usize) -> Result<Array> {
+    if l > k || window == 0 {
+        return Err(Error::arg("sliding_window_mask", format!("{l} queries, {k} keys, window {window}")));
+    }
+    let qpos = Array::arange((k - l) as i64, k as i64, DType::I32)?.reshape(&[l as i32, 1])?;
+    let kpos = Array::arange(0, k as i64, DType::I32)?.reshape(&[1, k as i32])?;
+    let causal = kpos.le(&qpos)?;
+    let recent = kpos.gt(&qpos.sub(&Array::scalar(window as i32))?)?;
+    causal.logical_and(&recent)
+}

@@ -1,0 +1,175 @@
+//! Quantization: affine 2-8 bit, and the microscaling float formats mxfp4 / mxfp8.
+//!
+//! These call mlx-c directly (mlx-rs 0.33 only offers affine): arguments are validated here first,
+//! so MLX itself should never reject them; if it does, the error names the operation.
+use crate::error::{Error, Result};
+use crate::{Array, DType};
+use std::ffi::CStr;
+
+/// Quantization format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantMode {
+    /// `w ≈ scale * q + bias` per group, `bits` in {2, 3, 4, 5, 6, 8}, groups of 32, 64 or 128.
+    Affine { bits: u8, group_size: u32 },
+    /// OCP MX FP4 (E2M1) with a shared E8M0 scale per 32 elements; no biases.
+    Mxfp4,
+    /// OCP MX FP8 (E4M3) with a shared E8M0 scale per 32 elements; no biases.
+    Mxfp8,
+}
+
+impl QuantMode {
+    fn parts(self) -> (i32, i32, &'static CStr) {
+        match self {
+            QuantMode::Affine { bits, group_size } => (bits as i32, group_size as i32, c"affine"),
+            QuantMode::Mxfp4 => (4, 32, c"mxfp4"),
+            QuantMode::Mxfp8 => (8, 32, c"mxfp8"),
+        }
+    }
+    fn validate(self, op: &'static str) -> Result<()> {
+        if let QuantMode::Affine { bits, group_size } = self {
+            if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+                return Err(Error::arg(op, format!("affine bits must be 2, 3, 4, 5, 6 or 8, got {bits}")));
+            }
+            if ![32, 64, 128].contains(&group_size) {
+                return Err(Error::arg(op, format!("group size must be 32, 64 or 128, got {group_size}")));
+            }
+        }
+        Ok(())
+    }
+    /// Bits per weight element.
+    pub fn bits(self) -> u32 {
+        self.parts().0 as u32
+    }
+    /// Elements sharing one scale.
+    pub fn group_size(self) -> u32 {
+        self.parts().1 as u32
+    }
+}
+
+/// A quantized matrix `[.., out, in]`: packed u32 weights, scales and (affine only) biases.
+#[derive(Debug, Clone)]
+pub struct Quantized {
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Option<Array>,
+    pub mode: QuantMode,
+}
+
+fn opt_int(v: i32) -> mlx_sys::mlx_optional_int {
+    mlx_sys::mlx_optional_int { value: v, has_value: true }
+}
+
+fn stream() -> mlx_rs::Stream {
+    mlx_rs::Stream::thread_local_or_default()
+}
+
+/// Run an mlx-c op writing one array.
+fn ffi(op: &'static str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array> {
+    let mut res = unsafe { mlx_sys::mlx_array_new() };
+    let st = f(&mut res);
+    let out = unsafe { mlx_rs::Array::from_ptr(res) }; // frees `res` on every path
+    if st != 0 {
+        return Err(Error::Mlx { op, msg: "MLX rejected the arguments".into() });
+    }
+    Ok(Array::wrap(out))
+}
+
+fn null_array() -> mlx_sys::mlx_array {
+    mlx_sys::mlx_array { ctx: std::ptr::null_mut() }
+}
+
+impl Array {
+    /// Quantize a float matrix `[.., out, in]` along its last axis.
+    pub fn quantize(&self, mode: QuantMode) -> Result<Quantized> {
+        mode.validate("quantize")?;
+        let (bits, gs, name) = mode.parts();
+        if self.ndim() < 2 || !self.dtype().is_float() {
+            return Err(Error::shape("quantize", format!("need a float matrix, got {:?} {}", self.shape(), self.dtype())));
+        }
+        let last = *self.dims().last().unwrap();
+        if last % gs != 0 {
+            return Err(Error::shape("quantize", format!("last dimension {last} is not a multiple of the group size {gs}")));
+        }
+        let s = stream();
+        let mut vec = unsafe { mlx_sys::mlx_vector_array_new() };
+        let st = unsafe {
+            mlx_sys::mlx_quantize(&mut vec, self.inner.as_ptr(), opt_int(gs), opt_int(bits), name.as_ptr(), null_array(), s.as_ptr())
+        };
+        let mut parts = Vec::new();
+        if st == 0 {
+            for i in 0..unsafe { mlx_sys::mlx_vector_array_size(vec) } {
+                let mut a = unsafe { mlx_sys::mlx_array_new() };
+                unsafe { mlx_sys::mlx_vector_array_get(&mut a, vec, i) };
+                parts.push(Array::wrap(unsafe { mlx_rs::Array::from_ptr(a) }));
+            }
+        }
+        unsafe { mlx_sys::mlx_vector_array_free(vec) };
+        if st != 0 || parts.len() < 2 {
+            return Err(Error::Mlx { op: "quantize", msg: format!("MLX returned {} arrays (status {st})", parts.len()) });
+        }
+        let mut it = parts.into_iter();
+        let (weight, scales, biases) = (it.next().unwrap(), it.next().unwrap(), it.next());
+        let biases = if matches!(mode, QuantMode::Affine { .. }) { biases } else { None };
+        Ok(Quantized { weight, scales, biases, mode })
+    }
+}
+
+impl Quantized {
+    fn check(&self, op: &'static str) -> Result<()> {
+        self.mode.validate(op)?;
+        if matches!(self.mode, QuantMode::Affine { .. }) && self.biases.is_none() {
+            return Err(Error::arg(op, "affine quantization needs biases"));
+        }
+        if self.weight.dtype() != DType::U32 {
+            return Err(Error::DType { op, expected: "u32 packed weights".into(), got: self.weight.dtype().to_string() });
+        }
+        Ok(())
+    }
+    fn biases_ptr(&self) -> mlx_sys::mlx_array {
+        self.biases.as_ref().map(|b| b.inner.as_ptr()).unwrap_or_else(null_array)
+    }
+    /// Number of input features (unpacked last dimension).
+    pub fn in_features(&self) -> usize {
+        let packed = *self.weight.dims().last().unwrap_or(&0) as usize;
+        packed * 32 / self.mode.bits() as usize
+    }
+
+    /// Back to a float matrix (`dtype` of the scales for affine, f32 otherwise unless given).
+    pub fn dequantize(&self, dtype: Option<DType>) -> Result<Array> {
+        self.check("dequantize")?;
+        let (bits, gs, name) = self.mode.parts();
+        let dt = mlx_sys::mlx_optional_dtype {
+            value: dtype.map(|d| d.to_mlx() as mlx_sys::mlx_dtype).unwrap_or(0),
+            has_value: dtype.is_some(),
+        };
+        let s = stream();
+        ffi("dequantize", |res| unsafe {
+            mlx_sys::mlx_dequantize(res, self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), self.biases_ptr(), opt_int(gs), opt_int(bits), name.as_ptr(), null_array(), dt, s.as_ptr())
+        })
+    }
+
+    /// `x @ W.T` (`transpose = true`, weights stored `[out, in]`) or `x @ W`.
+    pub fn matmul(&self, x: &Array, transpose: bool) -> Result<Array> {
+        self.check("quantized_matmul")?;
+        let (bits, gs, name) = self.mode.parts();
+        let k = *x.dims().last().ok_or_else(|| Error::shape("quantized_matmul", "0-d input"))? as usize;
+        if transpose && k != self.in_features() {
+            return Err(Error::shape("quantized_matmul", format!("input has {k} features, weights expect {}", self.in_features())));
+        }
+        let s = stream();
+        ffi("quantized_matmul", |res| unsafe {
+            mlx_sys::mlx_quantized_matmul(res, x.inner.as_ptr(), self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), self.biases_ptr(), transpose, opt_int(gs), opt_int(bits), name.as_ptr(), s.as_ptr())
+        })
+    }
+}
+
+/// Quantized [`crate::ops::gather_mm`]: `x[lhs_indices] @ W[rhs_indices].T` for MoE experts.
+pub fn gather_qmm(x: &Array, w: &Quantized, lhs_indices: Option<&Array>, rhs_indices: Option<&Array>, transpose: bool, sorted_indices: bool) -> Result<Array> {
+    w.check("gather_qmm")?;
+    let (bits, gs, name) = w.mode.parts();
+    let ptr = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(null_array);
+    let s = stream();
+    ffi("gather_qmm", |res| unsafe {
+        mlx_sys::mlx_gather_qmm(res, x.inner.as_ptr(), w.weight.inner.as_ptr(), w.scales.inner.as_ptr(), w.biases_ptr(), ptr(lhs_indices), ptr(rhs_indices), transpose, opt_int(gs), opt_int(bits), name.as_ptr(), sorted_indices, s.as_ptr())
+    })
+}

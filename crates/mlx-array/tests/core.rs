@@ -1,0 +1,88 @@
+//! Core behaviour: creation, readback, errors as values, views, the ops other crates rely on most.
+use mlx_array::{ops, Array, AttentionMask, DType, Error, QuantMode};
+
+#[test]
+fn roundtrip_and_dtype_checks() {
+    let a = Array::from_slice(&[1i32, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
+    assert_eq!(a.shape(), vec![2, 3]);
+    assert_eq!(a.dtype(), DType::I32);
+    assert_eq!(a.to_vec::<i32>().unwrap(), vec![1, 2, 3, 4, 5, 6]);
+    assert!(matches!(a.to_vec::<f32>(), Err(Error::DType { .. })));
+    assert!(matches!(Array::from_slice(&[1.0f32; 5], &[2, 3]), Err(Error::Shape { .. })));
+    // A transposed view reads back in logical (row-major) order.
+    let t = a.transpose(&[1, 0]).unwrap();
+    assert_eq!(t.to_vec::<i32>().unwrap(), vec![1, 4, 2, 5, 3, 6]);
+    let b = a.astype(DType::BF16).unwrap();
+    assert_eq!(b.to_vec_f32().unwrap(), vec![1., 2., 3., 4., 5., 6.]);
+}
+
+#[test]
+fn mlx_errors_are_values_with_messages() {
+    let a = Array::zeros(&[2, 3], DType::F32).unwrap();
+    match a.matmul(&a) {
+        Err(Error::Mlx { op, msg }) => {
+            assert_eq!(op, "matmul");
+            assert!(msg.contains("must match"), "{msg}");
+        }
+        other => panic!("expected an MLX error, got {other:?}"),
+    }
+    assert!(a.reshape(&[4, 2]).is_err());
+    assert!(a.slice_axis(1, 2, 4).is_err());
+    assert!(a.softmax(2, false).is_err());
+}
+
+#[test]
+fn slices_and_scatter_rows() {
+    let a = Array::arange(0, 12, DType::F32).unwrap().reshape(&[4, 3]).unwrap();
+    assert_eq!(a.slice_axis(0, 1, 3).unwrap().to_vec::<f32>().unwrap(), vec![3., 4., 5., 6., 7., 8.]);
+    assert_eq!(a.slice(&[0, 1], &[4, 3], &[2, 1]).unwrap().to_vec::<f32>().unwrap(), vec![1., 2., 7., 8.]);
+    let rows = Array::from_slice(&[3i32, 0], &[2]).unwrap();
+    let upd = Array::full(&[2, 3], -1.0, DType::F32).unwrap();
+    let s = ops::scatter_rows(&a, &rows, &upd).unwrap();
+    assert_eq!(s.to_vec::<f32>().unwrap(), vec![-1., -1., -1., 3., 4., 5., 6., 7., 8., -1., -1., -1.]);
+    assert!(ops::scatter_rows(&a, &rows, &Array::zeros(&[2, 2], DType::F32).unwrap()).is_err());
+}
+
+#[test]
+fn addmm_applies_c() {
+    let a = Array::from_slice(&[1.0f32, 2., 3., 4.], &[2, 2]).unwrap();
+    let i = Array::from_slice(&[1.0f32, 0., 0., 1.], &[2, 2]).unwrap();
+    let c = Array::from_slice(&[10.0f32, 20., 30., 40.], &[2, 2]).unwrap();
+    let y = a.addmm(&i, &c, 2.0, 0.5).unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![7., 14., 21., 28.]);
+}
+
+#[test]
+fn sliding_window_attention_matches_explicit_mask() {
+    let q = Array::arange(0, 2 * 5 * 4, DType::F32).unwrap().reshape(&[1, 2, 5, 4]).unwrap().mul_scalar(0.01).unwrap();
+    let causal = q.sdpa(&q, &q, 0.5, AttentionMask::Causal).unwrap();
+    let wide = q.sdpa(&q, &q, 0.5, AttentionMask::SlidingWindow(5)).unwrap();
+    let a = causal.to_vec::<f32>().unwrap();
+    let b = wide.to_vec::<f32>().unwrap();
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() < 1e-5);
+    }
+    let narrow = q.sdpa(&q, &q, 0.5, AttentionMask::SlidingWindow(1)).unwrap();
+    // window 1: each query attends only to itself, so the output is V itself.
+    let v = q.to_vec::<f32>().unwrap();
+    for (x, y) in narrow.to_vec::<f32>().unwrap().iter().zip(&v) {
+        assert!((x - y).abs() < 1e-5);
+    }
+}
+
+#[test]
+fn quantize_modes_roundtrip() {
+    let w = Array::arange(0, 64 * 64, DType::F32).unwrap().reshape(&[64, 64]).unwrap().mul_scalar(1.0 / 4096.0).unwrap();
+    // Values lie in [0, 1); tolerances follow each format's step size near 1.
+    for (mode, tol) in [(QuantMode::Affine { bits: 4, group_size: 64 }, 0.04), (QuantMode::Affine { bits: 8, group_size: 32 }, 0.002), (QuantMode::Mxfp4, 0.26), (QuantMode::Mxfp8, 0.07)] {
+        let q = w.quantize(mode).unwrap();
+        let d = q.dequantize(Some(DType::F32)).unwrap();
+        let err = d.sub(&w).unwrap().abs().unwrap().max(&[], false).unwrap().item::<f32>().unwrap();
+        assert!(err < tol, "{mode:?}: max error {err}");
+        assert!(err > 0.0, "{mode:?}: lossless quantization is implausible");
+        let x = Array::ones(&[1, 64], DType::F32).unwrap();
+        let y = q.matmul(&x, true).unwrap();
+        assert_eq!(y.shape(), vec![1, 64]);
+    }
+    assert!(matches!(w.quantize(QuantMode::Affine { bits: 7, group_size: 64 }), Err(Error::InvalidArgument { .. })));
+}
