@@ -1,0 +1,1 @@
+//! Tokenizer, chat template and output parsing (being written).
