@@ -86,3 +86,14 @@ fn quantize_modes_roundtrip() {
     }
     assert!(matches!(w.quantize(QuantMode::Affine { bits: 7, group_size: 64 }), Err(Error::InvalidArgument { .. })));
 }
+
+#[test]
+fn slice_update_writes_block() {
+    let a = Array::zeros(&[2, 3], DType::F32).unwrap();
+    let u = Array::from_slice(&[1.0f32, 2.], &[1, 2]).unwrap();
+    let b = a.slice_update(&u, &[1, 1]).unwrap();
+    assert_eq!(b.to_vec::<f32>().unwrap(), vec![0., 0., 0., 0., 1., 2.]);
+    assert_eq!(a.to_vec::<f32>().unwrap(), vec![0.; 6], "the source is not modified");
+    assert!(a.slice_update(&u, &[1, 2]).is_err());
+    assert!(a.slice_update(&u.astype(DType::BF16).unwrap(), &[0, 0]).is_err());
+}

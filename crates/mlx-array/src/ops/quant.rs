@@ -59,12 +59,12 @@ fn opt_int(v: i32) -> mlx_sys::mlx_optional_int {
     mlx_sys::mlx_optional_int { value: v, has_value: true }
 }
 
-fn stream() -> mlx_rs::Stream {
+pub(crate) fn stream() -> mlx_rs::Stream {
     mlx_rs::Stream::thread_local_or_default()
 }
 
 /// Run an mlx-c op writing one array.
-fn ffi(op: &'static str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array> {
+pub(crate) fn ffi(op: &'static str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array> {
     let mut res = unsafe { mlx_sys::mlx_array_new() };
     let st = f(&mut res);
     let out = unsafe { mlx_rs::Array::from_ptr(res) }; // frees `res` on every path

@@ -133,3 +133,25 @@ pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
     let v: Vec<&mlx_rs::Array> = arrays.iter().map(|a| &a.inner).collect();
     m::stack(&v, axis).op("stack").map(Array::wrap)
 }
+
+impl Array {
+    /// A copy of `self` with the block starting at `start` (one index per axis) replaced by
+    /// `update` (same rank and dtype). MLX reuses `self`'s buffer when it holds the only reference,
+    /// which makes this the cheap way to fill a preallocated cache.
+    pub fn slice_update(&self, update: &Array, start: &[usize]) -> Result<Array> {
+        let (ds, us) = (self.shape(), update.shape());
+        if start.len() != ds.len() || us.len() != ds.len() || start.iter().zip(&us).zip(&ds).any(|((s, u), d)| s + u > *d) {
+            return Err(Error::shape("slice_update", format!("update {us:?} at {start:?} does not fit in {ds:?}")));
+        }
+        if self.dtype() != update.dtype() {
+            return Err(Error::DType { op: "slice_update", expected: self.dtype().to_string(), got: update.dtype().to_string() });
+        }
+        let st: Vec<i32> = start.iter().map(|&s| s as i32).collect();
+        let sp: Vec<i32> = start.iter().zip(&us).map(|(&s, &u)| (s + u) as i32).collect();
+        let strides = vec![1i32; st.len()];
+        let s = super::quant::stream();
+        super::quant::ffi("slice_update", |res| unsafe {
+            mlx_sys::mlx_slice_update(res, self.inner.as_ptr(), update.inner.as_ptr(), st.as_ptr(), st.len(), sp.as_ptr(), sp.len(), strides.as_ptr(), strides.len(), s.as_ptr())
+        })
+    }
+}
