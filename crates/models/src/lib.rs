@@ -1,4 +1,37 @@
 //! # mlx-models
 //!
-//! Load, run and chat with LLMs on MLX.
+//! Load, run and chat with LLMs on MLX (Linux CPU, CUDA, Apple Metal), from Rust.
+//!
+//! A model is a function of (tokens, caches): [`ModelRuntime::forward`] appends to a [`Cache`]
+//! and returns logits. [`load_model`] reads a checkpoint directory (config.json + safetensors),
+//! picking the family from the [`registry`].
+//!
+//! ```
+//! use mlx_models::{load_model, LoadOptions, Logits};
+//! use mlx_array::Array;
+//! # fn main() -> mlx_models::Result<()> {
+//! let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny/qwen3");
+//! let model = load_model(dir, &LoadOptions::default())?.into_lm()?;
+//! let mut cache = model.new_cache();
+//! let prompt = Array::from_slice(&[1i32, 2, 3], &[1, 3])?;
+//! let out = model.forward(&prompt, &mut cache, Logits::Last, false)?;
+//! let next = out.logits.unwrap().argmax(-1, false)?.reshape(&[-1])?.to_vec::<u32>()?[0];
+//! assert!((next as usize) < model.info().vocab_size);
+//! assert_eq!(cache.offset(), 3);
+//! # Ok(()) }
+//! ```
+pub mod cache;
 pub mod chat;
+pub mod config;
+mod error;
+pub mod families;
+pub mod layers;
+mod model;
+pub mod registry;
+mod runtime;
+pub mod weights;
+
+pub use cache::{Cache, CacheSpec, LayerKind};
+pub use error::{ModelError, Result};
+pub use model::{load_model, LoadOptions, LoadedModel, Model};
+pub use runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};

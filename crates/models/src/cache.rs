@@ -1,0 +1,199 @@
+//! Per-layer caches: what a model carries from one forward call to the next.
+//!
+//! A model is a function of (tokens, caches). [`CacheSpec`] says what each layer needs;
+//! [`Cache::new`] builds matching storage. Attention layers keep K/V ([`KvCache`]), flat
+//! (contiguous, grown in steps, the default) or rotating (sliding-window layers keep only the last
+//! `window` positions). Recurrent layers (GatedDeltaNet, short conv) keep their own state arrays.
+use crate::{ModelError, Result};
+use mlx_array::{ops, Array};
+
+/// What one layer caches.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LayerKind {
+    /// Full-attention K/V: `[B, kv_heads, T, head_dim]`.
+    Attention { kv_heads: usize, head_dim: usize },
+    /// Sliding-window attention: only the last `window` positions matter.
+    SlidingAttention { kv_heads: usize, head_dim: usize, window: usize },
+    /// Reuses the K/V of layer `anchor` (no storage of its own).
+    SharedKv { anchor: usize },
+    /// Recurrent state slots (conv state, SSM state): opaque to the cache.
+    Recurrent { slots: usize },
+}
+
+/// A model's cache layout, layer by layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheSpec {
+    pub layers: Vec<LayerKind>,
+}
+
+/// Growth step of flat caches, in positions (as mlx-lm's KVCache).
+const STEP: usize = 256;
+
+/// K/V storage of one attention layer.
+#[derive(Clone)]
+pub struct KvCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: usize,
+    /// `Some(w)`: rotating storage of the last `w` positions.
+    window: Option<usize>,
+}
+
+impl KvCache {
+    pub fn new(window: Option<usize>) -> Self {
+        KvCache { keys: None, values: None, offset: 0, window }
+    }
+
+    /// Positions seen so far (the rope offset of the next token).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Append `k`, `v` (`[B, H, L, D]`) and return the keys/values attention should use now.
+    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let l = k.dim(2)?;
+        if let Some(w) = self.window {
+            return self.update_rotating(k, v, l, w);
+        }
+        let need = self.offset + l;
+        let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
+        if need > cap {
+            let grow = need.div_ceil(STEP) * STEP - cap;
+            let (keys, values) = (self.keys.take(), self.values.take());
+            self.keys = Some(grow_axis2(keys, k, grow, self.offset)?);
+            self.values = Some(grow_axis2(values, v, grow, self.offset)?);
+        }
+        let kb = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, self.offset, 0])?;
+        let vb = self.values.as_ref().unwrap().slice_update(v, &[0, 0, self.offset, 0])?;
+        self.offset = need;
+        let out = (kb.slice_axis(2, 0, need)?, vb.slice_axis(2, 0, need)?);
+        self.keys = Some(kb);
+        self.values = Some(vb);
+        Ok(out)
+    }
+
+    /// Sliding window: keep at most the last `w - 1` old positions plus the new ones, so every
+    /// new query still sees its full window; the mask is applied by the attention layer.
+    fn update_rotating(&mut self, k: &Array, v: &Array, l: usize, w: usize) -> Result<(Array, Array)> {
+        let (keys, values) = match (self.keys.take(), self.values.take()) {
+            (Some(pk), Some(pv)) => (ops::concatenate(&[&pk, k], 2)?, ops::concatenate(&[&pv, v], 2)?),
+            _ => (k.clone(), v.clone()),
+        };
+        self.offset += l;
+        let t = keys.dim(2)?;
+        let keep = (w - 1).min(t);
+        self.keys = Some(keys.slice_axis(2, t - keep, t)?);
+        self.values = Some(values.slice_axis(2, t - keep, t)?);
+        Ok((keys, values))
+    }
+
+    /// Number of positions currently stored (≤ offset for rotating caches).
+    pub fn stored(&self) -> usize {
+        match (&self.keys, self.window) {
+            (Some(k), Some(_)) => k.dim(2).unwrap_or(0),
+            (Some(_), None) => self.offset,
+            _ => 0,
+        }
+    }
+
+    /// Forget the last `n` positions (speculative rollback). Rotating caches cannot roll back
+    /// past what they still hold.
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if n > self.offset {
+            return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", self.offset)));
+        }
+        if let Some(_w) = self.window {
+            let held = self.stored();
+            if n > held {
+                return Err(ModelError::Cache(format!("sliding cache holds {held} positions, cannot trim {n}")));
+            }
+            let (k, v) = (self.keys.take().unwrap(), self.values.take().unwrap());
+            self.keys = Some(k.slice_axis(2, 0, held - n)?);
+            self.values = Some(v.slice_axis(2, 0, held - n)?);
+        }
+        self.offset -= n;
+        Ok(())
+    }
+}
+
+fn grow_axis2(old: Option<Array>, like: &Array, grow: usize, used: usize) -> Result<Array> {
+    let s = like.shape();
+    let fresh = Array::zeros(&[s[0], s[1], grow, s[3]], like.dtype())?;
+    Ok(match old {
+        Some(o) => ops::concatenate(&[&o.slice_axis(2, 0, used)?, &fresh], 2)?,
+        None => fresh,
+    })
+}
+
+/// The cache of one layer.
+#[derive(Clone)]
+pub enum LayerCache {
+    Kv(KvCache),
+    /// KV-shared layer: reads its anchor's K/V.
+    Shared { anchor: usize },
+    /// Recurrent state slots, `None` until first written.
+    Recurrent(Vec<Option<Array>>),
+}
+
+/// All layers' caches for one sequence batch.
+#[derive(Clone)]
+pub struct Cache {
+    pub layers: Vec<LayerCache>,
+}
+
+impl Cache {
+    /// Empty caches laid out as `spec` says.
+    pub fn new(spec: &CacheSpec) -> Self {
+        let layers = spec
+            .layers
+            .iter()
+            .map(|k| match k {
+                LayerKind::Attention { .. } => LayerCache::Kv(KvCache::new(None)),
+                LayerKind::SlidingAttention { window, .. } => LayerCache::Kv(KvCache::new(Some(*window))),
+                LayerKind::SharedKv { anchor } => LayerCache::Shared { anchor: *anchor },
+                LayerKind::Recurrent { slots } => LayerCache::Recurrent(vec![None; *slots]),
+            })
+            .collect();
+        Cache { layers }
+    }
+
+    /// Positions processed so far (from the first attention layer).
+    pub fn offset(&self) -> usize {
+        self.layers.iter().find_map(|l| if let LayerCache::Kv(c) = l { Some(c.offset()) } else { None }).unwrap_or(0)
+    }
+
+    /// The K/V cache of layer `i`.
+    pub fn kv(&mut self, i: usize) -> Result<&mut KvCache> {
+        match self.layers.get_mut(i) {
+            Some(LayerCache::Kv(c)) => Ok(c),
+            _ => Err(ModelError::Cache(format!("layer {i} has no K/V cache"))),
+        }
+    }
+
+    /// Roll every attention layer back by `n` positions; fails on recurrent layers, whose state
+    /// cannot be rewound (callers re-prefill instead).
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
+            return Err(ModelError::Cache("recurrent layers cannot be trimmed".into()));
+        }
+        for l in &mut self.layers {
+            if let LayerCache::Kv(c) = l {
+                c.trim(n)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every array the cache holds, to evaluate them together with a step's outputs.
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v = Vec::new();
+        for l in &self.layers {
+            match l {
+                LayerCache::Kv(c) => v.extend(c.keys.iter().chain(c.values.iter())),
+                LayerCache::Recurrent(s) => v.extend(s.iter().flatten()),
+                LayerCache::Shared { .. } => {}
+            }
+        }
+        v
+    }
+}

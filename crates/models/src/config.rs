@@ -1,0 +1,59 @@
+//! Reading `config.json` in both the hub style and the transformers-5 style.
+//!
+//! transformers 5 writes `rope_parameters` instead of `rope_theta`/`rope_scaling`, `dtype` instead
+//! of `torch_dtype`, and multimodal checkpoints nest the decoder's settings in `text_config`.
+use crate::{ModelError, Result};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use std::path::Path;
+
+/// Read and parse `dir/config.json` as JSON (errors per the loader rules).
+pub fn read_config_json(dir: &Path) -> Result<Value> {
+    let p = dir.join("config.json");
+    let raw = std::fs::read_to_string(&p).map_err(|_| ModelError::ConfigNotFound(dir.to_path_buf()))?;
+    serde_json::from_str(&raw).map_err(|e| ModelError::MalformedConfig { path: dir.to_path_buf(), reason: format!("invalid JSON: {e}") })
+}
+
+/// The decoder's settings: `text_config` merged over the top level (top-level keys fill gaps).
+pub fn text_config(root: &Value) -> Value {
+    let mut out = root.clone();
+    if let (Some(obj), Some(Value::Object(text))) = (out.as_object_mut(), root.get("text_config")) {
+        for (k, v) in text {
+            obj.insert(k.clone(), v.clone());
+        }
+    }
+    // transformers 5: rope settings under rope_parameters.
+    if let Some(Value::Object(rp)) = root.get("rope_parameters").or_else(|| out.get("rope_parameters")).cloned() {
+        let obj = out.as_object_mut().unwrap();
+        for (k, v) in rp {
+            if k == "rope_theta" || k == "partial_rotary_factor" {
+                obj.entry(k).or_insert(v);
+            }
+        }
+    }
+    out
+}
+
+/// Deserialize a family config from the (text) config, naming the checkpoint in errors.
+pub fn parse<T: DeserializeOwned>(dir: &Path, v: &Value) -> Result<T> {
+    serde_json::from_value(v.clone()).map_err(|e| ModelError::MalformedConfig { path: dir.to_path_buf(), reason: e.to_string() })
+}
+
+/// `eos_token_id` may be an int or a list; generation_config.json may add more.
+pub fn eos_ids(dir: &Path, cfg: &Value) -> Vec<u32> {
+    let mut ids = Vec::new();
+    let mut add = |v: Option<&Value>| match v {
+        Some(Value::Number(n)) => ids.extend(n.as_u64().map(|x| x as u32)),
+        Some(Value::Array(a)) => ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+        _ => {}
+    };
+    add(cfg.get("eos_token_id"));
+    if let Ok(s) = std::fs::read_to_string(dir.join("generation_config.json")) {
+        if let Ok(g) = serde_json::from_str::<Value>(&s) {
+            add(g.get("eos_token_id"));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    ids.retain(|x| seen.insert(*x));
+    ids
+}

@@ -1,0 +1,79 @@
+//! Harrier embeddings: a Qwen3 backbone (`Qwen3Model` checkpoint, keys without `model.`),
+//! last-token pooling and L2 normalization, as in the checkpoint's sentence-transformers modules.
+use super::qwen3::{Qwen3Backbone, Qwen3Config};
+use crate::cache::Cache;
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+use mlx_array::{Array, DType};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// A loaded embedding model.
+pub struct HarrierModel {
+    backbone: Qwen3Backbone,
+    /// Named instruction prefixes from `config_sentence_transformers.json` (`query`, `document`).
+    pub prompts: BTreeMap<String, String>,
+    pub default_prompt_name: Option<String>,
+    normalize: bool,
+}
+
+impl HarrierModel {
+    pub fn new(dir: &Path, weights: &Weights, cfg: Qwen3Config) -> Result<Self> {
+        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+        // Qwen3Model checkpoints have no `model.` prefix; some exports keep it.
+        let root = weights.root();
+        let vb = if root.contains("model.embed_tokens.weight") { root.pp("model") } else { root };
+        let backbone = Qwen3Backbone::load(&vb, &cfg)?;
+        let (mut prompts, mut default_prompt_name) = (BTreeMap::new(), None);
+        if let Ok(s) = std::fs::read_to_string(dir.join("config_sentence_transformers.json")) {
+            let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| ModelError::MalformedConfig {
+                path: dir.to_path_buf(),
+                reason: format!("config_sentence_transformers.json: {e}"),
+            })?;
+            if let Some(p) = v.get("prompts").and_then(|p| p.as_object()) {
+                for (k, v) in p {
+                    prompts.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
+                }
+            }
+            default_prompt_name = v.get("default_prompt_name").and_then(|x| x.as_str()).map(String::from);
+        }
+        // Normalization is on unless modules.json lists no Normalize module.
+        let normalize = match std::fs::read_to_string(dir.join("modules.json")) {
+            Ok(s) => s.contains("Normalize"),
+            Err(_) => true,
+        };
+        Ok(HarrierModel { backbone, prompts, default_prompt_name, normalize })
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        self.backbone.cfg.hidden_size
+    }
+    pub fn max_length(&self) -> usize {
+        self.backbone.cfg.max_position_embeddings
+    }
+
+    /// Embed one token sequence (truncated to `max_position_embeddings`): the final-normed hidden
+    /// state of its last token, L2-normalized.
+    pub fn encode_ids(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(ModelError::InvalidInput("cannot embed an empty token sequence".into()));
+        }
+        let ids = &ids[..ids.len().min(self.max_length())];
+        let tokens = Array::from_slice(ids, &[1, ids.len()])?;
+        let mut cache = Cache::new(&self.backbone.cache_spec());
+        let h = self.backbone.forward(&tokens, &mut cache)?;
+        let last = h.slice_axis(1, ids.len() - 1, ids.len())?.reshape(&[-1])?.astype(DType::F32)?;
+        let v = last.to_vec::<f32>()?;
+        Ok(if self.normalize { l2_normalize(v) } else { v })
+    }
+
+    /// Embed several sequences (each independently: no padding effects).
+    pub fn encode_batch_ids(&self, batch: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        batch.iter().map(|ids| self.encode_ids(ids)).collect()
+    }
+}
+
+fn l2_normalize(v: Vec<f32>) -> Vec<f32> {
+    let n = v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt().max(1e-12);
+    v.into_iter().map(|x| (x as f64 / n) as f32).collect()
+}

@@ -1,0 +1,3 @@
+//! One module per model family.
+pub mod harrier;
+pub mod qwen3;

@@ -1,0 +1,213 @@
+//! Qwen3 dense causal LM (mirrors mlx-lm `models/qwen3.py` and HF `Qwen3ForCausalLM`).
+use crate::cache::{Cache, CacheSpec, LayerKind};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::weights::{Vb, Weights};
+use crate::{ModelError, Result};
+use mlx_array::{Array, DType};
+use serde::{Deserialize, Serialize};
+
+/// `config.json` of a Qwen3 checkpoint (the keys the model uses).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Qwen3Config {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f32,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+}
+
+fn default_eps() -> f32 {
+    1e-6
+}
+fn default_theta() -> f32 {
+    1_000_000.0
+}
+fn default_max_pos() -> usize {
+    40960
+}
+fn default_act() -> String {
+    "silu".into()
+}
+
+impl Qwen3Config {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+    /// Checks the config before any tensor is read.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let h = self.num_attention_heads;
+        if h == 0 || self.num_key_value_heads == 0 || h % self.num_key_value_heads != 0 {
+            return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {}", self.num_key_value_heads));
+        }
+        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || self.head_dim() % 2 != 0 {
+            return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
+        }
+        if Activation::parse(&self.hidden_act).is_none() {
+            return Err(format!("unsupported hidden_act {:?}", self.hidden_act));
+        }
+        Ok(())
+    }
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_norm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+/// The Qwen3 transformer stack (no head): shared by the LM and Harrier embeddings.
+pub struct Qwen3Backbone {
+    pub(crate) cfg: Qwen3Config,
+    embed: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+}
+
+impl Qwen3Backbone {
+    /// `vb` points at the stack (`model` for the LM, the root for Qwen3Model checkpoints).
+    pub fn load(vb: &Vb, cfg: &Qwen3Config) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim());
+        let act = Activation::parse(&cfg.hidden_act).expect("validated");
+        let acfg = AttentionConfig {
+            hidden: h,
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.num_key_value_heads,
+            head_dim: d,
+            bias: cfg.attention_bias,
+            qk_norm: Some(cfg.rms_norm_eps),
+            norm_offset: 0.0,
+            output_gate: false,
+            scale: None,
+            o_name: "o_proj",
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let lv = vb.pp("layers").pp(i);
+                Ok(Block {
+                    input_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, cfg.rms_norm_eps, 0.0)?,
+                    attn: Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_norm", "k_norm"])?,
+                    post_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, cfg.rms_norm_eps, 0.0)?,
+                    mlp: GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Qwen3Backbone {
+            cfg: cfg.clone(),
+            embed: Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?,
+            layers,
+            norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 0.0)?,
+        })
+    }
+
+    pub fn cache_spec(&self) -> CacheSpec {
+        let k = LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() };
+        CacheSpec { layers: vec![k; self.layers.len()] }
+    }
+
+    /// Final-normed hidden states `[B, L, hidden]`.
+    pub fn forward(&self, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+        check_tokens(tokens, self.cfg.vocab_size)?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
+        }
+        let mut x = self.embed.forward(tokens)?;
+        let mask = causal_mask(tokens.dims()[1] as usize, None);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = x.add(&layer.attn.forward(&layer.input_norm.forward(&x)?, cache.kv(i)?, mask)?)?;
+            x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    pub fn embed_weight(&self) -> &Array {
+        &self.embed.weight
+    }
+}
+
+/// `[B, L]` integer ids, all below `vocab`.
+pub(crate) fn check_tokens(tokens: &Array, vocab: usize) -> Result<()> {
+    if tokens.ndim() != 2 || tokens.size() == 0 || !matches!(tokens.dtype(), DType::I32 | DType::U32 | DType::I64) {
+        return Err(ModelError::InvalidInput(format!("tokens must be a non-empty [batch, length] integer array, got {:?} {}", tokens.shape(), tokens.dtype())));
+    }
+    let max = tokens.max(&[], false)?.astype(DType::I64)?.item::<i64>()?;
+    let min = tokens.min(&[], false)?.astype(DType::I64)?.item::<i64>()?;
+    if min < 0 || max as usize >= vocab {
+        return Err(ModelError::InvalidInput(format!("token id {} out of range for vocab size {vocab}", if min < 0 { min } else { max })));
+    }
+    Ok(())
+}
+
+/// Qwen3 causal LM.
+pub struct Qwen3Model {
+    backbone: Qwen3Backbone,
+    lm_head: Linear,
+    info: ModelInfo,
+}
+
+impl Qwen3Model {
+    pub fn new(weights: &Weights, cfg: Qwen3Config, eos: Vec<u32>) -> Result<Self> {
+        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
+        let root = weights.root();
+        let backbone = Qwen3Backbone::load(&root.pp("model"), &cfg)?;
+        // Tied checkpoints may still carry an lm_head copy; untied ones must.
+        let lm_head = if root.contains("lm_head.weight") && !cfg.tie_word_embeddings {
+            Linear::load(&root.pp("lm_head"), cfg.hidden_size, cfg.vocab_size, false)?
+        } else if cfg.tie_word_embeddings {
+            Linear::new(backbone.embed_weight().clone(), None)?
+        } else {
+            return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
+        };
+        let info = ModelInfo {
+            model_type: "qwen3".into(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: cfg.hidden_size,
+            num_layers: cfg.num_hidden_layers,
+            max_position_embeddings: cfg.max_position_embeddings,
+            eos_token_ids: eos,
+            bos_token_id: cfg.bos_token_id,
+        };
+        Ok(Qwen3Model { backbone, lm_head, info })
+    }
+}
+
+impl ModelRuntime for Qwen3Model {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        self.backbone.cache_spec()
+    }
+    fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let h = self.backbone.forward(tokens, cache)?;
+        let logits = match logits {
+            Logits::None => None,
+            Logits::All => Some(self.lm_head.forward(&h)?.astype(DType::F32)?),
+            Logits::Last => {
+                let l = h.dim(1)?;
+                Some(self.lm_head.forward(&h.slice_axis(1, l - 1, l)?)?.astype(DType::F32)?)
+            }
+        };
+        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+    }
+}

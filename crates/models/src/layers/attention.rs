@@ -1,0 +1,108 @@
+use super::{Linear, RmsNorm, Rope};
+use crate::cache::KvCache;
+use crate::weights::Vb;
+use crate::Result;
+use mlx_array::{Array, AttentionMask};
+
+/// The shape and options of a multi-head (grouped-query) attention layer.
+#[derive(Clone, Debug)]
+pub struct AttentionConfig {
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub bias: bool,
+    /// Per-head RMSNorm on q and k (Qwen3, Gemma 4), with this eps.
+    pub qk_norm: Option<f32>,
+    /// Norm weight offset (1.0 for `x * (1 + w)` checkpoints).
+    pub norm_offset: f32,
+    /// `q_proj` also produces a sigmoid output gate (Qwen3.5 full attention).
+    pub output_gate: bool,
+    /// Softmax scale (default `head_dim^-0.5`).
+    pub scale: Option<f32>,
+    /// Output projection name (`o_proj`, LFM2: `out_proj`).
+    pub o_name: &'static str,
+}
+
+/// Self-attention with rotary positions over a [`KvCache`].
+#[derive(Clone)]
+pub struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    rope: Rope,
+    cfg: AttentionConfig,
+}
+
+impl Attention {
+    pub fn load(vb: &Vb, cfg: AttentionConfig, rope: Rope, names: [&str; 2]) -> Result<Self> {
+        let (h, d) = (cfg.hidden, cfg.head_dim);
+        let q_out = cfg.n_heads * d * if cfg.output_gate { 2 } else { 1 };
+        let (qn, kn) = (names[0], names[1]);
+        let norm = |n: &str| -> Result<Option<RmsNorm>> {
+            cfg.qk_norm.map(|eps| RmsNorm::load(&vb.pp(n), d, eps, cfg.norm_offset)).transpose()
+        };
+        Ok(Attention {
+            q: Linear::load(&vb.pp("q_proj"), h, q_out, cfg.bias)?,
+            k: Linear::load(&vb.pp("k_proj"), h, cfg.n_kv_heads * d, cfg.bias)?,
+            v: Linear::load(&vb.pp("v_proj"), h, cfg.n_kv_heads * d, cfg.bias)?,
+            o: Linear::load(&vb.pp(cfg.o_name), cfg.n_heads * d, h, cfg.bias)?,
+            q_norm: norm(qn)?,
+            k_norm: norm(kn)?,
+            rope,
+            cfg,
+        })
+    }
+
+    fn heads(&self, x: &Array, n: usize) -> Result<Array> {
+        let s = x.dims();
+        Ok(x.reshape(&[s[0], s[1], n as i32, self.cfg.head_dim as i32])?)
+    }
+
+    /// `x`: `[B, L, hidden]`.
+    pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: AttentionMask) -> Result<Array> {
+        let c = &self.cfg;
+        let (b, l) = (x.dims()[0], x.dims()[1]);
+        let mut q = self.q.forward(x)?;
+        let mut gate = None;
+        if c.output_gate {
+            // [B, L, H, 2D]: per head, the first D are the query, the last D the gate.
+            let qg = self.heads(&q, c.n_heads)?.reshape(&[b, l, c.n_heads as i32, 2, c.head_dim as i32])?;
+            let parts = qg.split(2, 3)?;
+            q = parts[0].reshape(&[b, l, -1])?;
+            gate = Some(parts[1].reshape(&[b, l, -1])?);
+        }
+        let mut q = self.heads(&q, c.n_heads)?;
+        let mut k = self.heads(&self.k.forward(x)?, c.n_kv_heads)?;
+        let v = self.heads(&self.v.forward(x)?, c.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        if let Some(n) = &self.q_norm {
+            q = n.forward(&q)?;
+        }
+        if let Some(n) = &self.k_norm {
+            k = n.forward(&k)?;
+        }
+        let off = cache.offset();
+        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, off)?;
+        let k = self.rope.forward(&k.transpose(&[0, 2, 1, 3])?, off)?;
+        let (k, v) = cache.update_and_fetch(&k, &v)?;
+        let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
+        let o = q.sdpa(&k, &v, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        let o = match gate {
+            Some(g) => o.mul(&g.sigmoid()?)?,
+            None => o,
+        };
+        self.o.forward(&o)
+    }
+}
+
+/// The mask for `l` new queries: causal during prefill, none for a single decode token.
+pub fn causal_mask(l: usize, window: Option<usize>) -> AttentionMask<'static> {
+    match (l, window) {
+        (1, None) => AttentionMask::None,
+        (_, Some(w)) => AttentionMask::SlidingWindow(w),
+        _ => AttentionMask::Causal,
+    }
+}

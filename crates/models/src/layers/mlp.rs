@@ -1,0 +1,58 @@
+use super::Linear;
+use crate::weights::Vb;
+use crate::Result;
+use mlx_array::Array;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// tanh-approximated GELU (`gelu_pytorch_tanh`).
+    GeluTanh,
+    Gelu,
+}
+
+impl Activation {
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
+            "gelu" => Activation::Gelu,
+            _ => return None,
+        })
+    }
+    pub fn apply(self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Activation::Silu => x.silu()?,
+            Activation::GeluTanh => x.gelu_tanh()?,
+            Activation::Gelu => x.gelu()?,
+        })
+    }
+}
+
+/// `down(act(gate(x)) * up(x))` (SwiGLU / GeGLU).
+#[derive(Clone)]
+pub struct GatedMlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    act: Activation,
+}
+
+impl GatedMlp {
+    /// Checkpoint names `gate_proj`, `up_proj`, `down_proj` (pass others for LFM2's w1/w3/w2).
+    pub fn load_named(vb: &Vb, names: [&str; 3], hidden: usize, inter: usize, act: Activation) -> Result<Self> {
+        Ok(GatedMlp {
+            gate: Linear::load(&vb.pp(names[0]), hidden, inter, false)?,
+            up: Linear::load(&vb.pp(names[1]), hidden, inter, false)?,
+            down: Linear::load(&vb.pp(names[2]), inter, hidden, false)?,
+            act,
+        })
+    }
+    pub fn load(vb: &Vb, hidden: usize, inter: usize, act: Activation) -> Result<Self> {
+        Self::load_named(vb, ["gate_proj", "up_proj", "down_proj"], hidden, inter, act)
+    }
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let g = self.act.apply(&self.gate.forward(x)?)?;
+        self.down.forward(&g.mul(&self.up.forward(x)?)?)
+    }
+}

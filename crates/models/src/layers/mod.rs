@@ -1,0 +1,12 @@
+//! Building blocks shared by every family.
+mod attention;
+mod linear;
+mod mlp;
+mod norm;
+mod rope;
+
+pub use attention::{causal_mask, Attention, AttentionConfig};
+pub use linear::{Embedding, Linear};
+pub use mlp::{Activation, GatedMlp};
+pub use norm::RmsNorm;
+pub use rope::Rope;

@@ -1,0 +1,128 @@
+//! Loading checkpoints into runnable, thread-safe handles.
+use crate::cache::Cache;
+use crate::config;
+use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
+use crate::registry::{self, Family, FamilyKind};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+use mlx_array::{Array, DType, Device};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// Options for [`load_model`].
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Compute dtype of float weights. Default: f32 on the CPU (MLX-CPU's bf16 matmul is 10-20x
+    /// slower than f32 with a real BLAS), the checkpoint's dtype on the GPU.
+    pub dtype: Option<DType>,
+    /// A speculative-decoding draft checkpoint (gemma4 only).
+    pub draft_model_path: Option<PathBuf>,
+}
+
+/// A loaded causal LM: cheap to clone, `Send + Sync`; forward passes are serialized internally,
+/// so sessions on several threads can share one model.
+#[derive(Clone)]
+pub struct Model {
+    inner: Arc<Mutex<Box<dyn ModelRuntime>>>,
+    info: Arc<ModelInfo>,
+    dir: Arc<PathBuf>,
+}
+
+impl Model {
+    /// Wrap any runtime (e.g. a model built in code).
+    pub fn from_runtime(rt: Box<dyn ModelRuntime>, dir: impl Into<PathBuf>) -> Self {
+        let info = Arc::new(rt.info().clone());
+        Model { inner: Arc::new(Mutex::new(rt)), info, dir: Arc::new(dir.into()) }
+    }
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// An empty cache laid out for this model.
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(&self.inner.lock().unwrap_or_else(|e| e.into_inner()).cache_spec())
+    }
+    /// One forward pass (holding the model for its duration).
+    pub fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let rt = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        rt.forward(tokens, cache, logits, hidden)
+    }
+    /// Run `f` with exclusive use of the runtime.
+    pub fn with_runtime<R>(&self, f: impl FnOnce(&dyn ModelRuntime) -> R) -> R {
+        let rt = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        f(rt.as_ref())
+    }
+}
+
+/// What [`load_model`] returns.
+pub enum LoadedModel {
+    Lm(Model),
+    Embedding(Arc<HarrierModel>),
+}
+
+impl LoadedModel {
+    /// The causal LM, or a [`ModelError::WrongKind`] for embedding models.
+    pub fn into_lm(self) -> Result<Model> {
+        match self {
+            LoadedModel::Lm(m) => Ok(m),
+            LoadedModel::Embedding(_) => Err(ModelError::WrongKind("embedding models (Harrier) cannot generate text".into())),
+        }
+    }
+    pub fn into_embedding(self) -> Result<Arc<HarrierModel>> {
+        match self {
+            LoadedModel::Embedding(m) => Ok(m),
+            LoadedModel::Lm(_) => Err(ModelError::WrongKind("not an embedding model".into())),
+        }
+    }
+}
+
+fn default_dtype(opts: &LoadOptions) -> Option<DType> {
+    if opts.dtype.is_some() {
+        return opts.dtype;
+    }
+    match mlx_array::default_device() {
+        Ok(Device::Gpu) => None,
+        _ => Some(DType::F32),
+    }
+}
+
+/// Load the checkpoint in `dir`, detecting its family from config.json (see [`registry`]).
+pub fn load_model(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
+    let dir = dir.as_ref();
+    let family = registry::detect_model_type(dir)?;
+    load_family(dir, family, opts)
+}
+
+pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
+    if opts.draft_model_path.is_some() && !family.accepts_draft_model {
+        return Err(ModelError::UnsupportedOption(format!(
+            "draft_model_path (speculative-decoding draft) is only supported by gemma4 models; {} has model_type \"{}\"",
+            dir.display(),
+            family.model_type
+        )));
+    }
+    let raw = config::read_config_json(dir)?;
+    let text = config::text_config(&raw);
+    let eos = config::eos_ids(dir, &text);
+    let weights = Weights::load(dir, default_dtype(opts))?;
+    match family.model_type {
+        "qwen3" => {
+            let cfg: Qwen3Config = config::parse(dir, &text)?;
+            Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir)))
+        }
+        "harrier" => {
+            let cfg: Qwen3Config = config::parse(dir, &text)?;
+            Ok(LoadedModel::Embedding(Arc::new(HarrierModel::new(dir, &weights, cfg)?)))
+        }
+        other => Err(ModelError::UnsupportedModelType { path: dir.to_path_buf(), model_type: other.to_string() }),
+    }
+}
+
+/// Whether `family` can back a chat session.
+pub fn is_chat_family(family: &Family) -> bool {
+    family.kind != FamilyKind::Embedding
+}

@@ -1,0 +1,45 @@
+//! The [`ModelRuntime`] trait every family implements: forward, cache spec, config.
+use crate::cache::{Cache, CacheSpec};
+use crate::Result;
+use mlx_array::Array;
+
+/// Family-independent facts about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// Canonical family (`qwen3`, `harrier`, ...).
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub max_position_embeddings: usize,
+    /// Token ids that end generation (from config.json / generation_config.json).
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+}
+
+/// Which logits a forward call should compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// `[B, L, V]`.
+    All,
+    /// `[B, 1, V]`: the last position only (prefill, decode).
+    Last,
+    /// None (embedding models, or prefill chunks before the last).
+    None,
+}
+
+/// What a forward call returns.
+pub struct ForwardOutput {
+    /// f32 logits as requested.
+    pub logits: Option<Array>,
+    /// Final-normed hidden states `[B, L, hidden]`, when asked for.
+    pub hidden: Option<Array>,
+}
+
+/// A model: a function of (tokens, caches).
+pub trait ModelRuntime: Send {
+    fn info(&self) -> &ModelInfo;
+    fn cache_spec(&self) -> CacheSpec;
+    /// `tokens`: `[B, L]` i32/u32 ids. Appends to `cache` and returns the requested outputs.
+    fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput>;
+}

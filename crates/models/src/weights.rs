@@ -1,0 +1,116 @@
+//! Prefixed weight access: constructors read like the checkpoint's tensor names.
+//!
+//! ```text
+//! let vb = weights.root().pp("model.layers").pp(3).pp("self_attn");
+//! let q = vb.get("q_proj.weight", &[n_heads * head_dim, hidden])?;
+//! ```
+use crate::{ModelError, Result};
+use mlx_array::{Array, DType};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// All tensors of a checkpoint, by name, plus which ones a model has taken.
+pub struct Weights {
+    tensors: HashMap<String, Array>,
+    path: PathBuf,
+    taken: Mutex<std::collections::HashSet<String>>,
+}
+
+impl Weights {
+    /// Wrap already-loaded tensors; `path` names the checkpoint in errors.
+    pub fn from_map(tensors: HashMap<String, Array>, path: impl Into<PathBuf>) -> Self {
+        Weights { tensors, path: path.into(), taken: Mutex::new(Default::default()) }
+    }
+
+    /// Load every `*.safetensors` tensor under `dir` (sharded through
+    /// `model.safetensors.index.json` when present), converting floats to `float_dtype`.
+    pub fn load(dir: &Path, float_dtype: Option<DType>) -> Result<Self> {
+        let tensors = mlx_array::io::load_dir(dir, float_dtype)?;
+        Ok(Self::from_map(tensors, dir))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The unprefixed root.
+    pub fn root(&self) -> Vb<'_> {
+        Vb { w: self, prefix: String::new() }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(|s| s.as_str())
+    }
+
+    /// Rename, drop or add tensors before a model reads them (the sanitize hook).
+    pub fn map_mut(&mut self) -> &mut HashMap<String, Array> {
+        &mut self.tensors
+    }
+
+    /// Tensors never read by the model, sorted (checkpoint keys the model did not expect).
+    pub fn unused(&self) -> Vec<String> {
+        let taken = self.taken.lock().unwrap();
+        let mut v: Vec<String> = self.tensors.keys().filter(|k| !taken.contains(*k)).cloned().collect();
+        v.sort();
+        v
+    }
+
+    fn err(&self, msg: String) -> ModelError {
+        ModelError::Checkpoint { path: self.path.clone(), msg }
+    }
+}
+
+/// A view of [`Weights`] under a name prefix.
+#[derive(Clone)]
+pub struct Vb<'a> {
+    w: &'a Weights,
+    prefix: String,
+}
+
+impl<'a> Vb<'a> {
+    /// Descend into `name` (joined with a dot).
+    pub fn pp(&self, name: impl std::fmt::Display) -> Vb<'a> {
+        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        Vb { w: self.w, prefix }
+    }
+
+    fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.w.contains(&self.full(name))
+    }
+
+    /// The tensor `prefix.name`, which must have exactly `shape`.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Array> {
+        let full = self.full(name);
+        let a = self.get_any(name)?;
+        if a.shape() != shape {
+            return Err(self.w.err(format!("tensor {full} has shape {:?}, expected {shape:?}", a.shape())));
+        }
+        Ok(a)
+    }
+
+    /// The tensor `prefix.name`, whatever its shape.
+    pub fn get_any(&self, name: &str) -> Result<Array> {
+        let full = self.full(name);
+        match self.w.tensors.get(&full) {
+            Some(a) => {
+                self.w.taken.lock().unwrap().insert(full);
+                Ok(a.clone())
+            }
+            None => Err(self.w.err(format!("missing tensor {full}"))),
+        }
+    }
+
+    /// Like [`Vb::get`], `None` when absent.
+    pub fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Array>> {
+        if self.contains(name) { self.get(name, shape).map(Some) } else { Ok(None) }
+    }
+}

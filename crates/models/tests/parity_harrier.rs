@@ -1,0 +1,29 @@
+//! Harrier embeddings vs sentence-transformers semantics computed with transformers 5.23.
+mod common;
+use common::*;
+use mlx_models::{load_model, LoadOptions};
+
+#[test]
+fn harrier_embeddings_match_reference() {
+    let r = reference("qwen3_embed");
+    let m = load_model(fixture("qwen3_embed"), &LoadOptions::default()).unwrap().into_embedding().unwrap();
+    // Inputs of different lengths (72, 17, 4 tokens) are listed in reference.json.
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_embed").join("reference.json")).unwrap()).unwrap();
+    let inputs: Vec<Vec<u32>> = serde_json::from_value(json["embed_inputs"].clone()).unwrap();
+    let n = inputs.len();
+    let want = r["embeddings"].to_vec::<f32>().unwrap();
+    let d = m.hidden_size();
+    for i in 0..n {
+        let e = m.encode_ids(&inputs[i]).unwrap();
+        let w = &want[i * d..(i + 1) * d];
+        let cos: f32 = e.iter().zip(w).map(|(a, b)| a * b).sum::<f32>()
+            / (e.iter().map(|x| x * x).sum::<f32>().sqrt() * w.iter().map(|x| x * x).sum::<f32>().sqrt());
+        assert!(cos >= 0.999, "embedding {i}: cosine {cos}");
+        let norm: f32 = e.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4, "not L2-normalized: {norm}");
+    }
+    assert!(load_model(fixture("qwen3_embed"), &LoadOptions::default()).unwrap().into_lm().is_err());
+    assert!(m.encode_ids(&[]).is_err());
+    let batch = m.encode_batch_ids(&inputs).unwrap();
+    assert_eq!(batch[1], m.encode_ids(&inputs[1]).unwrap());
+}
