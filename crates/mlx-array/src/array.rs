@@ -146,8 +146,12 @@ impl Array {
         if self.dtype() != <T as Element>::DTYPE {
             return Err(Error::DType { op: "to_vec", expected: <T as Element>::DTYPE.to_string(), got: self.dtype().to_string() });
         }
-        // A transposed or broadcast view is not laid out row-major: reshape copies it when needed.
-        let flat = mlx_rs::ops::reshape(&self.inner, &[-1]).op("to_vec")?;
+        if self.size() == 0 {
+            return Ok(Vec::new()); // MLX allocates no buffer for an empty array
+        }
+        // A transposed or broadcast view is not laid out row-major: reshape + contiguous copy it
+        // when needed (reshape alone may keep a broadcast's zero stride).
+        let flat = mlx_rs::ops::reshape(&self.inner, &[-1]).op("to_vec")?.contiguous().op("to_vec")?;
         flat.eval().op("to_vec")?;
         flat.try_as_slice::<T>()
             .map(|s| s.to_vec())

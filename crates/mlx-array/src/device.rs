@@ -52,8 +52,7 @@ impl Stream {
     }
     /// Wait for all work queued on this stream.
     pub fn synchronize(&self) -> Result<()> {
-        let st = unsafe { mlx_sys::mlx_synchronize(self.0.as_ptr()) };
-        if st == 0 { Ok(()) } else { Err(crate::Error::Mlx { op: "synchronize", msg: format!("status {st}") }) }
+        crate::ffi::status("synchronize", || unsafe { mlx_sys::mlx_synchronize(self.0.as_ptr()) })
     }
 }
 

@@ -22,6 +22,15 @@ pub enum Error {
     /// A safetensors file (or shard index) that cannot be parsed or does not match its header.
     #[error("invalid safetensors {path}: {msg}")]
     Safetensors { path: PathBuf, msg: String },
+    /// A safetensors file shorter than its header says (an interrupted download or copy).
+    #[error("truncated safetensors {path}: the header needs {expected} bytes, the file has {actual}")]
+    Truncated { path: PathBuf, expected: u64, actual: u64 },
+    /// A tensor whose dtype this crate cannot load (`F8_E4M3`, `C64`, a misspelling, ...).
+    #[error("tensor {name:?} in {path} has unsupported dtype {dtype:?}")]
+    UnknownDType { path: PathBuf, name: String, dtype: String },
+    /// A shard file that a `model.safetensors.index.json` names but that does not exist.
+    #[error("shard {shard} named by {index} does not exist")]
+    MissingShard { index: PathBuf, shard: PathBuf },
     /// A tensor that a caller asked for is not in the checkpoint.
     #[error("tensor {name:?} not found in {path}")]
     MissingTensor { name: String, path: PathBuf },

@@ -21,7 +21,11 @@ mod array;
 mod device;
 mod dtype;
 mod error;
+mod ffi;
+pub mod grad;
+pub mod io;
 pub mod ops;
+pub mod random;
 
 pub use array::{async_eval, eval, Array};
 pub use device::{default_device, gpu_available, memory, set_default_device, with_device, with_stream, Device, Stream};

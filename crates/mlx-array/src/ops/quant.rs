@@ -59,20 +59,7 @@ fn opt_int(v: i32) -> mlx_sys::mlx_optional_int {
     mlx_sys::mlx_optional_int { value: v, has_value: true }
 }
 
-pub(crate) fn stream() -> mlx_rs::Stream {
-    mlx_rs::Stream::thread_local_or_default()
-}
-
-/// Run an mlx-c op writing one array.
-pub(crate) fn ffi(op: &'static str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array> {
-    let mut res = unsafe { mlx_sys::mlx_array_new() };
-    let st = f(&mut res);
-    let out = unsafe { mlx_rs::Array::from_ptr(res) }; // frees `res` on every path
-    if st != 0 {
-        return Err(Error::Mlx { op, msg: "MLX rejected the arguments".into() });
-    }
-    Ok(Array::wrap(out))
-}
+pub(crate) use crate::ffi::{call as ffi, stream};
 
 fn null_array() -> mlx_sys::mlx_array {
     mlx_sys::mlx_array { ctx: std::ptr::null_mut() }
@@ -92,11 +79,11 @@ impl Array {
         }
         let s = stream();
         let mut vec = unsafe { mlx_sys::mlx_vector_array_new() };
-        let st = unsafe {
+        let st = crate::ffi::status("quantize", || unsafe {
             mlx_sys::mlx_quantize(&mut vec, self.inner.as_ptr(), opt_int(gs), opt_int(bits), name.as_ptr(), null_array(), s.as_ptr())
-        };
+        });
         let mut parts = Vec::new();
-        if st == 0 {
+        if st.is_ok() {
             for i in 0..unsafe { mlx_sys::mlx_vector_array_size(vec) } {
                 let mut a = unsafe { mlx_sys::mlx_array_new() };
                 unsafe { mlx_sys::mlx_vector_array_get(&mut a, vec, i) };
@@ -104,8 +91,9 @@ impl Array {
             }
         }
         unsafe { mlx_sys::mlx_vector_array_free(vec) };
-        if st != 0 || parts.len() < 2 {
-            return Err(Error::Mlx { op: "quantize", msg: format!("MLX returned {} arrays (status {st})", parts.len()) });
+        st?;
+        if parts.len() < 2 {
+            return Err(Error::Mlx { op: "quantize", msg: format!("MLX returned {} arrays", parts.len()) });
         }
         let mut it = parts.into_iter();
         let (weight, scales, biases) = (it.next().unwrap(), it.next().unwrap(), it.next());

@@ -1,0 +1,114 @@
+//! Shared helpers for the proptest op suites: inputs, naive f64 references, tolerances.
+#![allow(dead_code)]
+use mlx_array::{bf16, Array, DType};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+/// Cases per property: small shapes, so the whole suite stays well under a minute.
+pub const CASES: u32 = 32;
+
+/// `n` floats uniform in `[lo, hi)`.
+pub fn vals(n: usize, lo: f32, hi: f32) -> BoxedStrategy<Vec<f32>> {
+    prop::collection::vec(lo..hi, n).boxed()
+}
+
+/// Round to the nearest bf16 (what the bf16 tests feed both MLX and the reference).
+pub fn bf(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+pub fn bfv(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf(x)).collect()
+}
+
+/// An f32 array, or the same values in `dtype`.
+pub fn arr(v: &[f32], shape: &[usize]) -> Array {
+    Array::from_slice(v, shape).unwrap()
+}
+
+pub fn arr_as(v: &[f32], shape: &[usize], dtype: DType) -> Array {
+    arr(v, shape).astype(dtype).unwrap()
+}
+
+pub fn out(a: &Array) -> Vec<f32> {
+    a.to_vec_f32().unwrap()
+}
+
+/// Tolerance `atol + rtol * |want|` per element.
+#[derive(Clone, Copy, Debug)]
+pub struct Tol {
+    pub atol: f64,
+    pub rtol: f64,
+}
+
+pub const F32: Tol = Tol { atol: 1e-5, rtol: 1e-5 };
+/// bf16 has an 8-bit significand: one rounding is a relative 2^-9; allow a few.
+pub const BF16: Tol = Tol { atol: 1e-2, rtol: 1.6e-2 };
+
+pub fn close(what: &str, got: &[f32], want: &[f64], tol: Tol) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), want.len(), "{}: length", what);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs();
+        prop_assert!(err <= tol.atol + tol.rtol * w.abs(), "{}: element {} is {} but the reference is {} (err {:e}, tol {:?})", what, i, g, w, err, tol);
+    }
+    Ok(())
+}
+
+/// Row-major strides.
+pub fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1];
+    }
+    s
+}
+
+/// Multi-index of flat position `i`.
+pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        idx[d] = i % shape[d];
+        i /= shape[d];
+    }
+    idx
+}
+
+pub fn ravel(idx: &[usize], shape: &[usize]) -> usize {
+    idx.iter().zip(strides(shape)).map(|(i, s)| i * s).sum()
+}
+
+/// `[b, m, k] @ [b, k, n]` in f64.
+pub fn matmul_ref(a: &[f32], b: &[f32], batch: usize, m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut o = vec![0.0; batch * m * n];
+    for z in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                o[(z * m + i) * n + j] = (0..k).map(|p| a[(z * m + i) * k + p] as f64 * b[(z * k + p) * n + j] as f64).sum();
+            }
+        }
+    }
+    o
+}
+
+/// Softmax over rows of length `n`.
+pub fn softmax_ref(x: &[f64], n: usize) -> Vec<f64> {
+    x.chunks(n)
+        .flat_map(|r| {
+            let m = r.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = r.iter().map(|v| (v - m).exp()).collect();
+            let s: f64 = e.iter().sum();
+            e.into_iter().map(move |v| v / s)
+        })
+        .collect()
+}
+
+pub fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+/// A permutation of `0..n` from random sort keys.
+pub fn perm(keys: &[f32]) -> Vec<usize> {
+    let mut p: Vec<usize> = (0..keys.len()).collect();
+    p.sort_by(|&a, &b| keys[a].total_cmp(&keys[b]).then(a.cmp(&b)));
+    p
+}
