@@ -1,0 +1,245 @@
+//! [`KvPool`]: the K/V storage of every attention layer as MLX arrays, written at slot mappings
+//! and gathered back into contiguous `[B, kv_heads, L, head_dim]` for attention.
+//!
+//! Each layer with its own K/V keeps two arrays of shape `[num_blocks * block_size + 1,
+//! kv_heads, head_dim]` (the last row is a padding slot that is never written). KV-shared layers
+//! read their anchor's arrays.
+use mlx_array::{ops::scatter_rows, Array, DType};
+
+use crate::error::{Error, Result};
+use crate::layout::{Attention, KvLayout};
+use crate::manager::{BlockCopy, Step};
+
+#[derive(Debug, Clone)]
+struct Storage {
+    k: Array,
+    v: Array,
+}
+
+/// K/V arrays for the layers of a [`KvLayout`].
+#[derive(Debug)]
+pub struct KvPool {
+    layout: KvLayout,
+    dtype: DType,
+    /// Per layer: its own storage, or None for KV-shared layers.
+    storage: Vec<Option<Storage>>,
+}
+
+/// The index arrays of one forward step over a batch of sequences, built once and used by every
+/// layer (see [`KvPool::batch`]).
+#[derive(Debug, Clone)]
+pub struct StepBatch {
+    groups: Vec<GroupBatch>,
+    /// Query (new token) count of each sequence.
+    pub q_lens: Vec<usize>,
+    /// Position of each sequence's first new token.
+    pub q_starts: Vec<usize>,
+}
+
+#[derive(Debug, Clone)]
+struct GroupBatch {
+    attention: Attention,
+    /// Slots of all new tokens, sequence-major: `[sum(q_lens)]`.
+    write: Array,
+    /// Key slots padded with the pad slot: `[B * max_len]`.
+    read: Array,
+    max_len: usize,
+    kv_lens: Vec<usize>,
+    kv_starts: Vec<usize>,
+}
+
+impl StepBatch {
+    /// Number of sequences.
+    pub fn batch_size(&self) -> usize {
+        self.q_lens.len()
+    }
+    /// Key count (before padding) of each sequence in a group, and the padded length.
+    pub fn kv_lens(&self, group: usize) -> Option<(&[usize], usize)> {
+        self.groups.get(group).map(|g| (&g.kv_lens[..], g.max_len))
+    }
+
+    /// Boolean mask `[B, 1, T, max_len]` (true = attend) for the keys [`KvPool::read`] returns
+    /// for a group: causal, within the window of sliding groups, and off the padding. Needs the
+    /// same query count `T` in every sequence (e.g. batched decode). For one sequence,
+    /// `AttentionMask::Causal` (or `SlidingWindow`) is equivalent and cheaper.
+    pub fn mask(&self, group: usize) -> Result<Array> {
+        let g = self.groups.get(group).ok_or_else(|| Error::Pool(format!("no group {group}")))?;
+        let t = self.q_lens[0];
+        if self.q_lens.iter().any(|&q| q != t) {
+            return Err(Error::Pool(format!("mask needs equal query counts, got {:?}", self.q_lens)));
+        }
+        let b = self.q_lens.len();
+        let mut m = Vec::with_capacity(b * t * g.max_len);
+        for s in 0..b {
+            for i in 0..t {
+                let qp = self.q_starts[s] + i;
+                for j in 0..g.max_len {
+                    let kp = g.kv_starts[s] + j;
+                    let in_window = match g.attention {
+                        Attention::Full => true,
+                        Attention::Sliding { window } => kp + window > qp,
+                    };
+                    m.push(j < g.kv_lens[s] && kp <= qp && in_window);
+                }
+            }
+        }
+        Ok(Array::from_slice(&m, &[b, 1, t, g.max_len])?)
+    }
+}
+
+impl KvPool {
+    /// Zeroed storage of `dtype` for every layer that keeps its own K/V.
+    pub fn new(layout: &KvLayout, dtype: DType) -> Result<Self> {
+        let bs = layout.config.block_size;
+        let storage = layout
+            .layers
+            .iter()
+            .zip(&layout.placement)
+            .enumerate()
+            .map(|(i, (l, &(g, anchor)))| {
+                if anchor != i {
+                    return Ok(None);
+                }
+                let shape = [layout.groups[g].num_blocks * bs + 1, l.kv_heads, l.head_dim];
+                let k = Array::zeros(&shape, dtype)?;
+                let v = Array::zeros(&shape, dtype)?;
+                mlx_array::eval(&[&k, &v])?;
+                Ok(Some(Storage { k, v }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvPool { layout: layout.clone(), dtype, storage })
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn pad_slot(&self, group: usize) -> u32 {
+        (self.layout.groups[group].num_blocks * self.layout.config.block_size) as u32
+    }
+
+    /// The index arrays for one forward step over `steps` (one per sequence, in batch order).
+    pub fn batch(&self, steps: &[&Step]) -> Result<StepBatch> {
+        if steps.is_empty() {
+            return Err(Error::Pool("empty batch".into()));
+        }
+        let ng = self.layout.groups.len();
+        let mut groups = Vec::with_capacity(ng);
+        for g in 0..ng {
+            let mut write = Vec::new();
+            let (mut kv_lens, mut kv_starts) = (Vec::new(), Vec::new());
+            for s in steps {
+                let gs = s.groups.get(g).ok_or_else(|| Error::Pool(format!("step has {} groups, pool {ng}", s.groups.len())))?;
+                write.extend(gs.slot_mapping.iter().map(|&x| x as i32));
+                kv_lens.push(gs.kv_slots.len());
+                kv_starts.push(gs.kv_start);
+            }
+            let max_len = *kv_lens.iter().max().expect("non-empty");
+            let pad = self.pad_slot(g) as i32;
+            let mut read = Vec::with_capacity(steps.len() * max_len);
+            for s in steps {
+                let kv = &s.groups[g].kv_slots;
+                read.extend(kv.iter().map(|&x| x as i32));
+                read.extend(std::iter::repeat(pad).take(max_len - kv.len()));
+            }
+            if write.iter().chain(&read).any(|&x| x < 0 || x > pad) {
+                return Err(Error::Pool(format!("slot out of range for group {g} ({pad} slots)")));
+            }
+            groups.push(GroupBatch {
+                attention: self.layout.groups[g].attention,
+                write: Array::from_slice(&write, &[write.len()])?,
+                read: Array::from_slice(&read, &[read.len()])?,
+                max_len,
+                kv_lens,
+                kv_starts,
+            });
+        }
+        Ok(StepBatch { groups, q_lens: steps.iter().map(|s| s.len).collect(), q_starts: steps.iter().map(|s| s.start).collect() })
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(usize, usize)> {
+        self.layout.placement.get(layer).copied().ok_or_else(|| Error::Pool(format!("no layer {layer} of {}", self.layout.layers.len())))
+    }
+
+    /// Write the step's new keys and values of `layer`, each `[B, kv_heads, T, head_dim]` with
+    /// `B * T` the batch's new tokens in sequence order (ragged batches: `B = 1`, concatenated).
+    pub fn write(&mut self, layer: usize, batch: &StepBatch, k: &Array, v: &Array) -> Result<()> {
+        let (g, anchor) = self.check_layer(layer)?;
+        if anchor != layer {
+            return Err(Error::Pool(format!("layer {layer} shares the K/V of layer {anchor}; write through the anchor")));
+        }
+        let spec = self.layout.layers[layer];
+        let gb = &batch.groups[g];
+        let n = gb.write.size();
+        let rows = |x: &Array, what: &str| -> Result<Array> {
+            let d = x.shape();
+            if d.len() != 4 || d[1] != spec.kv_heads || d[3] != spec.head_dim || d[0] * d[2] != n {
+                return Err(Error::Pool(format!(
+                    "layer {layer} {what} {d:?}: want [B, {}, T, {}] with B*T = {n}",
+                    spec.kv_heads, spec.head_dim
+                )));
+            }
+            let x = if x.dtype() == self.dtype { x.clone() } else { x.astype(self.dtype)? };
+            Ok(x.transpose(&[0, 2, 1, 3])?.reshape(&[n as i32, spec.kv_heads as i32, spec.head_dim as i32])?)
+        };
+        let (kr, vr) = (rows(k, "keys")?, rows(v, "values")?);
+        let st = self.storage[layer].as_mut().expect("own storage");
+        st.k = scatter_rows(&st.k, &gb.write, &kr)?;
+        st.v = scatter_rows(&st.v, &gb.write, &vr)?;
+        Ok(())
+    }
+
+    /// Keys and values for the batch's queries at `layer`: `[B, kv_heads, max_len, head_dim]`
+    /// each, keys in position order from [`crate::GroupStep::kv_start`], padded at the end.
+    pub fn read(&self, layer: usize, batch: &StepBatch) -> Result<(Array, Array)> {
+        let (g, anchor) = self.check_layer(layer)?;
+        let spec = self.layout.layers[anchor];
+        let gb = &batch.groups[g];
+        let st = self.storage[anchor].as_ref().expect("anchor storage");
+        let b = batch.q_lens.len() as i32;
+        let shape = [b, gb.max_len as i32, spec.kv_heads as i32, spec.head_dim as i32];
+        let gather = |x: &Array| -> Result<Array> { Ok(x.take(&gb.read, 0)?.reshape(&shape)?.transpose(&[0, 2, 1, 3])?) };
+        Ok((gather(&st.k)?, gather(&st.v)?))
+    }
+
+    /// Copy whole blocks (copy-on-write after [`crate::KvCacheManager::fork`] or `trim`).
+    pub fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
+        let bs = self.layout.config.block_size;
+        for g in 0..self.layout.groups.len() {
+            let mine: Vec<&BlockCopy> = copies.iter().filter(|c| c.group == g).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let nb = self.layout.groups[g].num_blocks as u32;
+            if let Some(c) = mine.iter().find(|c| c.src.0 >= nb || c.dst.0 >= nb) {
+                return Err(Error::Pool(format!("copy {c:?} out of range ({nb} blocks)")));
+            }
+            let rows = |f: fn(&BlockCopy) -> u32| -> Vec<i32> {
+                mine.iter().flat_map(|c| (0..bs as u32).map(move |o| (f(c) * bs as u32 + o) as i32)).collect()
+            };
+            let (src, dst) = (rows(|c| c.src.0), rows(|c| c.dst.0));
+            let src = Array::from_slice(&src, &[src.len()])?;
+            let dst = Array::from_slice(&dst, &[dst.len()])?;
+            for &layer in &self.layout.groups[g].layers {
+                let st = self.storage[layer].as_mut().expect("own storage");
+                st.k = scatter_rows(&st.k, &dst, &st.k.take(&src, 0)?)?;
+                st.v = scatter_rows(&st.v, &dst, &st.v.take(&src, 0)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluate the pending writes of every layer (bounds the lazy graph; call once per step).
+    pub fn eval(&self) -> Result<()> {
+        let arrays: Vec<&Array> = self.storage.iter().flatten().flat_map(|s| [&s.k, &s.v]).collect();
+        Ok(mlx_array::eval(&arrays)?)
+    }
+
+    /// Bytes held by all K/V storage.
+    pub fn nbytes(&self) -> usize {
+        self.storage.iter().flatten().map(|s| s.k.nbytes() + s.v.nbytes()).sum()
+    }
+}
