@@ -1,0 +1,454 @@
+//! Incremental parsing of generated text into answer text, thinking and tool calls.
+//!
+//! [`OutputParser`] is fed text deltas (from [`super::StreamDecoder`]) and returns
+//! [`ChatEvent`]s. Markers may be split across deltas at any byte: text that could be the start
+//! of a marker is held back until it is decided. Feeding the same text in any split gives the
+//! same events once concatenated, and the same [`ParsedOutput`].
+//!
+//! Whitespace: a thinking block is trimmed at both ends; the answer loses leading whitespace and
+//! trailing whitespace at the end of the output or before a tool call (held whitespace is emitted
+//! as soon as more answer text follows).
+use serde_json::Value as Json;
+
+use super::message::{ChatMessage, Role, ToolCall};
+
+/// Markers of a thinking block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThinkTags {
+    pub start: &'static str,
+    pub end: &'static str,
+}
+
+/// Qwen3 / DeepSeek-R1 style `<think>…</think>`.
+pub const THINK_TAGS: ThinkTags = ThinkTags { start: "<think>", end: "</think>" };
+
+/// How the body between the tool-call markers is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolCallSyntax {
+    /// One JSON object `{"name": "...", "arguments": {...}}` (Hermes / Qwen). `arguments` may
+    /// also be a JSON-encoded string, or be called `parameters`.
+    JsonObject,
+}
+
+/// A tool-call format: markers plus body syntax. Add Gemma / LFM2 formats as new rows of
+/// [`TOOL_CALL_FORMATS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ToolCallFormat {
+    pub name: &'static str,
+    pub start: &'static str,
+    pub end: &'static str,
+    pub syntax: ToolCallSyntax,
+}
+
+/// Qwen3 (Hermes) format: `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`.
+pub const QWEN3_TOOL_CALLS: ToolCallFormat =
+    ToolCallFormat { name: "qwen3", start: "<tool_call>", end: "</tool_call>", syntax: ToolCallSyntax::JsonObject };
+
+/// Known formats, tried in order by [`ToolCallFormat::detect`].
+pub const TOOL_CALL_FORMATS: &[ToolCallFormat] = &[QWEN3_TOOL_CALLS];
+
+impl ToolCallFormat {
+    /// The format whose start marker the chat template writes, if any.
+    pub fn detect(template_source: &str) -> Option<ToolCallFormat> {
+        TOOL_CALL_FORMATS.iter().copied().find(|f| template_source.contains(f.start))
+    }
+}
+
+/// Whether a tool call could be parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolCallStatus {
+    Ok,
+    /// The body was not a valid call; `reason` says why, the raw text is in
+    /// [`ParsedToolCall::raw`].
+    Malformed { reason: String },
+}
+
+/// A tool call found in the output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedToolCall {
+    /// Generated id (`<prefix><n>`), for the tool result's `tool_call_id`.
+    pub id: String,
+    /// Function name ("" when malformed and no name could be found).
+    pub name: String,
+    /// Parsed arguments (an object; `Null` when malformed).
+    pub arguments: Json,
+    pub status: ToolCallStatus,
+    /// The text between the markers, as generated.
+    pub raw: String,
+}
+
+impl ParsedToolCall {
+    pub fn is_ok(&self) -> bool {
+        self.status == ToolCallStatus::Ok
+    }
+    /// The history form of this call.
+    pub fn to_tool_call(&self) -> ToolCall {
+        ToolCall {
+            id: Some(self.id.clone()),
+            name: self.name.clone(),
+            arguments: if self.is_ok() { self.arguments.clone() } else { Json::String(self.raw.clone()) },
+        }
+    }
+}
+
+/// What the parser reports, in output order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatEvent {
+    TextDelta(String),
+    ThinkingDelta(String),
+    ToolCall(ParsedToolCall),
+}
+
+/// Options of an [`OutputParser`].
+#[derive(Debug, Clone)]
+pub struct ParserOptions {
+    /// Thinking markers; `None` for models without thinking.
+    pub think: Option<ThinkTags>,
+    /// Tool-call format; `None` for no tool-call parsing.
+    pub tool_calls: Option<ToolCallFormat>,
+    /// The prompt already opened a think block, so the output starts inside it.
+    pub starts_in_thinking: bool,
+    /// Report thinking (`false` drops `ThinkingDelta`s and `ParsedOutput::thinking`).
+    pub include_reasoning: bool,
+    /// Prefix of the generated tool-call ids.
+    pub call_id_prefix: String,
+}
+
+impl Default for ParserOptions {
+    fn default() -> Self {
+        ParserOptions {
+            think: Some(THINK_TAGS),
+            tool_calls: Some(QWEN3_TOOL_CALLS),
+            starts_in_thinking: false,
+            include_reasoning: true,
+            call_id_prefix: "call_".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Text,
+    Thinking,
+    Tool,
+}
+
+/// The accumulated result of a whole output.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ParsedOutput {
+    /// Answer text, markers and thinking removed.
+    pub text: String,
+    /// Thinking text (None when there was none or reasoning is not included).
+    pub thinking: Option<String>,
+    pub tool_calls: Vec<ParsedToolCall>,
+    /// The output as given to the parser.
+    pub raw_text: String,
+}
+
+impl ParsedOutput {
+    /// Build from events (what a streaming consumer collects).
+    pub fn from_events<'a>(events: impl IntoIterator<Item = &'a ChatEvent>) -> Self {
+        let mut out = ParsedOutput::default();
+        out.absorb(events);
+        out
+    }
+
+    fn absorb<'a>(&mut self, events: impl IntoIterator<Item = &'a ChatEvent>) {
+        for e in events {
+            match e {
+                ChatEvent::TextDelta(t) => self.text.push_str(t),
+                ChatEvent::ThinkingDelta(t) => self.thinking.get_or_insert_with(String::new).push_str(t),
+                ChatEvent::ToolCall(c) => self.tool_calls.push(c.clone()),
+            }
+        }
+    }
+
+    /// The assistant message to append to the history for the next turn.
+    pub fn to_assistant_message(&self) -> ChatMessage {
+        let calls: Vec<ToolCall> = self.tool_calls.iter().map(ParsedToolCall::to_tool_call).collect();
+        ChatMessage {
+            role: Role::Assistant,
+            content: self.text.clone(),
+            reasoning_content: self.thinking.clone(),
+            tool_calls: if calls.is_empty() { None } else { Some(calls) },
+            tool_call_id: None,
+            is_error: None,
+        }
+    }
+}
+
+/// Incremental output parser. See the module docs.
+#[derive(Debug, Clone)]
+pub struct OutputParser {
+    opts: ParserOptions,
+    mode: Mode,
+    /// Text not yet decided (a possible marker prefix).
+    pending: String,
+    /// Whitespace held back in the current text/thinking segment.
+    held_ws: String,
+    /// Nothing emitted yet in the current segment (leading whitespace is dropped).
+    at_segment_start: bool,
+    /// Any answer text emitted yet (leading whitespace of the answer is dropped).
+    text_started: bool,
+    tool_body: String,
+    n_calls: usize,
+    raw: String,
+    result: ParsedOutput,
+}
+
+impl OutputParser {
+    pub fn new(opts: ParserOptions) -> Self {
+        let mode = if opts.starts_in_thinking && opts.think.is_some() { Mode::Thinking } else { Mode::Text };
+        OutputParser {
+            opts,
+            mode,
+            pending: String::new(),
+            held_ws: String::new(),
+            at_segment_start: true,
+            text_started: false,
+            tool_body: String::new(),
+            n_calls: 0,
+            raw: String::new(),
+            result: ParsedOutput::default(),
+        }
+    }
+
+    /// Whether the parser is inside a thinking block right now.
+    pub fn in_thinking(&self) -> bool {
+        self.mode == Mode::Thinking
+    }
+
+    /// Feed a text delta; returns the events it decides.
+    pub fn push(&mut self, delta: &str) -> Vec<ChatEvent> {
+        self.raw.push_str(delta);
+        self.pending.push_str(delta);
+        let mut events = Vec::new();
+        self.drain(false, &mut events);
+        self.result.absorb(&events);
+        events
+    }
+
+    /// End of output: flush what is held back. An unterminated thinking block counts as
+    /// thinking; an unterminated tool call is parsed as it stands (malformed if it does not parse).
+    pub fn finish(&mut self) -> Vec<ChatEvent> {
+        let mut events = Vec::new();
+        self.drain(true, &mut events);
+        if self.mode == Mode::Tool {
+            let body = std::mem::take(&mut self.tool_body);
+            events.push(ChatEvent::ToolCall(self.make_call(body, false)));
+            self.mode = Mode::Text;
+        }
+        self.held_ws.clear();
+        self.result.absorb(&events);
+        events
+    }
+
+    /// The result so far (complete after [`OutputParser::finish`]).
+    pub fn output(&self) -> ParsedOutput {
+        let mut out = self.result.clone();
+        out.raw_text = self.raw.clone();
+        out
+    }
+
+    /// Parse a whole output at once.
+    pub fn parse_all(opts: ParserOptions, text: &str) -> ParsedOutput {
+        let mut p = OutputParser::new(opts);
+        p.push(text);
+        p.finish();
+        p.output()
+    }
+
+    /// Markers that end or switch the current mode.
+    fn markers(&self) -> Vec<&'static str> {
+        let mut m = Vec::new();
+        match self.mode {
+            Mode::Text => {
+                if let Some(t) = self.opts.think {
+                    m.push(t.start);
+                    m.push(t.end); // a stray end marker is dropped
+                }
+                if let Some(f) = self.opts.tool_calls {
+                    m.push(f.start);
+                }
+            }
+            Mode::Thinking => m.push(self.opts.think.expect("thinking mode needs think tags").end),
+            Mode::Tool => m.push(self.opts.tool_calls.expect("tool mode needs a format").end),
+        }
+        m
+    }
+
+    fn drain(&mut self, at_end: bool, events: &mut Vec<ChatEvent>) {
+        loop {
+            let markers = self.markers();
+            // Earliest marker occurrence (longest marker first at the same position).
+            let found = markers
+                .iter()
+                .filter_map(|m| self.pending.find(m).map(|i| (i, *m)))
+                .min_by(|a, b| a.0.cmp(&b.0).then(b.1.len().cmp(&a.1.len())));
+            match found {
+                Some((i, marker)) => {
+                    let before: String = self.pending[..i].to_owned();
+                    self.pending.drain(..i + marker.len());
+                    self.content(&before, events);
+                    self.on_marker(marker, events);
+                }
+                None => {
+                    // Keep the longest suffix that could begin a marker.
+                    let keep = if at_end { 0 } else { partial_marker_suffix(&self.pending, &markers) };
+                    let cut = self.pending.len() - keep;
+                    let ready: String = self.pending[..cut].to_owned();
+                    self.pending.drain(..cut);
+                    self.content(&ready, events);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Text inside the current mode.
+    fn content(&mut self, s: &str, events: &mut Vec<ChatEvent>) {
+        if s.is_empty() {
+            return;
+        }
+        match self.mode {
+            Mode::Tool => self.tool_body.push_str(s),
+            Mode::Text | Mode::Thinking => {
+                let mut s = s;
+                let drop_leading = match self.mode {
+                    Mode::Thinking => self.at_segment_start,
+                    _ => !self.text_started,
+                };
+                if drop_leading {
+                    s = s.trim_start();
+                    if s.is_empty() {
+                        return;
+                    }
+                }
+                let body = s.trim_end();
+                let trailing = &s[body.len()..];
+                if !body.is_empty() {
+                    let mut out = std::mem::take(&mut self.held_ws);
+                    out.push_str(body);
+                    self.at_segment_start = false;
+                    if self.mode == Mode::Thinking {
+                        if self.opts.include_reasoning {
+                            events.push(ChatEvent::ThinkingDelta(out));
+                        }
+                    } else {
+                        self.text_started = true;
+                        events.push(ChatEvent::TextDelta(out));
+                    }
+                }
+                self.held_ws.push_str(trailing);
+            }
+        }
+    }
+
+    fn on_marker(&mut self, marker: &str, events: &mut Vec<ChatEvent>) {
+        let think = self.opts.think;
+        let tools = self.opts.tool_calls;
+        match self.mode {
+            Mode::Text if think.is_some_and(|t| t.start == marker) => {
+                self.held_ws.clear();
+                self.mode = Mode::Thinking;
+                self.at_segment_start = true;
+            }
+            Mode::Text if tools.is_some_and(|f| f.start == marker) => {
+                // Whitespace before a call stays held: it is emitted only if more text follows.
+                self.mode = Mode::Tool;
+                self.tool_body.clear();
+            }
+            Mode::Text => {} // stray think end marker: dropped
+            Mode::Thinking => {
+                self.held_ws.clear();
+                self.mode = Mode::Text;
+            }
+            Mode::Tool => {
+                let body = std::mem::take(&mut self.tool_body);
+                events.push(ChatEvent::ToolCall(self.make_call(body, true)));
+                self.mode = Mode::Text;
+            }
+        }
+    }
+
+    fn make_call(&mut self, raw: String, terminated: bool) -> ParsedToolCall {
+        let id = format!("{}{}", self.opts.call_id_prefix, self.n_calls);
+        self.n_calls += 1;
+        let syntax = self.opts.tool_calls.map(|f| f.syntax).unwrap_or(ToolCallSyntax::JsonObject);
+        let parsed = match syntax {
+            ToolCallSyntax::JsonObject => parse_json_call(raw.trim()),
+        };
+        match parsed {
+            Ok((name, arguments)) => ParsedToolCall { id, name, arguments, status: ToolCallStatus::Ok, raw },
+            Err((name, reason)) => {
+                let reason = if terminated { reason } else { format!("unterminated tool call: {reason}") };
+                ParsedToolCall { id, name: name.unwrap_or_default(), arguments: Json::Null, status: ToolCallStatus::Malformed { reason }, raw }
+            }
+        }
+    }
+}
+
+/// Length of the longest suffix of `s` that is a proper prefix of one of `markers`.
+fn partial_marker_suffix(s: &str, markers: &[&str]) -> usize {
+    let mut best = 0;
+    for m in markers {
+        let max = (m.len() - 1).min(s.len());
+        for k in (best + 1..=max).rev() {
+            if s.is_char_boundary(s.len() - k) && m.as_bytes().starts_with(&s.as_bytes()[s.len() - k..]) {
+                best = k;
+                break;
+            }
+        }
+    }
+    best
+}
+
+type CallParse = std::result::Result<(String, Json), (Option<String>, String)>;
+
+/// `{"name": "...", "arguments": {...}}`; `arguments` may be a JSON string holding an object,
+/// or be named `parameters`; missing arguments are `{}`.
+fn parse_json_call(body: &str) -> CallParse {
+    let v: Json = match serde_json::from_str(body) {
+        Ok(v) => v,
+        Err(e) => {
+            // Best effort name for the report.
+            let name = regex::Regex::new(r#""name"\s*:\s*"([^"\\]*)""#)
+                .expect("static regex")
+                .captures(body)
+                .map(|c| c[1].to_owned());
+            return Err((name, format!("invalid JSON: {e}")));
+        }
+    };
+    let Some(obj) = v.as_object() else {
+        return Err((None, format!("expected a JSON object, got {}", kind(&v))));
+    };
+    let name = match obj.get("name") {
+        Some(Json::String(s)) if !s.trim().is_empty() => s.clone(),
+        Some(Json::String(_)) => return Err((None, "empty \"name\"".into())),
+        Some(other) => return Err((None, format!("\"name\" must be a string, got {}", kind(other)))),
+        None => return Err((None, "missing \"name\"".into())),
+    };
+    let args = obj.get("arguments").or_else(|| obj.get("parameters")).cloned().unwrap_or(Json::Object(Default::default()));
+    let args = match args {
+        Json::String(s) => match serde_json::from_str::<Json>(&s) {
+            Ok(v @ Json::Object(_)) => v,
+            Ok(v) => return Err((Some(name), format!("\"arguments\" must be an object, got {}", kind(&v)))),
+            Err(e) => return Err((Some(name), format!("\"arguments\" string is not valid JSON: {e}"))),
+        },
+        v @ Json::Object(_) => v,
+        Json::Null => Json::Object(Default::default()),
+        other => return Err((Some(name), format!("\"arguments\" must be an object, got {}", kind(&other)))),
+    };
+    Ok((name, args))
+}
+
+fn kind(v: &Json) -> &'static str {
+    match v {
+        Json::Null => "null",
+        Json::Bool(_) => "a boolean",
+        Json::Number(_) => "a number",
+        Json::String(_) => "a string",
+        Json::Array(_) => "an array",
+        Json::Object(_) => "an object",
+    }
+}
