@@ -25,13 +25,17 @@ pub mod chat;
 pub mod config;
 mod error;
 pub mod families;
+pub mod generate;
 pub mod layers;
 mod model;
+pub mod random_ckpt;
 pub mod registry;
 mod runtime;
 pub mod weights;
 
 pub use cache::{Cache, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
+pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};
 pub use model::{load_model, LoadOptions, LoadedModel, Model};
+pub use random_ckpt::{create_random_qwen3_checkpoint, tiny_qwen3_config};
 pub use runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};

@@ -1,0 +1,288 @@
+//! Token generation: chunked prefill, then sampled decode with stop tokens, stop guards,
+//! forced tokens and cancellation. Decode is pipelined as in mlx-lm: step `n + 1` is queued
+//! (`async_eval`) before token `n` is read back, so the host never waits on an idle device.
+use crate::cache::Cache;
+use crate::model::Model;
+use crate::runtime::Logits;
+use crate::{ModelError, Result};
+use mlx_array::Array;
+use sampling::{Sampler, SamplingConfig, StopGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token was produced (it is not part of the output).
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    /// The model produced tool calls (set by chat sessions).
+    ToolCalls,
+    /// A repetition stop guard fired.
+    Repetition,
+    /// The [`CancelHandle`] was triggered.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
+            FinishReason::Repetition => "repetition",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Settings of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerateConfig {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingConfig,
+    /// Prompt tokens per prefill forward pass (bounds activation memory); 0 = all at once.
+    pub prefill_step_size: usize,
+    /// Stop tokens; `None` = the model's eos ids.
+    pub stop_tokens: Option<Vec<u32>>,
+}
+
+impl Default for GenerateConfig {
+    fn default() -> Self {
+        GenerateConfig { max_new_tokens: 256, sampling: SamplingConfig::default(), prefill_step_size: 2048, stop_tokens: None }
+    }
+}
+
+/// Stops a running generation from another thread.
+#[derive(Clone, Default, Debug)]
+pub struct CancelHandle(Arc<AtomicBool>);
+
+impl CancelHandle {
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Timings of one generation.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Performance {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Start to first generated token (prefill included), ms.
+    pub ttft_ms: f64,
+    pub prefill_tokens_per_sec: f64,
+    pub decode_tokens_per_sec: f64,
+}
+
+/// One generated token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Token {
+    pub id: u32,
+    /// Log-probability under the processed sampling distribution.
+    pub logprob: f32,
+}
+
+/// Iterator over generated tokens; see [`generate`]. When it ends, [`Generator::finish_reason`]
+/// says why. The cache then holds the prompt and every yielded token (a stop token is fed too,
+/// so the cache ends on a turn boundary).
+pub struct Generator<'a> {
+    model: &'a Model,
+    cache: &'a mut Cache,
+    sampler: Sampler,
+    guard: StopGuard,
+    stop: Vec<u32>,
+    cfg: GenerateConfig,
+    history: Vec<u32>,
+    prompt: Vec<u32>,
+    pending: Option<(Array, Array)>,
+    forced: Option<u32>,
+    produced: usize,
+    finish: Option<FinishReason>,
+    cancel: CancelHandle,
+    started: Instant,
+    first_token: Option<Duration>,
+    prefill_time: Duration,
+}
+
+/// Start generating after `prompt` (appended to `cache`; pass only the tokens not yet in it).
+/// `context` is the earlier token history used by the repetition penalties.
+pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], context: &[u32], cfg: GenerateConfig) -> Result<Generator<'a>> {
+    if prompt.is_empty() {
+        return Err(ModelError::InvalidInput("generation needs at least one prompt token".into()));
+    }
+    let vocab = model.info().vocab_size;
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ModelError::InvalidInput(format!("token id {bad} out of range for vocab size {vocab}")));
+    }
+    let sampler = Sampler::new(cfg.sampling.clone()).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    let guard = StopGuard::new(&cfg.sampling).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    let stop = cfg.stop_tokens.clone().unwrap_or_else(|| model.info().eos_token_ids.clone());
+    let mut history = context.to_vec();
+    history.extend_from_slice(prompt);
+    Ok(Generator {
+        model,
+        cache,
+        sampler,
+        guard,
+        stop,
+        cfg,
+        history,
+        prompt: prompt.to_vec(),
+        pending: None,
+        forced: None,
+        produced: 0,
+        finish: None,
+        cancel: CancelHandle::default(),
+        started: Instant::now(),
+        first_token: None,
+        prefill_time: Duration::ZERO,
+    })
+}
+
+impl Generator<'_> {
+    /// A handle that stops this generation (checked before each token).
+    pub fn cancel_handle(&self) -> CancelHandle {
+        self.cancel.clone()
+    }
+    /// Use `handle` (e.g. one shared with a UI) instead of the generator's own.
+    pub fn with_cancel(mut self, handle: CancelHandle) -> Self {
+        self.cancel = handle;
+        self
+    }
+    /// Make the next token `id` whatever the model prefers (thinking budgets).
+    pub fn force_next(&mut self, id: u32) {
+        self.forced = Some(id);
+        self.pending = None;
+    }
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+    pub fn performance(&self) -> Performance {
+        let decode = self.started.elapsed().saturating_sub(self.first_token.unwrap_or_default());
+        let n = self.produced;
+        Performance {
+            prompt_tokens: self.prompt.len(),
+            generated_tokens: n,
+            ttft_ms: self.first_token.unwrap_or_default().as_secs_f64() * 1e3,
+            prefill_tokens_per_sec: self.prompt.len() as f64 / self.prefill_time.as_secs_f64().max(1e-9),
+            decode_tokens_per_sec: if n > 1 { (n - 1) as f64 / decode.as_secs_f64().max(1e-9) } else { 0.0 },
+        }
+    }
+
+    /// Run the model on `input` and queue a sample of the next token.
+    fn step(&mut self, input: &Array) -> Result<(Array, Array)> {
+        let out = self.model.with_runtime(|rt| rt.forward(input, self.cache, Logits::Last, false))?;
+        let logits = out.logits.expect("requested").reshape(&[1, -1])?;
+        let s = self.sampler.sample(&logits, &[&self.history]).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let mut arrays = vec![&s.tokens, &s.logprobs];
+        arrays.extend(self.cache.arrays());
+        mlx_array::async_eval(&arrays)?;
+        Ok((s.tokens, s.logprobs))
+    }
+
+    fn prefill(&mut self) -> Result<(Array, Array)> {
+        let t0 = Instant::now();
+        let p = self.prompt.clone();
+        let step = if self.cfg.prefill_step_size == 0 { p.len() } else { self.cfg.prefill_step_size };
+        let (head, last) = p.split_at(p.len() - 1.min(p.len()));
+        // All but the last token in chunks (no logits), then the last one with logits.
+        let mut rest = head;
+        while !rest.is_empty() {
+            let n = rest.len().min(step);
+            let t = Array::from_slice(&rest[..n], &[1, n])?;
+            self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
+            mlx_array::eval(&self.cache.arrays())?;
+            rest = &rest[n..];
+        }
+        let t = Array::from_slice(last, &[1, last.len()])?;
+        let r = self.step(&t)?;
+        r.0.eval()?;
+        self.prefill_time = t0.elapsed();
+        Ok(r)
+    }
+
+    fn next_token(&mut self) -> Result<Option<Token>> {
+        if self.finish.is_some() {
+            return Ok(None);
+        }
+        if self.cancel.is_cancelled() {
+            self.finish = Some(FinishReason::Cancelled);
+            return Ok(None);
+        }
+        if self.produced >= self.cfg.max_new_tokens {
+            self.finish = Some(FinishReason::Length);
+            return Ok(None);
+        }
+        let (id, logprob) = match self.forced.take() {
+            Some(id) => (id, 0.0),
+            None => {
+                let (tok, lp) = match self.pending.take() {
+                    Some(p) => p,
+                    None if self.produced == 0 && self.first_token.is_none() => self.prefill()?,
+                    None => return Err(ModelError::Cache("generator has no queued step (internal error)".into())),
+                };
+                (tok.reshape(&[-1])?.to_vec::<u32>()?[0], lp.reshape(&[-1])?.to_vec::<f32>()?[0])
+            }
+        };
+        if self.first_token.is_none() {
+            if self.prefill_time.is_zero() {
+                // First token forced: the prompt must still be prefilled into the cache.
+                self.prefill_forced()?;
+            }
+            self.first_token = Some(self.started.elapsed());
+        }
+        self.history.push(id);
+        let is_stop = self.stop.contains(&id);
+        let guard = self.guard.push(id);
+        // Queue the next step before handing this token out (pipelining); a stop token is fed
+        // too, so the cache ends on a turn boundary.
+        if self.forced.is_none() {
+            let t = Array::from_slice(&[id], &[1, 1])?;
+            if is_stop {
+                self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
+                mlx_array::eval(&self.cache.arrays())?;
+            } else {
+                self.pending = Some(self.step(&t)?);
+            }
+        }
+        if is_stop {
+            self.finish = Some(FinishReason::Stop);
+            return Ok(None);
+        }
+        self.produced += 1;
+        if guard.is_some() {
+            self.finish = Some(FinishReason::Repetition);
+        }
+        Ok(Some(Token { id, logprob }))
+    }
+
+    fn prefill_forced(&mut self) -> Result<()> {
+        let t0 = Instant::now();
+        let p = self.prompt.clone();
+        let t = Array::from_slice(&p, &[1, p.len()])?;
+        self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
+        mlx_array::eval(&self.cache.arrays())?;
+        self.prefill_time = t0.elapsed();
+        Ok(())
+    }
+}
+
+impl Iterator for Generator<'_> {
+    type Item = Result<Token>;
+    fn next(&mut self) -> Option<Self::Item> {
+        match self.next_token() {
+            Ok(Some(t)) => Some(Ok(t)),
+            Ok(None) => None,
+            Err(e) => {
+                self.finish = Some(FinishReason::Cancelled);
+                Some(Err(e))
+            }
+        }
+    }
+}
