@@ -26,7 +26,9 @@ pub struct RopeConfig<'a> {
     pub base: f32,
     /// Position scale (1.0 = none).
     pub scale: f32,
-    /// Explicit inverse frequencies (`dims / 2` of them) replacing `base`, for scaled ropes.
+    /// Explicit frequencies (`dims / 2` of them) replacing `base`, for scaled ropes. MLX's
+    /// convention: these are the wavelengths `base^(2i / dims)` (the angle is `position / freqs[i]`),
+    /// not inverse frequencies.
     pub freqs: Option<&'a Array>,
 }
 
@@ -94,6 +96,19 @@ impl Array {
         mlx_rs::ops::conv1d(&self.inner, &weight.inner, stride as i32, padding as i32, dilation as i32, groups as i32)
             .op("conv1d")
             .map(Array::wrap)
+    }
+
+    /// Causal 1-d convolution (stride 1): the input `[N, L, C_in]` is padded on the left with
+    /// `dilation * (K - 1)` zeros, so output `t` sees inputs `..=t` only and has length `L`.
+    /// With `groups == C_in == C_out` and weight `[C, K, 1]` this is the depthwise short
+    /// convolution of LFM2 and GatedDeltaNet.
+    pub fn conv1d_causal(&self, weight: &Array, dilation: usize, groups: usize) -> Result<Array> {
+        if self.ndim() != 3 || weight.ndim() != 3 {
+            return Err(Error::shape("conv1d_causal", format!("need [N, L, C] input and [C_out, K, C_in/groups] weight, got {:?} and {:?}", self.shape(), weight.shape())));
+        }
+        let k = weight.dims()[1] as usize;
+        let left = dilation.max(1) * k.saturating_sub(1);
+        self.pad(&[(0, 0), (left, 0), (0, 0)], 0.0)?.conv1d(weight, 1, 0, dilation, groups)
     }
 }
 
