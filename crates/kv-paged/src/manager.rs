@@ -250,8 +250,10 @@ impl KvCacheManager {
         Ok(Begun { seq: SeqId(id), cached_tokens: n * bs })
     }
 
-    /// The K/V of the step in flight are written: register full blocks, release out-of-window ones.
-    fn commit(&mut self, id: SeqId) -> Result<()> {
+    /// Declare the K/V of the step in flight written: its full blocks become findable by prefix
+    /// lookup and sliding groups release the blocks that left the window. Every other call on
+    /// the sequence does this first, so calling it is only needed to share blocks sooner.
+    pub fn commit(&mut self, id: SeqId) -> Result<()> {
         let bs = self.block_size;
         let rollback = self.rollback;
         let s = self.seqs.get_mut(&id.0).ok_or(Error::UnknownSequence(id.0))?;
