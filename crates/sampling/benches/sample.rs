@@ -1,5 +1,5 @@
 //! One sampling step at the Qwen3 vocabulary (V = 151936, B = 1): greedy, and temperature 0.7
-//! + top-p 0.9 + repetition (1.1, window 256) / presence (0.5, 20) / frequency (0.3, 20)
+//! with top-p 0.9 and repetition (1.1, window 256), presence (0.5, 20) and frequency (0.3, 20)
 //! penalties over a 256-token history. Same logits, history and settings as
 //! `benches/mlx_lm_sampler.py` (see BENCH_RESULTS.md).
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};

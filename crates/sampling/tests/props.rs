@@ -77,7 +77,7 @@ proptest! {
     /// Temperature divides the logits: distribution = log_softmax(x / T).
     #[test]
     fn temperature_scales(x in logits(2..40), t in 0.05f32..4.0) {
-        let d = dist(SamplingConfig::default().with_temperature(t), &[x.clone()], &[]);
+        let d = dist(SamplingConfig::default().with_temperature(t), std::slice::from_ref(&x), &[]);
         let scaled: Vec<f32> = x.iter().map(|v| v * (1.0 / t)).collect();
         let want = log_softmax(&scaled);
         for (g, w) in d[0].iter().zip(&want) {
