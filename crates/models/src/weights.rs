@@ -26,7 +26,26 @@ impl Weights {
     /// Load every `*.safetensors` tensor under `dir` (sharded through
     /// `model.safetensors.index.json` when present), converting floats to `float_dtype`.
     pub fn load(dir: &Path, float_dtype: Option<DType>) -> Result<Self> {
-        let tensors = mlx_array::io::load_dir(dir, float_dtype)?;
+        // Sharded (index) checkpoints name their files; otherwise `model*.safetensors`, as mlx-lm
+        // globs, so side files (e.g. reference outputs) in the directory are not mistaken for weights.
+        let tensors = if dir.join("model.safetensors.index.json").exists() {
+            mlx_array::io::load_dir(dir, float_dtype)?
+        } else {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| ModelError::io(dir, e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
+                .collect();
+            files.sort();
+            let mut all = HashMap::new();
+            for f in files {
+                all.extend(mlx_array::io::load_safetensors(&f, float_dtype)?);
+            }
+            all
+        };
+        if tensors.is_empty() {
+            return Err(ModelError::Checkpoint { path: dir.to_path_buf(), msg: "no safetensors weights found".into() });
+        }
         Ok(Self::from_map(tensors, dir))
     }
 
