@@ -36,6 +36,9 @@
 //! assert_eq!(cache.step(again.seq, usize::MAX)?.start, 8);
 //! # Ok(()) }
 //! ```
+// `is_multiple_of` is newer than the workspace MSRV (1.85).
+#![allow(clippy::manual_is_multiple_of)]
+
 mod allocator;
 mod error;
 mod hash;

@@ -143,7 +143,7 @@ impl KvPool {
             for s in steps {
                 let kv = &s.groups[g].kv_slots;
                 read.extend(kv.iter().map(|&x| x as i32));
-                read.extend(std::iter::repeat(pad).take(max_len - kv.len()));
+                read.extend(std::iter::repeat_n(pad, max_len - kv.len()));
             }
             if write.iter().chain(&read).any(|&x| x < 0 || x > pad) {
                 return Err(Error::Pool(format!("slot out of range for group {g} ({pad} slots)")));

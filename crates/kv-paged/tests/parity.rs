@@ -170,12 +170,11 @@ fn batched_decode_with_padding_mask() {
         let v = mlx_array::ops::concatenate(&vs.iter().collect::<Vec<_>>(), 0).unwrap();
         pool.write(layer, &batch, &k, &v).unwrap();
     }
-    let group_of = [0usize, 1, 0];
-    for layer in 0..3 {
+    for (layer, group) in [0usize, 1, 0].into_iter().enumerate() {
         let hd = layers()[layer].head_dim;
         let q = rng.array(&[3, HQ, 1, hd]);
         let (pk, pv) = pool.read(layer, &batch).unwrap();
-        let mask = batch.mask(group_of[layer]).unwrap();
+        let mask = batch.mask(group).unwrap();
         let got = q.sdpa(&pk, &pv, 0.3, AttentionMask::Array(&mask)).unwrap();
         for i in 0..3 {
             let e = lens[i] + 1;
