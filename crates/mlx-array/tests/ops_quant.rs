@@ -118,8 +118,20 @@ proptest! {
         // quantized_matmul == x @ dequantized(W).T
         let y = q.matmul(&arr_as(&x, &[m, k], dtype), true).unwrap();
         prop_assert_eq!(y.shape(), vec![m, n]);
-        let tol = if bfl { Tol { atol: 5e-2, rtol: 2e-2 } } else { Tol { atol: 1e-4, rtol: 1e-4 } };
-        close("quantized_matmul", &out(&y), &matmul_t(&x, &deq_ref, m, k, n), tol)?;
+        let want = matmul_t(&x, &deq_ref, m, k, n);
+        if bfl {
+            // MLX's CPU bf16 quantized kernels accumulate in bf16 (seen: 3% off where a bf16
+            // matmul over the dequantized weights is 0.3% off), so the bound scales with
+            // sum |x_k w_k|, the size of the partial sums, rather than with the result.
+            let y = out(&y);
+            for i in 0..m * n {
+                let mag: f64 = (0..k).map(|p| (x[(i / n) * k + p] as f64 * deq_ref[(i % n) * k + p]).abs()).sum();
+                let err = (y[i] as f64 - want[i]).abs();
+                prop_assert!(err <= 0.02 * mag + 0.02, "bf16 quantized_matmul element {}: {} vs {} (scale {})", i, y[i], want[i], mag);
+            }
+        } else {
+            close("quantized_matmul", &out(&y), &want, Tol { atol: 1e-4, rtol: 1e-4 })?;
+        }
     }
 
     /// `transpose = false`: weights stored `[in, out]`, quantized along `out`.
