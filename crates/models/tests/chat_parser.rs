@@ -193,3 +193,29 @@ fn thinking_budget_forces_the_end_token() {
     }
     assert_eq!((b.thinking_tokens(), b.times_forced()), (2, 0));
 }
+
+#[test]
+fn lfm2_pythonic_tool_calls() {
+    use mlx_models::chat::{ToolCallFormat, LFM2_TOOL_CALLS};
+    assert_eq!(ToolCallFormat::detect("{{ '<|tool_call_start|>' }}"), Some(LFM2_TOOL_CALLS));
+    assert_eq!(ToolCallFormat::detect("<tool_call>").map(|f| f.name), Some("qwen3"));
+    let opts = ParserOptions { tool_calls: Some(LFM2_TOOL_CALLS), ..Default::default() };
+    let text = "Checking.<|tool_call_start|>[get_weather(city=\"Paris\", days=2, metric=True, extra=None), \
+                search(q='it\\'s', tags=['a', \"b\"], opts={'k': 1.5})]<|tool_call_end|>Done.\
+                <|tool_call_start|>[bad(city=]<|tool_call_end|>";
+    let out = whole(&opts, text);
+    assert_eq!(out.text, "Checking.Done.");
+    assert_eq!(out.tool_calls.len(), 3);
+    assert_eq!(out.tool_calls[0].name, "get_weather");
+    assert_eq!(out.tool_calls[0].arguments, json!({"city": "Paris", "days": 2, "metric": true, "extra": null}));
+    assert_eq!(out.tool_calls[1].name, "search");
+    assert_eq!(out.tool_calls[1].arguments, json!({"q": "it's", "tags": ["a", "b"], "opts": {"k": 1.5}}));
+    assert_eq!(out.tool_calls.iter().map(|c| c.id.as_str()).collect::<Vec<_>>(), ["call_0", "call_1", "call_2"]);
+    assert!(matches!(&out.tool_calls[2].status, ToolCallStatus::Malformed { reason } if reason.starts_with("invalid call syntax")));
+    assert_eq!(out.tool_calls[2].raw, "[bad(city=]");
+    for k in 0..=text.len() {
+        if text.is_char_boundary(k) {
+            assert_eq!(split_feed(&opts, text, &[k]).0, out, "split at {k}");
+        }
+    }
+}

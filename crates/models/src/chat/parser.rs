@@ -28,6 +28,9 @@ pub enum ToolCallSyntax {
     /// One JSON object `{"name": "...", "arguments": {...}}` (Hermes / Qwen). `arguments` may
     /// also be a JSON-encoded string, or be called `parameters`.
     JsonObject,
+    /// A Python-style list of calls `[name(key=value, ...), ...]` with Python literal values
+    /// (LFM2).
+    PythonicList,
 }
 
 /// A tool-call format: markers plus body syntax. Add Gemma / LFM2 formats as new rows of
@@ -44,8 +47,16 @@ pub struct ToolCallFormat {
 pub const QWEN3_TOOL_CALLS: ToolCallFormat =
     ToolCallFormat { name: "qwen3", start: "<tool_call>", end: "</tool_call>", syntax: ToolCallSyntax::JsonObject };
 
+/// LFM2 format: `<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>`.
+pub const LFM2_TOOL_CALLS: ToolCallFormat = ToolCallFormat {
+    name: "lfm2",
+    start: "<|tool_call_start|>",
+    end: "<|tool_call_end|>",
+    syntax: ToolCallSyntax::PythonicList,
+};
+
 /// Known formats, tried in order by [`ToolCallFormat::detect`].
-pub const TOOL_CALL_FORMATS: &[ToolCallFormat] = &[QWEN3_TOOL_CALLS];
+pub const TOOL_CALL_FORMATS: &[ToolCallFormat] = &[LFM2_TOOL_CALLS, QWEN3_TOOL_CALLS];
 
 impl ToolCallFormat {
     /// The format whose start marker the chat template writes, if any.
@@ -235,7 +246,7 @@ impl OutputParser {
         self.drain(true, &mut events);
         if self.mode == Mode::Tool {
             let body = std::mem::take(&mut self.tool_body);
-            events.push(ChatEvent::ToolCall(self.make_call(body, false)));
+            events.extend(self.make_calls(body, false).into_iter().map(ChatEvent::ToolCall));
             self.mode = Mode::Text;
         }
         self.held_ws.clear();
@@ -365,26 +376,38 @@ impl OutputParser {
             }
             Mode::Tool => {
                 let body = std::mem::take(&mut self.tool_body);
-                events.push(ChatEvent::ToolCall(self.make_call(body, true)));
+                events.extend(self.make_calls(body, true).into_iter().map(ChatEvent::ToolCall));
                 self.mode = Mode::Text;
             }
         }
     }
 
-    fn make_call(&mut self, raw: String, terminated: bool) -> ParsedToolCall {
-        let id = format!("{}{}", self.opts.call_id_prefix, self.n_calls);
-        self.n_calls += 1;
+    /// The calls of one tool-call block (a pythonic list may hold several; a malformed block is
+    /// one malformed call).
+    fn make_calls(&mut self, raw: String, terminated: bool) -> Vec<ParsedToolCall> {
         let syntax = self.opts.tool_calls.map(|f| f.syntax).unwrap_or(ToolCallSyntax::JsonObject);
-        let parsed = match syntax {
-            ToolCallSyntax::JsonObject => parse_json_call(raw.trim()),
+        let parsed: Vec<CallParse> = match syntax {
+            ToolCallSyntax::JsonObject => vec![parse_json_call(raw.trim())],
+            ToolCallSyntax::PythonicList => match pythonic::parse_calls(raw.trim()) {
+                Ok(calls) => calls.into_iter().map(Ok).collect(),
+                Err(reason) => vec![Err((None, reason))],
+            },
         };
-        match parsed {
-            Ok((name, arguments)) => ParsedToolCall { id, name, arguments, status: ToolCallStatus::Ok, raw },
-            Err((name, reason)) => {
-                let reason = if terminated { reason } else { format!("unterminated tool call: {reason}") };
-                ParsedToolCall { id, name: name.unwrap_or_default(), arguments: Json::Null, status: ToolCallStatus::Malformed { reason }, raw }
-            }
-        }
+        parsed
+            .into_iter()
+            .map(|p| {
+                let id = format!("{}{}", self.opts.call_id_prefix, self.n_calls);
+                self.n_calls += 1;
+                let raw = raw.clone();
+                match p {
+                    Ok((name, arguments)) => ParsedToolCall { id, name, arguments, status: ToolCallStatus::Ok, raw },
+                    Err((name, reason)) => {
+                        let reason = if terminated { reason } else { format!("unterminated tool call: {reason}") };
+                        ParsedToolCall { id, name: name.unwrap_or_default(), arguments: Json::Null, status: ToolCallStatus::Malformed { reason }, raw }
+                    }
+                }
+            })
+            .collect()
     }
 }
 
@@ -450,5 +473,222 @@ fn kind(v: &Json) -> &'static str {
         Json::String(_) => "a string",
         Json::Array(_) => "an array",
         Json::Object(_) => "an object",
+    }
+}
+
+/// Python call-list syntax: `[f(a=1, b="x"), g()]` with literal values (strings, numbers,
+/// True/False/None, lists, tuples, dicts).
+mod pythonic {
+    use serde_json::{Map, Number, Value as Json};
+
+    struct P<'a> {
+        s: &'a [u8],
+        src: &'a str,
+        i: usize,
+    }
+
+    pub(super) fn parse_calls(src: &str) -> Result<Vec<(String, Json)>, String> {
+        let mut p = P { s: src.as_bytes(), src, i: 0 };
+        p.ws();
+        let bracketed = p.eat(b'[');
+        let mut calls = Vec::new();
+        loop {
+            p.ws();
+            if bracketed && p.eat(b']') {
+                break;
+            }
+            calls.push(p.call()?);
+            p.ws();
+            if p.eat(b',') {
+                continue;
+            }
+            if bracketed {
+                p.ws();
+                if !p.eat(b']') {
+                    return Err(p.err("expected ',' or ']'"));
+                }
+            }
+            break;
+        }
+        p.ws();
+        if p.i != p.s.len() {
+            return Err(p.err("unexpected text after the calls"));
+        }
+        if calls.is_empty() {
+            return Err("no call in the list".into());
+        }
+        Ok(calls)
+    }
+
+    impl<'a> P<'a> {
+        fn err(&self, what: &str) -> String {
+            format!("invalid call syntax at byte {}: {what}", self.i)
+        }
+        fn ws(&mut self) {
+            while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
+                self.i += 1;
+            }
+        }
+        fn eat(&mut self, c: u8) -> bool {
+            if self.s.get(self.i) == Some(&c) {
+                self.i += 1;
+                true
+            } else {
+                false
+            }
+        }
+        fn ident(&mut self) -> Option<String> {
+            let start = self.i;
+            while self.i < self.s.len() && (self.s[self.i].is_ascii_alphanumeric() || matches!(self.s[self.i], b'_' | b'.' | b'-')) {
+                self.i += 1;
+            }
+            (self.i > start).then(|| self.src[start..self.i].to_owned())
+        }
+        fn call(&mut self) -> Result<(String, Json), String> {
+            let name = self.ident().ok_or_else(|| self.err("expected a function name"))?;
+            self.ws();
+            if !self.eat(b'(') {
+                return Err(self.err("expected '('"));
+            }
+            let mut args = Map::new();
+            loop {
+                self.ws();
+                if self.eat(b')') {
+                    break;
+                }
+                let key = self.ident().ok_or_else(|| self.err("expected a keyword argument name"))?;
+                self.ws();
+                if !self.eat(b'=') {
+                    return Err(self.err("expected '=' (only keyword arguments are supported)"));
+                }
+                self.ws();
+                let v = self.value()?;
+                args.insert(key, v);
+                self.ws();
+                if self.eat(b',') {
+                    continue;
+                }
+                self.ws();
+                if !self.eat(b')') {
+                    return Err(self.err("expected ',' or ')'"));
+                }
+                break;
+            }
+            Ok((name, Json::Object(args)))
+        }
+        fn value(&mut self) -> Result<Json, String> {
+            self.ws();
+            match self.s.get(self.i) {
+                None => Err(self.err("expected a value")),
+                Some(b'"') | Some(b'\'') => self.string().map(Json::String),
+                Some(b'[') | Some(b'(') => {
+                    let close = if self.s[self.i] == b'[' { b']' } else { b')' };
+                    self.i += 1;
+                    let mut items = Vec::new();
+                    loop {
+                        self.ws();
+                        if self.eat(close) {
+                            break;
+                        }
+                        items.push(self.value()?);
+                        self.ws();
+                        if self.eat(b',') {
+                            continue;
+                        }
+                        self.ws();
+                        if !self.eat(close) {
+                            return Err(self.err("expected ',' or the closing bracket"));
+                        }
+                        break;
+                    }
+                    Ok(Json::Array(items))
+                }
+                Some(b'{') => {
+                    self.i += 1;
+                    let mut m = Map::new();
+                    loop {
+                        self.ws();
+                        if self.eat(b'}') {
+                            break;
+                        }
+                        let k = match self.value()? {
+                            Json::String(s) => s,
+                            other => other.to_string(),
+                        };
+                        self.ws();
+                        if !self.eat(b':') {
+                            return Err(self.err("expected ':'"));
+                        }
+                        let v = self.value()?;
+                        m.insert(k, v);
+                        self.ws();
+                        if self.eat(b',') {
+                            continue;
+                        }
+                        self.ws();
+                        if !self.eat(b'}') {
+                            return Err(self.err("expected ',' or '}'"));
+                        }
+                        break;
+                    }
+                    Ok(Json::Object(m))
+                }
+                Some(_) => {
+                    let start = self.i;
+                    while self.i < self.s.len() && (self.s[self.i].is_ascii_alphanumeric() || matches!(self.s[self.i], b'_' | b'.' | b'-' | b'+')) {
+                        self.i += 1;
+                    }
+                    let word = &self.src[start..self.i];
+                    match word {
+                        "True" | "true" => Ok(Json::Bool(true)),
+                        "False" | "false" => Ok(Json::Bool(false)),
+                        "None" | "null" => Ok(Json::Null),
+                        _ => {
+                            if let Ok(n) = word.parse::<i64>() {
+                                Ok(Json::Number(n.into()))
+                            } else if let Some(n) = word.parse::<f64>().ok().and_then(Number::from_f64) {
+                                Ok(Json::Number(n))
+                            } else {
+                                self.i = start;
+                                Err(self.err("expected a literal value"))
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        fn string(&mut self) -> Result<String, String> {
+            let q = self.s[self.i];
+            self.i += 1;
+            let mut out = String::new();
+            loop {
+                let rest = &self.src[self.i..];
+                let mut chars = rest.chars();
+                let Some(c) = chars.next() else { return Err(self.err("unterminated string")) };
+                self.i += c.len_utf8();
+                if c as u32 == q as u32 {
+                    return Ok(out);
+                }
+                if c != '\\' {
+                    out.push(c);
+                    continue;
+                }
+                let Some(e) = self.src[self.i..].chars().next() else { return Err(self.err("unterminated string")) };
+                self.i += e.len_utf8();
+                match e {
+                    'n' => out.push('\n'),
+                    't' => out.push('\t'),
+                    'r' => out.push('\r'),
+                    '0' => out.push('\0'),
+                    'u' => {
+                        let hex = self.src.get(self.i..self.i + 4).ok_or_else(|| self.err("bad \\u escape"))?;
+                        let c = u32::from_str_radix(hex, 16).ok().and_then(char::from_u32).ok_or_else(|| self.err("bad \\u escape"))?;
+                        self.i += 4;
+                        out.push(c);
+                    }
+                    other => out.push(other),
+                }
+            }
+        }
     }
 }
