@@ -27,6 +27,9 @@ pub enum ModelError {
     /// An embedding model was asked to chat, or a chat model to embed.
     #[error("{0}")]
     WrongKind(String),
+    /// Chat-side failure (template, tokenizer, messages).
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
     /// File system error with its path.
     #[error("I/O error on {}: {source}", path.display())]
     Io { path: PathBuf, #[source] source: std::io::Error },

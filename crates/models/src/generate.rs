@@ -104,6 +104,7 @@ pub struct Generator<'a> {
     forced: Option<u32>,
     produced: usize,
     finish: Option<FinishReason>,
+    stop_token: Option<u32>,
     cancel: CancelHandle,
     started: Instant,
     first_token: Option<Duration>,
@@ -138,6 +139,7 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cont
         forced: None,
         produced: 0,
         finish: None,
+        stop_token: None,
         cancel: CancelHandle::default(),
         started: Instant::now(),
         first_token: None,
@@ -162,6 +164,10 @@ impl Generator<'_> {
     }
     pub fn finish_reason(&self) -> Option<FinishReason> {
         self.finish
+    }
+    /// The stop token that ended generation (it was fed to the cache but not yielded).
+    pub fn stop_token(&self) -> Option<u32> {
+        self.stop_token
     }
     pub fn performance(&self) -> Performance {
         let decode = self.started.elapsed().saturating_sub(self.first_token.unwrap_or_default());
@@ -253,6 +259,7 @@ impl Generator<'_> {
         }
         if is_stop {
             self.finish = Some(FinishReason::Stop);
+            self.stop_token = Some(id);
             return Ok(None);
         }
         self.produced += 1;

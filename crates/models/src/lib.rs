@@ -30,12 +30,14 @@ pub mod layers;
 mod model;
 pub mod random_ckpt;
 pub mod registry;
+mod session;
 mod runtime;
 pub mod weights;
 
 pub use cache::{Cache, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};
-pub use model::{load_model, LoadOptions, LoadedModel, Model};
+pub use model::{load_model, load_session, LoadOptions, LoadedModel, Model};
+pub use session::{ChatConfig, ChatResult, ChatSession, ChatStream, StreamEvent};
 pub use random_ckpt::{create_random_qwen3_checkpoint, tiny_qwen3_config};
 pub use runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};

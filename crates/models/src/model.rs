@@ -4,6 +4,7 @@ use crate::config;
 use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
 use crate::registry::{self, Family, FamilyKind};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::session::ChatSession;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use mlx_array::{Array, DType, Device};
@@ -122,7 +123,12 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
     }
 }
 
-/// Whether `family` can back a chat session.
-pub fn is_chat_family(family: &Family) -> bool {
-    family.kind != FamilyKind::Embedding
+/// Load the checkpoint in `dir` as a [`ChatSession`]; embedding models are refused.
+pub fn load_session(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<ChatSession> {
+    let dir = dir.as_ref();
+    let family = registry::detect_model_type(dir)?;
+    if family.kind == FamilyKind::Embedding {
+        return Err(ModelError::WrongKind("load_session: embedding models (Harrier) cannot be wrapped in a ChatSession".into()));
+    }
+    ChatSession::new(load_family(dir, family, opts)?.into_lm()?)
 }

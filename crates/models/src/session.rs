@@ -1,0 +1,397 @@
+//! Multi-turn chat sessions over one loaded [`Model`], sharing the family-independent loop.
+//!
+//! A session keeps the KV cache on a turn boundary between calls: `start` renders the template
+//! once and prefills it (reusing a cached prefix when the new prompt extends what the cache
+//! holds), `continue_with` / `continue_tool` append only the new messages' tokens. The
+//! `cached_tokens` of a result says how many prompt tokens were served from the cache.
+//!
+//! Streaming: [`ChatSession::start_stream`] and friends return a [`ChatStream`] iterator of
+//! [`StreamEvent`]s (text, thinking, tool calls, then `Done` with the [`ChatResult`]); its
+//! [`CancelHandle`] can stop it from another thread. A session is `Send`; several sessions on
+//! clones of one `Model` may run on different threads (forward passes are serialized).
+use crate::cache::Cache;
+use crate::chat::{
+    common_prefix_len, ChatEvent, ChatFormat, ChatMessage, OutputParser, ParsedOutput, ParsedToolCall, PromptPlan, ReasoningEffort,
+    RenderOptions, StreamDecoder, ThinkingBudget, ToolDefinition,
+};
+use crate::generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance};
+use crate::model::Model;
+use crate::{ModelError, Result};
+use sampling::{SamplingConfig, SamplingOverrides};
+use std::sync::Arc;
+
+/// Per-call chat settings (defaults follow mlx-node's `ChatConfig`).
+#[derive(Debug, Clone)]
+pub struct ChatConfig {
+    pub max_new_tokens: usize,
+    /// Explicit sampling values; unset ones fall back to the model's generation_config.json,
+    /// then to the sampling crate's defaults.
+    pub sampling: SamplingOverrides,
+    pub tools: Option<Vec<ToolDefinition>>,
+    pub enable_thinking: Option<bool>,
+    pub reasoning_effort: Option<ReasoningEffort>,
+    /// Force the think-end token after this many thinking tokens.
+    pub thinking_token_budget: Option<usize>,
+    /// Report thinking in results (default true; false for reasoning effort "none").
+    pub include_reasoning: Option<bool>,
+    /// Fill [`ChatResult::performance`].
+    pub report_performance: bool,
+    /// Reuse the KV cache across turns (default true).
+    pub reuse_cache: bool,
+    pub prefill_step_size: usize,
+}
+
+impl Default for ChatConfig {
+    fn default() -> Self {
+        ChatConfig {
+            max_new_tokens: 2048,
+            sampling: SamplingOverrides::default(),
+            tools: None,
+            enable_thinking: None,
+            reasoning_effort: None,
+            thinking_token_budget: None,
+            include_reasoning: None,
+            report_performance: false,
+            reuse_cache: true,
+            prefill_step_size: 2048,
+        }
+    }
+}
+
+impl ChatConfig {
+    fn render_options(&self) -> RenderOptions {
+        RenderOptions {
+            tools: self.tools.clone(),
+            enable_thinking: self.enable_thinking,
+            reasoning_effort: self.reasoning_effort,
+            ..Default::default()
+        }
+    }
+}
+
+/// The outcome of one assistant turn.
+#[derive(Debug, Clone)]
+pub struct ChatResult {
+    pub text: String,
+    pub thinking: Option<String>,
+    /// Parsed tool calls, each with a status (malformed ones are reported, not dropped).
+    pub tool_calls: Vec<ParsedToolCall>,
+    pub finish_reason: FinishReason,
+    /// The generated text as decoded, markers included.
+    pub raw_text: String,
+    /// Generated tokens (stop token excluded).
+    pub num_tokens: usize,
+    /// Prompt tokens of this turn (cached ones included).
+    pub prompt_tokens: usize,
+    /// Generated tokens inside think blocks.
+    pub reasoning_tokens: usize,
+    /// Prompt tokens served from the reused cache.
+    pub cached_tokens: usize,
+    pub performance: Option<Performance>,
+}
+
+/// One streaming event.
+#[derive(Debug, Clone)]
+pub enum StreamEvent {
+    Text(String),
+    Thinking(String),
+    ToolCall(ParsedToolCall),
+    Done(ChatResult),
+}
+
+/// A multi-turn conversation with a model.
+pub struct ChatSession {
+    model: Model,
+    format: Arc<ChatFormat>,
+    defaults: SamplingOverrides,
+    cache: Cache,
+    /// Token ids the cache holds, in order.
+    cached_ids: Vec<u32>,
+    history: Vec<ChatMessage>,
+}
+
+impl ChatSession {
+    /// A session on `model`, reading tokenizer, chat template and generation defaults from its
+    /// checkpoint directory.
+    pub fn new(model: Model) -> Result<Self> {
+        let format = Arc::new(ChatFormat::from_dir(model.dir())?);
+        Self::with_format(model, format)
+    }
+
+    /// A session sharing an already-loaded [`ChatFormat`].
+    pub fn with_format(model: Model, format: Arc<ChatFormat>) -> Result<Self> {
+        let defaults = std::fs::read_to_string(model.dir().join("generation_config.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+            .map(|v| SamplingOverrides::from_generation_config(&v))
+            .unwrap_or_default();
+        let cache = model.new_cache();
+        Ok(ChatSession { model, format, defaults, cache, cached_ids: Vec::new(), history: Vec::new() })
+    }
+
+    pub fn format(&self) -> &Arc<ChatFormat> {
+        &self.format
+    }
+    /// The conversation so far (assistant replies included).
+    pub fn history(&self) -> &[ChatMessage] {
+        &self.history
+    }
+    /// Tokens currently in the KV cache.
+    pub fn cached_ids(&self) -> &[u32] {
+        &self.cached_ids
+    }
+    /// The model's default sampling settings (from generation_config.json).
+    pub fn model_sampling_defaults(&self) -> &SamplingOverrides {
+        &self.defaults
+    }
+
+    /// Forget the conversation and the cache.
+    pub fn reset(&mut self) {
+        self.cache = self.model.new_cache();
+        self.cached_ids.clear();
+        self.history.clear();
+    }
+
+    /// Start (or restart) a conversation from `messages` and generate the assistant reply.
+    pub fn start(&mut self, messages: Vec<ChatMessage>, cfg: &ChatConfig) -> Result<ChatResult> {
+        self.start_stream(messages, cfg)?.collect_result()
+    }
+    /// Append a user message and generate the reply.
+    pub fn continue_with(&mut self, user: impl Into<String>, cfg: &ChatConfig) -> Result<ChatResult> {
+        self.continue_stream(vec![ChatMessage::user(user)], cfg)?.collect_result()
+    }
+    /// Append a tool result (marked as an error when `is_error`) and generate the reply.
+    pub fn continue_tool(&mut self, tool_call_id: &str, content: impl Into<String>, is_error: bool, cfg: &ChatConfig) -> Result<ChatResult> {
+        let m = ChatMessage::tool(tool_call_id, content).with_error(is_error);
+        self.continue_stream(vec![m], cfg)?.collect_result()
+    }
+
+    /// Streaming [`ChatSession::start`].
+    pub fn start_stream(&mut self, messages: Vec<ChatMessage>, cfg: &ChatConfig) -> Result<ChatStream<'_>> {
+        let opts = cfg.render_options();
+        let prompt = self.format.render(&messages, &opts)?;
+        let reuse = if cfg.reuse_cache { common_prefix_len(&prompt.ids, &self.cached_ids) } else { 0 };
+        let cached = self.rewind_to(reuse, prompt.ids.len())?;
+        self.history = messages;
+        let delta = prompt.ids[cached..].to_vec();
+        self.cached_ids = prompt.ids[..cached].to_vec();
+        ChatStream::new(self, delta, cached, prompt.ids.len(), prompt.starts_in_thinking, cfg)
+    }
+
+    /// Streaming continuation with any new messages (user turns or tool results).
+    pub fn continue_stream(&mut self, new_messages: Vec<ChatMessage>, cfg: &ChatConfig) -> Result<ChatStream<'_>> {
+        if self.history.is_empty() {
+            return Err(ModelError::InvalidInput("continue: the session has no conversation yet; call start first".into()));
+        }
+        let opts = cfg.render_options();
+        let plan = if cfg.reuse_cache && !self.cached_ids.is_empty() {
+            self.format.plan_continuation(&self.history, &self.cached_ids, &new_messages, &opts)?
+        } else {
+            let mut all = self.history.clone();
+            all.extend(new_messages.iter().cloned());
+            PromptPlan::Reprefill { prompt: self.format.render(&all, &opts)?, common_prefix: 0, reason: "cache reuse is off".into() }
+        };
+        self.history.extend(new_messages);
+        match plan {
+            PromptPlan::Append { delta, cached_tokens, starts_in_thinking, .. } => {
+                let total = cached_tokens + delta.len();
+                ChatStream::new(self, delta, cached_tokens, total, starts_in_thinking, cfg)
+            }
+            PromptPlan::Reprefill { prompt, common_prefix, .. } => {
+                let keep = if cfg.reuse_cache { common_prefix } else { 0 };
+                let cached = self.rewind_to(keep, prompt.ids.len())?;
+                self.cached_ids.truncate(cached);
+                let delta = prompt.ids[cached..].to_vec();
+                ChatStream::new(self, delta, cached, prompt.ids.len(), prompt.starts_in_thinking, cfg)
+            }
+        }
+    }
+
+    /// Keep the first `keep` cached tokens (at least one prompt token must remain to prefill,
+    /// so at most `prompt_len - 1`). Caches that cannot be trimmed (recurrent layers) are reset
+    /// unless they already hold exactly the kept prefix. Returns how many tokens are kept.
+    fn rewind_to(&mut self, keep: usize, prompt_len: usize) -> Result<usize> {
+        let keep = keep.min(prompt_len.saturating_sub(1));
+        let have = self.cached_ids.len();
+        if keep == have {
+            return Ok(keep);
+        }
+        if keep > 0 && self.cache.trim(have - keep).is_ok() {
+            self.cached_ids.truncate(keep);
+            return Ok(keep);
+        }
+        self.cache = self.model.new_cache();
+        self.cached_ids.clear();
+        Ok(0)
+    }
+}
+
+/// A streaming assistant turn; iterate it for [`StreamEvent`]s. Dropping it early leaves the
+/// session consistent (as if cancelled).
+pub struct ChatStream<'a> {
+    gen: Option<Generator<'a>>,
+    cached_ids: &'a mut Vec<u32>,
+    history: &'a mut Vec<ChatMessage>,
+    decoder: StreamDecoder<'a>,
+    parser: OutputParser,
+    budget: Option<ThinkingBudget>,
+    queue: std::collections::VecDeque<StreamEvent>,
+    generated: Vec<u32>,
+    cached_tokens: usize,
+    prompt_tokens: usize,
+    report_performance: bool,
+    cancel: CancelHandle,
+    done: bool,
+}
+
+impl<'a> ChatStream<'a> {
+    fn new(s: &'a mut ChatSession, delta: Vec<u32>, cached: usize, prompt_tokens: usize, starts_in_thinking: bool, cfg: &ChatConfig) -> Result<Self> {
+        let opts = cfg.render_options();
+        let sampling = SamplingConfig::resolve(&cfg.sampling, &s.defaults).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let mut stop = s.format.stop_token_ids();
+        for &e in &s.model.info().eos_token_ids {
+            if !stop.contains(&e) {
+                stop.push(e);
+            }
+        }
+        let gcfg = GenerateConfig { max_new_tokens: cfg.max_new_tokens, sampling, prefill_step_size: cfg.prefill_step_size, stop_tokens: Some(stop) };
+        let ChatSession { model, format, cache, cached_ids, history, .. } = s;
+        let format: &'a ChatFormat = format;
+        // The prompt delta joins the cached ids now; generated ids follow as they come.
+        let context = cached_ids.clone();
+        cached_ids.extend_from_slice(&delta);
+        let budget = format.thinking_budget(cfg.thinking_token_budget, starts_in_thinking)?;
+        let gen = generate(model, cache, &delta, &context, gcfg)?;
+        let cancel = gen.cancel_handle();
+        Ok(ChatStream {
+            gen: Some(gen),
+            cached_ids,
+            history,
+            decoder: format.stream_decoder(),
+            parser: format.parser(&opts, starts_in_thinking, cfg.include_reasoning),
+            budget,
+            queue: Default::default(),
+            generated: Vec::new(),
+            cached_tokens: cached,
+            prompt_tokens,
+            report_performance: cfg.report_performance,
+            cancel,
+            done: false,
+        })
+    }
+
+    /// Stops the stream (from any thread); the turn ends with finish reason `cancelled`.
+    pub fn cancel_handle(&self) -> CancelHandle {
+        self.cancel.clone()
+    }
+
+    /// Drain the stream, returning the final result.
+    pub fn collect_result(mut self) -> Result<ChatResult> {
+        loop {
+            match self.next() {
+                Some(Ok(StreamEvent::Done(r))) => return Ok(r),
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e),
+                None => return Err(ModelError::InvalidInput("chat stream ended without a result".into())),
+            }
+        }
+    }
+
+    fn push_events(&mut self, events: Vec<ChatEvent>) {
+        for e in events {
+            self.queue.push_back(match e {
+                ChatEvent::TextDelta(t) => StreamEvent::Text(t),
+                ChatEvent::ThinkingDelta(t) => StreamEvent::Thinking(t),
+                ChatEvent::ToolCall(c) => StreamEvent::ToolCall(c),
+            });
+        }
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let gen = self.gen.as_mut().expect("called while running");
+        if let Some(forced) = self.budget.as_ref().and_then(|b| b.forced_token()) {
+            gen.force_next(forced);
+        }
+        match gen.next() {
+            Some(t) => {
+                let id = t?.id;
+                self.generated.push(id);
+                if let Some(b) = self.budget.as_mut() {
+                    b.observe(id);
+                }
+                if let Some(text) = self.decoder.step(id)? {
+                    let ev = self.parser.push(&text);
+                    self.push_events(ev);
+                }
+            }
+            None => self.finish()?,
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        let gen = self.gen.take().expect("finish once");
+        let mut reason = gen.finish_reason().unwrap_or(FinishReason::Stop);
+        let stop = gen.stop_token();
+        let perf = self.report_performance.then(|| gen.performance());
+        drop(gen);
+        let tail = self.decoder.finish()?;
+        let mut ev = self.parser.push(&tail);
+        ev.extend(self.parser.finish());
+        self.push_events(ev);
+        let out: ParsedOutput = self.parser.output();
+        if reason == FinishReason::Stop && !out.tool_calls.is_empty() {
+            reason = FinishReason::ToolCalls;
+        }
+        self.cached_ids.extend_from_slice(&self.generated);
+        self.cached_ids.extend(stop);
+        self.history.push(out.to_assistant_message());
+        let result = ChatResult {
+            text: out.text,
+            thinking: out.thinking,
+            tool_calls: out.tool_calls,
+            finish_reason: reason,
+            raw_text: out.raw_text,
+            num_tokens: self.generated.len(),
+            prompt_tokens: self.prompt_tokens,
+            reasoning_tokens: self.budget.as_ref().map_or(0, |b| b.thinking_tokens()),
+            cached_tokens: self.cached_tokens,
+            performance: perf,
+        };
+        self.queue.push_back(StreamEvent::Done(result));
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Iterator for ChatStream<'_> {
+    type Item = Result<StreamEvent>;
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(e) = self.queue.pop_front() {
+                return Some(Ok(e));
+            }
+            if self.done {
+                return None;
+            }
+            if let Err(e) = self.step() {
+                // The cache may hold a partial step: leave a sentinel id no prompt can match, so
+                // the next turn finds no reusable prefix and starts from a fresh cache.
+                self.done = true;
+                self.gen = None;
+                self.cached_ids.clear();
+                self.cached_ids.push(u32::MAX);
+                return Some(Err(e));
+            }
+        }
+    }
+}
+
+impl Drop for ChatStream<'_> {
+    fn drop(&mut self) {
+        if !self.done && self.gen.is_some() {
+            self.cancel.cancel();
+            let _ = self.step();
+        }
+    }
+}
