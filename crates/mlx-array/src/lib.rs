@@ -4,6 +4,9 @@
 //! LLM inference and training need, each returning [`Result`] with MLX's message on failure
 //! (never an abort), plus safetensors weights I/O.
 //!
+//! Modules: [`ops`] (free functions over several arrays; most ops are methods on [`Array`]),
+//! [`io`] (safetensors), [`random`] (seeded keys), [`grad`] (`value_and_grad`), [`memory`].
+//!
 //! ```
 //! use mlx_array::{Array, DType};
 //! # fn main() -> mlx_array::Result<()> {

@@ -76,7 +76,7 @@ pub fn normal_with(shape: &[usize], loc: f32, scale: f32, dtype: DType, key: &Ke
 /// Uniform samples in `[low, high)`.
 pub fn uniform(shape: &[usize], low: f32, high: f32, dtype: DType, key: &Key) -> Result<Array> {
     float_dtype("random_uniform", dtype)?;
-    if !(low < high) {
+    if low.is_nan() || high.is_nan() || low >= high {
         return Err(Error::arg("random_uniform", format!("need low < high, got {low} and {high}")));
     }
     let dims = check_shape("random_uniform", shape)?;
