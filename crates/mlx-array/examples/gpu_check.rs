@@ -189,10 +189,13 @@ impl Checker {
     /// inputs) on the CPU as the reference. PASS when the GPU is within `cmp` of the reference;
     /// the CPU's own distance to the reference is printed beside it.
     fn accuracy(&mut self, name: &str, cmp: Cmp, f: impl Fn(bool) -> Result<Array>) {
+        self.accuracy_opt(name, cmp, false, f)
+    }
+    fn accuracy_opt(&mut self, name: &str, cmp: Cmp, optional: bool, f: impl Fn(bool) -> Result<Array>) {
         let name = format!("{name} [ref f32]");
         if self.skip_through.is_some() || self.filter.as_ref().is_some_and(|p| !p.split(',').any(|p| name.contains(p))) {
             // (the plain run() handles skip/filter bookkeeping)
-            return self.run(&name, cmp, false, &|| f(false), &|| f(true));
+            return self.run(&name, cmp, optional, &|| f(false), &|| f(true));
         }
         let cpu_vs_ref = mlx_array::with_device(Device::Cpu, || -> Result<String> {
             let c = f(false)?.astype(DType::F32)?;
@@ -203,9 +206,9 @@ impl Checker {
         let note = cpu_vs_ref.unwrap_or_else(|e| format!("cpu-vs-ref error {e}"));
         if self.dev == Device::Cpu {
             // No GPU: only the CPU's own accuracy is known (printed below), nothing to judge.
-            self.run(&name, cmp, false, &|| f(true)?.astype(DType::F32), &|| f(true)?.astype(DType::F32));
+            self.run(&name, cmp, optional, &|| f(true)?.astype(DType::F32), &|| f(true)?.astype(DType::F32));
         } else {
-            self.run(&name, cmp, false, &|| f(false)?.astype(DType::F32), &|| f(true)?.astype(DType::F32));
+            self.run(&name, cmp, optional, &|| f(false)?.astype(DType::F32), &|| f(true)?.astype(DType::F32));
         }
         println!("            {:<44} {note}", "");
     }
@@ -372,19 +375,28 @@ fn run_checks(ck: &mut Checker, inp: &mut Inputs) -> Result<()> {
         let x = inp.normal(&[64, 4096], dt)?;
         let near1 = inp.uniform(&[64, 256], 0.99, 1.01, dt)?;
         let r = tol(dt, (1e-3, 1e-5));
-        ck.check(&format!("sum axis -1/{d}"), r, || x.sum(&[-1], false));
-        ck.check(&format!("sum axis 0/{d}"), r, || x.sum(&[0], true));
-        ck.check(&format!("sum all/{d}"), tol(dt, (2e-2, 1e-5)), || x.sum(&[], false));
+        // Half precision: MLX's CPU backend accumulates these in the half type itself (sum of
+        // 4096 bf16 values off by up to 13.5), so they are judged against f32 below instead.
+        let plain = dt == F32;
+        if plain {
+            ck.check(&format!("sum axis -1/{d}"), r, || x.sum(&[-1], false));
+            ck.check(&format!("sum axis 0/{d}"), r, || x.sum(&[0], true));
+            ck.check(&format!("sum all/{d}"), tol(dt, (2e-2, 1e-5)), || x.sum(&[], false));
+        }
         ck.check(&format!("mean/{d}"), tol(dt, (1e-5, 1e-4)), || x.mean(&[-1], false));
         ck.check(&format!("max/{d}"), Cmp::Exact, || x.max(&[-1], false));
         ck.check(&format!("min axis 0/{d}"), Cmp::Exact, || x.min(&[0], false));
-        ck.check(&format!("prod/{d}"), tol(dt, (1e-5, 1e-4)), || near1.prod(&[-1], false));
-        ck.check(&format!("var/{d}"), tol(dt, (1e-5, 1e-4)), || x.var(&[-1], false));
+        if plain {
+            ck.check(&format!("prod/{d}"), tol(dt, (1e-5, 1e-4)), || near1.prod(&[-1], false));
+            ck.check(&format!("var/{d}"), tol(dt, (1e-5, 1e-4)), || x.var(&[-1], false));
+        }
         ck.check(&format!("logsumexp/{d}"), tol(dt, (1e-5, 1e-5)), || x.logsumexp(&[-1], false));
         ck.check(&format!("argmax/{d}"), Cmp::Exact, || x.argmax(-1, false));
         ck.check(&format!("argmin axis 0/{d}"), Cmp::Exact, || x.argmin(0, false));
         let logits = inp.normal(&[64, 1000], dt)?.mul_scalar(4.0)?;
-        ck.check(&format!("softmax/{d}"), tol(dt, (1e-6, 1e-4)), || logits.softmax(-1, false));
+        if plain {
+            ck.check(&format!("softmax/{d}"), tol(dt, (1e-6, 1e-4)), || logits.softmax(-1, false));
+        }
         ck.check(&format!("softmax precise/{d}"), tol(dt, (1e-6, 1e-4)), || logits.softmax(-1, true));
         ck.check(&format!("softmax axis 0/{d}"), tol(dt, (1e-6, 1e-4)), || logits.softmax(0, true));
         ck.check(&format!("log_softmax/{d}"), tol(dt, (1e-5, 1e-5)), || logits.log_softmax(-1));
@@ -394,9 +406,11 @@ fn run_checks(ck: &mut Checker, inp: &mut Inputs) -> Result<()> {
             F32 => close(1e-4, 1e-4),
             _ => close(0.25, 1.6e-2),
         };
-        ck.check(&format!("cumsum/{d}"), sc, || s.cumsum(-1, false, true));
-        ck.check(&format!("cumsum exclusive/{d}"), sc, || s.cumsum(-1, false, false));
-        ck.check(&format!("cumsum reverse/{d}"), sc, || s.cumsum(-1, true, true));
+        if plain {
+            ck.check(&format!("cumsum/{d}"), sc, || s.cumsum(-1, false, true));
+            ck.check(&format!("cumsum exclusive/{d}"), sc, || s.cumsum(-1, false, false));
+            ck.check(&format!("cumsum reverse/{d}"), sc, || s.cumsum(-1, true, true));
+        }
         ck.check(&format!("cumsum axis 0/{d}"), sc, || s.cumsum(0, false, true));
         ck.check(&format!("cummax/{d}"), Cmp::Exact, || s.cummax(-1, false, true));
         if dt != F32 {
@@ -588,24 +602,23 @@ fn run_checks(ck: &mut Checker, inp: &mut Inputs) -> Result<()> {
                 if optional { ck.optional(&name, cmp, f) } else { ck.check(&name, cmp, f) }
             };
             run(ck, format!("dequantize {label}"), tol(BF16, (0.0, 0.0)), &|| q.dequantize(Some(BF16)));
-            if !optional {
-                let up = |x: &Array, up: bool| -> Result<Array> {
-                    if !up {
-                        return q.matmul(x, true);
-                    }
-                    let q32 = mlx_array::Quantized {
-                        weight: q.weight.clone(),
-                        scales: q.scales.astype(F32)?,
-                        biases: q.biases.as_ref().map(|b| b.astype(F32)).transpose()?,
-                        mode: q.mode,
-                    };
-                    q32.matmul(&x.astype(F32)?, true)?.astype(BF16)
+            // Judged against f32 (same packed weights, f32 scales/biases and x): the CPU's bf16
+            // quantized matmul is off by up to 0.28 on outputs of ~1 (first H200 run).
+            let up = |x: &Array, up: bool| -> Result<Array> {
+                if !up {
+                    return q.matmul(x, true);
+                }
+                let affine = matches!(q.mode, QuantMode::Affine { .. });
+                let q32 = mlx_array::Quantized {
+                    weight: q.weight.clone(),
+                    scales: if affine { q.scales.astype(F32)? } else { q.scales.clone() },
+                    biases: q.biases.as_ref().map(|b| b.astype(F32)).transpose()?,
+                    mode: q.mode,
                 };
-                ck.accuracy(&format!("quantized_matmul {label} decode"), qt, |u| up(&xd, u));
-                ck.accuracy(&format!("quantized_matmul {label} prefill 64"), qt, |u| up(&xp, u));
-            }
-            run(ck, format!("quantized_matmul {label} decode"), qt, &|| q.matmul(&xd, true));
-            run(ck, format!("quantized_matmul {label} prefill 64"), qt, &|| q.matmul(&xp, true));
+                q32.matmul(&x.astype(F32)?, true)?.astype(BF16)
+            };
+            ck.accuracy_opt(&format!("quantized_matmul {label} decode"), qt, optional, |u| up(&xd, u));
+            ck.accuracy_opt(&format!("quantized_matmul {label} prefill 64"), qt, optional, |u| up(&xp, u));
             if !optional {
                 run(ck, format!("quantized_matmul {label} f32 x"), close(2e-3, 2e-3), &|| {
                     let q32 = mlx_array::Quantized {
