@@ -1,6 +1,7 @@
 //! Loading checkpoints into runnable, thread-safe handles.
 use crate::cache::Cache;
 use crate::config;
+use crate::families::lfm2::{Lfm2Config, Lfm2Model};
 use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
 use crate::registry::{self, Family, FamilyKind};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
@@ -114,6 +115,10 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         "qwen3" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;
             Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir)))
+        }
+        "lfm2" | "lfm2_moe" => {
+            let cfg: Lfm2Config = config::parse(dir, &text)?;
+            Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Lfm2Model::new(&weights, cfg, family.model_type, eos)?), dir)))
         }
         "harrier" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;

@@ -58,6 +58,22 @@ pub static FAMILIES: &[Family] = &[
         accepts_draft_model: false,
         default_for_nullish_model_type: true,
     },
+    Family {
+        model_type: "lfm2",
+        kind: FamilyKind::Loadable,
+        raw_model_types: &["lfm2"],
+        architecture_probe: None,
+        accepts_draft_model: false,
+        default_for_nullish_model_type: false,
+    },
+    Family {
+        model_type: "lfm2_moe",
+        kind: FamilyKind::Loadable,
+        raw_model_types: &["lfm2_moe"],
+        architecture_probe: None,
+        accepts_draft_model: false,
+        default_for_nullish_model_type: false,
+    },
 ];
 
 /// Look up a family by canonical type.

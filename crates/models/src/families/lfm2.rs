@@ -1,0 +1,530 @@
+//! LFM2 and LFM2-MoE hybrid causal LMs (mirrors mlx-lm `models/lfm2.py`, `models/lfm2_moe.py`
+//! and HF `Lfm2ForCausalLM` / `Lfm2MoeForCausalLM`).
+//!
+//! Each layer is a gated short convolution (`conv`) or grouped-query attention with q/k layer norms
+//! (`full_attention`), chosen by `full_attn_idxs` / `layer_types`, followed by a SwiGLU feed-forward
+//! (`w1`/`w3`/`w2`). LFM2-MoE replaces the feed-forward of layers `>= num_dense_layers` with a
+//! sigmoid-routed top-k expert block. `model.embedding_norm` is the *final* norm.
+//!
+//! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
+//! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
+use super::qwen3::check_tokens;
+use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::weights::{Vb, Weights};
+use crate::{ModelError, Result};
+use mlx_array::{ops, Array, DType};
+use serde::{Deserialize, Serialize};
+
+/// `config.json` of an LFM2 or LFM2-MoE checkpoint (hub style and transformers-5 style).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Lfm2Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    pub norm_eps: f32,
+    #[serde(default)]
+    pub conv_bias: bool,
+    #[serde(default = "default_conv_l", rename = "conv_L_cache")]
+    pub conv_l_cache: usize,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f32,
+    #[serde(default)]
+    pub full_attn_idxs: Option<Vec<usize>>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// Dense feed-forward width (LFM2: before the `block_*` adjustment; transformers 5 writes only
+    /// this, the hub also `block_ff_dim`).
+    #[serde(default)]
+    pub intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub block_dim: Option<usize>,
+    #[serde(default)]
+    pub block_ff_dim: Option<usize>,
+    #[serde(default = "default_multiple_of")]
+    pub block_multiple_of: usize,
+    #[serde(default = "default_multiplier")]
+    pub block_ffn_dim_multiplier: Option<f32>,
+    #[serde(default = "default_true")]
+    pub block_auto_adjust_ff_dim: bool,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub tie_embedding: Option<bool>,
+    // LFM2-MoE.
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub num_experts: Option<usize>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    #[serde(default)]
+    pub use_expert_bias: bool,
+    #[serde(default)]
+    pub num_dense_layers: usize,
+    #[serde(default = "default_scaling")]
+    pub routed_scaling_factor: f32,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+}
+
+fn default_max_pos() -> usize {
+    128_000
+}
+fn default_eps() -> f32 {
+    1e-5
+}
+fn default_conv_l() -> usize {
+    3
+}
+fn default_theta() -> f32 {
+    1_000_000.0
+}
+fn default_multiple_of() -> usize {
+    256
+}
+fn default_multiplier() -> Option<f32> {
+    Some(1.0)
+}
+fn default_true() -> bool {
+    true
+}
+fn default_scaling() -> f32 {
+    1.0
+}
+
+/// LFM2's feed-forward width rule: `int(2·ff/3)`, times the multiplier, rounded up to a multiple
+/// of `multiple_of` (LFM2-350M: 6656 → 4608), when `auto_adjust` is set; `ff` otherwise.
+pub fn effective_ff_dim(ff: usize, multiple_of: usize, multiplier: Option<f32>, auto_adjust: bool) -> usize {
+    if !auto_adjust {
+        return ff;
+    }
+    let mut d = 2 * ff / 3;
+    if let Some(m) = multiplier {
+        d = (m as f64 * d as f64) as usize;
+    }
+    let m = multiple_of.max(1);
+    d.div_ceil(m) * m
+}
+
+impl Lfm2Config {
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads.max(1)
+    }
+    pub fn tied(&self) -> bool {
+        self.tie_word_embeddings.or(self.tie_embedding).unwrap_or(true)
+    }
+    /// Which layers are attention layers: `full_attn_idxs` when given (as mlx-lm), else `layer_types`.
+    pub fn attention_layers(&self) -> std::result::Result<Vec<bool>, String> {
+        let n = self.num_hidden_layers;
+        let mut is_attn = vec![false; n];
+        if let Some(idx) = &self.full_attn_idxs {
+            for &i in idx {
+                if i >= n {
+                    return Err(format!("full_attn_idxs entry {i} out of range for {n} layers"));
+                }
+                is_attn[i] = true;
+            }
+        } else if let Some(types) = &self.layer_types {
+            if types.len() != n {
+                return Err(format!("layer_types has {} entries for {n} layers", types.len()));
+            }
+            for (i, t) in types.iter().enumerate() {
+                is_attn[i] = match t.as_str() {
+                    "full_attention" => true,
+                    "conv" => false,
+                    other => return Err(format!("unknown layer type {other:?} (expected \"conv\" or \"full_attention\")")),
+                };
+            }
+        } else {
+            return Err("neither full_attn_idxs nor layer_types is given".into());
+        }
+        Ok(is_attn)
+    }
+    /// Dense feed-forward width of LFM2 layers (after the `block_*` adjustment).
+    pub fn dense_ff_dim(&self, moe: bool) -> Option<usize> {
+        if moe {
+            // Lfm2Moe's dense layers use intermediate_size as is.
+            return self.intermediate_size;
+        }
+        let ff = self.block_ff_dim.or(self.intermediate_size)?;
+        Some(effective_ff_dim(ff, self.block_multiple_of, self.block_ffn_dim_multiplier, self.block_auto_adjust_ff_dim))
+    }
+    /// Checks the config before any tensor is read.
+    pub fn validate(&self, moe: bool) -> std::result::Result<(), String> {
+        let h = self.num_attention_heads;
+        let kv = self.kv_heads();
+        if h == 0 || kv == 0 || h % kv != 0 {
+            return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {kv}"));
+        }
+        if self.hidden_size == 0 || self.hidden_size % h != 0 || self.head_dim() % 2 != 0 {
+            return Err(format!("hidden_size {} must be a positive multiple of num_attention_heads {h} with an even head_dim", self.hidden_size));
+        }
+        if self.num_hidden_layers == 0 || self.vocab_size == 0 || self.conv_l_cache == 0 {
+            return Err("num_hidden_layers, vocab_size and conv_L_cache must be positive".into());
+        }
+        if let Some(d) = self.block_dim {
+            if d != self.hidden_size {
+                return Err(format!("block_dim {d} differs from hidden_size {}", self.hidden_size));
+            }
+        }
+        let attn = self.attention_layers()?;
+        if !attn.iter().any(|a| *a) {
+            return Err("LFM2 needs at least one full_attention layer".into());
+        }
+        if self.dense_ff_dim(moe).is_none_or(|d| d == 0) && (!moe || self.num_dense_layers > 0) {
+            return Err("missing or zero intermediate_size / block_ff_dim".into());
+        }
+        if moe && self.num_dense_layers < self.num_hidden_layers {
+            let (e, k) = (self.num_experts.unwrap_or(0), self.num_experts_per_tok.unwrap_or(0));
+            if e == 0 || k == 0 || k > e {
+                return Err(format!("num_experts_per_tok {k} must be in 1..=num_experts {e}"));
+            }
+            if self.moe_intermediate_size.unwrap_or(0) == 0 {
+                return Err("missing or zero moe_intermediate_size".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Gated short convolution: `out_proj(C · conv(B · x))` with a depthwise causal conv of width K.
+struct ShortConv {
+    in_proj: Linear,
+    out_proj: Linear,
+    /// MLX layout `[H, K, 1]`.
+    weight: Array,
+    bias: Option<Array>,
+    hidden: usize,
+    k: usize,
+}
+
+impl ShortConv {
+    fn load(vb: &Vb, cfg: &Lfm2Config, path: &std::path::Path, layer: usize) -> Result<Self> {
+        let (h, k) = (cfg.hidden_size, cfg.conv_l_cache);
+        let w = vb.get_any("conv.weight")?;
+        // HF stores [H, 1, K]; mlx-lm's converted checkpoints [H, K, 1].
+        let weight = if w.shape() == [h, 1, k] {
+            w.transpose(&[0, 2, 1])?
+        } else if w.shape() == [h, k, 1] {
+            w
+        } else {
+            return Err(ModelError::Checkpoint {
+                path: path.to_path_buf(),
+                msg: format!("tensor model.layers.{layer}.conv.conv.weight has shape {:?}, expected [{h}, 1, {k}]", w.shape()),
+            });
+        };
+        let bias = if cfg.conv_bias { Some(vb.get("conv.bias", &[h])?) } else { None };
+        Ok(ShortConv {
+            in_proj: Linear::load(&vb.pp("in_proj"), h, 3 * h, cfg.conv_bias)?,
+            out_proj: Linear::load(&vb.pp("out_proj"), h, h, cfg.conv_bias)?,
+            weight,
+            bias,
+            hidden: h,
+            k,
+        })
+    }
+
+    /// `x`: `[B, L, H]`; `state` holds the last `K - 1` gated inputs of earlier calls.
+    fn forward(&self, x: &Array, state: &mut Option<Array>) -> Result<Array> {
+        let parts = self.in_proj.forward(x)?.split(3, -1)?;
+        let (b, c, xx) = (&parts[0], &parts[1], &parts[2]);
+        let bx = b.mul(xx)?;
+        let keep = self.k - 1;
+        let prev = match state.take() {
+            Some(s) => s,
+            None => Array::zeros(&[bx.dim(0)?, keep, self.hidden], bx.dtype())?,
+        };
+        let full = ops::concatenate(&[&prev, &bx], 1)?;
+        let t = full.dim(1)?;
+        *state = Some(full.slice_axis(1, t - keep, t)?);
+        let mut conv = full.conv1d(&self.weight, 1, 0, 1, self.hidden)?;
+        if let Some(bias) = &self.bias {
+            conv = conv.add(bias)?;
+        }
+        self.out_proj.forward(&c.mul(&conv)?)
+    }
+}
+
+/// Sigmoid-routed top-k experts (LFM2-MoE): `expert_bias` picks the experts, the unbiased
+/// sigmoid scores weight them. Experts run through `gather_mm` (tokens sorted by expert when
+/// there are enough of them, as mlx-lm's `SwitchGLU`), never a loop over all experts.
+// A generic router/expert block (families/moe.rs) did not exist yet when this was written; fold
+// this into it when it lands.
+struct MoeBlock {
+    gate: Linear,
+    expert_bias: Option<Array>,
+    /// `[E, H, I]` (transposed for `x @ w`).
+    w_gate: Array,
+    w_up: Array,
+    /// `[E, I, H]`.
+    w_down: Array,
+    top_k: usize,
+    norm_topk_prob: bool,
+    scaling: f32,
+}
+
+impl MoeBlock {
+    fn load(vb: &Vb, cfg: &Lfm2Config) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let e = cfg.num_experts.expect("validated");
+        let i = cfg.moe_intermediate_size.expect("validated");
+        // Per-expert keys (what transformers writes) or stacked `switch_mlp` keys (mlx-lm).
+        let stacked = |names: [&str; 2], shape: [usize; 2]| -> Result<Array> {
+            let fused = format!("switch_mlp.{}.weight", names[1]);
+            if vb.contains(&fused) {
+                return vb.get(&fused, &[e, shape[0], shape[1]]);
+            }
+            let per: Vec<Array> = (0..e).map(|x| vb.pp("experts").pp(x).pp(names[0]).get("weight", &shape)).collect::<Result<_>>()?;
+            let refs: Vec<&Array> = per.iter().collect();
+            Ok(ops::stack(&refs, 0)?)
+        };
+        let w_gate = stacked(["w1", "gate_proj"], [i, h])?.swap_axes(1, 2)?;
+        let w_up = stacked(["w3", "up_proj"], [i, h])?.swap_axes(1, 2)?;
+        let w_down = stacked(["w2", "down_proj"], [h, i])?.swap_axes(1, 2)?;
+        let expert_bias = if cfg.use_expert_bias {
+            Some(vb.get("expert_bias", &[e])?.astype(DType::F32)?)
+        } else {
+            None
+        };
+        Ok(MoeBlock {
+            gate: Linear::load(&vb.pp("gate"), h, e, false)?,
+            expert_bias,
+            w_gate,
+            w_up,
+            w_down,
+            top_k: cfg.num_experts_per_tok.expect("validated"),
+            norm_topk_prob: cfg.norm_topk_prob,
+            scaling: cfg.routed_scaling_factor,
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let s = x.shape();
+        let (b, l, h) = (s[0], s[1], s[2]);
+        let k = self.top_k;
+        let scores = self.gate.forward(x)?.sigmoid()?; // [B, L, E]
+        let e = scores.dim(2)?;
+        let select = match &self.expert_bias {
+            Some(bias) => scores.astype(DType::F32)?.add(bias)?,
+            None => scores.clone(),
+        };
+        let inds = select.argpartition((e - k) as i32, 2)?.slice_axis(2, e - k, e)?; // [B, L, k]
+        let mut w = scores.take_along_axis(&inds, 2)?;
+        if self.norm_topk_prob {
+            w = w.div(&w.sum(&[2], true)?.add_scalar(1e-6)?)?;
+        }
+        if self.scaling != 1.0 {
+            w = w.mul_scalar(self.scaling)?;
+        }
+        let w = w.astype(x.dtype())?;
+        let y = self.experts(x, &inds, b, l, h)?; // [B, L, k, H]
+        Ok(y.mul(&w.expand_dims(3)?)?.sum(&[2], false)?)
+    }
+
+    /// SwiGLU of each token through each of its `k` experts: `[B, L, k, H]`.
+    fn experts(&self, x: &Array, inds: &Array, b: usize, l: usize, h: usize) -> Result<Array> {
+        let k = self.top_k;
+        let n = b * l;
+        let glu = |xs: &Array, idx: &Array, sorted: bool| -> Result<Array> {
+            let g = ops::gather_mm(xs, &self.w_gate, None, Some(idx), sorted)?;
+            let u = ops::gather_mm(xs, &self.w_up, None, Some(idx), sorted)?;
+            Ok(ops::gather_mm(&g.silu()?.mul(&u)?, &self.w_down, None, Some(idx), sorted)?)
+        };
+        if n * k >= 64 {
+            // Sort the (token, expert) pairs by expert so each expert's rows are contiguous.
+            let flat = inds.reshape(&[-1])?;
+            let order = flat.argsort(0)?;
+            let inv = order.argsort(0)?;
+            let xs = x
+                .reshape(&[n as i32, 1, h as i32])?
+                .broadcast_to(&[n, k, h])?
+                .reshape(&[(n * k) as i32, 1, h as i32])?
+                .take(&order, 0)?;
+            let y = glu(&xs, &flat.take(&order, 0)?, true)?; // [N·k, 1, H]
+            Ok(y.take(&inv, 0)?.reshape(&[b as i32, l as i32, k as i32, h as i32])?)
+        } else {
+            let xs = x.reshape(&[b as i32, l as i32, 1, 1, h as i32])?;
+            let y = glu(&xs, inds, false)?; // [B, L, k, 1, H]
+            Ok(y.reshape(&[b as i32, l as i32, k as i32, h as i32])?)
+        }
+    }
+}
+
+enum Operator {
+    Conv(ShortConv),
+    Attn(Attention),
+}
+
+enum FeedForward {
+    Dense(GatedMlp),
+    Moe(MoeBlock),
+}
+
+struct Block {
+    operator_norm: RmsNorm,
+    op: Operator,
+    ffn_norm: RmsNorm,
+    ffn: FeedForward,
+}
+
+/// LFM2 / LFM2-MoE causal LM.
+pub struct Lfm2Model {
+    cfg: Lfm2Config,
+    embed: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    info: ModelInfo,
+}
+
+fn dense_names(vb: &Vb) -> [&'static str; 3] {
+    if vb.contains("gate_proj.weight") { ["gate_proj", "up_proj", "down_proj"] } else { ["w1", "w3", "w2"] }
+}
+
+impl Lfm2Model {
+    /// `model_type`: `lfm2` or `lfm2_moe`.
+    pub fn new(weights: &Weights, cfg: Lfm2Config, model_type: &str, eos: Vec<u32>) -> Result<Self> {
+        let path = weights.path().to_path_buf();
+        let moe = model_type == "lfm2_moe";
+        cfg.validate(moe).map_err(|reason| ModelError::MalformedConfig { path: path.clone(), reason })?;
+        let is_attn = cfg.attention_layers().expect("validated");
+        let (h, d, eps) = (cfg.hidden_size, cfg.head_dim(), cfg.norm_eps);
+        let acfg = AttentionConfig {
+            hidden: h,
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.kv_heads(),
+            head_dim: d,
+            bias: false,
+            qk_norm: Some(eps),
+            norm_offset: 0.0,
+            output_gate: false,
+            scale: None,
+            o_name: "out_proj",
+        };
+        let root = weights.root();
+        let mv = root.pp("model");
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let lv = mv.pp("layers").pp(i);
+                let op = if is_attn[i] {
+                    Operator::Attn(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_layernorm", "k_layernorm"])?)
+                } else {
+                    Operator::Conv(ShortConv::load(&lv.pp("conv"), &cfg, &path, i)?)
+                };
+                let fv = lv.pp("feed_forward");
+                let ffn = if moe && i >= cfg.num_dense_layers {
+                    FeedForward::Moe(MoeBlock::load(&fv, &cfg)?)
+                } else {
+                    let ff = cfg.dense_ff_dim(moe).expect("validated");
+                    FeedForward::Dense(GatedMlp::load_named(&fv, dense_names(&fv), h, ff, Activation::Silu)?)
+                };
+                Ok(Block {
+                    operator_norm: RmsNorm::load(&lv.pp("operator_norm"), h, eps, 0.0)?,
+                    op,
+                    ffn_norm: RmsNorm::load(&lv.pp("ffn_norm"), h, eps, 0.0)?,
+                    ffn,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed = Embedding::load(&mv.pp("embed_tokens"), cfg.vocab_size, h)?;
+        let lm_head = if !cfg.tied() && root.contains("lm_head.weight") {
+            Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
+        } else if cfg.tied() {
+            embed.as_linear()?
+        } else {
+            return Err(ModelError::Checkpoint { path, msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
+        };
+        let info = ModelInfo {
+            model_type: if moe { "lfm2_moe" } else { "lfm2" }.into(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: h,
+            num_layers: cfg.num_hidden_layers,
+            max_position_embeddings: cfg.max_position_embeddings,
+            eos_token_ids: eos,
+            bos_token_id: cfg.bos_token_id,
+        };
+        Ok(Lfm2Model { norm: RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?, cfg, embed, layers, lm_head, info })
+    }
+
+    /// Final-normed hidden states `[B, L, hidden]`.
+    fn hidden(&self, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+        check_tokens(tokens, self.cfg.vocab_size)?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
+        }
+        let mut x = self.embed.forward(tokens)?;
+        let mask = causal_mask(tokens.dims()[1] as usize, None);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let n = layer.operator_norm.forward(&x)?;
+            let r = match &layer.op {
+                Operator::Attn(a) => a.forward(&n, cache.kv(i)?, mask)?,
+                Operator::Conv(c) => match &mut cache.layers[i] {
+                    LayerCache::Recurrent(slots) if !slots.is_empty() => c.forward(&n, &mut slots[0])?,
+                    _ => return Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
+                },
+            };
+            let h = x.add(&r)?;
+            let n = layer.ffn_norm.forward(&h)?;
+            let f = match &layer.ffn {
+                FeedForward::Dense(m) => m.forward(&n)?,
+                FeedForward::Moe(m) => m.forward(&n)?,
+            };
+            x = h.add(&f)?;
+        }
+        self.norm.forward(&x)
+    }
+}
+
+impl ModelRuntime for Lfm2Model {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l.op {
+                Operator::Attn(_) => LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() },
+                Operator::Conv(_) => LayerKind::Recurrent { slots: 1 },
+            })
+            .collect();
+        CacheSpec { layers }
+    }
+    fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let h = self.hidden(tokens, cache)?;
+        let logits = match logits {
+            Logits::None => None,
+            Logits::All => Some(self.lm_head.forward(&h)?.astype(DType::F32)?),
+            Logits::Last => {
+                let l = h.dim(1)?;
+                Some(self.lm_head.forward(&h.slice_axis(1, l - 1, l)?)?.astype(DType::F32)?)
+            }
+        };
+        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::effective_ff_dim;
+
+    #[test]
+    fn ff_dim_rule() {
+        assert_eq!(effective_ff_dim(6656, 256, Some(1.0), true), 4608); // LFM2-350M
+        assert_eq!(effective_ff_dim(192, 32, Some(1.0), true), 128); // tiny fixture
+        assert_eq!(effective_ff_dim(192, 32, None, false), 192);
+    }
+}

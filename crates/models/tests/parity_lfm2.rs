@@ -1,0 +1,221 @@
+//! LFM2 and LFM2-MoE parity against transformers 5.23 (f32 eager reference) on the tiny fixtures:
+//! full-prefill logits within 1e-3 relative, 16 greedy tokens identical, cached decode (conv state +
+//! K/V) equal to a full recompute, chunked prefill equal to one-shot prefill, and chat sessions
+//! through the shared session code.
+mod common;
+use common::*;
+use mlx_array::Array;
+use mlx_models::chat::ChatMessage;
+use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, GenerateConfig, LayerKind, LoadOptions, Logits};
+use sampling::{SamplingConfig, SamplingOverrides};
+
+fn check_family(name: &str) {
+    let r = reference(name);
+    let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    assert_eq!(model.info().model_type, name);
+    let prompt = ids(&r["input_ids"]);
+    let greedy_ref = ids(&r["greedy_ids"]);
+    assert_eq!(prompt.len(), 72);
+
+    // 1. Full prefill logits.
+    let ours = full_logits(&model, &prompt);
+    let theirs = r["logits"].to_vec::<f32>().unwrap();
+    let flat: Vec<f32> = ours.iter().flatten().copied().collect();
+    let e = rel_err(&flat, &theirs);
+    eprintln!("{name}: prefill logits rel err {e:.3e}");
+    assert!(e < 1e-3, "{name}: prefill logits rel err {e}");
+
+    // 2. Greedy through the cache, and its per-step logits vs the reference's decode logits.
+    let mut cache = model.new_cache();
+    let (toks, step_logits) = greedy_cached(&model, &mut cache, &prompt, 16);
+    assert_eq!(toks, greedy_ref[72..], "{name}: greedy tokens");
+    let dref = r["decode_logits"].to_vec::<f32>().unwrap();
+    let flat: Vec<f32> = step_logits.iter().flatten().copied().collect();
+    let e = rel_err(&flat, &dref);
+    eprintln!("{name}: decode logits rel err {e:.3e}");
+    assert!(e < 1e-3, "{name}: decode logits rel err {e}");
+    assert_eq!(cache.offset(), 72 + 16);
+
+    // 3. Cached decode equals full recompute over the same tokens.
+    let full = full_logits(&model, &greedy_ref[..87]);
+    for (s, l) in step_logits.iter().enumerate() {
+        let e = rel_err(l, &full[71 + s]);
+        assert!(e < 1e-4, "{name}: step {s} cached vs recomputed rel err {e}");
+        assert_eq!(argmax(l), argmax(&full[71 + s]));
+    }
+}
+
+#[test]
+fn lfm2_matches_transformers() {
+    check_family("lfm2");
+}
+
+#[test]
+fn lfm2_moe_matches_transformers() {
+    check_family("lfm2_moe");
+}
+
+#[test]
+fn cache_layout_follows_layer_types() {
+    for name in ["lfm2", "lfm2_moe"] {
+        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let spec = model.with_runtime(|rt| rt.cache_spec());
+        let conv = LayerKind::Recurrent { slots: 1 };
+        let attn = LayerKind::Attention { kv_heads: 2, head_dim: 16 };
+        assert_eq!(spec.layers, vec![conv.clone(), attn.clone(), conv, attn], "{name}");
+        // Recurrent (conv) state cannot be rolled back: sessions re-prefill instead.
+        let mut cache = model.new_cache();
+        let t = Array::from_slice(&[1u32, 2, 3], &[1, 3]).unwrap();
+        model.forward(&t, &mut cache, Logits::None, false).unwrap();
+        assert!(cache.trim(1).is_err());
+    }
+}
+
+/// Prefill in chunks (sizes that do not divide 71, including single tokens, so the conv state
+/// crosses chunk boundaries with fewer than `conv_L_cache` new tokens), then greedy decode.
+fn chunked_equals_single(name: &str) {
+    let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let prompt = ids(&reference(name)["input_ids"]);
+    let mut one = model.new_cache();
+    let (a, la) = greedy_cached(&model, &mut one, &prompt, 8);
+    let mut chunked = model.new_cache();
+    let mut start = 0;
+    for size in [20, 1, 2, 1, 30].iter().cycle() {
+        if start >= 71 {
+            break;
+        }
+        let end = (start + size).min(71);
+        let c = &prompt[start..end];
+        let t = Array::from_slice(c, &[1, c.len()]).unwrap();
+        model.forward(&t, &mut chunked, Logits::None, false).unwrap();
+        start = end;
+    }
+    let (b, lb) = greedy_cached(&model, &mut chunked, &prompt[71..], 8);
+    assert_eq!(a, b, "{name}: chunked prefill changes greedy tokens");
+    for (x, y) in la.iter().zip(&lb) {
+        let e = rel_err(y, x);
+        assert!(e < 1e-4, "{name}: chunked vs one-shot logits rel err {e}");
+    }
+}
+
+#[test]
+fn lfm2_chunked_prefill_equals_single_prefill() {
+    chunked_equals_single("lfm2");
+}
+
+#[test]
+fn lfm2_moe_chunked_prefill_equals_single_prefill() {
+    chunked_equals_single("lfm2_moe");
+}
+
+#[test]
+fn batch_rows_are_independent() {
+    // Two different rows in one batch give the same logits as each row alone (conv state and MoE
+    // routing are per row).
+    for name in ["lfm2", "lfm2_moe"] {
+        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let prompt = ids(&reference(name)["input_ids"]);
+        let (r0, r1) = (&prompt[..24], &prompt[30..54]);
+        let both: Vec<u32> = r0.iter().chain(r1).copied().collect();
+        let mut cache = model.new_cache();
+        let t = Array::from_slice(&both, &[2, 24]).unwrap();
+        let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
+        let v = l.len() / 2;
+        for (row, toks) in [r0, r1].iter().enumerate() {
+            let alone = full_logits(&model, toks);
+            let e = rel_err(&l[row * v..(row + 1) * v], alone.last().unwrap());
+            assert!(e < 1e-4, "{name}: batch row {row} rel err {e}");
+        }
+    }
+}
+
+fn greedy(n: usize) -> ChatConfig {
+    ChatConfig { max_new_tokens: n, sampling: SamplingOverrides { temperature: Some(0.0), ..Default::default() }, ..Default::default() }
+}
+
+fn session_smoke(name: &str) {
+    let r = reference(name);
+    let mut s = load_session(fixture(name), &LoadOptions::default()).unwrap();
+    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
+    let want = ids(&r["chat_greedy_ids"]);
+    let prompt = ids(&r["chat_input_ids"]);
+    assert_eq!(res.prompt_tokens, prompt.len(), "{name}: chat prompt");
+    assert_eq!(res.finish_reason, FinishReason::Length);
+    assert_eq!(s.cached_ids(), &want[..], "{name}: first turn equals the transformers chat reference");
+    // Continue: the conv state cannot be trimmed, so the session re-prefills when it must; the
+    // reply equals generation from the same tokens on a fresh cache.
+    let res2 = s.continue_with("And then?", &greedy(6)).unwrap();
+    assert!(res2.prompt_tokens > want.len());
+    assert_eq!(s.history().len(), 4);
+    let all = s.cached_ids().to_vec();
+    let n = res2.num_tokens + usize::from(res2.finish_reason == FinishReason::Stop);
+    let prompt = &all[..all.len() - n];
+    assert_eq!(&prompt[..want.len()], &want[..], "{name}: second prompt extends the first turn");
+    let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let mut cache = model.new_cache();
+    let cfg = GenerateConfig { max_new_tokens: 6, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
+    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect();
+    assert_eq!(fresh, all[prompt.len()..prompt.len() + res2.num_tokens], "{name}: continued turn equals a fresh prefill");
+}
+
+#[test]
+fn lfm2_chat_session_start_and_continue() {
+    session_smoke("lfm2");
+}
+
+#[test]
+fn lfm2_moe_chat_session_start_and_continue() {
+    session_smoke("lfm2_moe");
+}
+
+/// A copy of fixture `name` whose config.json is `edit(config)`.
+fn with_config(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        std::fs::copy(fixture(name).join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn transformers5_configs_give_the_same_logits() {
+    // transformers 5 writes rope_parameters, full_attn_idxs null and (LFM2) no block_dim /
+    // block_ff_dim: the FFN width then comes from intermediate_size through the block_* rule.
+    for name in ["lfm2", "lfm2_moe"] {
+        let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.hf-5.23-save.json")).unwrap()).unwrap();
+        let dir = with_config(name, |c| *c = saved);
+        let model = load_model(dir.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let r = reference(name);
+        let prompt = ids(&r["input_ids"]);
+        let flat: Vec<f32> = full_logits(&model, &prompt).into_iter().flatten().collect();
+        let e = rel_err(&flat, &r["logits"].to_vec::<f32>().unwrap());
+        assert!(e < 1e-3, "{name} (transformers-5 config): rel err {e}");
+    }
+}
+
+#[test]
+fn bad_configs_are_refused() {
+    let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, &str)> = vec![
+        ("lfm2", Box::new(|c| c["layer_types"] = serde_json::json!(["conv", "conv", "conv", "conv"])), "full_attention"),
+        ("lfm2", Box::new(|c| c["layer_types"] = serde_json::json!(["conv", "mamba", "conv", "full_attention"])), "mamba"),
+        ("lfm2", Box::new(|c| c["full_attn_idxs"] = serde_json::json!([1, 7])), "full_attn_idxs"),
+        ("lfm2", Box::new(|c| c["block_multiple_of"] = serde_json::json!(256)), "shape"),
+        ("lfm2_moe", Box::new(|c| c["num_experts_per_tok"] = serde_json::json!(5)), "num_experts_per_tok"),
+    ];
+    for (name, edit, want) in cases {
+        let mut edited = None;
+        let dir = with_config(name, |c| {
+            c.as_object_mut().unwrap().remove("full_attn_idxs");
+            edit(c);
+            edited = Some(c.clone());
+        });
+        let err = match load_model(dir.path(), &LoadOptions::default()) {
+            Ok(_) => panic!("{name}: config {:?} was accepted", edited),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(want), "{name}: error {err:?} should mention {want:?}");
+    }
+}
