@@ -85,7 +85,10 @@ impl Array {
         }
         let n = usize::try_from(stop - start).map_err(|_| Error::arg("arange", "range too long"))?;
         let dims = check_shape("arange", &[n])?;
-        let a = mlx_rs::Array::arange::<_, f64>(start as f64, stop as f64, None).op("arange")?;
+        // Built in i32, then converted: f64 arrays do not exist on the GPU backends.
+        let (s32, e32) = (i32::try_from(start), i32::try_from(stop));
+        let (Ok(s32), Ok(e32)) = (s32, e32) else { return Err(Error::arg("arange", "bounds exceed i32")) };
+        let a = mlx_rs::Array::arange::<_, i32>(s32, e32, None).op("arange")?;
         let a = mlx_rs::ops::reshape(&a, &dims).op("arange")?;
         Self::wrap(a).astype(dtype)
     }

@@ -136,9 +136,67 @@ pub enum LayerCache {
 }
 
 /// All layers' caches for one sequence batch.
-#[derive(Clone)]
 pub struct Cache {
     pub layers: Vec<LayerCache>,
+    /// Paged mode: attention layers live in the model's shared block pool instead.
+    pub(crate) paged: Option<crate::paged::PagedSeq>,
+    last_skipped: usize,
+}
+
+/// The K/V access of one attention layer during a forward pass: flat storage or the paged pool.
+pub enum LayerKv<'a> {
+    Flat(&'a mut KvCache),
+    Paged { pool: &'a mut kv_paged::KvPool, batch: &'a kv_paged::StepBatch, layer: usize, offset: usize },
+}
+
+impl LayerKv<'_> {
+    /// The rope offset of this step's first token.
+    pub fn offset(&self) -> usize {
+        match self {
+            LayerKv::Flat(c) => c.offset(),
+            LayerKv::Paged { offset, .. } => *offset,
+        }
+    }
+    /// Store this step's `k`, `v` (`[B, H, L, D]`) and return all keys/values to attend to.
+    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        match self {
+            LayerKv::Flat(c) => c.update_and_fetch(k, v),
+            LayerKv::Paged { pool, batch, layer, .. } => {
+                pool.write(*layer, batch, k, v).map_err(crate::paged::err)?;
+                pool.read(*layer, batch).map_err(crate::paged::err)
+            }
+        }
+    }
+}
+
+/// Per-forward view of a [`Cache`], from [`Cache::begin_forward`].
+pub struct ForwardKv<'a> {
+    layers: &'a mut Vec<LayerCache>,
+    paged: Option<(std::sync::MutexGuard<'a, crate::paged::PagedKv>, kv_paged::StepBatch, usize)>,
+}
+
+impl ForwardKv<'_> {
+    /// The K/V access of model layer `i`.
+    pub fn layer(&mut self, i: usize) -> Result<LayerKv<'_>> {
+        match &mut self.paged {
+            Some((g, batch, offset)) => {
+                let g = &mut **g;
+                let layer = g.layer_map.get(i).copied().flatten().ok_or_else(|| ModelError::Cache(format!("layer {i} has no K/V")))?;
+                Ok(LayerKv::Paged { pool: &mut g.pool, batch, layer, offset: *offset })
+            }
+            None => match self.layers.get_mut(i) {
+                Some(LayerCache::Kv(c)) => Ok(LayerKv::Flat(c)),
+                _ => Err(ModelError::Cache(format!("layer {i} has no K/V cache"))),
+            },
+        }
+    }
+    /// Recurrent state slots of layer `i` (kept outside the pool in both modes).
+    pub fn recurrent(&mut self, i: usize) -> Result<&mut Vec<Option<Array>>> {
+        match self.layers.get_mut(i) {
+            Some(LayerCache::Recurrent(s)) => Ok(s),
+            _ => Err(ModelError::Cache(format!("layer {i} has no recurrent state"))),
+        }
+    }
 }
 
 impl Cache {
@@ -154,11 +212,52 @@ impl Cache {
                 LayerKind::Recurrent { slots } => LayerCache::Recurrent(vec![None; *slots]),
             })
             .collect();
-        Cache { layers }
+        Cache { layers, paged: None, last_skipped: 0 }
+    }
+
+    /// A cache whose attention layers live in the shared paged pool `shared`.
+    pub(crate) fn new_paged(spec: &CacheSpec, shared: std::sync::Arc<std::sync::Mutex<crate::paged::PagedKv>>) -> Self {
+        let mut c = Self::new(spec);
+        c.paged = Some(crate::paged::PagedSeq { shared, seq: None, offset: 0 });
+        c
+    }
+
+    /// Leading tokens of the last forward call served by the paged prefix cache (not recomputed).
+    pub fn last_skipped(&self) -> usize {
+        self.last_skipped
+    }
+
+    /// Whether attention K/V live in a paged block pool.
+    pub fn is_paged(&self) -> bool {
+        self.paged.is_some()
+    }
+
+    /// Start a forward pass over `tokens` (`[1, L]` in paged mode): returns the per-layer view
+    /// and how many leading tokens were found in the paged prefix cache (0 in flat mode); the
+    /// caller computes only `tokens[skipped..]`.
+    pub fn begin_forward(&mut self, tokens: &Array) -> Result<(ForwardKv<'_>, usize)> {
+        let Cache { layers, paged, last_skipped } = self;
+        *last_skipped = 0;
+        match paged {
+            None => Ok((ForwardKv { layers, paged: None }, 0)),
+            Some(p) => {
+                if tokens.ndim() != 2 || tokens.dims()[0] != 1 {
+                    return Err(ModelError::InvalidInput(format!("paged caches take one sequence ([1, L] tokens), got {:?}", tokens.shape())));
+                }
+                let ids: Vec<u32> = tokens.astype(mlx_array::DType::U32)?.to_vec()?;
+                let (batch, skipped, offset) = p.schedule(&ids)?;
+                *last_skipped = skipped;
+                let guard = p.shared.lock().unwrap_or_else(|e| e.into_inner());
+                Ok((ForwardKv { layers, paged: Some((guard, batch, offset)) }, skipped))
+            }
+        }
     }
 
     /// Positions processed so far (from the first attention layer).
     pub fn offset(&self) -> usize {
+        if let Some(p) = &self.paged {
+            return p.offset;
+        }
         self.layers.iter().find_map(|l| if let LayerCache::Kv(c) = l { Some(c.offset()) } else { None }).unwrap_or(0)
     }
 
@@ -175,6 +274,9 @@ impl Cache {
     pub fn trim(&mut self, n: usize) -> Result<()> {
         if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
             return Err(ModelError::Cache("recurrent layers cannot be trimmed".into()));
+        }
+        if let Some(p) = &mut self.paged {
+            return p.trim(n);
         }
         for l in &mut self.layers {
             if let LayerCache::Kv(c) = l {

@@ -125,19 +125,23 @@ impl Qwen3Backbone {
         CacheSpec { layers: vec![k; self.layers.len()] }
     }
 
-    /// Final-normed hidden states `[B, L, hidden]`.
-    pub fn forward(&self, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+    /// Final-normed hidden states `[B, L - skipped, hidden]` and `skipped`, the leading tokens
+    /// served by a paged prefix-cache hit (0 with flat caches).
+    pub fn forward(&self, tokens: &Array, cache: &mut Cache) -> Result<(Array, usize)> {
         check_tokens(tokens, self.cfg.vocab_size)?;
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
         }
-        let mut x = self.embed.forward(tokens)?;
-        let mask = causal_mask(tokens.dims()[1] as usize, None);
+        let (mut kv, skipped) = cache.begin_forward(tokens)?;
+        let l = tokens.dims()[1] as usize;
+        let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
+        let mut x = self.embed.forward(&tokens)?;
+        let mask = causal_mask(l - skipped, None);
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = x.add(&layer.attn.forward(&layer.input_norm.forward(&x)?, cache.kv(i)?, mask)?)?;
+            let h = x.add(&layer.attn.forward_kv(&layer.input_norm.forward(&x)?, &mut kv.layer(i)?, mask)?)?;
             x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;
         }
-        self.norm.forward(&x)
+        Ok((self.norm.forward(&x)?, skipped))
     }
 
     pub fn embed_weight(&self) -> &Array {
@@ -199,7 +203,7 @@ impl ModelRuntime for Qwen3Model {
         self.backbone.cache_spec()
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let h = self.backbone.forward(tokens, cache)?;
+        let (h, _) = self.backbone.forward(tokens, cache)?;
         let logits = match logits {
             Logits::None => None,
             Logits::All => Some(self.lm_head.forward(&h)?.astype(DType::F32)?),

@@ -1,5 +1,5 @@
 use super::{Linear, RmsNorm, Rope};
-use crate::cache::KvCache;
+use crate::cache::{KvCache, LayerKv};
 use crate::weights::Vb;
 use crate::Result;
 use mlx_array::{Array, AttentionMask};
@@ -62,15 +62,20 @@ impl Attention {
         Ok(x.reshape(&[s[0], s[1], n as i32, self.cfg.head_dim as i32])?)
     }
 
-    /// `x`: `[B, L, hidden]`.
+    /// `x`: `[B, L, hidden]`, over a flat cache.
     pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: AttentionMask) -> Result<Array> {
+        self.forward_kv(x, &mut LayerKv::Flat(cache), mask)
+    }
+
+    /// `x`: `[B, L, hidden]`, over either K/V store.
+    pub fn forward_kv(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask) -> Result<Array> {
         let c = &self.cfg;
         let (b, l) = (x.dims()[0], x.dims()[1]);
         let mut q = self.q.forward(x)?;
         let mut gate = None;
         if c.output_gate {
             // [B, L, H, 2D]: per head, the first D are the query, the last D the gate.
-            let qg = self.heads(&q, c.n_heads)?.reshape(&[b, l, c.n_heads as i32, 2, c.head_dim as i32])?;
+            let qg = q.reshape(&[b, l, c.n_heads as i32, 2, c.head_dim as i32])?;
             let parts = qg.split(2, 3)?;
             q = parts[0].reshape(&[b, l, -1])?;
             gate = Some(parts[1].reshape(&[b, l, -1])?);
