@@ -20,6 +20,37 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// A speculative-decoding draft checkpoint (gemma4 only).
     pub draft_model_path: Option<PathBuf>,
+    /// Flat or paged KV cache for attention layers.
+    pub kv_cache: KvCacheMode,
+}
+
+/// Which KV cache a loaded model's sequences use.
+#[derive(Debug, Clone, Default)]
+pub enum KvCacheMode {
+    /// `use_block_paged_cache` from config.json when present, else flat.
+    #[default]
+    Auto,
+    /// Contiguous per-sequence K/V, preallocated in steps (fastest on the CPU backend).
+    Flat,
+    /// The shared block pool of `kv-paged` (prefix sharing across sequences).
+    Paged(crate::paged::PagedConfig),
+}
+
+impl KvCacheMode {
+    fn resolve(&self, config: &serde_json::Value) -> Option<crate::paged::PagedConfig> {
+        match self {
+            KvCacheMode::Flat => None,
+            KvCacheMode::Paged(c) => Some(c.clone()),
+            KvCacheMode::Auto => match config.get("use_block_paged_cache").and_then(|v| v.as_bool()) {
+                Some(true) => Some(crate::paged::PagedConfig {
+                    block_size: config.get("paged_block_size").and_then(|v| v.as_u64()).map_or(16, |v| v as usize),
+                    memory_mb: config.get("paged_cache_memory_mb").and_then(|v| v.as_f64()),
+                    ..Default::default()
+                }),
+                _ => None,
+            },
+        }
+    }
 }
 
 /// A loaded causal LM: cheap to clone, `Send + Sync`; forward passes are serialized internally,
@@ -27,6 +58,7 @@ pub struct LoadOptions {
 #[derive(Clone)]
 pub struct Model {
     inner: Arc<Mutex<Box<dyn ModelRuntime>>>,
+    paged: Option<Arc<Mutex<crate::paged::PagedKv>>>,
     info: Arc<ModelInfo>,
     dir: Arc<PathBuf>,
 }
@@ -35,7 +67,20 @@ impl Model {
     /// Wrap any runtime (e.g. a model built in code).
     pub fn from_runtime(rt: Box<dyn ModelRuntime>, dir: impl Into<PathBuf>) -> Self {
         let info = Arc::new(rt.info().clone());
-        Model { inner: Arc::new(Mutex::new(rt)), info, dir: Arc::new(dir.into()) }
+        Model { inner: Arc::new(Mutex::new(rt)), paged: None, info, dir: Arc::new(dir.into()) }
+    }
+
+    /// Give the model a shared paged KV pool: caches from [`Model::new_cache`] then live in it.
+    pub fn with_paged_cache(mut self, cfg: &crate::paged::PagedConfig, dtype: DType) -> Result<Self> {
+        let spec = self.with_runtime(|rt| rt.cache_spec());
+        let kv = crate::paged::PagedKv::new(&spec, cfg, dtype, self.info.max_position_embeddings)?;
+        self.paged = Some(Arc::new(Mutex::new(kv)));
+        Ok(self)
+    }
+
+    /// Block pool counters, when the model uses a paged cache.
+    pub fn paged_stats(&self) -> Option<kv_paged::ManagerStats> {
+        self.paged.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).stats())
     }
     pub fn info(&self) -> &ModelInfo {
         &self.info
@@ -46,7 +91,11 @@ impl Model {
     }
     /// An empty cache laid out for this model.
     pub fn new_cache(&self) -> Cache {
-        Cache::new(&self.inner.lock().unwrap_or_else(|e| e.into_inner()).cache_spec())
+        let spec = self.inner.lock().unwrap_or_else(|e| e.into_inner()).cache_spec();
+        match &self.paged {
+            Some(p) => Cache::new_paged(&spec, p.clone()),
+            None => Cache::new(&spec),
+        }
     }
     /// One forward pass (holding the model for its duration).
     pub fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
@@ -114,7 +163,15 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
     match family.model_type {
         "qwen3" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;
-            Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir)))
+            let m = Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir);
+            let m = match opts.kv_cache.resolve(&text) {
+                Some(pc) => {
+                    let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
+                    m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
+                }
+                None => m,
+            };
+            Ok(LoadedModel::Lm(m))
         }
         "lfm2" | "lfm2_moe" => {
             let cfg: Lfm2Config = config::parse(dir, &text)?;
