@@ -2,6 +2,7 @@
 use crate::cache::Cache;
 use crate::config;
 use crate::families::lfm2::{Lfm2Config, Lfm2Model};
+use crate::families::qwen3_5::{Qwen35Config, Qwen35Model};
 use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
 use crate::registry::{self, Family, FamilyKind};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
@@ -176,6 +177,10 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         "lfm2" | "lfm2_moe" => {
             let cfg: Lfm2Config = config::parse(dir, &text)?;
             Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Lfm2Model::new(&weights, cfg, family.model_type, eos)?), dir)))
+        }
+        "qwen3_5" | "qwen3_5_moe" => {
+            let cfg: Qwen35Config = config::parse(dir, &text)?;
+            Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Qwen35Model::new(&weights, cfg, &text, eos, family.model_type)?), dir)))
         }
         "harrier" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;

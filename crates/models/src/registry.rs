@@ -59,6 +59,22 @@ pub static FAMILIES: &[Family] = &[
         default_for_nullish_model_type: true,
     },
     Family {
+        model_type: "qwen3_5",
+        kind: FamilyKind::Trainable,
+        raw_model_types: &["qwen3_5", "qwen3_5_text"],
+        architecture_probe: None,
+        accepts_draft_model: false,
+        default_for_nullish_model_type: false,
+    },
+    Family {
+        model_type: "qwen3_5_moe",
+        kind: FamilyKind::Trainable,
+        raw_model_types: &["qwen3_5_moe", "qwen3_5_moe_text"],
+        architecture_probe: None,
+        accepts_draft_model: false,
+        default_for_nullish_model_type: false,
+    },
+    Family {
         model_type: "lfm2",
         kind: FamilyKind::Loadable,
         raw_model_types: &["lfm2"],

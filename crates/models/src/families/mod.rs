@@ -1,4 +1,7 @@
 //! One module per model family.
+pub mod gated_delta;
 pub mod harrier;
+pub mod moe;
 pub mod lfm2;
 pub mod qwen3;
+pub mod qwen3_5;

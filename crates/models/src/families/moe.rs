@@ -1,0 +1,194 @@
+//! Mixture-of-experts building blocks, generic over families: router logits → top-k →
+//! gathered expert matmuls (`gather_mm`; no loop over experts), plus an optional shared expert.
+//!
+//! - [`route_topk`]: softmax (f32) over experts, the `k` best, optionally renormalized.
+//! - [`SwitchGlu`]: all experts' gated MLPs stacked (`[E, …]`), applied to each token's selected
+//!   experts and summed with the routing weights. Loads the fused layout of hub checkpoints
+//!   (`experts.gate_up_proj [E, 2I, H]` gate first, `experts.down_proj [E, H, I]`) and the
+//!   per-expert layout transformers' `save_pretrained` writes (`experts.N.{gate,up,down}_proj`,
+//!   names configurable, e.g. LFM2's `w1`/`w3`/`w2`).
+//! - [`SparseMoe`]: the Qwen-style block (router `gate`, routed experts, `shared_expert` scaled
+//!   by `sigmoid(shared_expert_gate(x))`).
+//!
+//! MLX's CPU `GatherMM` only supports f32, which is the CPU compute dtype anyway.
+use crate::layers::{Activation, GatedMlp, Linear};
+use crate::weights::Vb;
+use crate::{ModelError, Result};
+use mlx_array::{ops, Array, DType};
+
+/// Top-k routing of `logits: [T, E]`: softmax in f32, the `k` largest probabilities (their order
+/// is unspecified), renormalized to sum 1 when `normalize`. Returns `(indices u32 [T, k],
+/// weights f32 [T, k])`.
+pub fn route_topk(logits: &Array, k: usize, normalize: bool) -> Result<(Array, Array)> {
+    let probs = logits.astype(DType::F32)?.softmax(-1, true)?;
+    route_topk_probs(&probs, k, normalize)
+}
+
+/// [`route_topk`] on already-computed scores `[T, E]` (e.g. sigmoid routers, or scores with a
+/// selection bias): picks the `k` largest and returns them (renormalized when `normalize`).
+pub fn route_topk_probs(scores: &Array, k: usize, normalize: bool) -> Result<(Array, Array)> {
+    let idx = scores.topk_indices(k, -1)?;
+    let mut w = scores.take_along_axis(&idx, -1)?;
+    if normalize {
+        w = w.div(&w.sum(&[-1], true)?)?;
+    }
+    Ok((idx, w))
+}
+
+/// Every expert's gated MLP, stacked for `gather_mm`.
+#[derive(Clone)]
+pub struct SwitchGlu {
+    /// `[E, H, 2I]` (transposed for `x @ w`): gate columns first, then up.
+    gate_up: Array,
+    /// `[E, I, H]`.
+    down: Array,
+    inter: usize,
+    act: Activation,
+}
+
+impl SwitchGlu {
+    /// Build from `gate_up: [E, 2I, H]` (gate rows first) and `down: [E, H, I]` as stored.
+    pub fn from_fused(gate_up: Array, down: Array, act: Activation) -> Result<Self> {
+        let (gs, ds) = (gate_up.shape(), down.shape());
+        if gs.len() != 3 || ds.len() != 3 || gs[0] != ds[0] || gs[1] != 2 * ds[2] || gs[2] != ds[1] {
+            return Err(ModelError::InvalidInput(format!("expert shapes gate_up {gs:?} / down {ds:?} do not match [E,2I,H] / [E,H,I]")));
+        }
+        Ok(SwitchGlu { inter: ds[2], gate_up: gate_up.swap_axes(1, 2)?, down: down.swap_axes(1, 2)?, act })
+    }
+
+    /// `vb` at `…mlp.experts`: the fused layout (`gate_up_proj`, `down_proj`, optionally with a
+    /// `.weight` suffix) or, failing that, per-expert `N.{names}` `.weight` tensors.
+    pub fn load(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, names: [&str; 3], act: Activation) -> Result<Self> {
+        for suffix in ["", ".weight"] {
+            let (gu, dn) = (format!("gate_up_proj{suffix}"), format!("down_proj{suffix}"));
+            if vb.contains(&gu) {
+                return Self::from_fused(vb.get(&gu, &[n_experts, 2 * inter, hidden])?, vb.get(&dn, &[n_experts, hidden, inter])?, act);
+            }
+        }
+        let (mut gu, mut dn) = (Vec::with_capacity(n_experts), Vec::with_capacity(n_experts));
+        for e in 0..n_experts {
+            let ev = vb.pp(e);
+            let g = ev.pp(names[0]).get("weight", &[inter, hidden])?;
+            let u = ev.pp(names[1]).get("weight", &[inter, hidden])?;
+            gu.push(ops::concatenate(&[&g, &u], 0)?);
+            dn.push(ev.pp(names[2]).get("weight", &[hidden, inter])?);
+        }
+        let (gr, dr): (Vec<&Array>, Vec<&Array>) = (gu.iter().collect(), dn.iter().collect());
+        Self::from_fused(ops::stack(&gr, 0)?, ops::stack(&dr, 0)?, act)
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.gate_up.shape()[0]
+    }
+
+    /// `x: [T, H]`, `idx: [T, k]` expert ids, `weights: [T, k]` → `Σ_k w · expert_k(x)`: `[T, H]`.
+    pub fn forward(&self, x: &Array, idx: &Array, weights: &Array) -> Result<Array> {
+        let (t, h) = (x.dims()[0], x.dims()[1]);
+        let k = idx.dims()[1];
+        let n = (t * k) as usize;
+        // Sort the (token, slot) pairs by expert for larger batches: gather_mm then walks each
+        // expert's rows contiguously.
+        let sort = n >= 64;
+        let xe = x.reshape(&[t, 1, 1, h])?;
+        let y = if sort {
+            let flat = idx.reshape(&[-1])?;
+            let order = flat.argsort(0)?;
+            let inv = order.argsort(0)?;
+            let sorted_idx = flat.take(&order, 0)?;
+            let rows = order.floor_divide_u32(k as u32)?;
+            let xs = x.take(&rows, 0)?.reshape(&[n as i32, 1, h])?;
+            let hgu = ops::gather_mm(&xs, &self.gate_up, None, Some(&sorted_idx), true)?; // [n, 1, 2I]
+            let hmid = self.glu(&hgu)?;
+            let out = ops::gather_mm(&hmid, &self.down, None, Some(&sorted_idx), true)?; // [n, 1, H]
+            out.take(&inv, 0)?.reshape(&[t, k, h])?
+        } else {
+            let hgu = ops::gather_mm(&xe, &self.gate_up, None, Some(idx), false)?; // [T, k, 1, 2I]
+            let hmid = self.glu(&hgu)?;
+            ops::gather_mm(&hmid, &self.down, None, Some(idx), false)?.reshape(&[t, k, h])?
+        };
+        let w = weights.astype(y.dtype())?.expand_dims(-1)?;
+        Ok(y.mul(&w)?.sum(&[1], false)?)
+    }
+
+    fn glu(&self, gu: &Array) -> Result<Array> {
+        let parts = gu.split_at(&[self.inter], -1)?;
+        Ok(self.act.apply(&parts[0])?.mul(&parts[1])?)
+    }
+}
+
+/// Integer helpers kept local (the array API has no integer floor-divide by a scalar).
+trait FloorDivU32 {
+    fn floor_divide_u32(&self, d: u32) -> Result<Array>;
+}
+impl FloorDivU32 for Array {
+    fn floor_divide_u32(&self, d: u32) -> Result<Array> {
+        let a = self.astype(DType::U32)?;
+        let r = a.remainder(&Array::scalar(d))?;
+        Ok(a.sub(&r)?.div(&Array::scalar(d))?.astype(DType::U32)?)
+    }
+}
+
+/// A Qwen-style sparse MoE block (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE).
+#[derive(Clone)]
+pub struct SparseMoe {
+    router: Linear,
+    experts: SwitchGlu,
+    shared: Option<GatedMlp>,
+    shared_gate: Option<Linear>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+/// Shapes and options of [`SparseMoe`].
+#[derive(Debug, Clone)]
+pub struct SparseMoeConfig {
+    pub hidden: usize,
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub moe_intermediate: usize,
+    /// 0: no shared expert.
+    pub shared_intermediate: usize,
+    pub norm_topk_prob: bool,
+    pub act: Activation,
+}
+
+impl SparseMoe {
+    /// `vb` at `…mlp`: `gate` (router `[E, H]`), `experts`, and when configured `shared_expert`
+    /// and `shared_expert_gate` (`[1, H]`, optional).
+    pub fn load(vb: &Vb, cfg: &SparseMoeConfig) -> Result<Self> {
+        if cfg.top_k == 0 || cfg.top_k > cfg.num_experts {
+            return Err(ModelError::InvalidInput(format!("num_experts_per_tok {} must be in 1..={}", cfg.top_k, cfg.num_experts)));
+        }
+        let (shared, shared_gate) = if cfg.shared_intermediate > 0 {
+            let s = GatedMlp::load(&vb.pp("shared_expert"), cfg.hidden, cfg.shared_intermediate, cfg.act)?;
+            let g = if vb.contains("shared_expert_gate.weight") { Some(Linear::load(&vb.pp("shared_expert_gate"), cfg.hidden, 1, false)?) } else { None };
+            (Some(s), g)
+        } else {
+            (None, None)
+        };
+        Ok(SparseMoe {
+            router: Linear::load(&vb.pp("gate"), cfg.hidden, cfg.num_experts, false)?,
+            experts: SwitchGlu::load(&vb.pp("experts"), cfg.num_experts, cfg.hidden, cfg.moe_intermediate, ["gate_proj", "up_proj", "down_proj"], cfg.act)?,
+            shared,
+            shared_gate,
+            top_k: cfg.top_k,
+            norm_topk_prob: cfg.norm_topk_prob,
+        })
+    }
+
+    /// `x: [B, L, H]` → `[B, L, H]`.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let dims = x.dims().to_vec();
+        let flat = x.reshape(&[-1, dims[2]])?;
+        let (idx, w) = route_topk(&self.router.forward(&flat)?, self.top_k, self.norm_topk_prob)?;
+        let mut y = self.experts.forward(&flat, &idx, &w)?;
+        if let Some(s) = &self.shared {
+            let mut sh = s.forward(&flat)?;
+            if let Some(g) = &self.shared_gate {
+                sh = sh.mul(&g.forward(&flat)?.sigmoid()?)?;
+            }
+            y = y.add(&sh)?;
+        }
+        Ok(y.reshape(&dims)?)
+    }
+}

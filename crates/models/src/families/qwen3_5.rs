@@ -1,0 +1,447 @@
+//! Qwen3.5 dense (`qwen3_5`) and MoE (`qwen3_5_moe`) causal LMs: hybrid stacks of GatedDeltaNet
+//! linear-attention layers ([`super::gated_delta`]) and gated full-attention layers (mirrors
+//! transformers' `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` and mlx-lm's `qwen3_5.py`).
+//!
+//! - Layer `i` is full attention when `layer_types[i] == "full_attention"` (or, without
+//!   `layer_types`, when `(i + 1) % full_attention_interval == 0`), otherwise GatedDeltaNet.
+//! - Full attention: `q_proj` is 2× wide (query and a sigmoid output gate per head), q/k RMSNorm,
+//!   rotary on the first `partial_rotary_factor · head_dim` dims (text-only M-RoPE is plain RoPE).
+//! - Every RMSNorm except the gated one inside GatedDeltaNet is `x · (1 + w)`; the `1 + w` is formed
+//!   once at load, in f32.
+//! - MoE checkpoints: each layer whose index is not in `mlp_only_layers` and for which
+//!   `(i + 1) % decoder_sparse_step == 0` has a [`SparseMoe`] block (top-k softmax routing,
+//!   renormalized unless `norm_topk_prob` is false, plus the sigmoid-gated shared expert); other
+//!   layers a dense MLP of `intermediate_size`. Experts load from the fused hub layout or the
+//!   per-expert layout transformers writes.
+//! - Checkpoint layouts: text-only (`model.layers.*`) and ConditionalGeneration
+//!   (`model.language_model.*`). Vision-tower tensors (`model.visual.*`) are skipped and
+//!   reported in [`Qwen35Model::load_notes`] (and once on stderr).
+//! - MTP head: `mtp.*` tensors in the checkpoint, or the sidecars the seeds name (`mtp.safetensors`,
+//!   `mtp/weights.safetensors`, `mlx_lm_extra_tensors.mtp_file` for dense, and an mlx-vlm
+//!   `mtp-drafter/` directory whose bare keys are read as `mtp.*`), are loaded and kept as
+//!   [`Qwen35Model::mtp_weights`] (not used by the forward pass); a checkpoint without them loads.
+//!
+//! ## Caches and chat sessions
+//! Full-attention layers use [`LayerCache::Kv`]; GatedDeltaNet layers a
+//! [`LayerCache::Recurrent`] with two slots (the last `K - 1` conv inputs, and the f32 delta-rule
+//! state `[B, Hv, Dk, Dv]`). A recurrent state summarizes *all* tokens seen so far and cannot be
+//! rolled back, so [`Cache::trim`] refuses it. What the shared session code therefore does:
+//! - **reused**: a new turn whose prompt extends exactly the tokens already in the cache (the usual
+//!   continue: the previous prompt + reply, then the new messages) only prefills the appended
+//!   tokens; the states continue from where they are, which is exact.
+//! - **recomputed**: anything else (a prompt that diverges inside the cached tokens, an edit of
+//!   history, a restart with a shorter prefix) resets the cache and prefills the whole prompt,
+//!   because the state at the divergence point was not saved.
+use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
+use super::moe::{SparseMoe, SparseMoeConfig};
+use super::qwen3::check_tokens;
+use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+use mlx_array::{Array, DType};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The decoder settings of a Qwen3.5 (dense or MoE) checkpoint, from [`crate::config::text_config`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Qwen35Config {
+    pub hidden_size: usize,
+    /// Dense MLP width (dense models, and `mlp_only_layers` of MoE models).
+    #[serde(default)]
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f32,
+    #[serde(default = "default_partial")]
+    pub partial_rotary_factor: f32,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default = "default_interval")]
+    pub full_attention_interval: usize,
+    #[serde(default = "default_conv")]
+    pub linear_conv_kernel_dim: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    // MoE (absent or 0 for dense checkpoints).
+    #[serde(default)]
+    pub num_experts: usize,
+    #[serde(default)]
+    pub num_experts_per_tok: usize,
+    #[serde(default)]
+    pub moe_intermediate_size: usize,
+    #[serde(default)]
+    pub shared_expert_intermediate_size: usize,
+    #[serde(default = "default_true")]
+    pub norm_topk_prob: bool,
+    #[serde(default = "default_one")]
+    pub decoder_sparse_step: usize,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    // MTP head size (either name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp_num_hidden_layers: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_nextn_predict_layers: Option<usize>,
+}
+
+fn default_eps() -> f32 {
+    1e-6
+}
+fn default_theta() -> f32 {
+    10_000_000.0
+}
+fn default_partial() -> f32 {
+    0.25
+}
+fn default_max_pos() -> usize {
+    262144
+}
+fn default_act() -> String {
+    "silu".into()
+}
+fn default_interval() -> usize {
+    4
+}
+fn default_conv() -> usize {
+    4
+}
+fn default_true() -> bool {
+    true
+}
+fn default_one() -> usize {
+    1
+}
+
+impl Qwen35Config {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+    /// Rotary dims of the full-attention layers.
+    pub fn rotary_dims(&self) -> usize {
+        ((self.head_dim() as f32 * self.partial_rotary_factor) as usize) & !1
+    }
+    /// Whether layer `i` is full attention (else GatedDeltaNet).
+    pub fn is_full_attention(&self, i: usize) -> bool {
+        match &self.layer_types {
+            Some(t) => t.get(i).is_some_and(|s| s == "full_attention"),
+            None => (i + 1) % self.full_attention_interval.max(1) == 0,
+        }
+    }
+    /// Whether layer `i` has a sparse MoE block (else a dense MLP).
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.num_experts > 0 && !self.mlp_only_layers.contains(&i) && (i + 1) % self.decoder_sparse_step.max(1) == 0
+    }
+    /// Declared MTP layers (`mtp_num_hidden_layers`, else `num_nextn_predict_layers`, else 0).
+    pub fn mtp_layers(&self) -> usize {
+        self.mtp_num_hidden_layers.or(self.num_nextn_predict_layers).unwrap_or(0)
+    }
+    pub fn gated_delta(&self) -> GatedDeltaConfig {
+        GatedDeltaConfig {
+            hidden: self.hidden_size,
+            num_k_heads: self.linear_num_key_heads,
+            num_v_heads: self.linear_num_value_heads,
+            head_k_dim: self.linear_key_head_dim,
+            head_v_dim: self.linear_value_head_dim,
+            conv_kernel: self.linear_conv_kernel_dim,
+            eps: self.rms_norm_eps,
+        }
+    }
+    /// Checks the config before any tensor is read.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let h = self.num_attention_heads;
+        if h == 0 || self.num_key_value_heads == 0 || h % self.num_key_value_heads != 0 {
+            return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {}", self.num_key_value_heads));
+        }
+        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || self.head_dim() % 2 != 0 {
+            return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
+        }
+        let (hk, hv) = (self.linear_num_key_heads, self.linear_num_value_heads);
+        if hk == 0 || hv % hk != 0 || self.linear_key_head_dim == 0 || self.linear_value_head_dim == 0 || self.linear_conv_kernel_dim == 0 {
+            return Err(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}, head dims and conv kernel positive"));
+        }
+        if let Some(t) = &self.layer_types {
+            if t.len() != self.num_hidden_layers {
+                return Err(format!("layer_types has {} entries for {} layers", t.len(), self.num_hidden_layers));
+            }
+            if let Some(bad) = t.iter().find(|s| *s != "full_attention" && *s != "linear_attention") {
+                return Err(format!("unknown layer type {bad:?}"));
+            }
+        }
+        if Activation::parse(&self.hidden_act).is_none() {
+            return Err(format!("unsupported hidden_act {:?}", self.hidden_act));
+        }
+        let any_moe = (0..self.num_hidden_layers).any(|i| self.is_moe_layer(i));
+        let any_dense = (0..self.num_hidden_layers).any(|i| !self.is_moe_layer(i));
+        if any_moe && (self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts || self.moe_intermediate_size == 0) {
+            return Err(format!("MoE needs 1 <= num_experts_per_tok ({}) <= num_experts ({}) and moe_intermediate_size > 0", self.num_experts_per_tok, self.num_experts));
+        }
+        if any_dense && self.intermediate_size == 0 {
+            return Err("intermediate_size must be positive for dense MLP layers".into());
+        }
+        Ok(())
+    }
+}
+
+enum Mixer {
+    Linear(GatedDeltaNet),
+    Full(Attention),
+}
+
+enum Ffn {
+    Dense(GatedMlp),
+    Moe(SparseMoe),
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    mixer: Mixer,
+    post_norm: RmsNorm,
+    ffn: Ffn,
+}
+
+/// A Qwen3.5 (dense or MoE) causal LM.
+pub struct Qwen35Model {
+    cfg: Qwen35Config,
+    embed: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    info: ModelInfo,
+    mtp: HashMap<String, Array>,
+    notes: Vec<String>,
+}
+
+impl Qwen35Model {
+    /// `family`: `qwen3_5` or `qwen3_5_moe` (the canonical type reported in [`ModelInfo`]).
+    /// `raw` is the (text) config JSON, read for the MTP sidecar setting.
+    pub fn new(weights: &Weights, cfg: Qwen35Config, raw: &serde_json::Value, eos: Vec<u32>, family: &str) -> Result<Self> {
+        let path = weights.path().to_path_buf();
+        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: path.clone(), reason })?;
+        let root = weights.root();
+        let prefix = if weights.contains("model.language_model.embed_tokens.weight") { "model.language_model" } else { "model" };
+        let vb = root.pp(prefix);
+        let (h, d) = (cfg.hidden_size, cfg.head_dim());
+        let eps = cfg.rms_norm_eps;
+        let act = Activation::parse(&cfg.hidden_act).expect("validated");
+        let acfg = AttentionConfig {
+            hidden: h,
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.num_key_value_heads,
+            head_dim: d,
+            bias: cfg.attention_bias,
+            qk_norm: Some(eps),
+            norm_offset: 1.0,
+            output_gate: true,
+            scale: None,
+            o_name: "o_proj",
+        };
+        let moe_cfg = SparseMoeConfig {
+            hidden: h,
+            num_experts: cfg.num_experts,
+            top_k: cfg.num_experts_per_tok,
+            moe_intermediate: cfg.moe_intermediate_size,
+            shared_intermediate: cfg.shared_expert_intermediate_size,
+            norm_topk_prob: cfg.norm_topk_prob,
+            act,
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let lv = vb.pp("layers").pp(i);
+                let mixer = if cfg.is_full_attention(i) {
+                    Mixer::Full(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(cfg.rotary_dims(), cfg.rope_theta), ["q_norm", "k_norm"])?)
+                } else {
+                    Mixer::Linear(GatedDeltaNet::load(&lv.pp("linear_attn"), cfg.gated_delta())?)
+                };
+                let ffn = if cfg.is_moe_layer(i) {
+                    Ffn::Moe(SparseMoe::load(&lv.pp("mlp"), &moe_cfg)?)
+                } else {
+                    Ffn::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
+                };
+                Ok(Block {
+                    input_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, 1.0)?,
+                    mixer,
+                    post_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, 1.0)?,
+                    ffn,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed.weight.clone(), None)?
+        } else if root.contains("lm_head.weight") {
+            Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
+        } else {
+            return Err(ModelError::Checkpoint { path, msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
+        };
+        let mut notes = Vec::new();
+        let visual = weights.names().filter(|n| n.starts_with("model.visual.") || n.starts_with("visual.")).count();
+        if visual > 0 {
+            notes.push(format!("skipped {visual} vision-tower tensors (model.visual.*): text-only model"));
+        }
+        let mtp = load_mtp(weights, raw, family, embed.weight.dtype(), &mut notes)?;
+        for n in &notes {
+            eprintln!("mlx-models: {family} {}: {n}", path.display());
+        }
+        let info = ModelInfo {
+            model_type: family.into(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: h,
+            num_layers: cfg.num_hidden_layers,
+            max_position_embeddings: cfg.max_position_embeddings,
+            eos_token_ids: eos,
+            bos_token_id: cfg.bos_token_id,
+        };
+        Ok(Qwen35Model { norm: RmsNorm::load(&vb.pp("norm"), h, eps, 1.0)?, cfg, embed, layers, lm_head, info, mtp, notes })
+    }
+
+    pub fn config(&self) -> &Qwen35Config {
+        &self.cfg
+    }
+    /// Whether the checkpoint (or a sidecar) shipped MTP head tensors.
+    pub fn has_mtp_weights(&self) -> bool {
+        !self.mtp.is_empty()
+    }
+    /// The MTP tensors, keyed `mtp.*` (unused by [`ModelRuntime::forward`]).
+    pub fn mtp_weights(&self) -> &HashMap<String, Array> {
+        &self.mtp
+    }
+    /// What loading skipped or found (vision tower, MTP sidecars).
+    pub fn load_notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// Final-normed hidden states `[B, L, hidden]`.
+    fn hidden(&self, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+        check_tokens(tokens, self.cfg.vocab_size)?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
+        }
+        let mut x = self.embed.forward(tokens)?;
+        let mask = causal_mask(tokens.dims()[1] as usize, None);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let n = layer.input_norm.forward(&x)?;
+            let a = match (&layer.mixer, &mut cache.layers[i]) {
+                (Mixer::Full(att), LayerCache::Kv(kv)) => att.forward(&n, kv, mask)?,
+                (Mixer::Linear(gdn), LayerCache::Recurrent(slots)) => gdn.forward(&n, slots)?,
+                _ => return Err(ModelError::Cache(format!("layer {i}: cache kind does not match the layer"))),
+            };
+            let hres = x.add(&a)?;
+            let n = layer.post_norm.forward(&hres)?;
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => m.forward(&n)?,
+                Ffn::Moe(m) => m.forward(&n)?,
+            };
+            x = hres.add(&f)?;
+        }
+        self.norm.forward(&x)
+    }
+}
+
+/// MTP tensors: `mtp.*` in the checkpoint, then the sidecar files (see the module docs).
+fn load_mtp(weights: &Weights, raw: &serde_json::Value, family: &str, dtype: DType, notes: &mut Vec<String>) -> Result<HashMap<String, Array>> {
+    let root = weights.root();
+    let mut mtp: HashMap<String, Array> = HashMap::new();
+    let names: Vec<String> = weights.names().filter(|n| n.starts_with("mtp.")).map(String::from).collect();
+    for n in names {
+        mtp.insert(n.clone(), root.get_any(&n)?);
+    }
+    let dir = weights.path();
+    let mut sidecars: Vec<std::path::PathBuf> = vec![dir.join("mtp.safetensors")];
+    if family == "qwen3_5" {
+        sidecars.push(dir.join("mtp/weights.safetensors"));
+        if let Some(f) = raw.get("mlx_lm_extra_tensors").and_then(|e| e.get("mtp_file")).and_then(|f| f.as_str()) {
+            let p = Path::new(f.trim());
+            // Relative and contained in the checkpoint directory only.
+            if !f.trim().is_empty() && p.is_relative() && !p.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+                sidecars.push(dir.join(p));
+            }
+        }
+    }
+    for p in sidecars {
+        if p.is_file() {
+            let t = mlx_array::io::load_safetensors(&p, Some(dtype))?;
+            notes.push(format!("loaded {} MTP tensors from {}", t.len(), p.display()));
+            for (k, v) in t {
+                let k = if k.starts_with("mtp.") { k } else { format!("mtp.{k}") };
+                mtp.entry(k).or_insert(v);
+            }
+        }
+    }
+    let drafter = dir.join("mtp-drafter");
+    if drafter.is_dir() {
+        let mut files: Vec<_> = std::fs::read_dir(&drafter)
+            .map_err(|e| ModelError::io(&drafter, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        for p in files {
+            let t = mlx_array::io::load_safetensors(&p, Some(dtype))?;
+            notes.push(format!("loaded {} MTP drafter tensors from {}", t.len(), p.display()));
+            for (k, v) in t {
+                let k = if k.starts_with("mtp.") { k } else { format!("mtp.{k}") };
+                mtp.entry(k).or_insert(v);
+            }
+        }
+    }
+    Ok(mtp)
+}
+
+impl ModelRuntime for Qwen35Model {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        let layers = (0..self.cfg.num_hidden_layers)
+            .map(|i| {
+                if self.cfg.is_full_attention(i) {
+                    LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }
+                } else {
+                    LayerKind::Recurrent { slots: gated_delta::SLOTS }
+                }
+            })
+            .collect();
+        CacheSpec { layers }
+    }
+    fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let h = self.hidden(tokens, cache)?;
+        let logits = match logits {
+            Logits::None => None,
+            Logits::All => Some(self.lm_head.forward(&h)?.astype(DType::F32)?),
+            Logits::Last => {
+                let l = h.dim(1)?;
+                Some(self.lm_head.forward(&h.slice_axis(1, l - 1, l)?)?.astype(DType::F32)?)
+            }
+        };
+        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+    }
+}
+
+/// Parse the config of `dir` (already read) for [`Qwen35Model`].
+pub fn parse_config(dir: &Path, text: &serde_json::Value) -> Result<Qwen35Config> {
+    crate::config::parse(dir, text)
+}
