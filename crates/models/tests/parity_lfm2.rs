@@ -198,7 +198,8 @@ fn transformers5_configs_give_the_same_logits() {
 
 #[test]
 fn bad_configs_are_refused() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, &str)> = vec![
+    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         ("lfm2", Box::new(|c| c["layer_types"] = serde_json::json!(["conv", "conv", "conv", "conv"])), "full_attention"),
         ("lfm2", Box::new(|c| c["layer_types"] = serde_json::json!(["conv", "mamba", "conv", "full_attention"])), "mamba"),
         ("lfm2", Box::new(|c| c["full_attn_idxs"] = serde_json::json!([1, 7])), "full_attn_idxs"),
@@ -217,5 +218,31 @@ fn bad_configs_are_refused() {
             Err(e) => e.to_string(),
         };
         assert!(err.contains(want), "{name}: error {err:?} should mention {want:?}");
+    }
+}
+
+#[test]
+fn random_checkpoints_load_and_decode_consistently() {
+    use mlx_models::families::lfm2::{create_random_lfm2_checkpoint, tiny_lfm2_config};
+    for moe in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = tiny_lfm2_config(moe);
+        cfg.conv_bias = !moe; // exercise the conv biases on the dense one
+        cfg.tie_word_embeddings = Some(moe); // and an untied head
+        create_random_lfm2_checkpoint(&cfg, moe, dir.path(), mlx_array::DType::BF16, 7).unwrap();
+        let model = load_model(dir.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        assert_eq!(model.info().model_type, if moe { "lfm2_moe" } else { "lfm2" });
+        assert_eq!(model.info().eos_token_ids, vec![488]);
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
+        let mut cache = model.new_cache();
+        let (toks, steps) = greedy_cached(&model, &mut cache, &prompt, 6);
+        let all: Vec<u32> = prompt.iter().chain(&toks[..5]).copied().collect();
+        let full = full_logits(&model, &all);
+        for (s, l) in steps.iter().enumerate() {
+            assert!(rel_err(l, &full[39 + s]) < 1e-4, "moe={moe}: step {s}");
+        }
+        // The bundled tokenizer makes it a chat model.
+        let mut s = load_session(dir.path(), &LoadOptions::default()).unwrap();
+        assert_eq!(s.start(vec![ChatMessage::user("hi")], &greedy(3)).unwrap().num_tokens, 3);
     }
 }

@@ -75,6 +75,8 @@ pub struct Lfm2Config {
     pub routed_scaling_factor: f32,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
 }
 
 fn default_max_pos() -> usize {
@@ -515,6 +517,106 @@ impl ModelRuntime for Lfm2Model {
         };
         Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
     }
+}
+
+/// A small LFM2 (or, with `moe`, LFM2-MoE) shape: hidden 64, 4 layers (conv, attention, conv,
+/// attention), vocab 512; the MoE variant has 4 experts, top 2, one dense layer.
+pub fn tiny_lfm2_config(moe: bool) -> Lfm2Config {
+    let mut v = serde_json::json!({
+        "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "norm_eps": 1e-5,
+        "conv_bias": false, "conv_L_cache": 3, "rope_theta": 1000000.0,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "tie_word_embeddings": true, "bos_token_id": 486, "eos_token_id": 488
+    });
+    let extra = if moe {
+        serde_json::json!({"intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "use_expert_bias": true, "num_dense_layers": 1})
+    } else {
+        serde_json::json!({"intermediate_size": 192, "block_dim": 64, "block_ff_dim": 192, "block_multiple_of": 32,
+            "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": true})
+    };
+    v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    serde_json::from_value(v).expect("static config")
+}
+
+/// Create a random LFM2 (`moe: false`) or LFM2-MoE checkpoint in `dir` in the transformers
+/// layout (config.json, model.safetensors in `dtype`, and the bundled 512-id Qwen3 tokenizer, as
+/// the fixtures use). Weights ~ N(0, 0.02), norms ~ 1 + N(0, 0.1): text is random.
+pub fn create_random_lfm2_checkpoint(cfg: &Lfm2Config, moe: bool, dir: &std::path::Path, dtype: DType, seed: u64) -> Result<()> {
+    use crate::random_ckpt::write_atomic;
+    use mlx_array::random::{normal_with, Key};
+    cfg.validate(moe).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let is_attn = cfg.attention_layers().expect("validated");
+    let (h, d, k) = (cfg.hidden_size, cfg.head_dim(), cfg.conv_l_cache);
+    let (nq, nkv) = (cfg.num_attention_heads * d, cfg.kv_heads() * d);
+    let mut shapes: Vec<(String, Vec<usize>, f32, f32)> = vec![("model.embed_tokens.weight".into(), vec![cfg.vocab_size, h], 0.0, 0.02)];
+    let mut w = |name: String, shape: Vec<usize>| shapes.push((name, shape, 0.0, 0.02));
+    let mut norms = Vec::new();
+    for (l, &attn) in is_attn.iter().enumerate() {
+        let p = format!("model.layers.{l}");
+        if attn {
+            w(format!("{p}.self_attn.q_proj.weight"), vec![nq, h]);
+            w(format!("{p}.self_attn.k_proj.weight"), vec![nkv, h]);
+            w(format!("{p}.self_attn.v_proj.weight"), vec![nkv, h]);
+            w(format!("{p}.self_attn.out_proj.weight"), vec![h, nq]);
+            norms.push((format!("{p}.self_attn.q_layernorm.weight"), d));
+            norms.push((format!("{p}.self_attn.k_layernorm.weight"), d));
+        } else {
+            w(format!("{p}.conv.in_proj.weight"), vec![3 * h, h]);
+            w(format!("{p}.conv.conv.weight"), vec![h, 1, k]);
+            w(format!("{p}.conv.out_proj.weight"), vec![h, h]);
+            if cfg.conv_bias {
+                w(format!("{p}.conv.in_proj.bias"), vec![3 * h]);
+                w(format!("{p}.conv.conv.bias"), vec![h]);
+                w(format!("{p}.conv.out_proj.bias"), vec![h]);
+            }
+        }
+        let f = format!("{p}.feed_forward");
+        if moe && l >= cfg.num_dense_layers {
+            let (e, i) = (cfg.num_experts.unwrap(), cfg.moe_intermediate_size.unwrap());
+            w(format!("{f}.gate.weight"), vec![e, h]);
+            if cfg.use_expert_bias {
+                w(format!("{f}.expert_bias"), vec![e]);
+            }
+            for x in 0..e {
+                w(format!("{f}.experts.{x}.w1.weight"), vec![i, h]);
+                w(format!("{f}.experts.{x}.w3.weight"), vec![i, h]);
+                w(format!("{f}.experts.{x}.w2.weight"), vec![h, i]);
+            }
+        } else {
+            let ff = cfg.dense_ff_dim(moe).unwrap();
+            w(format!("{f}.w1.weight"), vec![ff, h]);
+            w(format!("{f}.w3.weight"), vec![ff, h]);
+            w(format!("{f}.w2.weight"), vec![h, ff]);
+        }
+        norms.push((format!("{p}.operator_norm.weight"), h));
+        norms.push((format!("{p}.ffn_norm.weight"), h));
+    }
+    if !cfg.tied() {
+        w("lm_head.weight".into(), vec![cfg.vocab_size, h]);
+    }
+    norms.push(("model.embedding_norm.weight".into(), h));
+    shapes.extend(norms.into_iter().map(|(n, s)| (n, vec![s], 1.0, 0.1)));
+    let keys = Key::new(seed)?.split_n(shapes.len())?;
+    let mut arrays: Vec<(String, Array)> = Vec::with_capacity(shapes.len());
+    for ((name, shape, loc, scale), key) in shapes.into_iter().zip(&keys) {
+        arrays.push((name, normal_with(&shape, loc, scale, DType::F32, key)?.astype(dtype)?));
+    }
+    let refs: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None)?;
+
+    let mut json = serde_json::to_value(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    let obj = json.as_object_mut().unwrap();
+    obj.insert("model_type".into(), if moe { "lfm2_moe" } else { "lfm2" }.into());
+    obj.insert("architectures".into(), serde_json::json!([if moe { "Lfm2MoeForCausalLM" } else { "Lfm2ForCausalLM" }]));
+    obj.insert("torch_dtype".into(), match dtype { DType::BF16 => "bfloat16", DType::F16 => "float16", _ => "float32" }.into());
+    obj.retain(|_, v| !v.is_null());
+    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&json).unwrap().as_bytes())?;
+    write_atomic(&dir.join("tokenizer.json"), include_str!("../../assets/qwen3-tokenizer/tokenizer.json").as_bytes())?;
+    write_atomic(&dir.join("tokenizer_config.json"), include_str!("../../assets/qwen3-tokenizer/tokenizer_config.json").as_bytes())?;
+    Ok(())
 }
 
 #[cfg(test)]
