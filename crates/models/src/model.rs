@@ -79,6 +79,11 @@ impl Model {
         Ok(self)
     }
 
+    /// Whether the checkpoint has MTP head weights (see [`ModelRuntime::has_mtp_weights`]).
+    pub fn has_mtp_weights(&self) -> bool {
+        self.with_runtime(|rt| rt.has_mtp_weights())
+    }
+
     /// Block pool counters, when the model uses a paged cache.
     pub fn paged_stats(&self) -> Option<kv_paged::ManagerStats> {
         self.paged.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).stats())

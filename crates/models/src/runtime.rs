@@ -44,4 +44,9 @@ pub trait ModelRuntime: Send {
     fn cache_spec(&self) -> CacheSpec;
     /// `tokens`: `[B, L]` i32/u32 ids. Appends to `cache` and returns the requested outputs.
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput>;
+    /// Whether the checkpoint carried multi-token-prediction head weights (Qwen3.5), for the
+    /// speculative crate.
+    fn has_mtp_weights(&self) -> bool {
+        false
+    }
 }

@@ -220,6 +220,9 @@ mod random_and_mtp {
         mlx_array::io::save_safetensors(dir.join("model-mtp.safetensors"), &[("mtp.norm.weight", &norm)], None).unwrap();
         let m = load_concrete(&dir, "qwen3_5");
         assert!(m.has_mtp_weights() && m.mtp_weights().contains_key("mtp.norm.weight"));
+        // Reachable through the loaded `Model` handle too (for the speculative crate).
+        assert!(load_model(&dir, &LoadOptions::default()).unwrap().into_lm().unwrap().has_mtp_weights());
+        assert!(!load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap().has_mtp_weights());
         // The forward pass does not depend on them.
         let mut c = m.new_cache_for_test();
         let out = m.forward(&Array::from_slice(&[1u32, 2, 3], &[1, 3]).unwrap(), &mut c, Logits::Last, false).unwrap();

@@ -412,6 +412,9 @@ fn load_mtp(weights: &Weights, raw: &serde_json::Value, family: &str, dtype: DTy
 }
 
 impl ModelRuntime for Qwen35Model {
+    fn has_mtp_weights(&self) -> bool {
+        Qwen35Model::has_mtp_weights(self)
+    }
     fn info(&self) -> &ModelInfo {
         &self.info
     }
