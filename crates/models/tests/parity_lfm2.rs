@@ -246,3 +246,33 @@ fn random_checkpoints_load_and_decode_consistently() {
         assert_eq!(s.start(vec![ChatMessage::user("hi")], &greedy(3)).unwrap().num_tokens, 3);
     }
 }
+
+#[test]
+fn mlx_lm_stacked_expert_layout_loads() {
+    // mlx-lm's sanitize stacks experts into `switch_mlp.{gate,up,down}_proj` and transposes the
+    // conv weight to [H, K, 1]; both layouts give the same model.
+    use mlx_array::ops;
+    let dir = with_config("lfm2_moe", |_| {});
+    let src = mlx_array::io::load_safetensors(fixture("lfm2_moe").join("model.safetensors"), None).unwrap();
+    let mut out: Vec<(String, Array)> = Vec::new();
+    for (name, a) in &src {
+        if name.contains(".experts.") {
+            continue;
+        }
+        let a = if name.ends_with("conv.conv.weight") { a.transpose(&[0, 2, 1]).unwrap() } else { a.clone() };
+        out.push((name.clone(), a));
+    }
+    for l in 1..4 {
+        for (hf, mlx) in [("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")] {
+            let per: Vec<&Array> = (0..4).map(|e| &src[&format!("model.layers.{l}.feed_forward.experts.{e}.{hf}.weight")]).collect();
+            out.push((format!("model.layers.{l}.feed_forward.switch_mlp.{mlx}.weight"), ops::stack(&per, 0).unwrap()));
+        }
+    }
+    let refs: Vec<(&str, &Array)> = out.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    mlx_array::io::save_safetensors(dir.path().join("model.safetensors"), &refs, None).unwrap();
+    let model = load_model(dir.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let r = reference("lfm2_moe");
+    let flat: Vec<f32> = full_logits(&model, &ids(&r["input_ids"])).into_iter().flatten().collect();
+    let e = rel_err(&flat, &r["logits"].to_vec::<f32>().unwrap());
+    assert!(e < 1e-3, "stacked layout: rel err {e}");
+}

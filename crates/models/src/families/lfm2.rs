@@ -8,6 +8,7 @@
 //!
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
+use super::moe::SwitchGlu;
 use super::qwen3::check_tokens;
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
@@ -261,18 +262,13 @@ impl ShortConv {
 }
 
 /// Sigmoid-routed top-k experts (LFM2-MoE): `expert_bias` picks the experts, the unbiased
-/// sigmoid scores weight them. Experts run through `gather_mm` (tokens sorted by expert when
-/// there are enough of them, as mlx-lm's `SwitchGLU`), never a loop over all experts.
-// A generic router/expert block (families/moe.rs) did not exist yet when this was written; fold
-// this into it when it lands.
+/// sigmoid scores weight them (renormalized with a 1e-6 guard when `norm_topk_prob`, then scaled
+/// by `routed_scaling_factor`). The experts are the generic [`SwitchGlu`] (`gather_mm`, tokens
+/// sorted by expert for larger batches; never a loop over all experts).
 struct MoeBlock {
     gate: Linear,
     expert_bias: Option<Array>,
-    /// `[E, H, I]` (transposed for `x @ w`).
-    w_gate: Array,
-    w_up: Array,
-    /// `[E, I, H]`.
-    w_down: Array,
+    experts: SwitchGlu,
     top_k: usize,
     norm_topk_prob: bool,
     scaling: f32,
@@ -283,85 +279,47 @@ impl MoeBlock {
         let h = cfg.hidden_size;
         let e = cfg.num_experts.expect("validated");
         let i = cfg.moe_intermediate_size.expect("validated");
-        // Per-expert keys (what transformers writes) or stacked `switch_mlp` keys (mlx-lm).
-        let stacked = |names: [&str; 2], shape: [usize; 2]| -> Result<Array> {
-            let fused = format!("switch_mlp.{}.weight", names[1]);
-            if vb.contains(&fused) {
-                return vb.get(&fused, &[e, shape[0], shape[1]]);
-            }
-            let per: Vec<Array> = (0..e).map(|x| vb.pp("experts").pp(x).pp(names[0]).get("weight", &shape)).collect::<Result<_>>()?;
-            let refs: Vec<&Array> = per.iter().collect();
-            Ok(ops::stack(&refs, 0)?)
-        };
-        let w_gate = stacked(["w1", "gate_proj"], [i, h])?.swap_axes(1, 2)?;
-        let w_up = stacked(["w3", "up_proj"], [i, h])?.swap_axes(1, 2)?;
-        let w_down = stacked(["w2", "down_proj"], [h, i])?.swap_axes(1, 2)?;
-        let expert_bias = if cfg.use_expert_bias {
-            Some(vb.get("expert_bias", &[e])?.astype(DType::F32)?)
+        // Per-expert `experts.N.w1/w3/w2` (what transformers writes), or mlx-lm's stacked
+        // `switch_mlp.{gate,up,down}_proj`.
+        let experts = if vb.contains("switch_mlp.gate_proj.weight") {
+            let sv = vb.pp("switch_mlp");
+            let g = sv.get("gate_proj.weight", &[e, i, h])?;
+            let u = sv.get("up_proj.weight", &[e, i, h])?;
+            SwitchGlu::from_fused(ops::concatenate(&[&g, &u], 1)?, sv.get("down_proj.weight", &[e, h, i])?, Activation::Silu)?
         } else {
-            None
+            SwitchGlu::load(&vb.pp("experts"), e, h, i, ["w1", "w3", "w2"], Activation::Silu)?
         };
+        let expert_bias = if cfg.use_expert_bias { Some(vb.get("expert_bias", &[e])?.astype(DType::F32)?) } else { None };
         Ok(MoeBlock {
             gate: Linear::load(&vb.pp("gate"), h, e, false)?,
             expert_bias,
-            w_gate,
-            w_up,
-            w_down,
+            experts,
             top_k: cfg.num_experts_per_tok.expect("validated"),
             norm_topk_prob: cfg.norm_topk_prob,
             scaling: cfg.routed_scaling_factor,
         })
     }
 
+    /// `x: [B, L, H]` → `[B, L, H]`.
     fn forward(&self, x: &Array) -> Result<Array> {
-        let s = x.shape();
-        let (b, l, h) = (s[0], s[1], s[2]);
+        let dims = x.dims().to_vec();
+        let flat = x.reshape(&[-1, dims[2]])?;
         let k = self.top_k;
-        let scores = self.gate.forward(x)?.sigmoid()?; // [B, L, E]
-        let e = scores.dim(2)?;
+        let scores = self.gate.forward(&flat)?.sigmoid()?; // [T, E]
+        let e = scores.dim(1)?;
         let select = match &self.expert_bias {
             Some(bias) => scores.astype(DType::F32)?.add(bias)?,
             None => scores.clone(),
         };
-        let inds = select.argpartition((e - k) as i32, 2)?.slice_axis(2, e - k, e)?; // [B, L, k]
-        let mut w = scores.take_along_axis(&inds, 2)?;
+        let inds = select.argpartition((e - k) as i32, 1)?.slice_axis(1, e - k, e)?; // [T, k]
+        let mut w = scores.take_along_axis(&inds, 1)?;
         if self.norm_topk_prob {
-            w = w.div(&w.sum(&[2], true)?.add_scalar(1e-6)?)?;
+            w = w.div(&w.sum(&[1], true)?.add_scalar(1e-6)?)?;
         }
         if self.scaling != 1.0 {
             w = w.mul_scalar(self.scaling)?;
         }
-        let w = w.astype(x.dtype())?;
-        let y = self.experts(x, &inds, b, l, h)?; // [B, L, k, H]
-        Ok(y.mul(&w.expand_dims(3)?)?.sum(&[2], false)?)
-    }
-
-    /// SwiGLU of each token through each of its `k` experts: `[B, L, k, H]`.
-    fn experts(&self, x: &Array, inds: &Array, b: usize, l: usize, h: usize) -> Result<Array> {
-        let k = self.top_k;
-        let n = b * l;
-        let glu = |xs: &Array, idx: &Array, sorted: bool| -> Result<Array> {
-            let g = ops::gather_mm(xs, &self.w_gate, None, Some(idx), sorted)?;
-            let u = ops::gather_mm(xs, &self.w_up, None, Some(idx), sorted)?;
-            Ok(ops::gather_mm(&g.silu()?.mul(&u)?, &self.w_down, None, Some(idx), sorted)?)
-        };
-        if n * k >= 64 {
-            // Sort the (token, expert) pairs by expert so each expert's rows are contiguous.
-            let flat = inds.reshape(&[-1])?;
-            let order = flat.argsort(0)?;
-            let inv = order.argsort(0)?;
-            let xs = x
-                .reshape(&[n as i32, 1, h as i32])?
-                .broadcast_to(&[n, k, h])?
-                .reshape(&[(n * k) as i32, 1, h as i32])?
-                .take(&order, 0)?;
-            let y = glu(&xs, &flat.take(&order, 0)?, true)?; // [N·k, 1, H]
-            Ok(y.take(&inv, 0)?.reshape(&[b as i32, l as i32, k as i32, h as i32])?)
-        } else {
-            let xs = x.reshape(&[b as i32, l as i32, 1, 1, h as i32])?;
-            let y = glu(&xs, inds, false)?; // [B, L, k, 1, H]
-            Ok(y.reshape(&[b as i32, l as i32, k as i32, h as i32])?)
-        }
+        Ok(self.experts.forward(&flat, &inds, &w.astype(x.dtype())?)?.reshape(&dims)?)
     }
 }
 
