@@ -1,6 +1,7 @@
 //! Loading checkpoints into runnable, thread-safe handles.
 use crate::cache::Cache;
 use crate::config;
+use crate::families::gemma4::{Gemma4Config, Gemma4Model};
 use crate::families::lfm2::{Lfm2Config, Lfm2Model};
 use crate::families::qwen3_5::{Qwen35Config, Qwen35Model};
 use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
@@ -19,7 +20,9 @@ pub struct LoadOptions {
     /// Compute dtype of float weights. Default: f32 on the CPU (MLX-CPU's bf16 matmul is 10-20x
     /// slower than f32 with a real BLAS), the checkpoint's dtype on the GPU.
     pub dtype: Option<DType>,
-    /// A speculative-decoding draft checkpoint (gemma4 only).
+    /// A speculative-decoding draft checkpoint (gemma4 only). Accepted and recorded on the model
+    /// ([`crate::families::gemma4::Gemma4Model::draft_model_path`]); not used yet: drafting
+    /// comes with the speculative crate.
     pub draft_model_path: Option<PathBuf>,
     /// Flat or paged KV cache for attention layers.
     pub kv_cache: KvCacheMode,
@@ -170,6 +173,18 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         "qwen3" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;
             let m = Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir);
+            let m = match opts.kv_cache.resolve(&text) {
+                Some(pc) => {
+                    let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
+                    m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
+                }
+                None => m,
+            };
+            Ok(LoadedModel::Lm(m))
+        }
+        "gemma4" => {
+            let cfg = Gemma4Config::from_root(dir, &raw)?;
+            let m = Model::from_runtime(Box::new(Gemma4Model::new(&weights, cfg, eos, opts.draft_model_path.clone())?), dir);
             let m = match opts.kv_cache.resolve(&text) {
                 Some(pc) => {
                     let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));

@@ -40,6 +40,16 @@ pub struct Family {
 
 /// The table, in probe order.
 pub static FAMILIES: &[Family] = &[
+    // First in probe order: the unified architecture is authoritative (seed 001). The draft
+    // option is accepted and recorded; speculative decoding comes with the speculative crate.
+    Family {
+        model_type: "gemma4",
+        kind: FamilyKind::Loadable,
+        raw_model_types: &["gemma4", "gemma4_text", "gemma4_unified"],
+        architecture_probe: Some(|c| c.architectures.contains("Gemma4UnifiedForConditionalGeneration")),
+        accepts_draft_model: true,
+        default_for_nullish_model_type: false,
+    },
     Family {
         model_type: "harrier",
         kind: FamilyKind::Embedding,

@@ -1,0 +1,769 @@
+//! Gemma 4 causal LM: `gemma4_text` (Gemma4ForCausalLM), the text decoder of `gemma4`
+//! (Gemma4ForConditionalGeneration, keys under `model.language_model.`) and `gemma4_unified`.
+//! Mirrors mlx-lm `models/gemma4_text.py` and HF `models/gemma4/modeling_gemma4.py`.
+//!
+//! What differs from a plain decoder:
+//! - RMSNorm is `x * w` (not Gemma 1-3's `1 + w`); `v_norm` has no scale; attention scale is 1.
+//! - Embeddings are scaled by `sqrt(hidden)`; logits are soft-capped (`final_logit_softcapping`).
+//! - `layer_types`: sliding layers use `head_dim`, rope θ 1e4 and a rotating cache of
+//!   `sliding_window` positions; full layers use `global_head_dim` and "proportional" rope
+//!   (θ 1e6, only the first `partial_rotary_factor` of the frequencies rotate).
+//! - Per-layer input embeddings (PLE): `embed_tokens_per_layer` plus a projection of the embedded
+//!   tokens, gated into each layer's output.
+//! - KV sharing: the last `num_kv_shared_layers` layers have no k/v projections and attend over
+//!   the K/V of the last non-shared layer of the same type (fetched in the same forward).
+//! - `attention_k_eq_v`: full layers have no `v_proj` (V is the un-normed K, with
+//!   `num_global_key_value_heads` heads).
+//! - `use_double_wide_mlp`: KV-shared layers have a 2x wide MLP.
+//! - MoE layers (`enable_moe_block`): a dense MLP plus a top-k routed expert block
+//!   (`router.{proj,scale,per_expert_scale}`, fused `experts.gate_up_proj [E, 2I, H]`,
+//!   `experts.down_proj [E, H, I]`), dispatched with `gather_mm`.
+//!
+//! Caches: flat (rotating for sliding layers) or the kv-paged block pool (`KvCacheMode`; Auto
+//! follows `use_block_paged_cache`), both through [`Cache::begin_forward`]. KV-shared layers have
+//! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
+use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
+use crate::families::qwen3::check_tokens;
+use crate::layers::{causal_mask, Activation, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::weights::{Vb, Weights};
+use crate::{ModelError, Result};
+use mlx_array::{ops, Array, AttentionMask, DType};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Per-layer overrides as transformers 5 saves them (`per_layer_config`), instead of the hub's
+/// `global_head_dim` / `num_global_key_value_heads`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Gemma4LayerOverride {
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+}
+
+/// The decoder settings of a Gemma 4 checkpoint (`config.json`, or its `text_config`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Gemma4Config {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    #[serde(default = "d_head_dim")]
+    pub head_dim: usize,
+    #[serde(default)]
+    pub global_head_dim: Option<usize>,
+    #[serde(default = "d_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "d_vocab")]
+    pub vocab_size: usize,
+    #[serde(default)]
+    pub vocab_size_per_layer_input: Option<usize>,
+    #[serde(default = "d_one")]
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub num_global_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub num_kv_shared_layers: Option<usize>,
+    #[serde(default)]
+    pub hidden_size_per_layer_input: Option<usize>,
+    #[serde(default)]
+    pub rope_parameters: Option<Value>,
+    #[serde(default)]
+    pub rope_theta: Option<f32>,
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f32>,
+    #[serde(default)]
+    pub global_partial_rotary_factor: Option<f32>,
+    #[serde(default = "d_window")]
+    pub sliding_window: usize,
+    #[serde(default = "d_pattern")]
+    pub sliding_window_pattern: usize,
+    #[serde(default = "d_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub attention_k_eq_v: bool,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f32>,
+    #[serde(default)]
+    pub use_double_wide_mlp: bool,
+    #[serde(default)]
+    pub enable_moe_block: bool,
+    #[serde(default)]
+    pub num_experts: Option<usize>,
+    #[serde(default)]
+    pub top_k_experts: Option<usize>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default = "d_true")]
+    pub tie_word_embeddings: bool,
+    #[serde(default = "d_act")]
+    pub hidden_activation: String,
+    #[serde(default)]
+    pub per_layer_config: Option<HashMap<String, Gemma4LayerOverride>>,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<Value>,
+}
+
+fn d_head_dim() -> usize {
+    256
+}
+fn d_eps() -> f32 {
+    1e-6
+}
+fn d_vocab() -> usize {
+    262144
+}
+fn d_one() -> usize {
+    1
+}
+fn d_window() -> usize {
+    512
+}
+fn d_pattern() -> usize {
+    5
+}
+fn d_max_pos() -> usize {
+    131072
+}
+fn d_true() -> bool {
+    true
+}
+fn d_act() -> String {
+    "gelu_pytorch_tanh".into()
+}
+
+/// Rope of one layer type, resolved from `rope_parameters` (or the hub's flat keys).
+#[derive(Debug, Clone, PartialEq)]
+struct RopeSpec {
+    theta: f32,
+    partial: f32,
+    proportional: bool,
+    factor: f32,
+}
+
+impl Gemma4Config {
+    /// Parse from the whole `config.json`: the decoder settings come from `text_config` when
+    /// present, and a ConditionalGeneration root's top-level `vocab_size` wins (as in mlx-lm).
+    pub fn from_root(dir: &Path, root: &Value) -> Result<Self> {
+        let mut text = crate::config::text_config(root);
+        if root.get("text_config").is_some() {
+            if let (Some(v), Some(obj)) = (root.get("vocab_size").cloned(), text.as_object_mut()) {
+                if v.is_u64() {
+                    obj.insert("vocab_size".into(), v);
+                }
+            }
+        }
+        let cfg: Gemma4Config = crate::config::parse(dir, &text)?;
+        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+        Ok(cfg)
+    }
+
+    /// `sliding_attention` / `full_attention` per layer; generated from `sliding_window_pattern`
+    /// (last layer full) when absent.
+    pub fn layer_types(&self) -> Vec<String> {
+        match &self.layer_types {
+            Some(t) => t.clone(),
+            None => {
+                let p = self.sliding_window_pattern.max(1);
+                let mut t: Vec<String> = (0..self.num_hidden_layers)
+                    .map(|i| if (i + 1) % p == 0 { "full_attention" } else { "sliding_attention" }.to_string())
+                    .collect();
+                if let Some(last) = t.last_mut() {
+                    *last = "full_attention".into();
+                }
+                t
+            }
+        }
+    }
+
+    fn is_sliding(&self, i: usize) -> bool {
+        self.layer_types()[i] == "sliding_attention"
+    }
+
+    fn first_shared(&self) -> usize {
+        self.num_hidden_layers - self.num_kv_shared_layers.unwrap_or(0).min(self.num_hidden_layers)
+    }
+
+    fn is_kv_shared(&self, i: usize) -> bool {
+        let f = self.first_shared();
+        f > 0 && i >= f
+    }
+
+    fn full_override(&self) -> Option<&Gemma4LayerOverride> {
+        let pl = self.per_layer_config.as_ref()?;
+        let types = self.layer_types();
+        (0..self.num_hidden_layers).filter(|&i| types[i] == "full_attention").find_map(|i| pl.get(&i.to_string()))
+    }
+
+    /// Head dim of layer `i` (`global_head_dim` on full layers).
+    pub fn layer_head_dim(&self, i: usize) -> usize {
+        if self.is_sliding(i) {
+            return self.head_dim;
+        }
+        self.global_head_dim.or_else(|| self.full_override().and_then(|o| o.head_dim)).filter(|d| *d > 0).unwrap_or(self.head_dim)
+    }
+
+    fn k_eq_v(&self, i: usize) -> bool {
+        self.attention_k_eq_v && !self.is_sliding(i)
+    }
+
+    /// KV heads of layer `i` (`num_global_key_value_heads` on k_eq_v full layers).
+    pub fn layer_kv_heads(&self, i: usize) -> usize {
+        if self.k_eq_v(i) {
+            if let Some(n) = self.num_global_key_value_heads.or_else(|| self.full_override().and_then(|o| o.num_key_value_heads)) {
+                return n;
+            }
+        }
+        self.num_key_value_heads
+    }
+
+    /// Per-layer input width (0 = no PLE).
+    pub fn ple_dim(&self) -> usize {
+        self.hidden_size_per_layer_input.unwrap_or(0)
+    }
+
+    /// For each layer, the layer whose K/V it attends over (itself unless KV-shared).
+    pub fn kv_sources(&self) -> Vec<usize> {
+        let n = self.num_hidden_layers;
+        let m = self.first_shared();
+        let types = self.layer_types();
+        let mut src: Vec<usize> = (0..n).collect();
+        if m < n && m > 0 {
+            let mut last_of: HashMap<&str, usize> = HashMap::new();
+            for (i, t) in types.iter().enumerate().take(m) {
+                last_of.insert(t.as_str(), i);
+            }
+            for (j, s) in src.iter_mut().enumerate().skip(m) {
+                // validate() guarantees an anchor of the same type exists.
+                *s = last_of[types[j].as_str()];
+            }
+        }
+        src
+    }
+
+    fn rope_spec(&self, sliding: bool) -> RopeSpec {
+        let key = if sliding { "sliding_attention" } else { "full_attention" };
+        let p = self.rope_parameters.as_ref().and_then(|r| r.get(key));
+        let num = |k: &str| p.and_then(|p| p.get(k)).and_then(|v| v.as_f64()).map(|v| v as f32);
+        match p {
+            Some(p) => RopeSpec {
+                theta: num("rope_theta").unwrap_or(if sliding { 10_000.0 } else { 1_000_000.0 }),
+                partial: num("partial_rotary_factor").unwrap_or(1.0),
+                proportional: p.get("rope_type").and_then(|t| t.as_str()) == Some("proportional"),
+                factor: num("factor").unwrap_or(1.0),
+            },
+            None if sliding => RopeSpec { theta: self.rope_local_base_freq.unwrap_or(10_000.0), partial: 1.0, proportional: false, factor: 1.0 },
+            None => RopeSpec {
+                theta: self.rope_theta.unwrap_or(1_000_000.0),
+                partial: self.global_partial_rotary_factor.unwrap_or(0.25),
+                proportional: true,
+                factor: 1.0,
+            },
+        }
+    }
+
+    /// Checks the config before any tensor is read.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let n = self.num_hidden_layers;
+        if self.hidden_size == 0 || n == 0 || self.vocab_size == 0 || self.num_attention_heads == 0 {
+            return Err("hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be positive".into());
+        }
+        let types = self.layer_types();
+        if types.len() != n {
+            return Err(format!("layer_types has {} entries for {n} layers", types.len()));
+        }
+        if let Some(t) = types.iter().find(|t| *t != "sliding_attention" && *t != "full_attention") {
+            return Err(format!("unsupported layer type {t:?} (expected sliding_attention or full_attention)"));
+        }
+        if self.sliding_window == 0 {
+            return Err("sliding_window must be positive".into());
+        }
+        for i in 0..n {
+            let (kv, d) = (self.layer_kv_heads(i), self.layer_head_dim(i));
+            if kv == 0 || self.num_attention_heads % kv != 0 || d % 2 != 0 {
+                return Err(format!("layer {i}: {} heads over {kv} kv heads, head_dim {d} (must divide, even dim)", self.num_attention_heads));
+            }
+        }
+        let m = self.first_shared();
+        if m < n {
+            if m == 0 {
+                return Err("num_kv_shared_layers must leave at least one layer with its own K/V".into());
+            }
+            for j in m..n {
+                if !types[..m].contains(&types[j]) {
+                    return Err(format!("KV-shared layer {j} ({}) has no earlier non-shared layer of its type", types[j]));
+                }
+            }
+        }
+        if Activation::parse(&self.hidden_activation).is_none() {
+            return Err(format!("unsupported hidden_activation {:?}", self.hidden_activation));
+        }
+        if self.enable_moe_block {
+            match (self.num_experts, self.top_k_experts, self.moe_intermediate_size) {
+                (Some(e), Some(k), Some(i)) if e > 0 && k > 0 && k <= e && i > 0 => {}
+                _ => return Err("enable_moe_block needs num_experts, top_k_experts (<= num_experts) and moe_intermediate_size".into()),
+            }
+        }
+        for s in [true, false] {
+            let r = self.rope_spec(s);
+            let d = if s { self.head_dim } else { (0..n).find(|&i| !self.is_sliding(i)).map_or(self.head_dim, |i| self.layer_head_dim(i)) };
+            let rot = (d as f32 * r.partial) as usize;
+            if rot == 0 || rot % 2 != 0 || rot > d {
+                return Err(format!("rope rotates {rot} of {d} dims"));
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(&self, i: usize) -> Result<Rope> {
+        let sliding = self.is_sliding(i);
+        let r = self.rope_spec(sliding);
+        let d = self.layer_head_dim(i);
+        let rot = (d as f32 * r.partial) as usize;
+        if r.proportional {
+            // mlx-lm ProportionalRoPE: wavelengths factor * θ^(2j / d) for the rotated pairs, and
+            // infinite wavelengths (no rotation) for the rest; rope over the full head dim.
+            let mut f: Vec<f32> = (0..rot / 2).map(|j| r.factor * r.theta.powf((2 * j) as f32 / d as f32)).collect();
+            f.resize(d / 2, f32::INFINITY);
+            let mut rope = Rope::new(d, r.theta);
+            rope.freqs = Some(Array::from_slice(&f, &[d / 2])?);
+            Ok(rope)
+        } else {
+            Ok(Rope::new(rot, r.theta))
+        }
+    }
+}
+
+struct KvProj {
+    k: Linear,
+    /// `None` for k_eq_v layers (V is the raw K projection).
+    v: Option<Linear>,
+    k_norm: RmsNorm,
+}
+
+struct Attn {
+    q: Linear,
+    kv: Option<KvProj>,
+    o: Linear,
+    q_norm: RmsNorm,
+    v_norm: RmsNorm,
+    rope: Rope,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+}
+
+impl Attn {
+    fn load(vb: &Vb, cfg: &Gemma4Config, i: usize) -> Result<Self> {
+        let (h, d, nh, nkv) = (cfg.hidden_size, cfg.layer_head_dim(i), cfg.num_attention_heads, cfg.layer_kv_heads(i));
+        let eps = cfg.rms_norm_eps;
+        let kv = if cfg.is_kv_shared(i) {
+            None
+        } else {
+            Some(KvProj {
+                k: Linear::load(&vb.pp("k_proj"), h, nkv * d, false)?,
+                v: if cfg.k_eq_v(i) { None } else { Some(Linear::load(&vb.pp("v_proj"), h, nkv * d, false)?) },
+                k_norm: RmsNorm::load(&vb.pp("k_norm"), d, eps, 0.0)?,
+            })
+        };
+        Ok(Attn {
+            q: Linear::load(&vb.pp("q_proj"), h, nh * d, false)?,
+            kv,
+            o: Linear::load(&vb.pp("o_proj"), nh * d, h, false)?,
+            q_norm: RmsNorm::load(&vb.pp("q_norm"), d, eps, 0.0)?,
+            v_norm: RmsNorm::unit(eps),
+            rope: cfg.rope(i)?,
+            n_heads: nh,
+            n_kv: nkv,
+            head_dim: d,
+        })
+    }
+
+    /// `x`: `[B, L, H]`. Own-K/V layers append to `cache` (flat or paged) and return the
+    /// fetched K/V; KV-shared layers attend over `shared` (their anchor's fetched K/V).
+    fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask) -> Result<(Array, (Array, Array))> {
+        let (b, l) = (x.dims()[0], x.dims()[1]);
+        let heads = |a: &Array, n: usize| a.reshape(&[b, l, n as i32, self.head_dim as i32]);
+        let q = self.q_norm.forward(&heads(&self.q.forward(x)?, self.n_heads)?)?;
+        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, offset)?;
+        let (k, v) = match (&self.kv, shared) {
+            (Some(p), _) => {
+                let raw = heads(&p.k.forward(x)?, self.n_kv)?;
+                let v = match &p.v {
+                    Some(vp) => heads(&vp.forward(x)?, self.n_kv)?,
+                    None => raw.clone(),
+                };
+                let k = self.rope.forward(&p.k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, offset)?;
+                let v = self.v_norm.forward(&v)?.transpose(&[0, 2, 1, 3])?;
+                let cache = cache.ok_or_else(|| ModelError::Cache("Gemma 4 attention layer without a K/V cache".into()))?;
+                cache.update_and_fetch(&k, &v)?
+            }
+            (None, Some((k, v))) => (k.clone(), v.clone()),
+            (None, None) => return Err(ModelError::Cache("KV-shared layer ran before its anchor".into())),
+        };
+        let o = q.sdpa(&k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        Ok((self.o.forward(&o)?, (k, v)))
+    }
+}
+
+/// Top-k routed experts with fused gate/up weights, dispatched with `gather_mm`.
+struct Experts {
+    proj: Linear,
+    /// `router.scale * hidden^-0.5`, the router's RMSNorm weight.
+    router_norm: Array,
+    per_expert_scale: Array,
+    /// `[E, H, 2I]`: gate columns first, then up.
+    gate_up_t: Array,
+    /// `[E, I, H]`.
+    down_t: Array,
+    top_k: usize,
+    n_experts: usize,
+    inter: usize,
+    eps: f32,
+    act: Activation,
+}
+
+impl Experts {
+    fn load(vb: &Vb, cfg: &Gemma4Config, act: Activation) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (e, k, i) = (cfg.num_experts.unwrap(), cfg.top_k_experts.unwrap(), cfg.moe_intermediate_size.unwrap());
+        let r = vb.pp("router");
+        let scale = r.get("scale", &[h])?;
+        let router_norm = scale.mul_scalar((h as f32).powf(-0.5))?;
+        let ex = vb.pp("experts");
+        Ok(Experts {
+            proj: Linear::load(&r.pp("proj"), h, e, false)?,
+            router_norm,
+            per_expert_scale: r.get("per_expert_scale", &[e])?,
+            gate_up_t: ex.get("gate_up_proj", &[e, 2 * i, h])?.swap_axes(-1, -2)?,
+            down_t: ex.get("down_proj", &[e, h, i])?.swap_axes(-1, -2)?,
+            top_k: k,
+            n_experts: e,
+            inter: i,
+            eps: cfg.rms_norm_eps,
+            act,
+        })
+    }
+
+    /// `route`: the hidden state the router sees; `x`: the (pre-normed) expert input.
+    fn forward(&self, route: &Array, x: &Array) -> Result<Array> {
+        let (e, k) = (self.n_experts, self.top_k);
+        let scores = self.proj.forward(&route.rms_norm(Some(&self.router_norm), self.eps)?)?;
+        let idx = scores.argpartition((e - k) as i32, -1)?.slice_axis(-1, e - k, e)?;
+        let w = scores.take_along_axis(&idx, -1)?.softmax(-1, true)?.mul(&self.per_expert_scale.take(&idx, 0)?)?;
+        // [B, L, 1, 1, H] x [E, H, 2I] gathered by idx [B, L, k] -> [B, L, k, 1, 2I].
+        let xe = x.expand_dims(-2)?.expand_dims(-2)?;
+        let gu = ops::gather_mm(&xe, &self.gate_up_t, None, Some(&idx), false)?;
+        let parts = gu.split_at(&[self.inter], -1)?;
+        let hmid = self.act.apply(&parts[0])?.mul(&parts[1])?;
+        let y = ops::gather_mm(&hmid, &self.down_t, None, Some(&idx), false)?.squeeze(&[-2])?;
+        y.mul(&w.expand_dims(-1)?.astype(y.dtype())?)?.sum(&[-2], false).map_err(Into::into)
+    }
+}
+
+struct Moe {
+    experts: Experts,
+    pre_norm_2: RmsNorm,
+    post_norm_1: RmsNorm,
+    post_norm_2: RmsNorm,
+}
+
+struct Ple {
+    gate: Linear,
+    proj: Linear,
+    norm: RmsNorm,
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    attn: Attn,
+    post_attn_norm: RmsNorm,
+    pre_ffn_norm: RmsNorm,
+    mlp: GatedMlp,
+    post_ffn_norm: RmsNorm,
+    moe: Option<Moe>,
+    ple: Option<Ple>,
+    layer_scalar: Array,
+    act: Activation,
+}
+
+impl Block {
+    fn load(vb: &Vb, cfg: &Gemma4Config, i: usize) -> Result<Self> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let act = Activation::parse(&cfg.hidden_activation).expect("validated");
+        let norm = |n: &str| RmsNorm::load(&vb.pp(n), h, eps, 0.0);
+        let wide = cfg.use_double_wide_mlp && cfg.is_kv_shared(i);
+        let inter = cfg.intermediate_size * if wide { 2 } else { 1 };
+        let moe = if cfg.enable_moe_block {
+            Some(Moe {
+                experts: Experts::load(vb, cfg, act)?,
+                pre_norm_2: norm("pre_feedforward_layernorm_2")?,
+                post_norm_1: norm("post_feedforward_layernorm_1")?,
+                post_norm_2: norm("post_feedforward_layernorm_2")?,
+            })
+        } else {
+            None
+        };
+        let p = cfg.ple_dim();
+        let ple = if p > 0 {
+            Some(Ple {
+                gate: Linear::load(&vb.pp("per_layer_input_gate"), h, p, false)?,
+                proj: Linear::load(&vb.pp("per_layer_projection"), p, h, false)?,
+                norm: norm("post_per_layer_input_norm")?,
+            })
+        } else {
+            None
+        };
+        Ok(Block {
+            input_norm: norm("input_layernorm")?,
+            attn: Attn::load(&vb.pp("self_attn"), cfg, i)?,
+            post_attn_norm: norm("post_attention_layernorm")?,
+            pre_ffn_norm: norm("pre_feedforward_layernorm")?,
+            mlp: GatedMlp::load(&vb.pp("mlp"), h, inter, act)?,
+            post_ffn_norm: norm("post_feedforward_layernorm")?,
+            moe,
+            ple,
+            layer_scalar: vb.get("layer_scalar", &[1])?,
+            act,
+        })
+    }
+
+    fn ffn(&self, h: &Array) -> Result<Array> {
+        let dense = self.mlp.forward(&self.pre_ffn_norm.forward(h)?)?;
+        match &self.moe {
+            None => Ok(dense),
+            Some(m) => {
+                let h1 = m.post_norm_1.forward(&dense)?;
+                let h2 = m.post_norm_2.forward(&m.experts.forward(h, &m.pre_norm_2.forward(h)?)?)?;
+                Ok(h1.add(&h2)?)
+            }
+        }
+    }
+}
+
+/// The loaded network (absent on a config-only [`Gemma4Model`]).
+struct Net {
+    embed: Embedding,
+    embed_per_layer: Option<Embedding>,
+    per_layer_model_projection: Option<Linear>,
+    per_layer_projection_norm: Option<RmsNorm>,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+}
+
+/// Gemma 4 causal LM (dense or MoE, with or without PLE and KV sharing).
+pub struct Gemma4Model {
+    cfg: Gemma4Config,
+    info: ModelInfo,
+    kv_src: Vec<usize>,
+    net: Option<Net>,
+    draft_model_path: Option<PathBuf>,
+}
+
+/// Where the decoder's tensors live: `model.` (Gemma4ForCausalLM), `model.language_model.`
+/// (Gemma4ForConditionalGeneration / unified), or `language_model.model.` (mlx-converted).
+fn decoder_prefix(w: &Weights) -> &'static str {
+    ["model.language_model", "language_model.model", "model"]
+        .into_iter()
+        .find(|p| w.contains(&format!("{p}.embed_tokens.weight")))
+        .unwrap_or("model")
+}
+
+impl Gemma4Model {
+    /// A model from its config only: it reports its info and cache layout, but every forward
+    /// call fails with "Model not initialized" (use [`Gemma4Model::load`] / [`crate::load_model`]).
+    pub fn from_config(cfg: Gemma4Config, eos: Vec<u32>) -> Result<Self> {
+        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: PathBuf::from("<config>"), reason })?;
+        let info = ModelInfo {
+            model_type: "gemma4".into(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: cfg.hidden_size,
+            num_layers: cfg.num_hidden_layers,
+            max_position_embeddings: cfg.max_position_embeddings,
+            eos_token_ids: eos,
+            bos_token_id: cfg.bos_token_id,
+        };
+        Ok(Gemma4Model { kv_src: cfg.kv_sources(), cfg, info, net: None, draft_model_path: None })
+    }
+
+    /// Build from loaded weights. `draft_model_path` is recorded for speculative decoding
+    /// (not used yet: that comes with the speculative crate).
+    pub fn new(weights: &Weights, cfg: Gemma4Config, eos: Vec<u32>, draft_model_path: Option<PathBuf>) -> Result<Self> {
+        let mut m = Self::from_config(cfg, eos).map_err(|e| match e {
+            ModelError::MalformedConfig { reason, .. } => ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason },
+            e => e,
+        })?;
+        let cfg = &m.cfg;
+        let root = weights.root();
+        let vb = root.pp(decoder_prefix(weights));
+        let (h, n, p) = (cfg.hidden_size, cfg.num_hidden_layers, cfg.ple_dim());
+        let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
+        let (embed_per_layer, per_layer_model_projection, per_layer_projection_norm) = if p > 0 {
+            let pv = cfg.vocab_size_per_layer_input.unwrap_or(cfg.vocab_size);
+            (
+                Some(Embedding::load(&vb.pp("embed_tokens_per_layer"), pv, n * p)?),
+                Some(Linear::load(&vb.pp("per_layer_model_projection"), h, n * p, false)?),
+                Some(RmsNorm::load(&vb.pp("per_layer_projection_norm"), p, cfg.rms_norm_eps, 0.0)?),
+            )
+        } else {
+            (None, None, None)
+        };
+        let layers = (0..n).map(|i| Block::load(&vb.pp("layers").pp(i), cfg, i)).collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.as_linear()?
+        } else if root.contains("lm_head.weight") {
+            Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
+        } else if vb.contains("lm_head.weight") {
+            Linear::load(&vb.pp("lm_head"), h, cfg.vocab_size, false)?
+        } else {
+            return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
+        };
+        m.net = Some(Net {
+            norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 0.0)?,
+            embed,
+            embed_per_layer,
+            per_layer_model_projection,
+            per_layer_projection_norm,
+            layers,
+            lm_head,
+        });
+        m.draft_model_path = draft_model_path;
+        Ok(m)
+    }
+
+    pub fn config(&self) -> &Gemma4Config {
+        &self.cfg
+    }
+    /// Whether weights are loaded (false for [`Gemma4Model::from_config`]).
+    pub fn is_initialized(&self) -> bool {
+        self.net.is_some()
+    }
+    /// The speculative-decoding draft checkpoint given at load time. Recorded only: drafting
+    /// is not implemented yet (it comes with the speculative crate).
+    pub fn draft_model_path(&self) -> Option<&Path> {
+        self.draft_model_path.as_deref()
+    }
+
+    /// PLE inputs `[B, L, layers, P]` from the ids and the scaled embeddings.
+    fn per_layer_inputs(&self, net: &Net, tokens: &Array, h: &Array) -> Result<Option<Array>> {
+        let (Some(emb), Some(proj), Some(norm)) = (&net.embed_per_layer, &net.per_layer_model_projection, &net.per_layer_projection_norm) else {
+            return Ok(None);
+        };
+        let (n, p) = (self.cfg.num_hidden_layers as i32, self.cfg.ple_dim() as i32);
+        let (b, l) = (tokens.dims()[0], tokens.dims()[1]);
+        let pv = emb.weight.dim(0)?;
+        // Ids outside the per-layer vocabulary read row 0 (as HF masks them).
+        let ids = if pv < self.cfg.vocab_size {
+            let ok = tokens.lt(&Array::scalar(pv as i32).astype(tokens.dtype())?)?;
+            ops::where_(&ok, tokens, &Array::zeros(&[1], tokens.dtype())?)?
+        } else {
+            tokens.clone()
+        };
+        let tok = emb.forward(&ids)?.mul_scalar((p as f32).sqrt())?.reshape(&[b, l, n, p])?;
+        let pr = proj.forward(h)?.mul_scalar((self.cfg.hidden_size as f32).powf(-0.5))?.reshape(&[b, l, n, p])?;
+        let pr = norm.forward(&pr)?;
+        Ok(Some(pr.add(&tok)?.mul_scalar(std::f32::consts::FRAC_1_SQRT_2)?))
+    }
+
+    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+        check_tokens(tokens, self.cfg.vocab_size)?;
+        let n = self.cfg.num_hidden_layers;
+        if cache.layers.len() != n {
+            return Err(ModelError::Cache(format!("cache has {} layers, model {n}", cache.layers.len())));
+        }
+        for (i, &src) in self.kv_src.iter().enumerate() {
+            let ok = match &cache.layers[i] {
+                LayerCache::Kv(_) => src == i,
+                LayerCache::Shared { anchor } => src != i && *anchor == src,
+                LayerCache::Recurrent(_) => false,
+            };
+            if !ok {
+                return Err(ModelError::Cache(format!("layer {i}: cache layout does not match the model's cache_spec")));
+            }
+        }
+        // Paged caches may serve a prefix of `tokens` from the block pool: compute the rest.
+        let (mut kvs, skipped) = cache.begin_forward(tokens)?;
+        let total = tokens.dims()[1] as usize;
+        let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, total)? } else { tokens.clone() };
+        let tokens = &tokens;
+        let l = total - skipped;
+        let mut x = net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?;
+        let ple = self.per_layer_inputs(net, tokens, &x)?;
+        let (full_mask, sliding_mask) = (causal_mask(l, None), causal_mask(l, Some(self.cfg.sliding_window)));
+        let mut fetched: Vec<Option<(Array, Array)>> = vec![None; n];
+        let mut offset = 0;
+        for (i, layer) in net.layers.iter().enumerate() {
+            let mask = if self.cfg.is_sliding(i) { sliding_mask } else { full_mask };
+            let h = layer.input_norm.forward(&x)?;
+            let (a, kv) = if layer.attn.kv.is_some() {
+                let mut c = kvs.layer(i)?;
+                // Every layer of a sequence is at the same position (shared layers: the anchor's).
+                offset = c.offset();
+                layer.attn.forward(&h, Some(&mut c), None, offset, mask)?
+            } else {
+                layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask)?
+            };
+            fetched[i] = Some(kv);
+            let h = x.add(&layer.post_attn_norm.forward(&a)?)?;
+            let mut y = h.add(&layer.post_ffn_norm.forward(&layer.ffn(&h)?)?)?;
+            if let (Some(p), Some(inputs)) = (&layer.ple, &ple) {
+                let pli = inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?;
+                let g = layer.act.apply(&p.gate.forward(&y)?)?.mul(&pli)?;
+                y = y.add(&p.norm.forward(&p.proj.forward(&g)?)?)?;
+            }
+            x = y.mul(&layer.layer_scalar)?;
+        }
+        net.norm.forward(&x)
+    }
+}
+
+impl ModelRuntime for Gemma4Model {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        let layers = (0..self.cfg.num_hidden_layers)
+            .map(|i| {
+                let (kv_heads, head_dim) = (self.cfg.layer_kv_heads(i), self.cfg.layer_head_dim(i));
+                if self.cfg.is_kv_shared(i) {
+                    LayerKind::SharedKv { anchor: self.kv_src[i] }
+                } else if self.cfg.is_sliding(i) {
+                    LayerKind::SlidingAttention { kv_heads, head_dim, window: self.cfg.sliding_window }
+                } else {
+                    LayerKind::Attention { kv_heads, head_dim }
+                }
+            })
+            .collect();
+        CacheSpec { layers }
+    }
+    fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let net = self.net.as_ref().ok_or_else(|| {
+            ModelError::InvalidInput("Model not initialized (weights not loaded): a Gemma4Model built with from_config cannot run; load the checkpoint with load_model".into())
+        })?;
+        let h = self.hidden(net, tokens, cache)?;
+        let head = |x: &Array| -> Result<Array> {
+            let y = net.lm_head.forward(x)?.astype(DType::F32)?;
+            Ok(match self.cfg.final_logit_softcapping {
+                Some(c) if c > 0.0 => y.softcap(c)?,
+                _ => y,
+            })
+        };
+        let logits = match logits {
+            Logits::None => None,
+            Logits::All => Some(head(&h)?),
+            Logits::Last => {
+                let l = h.dim(1)?;
+                Some(head(&h.slice_axis(1, l - 1, l)?)?)
+            }
+        };
+        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+    }
+}

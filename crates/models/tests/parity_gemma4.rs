@@ -1,0 +1,305 @@
+//! Gemma 4 parity against transformers 5.23 (f32 eager reference) on the tiny fixtures
+//! (gemma4_text: PLE, KV sharing, double-wide MLP; gemma4_text_moe: k_eq_v, MoE;
+//! gemma4: ConditionalGeneration key layout): full-prefill logits within 1e-3 relative,
+//! 16 greedy tokens identical, cached decode equal to a full recompute. The 72-token prompt is
+//! longer than the sliding window (16).
+mod common;
+use common::*;
+use mlx_array::Array;
+use mlx_models::chat::ChatMessage;
+use mlx_models::families::gemma4::{Gemma4Config, Gemma4Model};
+use mlx_models::registry;
+use mlx_models::{load_model, load_session, ChatConfig, FinishReason, LayerKind, LoadOptions, Logits, ModelError, ModelRuntime};
+use sampling::SamplingOverrides;
+
+fn check_family(name: &str) {
+    let r = reference(name);
+    let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    assert_eq!(model.info().model_type, "gemma4");
+    let prompt = ids(&r["input_ids"]);
+    let greedy_ref = ids(&r["greedy_ids"]);
+    assert_eq!(prompt.len(), 72);
+
+    // 1. Full prefill logits.
+    let ours = full_logits(&model, &prompt);
+    let theirs = r["logits"].to_vec::<f32>().unwrap();
+    let flat: Vec<f32> = ours.iter().flatten().copied().collect();
+    let e = rel_err(&flat, &theirs);
+    eprintln!("{name}: prefill logits rel err {e:.2e}");
+    assert!(e < 1e-3, "{name}: prefill logits rel err {e}");
+
+    // 2. Greedy through the cache (rotating sliding-window caches, KV-shared layers), and its
+    // per-step logits vs the reference's decode logits.
+    let mut cache = model.new_cache();
+    let (toks, step_logits) = greedy_cached(&model, &mut cache, &prompt, 16);
+    assert_eq!(toks, greedy_ref[72..], "{name}: greedy tokens");
+    let dref = r["decode_logits"].to_vec::<f32>().unwrap();
+    let flat: Vec<f32> = step_logits.iter().flatten().copied().collect();
+    let e = rel_err(&flat, &dref);
+    eprintln!("{name}: decode logits rel err {e:.2e}");
+    assert!(e < 1e-3, "{name}: decode logits rel err {e}");
+
+    // 3. Cached decode equals full recompute over the same tokens.
+    let full = full_logits(&model, &greedy_ref[..87]);
+    for (s, l) in step_logits.iter().enumerate() {
+        let e = rel_err(l, &full[71 + s]);
+        assert!(e < 1e-4, "{name}: step {s} cached vs recomputed rel err {e}");
+        assert_eq!(argmax(l), argmax(&full[71 + s]));
+    }
+}
+
+#[test]
+fn gemma4_text_matches_transformers() {
+    check_family("gemma4_text");
+}
+
+#[test]
+fn gemma4_text_moe_matches_transformers() {
+    check_family("gemma4_text_moe");
+}
+
+#[test]
+fn gemma4_conditional_generation_matches_transformers() {
+    check_family("gemma4");
+}
+
+#[test]
+fn chunked_prefill_across_the_window_equals_single_prefill() {
+    // Chunks of 20 and 7 cross the 16-position window of the rotating caches.
+    for name in ["gemma4_text", "gemma4_text_moe"] {
+        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let prompt = ids(&reference(name)["input_ids"]);
+        let mut one = model.new_cache();
+        let (a, la) = greedy_cached(&model, &mut one, &prompt, 6);
+        for step in [20, 7] {
+            let mut chunked = model.new_cache();
+            for c in prompt[..71].chunks(step) {
+                let t = Array::from_slice(c, &[1, c.len()]).unwrap();
+                model.forward(&t, &mut chunked, Logits::None, false).unwrap();
+            }
+            let (b, lb) = greedy_cached(&model, &mut chunked, &prompt[71..], 6);
+            assert_eq!(a, b, "{name}: chunks of {step}");
+            for (x, y) in la.iter().zip(&lb) {
+                assert!(rel_err(y, x) < 1e-4, "{name}: chunks of {step}");
+            }
+        }
+    }
+}
+
+#[test]
+fn cache_layout_follows_layer_types_and_kv_sharing() {
+    let model = load_model(fixture("gemma4_text"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let spec = model.with_runtime(|rt| rt.cache_spec());
+    // layer_types: s s f s | s f, with the last 2 layers KV-shared: 4 -> 3 (sliding), 5 -> 2 (full).
+    assert_eq!(
+        spec.layers,
+        vec![
+            LayerKind::SlidingAttention { kv_heads: 2, head_dim: 16, window: 16 },
+            LayerKind::SlidingAttention { kv_heads: 2, head_dim: 16, window: 16 },
+            LayerKind::Attention { kv_heads: 2, head_dim: 32 },
+            LayerKind::SlidingAttention { kv_heads: 2, head_dim: 16, window: 16 },
+            LayerKind::SharedKv { anchor: 3 },
+            LayerKind::SharedKv { anchor: 2 },
+        ]
+    );
+    // k_eq_v full layers use num_global_key_value_heads.
+    let moe = load_model(fixture("gemma4_text_moe"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let spec = moe.with_runtime(|rt| rt.cache_spec());
+    assert_eq!(spec.layers[2], LayerKind::Attention { kv_heads: 1, head_dim: 32 });
+    assert_eq!(spec.layers[0], LayerKind::SlidingAttention { kv_heads: 2, head_dim: 16, window: 16 });
+
+    // The sliding layers' rotating caches hold fewer positions than were seen.
+    let mut cache = model.new_cache();
+    let prompt = ids(&reference("gemma4_text")["input_ids"]);
+    model.forward(&Array::from_slice(&prompt, &[1, 72]).unwrap(), &mut cache, Logits::Last, false).unwrap();
+    assert_eq!(cache.offset(), 72);
+    assert!(cache.kv(0).unwrap().stored() < 72);
+    assert_eq!(cache.kv(2).unwrap().stored(), 72);
+    assert!(cache.kv(4).is_err(), "KV-shared layers have no storage of their own");
+}
+
+#[test]
+fn registry_routes_gemma4_aliases_and_unified_probe() {
+    let dir = std::path::Path::new("/nonexistent");
+    for mt in ["gemma4", "gemma4_text", "gemma4_unified"] {
+        let f = registry::detect_from_value(dir, &serde_json::json!({ "model_type": mt })).unwrap();
+        assert_eq!(f.model_type, "gemma4");
+        assert!(f.accepts_draft_model);
+    }
+    // The unified architecture is authoritative, whatever model_type says.
+    for mt in [serde_json::json!("qwen3"), serde_json::Value::Null] {
+        let v = serde_json::json!({ "model_type": mt, "architectures": ["Gemma4UnifiedForConditionalGeneration"] });
+        assert_eq!(registry::detect_from_value(dir, &v).unwrap().model_type, "gemma4");
+    }
+    assert_eq!(registry::FAMILIES[0].model_type, "gemma4", "first in probe order");
+    registry::validate_registry().unwrap();
+    for name in ["gemma4_text", "gemma4_text_moe", "gemma4"] {
+        assert_eq!(registry::detect_model_type(&fixture(name)).unwrap().model_type, "gemma4");
+    }
+}
+
+#[test]
+fn draft_model_option_is_accepted_for_gemma4_only() {
+    let opts = LoadOptions { draft_model_path: Some("/nonexistent/draft".into()), ..Default::default() };
+    // Accepted (recorded, not used yet) for gemma4 ...
+    let m = load_model(fixture("gemma4_text"), &opts).unwrap().into_lm().unwrap();
+    let t = Array::from_slice(&[2u32, 3, 4], &[1, 3]).unwrap();
+    let mut cache = m.new_cache();
+    assert!(m.forward(&t, &mut cache, Logits::Last, false).is_ok());
+    let dir = fixture("gemma4_text");
+    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = Gemma4Config::from_root(&dir, &raw).unwrap();
+    let w = mlx_models::weights::Weights::load(&dir, Some(mlx_array::DType::F32)).unwrap();
+    let gm = Gemma4Model::new(&w, cfg, vec![1], opts.draft_model_path.clone()).unwrap();
+    assert_eq!(gm.draft_model_path(), Some(std::path::Path::new("/nonexistent/draft")));
+    // ... and refused for the other families.
+    match load_model(fixture("qwen3"), &opts) {
+        Err(ModelError::UnsupportedOption(msg)) => assert!(msg.contains("only supported by gemma4"), "{msg}"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("qwen3 accepted a draft model"),
+    }
+}
+
+#[test]
+fn config_only_model_refuses_to_run() {
+    let dir = fixture("gemma4");
+    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = Gemma4Config::from_root(&dir, &raw).unwrap();
+    // ConditionalGeneration: decoder settings from text_config, top-level vocab_size.
+    assert_eq!((cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers), (64, 1024, 6));
+    let m = Gemma4Model::from_config(cfg, vec![1]).unwrap();
+    assert!(!m.is_initialized());
+    assert_eq!(m.info().model_type, "gemma4");
+    assert_eq!(m.cache_spec().layers.len(), 6);
+    let mut cache = mlx_models::Cache::new(&m.cache_spec());
+    let t = Array::from_slice(&[2u32, 3], &[1, 2]).unwrap();
+    let err = m.forward(&t, &mut cache, Logits::Last, false).err().expect("a config-only model must not run");
+    let msg = err.to_string();
+    assert!(msg.contains("not initialized") && msg.contains("weights not loaded"), "{msg}");
+}
+
+#[test]
+fn transformers5_per_layer_config_is_read() {
+    // transformers 5 writes per_layer_config instead of global_head_dim/num_global_key_value_heads.
+    let dir = fixture("gemma4_text_moe");
+    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.hf-5.23-save.json")).unwrap()).unwrap();
+    let cfg = Gemma4Config::from_root(&dir, &raw).unwrap();
+    assert_eq!((cfg.layer_head_dim(0), cfg.layer_head_dim(2)), (16, 32));
+    assert_eq!((cfg.layer_kv_heads(0), cfg.layer_kv_heads(2)), (2, 1));
+}
+
+#[test]
+fn model_sampling_defaults_come_from_generation_config() {
+    // The fixture's generation_config.json sets no sampling values: the defaults stay unset
+    // (so the request / library defaults apply), and its eos id is a stop token.
+    let s = load_session(fixture("gemma4_text"), &LoadOptions::default()).unwrap();
+    let d = s.model_sampling_defaults();
+    assert_eq!(*d, SamplingOverrides::from_generation_config(&serde_json::json!({"bos_token_id": 2, "eos_token_id": 1})));
+    assert_eq!((d.temperature, d.top_k, d.top_p), (None, None, None));
+    assert!(load_model(fixture("gemma4_text"), &LoadOptions::default()).unwrap().into_lm().unwrap().info().eos_token_ids.contains(&1));
+
+    // A Gemma 4 style generation_config (temperature 1, top_k 64, top_p 0.95) flows through.
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture("gemma4_text")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let gc = serde_json::json!({"bos_token_id": 2, "eos_token_id": [1, 106], "do_sample": true, "temperature": 1.0, "top_k": 64, "top_p": 0.95});
+    let gpath = tmp.path().join("generation_config.json");
+    let _ = std::fs::remove_file(&gpath);
+    std::fs::write(&gpath, gc.to_string()).unwrap();
+    let s = load_session(tmp.path(), &LoadOptions::default()).unwrap();
+    let d = s.model_sampling_defaults();
+    assert_eq!((d.temperature, d.top_k, d.top_p), (Some(1.0), Some(64), Some(0.95)));
+    assert!(load_model(tmp.path(), &LoadOptions::default()).unwrap().into_lm().unwrap().info().eos_token_ids.contains(&106));
+}
+
+fn greedy(n: usize) -> ChatConfig {
+    ChatConfig { max_new_tokens: n, sampling: SamplingOverrides { temperature: Some(0.0), ..Default::default() }, ..Default::default() }
+}
+
+#[test]
+fn chat_session_start_and_continue_on_gemma4_text() {
+    let r = reference("gemma4_text");
+    let mut s = load_session(fixture("gemma4_text"), &LoadOptions::default()).unwrap();
+    // The template's stop token is <end_of_turn> (106).
+    assert!(s.format().stop_token_ids().contains(&106), "{:?}", s.format().stop_token_ids());
+    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
+    let prompt = ids(&r["chat_input_ids"]);
+    let want = ids(&r["chat_greedy_ids"]);
+    assert_eq!(res.prompt_tokens, prompt.len());
+    assert_eq!(&s.cached_ids()[..prompt.len()], &prompt[..], "template + tokenizer give the reference prompt");
+    assert_eq!(res.finish_reason, FinishReason::Length);
+    assert_eq!(s.cached_ids(), &want[..], "greedy reply equals transformers'");
+
+    // Continue: the first turn's tokens are reused from the cache.
+    let turn1 = s.cached_ids().len();
+    let res = s.continue_with("And then?", &greedy(8)).unwrap();
+    assert!(res.cached_tokens > 0 && res.cached_tokens <= turn1, "cached {} of {turn1}", res.cached_tokens);
+    assert!(res.prompt_tokens > turn1);
+    let text = s.format().tokenizer().decode(&s.cached_ids()[turn1 - 16..], false).unwrap();
+    assert!(text.contains("<start_of_turn>user\nAnd then?<end_of_turn>"), "{text}");
+
+    // The continued reply equals a fresh greedy run over the same prompt tokens.
+    let all = s.cached_ids().to_vec();
+    let n = res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop);
+    let p = &all[..all.len() - n];
+    let model = load_model(fixture("gemma4_text"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let mut cache = model.new_cache();
+    let (fresh, _) = greedy_cached(&model, &mut cache, p, res.num_tokens);
+    assert_eq!(fresh, all[p.len()..p.len() + res.num_tokens]);
+}
+
+fn paged_model(name: &str, block: Option<usize>) -> mlx_models::Model {
+    use mlx_models::{KvCacheMode, PagedConfig};
+    let kv_cache = match block {
+        Some(bs) => KvCacheMode::Paged(PagedConfig { block_size: bs, memory_mb: Some(8.0), ..Default::default() }),
+        None => KvCacheMode::Flat,
+    };
+    load_model(fixture(name), &LoadOptions { kv_cache, ..Default::default() }).unwrap().into_lm().unwrap()
+}
+
+fn greedy_gen(m: &mlx_models::Model, prompt: &[u32], n: usize, step: usize) -> Vec<u32> {
+    use mlx_models::{generate, GenerateConfig};
+    let mut cache = m.new_cache();
+    let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step };
+    generate(m, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect()
+}
+
+#[test]
+fn paged_equals_flat() {
+    // Full layers in the kv-paged block pool, sliding layers in its sliding groups, KV-shared
+    // layers reading their anchor's K/V of the same forward.
+    for name in ["gemma4_text", "gemma4_text_moe"] {
+        let r = reference(name);
+        let prompt = ids(&r["input_ids"]);
+        let flat = paged_model(name, None);
+        let want = greedy_gen(&flat, &prompt, 16, 2048);
+        assert_eq!(want, ids(&r["greedy_ids"])[72..], "{name}");
+        let a = full_logits(&flat, &prompt);
+        for bs in [1, 5, 16] {
+            let p = paged_model(name, Some(bs));
+            assert!(p.new_cache().is_paged());
+            let b = full_logits(&p, &prompt);
+            let e = rel_err(&b.concat(), &a.concat());
+            assert!(e < 1e-5, "{name} block size {bs}: paged vs flat logits rel err {e}");
+            // Chunked prefill of 20 plus decode, over a pool holding the prompt's blocks (prefix hit).
+            assert_eq!(greedy_gen(&p, &prompt, 16, 20), want, "{name} block size {bs}");
+            assert_eq!(greedy_gen(&paged_model(name, Some(bs)), &prompt, 16, 20), want, "{name} block size {bs}, cold pool");
+        }
+    }
+}
+
+#[test]
+fn chat_sessions_on_paged_equal_flat() {
+    let run = |m: mlx_models::Model| {
+        let mut s = mlx_models::ChatSession::new(m).unwrap();
+        let a = s.start(vec![ChatMessage::user("Hello there")], &greedy(8)).unwrap();
+        let b = s.continue_with("And then?", &greedy(8)).unwrap();
+        (a.raw_text, b.raw_text, b.cached_tokens, s.cached_ids().to_vec())
+    };
+    let f = run(paged_model("gemma4_text", None));
+    let p = run(paged_model("gemma4_text", Some(4)));
+    assert_eq!(f, p);
+    assert!(f.2 > 0);
+}
