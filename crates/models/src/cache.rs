@@ -190,6 +190,16 @@ impl ForwardKv<'_> {
             },
         }
     }
+    /// End the forward pass. In paged mode this computes the pool writes before the pool is
+    /// released: the pool is shared by every sequence of the model, and MLX streams are per
+    /// thread, so no lazy write may outlive this call (it would be evaluated on another thread).
+    pub fn finish(self) -> Result<()> {
+        if let Some((g, _, _)) = &self.paged {
+            g.pool.eval().map_err(crate::paged::err)?;
+        }
+        Ok(())
+    }
+
     /// Recurrent state slots of layer `i` (kept outside the pool in both modes).
     pub fn recurrent(&mut self, i: usize) -> Result<&mut Vec<Option<Array>>> {
         match self.layers.get_mut(i) {
@@ -232,10 +242,17 @@ impl Cache {
         self.paged.is_some()
     }
 
+    /// [`Cache::begin_forward_with`] allowing prefix skips.
+    pub fn begin_forward(&mut self, tokens: &Array) -> Result<(ForwardKv<'_>, usize)> {
+        self.begin_forward_with(tokens, true)
+    }
+
     /// Start a forward pass over `tokens` (`[1, L]` in paged mode): returns the per-layer view
     /// and how many leading tokens were found in the paged prefix cache (0 in flat mode); the
-    /// caller computes only `tokens[skipped..]`.
-    pub fn begin_forward(&mut self, tokens: &Array) -> Result<(ForwardKv<'_>, usize)> {
+    /// caller computes only `tokens[skipped..]`. With `allow_prefix_skip` false (callers that
+    /// need outputs for every position) a new paged sequence is salted privately: it neither
+    /// reuses nor shares cached blocks, and nothing is skipped.
+    pub fn begin_forward_with(&mut self, tokens: &Array, allow_prefix_skip: bool) -> Result<(ForwardKv<'_>, usize)> {
         let Cache { layers, paged, last_skipped } = self;
         *last_skipped = 0;
         match paged {
@@ -245,7 +262,7 @@ impl Cache {
                     return Err(ModelError::InvalidInput(format!("paged caches take one sequence ([1, L] tokens), got {:?}", tokens.shape())));
                 }
                 let ids: Vec<u32> = tokens.astype(mlx_array::DType::U32)?.to_vec()?;
-                let (batch, skipped, offset) = p.schedule(&ids)?;
+                let (batch, skipped, offset) = p.schedule(&ids, allow_prefix_skip)?;
                 *last_skipped = skipped;
                 let guard = p.shared.lock().unwrap_or_else(|e| e.into_inner());
                 Ok((ForwardKv { layers, paged: Some((guard, batch, offset)) }, skipped))

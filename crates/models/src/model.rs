@@ -1,8 +1,8 @@
 //! Loading checkpoints into runnable, thread-safe handles.
 use crate::cache::Cache;
 use crate::config;
-use crate::families::gemma4::{Gemma4Config, Gemma4Model};
 use crate::families::lfm2::{Lfm2Config, Lfm2Model};
+use crate::families::gemma4::{Gemma4Config, Gemma4Model};
 use crate::families::qwen3_5::{Qwen35Config, Qwen35Model};
 use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
 use crate::registry::{self, Family, FamilyKind};
@@ -31,7 +31,8 @@ pub struct LoadOptions {
 /// Which KV cache a loaded model's sequences use.
 #[derive(Debug, Clone, Default)]
 pub enum KvCacheMode {
-    /// `use_block_paged_cache` from config.json when present, else flat.
+    /// `use_block_paged_cache` from config.json when present, else the family's default
+    /// (paged for Qwen3, as in the seeds; flat for families whose paged path is not wired yet).
     #[default]
     Auto,
     /// Contiguous per-sequence K/V, preallocated in steps (fastest on the CPU backend).
@@ -41,17 +42,17 @@ pub enum KvCacheMode {
 }
 
 impl KvCacheMode {
-    fn resolve(&self, config: &serde_json::Value) -> Option<crate::paged::PagedConfig> {
+    fn resolve(&self, config: &serde_json::Value, family_default: bool) -> Option<crate::paged::PagedConfig> {
         match self {
             KvCacheMode::Flat => None,
             KvCacheMode::Paged(c) => Some(c.clone()),
-            KvCacheMode::Auto => match config.get("use_block_paged_cache").and_then(|v| v.as_bool()) {
-                Some(true) => Some(crate::paged::PagedConfig {
+            KvCacheMode::Auto => match config.get("use_block_paged_cache").and_then(|v| v.as_bool()).unwrap_or(family_default) {
+                true => Some(crate::paged::PagedConfig {
                     block_size: config.get("paged_block_size").and_then(|v| v.as_u64()).map_or(16, |v| v as usize),
                     memory_mb: config.get("paged_cache_memory_mb").and_then(|v| v.as_f64()),
                     ..Default::default()
                 }),
-                _ => None,
+                false => None,
             },
         }
     }
@@ -173,19 +174,7 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         "qwen3" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;
             let m = Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir);
-            let m = match opts.kv_cache.resolve(&text) {
-                Some(pc) => {
-                    let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
-                    m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
-                }
-                None => m,
-            };
-            Ok(LoadedModel::Lm(m))
-        }
-        "gemma4" => {
-            let cfg = Gemma4Config::from_root(dir, &raw)?;
-            let m = Model::from_runtime(Box::new(Gemma4Model::new(&weights, cfg, eos, opts.draft_model_path.clone())?), dir);
-            let m = match opts.kv_cache.resolve(&text) {
+            let m = match opts.kv_cache.resolve(&text, true) {
                 Some(pc) => {
                     let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
                     m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
@@ -197,6 +186,20 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         "lfm2" | "lfm2_moe" => {
             let cfg: Lfm2Config = config::parse(dir, &text)?;
             Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Lfm2Model::new(&weights, cfg, family.model_type, eos)?), dir)))
+        }
+        "gemma4" => {
+            let cfg = Gemma4Config::from_root(dir, &raw)?;
+            let m = Model::from_runtime(Box::new(Gemma4Model::new(&weights, cfg, eos, opts.draft_model_path.clone())?), dir);
+            // Paged path wired and tested (parity_gemma4 paged_equals_flat); Auto stays flat
+            // unless config.json asks for it (seed default: paged unless a draft model is given).
+            let m = match opts.kv_cache.resolve(&text, false) {
+                Some(pc) => {
+                    let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
+                    m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
+                }
+                None => m,
+            };
+            Ok(LoadedModel::Lm(m))
         }
         "qwen3_5" | "qwen3_5_moe" => {
             let cfg: Qwen35Config = config::parse(dir, &text)?;

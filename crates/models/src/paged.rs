@@ -77,7 +77,11 @@ impl PagedKv {
         let budget_mb = cfg.memory_mb.unwrap_or(auto.min(2048.0));
         let kcfg = KvConfig { block_size: cfg.block_size, budget_mb, dtype_bytes: dtype.size(), max_seqs: cfg.max_seqs, ..Default::default() };
         let layout = KvLayout::new(specs, kcfg).map_err(err)?;
-        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool: KvPool::new(&layout, dtype).map_err(err)?, layer_map })
+        let pool = KvPool::new(&layout, dtype).map_err(err)?;
+        // Materialize the storage now: MLX streams are per thread, and a lazy array built here
+        // could not be evaluated by the session threads that share the pool.
+        pool.eval().map_err(err)?;
+        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool, layer_map })
     }
 
     /// Block and prefix-hit counters.
@@ -98,12 +102,19 @@ impl PagedSeq {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
     }
     /// Register `ids` and schedule them; returns (batch, tokens skipped as cached, rope offset).
-    pub(crate) fn schedule(&mut self, ids: &[u32]) -> Result<(kv_paged::StepBatch, usize, usize)> {
+    pub(crate) fn schedule(&mut self, ids: &[u32], allow_prefix_skip: bool) -> Result<(kv_paged::StepBatch, usize, usize)> {
         let shared = self.shared.clone();
         let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
         let (seq, skipped) = match self.seq {
             None => {
-                let b = g.manager.begin(ids, ExtraKeys::none()).map_err(err)?;
+                let extra = if allow_prefix_skip {
+                    ExtraKeys::none()
+                } else {
+                    static PRIVATE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                    let n = PRIVATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u128;
+                    ExtraKeys { salt: Some((0x5eed_u128 << 64) | n), ..ExtraKeys::none() }
+                };
+                let b = g.manager.begin(ids, extra).map_err(err)?;
                 (b.seq, b.cached_tokens)
             }
             Some(s) => {

@@ -28,9 +28,9 @@ pub enum Logits {
     None,
 }
 
-/// What a forward call returns. With a paged cache, the first call of a sequence may find
-/// leading tokens in the prefix cache and not recompute them: logits and hidden states then cover
-/// only the tokens after them ([`crate::Cache::last_skipped`]).
+/// What a forward call returns. With a paged cache, the first `Logits::Last`/`Logits::None`
+/// call of a sequence (without hidden states) may find leading tokens in the prefix cache and not
+/// recompute them ([`crate::Cache::last_skipped`]); calls asking for every position never skip.
 pub struct ForwardOutput {
     /// f32 logits as requested.
     pub logits: Option<Array>,

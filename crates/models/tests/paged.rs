@@ -35,11 +35,39 @@ fn paged_equals_flat() {
         let b = full_logits(&p, &prompt);
         let e = rel_err(&b.concat(), &a.concat());
         assert!(e < 1e-6, "block size {bs}: paged vs flat logits rel err {e}");
-        // Chunked prefill of 20 (not a multiple of any block size) plus decode; the pool now
-        // holds the prompt's full blocks from the call above, so this also covers a prefix hit.
-        assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}");
-        assert_eq!(greedy_tokens(&model(Some(bs)), &prompt, 16, 20), want, "block size {bs}, cold pool");
+        // Chunked prefill of 20 (not a multiple of any block size) plus decode. The all-logits
+        // call above used a private sequence, so the first run is cold; the second one finds the
+        // first run's full blocks in the pool (a prefix hit).
+        assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, cold pool");
+        assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, prefix hit");
+        assert!(p.paged_stats().unwrap().prefix_hit_rate > 0.0);
     }
+}
+
+#[test]
+fn qwen3_defaults_to_paged_and_config_opts_out() {
+    let m = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    assert!(m.new_cache().is_paged(), "paged is the Qwen3 default, as in the seeds");
+    let t = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture("qwen3")).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, t.path().join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let cfg = std::fs::read_to_string(t.path().join("config.json")).unwrap();
+    std::fs::write(t.path().join("config.json"), cfg.replacen('{', "{\n  \"use_block_paged_cache\": false,", 1)).unwrap();
+    let m = load_model(t.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    assert!(!m.new_cache().is_paged());
+}
+
+#[test]
+fn all_logits_never_skip_cached_prefixes() {
+    let p = model(Some(4));
+    let prompt: Vec<u32> = (1..30).collect();
+    let _ = greedy_tokens(&p, &prompt, 2, 2048);
+    let a = full_logits(&p, &prompt);
+    assert_eq!(a.len(), prompt.len(), "one row per position even though the prefix is cached");
 }
 
 #[test]

@@ -127,12 +127,13 @@ impl Qwen3Backbone {
 
     /// Final-normed hidden states `[B, L - skipped, hidden]` and `skipped`, the leading tokens
     /// served by a paged prefix-cache hit (0 with flat caches).
-    pub fn forward(&self, tokens: &Array, cache: &mut Cache) -> Result<(Array, usize)> {
+    /// `allow_prefix_skip`: see [`Cache::begin_forward_with`].
+    pub fn forward(&self, tokens: &Array, cache: &mut Cache, allow_prefix_skip: bool) -> Result<(Array, usize)> {
         check_tokens(tokens, self.cfg.vocab_size)?;
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
         }
-        let (mut kv, skipped) = cache.begin_forward(tokens)?;
+        let (mut kv, skipped) = cache.begin_forward_with(tokens, allow_prefix_skip)?;
         let l = tokens.dims()[1] as usize;
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
         let mut x = self.embed.forward(&tokens)?;
@@ -141,6 +142,7 @@ impl Qwen3Backbone {
             let h = x.add(&layer.attn.forward_kv(&layer.input_norm.forward(&x)?, &mut kv.layer(i)?, mask)?)?;
             x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;
         }
+        kv.finish()?;
         Ok((self.norm.forward(&x)?, skipped))
     }
 
@@ -203,7 +205,7 @@ impl ModelRuntime for Qwen3Model {
         self.backbone.cache_spec()
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let (h, _) = self.backbone.forward(tokens, cache)?;
+        let (h, _) = self.backbone.forward(tokens, cache, logits != Logits::All && !hidden)?;
         let logits = match logits {
             Logits::None => None,
             Logits::All => Some(self.lm_head.forward(&h)?.astype(DType::F32)?),

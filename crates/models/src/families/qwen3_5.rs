@@ -370,8 +370,11 @@ fn load_mtp(weights: &Weights, raw: &serde_json::Value, family: &str, dtype: DTy
         mtp.insert(n.clone(), root.get_any(&n)?);
     }
     let dir = weights.path();
-    let mut sidecars: Vec<std::path::PathBuf> = vec![dir.join("mtp.safetensors")];
+    // Sidecars (seed 001 rules): only dense qwen3_5 has them (top-level mtp.safetensors, nested
+    // mtp/weights.safetensors, a config-declared relative file); MoE stores MTP inline.
+    let mut sidecars: Vec<std::path::PathBuf> = Vec::new();
     if family == "qwen3_5" {
+        sidecars.push(dir.join("mtp.safetensors"));
         sidecars.push(dir.join("mtp/weights.safetensors"));
         if let Some(f) = raw.get("mlx_lm_extra_tensors").and_then(|e| e.get("mtp_file")).and_then(|f| f.as_str()) {
             let p = Path::new(f.trim());
