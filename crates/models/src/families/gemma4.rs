@@ -20,7 +20,7 @@
 //!   `experts.down_proj [E, H, I]`), dispatched with `gather_mm`.
 //!
 //! Caches: flat (rotating for sliding layers) or the kv-paged block pool (`KvCacheMode`; Auto
-//! follows `use_block_paged_cache`), both through [`Cache::begin_forward`]. KV-shared layers have
+//! follows `use_block_paged_cache`), both through [`Cache::begin_forward_with`]. KV-shared layers have
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::families::qwen3::check_tokens;
@@ -673,7 +673,7 @@ impl Gemma4Model {
         Ok(Some(pr.add(&tok)?.mul_scalar(std::f32::consts::FRAC_1_SQRT_2)?))
     }
 
-    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, allow_prefix_skip: bool) -> Result<Array> {
         check_tokens(tokens, self.cfg.vocab_size)?;
         let n = self.cfg.num_hidden_layers;
         if cache.layers.len() != n {
@@ -690,7 +690,7 @@ impl Gemma4Model {
             }
         }
         // Paged caches may serve a prefix of `tokens` from the block pool: compute the rest.
-        let (mut kvs, skipped) = cache.begin_forward(tokens)?;
+        let (mut kvs, skipped) = cache.begin_forward_with(tokens, allow_prefix_skip)?;
         let total = tokens.dims()[1] as usize;
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, total)? } else { tokens.clone() };
         let tokens = &tokens;
@@ -721,6 +721,7 @@ impl Gemma4Model {
             }
             x = y.mul(&layer.layer_scalar)?;
         }
+        kvs.finish()?;
         net.norm.forward(&x)
     }
 }
@@ -748,7 +749,8 @@ impl ModelRuntime for Gemma4Model {
         let net = self.net.as_ref().ok_or_else(|| {
             ModelError::InvalidInput("Model not initialized (weights not loaded): a Gemma4Model built with from_config cannot run; load the checkpoint with load_model".into())
         })?;
-        let h = self.hidden(net, tokens, cache)?;
+        // Calls that need every position's output must not skip a cached prefix.
+        let h = self.hidden(net, tokens, cache, logits != Logits::All && !hidden)?;
         let head = |x: &Array| -> Result<Array> {
             let y = net.lm_head.forward(x)?.astype(DType::F32)?;
             Ok(match self.cfg.final_logit_softcapping {
