@@ -102,6 +102,9 @@ pub struct Generator<'a> {
     prompt: Vec<u32>,
     pending: Option<(Array, Array)>,
     forced: Option<u32>,
+    /// Sampling reads no token history: step n + 1 can be fed the lazy token n.
+    lazy_feed: bool,
+    queued_on_lazy: bool,
     produced: usize,
     finish: Option<FinishReason>,
     stop_token: Option<u32>,
@@ -122,6 +125,8 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cont
         return Err(ModelError::InvalidInput(format!("token id {bad} out of range for vocab size {vocab}")));
     }
     let sampler = Sampler::new(cfg.sampling.clone()).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    let sc = &cfg.sampling;
+    let lazy_feed = sc.repetition_penalty == 1.0 && sc.presence_penalty == 0.0 && sc.frequency_penalty == 0.0;
     let guard = StopGuard::new(&cfg.sampling).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
     let stop = cfg.stop_tokens.clone().unwrap_or_else(|| model.info().eos_token_ids.clone());
     let mut history = context.to_vec();
@@ -137,6 +142,8 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cont
         prompt: prompt.to_vec(),
         pending: None,
         forced: None,
+        lazy_feed,
+        queued_on_lazy: false,
         produced: 0,
         finish: None,
         stop_token: None,
@@ -233,9 +240,17 @@ impl Generator<'_> {
                     None if self.produced == 0 && self.first_token.is_none() => self.prefill()?,
                     None => return Err(ModelError::Cache("generator has no queued step (internal error)".into())),
                 };
+                // Pipelining (as mlx-lm's generate_step): queue step n + 1 on the still-lazy
+                // token n before reading token n back, so the device never waits for the host.
+                // Penalties need id n in the history first, so they take the plain path.
+                if self.lazy_feed {
+                    self.pending = Some(self.step(&tok.reshape(&[1, 1])?)?);
+                    self.queued_on_lazy = true;
+                }
                 (tok.reshape(&[-1])?.to_vec::<u32>()?[0], lp.reshape(&[-1])?.to_vec::<f32>()?[0])
             }
         };
+        let fed = std::mem::take(&mut self.queued_on_lazy);
         if self.first_token.is_none() {
             if self.prefill_time.is_zero() {
                 // First token forced: the prompt must still be prefilled into the cache.
@@ -248,7 +263,13 @@ impl Generator<'_> {
         let guard = self.guard.push(id);
         // Queue the next step before handing this token out (pipelining); a stop token is fed
         // too, so the cache ends on a turn boundary.
-        if self.forced.is_none() {
+        if fed {
+            // Token n is already in the cache and step n + 1 is queued.
+            if is_stop {
+                self.pending = None;
+                mlx_array::eval(&self.cache.arrays())?;
+            }
+        } else if self.forced.is_none() {
             let t = Array::from_slice(&[id], &[1, 1])?;
             if is_stop {
                 self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;

@@ -58,6 +58,10 @@ impl HarrierModel {
         if ids.is_empty() {
             return Err(ModelError::InvalidInput("cannot embed an empty token sequence".into()));
         }
+        let vocab = self.backbone.cfg.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::InvalidInput(format!("token id {bad} out of range for vocab size {vocab}")));
+        }
         let ids = &ids[..ids.len().min(self.max_length())];
         let tokens = Array::from_slice(ids, &[1, ids.len()])?;
         let mut cache = Cache::new(&self.backbone.cache_spec());

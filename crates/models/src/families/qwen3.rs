@@ -151,11 +151,18 @@ impl Qwen3Backbone {
     }
 }
 
-/// `[B, L]` integer ids, all below `vocab`.
-pub(crate) fn check_tokens(tokens: &Array, vocab: usize) -> Result<()> {
+/// `[B, L]` integer ids (shape and dtype only: no device sync, so decode stays pipelined).
+/// [`crate::Model::forward`] also checks the id range; generation checks host ids itself.
+pub(crate) fn check_tokens(tokens: &Array, _vocab: usize) -> Result<()> {
     if tokens.ndim() != 2 || tokens.size() == 0 || !matches!(tokens.dtype(), DType::I32 | DType::U32 | DType::I64) {
         return Err(ModelError::InvalidInput(format!("tokens must be a non-empty [batch, length] integer array, got {:?} {}", tokens.shape(), tokens.dtype())));
     }
+    Ok(())
+}
+
+/// Every id of `tokens` is in `0..vocab` (reads two scalars back: one device sync).
+pub(crate) fn check_token_range(tokens: &Array, vocab: usize) -> Result<()> {
+    check_tokens(tokens, vocab)?;
     let max = tokens.max(&[], false)?.astype(DType::I64)?.item::<i64>()?;
     let min = tokens.min(&[], false)?.astype(DType::I64)?.item::<i64>()?;
     if min < 0 || max as usize >= vocab {
