@@ -192,9 +192,9 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         "gemma4" => {
             let cfg = Gemma4Config::from_root(dir, &raw)?;
             let m = Model::from_runtime(Box::new(Gemma4Model::new(&weights, cfg, eos, opts.draft_model_path.clone())?), dir);
-            // Paged path wired and tested (parity_gemma4 paged_equals_flat); Auto stays flat
-            // unless config.json asks for it (seed default: paged unless a draft model is given).
-            let m = match opts.kv_cache.resolve(&text, false) {
+            // Seed default: paged unless a draft model is given (drafting needs flat caches);
+            // config.json's use_block_paged_cache overrides.
+            let m = match opts.kv_cache.resolve(&text, opts.draft_model_path.is_none()) {
                 Some(pc) => {
                     let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
                     m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?

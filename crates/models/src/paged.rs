@@ -68,14 +68,25 @@ impl PagedKv {
             pool_index.push(idx);
             layer_map.push(idx);
         }
-        let bytes_per_token: usize = specs
-            .iter()
-            .filter(|s| !matches!(s.kind, kv_paged::LayerKind::Shared { .. }))
-            .map(|s| 2 * s.kv_heads * s.head_dim * dtype.size())
-            .sum();
-        let auto = (bytes_per_token * max_positions.max(cfg.block_size)) as f64 / 1e6 * 1.1 + 1.0;
-        let budget_mb = cfg.memory_mb.unwrap_or(auto.min(2048.0));
-        let kcfg = KvConfig { block_size: cfg.block_size, budget_mb, dtype_bytes: dtype.size(), max_seqs: cfg.max_seqs, ..Default::default() };
+        let kcfg = KvConfig { block_size: cfg.block_size, dtype_bytes: dtype.size(), max_seqs: cfg.max_seqs, ..Default::default() };
+        // Auto budget: full-attention layers hold max_position_embeddings tokens (capped at
+        // 2048 MB); sliding layers need their fixed per-sequence window groups on top.
+        let bs = cfg.block_size.max(1);
+        let (mut full, mut sliding) = (0usize, 0usize);
+        for s in &specs {
+            let per_token = 2 * s.kv_heads * s.head_dim * dtype.size();
+            match s.kind {
+                kv_paged::LayerKind::Full => full += per_token,
+                kv_paged::LayerKind::Sliding { window } => {
+                    let blocks = (window + kcfg.rollback_tokens + kcfg.max_step_tokens).div_ceil(bs) + 1;
+                    sliding += per_token * (cfg.max_seqs * blocks + 1) * bs;
+                }
+                kv_paged::LayerKind::Shared { .. } => {}
+            }
+        }
+        let auto_full = ((full * max_positions.max(bs)) as f64 / 1e6 * 1.1).min(2048.0);
+        let budget_mb = cfg.memory_mb.unwrap_or(auto_full + sliding as f64 / 1e6 * 1.1 + 1.0);
+        let kcfg = KvConfig { budget_mb, ..kcfg };
         let layout = KvLayout::new(specs, kcfg).map_err(err)?;
         let pool = KvPool::new(&layout, dtype).map_err(err)?;
         // Materialize the storage now: MLX streams are per thread, and a lazy array built here

@@ -108,7 +108,11 @@ fn cache_layout_follows_layer_types_and_kv_sharing() {
     assert_eq!(spec.layers[2], LayerKind::Attention { kv_heads: 1, head_dim: 32 });
     assert_eq!(spec.layers[0], LayerKind::SlidingAttention { kv_heads: 2, head_dim: 16, window: 16 });
 
-    // The sliding layers' rotating caches hold fewer positions than were seen.
+    // The sliding layers' rotating caches hold fewer positions than were seen (flat caches:
+    // gemma4 defaults to the paged pool, which keeps its storage out of `Cache`).
+    assert!(model.new_cache().is_paged());
+    let flat = LoadOptions { kv_cache: mlx_models::KvCacheMode::Flat, ..Default::default() };
+    let model = load_model(fixture("gemma4_text"), &flat).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
     let prompt = ids(&reference("gemma4_text")["input_ids"]);
     model.forward(&Array::from_slice(&prompt, &[1, 72]).unwrap(), &mut cache, Logits::Last, false).unwrap();
