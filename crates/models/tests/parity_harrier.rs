@@ -27,3 +27,20 @@ fn harrier_embeddings_match_reference() {
     let batch = m.encode_batch_ids(&inputs).unwrap();
     assert_eq!(batch[1], m.encode_ids(&inputs[1]).unwrap());
 }
+
+#[test]
+fn text_encoding_with_instruction_presets() {
+    let dir = fixture("qwen3_embed");
+    let m = load_model(&dir, &LoadOptions::default()).unwrap().into_embedding().unwrap();
+    let tok = mlx_models::chat::Tokenizer::from_dir(&dir).unwrap();
+    let q = m.prompts["query"].clone();
+    assert!(q.starts_with("Instruct:"));
+    let via_text = m.encode("hello world", Some("query")).unwrap();
+    let via_ids = m.encode_ids(&tok.encode(&format!("{q}hello world"), true).unwrap()).unwrap();
+    assert_eq!(via_text, via_ids);
+    assert_eq!(m.encode("hello world", Some("document")).unwrap(), m.encode_ids(&tok.encode("hello world", true).unwrap()).unwrap());
+    let b = m.encode_batch(&["a", "hello world"], Some("query")).unwrap();
+    assert_eq!(b[1], via_text);
+    assert!(m.encode("x", Some("nope")).is_err());
+    assert!(m.encode_ids(&[100_000]).is_err(), "ids out of vocab are refused");
+}

@@ -15,6 +15,8 @@ pub struct HarrierModel {
     pub prompts: BTreeMap<String, String>,
     pub default_prompt_name: Option<String>,
     normalize: bool,
+    /// The checkpoint's tokenizer, when it ships one (text encoding needs it).
+    tokenizer: Option<crate::chat::Tokenizer>,
 }
 
 impl HarrierModel {
@@ -42,7 +44,8 @@ impl HarrierModel {
             Ok(s) => s.contains("Normalize"),
             Err(_) => true,
         };
-        Ok(HarrierModel { backbone, prompts, default_prompt_name, normalize })
+        let tokenizer = if dir.join("tokenizer.json").exists() { Some(crate::chat::Tokenizer::from_dir(dir)?) } else { None };
+        Ok(HarrierModel { backbone, prompts, default_prompt_name, normalize, tokenizer })
     }
 
     pub fn hidden_size(&self) -> usize {
@@ -69,6 +72,26 @@ impl HarrierModel {
         let last = h.slice_axis(1, ids.len() - 1, ids.len())?.reshape(&[-1])?.astype(DType::F32)?;
         let v = last.to_vec::<f32>()?;
         Ok(if self.normalize { l2_normalize(v) } else { v })
+    }
+
+    /// Embed `text`, prefixed with the instruction preset `prompt_name` from
+    /// `config_sentence_transformers.json` (e.g. `"query"`; `None` uses `default_prompt_name`,
+    /// else no prefix), as sentence-transformers does.
+    pub fn encode(&self, text: &str, prompt_name: Option<&str>) -> Result<Vec<f32>> {
+        let tok = self.tokenizer.as_ref().ok_or_else(|| ModelError::InvalidInput("this checkpoint has no tokenizer.json: use encode_ids".into()))?;
+        let prefix = match prompt_name.or(self.default_prompt_name.as_deref()) {
+            Some(name) => self.prompts.get(name).ok_or_else(|| {
+                ModelError::InvalidInput(format!("unknown prompt name {name:?} (available: {:?})", self.prompts.keys().collect::<Vec<_>>()))
+            })?,
+            None => "",
+        };
+        let ids = tok.encode(&format!("{prefix}{text}"), true)?;
+        self.encode_ids(&ids)
+    }
+
+    /// [`HarrierModel::encode`] for several texts with the same preset.
+    pub fn encode_batch(&self, texts: &[&str], prompt_name: Option<&str>) -> Result<Vec<Vec<f32>>> {
+        texts.iter().map(|t| self.encode(t, prompt_name)).collect()
     }
 
     /// Embed several sequences (each independently: no padding effects).
