@@ -187,7 +187,9 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         }
         "lfm2" | "lfm2_moe" => {
             let cfg: Lfm2Config = config::parse(dir, &text)?;
-            Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Lfm2Model::new(&weights, cfg, family.model_type, eos)?), dir)))
+            let m = Model::from_runtime(Box::new(Lfm2Model::new(&weights, cfg, family.model_type, eos)?), dir);
+            // Hybrid (short conv + attention): paged attention layers are opt-in.
+            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, false, &weights)?))
         }
         "gemma4" => {
             let cfg = Gemma4Config::from_root(dir, &raw)?;
@@ -205,13 +207,26 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
         }
         "qwen3_5" | "qwen3_5_moe" => {
             let cfg: Qwen35Config = config::parse(dir, &text)?;
-            Ok(LoadedModel::Lm(Model::from_runtime(Box::new(Qwen35Model::new(&weights, cfg, &text, eos, family.model_type)?), dir)))
+            let m = Model::from_runtime(Box::new(Qwen35Model::new(&weights, cfg, &text, eos, family.model_type)?), dir);
+            // Seed default for text-only Qwen3.5: flat; paged is opt-in.
+            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, false, &weights)?))
         }
         "harrier" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;
             Ok(LoadedModel::Embedding(Arc::new(HarrierModel::new(dir, &weights, cfg)?)))
         }
         other => Err(ModelError::UnsupportedModelType { path: dir.to_path_buf(), model_type: other.to_string() }),
+    }
+}
+
+/// Attach a paged pool when the options (or config.json, or the family default) ask for one.
+fn with_kv_mode(m: Model, opts: &LoadOptions, text: &serde_json::Value, family_default: bool, weights: &Weights) -> Result<Model> {
+    match opts.kv_cache.resolve(text, family_default) {
+        Some(pc) => {
+            let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
+            m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))
+        }
+        None => Ok(m),
     }
 }
 

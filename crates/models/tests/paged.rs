@@ -105,3 +105,25 @@ fn sessions_on_paged_equal_flat() {
     assert_eq!(f, p);
     assert!(f.2 > 0 && f.4 > 0);
 }
+
+/// Hybrid families (recurrent + attention layers): paged attention layers, opt-in, give the
+/// same tokens and logits as flat caches, and never skip a prefix (the recurrent state must see
+/// every token).
+#[test]
+fn hybrid_families_paged_equal_flat() {
+    for name in ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"] {
+        let load = |kv_cache| load_model(fixture(name), &LoadOptions { kv_cache, ..Default::default() }).unwrap().into_lm().unwrap();
+        let flat = load(KvCacheMode::Flat);
+        assert!(!flat.new_cache().is_paged(), "{name}: flat by default");
+        let paged = load(KvCacheMode::Paged(PagedConfig { block_size: 4, memory_mb: Some(4.0), ..Default::default() }));
+        assert!(paged.new_cache().is_paged());
+        let r = reference(name);
+        let prompt = ids(&r["input_ids"]);
+        let want = greedy_tokens(&flat, &prompt, 8, 20);
+        assert_eq!(want, ids(&r["greedy_ids"])[72..80], "{name}: flat greedy vs transformers");
+        assert_eq!(greedy_tokens(&paged, &prompt, 8, 20), want, "{name}: paged, cold");
+        assert_eq!(greedy_tokens(&paged, &prompt, 8, 20), want, "{name}: paged again (no prefix skip)");
+        let e = rel_err(&full_logits(&paged, &prompt).concat(), &full_logits(&flat, &prompt).concat());
+        assert!(e < 1e-5, "{name}: paged vs flat logits rel err {e}");
+    }
+}

@@ -10,7 +10,7 @@
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
 use super::qwen3::check_tokens;
-use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind};
+use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
@@ -425,14 +425,17 @@ impl Lfm2Model {
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
         }
+        // Hybrid model: never skip a cached prefix (the conv state must see every token), so a
+        // paged cache stores only the attention layers' K/V and is not shared between sequences.
+        let (mut kv, _) = cache.begin_forward_with(tokens, false)?;
         let mut x = self.embed.forward(tokens)?;
         let mask = causal_mask(tokens.dims()[1] as usize, None);
         for (i, layer) in self.layers.iter().enumerate() {
             let n = layer.operator_norm.forward(&x)?;
             let r = match &layer.op {
-                Operator::Attn(a) => a.forward(&n, cache.kv(i)?, mask)?,
-                Operator::Conv(c) => match &mut cache.layers[i] {
-                    LayerCache::Recurrent(slots) if !slots.is_empty() => c.forward(&n, &mut slots[0])?,
+                Operator::Attn(a) => a.forward_kv(&n, &mut kv.layer(i)?, mask)?,
+                Operator::Conv(c) => match kv.recurrent(i)? {
+                    slots if !slots.is_empty() => c.forward(&n, &mut slots[0])?,
                     _ => return Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
                 },
             };
@@ -444,6 +447,7 @@ impl Lfm2Model {
             };
             x = h.add(&f)?;
         }
+        kv.finish()?;
         self.norm.forward(&x)
     }
 }

@@ -35,7 +35,7 @@
 use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
 use super::qwen3::check_tokens;
-use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind};
+use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::Weights;
@@ -340,14 +340,16 @@ impl Qwen35Model {
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
         }
+        // Hybrid model: never skip a cached prefix (the recurrent layers' state must see every
+        // token), so a paged cache here stores the full-attention K/V but is not shared.
+        let (mut kv, _) = cache.begin_forward_with(tokens, false)?;
         let mut x = self.embed.forward(tokens)?;
         let mask = causal_mask(tokens.dims()[1] as usize, None);
         for (i, layer) in self.layers.iter().enumerate() {
             let n = layer.input_norm.forward(&x)?;
-            let a = match (&layer.mixer, &mut cache.layers[i]) {
-                (Mixer::Full(att), LayerCache::Kv(kv)) => att.forward(&n, kv, mask)?,
-                (Mixer::Linear(gdn), LayerCache::Recurrent(slots)) => gdn.forward(&n, slots)?,
-                _ => return Err(ModelError::Cache(format!("layer {i}: cache kind does not match the layer"))),
+            let a = match &layer.mixer {
+                Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, mask)?,
+                Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?)?,
             };
             let hres = x.add(&a)?;
             let n = layer.post_norm.forward(&hres)?;
@@ -357,6 +359,7 @@ impl Qwen35Model {
             };
             x = hres.add(&f)?;
         }
+        kv.finish()?;
         self.norm.forward(&x)
     }
 }
