@@ -10,39 +10,7 @@ use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, G
 use sampling::{SamplingConfig, SamplingOverrides};
 
 fn check_family(name: &str) {
-    let r = reference(name);
-    let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
-    assert_eq!(model.info().model_type, name);
-    let prompt = ids(&r["input_ids"]);
-    let greedy_ref = ids(&r["greedy_ids"]);
-    assert_eq!(prompt.len(), 72);
-
-    // 1. Full prefill logits.
-    let ours = full_logits(&model, &prompt);
-    let theirs = r["logits"].to_vec::<f32>().unwrap();
-    let flat: Vec<f32> = ours.iter().flatten().copied().collect();
-    let e = rel_err(&flat, &theirs);
-    eprintln!("{name}: prefill logits rel err {e:.3e}");
-    assert!(e < 1e-3, "{name}: prefill logits rel err {e}");
-
-    // 2. Greedy through the cache, and its per-step logits vs the reference's decode logits.
-    let mut cache = model.new_cache();
-    let (toks, step_logits) = greedy_cached(&model, &mut cache, &prompt, 16);
-    assert_eq!(toks, greedy_ref[72..], "{name}: greedy tokens");
-    let dref = r["decode_logits"].to_vec::<f32>().unwrap();
-    let flat: Vec<f32> = step_logits.iter().flatten().copied().collect();
-    let e = rel_err(&flat, &dref);
-    eprintln!("{name}: decode logits rel err {e:.3e}");
-    assert!(e < 1e-3, "{name}: decode logits rel err {e}");
-    assert_eq!(cache.offset(), 72 + 16);
-
-    // 3. Cached decode equals full recompute over the same tokens.
-    let full = full_logits(&model, &greedy_ref[..87]);
-    for (s, l) in step_logits.iter().enumerate() {
-        let e = rel_err(l, &full[71 + s]);
-        assert!(e < 1e-4, "{name}: step {s} cached vs recomputed rel err {e}");
-        assert_eq!(argmax(l), argmax(&full[71 + s]));
-    }
+    check_transformers_parity(name, name);
 }
 
 #[test]

@@ -57,3 +57,41 @@ pub fn full_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
     let v = *l.shape().last().unwrap();
     l.to_vec::<f32>().unwrap().chunks(v).map(|c| c.to_vec()).collect()
 }
+
+/// The parity contract every family meets against its transformers fixture `name` (72-token
+/// prompt, f32 eager reference): full-prefill logits within 1e-3 relative, 16 greedy tokens
+/// identical through the cache, per-step decode logits within 1e-3, and cached decode equal to
+/// a full recompute (1e-4, same argmax). `model_type` is the canonical family expected.
+pub fn check_transformers_parity(name: &str, model_type: &str) {
+    let r = reference(name);
+    let model = mlx_models::load_model(fixture(name), &mlx_models::LoadOptions::default()).unwrap().into_lm().unwrap();
+    assert_eq!(model.info().model_type, model_type);
+    let prompt = ids(&r["input_ids"]);
+    let greedy_ref = ids(&r["greedy_ids"]);
+    assert_eq!(prompt.len(), 72);
+
+    // 1. Full prefill logits.
+    let ours = full_logits(&model, &prompt);
+    let theirs = r["logits"].to_vec::<f32>().unwrap();
+    let e = rel_err(&ours.concat(), &theirs);
+    eprintln!("{name}: prefill logits rel err {e:.2e}");
+    assert!(e < 1e-3, "{name}: prefill logits rel err {e}");
+
+    // 2. Greedy through the cache, and its per-step logits vs the reference's decode logits.
+    let mut cache = model.new_cache();
+    let (toks, step_logits) = greedy_cached(&model, &mut cache, &prompt, 16);
+    assert_eq!(toks, greedy_ref[72..], "{name}: greedy tokens");
+    let dref = r["decode_logits"].to_vec::<f32>().unwrap();
+    let e = rel_err(&step_logits.concat(), &dref);
+    eprintln!("{name}: decode logits rel err {e:.2e}");
+    assert!(e < 1e-3, "{name}: decode logits rel err {e}");
+    assert_eq!(cache.offset(), 72 + 16);
+
+    // 3. Cached decode equals full recompute over the same tokens.
+    let full = full_logits(&model, &greedy_ref[..87]);
+    for (s, l) in step_logits.iter().enumerate() {
+        let e = rel_err(l, &full[71 + s]);
+        assert!(e < 1e-4, "{name}: step {s} cached vs recomputed rel err {e}");
+        assert_eq!(argmax(l), argmax(&full[71 + s]));
+    }
+}
