@@ -203,17 +203,16 @@ impl Generator<'_> {
         let t0 = Instant::now();
         let p = self.prompt.clone();
         let step = if self.cfg.prefill_step_size == 0 { p.len() } else { self.cfg.prefill_step_size };
-        let (head, last) = p.split_at(p.len() - 1.min(p.len()));
-        // All but the last token in chunks (no logits), then the last one with logits.
-        let mut rest = head;
-        while !rest.is_empty() {
-            let n = rest.len().min(step);
-            let t = Array::from_slice(&rest[..n], &[1, n])?;
+        // As mlx-lm: full chunks without logits while more than one chunk remains, then the rest
+        // (1..=step tokens, ending with the prompt's last token) with the last position's logits.
+        let mut rest = &p[..];
+        while rest.len() > step {
+            let t = Array::from_slice(&rest[..step], &[1, step])?;
             self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
             mlx_array::eval(&self.cache.arrays())?;
-            rest = &rest[n..];
+            rest = &rest[step..];
         }
-        let t = Array::from_slice(last, &[1, last.len()])?;
+        let t = Array::from_slice(rest, &[1, rest.len()])?;
         let r = self.step(&t)?;
         r.0.eval()?;
         self.prefill_time = t0.elapsed();
