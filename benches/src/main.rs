@@ -36,6 +36,8 @@ type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 struct Args {
     model: Option<PathBuf>,
     dtype: Option<String>,
+    /// KV cache of our side: "flat" (default, like mlx-lm's KVCache) or "paged".
+    kv: String,
     runs: usize,
     gen: usize,
     prompts: Vec<usize>,
@@ -56,7 +58,7 @@ fn usage() -> ! {
 }
 
 const USAGE: &str = "usage:
-  llm_bench --model DIR [--dtype f32|bf16] [--runs 3] [--gen 128] [--prompts 128,2048]
+  llm_bench --model DIR [--dtype f32|bf16] [--kv flat|paged] [--runs 3] [--gen 128] [--prompts 128,2048]
             [--python PATH] [--script mlx_lm_bench.py] [--no-mlx-lm] [--json FILE] [--bandwidth]
   llm_bench --create-random qwen3-0.6b|qwen3-small|qwen3-8b [--dtype f32|bf16] [--out DIR] [--seed N]
   llm_bench --bandwidth-only
@@ -66,6 +68,7 @@ fn parse_args() -> Args {
     let mut a = Args {
         model: None,
         dtype: None,
+        kv: "flat".into(),
         runs: 3,
         gen: 128,
         prompts: vec![128, 2048],
@@ -85,6 +88,7 @@ fn parse_args() -> Args {
         match k.as_str() {
             "--model" => a.model = Some(v().into()),
             "--dtype" => a.dtype = Some(v()),
+            "--kv" => a.kv = v(),
             "--runs" => a.runs = v().parse().unwrap_or_else(|_| usage()),
             "--gen" => a.gen = v().parse().unwrap_or_else(|_| usage()),
             "--prompts" => a.prompts = v().split(',').map(|s| s.trim().parse().unwrap_or_else(|_| usage())).collect(),
@@ -380,7 +384,13 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     }
 
     let t = Instant::now();
-    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), ..Default::default() })?.into_lm()?;
+    let kv_cache = match a.kv.as_str() {
+        "flat" => mlx_models::KvCacheMode::Flat,
+        "paged" => mlx_models::KvCacheMode::Paged(Default::default()),
+        other => return Err(format!("--kv {other:?}: expected flat or paged").into()),
+    };
+    eprintln!("ours: {} KV cache", a.kv);
+    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, ..Default::default() })?.into_lm()?;
     let vocab = model.info().vocab_size;
     eprintln!("ours: loaded (lazy) in {:.2} s", t.elapsed().as_secs_f64());
     let mut theirs = if a.no_mlx_lm { None } else { Some(Theirs::start(a, dir, &dt)?) };
