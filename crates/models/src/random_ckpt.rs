@@ -59,22 +59,41 @@ pub fn create_random_qwen3_checkpoint(cfg: &Qwen3Config, dir: &Path, dtype: DTyp
     if !cfg.tie_word_embeddings {
         shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], 0.0, 0.02));
     }
-    let keys = Key::new(seed)?.split_n(shapes.len())?;
-    let mut arrays: Vec<(String, Array)> = Vec::with_capacity(shapes.len());
-    for ((name, shape, loc, scale), key) in shapes.into_iter().zip(&keys) {
+    let mut json = serde_json::to_value(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    json.as_object_mut().unwrap().insert("head_dim".into(), d.into());
+    write_random_checkpoint(dir, shapes, dtype, seed, json, "qwen3", "Qwen3ForCausalLM")
+}
+
+/// One tensor of a random checkpoint: name, shape, mean and standard deviation.
+pub(crate) type RandomTensor = (String, Vec<usize>, f32, f32);
+
+/// Draw `tensors` from one seed, save them as `model.safetensors` in `dtype`, then write
+/// `config` as config.json (with `model_type`, `architectures` and `torch_dtype` set and nulls
+/// dropped) and the bundled tokenizer. Every file is written atomically.
+pub(crate) fn write_random_checkpoint(
+    dir: &Path,
+    tensors: Vec<RandomTensor>,
+    dtype: DType,
+    seed: u64,
+    mut config: serde_json::Value,
+    model_type: &str,
+    architecture: &str,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let keys = Key::new(seed)?.split_n(tensors.len())?;
+    let mut arrays: Vec<(String, Array)> = Vec::with_capacity(tensors.len());
+    for ((name, shape, loc, scale), key) in tensors.into_iter().zip(&keys) {
         arrays.push((name, normal_with(&shape, loc, scale, DType::F32, key)?.astype(dtype)?));
     }
     let refs: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
     mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None)?;
 
-    let mut json = serde_json::to_value(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-    let obj = json.as_object_mut().unwrap();
-    obj.insert("model_type".into(), "qwen3".into());
-    obj.insert("architectures".into(), serde_json::json!(["Qwen3ForCausalLM"]));
+    let obj = config.as_object_mut().ok_or_else(|| ModelError::InvalidInput("checkpoint config must be a JSON object".into()))?;
+    obj.insert("model_type".into(), model_type.into());
+    obj.insert("architectures".into(), serde_json::json!([architecture]));
     obj.insert("torch_dtype".into(), dtype_name(dtype).into());
-    obj.insert("head_dim".into(), d.into());
     obj.retain(|_, v| !v.is_null());
-    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&json).unwrap().as_bytes())?;
+    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap().as_bytes())?;
     write_atomic(&dir.join("tokenizer.json"), TOKENIZER_JSON.as_bytes())?;
     write_atomic(&dir.join("tokenizer_config.json"), TOKENIZER_CONFIG.as_bytes())?;
     Ok(())

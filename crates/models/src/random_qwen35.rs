@@ -3,14 +3,11 @@
 //! model.safetensors and the bundled 512-id Qwen3 tokenizer, each file written atomically.
 //! The MoE checkpoint stores experts fused (`experts.gate_up_proj`/`down_proj`), as hub files do.
 use crate::families::qwen3_5::Qwen35Config;
-use crate::random_ckpt::write_atomic;
+use crate::random_ckpt::write_random_checkpoint;
 use crate::{ModelError, Result};
-use mlx_array::random::{normal_with, Key};
-use mlx_array::{Array, DType};
+use mlx_array::DType;
 use std::path::Path;
 
-const TOKENIZER_JSON: &str = include_str!("../assets/qwen3-tokenizer/tokenizer.json");
-const TOKENIZER_CONFIG: &str = include_str!("../assets/qwen3-tokenizer/tokenizer_config.json");
 
 /// A small dense Qwen3.5 (hidden 64, 4 layers: 3 GatedDeltaNet + 1 full attention, vocab 512).
 pub fn tiny_qwen35_config() -> Qwen35Config {
@@ -107,33 +104,14 @@ fn write_checkpoint(cfg: &Qwen35Config, dir: &Path, dtype: DType, seed: u64, moe
     if !cfg.tie_word_embeddings {
         shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], 0.0, 0.02));
     }
-    let keys = Key::new(seed)?.split_n(shapes.len())?;
-    let mut arrays: Vec<(String, Array)> = Vec::with_capacity(shapes.len());
-    for ((name, shape, loc, scale), key) in shapes.into_iter().zip(&keys) {
-        arrays.push((name, normal_with(&shape, loc, scale, DType::F32, key)?.astype(dtype)?));
-    }
-    let refs: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
-    mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None)?;
-
     let mut json = serde_json::to_value(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
     let obj = json.as_object_mut().unwrap();
-    let (mt, arch) = if moe { ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM") } else { ("qwen3_5_text", "Qwen3_5ForCausalLM") };
-    obj.insert("model_type".into(), mt.into());
-    obj.insert("architectures".into(), serde_json::json!([arch]));
-    obj.insert("torch_dtype".into(), match dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        _ => "float32",
-    }.into());
     obj.insert("head_dim".into(), d.into());
     if !moe {
         for k in ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"] {
             obj.remove(k);
         }
     }
-    obj.retain(|_, v| !v.is_null());
-    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&json).unwrap().as_bytes())?;
-    write_atomic(&dir.join("tokenizer.json"), TOKENIZER_JSON.as_bytes())?;
-    write_atomic(&dir.join("tokenizer_config.json"), TOKENIZER_CONFIG.as_bytes())?;
-    Ok(())
+    let (mt, arch) = if moe { ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM") } else { ("qwen3_5_text", "Qwen3_5ForCausalLM") };
+    write_random_checkpoint(dir, shapes, dtype, seed, json, mt, arch)
 }

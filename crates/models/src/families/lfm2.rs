@@ -506,8 +506,7 @@ pub fn tiny_lfm2_config(moe: bool) -> Lfm2Config {
 /// layout (config.json, model.safetensors in `dtype`, and the bundled 512-id Qwen3 tokenizer, as
 /// the fixtures use). Weights ~ N(0, 0.02), norms ~ 1 + N(0, 0.1): text is random.
 pub fn create_random_lfm2_checkpoint(cfg: &Lfm2Config, moe: bool, dir: &std::path::Path, dtype: DType, seed: u64) -> Result<()> {
-    use crate::random_ckpt::write_atomic;
-    use mlx_array::random::{normal_with, Key};
+    use crate::random_ckpt::write_random_checkpoint;
     cfg.validate(moe).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let is_attn = cfg.attention_layers().expect("validated");
@@ -561,24 +560,9 @@ pub fn create_random_lfm2_checkpoint(cfg: &Lfm2Config, moe: bool, dir: &std::pat
     }
     norms.push(("model.embedding_norm.weight".into(), h));
     shapes.extend(norms.into_iter().map(|(n, s)| (n, vec![s], 1.0, 0.1)));
-    let keys = Key::new(seed)?.split_n(shapes.len())?;
-    let mut arrays: Vec<(String, Array)> = Vec::with_capacity(shapes.len());
-    for ((name, shape, loc, scale), key) in shapes.into_iter().zip(&keys) {
-        arrays.push((name, normal_with(&shape, loc, scale, DType::F32, key)?.astype(dtype)?));
-    }
-    let refs: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
-    mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None)?;
-
-    let mut json = serde_json::to_value(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-    let obj = json.as_object_mut().unwrap();
-    obj.insert("model_type".into(), if moe { "lfm2_moe" } else { "lfm2" }.into());
-    obj.insert("architectures".into(), serde_json::json!([if moe { "Lfm2MoeForCausalLM" } else { "Lfm2ForCausalLM" }]));
-    obj.insert("torch_dtype".into(), match dtype { DType::BF16 => "bfloat16", DType::F16 => "float16", _ => "float32" }.into());
-    obj.retain(|_, v| !v.is_null());
-    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&json).unwrap().as_bytes())?;
-    write_atomic(&dir.join("tokenizer.json"), include_str!("../../assets/qwen3-tokenizer/tokenizer.json").as_bytes())?;
-    write_atomic(&dir.join("tokenizer_config.json"), include_str!("../../assets/qwen3-tokenizer/tokenizer_config.json").as_bytes())?;
-    Ok(())
+    let json = serde_json::to_value(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    let (mt, arch) = if moe { ("lfm2_moe", "Lfm2MoeForCausalLM") } else { ("lfm2", "Lfm2ForCausalLM") };
+    write_random_checkpoint(dir, shapes, dtype, seed, json, mt, arch)
 }
 
 #[cfg(test)]
