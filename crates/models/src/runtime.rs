@@ -28,6 +28,21 @@ pub enum Logits {
     None,
 }
 
+impl Logits {
+    /// Apply the output `head` to final hidden states `h` (`[B, L, hidden]`) at the positions this
+    /// request asks for: all of them, the last one, or none.
+    pub fn select(self, h: &Array, head: impl Fn(&Array) -> Result<Array>) -> Result<Option<Array>> {
+        Ok(match self {
+            Logits::None => None,
+            Logits::All => Some(head(h)?),
+            Logits::Last => {
+                let l = h.dim(1)?;
+                Some(head(&h.slice_axis(1, l - 1, l)?)?)
+            }
+        })
+    }
+}
+
 /// What a forward call returns. With a paged cache, the first `Logits::Last`/`Logits::None`
 /// call of a sequence (without hidden states) may find leading tokens in the prefix cache and not
 /// recompute them ([`crate::Cache::last_skipped`]); calls asking for every position never skip.

@@ -758,14 +758,7 @@ impl ModelRuntime for Gemma4Model {
                 _ => y,
             })
         };
-        let logits = match logits {
-            Logits::None => None,
-            Logits::All => Some(head(&h)?),
-            Logits::Last => {
-                let l = h.dim(1)?;
-                Some(head(&h.slice_axis(1, l - 1, l)?)?)
-            }
-        };
+        let logits = logits.select(&h, head)?;
         Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
     }
 }

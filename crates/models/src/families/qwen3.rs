@@ -213,14 +213,7 @@ impl ModelRuntime for Qwen3Model {
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         let (h, _) = self.backbone.forward(tokens, cache, logits != Logits::All && !hidden)?;
-        let logits = match logits {
-            Logits::None => None,
-            Logits::All => Some(self.lm_head.forward(&h)?.astype(DType::F32)?),
-            Logits::Last => {
-                let l = h.dim(1)?;
-                Some(self.lm_head.forward(&h.slice_axis(1, l - 1, l)?)?.astype(DType::F32)?)
-            }
-        };
+        let logits = logits.select(&h, |x| Ok(self.lm_head.forward(x)?.astype(DType::F32)?))?;
         Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
     }
 }
