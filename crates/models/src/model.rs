@@ -178,7 +178,7 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
             let m = Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir);
             let m = match opts.kv_cache.resolve(&text, true) {
                 Some(pc) => {
-                    let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
+                    let dt = default_dtype(opts).or_else(|| weights.float_dtype());
                     m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
                 }
                 None => m,
@@ -198,7 +198,7 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
             // config.json's use_block_paged_cache overrides.
             let m = match opts.kv_cache.resolve(&text, opts.draft_model_path.is_none()) {
                 Some(pc) => {
-                    let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
+                    let dt = default_dtype(opts).or_else(|| weights.float_dtype());
                     m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
                 }
                 None => m,
@@ -223,7 +223,7 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
 fn with_kv_mode(m: Model, opts: &LoadOptions, text: &serde_json::Value, family_default: bool, weights: &Weights) -> Result<Model> {
     match opts.kv_cache.resolve(text, family_default) {
         Some(pc) => {
-            let dt = default_dtype(opts).or_else(|| weights.names().next().and_then(|n| weights.root().get_any(n).ok()).map(|a| a.dtype()));
+            let dt = default_dtype(opts).or_else(|| weights.float_dtype());
             m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))
         }
         None => Ok(m),

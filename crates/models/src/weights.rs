@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 /// All tensors of a checkpoint, by name, plus which ones a model has taken.
 pub struct Weights {
-    tensors: HashMap<String, Array>,
+    tensors: Mutex<HashMap<String, Array>>,
     path: PathBuf,
     taken: Mutex<std::collections::HashSet<String>>,
 }
@@ -20,7 +20,7 @@ pub struct Weights {
 impl Weights {
     /// Wrap already-loaded tensors; `path` names the checkpoint in errors.
     pub fn from_map(tensors: HashMap<String, Array>, path: impl Into<PathBuf>) -> Self {
-        Weights { tensors, path: path.into(), taken: Mutex::new(Default::default()) }
+        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()) }
     }
 
     /// Load every `*.safetensors` tensor under `dir` (sharded through
@@ -58,23 +58,35 @@ impl Weights {
         Vb { w: self, prefix: String::new() }
     }
 
+    /// Whether the checkpoint has `name` (also after a model has taken it with [`Vb::take`]).
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.map().contains_key(name) || self.taken.lock().unwrap_or_else(|e| e.into_inner()).contains(name)
     }
 
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.tensors.keys().map(|s| s.as_str())
+    /// The names of the tensors still held (taken ones excluded), unsorted.
+    pub fn names(&self) -> Vec<String> {
+        self.map().keys().cloned().collect()
+    }
+
+    /// The dtype of some floating-point tensor (the checkpoint's compute dtype), without
+    /// marking anything as read.
+    pub fn float_dtype(&self) -> Option<DType> {
+        self.map().values().map(|a| a.dtype()).find(|d| d.is_float())
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Array>> {
+        self.tensors.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Rename, drop or add tensors before a model reads them (the sanitize hook).
     pub fn map_mut(&mut self) -> &mut HashMap<String, Array> {
-        &mut self.tensors
+        self.tensors.get_mut().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Tensors never read by the model, sorted (checkpoint keys the model did not expect).
     pub fn unused(&self) -> Vec<String> {
-        let taken = self.taken.lock().unwrap();
-        let mut v: Vec<String> = self.tensors.keys().filter(|k| !taken.contains(*k)).cloned().collect();
+        let taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<String> = self.map().keys().filter(|k| !taken.contains(*k)).cloned().collect();
         v.sort();
         v
     }
@@ -119,13 +131,22 @@ impl<'a> Vb<'a> {
     /// The tensor `prefix.name`, whatever its shape.
     pub fn get_any(&self, name: &str) -> Result<Array> {
         let full = self.full(name);
-        match self.w.tensors.get(&full) {
+        let found = self.w.map().get(&full).cloned();
+        match found {
             Some(a) => {
-                self.w.taken.lock().unwrap().insert(full);
-                Ok(a.clone())
+                self.w.taken.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
+                Ok(a)
             }
             None => Err(self.w.err(format!("missing tensor {full}"))),
         }
+    }
+
+    /// Like [`Vb::get`], but removes the tensor from the checkpoint map, so its memory goes
+    /// once the caller drops it (used when weights are rewritten at load, e.g. fused).
+    pub fn take(&self, name: &str, shape: &[usize]) -> Result<Array> {
+        let a = self.get(name, shape)?;
+        self.w.map().remove(&self.full(name));
+        Ok(a)
     }
 
     /// Like [`Vb::get`], `None` when absent.

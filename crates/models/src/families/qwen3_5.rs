@@ -298,7 +298,7 @@ impl Qwen35Model {
             return Err(ModelError::Checkpoint { path, msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
         };
         let mut notes = Vec::new();
-        let visual = weights.names().filter(|n| n.starts_with("model.visual.") || n.starts_with("visual.")).count();
+        let visual = weights.names().into_iter().filter(|n| n.starts_with("model.visual.") || n.starts_with("visual.")).count();
         if visual > 0 {
             notes.push(format!("skipped {visual} vision-tower tensors (model.visual.*): text-only model"));
         }
@@ -368,7 +368,7 @@ impl Qwen35Model {
 fn load_mtp(weights: &Weights, raw: &serde_json::Value, family: &str, dtype: DType, notes: &mut Vec<String>) -> Result<HashMap<String, Array>> {
     let root = weights.root();
     let mut mtp: HashMap<String, Array> = HashMap::new();
-    let names: Vec<String> = weights.names().filter(|n| n.starts_with("mtp.")).map(String::from).collect();
+    let names: Vec<String> = weights.names().into_iter().filter(|n| n.starts_with("mtp.")).collect();
     for n in names {
         mtp.insert(n.clone(), root.get_any(&n)?);
     }

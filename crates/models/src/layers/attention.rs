@@ -1,4 +1,4 @@
-use super::{Linear, RmsNorm, Rope};
+use super::{FusedLinear, Linear, RmsNorm, Rope};
 use crate::cache::{KvCache, LayerKv};
 use crate::weights::Vb;
 use crate::Result;
@@ -27,9 +27,8 @@ pub struct AttentionConfig {
 /// Self-attention with rotary positions over a [`KvCache`].
 #[derive(Clone)]
 pub struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// `q_proj`, `k_proj`, `v_proj` as one product.
+    qkv: FusedLinear,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -46,9 +45,7 @@ impl Attention {
             cfg.qk_norm.map(|eps| RmsNorm::load(&vb.pp(n), d, eps, cfg.norm_offset)).transpose()
         };
         Ok(Attention {
-            q: Linear::load(&vb.pp("q_proj"), h, q_out, cfg.bias)?,
-            k: Linear::load(&vb.pp("k_proj"), h, cfg.n_kv_heads * d, cfg.bias)?,
-            v: Linear::load(&vb.pp("v_proj"), h, cfg.n_kv_heads * d, cfg.bias)?,
+            qkv: FusedLinear::load(vb, &["q_proj", "k_proj", "v_proj"], h, &[q_out, cfg.n_kv_heads * d, cfg.n_kv_heads * d], cfg.bias)?,
             o: Linear::load(&vb.pp(cfg.o_name), cfg.n_heads * d, h, cfg.bias)?,
             q_norm: norm(qn)?,
             k_norm: norm(kn)?,
@@ -71,7 +68,8 @@ impl Attention {
     pub fn forward_kv(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask) -> Result<Array> {
         let c = &self.cfg;
         let (b, l) = (x.dims()[0], x.dims()[1]);
-        let mut q = self.q.forward(x)?;
+        let mut qkv = self.qkv.forward(x)?.into_iter();
+        let (mut q, k, v) = (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap());
         let mut gate = None;
         if c.output_gate {
             // [B, L, H, 2D]: per head, the first D are the query, the last D the gate.
@@ -81,8 +79,8 @@ impl Attention {
             gate = Some(parts[1].reshape(&[b, l, -1])?);
         }
         let mut q = self.heads(&q, c.n_heads)?;
-        let mut k = self.heads(&self.k.forward(x)?, c.n_kv_heads)?;
-        let v = self.heads(&self.v.forward(x)?, c.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        let mut k = self.heads(&k, c.n_kv_heads)?;
+        let v = self.heads(&v, c.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
         if let Some(n) = &self.q_norm {
             q = n.forward(&q)?;
         }

@@ -1,4 +1,4 @@
-use super::Linear;
+use super::{FusedLinear, Linear};
 use crate::weights::Vb;
 use crate::Result;
 use mlx_array::Array;
@@ -32,8 +32,8 @@ impl Activation {
 /// `down(act(gate(x)) * up(x))` (SwiGLU / GeGLU).
 #[derive(Clone)]
 pub struct GatedMlp {
-    gate: Linear,
-    up: Linear,
+    /// `gate` and `up` as one product.
+    gate_up: FusedLinear,
     down: Linear,
     act: Activation,
 }
@@ -42,8 +42,7 @@ impl GatedMlp {
     /// Checkpoint names `gate_proj`, `up_proj`, `down_proj` (pass others for LFM2's w1/w3/w2).
     pub fn load_named(vb: &Vb, names: [&str; 3], hidden: usize, inter: usize, act: Activation) -> Result<Self> {
         Ok(GatedMlp {
-            gate: Linear::load(&vb.pp(names[0]), hidden, inter, false)?,
-            up: Linear::load(&vb.pp(names[1]), hidden, inter, false)?,
+            gate_up: FusedLinear::load(vb, &names[..2], hidden, &[inter, inter], false)?,
             down: Linear::load(&vb.pp(names[2]), inter, hidden, false)?,
             act,
         })
@@ -52,7 +51,8 @@ impl GatedMlp {
         Self::load_named(vb, ["gate_proj", "up_proj", "down_proj"], hidden, inter, act)
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.act.apply(&self.gate.forward(x)?)?;
-        self.down.forward(&g.mul(&self.up.forward(x)?)?)
+        let gu = self.gate_up.forward(x)?;
+        let g = self.act.apply(&gu[0])?;
+        self.down.forward(&g.mul(&gu[1])?)
     }
 }

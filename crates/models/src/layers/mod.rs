@@ -6,7 +6,7 @@ mod norm;
 mod rope;
 
 pub use attention::{causal_mask, Attention, AttentionConfig};
-pub use linear::{Embedding, Linear};
+pub use linear::{Embedding, FusedLinear, Linear};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::RmsNorm;
 pub use rope::Rope;
