@@ -152,8 +152,15 @@ impl Array {
         if self.size() == 0 {
             return Ok(Vec::new()); // MLX allocates no buffer for an empty array
         }
+        // Evaluated (or already queued by `async_eval`) and row-major: read it in place. This
+        // only waits for this array. Building a reshape/copy first would queue new work behind
+        // everything already on the stream, so a decode loop that queued step n + 1 before
+        // reading token n would wait for step n + 1 as well (no overlap left).
+        if let Ok(s) = self.inner.try_as_slice::<T>() {
+            return Ok(s.to_vec());
+        }
         // A transposed or broadcast view is not laid out row-major: reshape + contiguous copy it
-        // when needed (reshape alone may keep a broadcast's zero stride).
+        // (reshape alone may keep a broadcast's zero stride).
         let flat = mlx_rs::ops::reshape(&self.inner, &[-1]).op("to_vec")?.contiguous().op("to_vec")?;
         flat.eval().op("to_vec")?;
         flat.try_as_slice::<T>()

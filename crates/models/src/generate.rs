@@ -246,7 +246,8 @@ impl Generator<'_> {
                     self.pending = Some(self.step(&tok.reshape(&[1, 1])?)?);
                     self.queued_on_lazy = true;
                 }
-                (tok.reshape(&[-1])?.to_vec::<u32>()?[0], lp.reshape(&[-1])?.to_vec::<f32>()?[0])
+                // Read the queued arrays themselves (to_vec of a fresh reshape would wait for step n + 1).
+                (tok.to_vec::<u32>()?[0], lp.to_vec::<f32>()?[0])
             }
         };
         let fed = std::mem::take(&mut self.queued_on_lazy);
