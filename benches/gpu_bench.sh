@@ -39,13 +39,14 @@ for s in "${SHAPES[@]}"; do
   echo "== $s" | tee -a "$OUT/bench.log"
   D=$("$B" --create-random "$s" --dtype bf16 2>>"$OUT/bench.log") || { rc=1; continue; }
   du -sh "$D" | tee -a "$OUT/bench.log"
+  [ -z "${NOBENCH:-}" ] || continue   # NOBENCH=1: unpack and create only (keeps the checkpoint)
   for b in ${BINS:-llm_bench}; do  # BINS="llm_bench llm_bench_x": also time other builds (experiments)
     echo "== $s with $b" | tee -a "$OUT/bench.log"
     "$G/$b" --model "$D" --dtype bf16 --runs "$RUNS" --bandwidth --script "$ROOT/benches/mlx_lm_bench.py" \
          --json "$OUT/$s.$b.json" 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   done
-  rm -rf "$D"
+  [ -n "${KEEP:-}" ] || rm -rf "$D"   # KEEP=1: leave it for benches/gpu_profile.sh
 done
 kill $SMI 2>/dev/null
 exit $rc

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """mlx_lm_bench.py - the mlx-lm side of `llm_bench` (benches/src/main.rs).
 
-Loads a local HF-format checkpoint with mlx-lm (model only, no tokenizer), then serves timing
-requests, one JSON object per line on stdin, one JSON result per line on stdout:
+Loads a local HF-format checkpoint with `mlx_lm.load` (model and tokenizer, as a user would; the
+random checkpoints of `llm_bench --create-random` bundle a 512-id tokenizer, prompts are ids), then
+serves timing requests, one JSON object per line on stdin, one JSON result per line on stdout:
 
     {"prompt": [ids...], "gen": 128}
  -> {"ttft_ms": .., "prefill_tps": .., "decode_tps": .., "peak_bytes": .., "tokens": [...], ...}
@@ -27,7 +28,12 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model
+from mlx_lm.utils import load_config
+
+# model_type aliases our loader accepts but mlx-lm 0.32.2 has no module for: the text-only
+# Qwen3.5 layout is read by mlx-lm's qwen3_5 / qwen3_5_moe modules (a flat config = text config).
+# Checkpoints made by `llm_bench --create-random` already say qwen3_5 / qwen3_5_moe.
+MODEL_TYPE_REMAP = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32, "f16": mx.float16}
 
@@ -68,17 +74,22 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     a = ap.parse_args()
     t = time.perf_counter()
-    model, config = load_model(Path(a.model))
+    raw = load_config(Path(a.model))
+    remap = MODEL_TYPE_REMAP.get(raw.get("model_type"))
+    model, tokenizer, config = mlx_lm.load(a.model, model_config={"model_type": remap} if remap else None,
+                                           return_config=True)
     model.set_dtype(DTYPES[a.dtype])
     mx.eval(model.parameters())
     info = {"ready": True, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "device": str(mx.default_device()), "load_s": time.perf_counter() - t,
+            "model_type": config.get("model_type"), "model_type_remapped_from": raw.get("model_type") if remap else None,
+            "tokenizer_vocab": len(tokenizer.get_vocab()),
             "weights_bytes": sum(v.nbytes for _, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(model.parameters())),
             "ld_preload": os.environ.get("LD_PRELOAD", ""),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
             "openblas_l2_size": os.environ.get("OPENBLAS_L2_SIZE")}
     if not a.serve:
-        vocab = config.get("vocab_size", 32000)
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 32000)
         prompt = [(i * 7919 + 13) % min(vocab - 100, 30000) + 10 for i in range(a.prompt)]
         r = run(model, prompt, a.gen)
         r.pop("tokens")

@@ -3,7 +3,9 @@
 //! ```text
 //! llm_bench --model DIR [--dtype f32|bf16] [--runs 3] [--gen 128] [--prompts 128,2048]
 //!           [--python PATH] [--no-mlx-lm] [--json FILE] [--bandwidth]
-//! llm_bench --create-random qwen3-0.6b|qwen3-small|qwen3-8b [--dtype f32|bf16] [--out DIR]
+//! llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR]
+//!   SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small
+//!          lfm2-small lfm2-moe-small
 //! llm_bench --bandwidth-only
 //! ```
 //!
@@ -19,10 +21,22 @@
 //! through mlx-sys' symlinks); env `MLX_LM_PRELOAD` overrides ("" = none).
 //!
 //! `--bandwidth` also measures device copy bandwidth (`y = x + 0` on a 1 GiB array: 2 GiB moved)
-//! and prints the decode floor: bytes of weights (and KV) read per token / copy bandwidth.
+//! and prints the decode floor: bytes of weights (and KV, recurrent state) read per token / copy
+//! bandwidth.
+//!
+//! Any family both loaders read works (our `load_model`, mlx-lm's `mlx_lm.load`): Qwen3, Qwen3.5
+//! dense/MoE, Gemma 4, LFM2/LFM2-MoE. Parameters are counted from the safetensors headers, the
+//! layer layout (attention, sliding, KV-shared, recurrent) comes from the model's cache spec.
+//! `--kv paged` on a hybrid family pages its attention layers only (printed as a note).
 use mlx_array::{memory, DType};
+use mlx_models::families::gemma4::Gemma4Config;
+use mlx_models::families::lfm2::{create_random_lfm2_checkpoint, Lfm2Config};
 use mlx_models::families::qwen3::Qwen3Config;
-use mlx_models::{create_random_qwen3_checkpoint, generate, load_model, GenerateConfig, LoadOptions, Model};
+use mlx_models::families::qwen3_5::Qwen35Config;
+use mlx_models::random_gemma4::create_random_gemma4_checkpoint;
+use mlx_models::{
+    create_random_qwen35_checkpoint, create_random_qwen35_moe_checkpoint, create_random_qwen3_checkpoint, generate, load_model, GenerateConfig, LayerKind, LoadOptions, Model,
+};
 use sampling::SamplingConfig;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -60,7 +74,8 @@ fn usage() -> ! {
 const USAGE: &str = "usage:
   llm_bench --model DIR [--dtype f32|bf16] [--kv flat|paged] [--runs 3] [--gen 128] [--prompts 128,2048]
             [--python PATH] [--script mlx_lm_bench.py] [--no-mlx-lm] [--json FILE] [--bandwidth]
-  llm_bench --create-random qwen3-0.6b|qwen3-small|qwen3-8b [--dtype f32|bf16] [--out DIR] [--seed N]
+  llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR] [--seed N]
+     SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small lfm2-small lfm2-moe-small
   llm_bench --bandwidth-only
 env: MLX_LM_PYTHON (python with mlx-lm; default /tmp/mlxlm/bin/python, else python3)";
 
@@ -126,29 +141,168 @@ fn device_name() -> String {
 
 // ------------------------------------------------------------------ random checkpoints
 
-fn shape(name: &str) -> Option<Qwen3Config> {
-    let (h, l, nq, nkv, inter, vocab, tied) = match name {
-        "qwen3-0.6b" => (1024, 28, 16, 8, 3072, 151936, true),
-        "qwen3-small" => (1024, 8, 16, 8, 3072, 32768, true),
-        "qwen3-8b" => (4096, 36, 32, 8, 12288, 151936, false),
-        _ => return None,
+/// Names accepted by `--create-random`.
+const SHAPES: &[&str] = &["qwen3-0.6b", "qwen3-small", "qwen3-8b", "qwen3_5-small", "qwen3_5-moe-small", "gemma4-small", "lfm2-small", "lfm2-moe-small"];
+
+/// A random-checkpoint shape of one family.
+enum Shape {
+    Qwen3(Qwen3Config),
+    Qwen35 { cfg: Qwen35Config, moe: bool },
+    Gemma4(Gemma4Config),
+    Lfm2 { cfg: Lfm2Config, moe: bool },
+}
+
+macro_rules! from_json {
+    ($v:expr) => {
+        serde_json::from_value($v).expect("static config")
     };
-    Some(
-        serde_json::from_value(json!({
+}
+
+fn shape(name: &str) -> Option<Shape> {
+    let qwen3 = |h: usize, l: usize, nq: usize, nkv: usize, inter: usize, vocab: usize, tied: bool| {
+        Shape::Qwen3(from_json!(json!({
             "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": l,
             "num_attention_heads": nq, "num_key_value_heads": nkv, "head_dim": 128, "vocab_size": vocab,
             "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": tied,
             "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645
-        }))
-        .expect("static config"),
-    )
+        })))
+    };
+    // Qwen3.5: 3 GatedDeltaNet layers per gated full-attention layer (full_attention_interval 4),
+    // head_dim 256 with a quarter rotary, linear attention 8 key / 16 value heads of 128.
+    let qwen35 = |moe: bool| {
+        let lin = "linear_attention";
+        let mut v = json!({
+            "hidden_size": 1024, "intermediate_size": if moe { 0 } else { 3072 }, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 32768,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "tie_word_embeddings": true, "max_position_embeddings": 262144, "eos_token_id": 488,
+            "layer_types": [lin, lin, lin, "full_attention", lin, lin, lin, "full_attention"],
+            "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_num_key_heads": 8, "linear_num_value_heads": 16
+        });
+        if moe {
+            // every layer sparse: 16 experts of width 256, top 4, plus a shared expert of 512
+            v.as_object_mut().unwrap().extend(
+                json!({"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+                       "shared_expert_intermediate_size": 512, "norm_topk_prob": true})
+                .as_object()
+                .unwrap()
+                .clone(),
+            );
+        }
+        Shape::Qwen35 { cfg: from_json!(v), moe }
+    };
+    // LFM2-350M's layer (hidden 1024, 16/8 heads, ff 6656 -> 4608) with 8 layers: conv, conv,
+    // attention, conv, conv, attention, conv, attention.
+    let lfm2 = |moe: bool| {
+        let c = "conv";
+        let mut v = json!({
+            "vocab_size": 32768, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "max_position_embeddings": 128000, "norm_eps": 1e-5,
+            "conv_bias": false, "conv_L_cache": 3, "rope_theta": 1000000.0,
+            "layer_types": [c, c, "full_attention", c, c, "full_attention", c, "full_attention"],
+            "tie_word_embeddings": true, "bos_token_id": 486, "eos_token_id": 488
+        });
+        let extra = if moe {
+            // LFM2-8B-A1B's mix, shrunk: 2 dense layers (4608), then 16 experts of 256, top 4
+            json!({"intermediate_size": 4608, "moe_intermediate_size": 256, "num_experts": 16,
+                   "num_experts_per_tok": 4, "norm_topk_prob": true, "use_expert_bias": true, "num_dense_layers": 2})
+        } else {
+            json!({"intermediate_size": 6656, "block_dim": 1024, "block_ff_dim": 6656, "block_multiple_of": 256,
+                   "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": true})
+        };
+        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        Shape::Lfm2 { cfg: from_json!(v), moe }
+    };
+    Some(match name {
+        "qwen3-0.6b" => qwen3(1024, 28, 16, 8, 3072, 151936, true),
+        "qwen3-small" => qwen3(1024, 8, 16, 8, 3072, 32768, true),
+        "qwen3-8b" => qwen3(4096, 36, 32, 8, 12288, 151936, false),
+        "qwen3_5-small" => qwen35(false),
+        "qwen3_5-moe-small" => qwen35(true),
+        // Gemma 4 E2B-style: sliding (head_dim 128, window 512) and global (head_dim 256,
+        // proportional rope) layers 3:1, per-layer inputs (PLE 64), the last 2 layers KV-shared
+        // with double-wide MLPs, logit softcap 30.
+        "gemma4-small" => {
+            let (s, f) = ("sliding_attention", "full_attention");
+            Shape::Gemma4(from_json!(json!({
+                "hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 3072,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
+                "vocab_size": 32768, "vocab_size_per_layer_input": 32768, "hidden_size_per_layer_input": 64,
+                "num_kv_shared_layers": 2, "use_double_wide_mlp": true, "attention_k_eq_v": false,
+                "sliding_window": 512, "layer_types": [s, s, s, f, s, s, s, f],
+                "rope_parameters": {
+                    "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}
+                },
+                "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+                "tie_word_embeddings": true, "hidden_activation": "gelu_pytorch_tanh",
+                "bos_token_id": 486, "eos_token_id": 488
+            })))
+        }
+        "lfm2-small" => lfm2(false),
+        "lfm2-moe-small" => lfm2(true),
+        _ => return None,
+    })
 }
 
-fn params(c: &Qwen3Config) -> usize {
-    let (h, d, i) = (c.hidden_size, c.head_dim(), c.intermediate_size);
-    let attn = h * c.num_attention_heads * d * 2 + h * c.num_key_value_heads * d * 2 + 2 * d;
-    let layer = attn + 3 * h * i + 2 * h;
-    c.vocab_size * h * if c.tie_word_embeddings { 1 } else { 2 } + c.num_hidden_layers * layer + h
+/// One tensor of a checkpoint, from the safetensors headers.
+struct TensorInfo {
+    name: String,
+    numel: usize,
+    bytes: usize,
+}
+
+/// Every tensor of `dir/model*.safetensors` (the files both loaders read), from the headers only.
+fn checkpoint_tensors(dir: &Path) -> Res<Vec<TensorInfo>> {
+    use std::io::Read;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(format!("no model*.safetensors in {}", dir.display()).into());
+    }
+    let mut out = Vec::new();
+    for f in files {
+        let mut r = std::fs::File::open(&f)?;
+        let mut len = [0u8; 8];
+        r.read_exact(&mut len)?;
+        let mut hdr = vec![0u8; u64::from_le_bytes(len) as usize];
+        r.read_exact(&mut hdr)?;
+        let v: Value = serde_json::from_slice(&hdr)?;
+        for (name, t) in v.as_object().ok_or("bad safetensors header")? {
+            if name == "__metadata__" {
+                continue;
+            }
+            let numel = t["shape"].as_array().ok_or("bad safetensors header")?.iter().map(|d| d.as_u64().unwrap_or(0) as usize).product();
+            let off = t["data_offsets"].as_array().ok_or("bad safetensors header")?;
+            let bytes = (off[1].as_u64().unwrap_or(0) - off[0].as_u64().unwrap_or(0)) as usize;
+            out.push(TensorInfo { name: name.clone(), numel, bytes });
+        }
+    }
+    Ok(out)
+}
+
+/// Parameters (all tensors) and the parameters read per decoded token: everything but the
+/// embedding tables (a row gather; the table counts when it is also the tied head) and the MTP
+/// head, with routed-expert tensors scaled by top_k / experts (a batch-1 token reads k experts).
+fn param_counts(tensors: &[TensorInfo], text_cfg: &Value) -> (usize, f64) {
+    let total = tensors.iter().map(|t| t.numel).sum();
+    let untied = tensors.iter().any(|t| t.name.ends_with("lm_head.weight"));
+    let n_exp = text_cfg["num_experts"].as_u64().unwrap_or(0) as f64;
+    let top_k = text_cfg.get("num_experts_per_tok").or_else(|| text_cfg.get("top_k_experts")).and_then(|v| v.as_u64()).unwrap_or(0) as f64;
+    let mut per_token = 0.0;
+    for t in tensors {
+        let n = &t.name;
+        if n.contains("embed_tokens_per_layer") || n.starts_with("mtp.") || (n.ends_with("embed_tokens.weight") && untied) {
+            continue;
+        }
+        let frac = if n.contains(".experts.") && n_exp > 0.0 && top_k > 0.0 { top_k / n_exp } else { 1.0 };
+        per_token += t.numel as f64 * frac;
+    }
+    (total, per_token)
 }
 
 fn cache_root() -> PathBuf {
@@ -156,24 +310,72 @@ fn cache_root() -> PathBuf {
     PathBuf::from(home).join(".cache/mlx-models/bench")
 }
 
+/// mlx-lm 0.32.2 has no `qwen3_5_text` / `qwen3_5_moe_text` module: it reads a flat (text-only)
+/// Qwen3.5 config under `qwen3_5` / `qwen3_5_moe` (both aliases of the same family for us). It
+/// also takes rope settings only from `rope_parameters` (default θ 1e5), so spell them out.
+fn qwen35_config_for_both(dir: &Path, moe: bool) -> Res<()> {
+    let p = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p)?)?;
+    let o = v.as_object_mut().ok_or("config.json is not an object")?;
+    o.insert("model_type".into(), if moe { "qwen3_5_moe" } else { "qwen3_5" }.into());
+    let rp = json!({"rope_type": "default", "rope_theta": o["rope_theta"].clone(), "partial_rotary_factor": o["partial_rotary_factor"].clone()});
+    o.insert("rope_parameters".into(), rp);
+    let tmp = p.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&v)?)?;
+    std::fs::rename(&tmp, &p)?;
+    Ok(())
+}
+
 fn create(a: &Args, name: &str) -> Res<()> {
-    let cfg = shape(name).unwrap_or_else(|| usage());
+    let Some(shape) = shape(name) else {
+        eprintln!("unknown shape {name:?}; known: {}", SHAPES.join(", "));
+        usage()
+    };
     let dt = a.dtype.as_deref().unwrap_or("bf16");
     let dtype = parse_dtype(dt);
     let dir = a.out.clone().unwrap_or_else(|| cache_root().join(format!("{name}-{dt}")));
-    let n = params(&cfg);
-    eprintln!(
-        "creating random {name} ({:.3} B params, {:.2} GB in {dt}) in {} on {} ...",
-        n as f64 / 1e9,
-        (n * dtype_bytes(dtype)) as f64 / 1e9,
-        dir.display(),
-        device_name()
-    );
+    eprintln!("creating random {name} in {} ({dt}) on {} ...", dir.display(), device_name());
     let t = Instant::now();
-    create_random_qwen3_checkpoint(&cfg, &dir, dtype, a.seed)?;
-    eprintln!("created in {:.1} s", t.elapsed().as_secs_f64());
+    match &shape {
+        Shape::Qwen3(c) => create_random_qwen3_checkpoint(c, &dir, dtype, a.seed)?,
+        Shape::Qwen35 { cfg, moe } => {
+            if *moe {
+                create_random_qwen35_moe_checkpoint(cfg, &dir, dtype, a.seed)?
+            } else {
+                create_random_qwen35_checkpoint(cfg, &dir, dtype, a.seed)?
+            }
+            qwen35_config_for_both(&dir, *moe)?;
+        }
+        Shape::Gemma4(c) => create_random_gemma4_checkpoint(c, &dir, dtype, a.seed)?,
+        Shape::Lfm2 { cfg, moe } => create_random_lfm2_checkpoint(cfg, *moe, &dir, dtype, a.seed)?,
+    }
+    let tensors = checkpoint_tensors(&dir)?;
+    let raw: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let (n, per_tok) = param_counts(&tensors, &mlx_models::config::text_config(&raw));
+    let bytes: usize = tensors.iter().map(|t| t.bytes).sum();
+    eprintln!(
+        "created in {:.1} s: {} ({:.3} B params, {:.3} B read per decoded token; {:.2} GB of {dt} tensors)",
+        t.elapsed().as_secs_f64(),
+        raw["model_type"].as_str().unwrap_or("?"),
+        n as f64 / 1e9,
+        per_tok / 1e9,
+        bytes as f64 / 1e9
+    );
     println!("{}", dir.display());
     Ok(())
+}
+
+/// Bytes of recurrent state one recurrent layer reads and writes per decoded token.
+fn recurrent_state_bytes(cfg: &Value, b: usize) -> usize {
+    let u = |k: &str| cfg[k].as_u64().unwrap_or(0) as usize;
+    if cfg.get("linear_num_value_heads").is_some() {
+        // GatedDeltaNet: f32 state [Hv, Dk, Dv] read + written; conv window (K - 1) x conv_dim
+        let (hk, hv, dk, dv, k) = (u("linear_num_key_heads"), u("linear_num_value_heads"), u("linear_key_head_dim"), u("linear_value_head_dim"), u("linear_conv_kernel_dim"));
+        2 * hv * dk * dv * 4 + k.saturating_sub(1) * (2 * hk * dk + hv * dv) * b
+    } else {
+        // LFM2 short conv: window (L - 1) x hidden
+        u("conv_L_cache").saturating_sub(1) * u("hidden_size") * b
+    }
 }
 
 fn dtype_bytes(d: DType) -> usize {
@@ -369,8 +571,10 @@ fn fmt_stat(s: &Stat, prec: usize) -> String {
 
 fn bench(a: &Args, dir: &Path) -> Res<()> {
     let raw: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let cfg: Qwen3Config = serde_json::from_value(raw.clone())?;
-    let ckpt_dtype = match raw["torch_dtype"].as_str() {
+    let text_cfg = mlx_models::config::text_config(&raw);
+    let tensors = checkpoint_tensors(dir)?;
+    let (n_params, per_token_params) = param_counts(&tensors, &text_cfg);
+    let ckpt_dtype = match raw.get("torch_dtype").or_else(|| raw.get("dtype")).and_then(|v| v.as_str()) {
         Some("bfloat16") => "bf16",
         Some("float16") => "f16",
         _ => "f32",
@@ -390,8 +594,33 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
         other => return Err(format!("--kv {other:?}: expected flat or paged").into()),
     };
     eprintln!("ours: {} KV cache", a.kv);
-    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, ..Default::default() })?.into_lm()?;
+    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, ..Default::default() })
+        .map_err(|e| format!("our loader, {} ({} KV cache): {e}", dir.display(), a.kv))?
+        .into_lm()?;
     let vocab = model.info().vocab_size;
+    let spec = model.with_runtime(|rt| rt.cache_spec());
+    let n_recurrent = spec.layers.iter().filter(|k| matches!(k, LayerKind::Recurrent { .. })).count();
+    let n_kv = spec.layers.len() - n_recurrent;
+    let n_shared = spec.layers.iter().filter(|k| matches!(k, LayerKind::SharedKv { .. })).count();
+    let n_sliding = spec.layers.iter().filter(|k| matches!(k, LayerKind::SlidingAttention { .. })).count();
+    eprintln!(
+        "ours: {} ({} layers: {n_kv} attention ({n_sliding} sliding with own K/V, {n_shared} KV-shared), {n_recurrent} recurrent), vocab {vocab}, {:.3} B params",
+        model.info().model_type,
+        spec.layers.len(),
+        n_params as f64 / 1e9
+    );
+    if a.kv == "paged" {
+        eprintln!("note: --kv paged: our peak memory includes the block pool, allocated up front (mlx-lm's caches grow with the context)");
+    }
+    if a.kv == "paged" && n_recurrent > 0 {
+        // Hybrid families page only their attention layers (opt-in, no prefix sharing across
+        // requests: a recurrent state cannot be rebuilt from shared blocks). mlx-lm always uses
+        // its own KVCache + ArraysCache, so this compares a paged runtime against a flat one.
+        eprintln!(
+            "note: {} is a hybrid family: --kv paged pages its {n_kv} attention layers only; its {n_recurrent} recurrent layers keep per-sequence state, and no prefix is shared between requests",
+            model.info().model_type
+        );
+    }
     eprintln!("ours: loaded (lazy) in {:.2} s", t.elapsed().as_secs_f64());
     let mut theirs = if a.no_mlx_lm { None } else { Some(Theirs::start(a, dir, &dt)?) };
     if let Some(t) = &theirs {
@@ -463,7 +692,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     out += &format!(
         "\n### {} ({:.3} B params, {dt}), device {dev}\n\nmedian of {} alternating runs (min–max in brackets); ratio = ours / mlx-lm (>1: we are faster; for TTFT and memory <1 is better); best = fastest run of each side\n\n",
         dir.file_name().unwrap_or_default().to_string_lossy(),
-        params(&cfg) as f64 / 1e9,
+        n_params as f64 / 1e9,
         a.runs
     );
     out += "| metric | ours | mlx-lm | ratio (median) | ratio (best) |\n|---|---|---|---|---|\n";
@@ -493,19 +722,30 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
         out += &format!("\ngreedy tokens identical for the first {same} of {n} (run 1, prompt {})\n", reqs[0].0);
     }
     if let Some(bw) = bw {
-        // bytes read per decoded token: every weight once (the embedding table only as the tied
-        // head, its row gather is negligible), plus K and V of the mean context.
-        let h = cfg.hidden_size;
-        let wbytes = (params(&cfg) - if cfg.tie_word_embeddings { 0 } else { cfg.vocab_size * h }) * dtype_bytes(dtype);
+        // bytes read per decoded token: every weight once (embedding tables only as the tied
+        // head, their row gathers are negligible; routed experts k of E), plus K and V of the mean
+        // context (sliding layers at most their window; KV-shared layers read their anchor's
+        // again), plus recurrent state (Qwen3.5's f32 delta-rule state read and written, the conv
+        // windows).
+        let b = dtype_bytes(dtype);
+        let wbytes = (per_token_params * b as f64) as usize;
         let ctx = reqs[0].0 + a.gen / 2;
-        let kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim() * ctx * dtype_bytes(dtype);
+        let kv_of = |k: &LayerKind| match *k {
+            LayerKind::Attention { kv_heads, head_dim } => 2 * kv_heads * head_dim * ctx * b,
+            LayerKind::SlidingAttention { kv_heads, head_dim, window } => 2 * kv_heads * head_dim * ctx.min(window) * b,
+            _ => 0,
+        };
+        let kv: usize = spec.layers.iter().map(|k| if let LayerKind::SharedKv { anchor } = k { kv_of(&spec.layers[*anchor]) } else { kv_of(k) }).sum();
+        let state = n_recurrent * recurrent_state_bytes(&text_cfg, b);
+        let kv = kv + state;
         let floor_tps = bw / (wbytes + kv) as f64;
         let o = stat(&ours[0], |r| r.decode_tps).med;
         out += &format!(
-            "\ncopy bandwidth {:.0} GB/s (y = x + 0, 1 GiB f32, read + write); bytes per token {:.3} GB weights + {:.1} MB KV → floor {:.1} tok/s; time per token: ours {:.2}x the floor{}\n",
+            "\ncopy bandwidth {:.0} GB/s (y = x + 0, 1 GiB f32, read + write); bytes per token {:.3} GB weights + {:.1} MB KV and recurrent state ({:.1} MB of it state) → floor {:.1} tok/s; time per token: ours {:.2}x the floor{}\n",
             bw / 1e9,
             wbytes as f64 / 1e9,
             kv as f64 / 1e6,
+            state as f64 / 1e6,
             floor_tps,
             floor_tps / o,
             if mlxlm[0].is_empty() { String::new() } else { format!(", mlx-lm {:.2}x", floor_tps / stat(&mlxlm[0], |r| r.decode_tps).med) }
@@ -520,6 +760,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
             "model": dir, "dtype": dt, "device": dev, "requests": reqs, "runs": a.runs,
             "ours": dump(&ours), "mlx_lm": dump(&mlxlm), "mlx_lm_info": theirs_info,
             "copy_bandwidth_bytes_per_s": bw, "greedy_agreement": agree, "table_md": out,
+            "greedy_tokens": {"ours": ours[0].first().map(|r| r.tokens.clone()), "mlx_lm": mlxlm[0].first().map(|r| r.tokens.clone())},
         });
         std::fs::write(path, serde_json::to_string_pretty(&j)?)?;
     }

@@ -30,6 +30,7 @@ pub mod layers;
 mod model;
 pub mod random_ckpt;
 pub mod random_qwen35;
+pub mod random_gemma4;
 pub mod paged;
 pub mod registry;
 mod session;

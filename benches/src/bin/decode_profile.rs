@@ -1,0 +1,110 @@
+//! Where the host's time goes in one decode step (run it next to `benches/gpu_profile.sh`'s
+//! device-side kernel times):
+//!
+//! ```text
+//! decode_profile --model DIR [--dtype bf16] [--prompt 128] [--gen 128] [--kv flat|paged]
+//! ```
+//!
+//! It runs the same pipelined greedy loop as `mlx_models::generate` (step n + 1 is built and
+//! queued on the still-lazy token n before token n is read back), and times per token:
+//! - `build`: the forward graph and the sampler graph (Rust + mlx-c op calls, no evaluation);
+//! - `queue`: `async_eval` of the token, its log-prob and the cache (MLX's scheduler walks the
+//!   graph, allocates buffers and encodes/launches the kernels on this thread);
+//! - `wait`: reading token n back (the device finishing step n);
+//! - and then the same loop without the wait overlap (`sync`: build, eval, read), whose
+//!   `eval` is the device time plus launch costs.
+use mlx_array::{Array, DType};
+use mlx_models::{load_model, KvCacheMode, LoadOptions, Logits};
+use sampling::{Sampler, SamplingConfig};
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() -> Res<()> {
+    let mut args = std::env::args().skip(1);
+    let (mut model, mut dtype, mut prompt, mut gen, mut kv) = (None, "bf16".to_string(), 128usize, 128usize, "flat".to_string());
+    while let Some(a) = args.next() {
+        let mut v = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--model" => model = Some(v()?),
+            "--dtype" => dtype = v()?,
+            "--prompt" => prompt = v()?.parse()?,
+            "--gen" => gen = v()?.parse()?,
+            "--kv" => kv = v()?,
+            _ => return Err(format!("unknown argument {a}; usage: decode_profile --model DIR [--dtype bf16|f32] [--prompt N] [--gen N] [--kv flat|paged]").into()),
+        }
+    }
+    let dir = model.ok_or("--model DIR is required")?;
+    let dt = match dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        d => return Err(format!("unknown dtype {d}").into()),
+    };
+    let kv_cache = match kv.as_str() {
+        "flat" => KvCacheMode::Flat,
+        "paged" => KvCacheMode::Paged(Default::default()),
+        k => return Err(format!("--kv {k}: flat or paged").into()),
+    };
+    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
+    let vocab = model.info().vocab_size as u32;
+    let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    eprintln!("device {:?}, {} layers, prompt {prompt}, gen {gen}, kv {kv}", mlx_array::default_device(), model.info().num_layers);
+
+    for round in 0..3 {
+        let mut cache = model.new_cache();
+        let mut sampler = Sampler::new(SamplingConfig::greedy())?;
+        let step = |cache: &mut mlx_models::Cache, sampler: &mut Sampler, input: &Array| -> Res<(Array, Array, Duration, Duration)> {
+            let t0 = Instant::now();
+            let out = model.forward(input, cache, Logits::Last, false)?;
+            let logits = out.logits.ok_or("no logits")?.reshape(&[1, -1])?;
+            let s = sampler.sample(&logits, &[])?;
+            let t1 = Instant::now();
+            let mut arrays = vec![&s.tokens, &s.logprobs];
+            arrays.extend(cache.arrays());
+            mlx_array::async_eval(&arrays)?;
+            Ok((s.tokens, s.logprobs, t1 - t0, t1.elapsed()))
+        };
+        // prefill
+        let (mut tok, _, _, _) = step(&mut cache, &mut sampler, &Array::from_slice(&ids, &[1, prompt])?)?;
+        tok.eval()?;
+        // pipelined decode
+        let (mut build, mut queue, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        let t = Instant::now();
+        for _ in 0..gen {
+            let (next, _, b, q) = step(&mut cache, &mut sampler, &tok.reshape(&[1, 1])?)?;
+            let tw = Instant::now();
+            let _id = tok.to_vec::<u32>()?[0];
+            wait += tw.elapsed();
+            build += b;
+            queue += q;
+            tok = next;
+        }
+        tok.eval()?;
+        let wall = t.elapsed();
+        // synchronous decode on the same cache
+        let (mut sbuild, mut seval) = (Duration::ZERO, Duration::ZERO);
+        let ts = Instant::now();
+        for _ in 0..gen {
+            let t0 = Instant::now();
+            let out = model.forward(&tok.reshape(&[1, 1])?, &mut cache, Logits::Last, false)?;
+            let logits = out.logits.ok_or("no logits")?.reshape(&[1, -1])?;
+            let s = sampler.sample(&logits, &[])?;
+            let t1 = Instant::now();
+            let mut arrays = vec![&s.tokens, &s.logprobs];
+            arrays.extend(cache.arrays());
+            mlx_array::eval(&arrays)?;
+            let _id = s.tokens.to_vec::<u32>()?[0];
+            sbuild += t1 - t0;
+            seval += t1.elapsed();
+            tok = s.tokens;
+        }
+        let swall = ts.elapsed();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / gen as f64;
+        println!(
+            "round {round}: pipelined {:.3} ms/token (build {:.3}, queue {:.3}, wait {:.3}) | sync {:.3} ms/token (build {:.3}, eval+read {:.3})",
+            ms(wall), ms(build), ms(queue), ms(wait), ms(swall), ms(sbuild), ms(seval)
+        );
+    }
+    Ok(())
+}
