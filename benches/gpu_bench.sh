@@ -16,7 +16,7 @@ G=${GPU_STAGE:-$ROOT/.gpu-bench}
 OUT=${OUT:-/tmp/gpu-out}
 R=${MLXRT:-/tmp/mlxrt-bench}
 SHAPES=("$@"); [ ${#SHAPES[@]} -gt 0 ] || SHAPES=(qwen3-0.6b qwen3-8b)
-RUNS=${RUNS:-5}
+RUNS=${RUNS:-5}   # KV=flat|paged: passed to llm_bench --kv
 mkdir -p "$OUT" "$R/mlx/lib"
 {
   echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -42,7 +42,7 @@ for s in "${SHAPES[@]}"; do
   [ -z "${NOBENCH:-}" ] || continue   # NOBENCH=1: unpack and create only (keeps the checkpoint)
   for b in ${BINS:-llm_bench}; do  # BINS="llm_bench llm_bench_x": also time other builds (experiments)
     echo "== $s with $b" | tee -a "$OUT/bench.log"
-    "$G/$b" --model "$D" --dtype bf16 --runs "$RUNS" --bandwidth --script "$ROOT/benches/mlx_lm_bench.py" \
+    "$G/$b" --model "$D" --dtype bf16 --runs "$RUNS" ${KV:+--kv "$KV"} --bandwidth --script "$ROOT/benches/mlx_lm_bench.py" \
          --json "$OUT/$s.$b.json" 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   done

@@ -51,12 +51,21 @@ fn main() -> Res<()> {
     let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     eprintln!("device {:?}, {} layers, prompt {prompt}, gen {gen}, kv {kv}", mlx_array::default_device(), model.info().num_layers);
 
+    // The fused SwiGLU kernel (compiled on the GPU) against the three plain ops.
+    let g = mlx_array::random::normal(&[4, 3000], dt, &mlx_array::random::Key::new(1)?)?;
+    let u = mlx_array::random::normal(&[4, 3000], dt, &mlx_array::random::Key::new(2)?)?;
+    let fused = g.swiglu(&u)?.astype(DType::F32)?;
+    let plain = g.silu()?.mul(&u)?.astype(DType::F32)?;
+    let diff = fused.sub(&plain)?.abs()?.max(&[], false)?.item::<f32>()?;
+    let scale = plain.abs()?.max(&[], false)?.item::<f32>()?;
+    println!("swiglu fused vs plain: max abs diff {diff:.3e} (max |value| {scale:.3})");
+
     for round in 0..3 {
         let mut cache = model.new_cache();
         let mut sampler = Sampler::new(SamplingConfig::greedy())?;
         let step = |cache: &mut mlx_models::Cache, sampler: &mut Sampler, input: &Array| -> Res<(Array, Array, Duration, Duration)> {
             let t0 = Instant::now();
-            let out = model.forward(input, cache, Logits::Last, false)?;
+            let out = model.with_runtime(|rt| rt.forward(input, cache, Logits::Last, false))?;
             let logits = out.logits.ok_or("no logits")?.reshape(&[1, -1])?;
             let s = sampler.sample(&logits, &[])?;
             let t1 = Instant::now();
@@ -87,7 +96,7 @@ fn main() -> Res<()> {
         let ts = Instant::now();
         for _ in 0..gen {
             let t0 = Instant::now();
-            let out = model.forward(&tok.reshape(&[1, 1])?, &mut cache, Logits::Last, false)?;
+            let out = model.with_runtime(|rt| rt.forward(&tok.reshape(&[1, 1])?, &mut cache, Logits::Last, false))?;
             let logits = out.logits.ok_or("no logits")?.reshape(&[1, -1])?;
             let s = sampler.sample(&logits, &[])?;
             let t1 = Instant::now();

@@ -52,7 +52,10 @@ impl GatedMlp {
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let gu = self.gate_up.forward(x)?;
-        let g = self.act.apply(&gu[0])?;
-        self.down.forward(&g.mul(&gu[1])?)
+        let h = match self.act {
+            Activation::Silu => gu[0].swiglu(&gu[1])?,
+            act => act.apply(&gu[0])?.mul(&gu[1])?,
+        };
+        self.down.forward(&h)
     }
 }
