@@ -70,7 +70,7 @@ fn chunked_delta_rule_equals_recurrent() {
     let v = normal_with(&[b, l, h, dv], 0.0, 1.0, DType::F32, &ks[2]).unwrap();
     let g = uniform(&[b, l, h], -0.5, 0.0, DType::F32, &ks[3]).unwrap();
     let beta = uniform(&[b, l, h], 0.0, 1.0, DType::F32, &ks[4]).unwrap();
-    let s0 = normal_with(&[b, h, dk, dv], 0.0, 0.5, DType::F32, &ks[5]).unwrap();
+    let s0 = normal_with(&[b, h, dv, dk], 0.0, 0.5, DType::F32, &ks[5]).unwrap(); // Sᵀ
     let (y1, s1) = gated_delta::recurrent(&q, &k, &v, &g, &beta, s0.clone()).unwrap();
     let (y2, s2) = gated_delta::chunked(&q, &k, &v, &g, &beta, s0).unwrap();
     let e = rel_err(&y2.to_vec::<f32>().unwrap(), &y1.to_vec::<f32>().unwrap());

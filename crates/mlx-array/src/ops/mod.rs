@@ -1,5 +1,6 @@
 //! Operations, as methods on [`crate::Array`] (and a few free functions over several arrays).
 //! Every one is lazy and returns `Result`: MLX's own checks become [`crate::Error::Mlx`].
+mod fused;
 mod index;
 mod linalg;
 mod math;
@@ -8,6 +9,7 @@ mod quant;
 mod reduce;
 mod shape;
 
+pub use fused::{cpu_fusion_available, fused, FusedFn};
 pub use index::scatter_rows;
 pub use linalg::gather_mm;
 pub use math::where_;

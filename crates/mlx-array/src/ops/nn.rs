@@ -123,31 +123,3 @@ pub fn sliding_window_mask(l: usize, k: usize, window: usize) -> Result<Array> {
     let recent = kpos.gt(&qpos.sub(&Array::scalar(window as i32))?)?;
     causal.logical_and(&recent)
 }
-
-type Compiled2 = Box<dyn for<'a> FnMut((&'a mlx_rs::Array, &'a mlx_rs::Array)) -> std::result::Result<mlx_rs::Array, mlx_rs::error::Exception>>;
-
-thread_local! {
-    /// `silu(gate) * up`, compiled once per thread (MLX's compile cache is per thread).
-    static SWIGLU: std::cell::RefCell<Option<Compiled2>> = const { std::cell::RefCell::new(None) };
-}
-
-impl Array {
-    /// `silu(self) * up` (the SwiGLU gate). On the GPU it is one fused kernel (an `mx.compile`d
-    /// function, as mlx-lm's `swiglu`) instead of three; on the CPU, where MLX compiles fused
-    /// kernels with a system C++ compiler at run time, the three plain ops.
-    pub fn swiglu(&self, up: &Array) -> Result<Array> {
-        if crate::default_device()? != crate::Device::Gpu {
-            return self.silu()?.mul(up);
-        }
-        SWIGLU.with(|c| {
-            let mut c = c.borrow_mut();
-            let f = c.get_or_insert_with(|| {
-                let f = |(g, u): (&mlx_rs::Array, &mlx_rs::Array)| -> std::result::Result<mlx_rs::Array, mlx_rs::error::Exception> {
-                    mlx_rs::ops::multiply(&mlx_rs::ops::multiply(g, &mlx_rs::ops::sigmoid(g)?)?, u)
-                };
-                Box::new(mlx_rs::transforms::compile::compile(f, true))
-            });
-            f((&self.inner, &up.inner)).op("swiglu").map(Array::wrap)
-        })
-    }
-}

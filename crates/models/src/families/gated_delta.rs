@@ -8,7 +8,9 @@
 //!    keeps the last `K - 1` conv *inputs* (slot 0, `[B, K-1, C]`).
 //! 3. `q`, `k` are L2-normalized per head (eps 1e-6), `q` is scaled by `Dk^-1/2`, and key heads are
 //!    repeated (interleaved) to the value heads.
-//! 4. The gated delta rule over the state `S: [B, Hv, Dk, Dv]` (slot 1, f32):
+//! 4. The gated delta rule over the state `S` (`Dk × Dv` per head; slot 1, f32, stored
+//!    transposed as `Sᵀ: [B, Hv, Dv, Dk]`, as mlx-lm does, so the decode step's two reductions
+//!    run over the contiguous last axis):
 //!    `S ← S·exp(g_t)`, `S ← S + k_t ⊗ β_t (v_t − Sᵀk_t)`, `y_t = Sᵀ q_t`.
 //!    Prefill runs it chunk-wise (64 positions per chunk, the UT transform of the DeltaNet paper,
 //!    as transformers' `torch_chunk_gated_delta_rule`); a single decode token takes the plain
@@ -16,7 +18,7 @@
 //! 5. Per-head gated RMSNorm `rms(y)·w·silu(z)` (plain `w`, not `1 + w`), then `out_proj`.
 //!
 //! All of the recurrence (decays, state, norms) is computed in f32 whatever the weight dtype.
-use crate::layers::Linear;
+use crate::layers::{FusedLinear, Linear};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, DType};
@@ -54,10 +56,8 @@ pub const SLOTS: usize = 2;
 #[derive(Clone)]
 pub struct GatedDeltaNet {
     cfg: GatedDeltaConfig,
-    in_qkv: Linear,
-    in_z: Linear,
-    in_a: Linear,
-    in_b: Linear,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` as one product.
+    in_proj: FusedLinear,
     /// MLX layout `[C, K, 1]`.
     conv_w: Array,
     /// `-exp(A_log)`, f32 `[Hv]`.
@@ -81,10 +81,7 @@ impl GatedDeltaNet {
         let conv = vb.get("conv1d.weight", &[c, 1, cfg.conv_kernel])?;
         let a_log = f32(&vb.get("A_log", &[hv])?)?;
         Ok(GatedDeltaNet {
-            in_qkv: Linear::load(&vb.pp("in_proj_qkv"), h, c, false)?,
-            in_z: Linear::load(&vb.pp("in_proj_z"), h, cfg.value_dim(), false)?,
-            in_a: Linear::load(&vb.pp("in_proj_a"), h, hv, false)?,
-            in_b: Linear::load(&vb.pp("in_proj_b"), h, hv, false)?,
+            in_proj: FusedLinear::load(vb, &["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], h, &[c, cfg.value_dim(), hv, hv], false)?,
             conv_w: conv.swap_axes(1, 2)?,
             neg_a: a_log.exp()?.neg()?,
             dt_bias: f32(&vb.get("dt_bias", &[hv])?)?,
@@ -102,10 +99,11 @@ impl GatedDeltaNet {
         }
         let (b, l) = (x.dims()[0], x.dims()[1]);
         let (hk, hv, dk, dv) = (c.num_k_heads as i32, c.num_v_heads as i32, c.head_k_dim as i32, c.head_v_dim as i32);
-        let qkv = self.in_qkv.forward(x)?;
-        let z = self.in_z.forward(x)?;
-        let beta = f32(&self.in_b.forward(x)?)?.sigmoid()?; // [B, L, Hv]
-        let a = f32(&self.in_a.forward(x)?)?.add(&self.dt_bias)?;
+        let mut proj = self.in_proj.forward(x)?.into_iter();
+        let mut next = || proj.next().ok_or_else(|| ModelError::Cache("fused projection parts".into()));
+        let (qkv, z, b_in, a_in) = (next()?, next()?, next()?, next()?);
+        let beta = f32(&b_in)?.sigmoid()?; // [B, L, Hv]
+        let a = f32(&a_in)?.add(&self.dt_bias)?;
         let g = softplus(&a)?.mul(&self.neg_a)?; // [B, L, Hv], ≤ 0
 
         // Causal depthwise conv over [conv state | new inputs].
@@ -129,7 +127,7 @@ impl GatedDeltaNet {
 
         let s0 = match state[1].take() {
             Some(s) => s,
-            None => Array::zeros(&[b as usize, hv as usize, dk as usize, dv as usize], DType::F32)?,
+            None => Array::zeros(&[b as usize, hv as usize, dv as usize, dk as usize], DType::F32)?,
         };
         let (y, s) = if l == 1 { recurrent(&q, &k, &v, &g, &beta, s0)? } else { chunked(&q, &k, &v, &g, &beta, s0)? };
         state[1] = Some(s);
@@ -159,8 +157,8 @@ fn repeat_heads(x: &Array, rep: usize) -> Result<Array> {
     Ok(e.reshape(&[s[0] as i32, s[1] as i32, (s[2] * rep) as i32, s[3] as i32])?)
 }
 
-/// One token at a time. Inputs `[B, L, H, D]` (f32), `g`/`beta` `[B, L, H]`, state `[B, H, Dk, Dv]`.
-/// Returns `y: [B, L, H, Dv]` and the final state.
+/// One token at a time. Inputs `[B, L, H, D]` (f32), `g`/`beta` `[B, L, H]`, state
+/// `Sᵀ: [B, H, Dv, Dk]`. Returns `y: [B, L, H, Dv]` and the final state (same layout).
 pub fn recurrent(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, mut s: Array) -> Result<(Array, Array)> {
     let l = q.dim(1)?;
     let mut ys = Vec::with_capacity(l);
@@ -168,14 +166,26 @@ pub fn recurrent(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, mut s
         let at = |a: &Array| a.slice_axis(1, t, t + 1).and_then(|x| x.squeeze(&[1]));
         let (qt, kt, vt) = (at(q)?, at(k)?, at(v)?); // [B, H, D]
         let (gt, bt) = (at(g)?, at(beta)?); // [B, H]
-        s = s.mul(&gt.exp()?.expand_dims(-1)?.expand_dims(-1)?)?;
-        let kv_mem = s.mul(&kt.expand_dims(-1)?)?.sum(&[-2], false)?; // [B, H, Dv]
-        let delta = vt.sub(&kv_mem)?.mul(&bt.expand_dims(-1)?)?;
-        s = s.add(&kt.expand_dims(-1)?.mul(&delta.expand_dims(-2)?)?)?;
-        ys.push(s.mul(&qt.expand_dims(-1)?)?.sum(&[-2], false)?.expand_dims(1)?);
+        // One fused kernel per step where MLX can compile (mlx-lm compiles this step too).
+        let mut out = ops::fused(delta_step, false, &[&qt, &kt, &vt, &gt, &bt, &s])?;
+        s = out.pop().expect("two outputs");
+        ys.push(out.pop().expect("two outputs").expand_dims(1)?);
     }
     let refs: Vec<&Array> = ys.iter().collect();
     Ok((ops::concatenate(&refs, 1)?, s))
+}
+
+/// One delta-rule step: `[q, k, v, g, beta, Sᵀ]` (`[B, H, D]`, `[B, H]`, `[B, H, Dv, Dk]`) to
+/// `[y, Sᵀ']`.
+fn delta_step(x: &[Array]) -> mlx_array::Result<Vec<Array>> {
+    let (qt, kt, vt, gt, bt, s) = (&x[0], &x[1], &x[2], &x[3], &x[4], &x[5]);
+    let kt = kt.expand_dims(-2)?; // [B, H, 1, Dk]
+    let s = s.mul(&gt.exp()?.expand_dims(-1)?.expand_dims(-1)?)?;
+    let kv_mem = s.mul(&kt)?.sum(&[-1], false)?; // [B, H, Dv]
+    let delta = vt.sub(&kv_mem)?.mul(&bt.expand_dims(-1)?)?;
+    let s = s.add(&delta.expand_dims(-1)?.mul(&kt)?)?;
+    let y = s.mul(&qt.expand_dims(-2)?)?.sum(&[-1], false)?;
+    Ok(vec![y, s])
 }
 
 /// Chunked form (transformers' `torch_chunk_gated_delta_rule`): within a chunk of [`CHUNK`]
@@ -224,10 +234,12 @@ pub fn chunked(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, mut s: 
     let mut outs = Vec::with_capacity(n);
     let at = |x: &Array, i: usize| x.slice_axis(2, i, i + 1).and_then(|y| y.squeeze(&[2]));
     for i in 0..n {
-        let v_new = at(&new_v, i)?.sub(&at(&k_cumdecay, i)?.matmul(&s)?)?; // [B, H, C, Dv]
-        let o = at(&q_dec, i)?.matmul(&s)?.add(&at(&intra, i)?.matmul(&v_new)?)?;
+        let st = s.swap_axes(-1, -2)?; // S: [B, H, Dk, Dv] (a view of the stored Sᵀ)
+        let v_new = at(&new_v, i)?.sub(&at(&k_cumdecay, i)?.matmul(&st)?)?; // [B, H, C, Dv]
+        let o = at(&q_dec, i)?.matmul(&st)?.add(&at(&intra, i)?.matmul(&v_new)?)?;
         outs.push(o);
-        s = s.mul(&at(&chunk_decay, i)?)?.add(&at(&k_dec, i)?.swap_axes(-1, -2)?.matmul(&v_new)?)?;
+        // Sᵀ ← Sᵀ·decay + v_newᵀ k_dec
+        s = s.mul(&at(&chunk_decay, i)?)?.add(&v_new.swap_axes(-1, -2)?.matmul(&at(&k_dec, i)?)?)?;
     }
     let refs: Vec<&Array> = outs.iter().collect();
     let y = ops::concatenate(&refs, 2)?; // [B, H, N·C, Dv]

@@ -31,25 +31,37 @@ impl Linear {
     }
 }
 
-/// Several projections of the same input computed as one matmul: the checkpoint's weights
-/// (`prefix.<name>.weight`, each `[out_i, in]`) are concatenated along the output axis at load.
+/// Several projections of the same input. On the GPU they run as one matmul: the
+/// checkpoint's weights (`prefix.<name>.weight`, each `[out_i, in]`) are concatenated along the
+/// output axis at load, and the parts come back as views of the product (no copy).
 ///
-/// At decode time a matmul is a matrix-vector product bound by reading the weight, and each
-/// one is a kernel launch: one `[in, sum out_i]` product reads the same bytes as the separate
-/// ones with fewer launches and better occupancy for the small outputs (Qwen3-8B's k/v are
-/// 1024 wide). The parts come back as views of the product (no copy).
+/// At decode time a matmul is a matrix-vector product bound by reading the weight, and on the
+/// GPU each one is a kernel launch: one `[in, sum out_i]` product reads the same bytes with
+/// fewer launches and better occupancy for small outputs (Qwen3-8B's k/v are 1024 wide; H200
+/// kernel time per decode step 6.20 -> 5.62 ms, see BENCHMARKS.md). On the CPU (OpenBLAS) the
+/// separate products measured as fast or faster, and their outputs are contiguous, so the
+/// projections stay separate there. The device is the default device at load, where the
+/// weights live.
 #[derive(Clone)]
-pub struct FusedLinear {
-    lin: Linear,
-    /// Cumulative split points (one fewer than parts).
-    splits: Vec<usize>,
+pub enum FusedLinear {
+    Fused {
+        lin: Linear,
+        /// Cumulative split points (one fewer than parts).
+        splits: Vec<usize>,
+    },
+    Separate(Vec<Linear>),
 }
 
 impl FusedLinear {
-    /// Loads `names` under `vb`, each `[outs[i], in_dim]` (and `[outs[i]]` biases if `bias`),
-    /// and takes them out of the checkpoint map so the unfused copies are freed.
+    /// Loads `names` under `vb`, each `[outs[i], in_dim]` (and `[outs[i]]` biases if `bias`).
+    /// Fusing takes them out of the checkpoint map, so the unfused copies are freed.
     pub fn load(vb: &Vb, names: &[&str], in_dim: usize, outs: &[usize], bias: bool) -> Result<Self> {
         assert_eq!(names.len(), outs.len(), "one output size per projection");
+        let fuse = names.len() > 1 && mlx_array::default_device()? == mlx_array::Device::Gpu;
+        if !fuse {
+            let parts = names.iter().zip(outs).map(|(n, &o)| Linear::load(&vb.pp(n), in_dim, o, bias)).collect::<Result<Vec<_>>>()?;
+            return Ok(FusedLinear::Separate(parts));
+        }
         let mut ws = Vec::with_capacity(names.len());
         let mut bs = Vec::with_capacity(names.len());
         for (n, &o) in names.iter().zip(outs) {
@@ -59,33 +71,29 @@ impl FusedLinear {
                 bs.push(v.take("bias", &[o])?);
             }
         }
-        let fuse = |parts: &[Array]| -> Result<Array> {
-            if parts.len() == 1 {
-                return Ok(parts[0].clone());
-            }
+        let cat = |parts: &[Array]| -> Result<Array> {
             let refs: Vec<&Array> = parts.iter().collect();
             let a = mlx_array::ops::concatenate(&refs, 0)?;
             a.eval()?; // materialise now: the parts are freed when this returns
             Ok(a)
         };
-        let w = fuse(&ws)?;
-        let b = if bias { Some(fuse(&bs)?) } else { None };
-        let mut splits = Vec::with_capacity(outs.len().saturating_sub(1));
+        let w = cat(&ws)?;
+        let b = if bias { Some(cat(&bs)?) } else { None };
+        let mut splits = Vec::with_capacity(outs.len() - 1);
         let mut acc = 0;
         for &o in &outs[..outs.len() - 1] {
             acc += o;
             splits.push(acc);
         }
-        Ok(FusedLinear { lin: Linear::new(w, b)?, splits })
+        Ok(FusedLinear::Fused { lin: Linear::new(w, b)?, splits })
     }
 
     /// The projections of `x`, in load order, each `[..., out_i]`.
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
-        let y = self.lin.forward(x)?;
-        if self.splits.is_empty() {
-            return Ok(vec![y]);
+        match self {
+            FusedLinear::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+            FusedLinear::Fused { lin, splits } => Ok(lin.forward(x)?.split_at(splits, -1)?),
         }
-        Ok(y.split_at(&self.splits, -1)?)
     }
 }
 

@@ -54,6 +54,7 @@ impl GatedMlp {
         let gu = self.gate_up.forward(x)?;
         let h = match self.act {
             Activation::Silu => gu[0].swiglu(&gu[1])?,
+            Activation::GeluTanh => gu[0].geglu_tanh(&gu[1])?,
             act => act.apply(&gu[0])?.mul(&gu[1])?,
         };
         self.down.forward(&h)

@@ -1,0 +1,80 @@
+//! Chains of elementwise ops run as one kernel: functions compiled with MLX's `compile`, once
+//! per thread and function (MLX's compile cache is per thread), as mlx-lm's `@mx.compile`d
+//! helpers (`swiglu`, `gelu_approx`, the gated-delta step).
+//!
+//! On the GPU MLX generates the fused kernels itself. On the CPU it writes C++ and builds it
+//! with `g++` at run time; where no `g++` is on the `PATH`, [`fused`] runs the plain ops
+//! instead, so results are the same either way (up to the rounding of fused arithmetic).
+use crate::error::{OpExt, Result};
+use crate::Array;
+use mlx_rs::error::Exception;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+/// A function to fuse: array ops only, no captured state (it is traced once per input
+/// shapes and dtypes, then replayed).
+pub type FusedFn = fn(&[Array]) -> Result<Vec<Array>>;
+
+type Compiled = Box<dyn for<'a> FnMut(&'a [mlx_rs::Array]) -> std::result::Result<Vec<mlx_rs::Array>, Exception>>;
+
+thread_local! {
+    static COMPILED: RefCell<HashMap<(usize, bool), Compiled>> = RefCell::new(HashMap::new());
+}
+
+/// Whether the CPU backend can build fused kernels here (a `g++` on the `PATH`), probed once.
+pub fn cpu_fusion_available() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("g++").is_file()))
+    })
+}
+
+/// `f(inputs)`, compiled (`shapeless`: one compilation for every input shape, only for
+/// functions without reshapes) when the default device can fuse, else run op by op.
+pub fn fused(f: FusedFn, shapeless: bool, inputs: &[&Array]) -> Result<Vec<Array>> {
+    let xs: Vec<mlx_rs::Array> = inputs.iter().map(|a| a.inner.clone()).collect();
+    let can = match crate::default_device()? {
+        crate::Device::Gpu => true,
+        crate::Device::Cpu => cpu_fusion_available(),
+    };
+    let out = if can {
+        COMPILED.with(|c| {
+            let mut c = c.borrow_mut();
+            let g = c.entry((f as usize, shapeless)).or_insert_with(|| {
+                let traced = move |xs: &[mlx_rs::Array]| -> std::result::Result<Vec<mlx_rs::Array>, Exception> {
+                    let wrapped: Vec<Array> = xs.iter().map(|x| Array::wrap(x.clone())).collect();
+                    match f(&wrapped) {
+                        Ok(v) => Ok(v.into_iter().map(|a| a.inner).collect()),
+                        Err(e) => Err(Exception::custom(e.to_string())),
+                    }
+                };
+                Box::new(mlx_rs::transforms::compile::compile(traced, shapeless))
+            });
+            g(&xs).op("fused").map(|v| v.into_iter().map(Array::wrap).collect())
+        })
+    } else {
+        let wrapped: Vec<Array> = xs.into_iter().map(Array::wrap).collect();
+        f(&wrapped)
+    };
+    out
+}
+
+fn swiglu_fn(x: &[Array]) -> Result<Vec<Array>> {
+    Ok(vec![x[0].silu()?.mul(&x[1])?])
+}
+
+fn geglu_tanh_fn(x: &[Array]) -> Result<Vec<Array>> {
+    Ok(vec![x[0].gelu_tanh()?.mul(&x[1])?])
+}
+
+impl Array {
+    /// `silu(self) * up` (SwiGLU), one fused kernel where [`fused`] can compile.
+    pub fn swiglu(&self, up: &Array) -> Result<Array> {
+        Ok(fused(swiglu_fn, true, &[self, up])?.swap_remove(0))
+    }
+    /// `gelu_tanh(self) * up` (GeGLU with the tanh-approximated GELU), fused likewise.
+    pub fn geglu_tanh(&self, up: &Array) -> Result<Array> {
+        Ok(fused(geglu_tanh_fn, true, &[self, up])?.swap_remove(0))
+    }
+}
