@@ -43,6 +43,24 @@ impl Logits {
     }
 }
 
+/// Which positions' outputs a forward call needs (models skip work for the others).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rows {
+    All,
+    Last,
+    None,
+}
+
+impl Rows {
+    pub(crate) fn of(logits: Logits, hidden: bool) -> Rows {
+        match (logits, hidden) {
+            (Logits::All, _) | (_, true) => Rows::All,
+            (Logits::Last, false) => Rows::Last,
+            (Logits::None, false) => Rows::None,
+        }
+    }
+}
+
 /// What a forward call returns. With a paged cache, the first `Logits::Last`/`Logits::None`
 /// call of a sequence (without hidden states) may find leading tokens in the prefix cache and not
 /// recompute them ([`crate::Cache::last_skipped`]); calls asking for every position never skip.

@@ -25,7 +25,7 @@
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::families::qwen3::check_tokens;
 use crate::layers::{causal_mask, Activation, Embedding, GatedMlp, Linear, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, AttentionMask, DType};
@@ -673,7 +673,16 @@ impl Gemma4Model {
         Ok(Some(pr.add(&tok)?.mul_scalar(std::f32::consts::FRAC_1_SQRT_2)?))
     }
 
-    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, allow_prefix_skip: bool) -> Result<Array> {
+    /// Final-normed hidden states for the `rows` the caller needs: every position, only the
+    /// last one (`[B, 1, H]`), or none (a prefill chunk: only the caches matter).
+    ///
+    /// Past the attention of the last layer that writes a cache (the last layer, or the last
+    /// before the KV-shared ones, which write none) only the rows the caller reads are computed:
+    /// the last position for `Rows::Last` (its query attends over the full K/V), nothing at all
+    /// for `Rows::None`. mlx-lm gets the same saving by evaluating only the caches of the
+    /// prompt's leading tokens.
+    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
+        let allow_prefix_skip = rows != Rows::All;
         check_tokens(tokens, self.cfg.vocab_size)?;
         let n = self.cfg.num_hidden_layers;
         if cache.layers.len() != n {
@@ -696,10 +705,12 @@ impl Gemma4Model {
         let tokens = &tokens;
         let l = total - skipped;
         let mut x = net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?;
-        let ple = self.per_layer_inputs(net, tokens, &x)?;
-        let (full_mask, sliding_mask) = (causal_mask(l, None), causal_mask(l, Some(self.cfg.sliding_window)));
+        let mut ple = self.per_layer_inputs(net, tokens, &x)?;
+        let (mut full_mask, mut sliding_mask) = (causal_mask(l, None), causal_mask(l, Some(self.cfg.sliding_window)));
         let mut fetched: Vec<Option<(Array, Array)>> = vec![None; n];
         let mut offset = 0;
+        // The last layer that writes a cache: past its mixer only the rows the caller reads matter.
+        let last_own = if self.cfg.is_kv_shared(n - 1) { self.cfg.first_shared() - 1 } else { n - 1 };
         for (i, layer) in net.layers.iter().enumerate() {
             let mask = if self.cfg.is_sliding(i) { sliding_mask } else { full_mask };
             let h = layer.input_norm.forward(&x)?;
@@ -712,7 +723,20 @@ impl Gemma4Model {
                 layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask)?
             };
             fetched[i] = Some(kv);
-            let h = x.add(&layer.post_attn_norm.forward(&a)?)?;
+            let mut h = x.add(&layer.post_attn_norm.forward(&a)?)?;
+            if i == last_own {
+                match rows {
+                    Rows::All => {}
+                    Rows::None => break,
+                    Rows::Last if l > 1 => {
+                        h = h.slice_axis(1, l - 1, l)?;
+                        ple = ple.map(|p| p.slice_axis(1, l - 1, l)).transpose()?;
+                        (full_mask, sliding_mask) = (causal_mask(1, None), causal_mask(1, Some(self.cfg.sliding_window)));
+                        offset += l - 1; // the one query left sits at the last position
+                    }
+                    Rows::Last => {}
+                }
+            }
             let mut y = h.add(&layer.post_ffn_norm.forward(&layer.ffn(&h)?)?)?;
             if let (Some(p), Some(inputs)) = (&layer.ple, &ple) {
                 let pli = inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?;
@@ -750,7 +774,8 @@ impl ModelRuntime for Gemma4Model {
             ModelError::InvalidInput("Model not initialized (weights not loaded): a Gemma4Model built with from_config cannot run; load the checkpoint with load_model".into())
         })?;
         // Calls that need every position's output must not skip a cached prefix.
-        let h = self.hidden(net, tokens, cache, logits != Logits::All && !hidden)?;
+        let rows = Rows::of(logits, hidden);
+        let h = self.hidden(net, tokens, cache, rows)?;
         let head = |x: &Array| -> Result<Array> {
             let y = net.lm_head.forward(x)?.astype(DType::F32)?;
             Ok(match self.cfg.final_logit_softcapping {

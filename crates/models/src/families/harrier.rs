@@ -68,7 +68,7 @@ impl HarrierModel {
         let ids = &ids[..ids.len().min(self.max_length())];
         let tokens = Array::from_slice(ids, &[1, ids.len()])?;
         let mut cache = Cache::new(&self.backbone.cache_spec());
-        let (h, _) = self.backbone.forward(&tokens, &mut cache, false)?;
+        let (h, _) = self.backbone.forward(&tokens, &mut cache, crate::runtime::Rows::All)?;
         let last = h.slice_axis(1, ids.len() - 1, ids.len())?.reshape(&[-1])?.astype(DType::F32)?;
         let v = last.to_vec::<f32>()?;
         Ok(if self.normalize { l2_normalize(v) } else { v })

@@ -1,7 +1,7 @@
 //! Qwen3 dense causal LM (mirrors mlx-lm `models/qwen3.py` and HF `Qwen3ForCausalLM`).
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{Array, DType};
@@ -127,8 +127,12 @@ impl Qwen3Backbone {
 
     /// Final-normed hidden states `[B, L - skipped, hidden]` and `skipped`, the leading tokens
     /// served by a paged prefix-cache hit (0 with flat caches).
-    /// `allow_prefix_skip`: see [`Cache::begin_forward_with`].
-    pub fn forward(&self, tokens: &Array, cache: &mut Cache, allow_prefix_skip: bool) -> Result<(Array, usize)> {
+    /// `rows`: which positions the caller reads. Past the last layer's attention (its K/V are
+    /// written) only those are computed: the last one for `Rows::Last`, none for `Rows::None`
+    /// (a prefill chunk), as mlx-lm evaluates only the caches for the prompt's leading tokens.
+    /// Anything but `Rows::All` may skip a cached prefix ([`Cache::begin_forward_with`]).
+    pub(crate) fn forward(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<(Array, usize)> {
+        let allow_prefix_skip = rows != Rows::All;
         check_tokens(tokens, self.cfg.vocab_size)?;
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
@@ -138,8 +142,20 @@ impl Qwen3Backbone {
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
         let mut x = self.embed.forward(&tokens)?;
         let mask = causal_mask(l - skipped, None);
+        let (n, q) = (self.layers.len(), l - skipped);
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = x.add(&layer.attn.forward_kv(&layer.input_norm.forward(&x)?, &mut kv.layer(i)?, mask)?)?;
+            let mut h = x.add(&layer.attn.forward_kv(&layer.input_norm.forward(&x)?, &mut kv.layer(i)?, mask)?)?;
+            if i + 1 == n {
+                match rows {
+                    Rows::All => {}
+                    Rows::None => {
+                        x = h;
+                        break;
+                    }
+                    Rows::Last if q > 1 => h = h.slice_axis(1, q - 1, q)?,
+                    Rows::Last => {}
+                }
+            }
             x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;
         }
         kv.finish()?;
@@ -212,7 +228,7 @@ impl ModelRuntime for Qwen3Model {
         self.backbone.cache_spec()
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let (h, _) = self.backbone.forward(tokens, cache, logits != Logits::All && !hidden)?;
+        let (h, _) = self.backbone.forward(tokens, cache, Rows::of(logits, hidden))?;
         let logits = logits.select(&h, |x| Ok(self.lm_head.forward(x)?.astype(DType::F32)?))?;
         Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
     }
