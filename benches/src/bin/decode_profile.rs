@@ -63,25 +63,30 @@ fn main() -> Res<()> {
     for round in 0..3 {
         let mut cache = model.new_cache();
         let mut sampler = Sampler::new(SamplingConfig::greedy())?;
-        let step = |cache: &mut mlx_models::Cache, sampler: &mut Sampler, input: &Array| -> Res<(Array, Array, Duration, Duration)> {
-            let t0 = Instant::now();
+        // The graph of one step: forward, then the greedy sample (token and its log-prob).
+        let build_step = |cache: &mut mlx_models::Cache, sampler: &mut Sampler, input: &Array| -> Res<sampling::Sample> {
             let out = model.with_runtime(|rt| rt.forward(input, cache, Logits::Last, false))?;
             let logits = out.logits.ok_or("no logits")?.reshape(&[1, -1])?;
-            let s = sampler.sample(&logits, &[])?;
+            Ok(sampler.sample(&logits, &[])?)
+        };
+        // Build and queue one step (as the generator's pipelined loop does).
+        let step = |cache: &mut mlx_models::Cache, sampler: &mut Sampler, input: &Array| -> Res<(Array, Duration, Duration)> {
+            let t0 = Instant::now();
+            let s = build_step(cache, sampler, input)?;
             let t1 = Instant::now();
             let mut arrays = vec![&s.tokens, &s.logprobs];
             arrays.extend(cache.arrays());
             mlx_array::async_eval(&arrays)?;
-            Ok((s.tokens, s.logprobs, t1 - t0, t1.elapsed()))
+            Ok((s.tokens, t1 - t0, t1.elapsed()))
         };
         // prefill
-        let (mut tok, _, _, _) = step(&mut cache, &mut sampler, &Array::from_slice(&ids, &[1, prompt])?)?;
+        let (mut tok, _, _) = step(&mut cache, &mut sampler, &Array::from_slice(&ids, &[1, prompt])?)?;
         tok.eval()?;
         // pipelined decode
         let (mut build, mut queue, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let t = Instant::now();
         for _ in 0..gen {
-            let (next, _, b, q) = step(&mut cache, &mut sampler, &tok.reshape(&[1, 1])?)?;
+            let (next, b, q) = step(&mut cache, &mut sampler, &tok.reshape(&[1, 1])?)?;
             let tw = Instant::now();
             let _id = tok.to_vec::<u32>()?[0];
             wait += tw.elapsed();
@@ -96,9 +101,7 @@ fn main() -> Res<()> {
         let ts = Instant::now();
         for _ in 0..gen {
             let t0 = Instant::now();
-            let out = model.with_runtime(|rt| rt.forward(&tok.reshape(&[1, 1])?, &mut cache, Logits::Last, false))?;
-            let logits = out.logits.ok_or("no logits")?.reshape(&[1, -1])?;
-            let s = sampler.sample(&logits, &[])?;
+            let s = build_step(&mut cache, &mut sampler, &tok.reshape(&[1, 1])?)?;
             let t1 = Instant::now();
             let mut arrays = vec![&s.tokens, &s.logprobs];
             arrays.extend(cache.arrays());
