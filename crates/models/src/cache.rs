@@ -37,11 +37,16 @@ pub struct KvCache {
     offset: usize,
     /// `Some(w)`: rotating storage of the last `w` positions.
     window: Option<usize>,
+    /// Rotating caches: positions held (the first `held` slots of the buffers).
+    held: usize,
+    /// Rotating caches holding a full window written in place: the slot of the oldest position
+    /// (the next one overwritten). `None`: the slots are in temporal order.
+    ring: Option<usize>,
 }
 
 impl KvCache {
     pub fn new(window: Option<usize>) -> Self {
-        KvCache { keys: None, values: None, offset: 0, window }
+        KvCache { keys: None, values: None, offset: 0, window, held: 0, ring: None }
     }
 
     /// Positions seen so far (the rope offset of the next token).
@@ -53,7 +58,7 @@ impl KvCache {
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
         let l = k.dim(2)?;
         if let Some(w) = self.window {
-            return self.update_rotating(k, v, l, w);
+            return if l == 1 { self.rotating_step(k, v, w) } else { self.rotating_concat(k, v, l, w) };
         }
         let need = self.offset + l;
         let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
@@ -72,44 +77,104 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Sliding window: keep at most the last `w - 1` old positions plus the new ones, so every
-    /// new query still sees its full window; the mask is applied by the attention layer.
-    fn update_rotating(&mut self, k: &Array, v: &Array, l: usize, w: usize) -> Result<(Array, Array)> {
-        let (keys, values) = match (self.keys.take(), self.values.take()) {
-            (Some(pk), Some(pv)) => (ops::concatenate(&[&pk, k], 2)?, ops::concatenate(&[&pv, v], 2)?),
-            _ => (k.clone(), v.clone()),
+    /// The held positions in temporal order (a copy only when the ring has wrapped).
+    fn temporal(&self) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
+        let order = |a: &Array| -> Result<Array> {
+            Ok(match self.ring {
+                Some(0) | None => a.slice_axis(2, 0, self.held)?,
+                Some(r) => ops::concatenate(&[&a.slice_axis(2, r, self.held)?, &a.slice_axis(2, 0, r)?], 2)?,
+            })
+        };
+        Ok(Some((order(k)?, order(v)?)))
+    }
+
+    /// Several new positions (prefill, a verify step): the last `w - 1` held positions, in
+    /// temporal order, then the new ones, so every new query sees its whole window (the
+    /// attention mask limits each to `w`); the last `w - 1` of them are kept.
+    fn rotating_concat(&mut self, k: &Array, v: &Array, l: usize, w: usize) -> Result<(Array, Array)> {
+        let (keys, values) = match self.temporal()? {
+            Some((pk, pv)) => {
+                let drop = self.held.saturating_sub(w - 1);
+                let (pk, pv) = (pk.slice_axis(2, drop, self.held)?, pv.slice_axis(2, drop, self.held)?);
+                (ops::concatenate(&[&pk, k], 2)?, ops::concatenate(&[&pv, v], 2)?)
+            }
+            None => (k.clone(), v.clone()),
         };
         self.offset += l;
         let t = keys.dim(2)?;
         let keep = (w - 1).min(t);
         self.keys = Some(keys.slice_axis(2, t - keep, t)?);
         self.values = Some(values.slice_axis(2, t - keep, t)?);
+        (self.held, self.ring) = (keep, None);
         Ok((keys, values))
+    }
+
+    /// One new position, written in place (as mlx-lm's RotatingKVCache): into the next free slot
+    /// until the window is full, then over the oldest. The slots come back in storage order;
+    /// with at most `w` keys a single query needs no mask, so their order does not matter
+    /// (rope was applied before caching).
+    fn rotating_step(&mut self, k: &Array, v: &Array, w: usize) -> Result<(Array, Array)> {
+        let slot = match self.ring {
+            Some(r) => r,
+            None => {
+                let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
+                if self.held + 1 > cap {
+                    // grow_axis2 keeps the first `held` slots and appends `grow` fresh ones
+                    let grow = (self.held + STEP).min(w).max(self.held + 1) - self.held;
+                    let (keys, values) = (self.keys.take(), self.values.take());
+                    self.keys = Some(grow_axis2(keys, k, grow, self.held)?);
+                    self.values = Some(grow_axis2(values, v, grow, self.held)?);
+                }
+                self.held
+            }
+        };
+        let kb = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, slot, 0])?;
+        let vb = self.values.as_ref().unwrap().slice_update(v, &[0, 0, slot, 0])?;
+        self.offset += 1;
+        if self.ring.is_some() {
+            self.ring = Some((slot + 1) % w);
+        } else {
+            self.held += 1;
+            if self.held == w {
+                self.ring = Some(0);
+            }
+        }
+        let out = if self.held == kb.dim(2)? { (kb.clone(), vb.clone()) } else { (kb.slice_axis(2, 0, self.held)?, vb.slice_axis(2, 0, self.held)?) };
+        self.keys = Some(kb);
+        self.values = Some(vb);
+        Ok(out)
     }
 
     /// Number of positions currently stored (≤ offset for rotating caches).
     pub fn stored(&self) -> usize {
         match (&self.keys, self.window) {
-            (Some(k), Some(_)) => k.dim(2).unwrap_or(0),
+            (Some(_), Some(_)) => self.held,
             (Some(_), None) => self.offset,
             _ => 0,
         }
     }
 
-    /// Forget the last `n` positions (speculative rollback). Rotating caches cannot roll back
-    /// past what they still hold.
+    /// Forget the last `n` positions (rollback, prefix reuse). A rotating cache refuses (and is
+    /// left as it was) when what would remain is less than the next position's window needs:
+    /// it keeps only the last `window` positions, so a deep rollback must re-prefill instead.
     pub fn trim(&mut self, n: usize) -> Result<()> {
         if n > self.offset {
             return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", self.offset)));
         }
-        if let Some(_w) = self.window {
+        if let Some(w) = self.window {
             let held = self.stored();
-            if n > held {
-                return Err(ModelError::Cache(format!("sliding cache holds {held} positions, cannot trim {n}")));
+            let need = (w - 1).min(self.offset - n);
+            if n > held || held - n < need {
+                return Err(ModelError::Cache(format!(
+                    "sliding-window cache holds the last {held} positions: after trimming {n} the next position's window needs {need} (re-prefill instead)"
+                )));
             }
-            let (k, v) = (self.keys.take().unwrap(), self.values.take().unwrap());
-            self.keys = Some(k.slice_axis(2, 0, held - n)?);
-            self.values = Some(v.slice_axis(2, 0, held - n)?);
+            if let Some((k, v)) = self.temporal()? {
+                self.keys = Some(k.slice_axis(2, 0, held - n)?);
+                self.values = Some(v.slice_axis(2, 0, held - n)?);
+                (self.held, self.ring) = (held - n, None);
+            }
         }
         self.offset -= n;
         Ok(())
@@ -314,5 +379,59 @@ impl Cache {
             }
         }
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_array::random::{self, Key};
+    use mlx_array::{AttentionMask, DType};
+
+    /// A rotating cache (ring buffer for single steps, concatenation for chunks, trims) gives
+    /// the same attention as a flat cache of every position under the sliding-window mask.
+    #[test]
+    fn rotating_cache_matches_flat_with_window_mask() {
+        let (w, h, d) = (4usize, 2usize, 8usize);
+        let mut rot = KvCache::new(Some(w));
+        let mut flat = KvCache::new(None);
+        // chunk sizes (> 0) and trims (< 0: `Ok` expected when the bool is true): a trim before the
+        // window fills, a prefill past the window, steps that wrap the ring, a trim of a wrapped
+        // ring, trims deeper than what the next window needs (refused, cache unchanged), chunks
+        // after a full ring
+        let plan: &[(i64, bool)] = &[
+            (2, true), (-1, true), (6, true), (1, true), (1, true), (1, true), (1, true), (1, true), (1, true), (1, true),
+            (-1, true), (1, true), (-2, false), (3, true), (-1, false), (1, true), (-1, true), (1, true), (1, true), (2, true), (1, true),
+        ];
+        for (s, &(n, ok)) in plan.iter().enumerate() {
+            if n < 0 {
+                let n = (-n) as usize;
+                let before = (rot.offset(), rot.stored());
+                assert_eq!(rot.trim(n).is_ok(), ok, "step {s}: trim {n} at offset {} holding {}", before.0, before.1);
+                if ok {
+                    flat.trim(n).unwrap();
+                } else {
+                    assert_eq!((rot.offset(), rot.stored()), before, "a refused trim leaves the cache as it was");
+                }
+                assert_eq!(rot.offset(), flat.offset());
+                continue;
+            }
+            let l = n as usize;
+            let ks = Key::new(100 + s as u64).unwrap().split_n(3).unwrap();
+            let k = random::normal(&[1, h, l, d], DType::F32, &ks[0]).unwrap().add_scalar(s as f32).unwrap();
+            let v = random::normal(&[1, h, l, d], DType::F32, &ks[1]).unwrap();
+            let q = random::normal(&[1, h, l, d], DType::F32, &ks[2]).unwrap();
+            let (rk, rv) = rot.update_and_fetch(&k, &v).unwrap();
+            let (fk, fv) = flat.update_and_fetch(&k, &v).unwrap();
+            assert!(rk.dim(2).unwrap() <= w - 1 + l, "step {s}: rotating cache returned {} keys", rk.dim(2).unwrap());
+            assert!(rot.stored() <= w && rot.stored() <= rot.offset());
+            let mask = AttentionMask::SlidingWindow(w);
+            let got = q.sdpa(&rk, &rv, 0.5, mask).unwrap().to_vec::<f32>().unwrap();
+            let want = q.sdpa(&fk, &fv, 0.5, mask).unwrap().to_vec::<f32>().unwrap();
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "step {s} (offset {}): {a} vs {b}", rot.offset());
+            }
+        }
+        assert!(rot.stored() <= w);
     }
 }

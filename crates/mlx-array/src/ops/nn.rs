@@ -78,6 +78,10 @@ impl Array {
             AttentionMask::None => None,
             AttentionMask::Causal => Some(M::Causal),
             AttentionMask::Array(a) => Some(M::Array(&a.inner)),
+            // Every key is inside every query's window when there are at most `w` of them
+            // (queries are the last positions): plain causal, or no mask for one query. No
+            // mask array keeps the fused kernels (the GPU's vector kernel takes none).
+            AttentionMask::SlidingWindow(w) if w > 0 && (k[2] as usize) <= w => (q[2] > 1).then_some(M::Causal),
             AttentionMask::SlidingWindow(w) => {
                 owned = sliding_window_mask(q[2] as usize, k[2] as usize, w)?;
                 Some(M::Array(&owned.inner))

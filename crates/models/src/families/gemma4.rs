@@ -24,7 +24,7 @@
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::families::qwen3::check_tokens;
-use crate::layers::{causal_mask, Activation, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::layers::{causal_mask, Activation, Embedding, FusedLinear, GatedMlp, Linear, RmsNorm, Rope};
 use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
@@ -341,16 +341,14 @@ impl Gemma4Config {
     }
 }
 
-struct KvProj {
-    k: Linear,
-    /// `None` for k_eq_v layers (V is the raw K projection).
-    v: Option<Linear>,
-    k_norm: RmsNorm,
-}
-
 struct Attn {
-    q: Linear,
-    kv: Option<KvProj>,
+    /// `q_proj`, then (own-K/V layers) `k_proj`, then (unless k_eq_v) `v_proj`, as one product
+    /// on the GPU.
+    proj: FusedLinear,
+    /// Own-K/V layers: the K norm (`None` on KV-shared layers, which project only queries).
+    k_norm: Option<RmsNorm>,
+    /// k_eq_v layers: V is the raw (un-normed) K projection.
+    k_eq_v: bool,
     o: Linear,
     q_norm: RmsNorm,
     v_norm: RmsNorm,
@@ -364,18 +362,22 @@ impl Attn {
     fn load(vb: &Vb, cfg: &Gemma4Config, i: usize) -> Result<Self> {
         let (h, d, nh, nkv) = (cfg.hidden_size, cfg.layer_head_dim(i), cfg.num_attention_heads, cfg.layer_kv_heads(i));
         let eps = cfg.rms_norm_eps;
-        let kv = if cfg.is_kv_shared(i) {
-            None
-        } else {
-            Some(KvProj {
-                k: Linear::load(&vb.pp("k_proj"), h, nkv * d, false)?,
-                v: if cfg.k_eq_v(i) { None } else { Some(Linear::load(&vb.pp("v_proj"), h, nkv * d, false)?) },
-                k_norm: RmsNorm::load(&vb.pp("k_norm"), d, eps, 0.0)?,
-            })
-        };
+        let own = !cfg.is_kv_shared(i);
+        let k_eq_v = cfg.k_eq_v(i);
+        let mut names = vec!["q_proj"];
+        let mut outs = vec![nh * d];
+        if own {
+            names.push("k_proj");
+            outs.push(nkv * d);
+            if !k_eq_v {
+                names.push("v_proj");
+                outs.push(nkv * d);
+            }
+        }
         Ok(Attn {
-            q: Linear::load(&vb.pp("q_proj"), h, nh * d, false)?,
-            kv,
+            proj: FusedLinear::load(vb, &names, h, &outs, false)?,
+            k_norm: if own { Some(RmsNorm::load(&vb.pp("k_norm"), d, eps, 0.0)?) } else { None },
+            k_eq_v,
             o: Linear::load(&vb.pp("o_proj"), nh * d, h, false)?,
             q_norm: RmsNorm::load(&vb.pp("q_norm"), d, eps, 0.0)?,
             v_norm: RmsNorm::unit(eps),
@@ -386,21 +388,23 @@ impl Attn {
         })
     }
 
+    fn own_kv(&self) -> bool {
+        self.k_norm.is_some()
+    }
+
     /// `x`: `[B, L, H]`. Own-K/V layers append to `cache` (flat or paged) and return the
     /// fetched K/V; KV-shared layers attend over `shared` (their anchor's fetched K/V).
     fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask) -> Result<(Array, (Array, Array))> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
         let heads = |a: &Array, n: usize| a.reshape(&[b, l, n as i32, self.head_dim as i32]);
-        let q = self.q_norm.forward(&heads(&self.q.forward(x)?, self.n_heads)?)?;
+        let mut parts = self.proj.forward(x)?.into_iter();
+        let q = self.q_norm.forward(&heads(&parts.next().expect("q part"), self.n_heads)?)?;
         let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, offset)?;
-        let (k, v) = match (&self.kv, shared) {
-            (Some(p), _) => {
-                let raw = heads(&p.k.forward(x)?, self.n_kv)?;
-                let v = match &p.v {
-                    Some(vp) => heads(&vp.forward(x)?, self.n_kv)?,
-                    None => raw.clone(),
-                };
-                let k = self.rope.forward(&p.k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, offset)?;
+        let (k, v) = match (&self.k_norm, shared) {
+            (Some(k_norm), _) => {
+                let raw = heads(&parts.next().expect("k part"), self.n_kv)?;
+                let v = if self.k_eq_v { raw.clone() } else { heads(&parts.next().expect("v part"), self.n_kv)? };
+                let k = self.rope.forward(&k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, offset)?;
                 let v = self.v_norm.forward(&v)?.transpose(&[0, 2, 1, 3])?;
                 let cache = cache.ok_or_else(|| ModelError::Cache("Gemma 4 attention layer without a K/V cache".into()))?;
                 cache.update_and_fetch(&k, &v)?
@@ -714,7 +718,7 @@ impl Gemma4Model {
         for (i, layer) in net.layers.iter().enumerate() {
             let mask = if self.cfg.is_sliding(i) { sliding_mask } else { full_mask };
             let h = layer.input_norm.forward(&x)?;
-            let (a, kv) = if layer.attn.kv.is_some() {
+            let (a, kv) = if layer.attn.own_kv() {
                 let mut c = kvs.layer(i)?;
                 // Every layer of a sequence is at the same position (shared layers: the anchor's).
                 offset = c.offset();

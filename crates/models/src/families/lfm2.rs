@@ -12,7 +12,7 @@ use super::moe::SwitchGlu;
 use super::qwen3::check_tokens;
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, DType};
@@ -419,8 +419,10 @@ impl Lfm2Model {
         Ok(Lfm2Model { norm: RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?, cfg, embed, layers, lm_head, info })
     }
 
-    /// Final-normed hidden states `[B, L, hidden]`.
-    fn hidden(&self, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+    /// Final-normed hidden states for the `rows` the caller reads: every position, the last
+    /// (`[B, 1, hidden]`), or none (a prefill chunk: only the caches matter, so the last layer's
+    /// feed-forward is skipped, as mlx-lm evaluates only the caches for a prompt's leading tokens).
+    fn hidden(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
         check_tokens(tokens, self.cfg.vocab_size)?;
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
@@ -439,7 +441,19 @@ impl Lfm2Model {
                     _ => return Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
                 },
             };
-            let h = x.add(&r)?;
+            let mut h = x.add(&r)?;
+            if i + 1 == self.layers.len() {
+                let q = tokens.dims()[1] as usize;
+                match rows {
+                    Rows::All => {}
+                    Rows::None => {
+                        x = h;
+                        break;
+                    }
+                    Rows::Last if q > 1 => h = h.slice_axis(1, q - 1, q)?,
+                    Rows::Last => {}
+                }
+            }
             let n = layer.ffn_norm.forward(&h)?;
             let f = match &layer.ffn {
                 FeedForward::Dense(m) => m.forward(&n)?,
@@ -468,7 +482,7 @@ impl ModelRuntime for Lfm2Model {
         CacheSpec { layers }
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let h = self.hidden(tokens, cache)?;
+        let h = self.hidden(tokens, cache, Rows::of(logits, hidden))?;
         let logits = logits.select(&h, |x| Ok(self.lm_head.forward(x)?.astype(DType::F32)?))?;
         Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
     }

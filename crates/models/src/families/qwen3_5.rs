@@ -37,7 +37,7 @@ use super::moe::{SparseMoe, SparseMoeConfig};
 use super::qwen3::check_tokens;
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use mlx_array::{Array, DType};
@@ -334,8 +334,10 @@ impl Qwen35Model {
         &self.notes
     }
 
-    /// Final-normed hidden states `[B, L, hidden]`.
-    fn hidden(&self, tokens: &Array, cache: &mut Cache) -> Result<Array> {
+    /// Final-normed hidden states for the `rows` the caller reads: every position, the last
+    /// (`[B, 1, hidden]`), or none (a prefill chunk: only the caches matter, so the last layer's
+    /// feed-forward is skipped, as mlx-lm evaluates only the caches for a prompt's leading tokens).
+    fn hidden(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
         check_tokens(tokens, self.cfg.vocab_size)?;
         if cache.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
@@ -351,7 +353,19 @@ impl Qwen35Model {
                 Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, mask)?,
                 Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?)?,
             };
-            let hres = x.add(&a)?;
+            let mut hres = x.add(&a)?;
+            if i + 1 == self.layers.len() {
+                let q = tokens.dims()[1] as usize;
+                match rows {
+                    Rows::All => {}
+                    Rows::None => {
+                        x = hres;
+                        break;
+                    }
+                    Rows::Last if q > 1 => hres = hres.slice_axis(1, q - 1, q)?,
+                    Rows::Last => {}
+                }
+            }
             let n = layer.post_norm.forward(&hres)?;
             let f = match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&n)?,
@@ -437,7 +451,7 @@ impl ModelRuntime for Qwen35Model {
         CacheSpec { layers }
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let h = self.hidden(tokens, cache)?;
+        let h = self.hidden(tokens, cache, Rows::of(logits, hidden))?;
         let logits = logits.select(&h, |x| Ok(self.lm_head.forward(x)?.astype(DType::F32)?))?;
         Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
     }
