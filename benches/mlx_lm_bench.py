@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--serve", action="store_true", help="read JSON requests from stdin")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--logits", help="write the prompt's last-position f32 logits (little-endian) here and exit")
     a = ap.parse_args()
     t = time.perf_counter()
     raw = load_config(Path(a.model))
@@ -91,6 +92,14 @@ def main():
     if not a.serve:
         vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 32000)
         prompt = [(i * 7919 + 13) % min(vocab - 100, 30000) + 10 for i in range(a.prompt)]
+        if a.logits:
+            from mlx_lm.models.cache import make_prompt_cache
+            out = model(mx.array([prompt], dtype=mx.uint32), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+            mx.eval(out)
+            Path(a.logits).write_bytes(bytes(memoryview(out)))
+            top = mx.argsort(-out)[:5].tolist()
+            print(a.dtype, "top5", " ".join(f"{i}:{out[i].item():.4f}" for i in top))
+            return
         r = run(model, prompt, a.gen)
         r.pop("tokens")
         print(json.dumps({**info, **r}))

@@ -3,6 +3,7 @@
 //! ```text
 //! llm_bench --model DIR [--dtype f32|bf16] [--runs 3] [--gen 128] [--prompts 128,2048]
 //!           [--python PATH] [--no-mlx-lm] [--json FILE] [--bandwidth]
+//!           [--fuse on|off|auto]
 //! llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR]
 //!   SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small
 //!          lfm2-small lfm2-moe-small
@@ -64,6 +65,8 @@ struct Args {
     bandwidth: bool,
     bandwidth_only: bool,
     seed: u64,
+    /// `--fuse on|off|auto`: LoadOptions::fuse_projections (auto: GPU only).
+    fuse: Option<bool>,
 }
 
 fn usage() -> ! {
@@ -74,6 +77,7 @@ fn usage() -> ! {
 const USAGE: &str = "usage:
   llm_bench --model DIR [--dtype f32|bf16] [--kv flat|paged] [--runs 3] [--gen 128] [--prompts 128,2048]
             [--python PATH] [--script mlx_lm_bench.py] [--no-mlx-lm] [--json FILE] [--bandwidth]
+            [--fuse on|off|auto]
   llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR] [--seed N]
      SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small lfm2-small lfm2-moe-small
   llm_bench --bandwidth-only
@@ -96,6 +100,7 @@ fn parse_args() -> Args {
         bandwidth: false,
         bandwidth_only: false,
         seed: 0,
+        fuse: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -114,6 +119,14 @@ fn parse_args() -> Args {
             "--create-random" => a.create = Some(v()),
             "--out" => a.out = Some(v().into()),
             "--seed" => a.seed = v().parse().unwrap_or_else(|_| usage()),
+            "--fuse" => {
+                a.fuse = match v().as_str() {
+                    "on" => Some(true),
+                    "off" => Some(false),
+                    "auto" => None,
+                    _ => usage(),
+                }
+            }
             "--bandwidth" => a.bandwidth = true,
             "--bandwidth-only" => a.bandwidth_only = true,
             "-h" | "--help" => {
@@ -594,7 +607,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
         other => return Err(format!("--kv {other:?}: expected flat or paged").into()),
     };
     eprintln!("ours: {} KV cache", a.kv);
-    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, ..Default::default() })
+    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, fuse_projections: a.fuse, ..Default::default() })
         .map_err(|e| format!("our loader, {} ({} KV cache): {e}", dir.display(), a.kv))?
         .into_lm()?;
     let vocab = model.info().vocab_size;

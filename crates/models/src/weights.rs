@@ -15,12 +15,14 @@ pub struct Weights {
     tensors: Mutex<HashMap<String, Array>>,
     path: PathBuf,
     taken: Mutex<std::collections::HashSet<String>>,
+    /// [`crate::LoadOptions::fuse_projections`]: `None` = fuse on the GPU only.
+    pub(crate) fuse_projections: Option<bool>,
 }
 
 impl Weights {
     /// Wrap already-loaded tensors; `path` names the checkpoint in errors.
     pub fn from_map(tensors: HashMap<String, Array>, path: impl Into<PathBuf>) -> Self {
-        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()) }
+        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()), fuse_projections: None }
     }
 
     /// Load every `*.safetensors` tensor under `dir` (sharded through
@@ -51,6 +53,15 @@ impl Weights {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether [`crate::layers::FusedLinear`] fuses: the load option, else the default device
+    /// (where the weights live) is the GPU.
+    pub(crate) fn fuse_projections(&self) -> Result<bool> {
+        Ok(match self.fuse_projections {
+            Some(f) => f,
+            None => mlx_array::default_device()? == mlx_array::Device::Gpu,
+        })
     }
 
     /// The unprefixed root.
@@ -104,6 +115,10 @@ pub struct Vb<'a> {
 }
 
 impl<'a> Vb<'a> {
+    /// The checkpoint this view reads.
+    pub(crate) fn weights(&self) -> &'a Weights {
+        self.w
+    }
     /// Descend into `name` (joined with a dot).
     pub fn pp(&self, name: impl std::fmt::Display) -> Vb<'a> {
         let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };

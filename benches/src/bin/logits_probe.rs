@@ -1,0 +1,49 @@
+//! Last-position logits of one prompt, for checking reduced-precision runs against f32:
+//!
+//! ```text
+//! logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt 128] --out FILE
+//! ```
+//!
+//! The prompt is llm_bench's (`(i * 7919 + 13) % min(vocab - 100, 30000) + 10`); FILE gets the
+//! f32 logits, little-endian, and the top 5 ids are printed. `mlx_lm_bench.py --logits FILE`
+//! writes mlx-lm's, and `compare_logits.py` compares any of them against an f32 run.
+use mlx_array::DType;
+use mlx_models::{load_model, LoadOptions, Logits};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() -> Res<()> {
+    let mut args = std::env::args().skip(1);
+    let (mut model, mut dtype, mut prompt, mut out) = (None, "bf16".to_string(), 128usize, None);
+    while let Some(a) = args.next() {
+        let mut v = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--model" => model = Some(v()?),
+            "--dtype" => dtype = v()?,
+            "--prompt" => prompt = v()?.parse()?,
+            "--out" => out = Some(v()?),
+            _ => return Err(format!("unknown argument {a}; usage: logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt N] --out FILE").into()),
+        }
+    }
+    let (dir, out) = (model.ok_or("--model DIR is required")?, out.ok_or("--out FILE is required")?);
+    let dt = match dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        d => return Err(format!("unknown dtype {d}").into()),
+    };
+    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), ..Default::default() })?.into_lm()?;
+    let vocab = model.info().vocab_size;
+    let ids: Vec<u32> = (0..prompt).map(|i| ((i * 7919 + 13) % (vocab - 100).min(30000) + 10) as u32).collect();
+    let t = mlx_array::Array::from_slice(&ids, &[1, prompt])?;
+    let mut cache = model.new_cache();
+    let out_arr = model.forward(&t, &mut cache, Logits::Last, false)?.logits.ok_or("no logits")?;
+    let logits = out_arr.astype(DType::F32)?.to_vec::<f32>()?;
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let top: Vec<String> = idx[..5].iter().map(|&i| format!("{i}:{:.4}", logits[i])).collect();
+    println!("{dtype} top5 {}", top.join(" "));
+    let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(&out, bytes)?;
+    Ok(())
+}
