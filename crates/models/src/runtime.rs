@@ -59,6 +59,17 @@ impl Rows {
             (Logits::None, false) => Rows::None,
         }
     }
+
+    /// Past the last layer's mixer (its caches are written), the rows of `h` (`[B, L, H]`) still
+    /// worth computing: all, the last position, or none (`None`: stop, only the caches mattered).
+    pub(crate) fn keep(self, h: &Array) -> Result<Option<Array>> {
+        let l = h.dim(1)?;
+        Ok(match self {
+            Rows::None => None,
+            Rows::Last if l > 1 => Some(h.slice_axis(1, l - 1, l)?),
+            Rows::All | Rows::Last => Some(h.clone()),
+        })
+    }
 }
 
 /// What a forward call returns. With a paged cache, the first `Logits::Last`/`Logits::None`

@@ -443,15 +443,12 @@ impl Lfm2Model {
             };
             let mut h = x.add(&r)?;
             if i + 1 == self.layers.len() {
-                let q = tokens.dims()[1] as usize;
-                match rows {
-                    Rows::All => {}
-                    Rows::None => {
+                match rows.keep(&h)? {
+                    Some(kept) => h = kept,
+                    None => {
                         x = h;
                         break;
                     }
-                    Rows::Last if q > 1 => h = h.slice_axis(1, q - 1, q)?,
-                    Rows::Last => {}
                 }
             }
             let n = layer.ffn_norm.forward(&h)?;

@@ -142,18 +142,16 @@ impl Qwen3Backbone {
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
         let mut x = self.embed.forward(&tokens)?;
         let mask = causal_mask(l - skipped, None);
-        let (n, q) = (self.layers.len(), l - skipped);
+        let n = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
             let mut h = x.add(&layer.attn.forward_kv(&layer.input_norm.forward(&x)?, &mut kv.layer(i)?, mask)?)?;
             if i + 1 == n {
-                match rows {
-                    Rows::All => {}
-                    Rows::None => {
+                match rows.keep(&h)? {
+                    Some(kept) => h = kept,
+                    None => {
                         x = h;
                         break;
                     }
-                    Rows::Last if q > 1 => h = h.slice_axis(1, q - 1, q)?,
-                    Rows::Last => {}
                 }
             }
             x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;

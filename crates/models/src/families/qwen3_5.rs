@@ -355,15 +355,12 @@ impl Qwen35Model {
             };
             let mut hres = x.add(&a)?;
             if i + 1 == self.layers.len() {
-                let q = tokens.dims()[1] as usize;
-                match rows {
-                    Rows::All => {}
-                    Rows::None => {
+                match rows.keep(&hres)? {
+                    Some(kept) => hres = kept,
+                    None => {
                         x = hres;
                         break;
                     }
-                    Rows::Last if q > 1 => hres = hres.slice_axis(1, q - 1, q)?,
-                    Rows::Last => {}
                 }
             }
             let n = layer.post_norm.forward(&hres)?;
