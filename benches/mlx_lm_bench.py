@@ -73,6 +73,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--logits", help="write the prompt's last-position f32 logits (little-endian) here and exit")
+    ap.add_argument("--time", type=int, default=0, help="with --logits: also time this many forward passes (caches only)")
     a = ap.parse_args()
     t = time.perf_counter()
     raw = load_config(Path(a.model))
@@ -97,6 +98,16 @@ def main():
             out = model(mx.array([prompt], dtype=mx.uint32), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
             mx.eval(out)
             Path(a.logits).write_bytes(bytes(memoryview(out)))
+            if a.time:
+                ms = []
+                for _ in range(a.time):
+                    t0 = time.perf_counter()
+                    c = make_prompt_cache(model)
+                    model(mx.array([prompt], dtype=mx.uint32), cache=c)
+                    mx.eval([x.state for x in c])
+                    ms.append((time.perf_counter() - t0) * 1e3)
+                ms.sort()
+                print(f"forward of {len(prompt)} tokens: median {ms[len(ms) // 2]:.1f} ms (min {ms[0]:.1f}, max {ms[-1]:.1f}, {a.time} runs)")
             top = mx.argsort(-out)[:5].tolist()
             print(a.dtype, "top5", " ".join(f"{i}:{out[i].item():.4f}" for i in top))
             return

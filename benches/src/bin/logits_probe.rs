@@ -1,20 +1,24 @@
 //! Last-position logits of one prompt, for checking reduced-precision runs against f32:
 //!
 //! ```text
-//! logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt 128] --out FILE
+//! logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt 128] --out FILE [--time N]
 //! ```
+//!
+//! `--time N` also times N more forward passes of the prompt that evaluate only the caches (a
+//! fresh cache each; no logits), as mlx-lm's prefill of a prompt's leading tokens does, and prints
+//! their median: the prefill without the generation loop around it.
 //!
 //! The prompt is llm_bench's (`(i * 7919 + 13) % min(vocab - 100, 30000) + 10`); FILE gets the
 //! f32 logits, little-endian, and the top 5 ids are printed. `mlx_lm_bench.py --logits FILE`
 //! writes mlx-lm's, and `compare_logits.py` compares any of them against an f32 run.
 use mlx_array::DType;
-use mlx_models::{load_model, LoadOptions, Logits};
+use mlx_models::{load_model, KvCacheMode, LoadOptions, Logits};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn main() -> Res<()> {
     let mut args = std::env::args().skip(1);
-    let (mut model, mut dtype, mut prompt, mut out) = (None, "bf16".to_string(), 128usize, None);
+    let (mut model, mut dtype, mut prompt, mut out, mut time) = (None, "bf16".to_string(), 128usize, None, 0usize);
     while let Some(a) = args.next() {
         let mut v = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
@@ -22,6 +26,7 @@ fn main() -> Res<()> {
             "--dtype" => dtype = v()?,
             "--prompt" => prompt = v()?.parse()?,
             "--out" => out = Some(v()?),
+            "--time" => time = v()?.parse()?,
             _ => return Err(format!("unknown argument {a}; usage: logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt N] --out FILE").into()),
         }
     }
@@ -32,7 +37,7 @@ fn main() -> Res<()> {
         "f32" => DType::F32,
         d => return Err(format!("unknown dtype {d}").into()),
     };
-    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), ..Default::default() })?.into_lm()?;
+    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache: KvCacheMode::Flat, ..Default::default() })?.into_lm()?;
     let vocab = model.info().vocab_size;
     let ids: Vec<u32> = (0..prompt).map(|i| ((i * 7919 + 13) % (vocab - 100).min(30000) + 10) as u32).collect();
     let t = mlx_array::Array::from_slice(&ids, &[1, prompt])?;
@@ -43,6 +48,18 @@ fn main() -> Res<()> {
     idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
     let top: Vec<String> = idx[..5].iter().map(|&i| format!("{i}:{:.4}", logits[i])).collect();
     println!("{dtype} top5 {}", top.join(" "));
+    if time > 0 {
+        let mut ms = Vec::with_capacity(time);
+        for _ in 0..time {
+            let t0 = std::time::Instant::now();
+            let mut cache = model.new_cache();
+            model.forward(&t, &mut cache, Logits::None, false)?;
+            mlx_array::eval(&cache.arrays())?;
+            ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        ms.sort_by(f64::total_cmp);
+        println!("forward of {prompt} tokens: median {:.1} ms (min {:.1}, max {:.1}, {time} runs)", ms[time / 2], ms[0], ms[time - 1]);
+    }
     let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
     std::fs::write(&out, bytes)?;
     Ok(())
