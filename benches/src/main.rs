@@ -29,6 +29,8 @@
 //! dense/MoE, Gemma 4, LFM2/LFM2-MoE. Parameters are counted from the safetensors headers, the
 //! layer layout (attention, sliding, KV-shared, recurrent) comes from the model's cache spec.
 //! `--kv paged` on a hybrid family pages its attention layers only (printed as a note).
+mod shared;
+
 use mlx_array::{memory, DType};
 use mlx_models::families::gemma4::Gemma4Config;
 use mlx_models::families::lfm2::{create_random_lfm2_checkpoint, Lfm2Config};
@@ -140,12 +142,7 @@ fn parse_args() -> Args {
 }
 
 fn parse_dtype(s: &str) -> DType {
-    match s {
-        "f32" | "float32" => DType::F32,
-        "bf16" | "bfloat16" => DType::BF16,
-        "f16" | "float16" => DType::F16,
-        _ => usage(),
-    }
+    shared::dtype(s).unwrap_or_else(|| usage())
 }
 
 fn device_name() -> String {
@@ -409,11 +406,6 @@ struct Run {
     tokens: Vec<u32>,
 }
 
-fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
-    // the same formula as shared/tools/bench_mlx_lm.py
-    (0..n).map(|i| ((i * 7919 + 13) % (vocab - 100).min(30000) + 10) as u32).collect()
-}
-
 fn run_ours(model: &Model, prompt: &[u32], gen: usize) -> Res<Run> {
     let mut cache = model.new_cache();
     memory::reset_peak()?;
@@ -642,7 +634,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
 
     // requests: (prompt, gen)
     let reqs: Vec<(usize, usize)> = a.prompts.iter().enumerate().map(|(i, &p)| (p, if i == 0 { a.gen } else { 1 })).collect();
-    let prompts: Vec<Vec<u32>> = reqs.iter().map(|&(p, _)| prompt_ids(p, vocab)).collect();
+    let prompts: Vec<Vec<u32>> = reqs.iter().map(|&(p, _)| shared::prompt_ids(p, vocab)).collect();
 
     // warm-up: weights paged in / evaluated, kernels compiled (both sides). On the GPU every
     // request shape once (JIT kernels per shape); on the CPU the first request only.

@@ -18,6 +18,9 @@ use mlx_models::{load_model, KvCacheMode, LoadOptions, Logits};
 use sampling::{Sampler, SamplingConfig};
 use std::time::{Duration, Instant};
 
+#[path = "../shared.rs"]
+mod shared;
+
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn main() -> Res<()> {
@@ -35,12 +38,7 @@ fn main() -> Res<()> {
         }
     }
     let dir = model.ok_or("--model DIR is required")?;
-    let dt = match dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        d => return Err(format!("unknown dtype {d}").into()),
-    };
+    let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
     let kv_cache = match kv.as_str() {
         "flat" => KvCacheMode::Flat,
         "paged" => KvCacheMode::Paged(Default::default()),

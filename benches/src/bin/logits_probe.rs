@@ -14,6 +14,9 @@
 use mlx_array::DType;
 use mlx_models::{load_model, KvCacheMode, LoadOptions, Logits};
 
+#[path = "../shared.rs"]
+mod shared;
+
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn main() -> Res<()> {
@@ -31,15 +34,10 @@ fn main() -> Res<()> {
         }
     }
     let (dir, out) = (model.ok_or("--model DIR is required")?, out.ok_or("--out FILE is required")?);
-    let dt = match dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        d => return Err(format!("unknown dtype {d}").into()),
-    };
+    let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
     let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache: KvCacheMode::Flat, ..Default::default() })?.into_lm()?;
     let vocab = model.info().vocab_size;
-    let ids: Vec<u32> = (0..prompt).map(|i| ((i * 7919 + 13) % (vocab - 100).min(30000) + 10) as u32).collect();
+    let ids = shared::prompt_ids(prompt, vocab);
     let t = mlx_array::Array::from_slice(&ids, &[1, prompt])?;
     let mut cache = model.new_cache();
     let out_arr = model.forward(&t, &mut cache, Logits::Last, false)?.logits.ok_or("no logits")?;

@@ -1,0 +1,19 @@
+//! Pieces the bench binaries share (`llm_bench`, and `src/bin/*` through `#[path]`).
+use mlx_array::DType;
+
+/// A `--dtype` value: `f32`, `bf16`, `f16` (or their long names).
+pub fn dtype(s: &str) -> Option<DType> {
+    match s {
+        "f32" | "float32" => Some(DType::F32),
+        "bf16" | "bfloat16" => Some(DType::BF16),
+        "f16" | "float16" => Some(DType::F16),
+        _ => None,
+    }
+}
+
+/// llm_bench's prompt of `n` ids (the same formula as mlx_lm_bench.py and
+/// shared/tools/bench_mlx_lm.py).
+#[allow(dead_code)] // not every binary that includes this module uses it
+pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + 13) % (vocab - 100).min(30000) + 10) as u32).collect()
+}
