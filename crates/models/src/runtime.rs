@@ -60,15 +60,17 @@ impl Rows {
         }
     }
 
-    /// Past the last layer's mixer (its caches are written), the rows of `h` (`[B, L, H]`) still
-    /// worth computing: all, the last position, or none (`None`: stop, only the caches mattered).
-    pub(crate) fn keep(self, h: &Array) -> Result<Option<Array>> {
+    /// Past the last layer's mixer (its caches are written), cut `h` (`[B, L, H]`) to the rows
+    /// still worth computing: all, or the last position. `false`: none (stop, only the caches
+    /// mattered).
+    pub(crate) fn cut(self, h: &mut Array) -> Result<bool> {
         let l = h.dim(1)?;
-        Ok(match self {
-            Rows::None => None,
-            Rows::Last if l > 1 => Some(h.slice_axis(1, l - 1, l)?),
-            Rows::All | Rows::Last => Some(h.clone()),
-        })
+        match self {
+            Rows::None => return Ok(false),
+            Rows::Last if l > 1 => *h = h.slice_axis(1, l - 1, l)?,
+            Rows::All | Rows::Last => {}
+        }
+        Ok(true)
     }
 }
 

@@ -729,16 +729,14 @@ impl Gemma4Model {
             fetched[i] = Some(kv);
             let mut h = x.add(&layer.post_attn_norm.forward(&a)?)?;
             if i == last_own {
-                match rows {
-                    Rows::All => {}
-                    Rows::None => break,
-                    Rows::Last if l > 1 => {
-                        h = h.slice_axis(1, l - 1, l)?;
-                        ple = ple.map(|p| p.slice_axis(1, l - 1, l)).transpose()?;
-                        (full_mask, sliding_mask) = (causal_mask(1, None), causal_mask(1, Some(self.cfg.sliding_window)));
-                        offset += l - 1; // the one query left sits at the last position
-                    }
-                    Rows::Last => {}
+                if !rows.cut(&mut h)? {
+                    break;
+                }
+                if h.dim(1)? < l {
+                    // only the last position goes on: its per-layer inputs, masks and rope offset
+                    ple = ple.map(|p| p.slice_axis(1, l - 1, l)).transpose()?;
+                    (full_mask, sliding_mask) = (causal_mask(1, None), causal_mask(1, Some(self.cfg.sliding_window)));
+                    offset += l - 1; // the one query left sits at the last position
                 }
             }
             let mut y = h.add(&layer.post_ffn_norm.forward(&layer.ffn(&h)?)?)?;

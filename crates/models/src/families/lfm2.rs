@@ -442,14 +442,9 @@ impl Lfm2Model {
                 },
             };
             let mut h = x.add(&r)?;
-            if i + 1 == self.layers.len() {
-                match rows.keep(&h)? {
-                    Some(kept) => h = kept,
-                    None => {
-                        x = h;
-                        break;
-                    }
-                }
+            if i + 1 == self.layers.len() && !rows.cut(&mut h)? {
+                x = h;
+                break;
             }
             let n = layer.ffn_norm.forward(&h)?;
             let f = match &layer.ffn {

@@ -145,14 +145,9 @@ impl Qwen3Backbone {
         let n = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
             let mut h = x.add(&layer.attn.forward_kv(&layer.input_norm.forward(&x)?, &mut kv.layer(i)?, mask)?)?;
-            if i + 1 == n {
-                match rows.keep(&h)? {
-                    Some(kept) => h = kept,
-                    None => {
-                        x = h;
-                        break;
-                    }
-                }
+            if i + 1 == n && !rows.cut(&mut h)? {
+                x = h;
+                break;
             }
             x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;
         }

@@ -354,14 +354,9 @@ impl Qwen35Model {
                 Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?)?,
             };
             let mut hres = x.add(&a)?;
-            if i + 1 == self.layers.len() {
-                match rows.keep(&hres)? {
-                    Some(kept) => hres = kept,
-                    None => {
-                        x = hres;
-                        break;
-                    }
-                }
+            if i + 1 == self.layers.len() && !rows.cut(&mut hres)? {
+                x = hres;
+                break;
             }
             let n = layer.post_norm.forward(&hres)?;
             let f = match &layer.ffn {
