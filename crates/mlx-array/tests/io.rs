@@ -185,6 +185,24 @@ fn unaligned_data_loads() {
 }
 
 #[test]
+fn null_metadata_is_empty_and_bad_metadata_is_typed() {
+    // MLX's `mx.save_safetensors` (and so mlx-lm's tools) write `"__metadata__": null` when no
+    // metadata is given; such files must load.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("n.safetensors");
+    let data: Vec<u8> = [1.5f32, -2.5].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let h = r#"{"__metadata__":null,"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    std::fs::write(&p, raw_file(h, &data)).unwrap();
+    let f = SafetensorsFile::open(&p).unwrap();
+    assert!(f.metadata().is_empty());
+    assert_eq!(f.load("w", None).unwrap().to_vec::<f32>().unwrap(), vec![1.5, -2.5]);
+    // Anything else that is not a string map is still refused.
+    let h = r#"{"__metadata__":{"format":3},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    std::fs::write(&p, raw_file(h, &data)).unwrap();
+    assert!(matches!(SafetensorsFile::open(&p), Err(Error::Safetensors { msg, .. }) if msg.contains("__metadata__")));
+}
+
+#[test]
 fn save_is_atomic_and_validated() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.safetensors");

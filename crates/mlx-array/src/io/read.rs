@@ -79,6 +79,10 @@ impl SafetensorsFile {
         let mut data_end = 0u64;
         for (name, value) in header {
             if name == "__metadata__" {
+                // MLX's own `save_safetensors` writes `"__metadata__": null` when given none.
+                if value.is_null() {
+                    continue;
+                }
                 metadata = serde_json::from_value(value).map_err(|e| bad(&path, format!("__metadata__ must map strings to strings: {e}")))?;
                 continue;
             }
