@@ -11,9 +11,13 @@
 //! 3. compiles mlx-c into a static `libmlxc.a` with the `cc` crate (cached by content key, so a clean
 //!    checkout on the same machine does not recompile it) and links it with `-lmlx`.
 //!
-//! `MLX_BLAS=openblas|bundled` (Linux): the CPU wheel bundles netlib reference BLAS (~7 GFLOP/s sgemm).
-//! When Debian's `libopenblas0-pthread` is installed (default `openblas` then) the bundled names in
-//! the cached wheel are pointed at OpenBLAS (~100 GFLOP/s on 2 cores); `bundled` restores them.
+//! `MLX_BLAS=openblas|openblas-plain|bundled` (Linux): the CPU wheel bundles netlib reference BLAS
+//! (~7 GFLOP/s sgemm). When Debian's `libopenblas0-pthread` is installed (default `openblas` then)
+//! the bundled names in the cached wheel are pointed at OpenBLAS (~100 GFLOP/s on 2 cores). With
+//! `openblas` the BLAS name is our `src/blas_route.c` in front of OpenBLAS: single-row and
+//! single-column float32 products (every decode-step projection) go to `cblas_sgemv` instead of
+//! OpenBLAS's `cblas_sgemm`, which packs the whole weight for them (2x faster CPU decode, see
+//! BENCHMARKS.md). `openblas-plain` is OpenBLAS alone (for A/B runs); `bundled` restores netlib.
 use std::{
     env, fs,
     hash::Hasher,
@@ -41,6 +45,7 @@ fn main() {
 fn run() -> Res<()> {
     let apple = env::var("CARGO_CFG_TARGET_VENDOR").as_deref() == Ok("apple");
     let cache = cache_root()?;
+    let mut blas_kind = if apple { "accelerate" } else { "external" };
     let mlx_dir = match env::var_os("MLX_DIR") {
         Some(d) => PathBuf::from(d),
         None => {
@@ -51,13 +56,24 @@ fn run() -> Res<()> {
                 fetch_wheel(wheel, &root)?;
             }
             if !apple {
-                let want_openblas = match env::var("MLX_BLAS").as_deref() {
-                    Ok("openblas") => true,
-                    Ok("bundled") => false,
-                    Ok(other) => return Err(format!("MLX_BLAS={other:?}: expected openblas or bundled")),
-                    Err(_) => Path::new(OPENBLAS_DIR).join("libblas.so.3").exists(),
+                let have = Path::new(OPENBLAS_DIR).join("libblas.so.3").exists();
+                let mode = match env::var("MLX_BLAS").as_deref() {
+                    Ok("openblas") => Blas::Routed,
+                    Ok("openblas-plain") => Blas::OpenBlas,
+                    Ok("bundled") => Blas::Bundled,
+                    Ok(other) => return Err(format!("MLX_BLAS={other:?}: expected openblas, openblas-plain or bundled")),
+                    Err(_) if have => Blas::Routed,
+                    Err(_) => Blas::Bundled,
                 };
-                select_blas(&root, want_openblas)?;
+                if mode != Blas::Bundled && !have {
+                    return Err(format!("MLX_BLAS asks for OpenBLAS but {OPENBLAS_DIR}/libblas.so.3 is missing (apt install libopenblas0-pthread)"));
+                }
+                select_blas(&root, mode)?;
+                blas_kind = match mode {
+                    Blas::Routed => "openblas-routed",
+                    Blas::OpenBlas => "openblas",
+                    Blas::Bundled => "bundled",
+                };
             }
             root.join("mlx")
         }
@@ -82,6 +98,7 @@ fn run() -> Res<()> {
     std::os::unix::fs::symlink(&lib, &link).map_err(|e| format!("symlink {}: {e}", link.display()))?;
     println!("cargo:rustc-link-search=native={}", link.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
+    println!("cargo:rustc-env=MLX_SYS_BLAS={blas_kind}");
     // For dependents' build.rs (DEP_MLX_INCLUDE / DEP_MLX_LIBDIR), e.g. to give a binary an rpath.
     println!("cargo:include={}", inc.display());
     println!("cargo:libdir={}", lib.display());
@@ -147,30 +164,82 @@ fn fetch_wheel(wheel: &str, dest: &Path) -> Res<()> {
     commit_dir(&tmp, dest)
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Blas {
+    /// `src/blas_route.c` in front of OpenBLAS.
+    Routed,
+    /// OpenBLAS alone.
+    OpenBlas,
+    /// The wheel's netlib reference BLAS.
+    Bundled,
+}
+
+const ROUTE_SRC: &str = "src/blas_route.c";
+
+/// Compile `src/blas_route.c` into `libs` (once per source content); returns its path.
+fn build_route(libs: &Path) -> Res<PathBuf> {
+    println!("cargo:rerun-if-changed={ROUTE_SRC}");
+    let src = Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap()).join(ROUTE_SRC);
+    let text = fs::read(&src).map_err(|e| format!("read {}: {e}", src.display()))?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    h.write(&text);
+    h.write(OPENBLAS_DIR.as_bytes());
+    let so = libs.join(format!("libmlx-models-blas-route-{:016x}.so", h.finish()));
+    if so.exists() {
+        return Ok(so);
+    }
+    let tmp = so.with_extension(format!("so.tmp{}", std::process::id()));
+    let mut cmd = cc::Build::new().opt_level(2).pic(true).cargo_metadata(false).get_compiler().to_command();
+    cmd.arg("-shared").arg("-o").arg(&tmp).arg(&src);
+    cmd.arg(format!("-L{OPENBLAS_DIR}")).arg("-l:libblas.so.3").arg(format!("-Wl,-rpath,{OPENBLAS_DIR}")).arg("-ldl");
+    sh(&mut cmd)?;
+    fs::rename(&tmp, &so).map_err(|e| format!("rename {}: {e}", tmp.display()))?;
+    Ok(so)
+}
+
+/// Point `link` at `target` atomically (a symlink made beside it, renamed over it).
+fn relink(link: &Path, target: &Path) -> Res<()> {
+    if fs::read_link(link).ok().as_deref() == Some(target) {
+        return Ok(());
+    }
+    let tmp = link.with_extension(format!("link.tmp{}", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp).map_err(|e| format!("symlink {}: {e}", tmp.display()))?;
+    fs::rename(&tmp, link).map_err(|e| format!("rename {} -> {}: {e}", tmp.display(), link.display()))
+}
+
 /// libmlx.so has DT_RPATH `$ORIGIN/../../mlx_cpu.libs`: point (or restore) its bundled blas/lapack.
-fn select_blas(root: &Path, openblas: bool) -> Res<()> {
+/// The wheel's own netlib files are kept as `NAME.netlib`.
+fn select_blas(root: &Path, mode: Blas) -> Res<()> {
     let libs = root.join("mlx_cpu.libs");
     let Ok(rd) = fs::read_dir(&libs) else { return Ok(()) };
-    for e in rd.filter_map(|e| e.ok()) {
-        let p = e.path();
+    let names: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    for p in names {
         let name = p.file_name().unwrap().to_string_lossy().to_string();
-        let target = if name.starts_with("libblas-") && name.ends_with(".so.3.10.0") {
-            Path::new(OPENBLAS_DIR).join("libblas.so.3")
-        } else if name.starts_with("liblapack-") && name.ends_with(".so.3.10.0") {
-            Path::new(OPENBLAS_DIR).join("liblapack.so.3")
-        } else {
+        let blas = name.starts_with("libblas-") && name.ends_with(".so.3.10.0");
+        let lapack = name.starts_with("liblapack-") && name.ends_with(".so.3.10.0");
+        if !blas && !lapack {
             continue;
-        };
+        }
         let netlib = libs.join(format!("{name}.netlib"));
         let is_link = fs::read_link(&p).is_ok();
         let err = |e: std::io::Error| format!("switching BLAS in {}: {e}", libs.display());
-        if openblas && !is_link {
-            fs::rename(&p, &netlib).map_err(err)?;
-            std::os::unix::fs::symlink(&target, &p).map_err(err)?;
-        } else if !openblas && is_link && netlib.exists() {
-            fs::remove_file(&p).map_err(err)?;
-            fs::rename(&netlib, &p).map_err(err)?;
+        if mode == Blas::Bundled {
+            if is_link && netlib.exists() {
+                fs::remove_file(&p).map_err(err)?;
+                fs::rename(&netlib, &p).map_err(err)?;
+            }
+            continue;
         }
+        if !is_link {
+            fs::rename(&p, &netlib).map_err(err)?;
+        }
+        let target = match (blas, mode) {
+            (true, Blas::Routed) => build_route(&libs)?,
+            (true, _) => Path::new(OPENBLAS_DIR).join("libblas.so.3"),
+            (false, _) => Path::new(OPENBLAS_DIR).join("liblapack.so.3"),
+        };
+        relink(&p, &target)?;
     }
     Ok(())
 }

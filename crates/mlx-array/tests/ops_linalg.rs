@@ -93,3 +93,63 @@ fn matmul_shape_errors() {
     assert!(a.matmul(&Array::zeros(&[2, 3], DType::F32).unwrap()).is_err());
     assert!(ops::gather_mm(&Array::zeros(&[3], DType::F32).unwrap(), &a, None, None, false).is_err());
 }
+
+/// Single-row and single-column products (every decode-step projection), which the default Linux
+/// build sends to `cblas_sgemv` (mlx-sys `src/blas_route.c`): every operand layout MLX can hand
+/// to BLAS (transposed views, row slices of wider matrices, batches, beta != 0 through addmm),
+/// against f64 loops; and the router really took them.
+#[test]
+fn single_row_and_column_products() {
+    let before = mlx_sys::blas_routed_products();
+    if mlx_sys::BLAS == "openblas-routed" {
+        assert!(before.is_some(), "built with the BLAS router, but its library is not the one MLX loaded");
+    }
+    let vals = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32 * 0.7548 + s).sin() * 0.9)).collect() };
+    let tol = Tol { atol: 1e-5, rtol: 1e-4 };
+    for &(k, n) in &[(1usize, 1usize), (1, 37), (300, 1), (257, 129), (1024, 96)] {
+        let x = vals(k, 0.3);
+        let w = vals(n * k, 1.1); // [n, k]
+        let want: Vec<f64> = (0..n).map(|j| (0..k).map(|p| x[p] as f64 * w[j * k + p] as f64).sum()).collect();
+        // x[1, k] @ W^T (the Linear layout: a transposed view of [n, k]).
+        let wt = arr(&w, &[n, k]).transpose(&[1, 0]).unwrap();
+        close("row @ W^T", &out(&arr(&x, &[1, k]).matmul(&wt).unwrap()), &want, tol).unwrap();
+        // x[1, k] @ B with B stored [k, n].
+        let b: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+        close("row @ B", &out(&arr(&x, &[1, k]).matmul(&arr(&b, &[k, n])).unwrap()), &want, tol).unwrap();
+        // The row as a transposed [k, 1] column, and as a row slice of a wider matrix.
+        let xt = arr(&x, &[k, 1]).transpose(&[1, 0]).unwrap();
+        close("row view @ W^T", &out(&xt.matmul(&wt).unwrap()), &want, tol).unwrap();
+        let mut wide = vals(3 * (k + 5), 2.0);
+        wide[(k + 5)..(k + 5) + k].copy_from_slice(&x);
+        let row = arr(&wide, &[3, k + 5]).slice(&[1, 0], &[2, k], &[1, 1]).unwrap();
+        close("sliced row @ W^T", &out(&row.matmul(&wt).unwrap()), &want, tol).unwrap();
+        // The row as column 2 of a [k, k + 5] matrix, transposed (a strided [1, k] view).
+        let mut tall = vals(k * (k + 5), 3.0);
+        for p in 0..k {
+            tall[p * (k + 5) + 2] = x[p];
+        }
+        let col = arr(&tall, &[k, k + 5]).slice(&[0, 2], &[k, 3], &[1, 1]).unwrap().transpose(&[1, 0]).unwrap();
+        close("strided row @ W^T", &out(&col.matmul(&wt).unwrap()), &want, tol).unwrap();
+        // W @ a strided column (column 2 of the same matrix).
+        let colv = arr(&tall, &[k, k + 5]).slice(&[0, 2], &[k, 3], &[1, 1]).unwrap();
+        close("W @ strided column", &out(&arr(&w, &[n, k]).matmul(&colv).unwrap()), &want, tol).unwrap();
+        // W[n, k] @ x[k, 1] (one column), and W^T's view times the column.
+        close("W @ column", &out(&arr(&w, &[n, k]).matmul(&arr(&x, &[k, 1])).unwrap()), &want, tol).unwrap();
+        let wtt = arr(&b, &[k, n]).transpose(&[1, 0]).unwrap();
+        close("W view @ column", &out(&wtt.matmul(&arr(&x, &[k, 1])).unwrap()), &want, tol).unwrap();
+        // A batch of rows, each against its own matrix.
+        let x2: Vec<f32> = x.iter().chain(x.iter()).map(|v| -v).collect();
+        let w2: Vec<f32> = w.iter().chain(w.iter()).copied().collect();
+        let y = arr(&x2, &[2, 1, k]).matmul(&arr(&w2, &[2, n, k]).swap_axes(1, 2).unwrap()).unwrap();
+        let want2: Vec<f64> = want.iter().chain(want.iter()).map(|v| -v).collect();
+        close("batched rows", &out(&y), &want2, tol).unwrap();
+        // addmm: alpha * x @ W^T + beta * c with a non-zero C.
+        let c = vals(n, 0.5);
+        let y = arr(&x, &[1, k]).addmm(&wt, &arr(&c, &[1, n]), 1.5, -0.75).unwrap();
+        let want3: Vec<f64> = (0..n).map(|j| 1.5 * want[j] - 0.75 * c[j] as f64).collect();
+        close("addmm row", &out(&y), &want3, tol).unwrap();
+    }
+    if let (Some(b), Some(a)) = (before, mlx_sys::blas_routed_products()) {
+        assert!(a > b, "no product went through the router ({b} -> {a})");
+    }
+}

@@ -26,3 +26,29 @@ pub extern "C" fn mach_approximate_time() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0)
 }
+
+/// The BLAS this build pointed MLX's CPU backend at: `openblas-routed` (OpenBLAS behind
+/// `src/blas_route.c`, the Linux default), `openblas`, `bundled` (the wheel's netlib),
+/// `external` (`MLX_DIR`: whatever that libmlx loads) or `accelerate` (macOS).
+pub const BLAS: &str = env!("MLX_SYS_BLAS");
+
+/// How many float32 products the BLAS router of `build.rs` (`src/blas_route.c`, the default
+/// `MLX_BLAS=openblas` build on Linux) has sent to `cblas_sgemv` in this process; `None` when MLX
+/// runs on another BLAS (`MLX_BLAS=openblas-plain|bundled`, macOS, an `MLX_DIR` build).
+pub fn blas_routed_products() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        unsafe extern "C" {
+            fn dlsym(handle: *mut std::ffi::c_void, symbol: *const std::ffi::c_char) -> *mut std::ffi::c_void;
+        }
+        // glibc's RTLD_DEFAULT is the null handle: search every library loaded at start-up.
+        let f = unsafe { dlsym(std::ptr::null_mut(), c"mlx_models_blas_routed_products".as_ptr()) };
+        if f.is_null() {
+            return None;
+        }
+        let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(f) };
+        Some(f())
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
