@@ -205,6 +205,27 @@ impl KvPool {
         Ok((gather(&st.k)?, gather(&st.v)?))
     }
 
+    /// Keys and values of positions `from..to` of a one-sequence batch at `layer`:
+    /// `[1, kv_heads, to - from, head_dim]` each (the span must lie within the keys
+    /// [`KvPool::read`] would return).
+    pub fn read_span(&self, layer: usize, batch: &StepBatch, from: usize, to: usize) -> Result<(Array, Array)> {
+        let (g, anchor) = self.check_layer(layer)?;
+        let spec = self.layout.layers[anchor];
+        let gb = &batch.groups[g];
+        if batch.q_lens.len() != 1 {
+            return Err(Error::Pool(format!("read_span needs a one-sequence batch, got {}", batch.q_lens.len())));
+        }
+        let (start, len) = (gb.kv_starts[0], gb.kv_lens[0]);
+        if from > to || from < start || to > start + len {
+            return Err(Error::Pool(format!("read_span {from}..{to} outside the sequence's keys {start}..{}", start + len)));
+        }
+        let rows = gb.read.slice_axis(0, from - start, to - start)?;
+        let shape = [1, (to - from) as i32, spec.kv_heads as i32, spec.head_dim as i32];
+        let st = self.storage[anchor].as_ref().expect("anchor storage");
+        let gather = |x: &Array| -> Result<Array> { Ok(x.take(&rows, 0)?.reshape(&shape)?.transpose(&[0, 2, 1, 3])?) };
+        Ok((gather(&st.k)?, gather(&st.v)?))
+    }
+
     /// Copy whole blocks (copy-on-write after [`crate::KvCacheManager::fork`] or `trim`).
     pub fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
         let bs = self.layout.config.block_size;

@@ -80,6 +80,17 @@ fn write_and_check(pool: &mut KvPool, step: &Step, kv: &[(Array, Array)], rng: &
         if layer == 1 {
             assert!(pk.dim(2).unwrap() <= WINDOW - 1 + step.len, "sliding reads only the window");
         }
+        // Any span of the keys read() returns, as positions: read_span gives the same rows.
+        let kv_start = e - pk.dim(2).unwrap();
+        for (a, b) in [(kv_start, e), (kv_start, s), (s, e), ((kv_start + e) / 2, e)] {
+            let (sk, sv) = pool.read_span(layer, &batch, a, b).unwrap();
+            close(&sk, &k.slice_axis(2, a, b).unwrap(), &format!("{what} layer {layer} read_span {a}..{b} keys"));
+            close(&sv, &v.slice_axis(2, a, b).unwrap(), &format!("{what} layer {layer} read_span {a}..{b} values"));
+        }
+        assert!(pool.read_span(layer, &batch, kv_start, e + 1).is_err(), "span past the last key");
+        if kv_start > 0 {
+            assert!(pool.read_span(layer, &batch, kv_start - 1, e).is_err(), "span before the window");
+        }
     }
 }
 
@@ -198,5 +209,7 @@ fn bad_input_is_an_error() {
     assert!(pool.write(0, &batch, &wrong, &wrong).is_err(), "4 tokens for 3 slots");
     assert!(pool.write(7, &batch, &wrong, &wrong).is_err(), "no layer 7");
     assert!(pool.read(7, &batch).is_err());
+    assert!(pool.read_span(7, &batch, 0, 1).is_err());
+    assert!(pool.read_span(0, &batch, 2, 1).is_err(), "reversed span");
     assert!(pool.batch(&[]).is_err());
 }

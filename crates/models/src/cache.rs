@@ -211,7 +211,9 @@ pub struct Cache {
 /// The K/V access of one attention layer during a forward pass: flat storage or the paged pool.
 pub enum LayerKv<'a> {
     Flat(&'a mut KvCache),
-    Paged { pool: &'a mut kv_paged::KvPool, batch: &'a kv_paged::StepBatch, layer: usize, offset: usize },
+    /// `mirror`: the sequence's contiguous copy of this layer's K/V that attention reads
+    /// ([`crate::PagedConfig::contiguous_reads`]); `None`: read (gather) the pool.
+    Paged { pool: &'a mut kv_paged::KvPool, batch: &'a kv_paged::StepBatch, layer: usize, offset: usize, mirror: Option<&'a mut KvCache> },
 }
 
 impl LayerKv<'_> {
@@ -226,9 +228,19 @@ impl LayerKv<'_> {
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
         match self {
             LayerKv::Flat(c) => c.update_and_fetch(k, v),
-            LayerKv::Paged { pool, batch, layer, .. } => {
+            LayerKv::Paged { pool, batch, layer, offset, mirror } => {
                 pool.write(*layer, batch, k, v).map_err(crate::paged::err)?;
-                pool.read(*layer, batch).map_err(crate::paged::err)
+                let Some(m) = mirror else { return pool.read(*layer, batch).map_err(crate::paged::err) };
+                // Bring the mirror to the sequence's position first: back after a rollback,
+                // forward (from the pool) when the sequence started on cached blocks.
+                let (have, at) = (m.offset(), *offset);
+                if have > at {
+                    m.trim(have - at)?;
+                } else if have < at {
+                    let (pk, pv) = pool.read_span(*layer, batch, have, at).map_err(crate::paged::err)?;
+                    m.update_and_fetch(&pk, &pv)?;
+                }
+                m.update_and_fetch(k, v)
             }
         }
     }
@@ -247,7 +259,13 @@ impl ForwardKv<'_> {
             Some((g, batch, offset)) => {
                 let g = &mut **g;
                 let layer = g.layer_map.get(i).copied().flatten().ok_or_else(|| ModelError::Cache(format!("layer {i} has no K/V")))?;
-                Ok(LayerKv::Paged { pool: &mut g.pool, batch, layer, offset: *offset })
+                let layout = g.pool.layout();
+                let full = layout.placement.get(layer).is_some_and(|&(grp, _)| layout.groups[grp].attention == kv_paged::Attention::Full);
+                let mirror = match self.layers.get_mut(i) {
+                    Some(LayerCache::Kv(c)) if g.contiguous_reads && full => Some(c),
+                    _ => None,
+                };
+                Ok(LayerKv::Paged { pool: &mut g.pool, batch, layer, offset: *offset, mirror })
             }
             None => match self.layers.get_mut(i) {
                 Some(LayerCache::Kv(c)) => Ok(LayerKv::Flat(c)),

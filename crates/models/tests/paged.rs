@@ -7,8 +7,14 @@ use mlx_models::{generate, load_model, ChatConfig, ChatSession, GenerateConfig, 
 use sampling::{SamplingConfig, SamplingOverrides};
 
 fn model(paged: Option<usize>) -> Model {
+    model_with(paged, true)
+}
+
+/// `contiguous`: [`PagedConfig::contiguous_reads`] (attention reads a per-sequence mirror of the
+/// pool) or not (it gathers the sequence's blocks out of the pool).
+fn model_with(paged: Option<usize>, contiguous: bool) -> Model {
     let kv_cache = match paged {
-        Some(bs) => KvCacheMode::Paged(PagedConfig { block_size: bs, memory_mb: Some(8.0), ..Default::default() }),
+        Some(bs) => KvCacheMode::Paged(PagedConfig { block_size: bs, memory_mb: Some(8.0), contiguous_reads: contiguous, ..Default::default() }),
         None => KvCacheMode::Flat,
     };
     load_model(fixture("qwen3"), &LoadOptions { kv_cache, ..Default::default() }).unwrap().into_lm().unwrap()
@@ -28,18 +34,18 @@ fn paged_equals_flat() {
     let want = greedy_tokens(&flat, &prompt, 16, 2048);
     assert_eq!(want, ids(&r["greedy_ids"])[72..]);
     let a = full_logits(&flat, &prompt);
-    for bs in [1, 5, 16] {
-        let p = model(Some(bs));
+    for (bs, contiguous) in [(1, true), (5, true), (16, true), (1, false), (5, false), (16, false)] {
+        let p = model_with(Some(bs), contiguous);
         assert!(p.new_cache().is_paged());
         // On a fresh pool nothing is cached: all 72 positions are computed.
         let b = full_logits(&p, &prompt);
         let e = rel_err(&b.concat(), &a.concat());
-        assert!(e < 1e-6, "block size {bs}: paged vs flat logits rel err {e}");
+        assert!(e < 1e-6, "block size {bs}, contiguous reads {contiguous}: paged vs flat logits rel err {e}");
         // Chunked prefill of 20 (not a multiple of any block size) plus decode. The all-logits
         // call above used a private sequence, so the first run is cold; the second one finds the
         // first run's full blocks in the pool (a prefix hit).
-        assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, cold pool");
-        assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, prefix hit");
+        assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, contiguous reads {contiguous}, cold pool");
+        assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, contiguous reads {contiguous}, prefix hit");
         assert!(p.paged_stats().unwrap().prefix_hit_rate > 0.0);
     }
 }
@@ -101,8 +107,9 @@ fn sessions_on_paged_equal_flat() {
         (a.raw_text, b.raw_text, b.cached_tokens, c.raw_text, c.cached_tokens, s.cached_ids().to_vec())
     };
     let f = run(model(None));
-    let p = run(model(Some(4)));
-    assert_eq!(f, p);
+    for contiguous in [true, false] {
+        assert_eq!(run(model_with(Some(4), contiguous)), f, "contiguous reads {contiguous}");
+    }
     assert!(f.2 > 0 && f.4 > 0);
 }
 
