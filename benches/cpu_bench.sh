@@ -5,6 +5,8 @@
 #   bash benches/cpu_bench.sh [SHAPES...]   # default: all below; logs and JSON in $OUT
 #
 # Needs the mlx-lm venv of benches/setup_mlx_lm.sh (MLX_LM_PYTHON, default /tmp/mlxlm/bin/python).
+# PEER_BLAS=same (default): mlx-lm gets our BLAS router + OpenBLAS preloaded, the same BLAS as ours;
+# PEER_BLAS=openblas: OpenBLAS alone (a stock mlx-lm with OpenBLAS). See llm_bench --peer-blas.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/target/cpu-bench}
@@ -12,6 +14,7 @@ PY=${MLX_LM_PYTHON:-/tmp/mlxlm/bin/python}
 C=$HOME/.cache/mlx-models/bench
 B=$ROOT/target/release/llm_bench
 RUNS=${RUNS:-3}
+PEER_BLAS=${PEER_BLAS:-same}
 mkdir -p "$OUT"
 [ -x "$B" ] || (cd "$ROOT" && cargo build --release -p mlx-models-bench) || exit 1
 SHAPES=("$@"); [ ${#SHAPES[@]} -gt 0 ] || SHAPES=(qwen3-small qwen3-small:paged qwen3_5-small qwen3_5-moe-small gemma4-small lfm2-small lfm2-moe-small qwen3-0.6b)
@@ -25,9 +28,9 @@ for s in "${SHAPES[@]}"; do
   esac
   gen=64; [ "$name" = qwen3-0.6b ] && gen=32
   [ -d "$C/$name-f32" ] || "$B" --create-random "$name" --dtype f32 >/dev/null || { rc=1; continue; }
-  echo "== $s (kv $kv, prompts $prompts, gen $gen, $RUNS runs) $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/cpu-bench.log"
+  echo "== $s (kv $kv, prompts $prompts, gen $gen, $RUNS runs, peer BLAS $PEER_BLAS) $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/cpu-bench.log"
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$B" --model "$C/$name-f32" --dtype f32 --kv "$kv" --runs "$RUNS" --gen "$gen" \
-      --prompts "$prompts" --python "$PY" --json "$OUT/$name-$kv.json" 2>&1 | grep -v '^run \|warm-up' | tee -a "$OUT/cpu-bench.log"
+      --prompts "$prompts" --peer-blas "$PEER_BLAS" --python "$PY" --json "$OUT/$name-$kv.json" 2>&1 | grep -v '^run \|warm-up' | tee -a "$OUT/cpu-bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 exit $rc

@@ -38,6 +38,15 @@ MODEL_TYPE_REMAP = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"
 DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32, "f16": mx.float16}
 
 
+
+def blas_router_loaded():
+    """Whether mlx-sys's BLAS router (llm_bench --peer-blas same) is in this process."""
+    import ctypes
+    try:
+        return hasattr(ctypes.CDLL(None), "mlx_models_blas_routed_products")
+    except OSError:
+        return False
+
 def run(model, prompt, gen):
     mx.synchronize()
     mx.reset_peak_memory()
@@ -88,6 +97,7 @@ def main():
             "tokenizer_vocab": len(tokenizer.get_vocab()),
             "weights_bytes": sum(v.nbytes for _, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(model.parameters())),
             "ld_preload": os.environ.get("LD_PRELOAD", ""),
+            "blas_router": blas_router_loaded(),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
             "openblas_l2_size": os.environ.get("OPENBLAS_L2_SIZE")}
     if not a.serve:

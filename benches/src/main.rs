@@ -69,6 +69,8 @@ struct Args {
     seed: u64,
     /// `--fuse on|off|auto`: LoadOptions::fuse_projections (auto: GPU only).
     fuse: Option<bool>,
+    /// `--peer-blas same|openblas`: the BLAS preloaded into mlx-lm on the CPU (see Theirs::start).
+    peer_blas: String,
 }
 
 fn usage() -> ! {
@@ -79,11 +81,14 @@ fn usage() -> ! {
 const USAGE: &str = "usage:
   llm_bench --model DIR [--dtype f32|bf16] [--kv flat|paged] [--runs 3] [--gen 128] [--prompts 128,2048]
             [--python PATH] [--script mlx_lm_bench.py] [--no-mlx-lm] [--json FILE] [--bandwidth]
-            [--fuse on|off|auto]
+            [--fuse on|off|auto] [--peer-blas same|openblas]
   llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR] [--seed N]
      SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small lfm2-small lfm2-moe-small
   llm_bench --bandwidth-only
-env: MLX_LM_PYTHON (python with mlx-lm; default /tmp/mlxlm/bin/python, else python3)";
+  --peer-blas (CPU): same (default) preloads our BLAS router and OpenBLAS into mlx-lm, so both
+     sides run the same BLAS; openblas preloads OpenBLAS alone (a stock mlx-lm with OpenBLAS)
+env: MLX_LM_PYTHON (python with mlx-lm; default /tmp/mlxlm/bin/python, else python3);
+     MLX_LM_PRELOAD (LD_PRELOAD for mlx-lm, overrides --peer-blas)";
 
 fn parse_args() -> Args {
     let mut a = Args {
@@ -103,6 +108,7 @@ fn parse_args() -> Args {
         bandwidth_only: false,
         seed: 0,
         fuse: None,
+        peer_blas: "same".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -127,6 +133,12 @@ fn parse_args() -> Args {
                     "off" => Some(false),
                     "auto" => None,
                     _ => usage(),
+                }
+            }
+            "--peer-blas" => {
+                a.peer_blas = v();
+                if a.peer_blas != "same" && a.peer_blas != "openblas" {
+                    usage()
                 }
             }
             "--bandwidth" => a.bandwidth = true,
@@ -457,12 +469,19 @@ impl Theirs {
         });
         eprintln!("starting mlx-lm: {py} {} {} --dtype {dtype} --serve", script.display(), model.display());
         let mut cmd = Command::new(&py);
-        // The PyPI mlx-cpu wheel bundles reference BLAS; ours links OpenBLAS (mlx-sys symlinks the
-        // bundled names to it). Give mlx-lm the same OpenBLAS by preloading it (MLX_LM_PRELOAD=""
-        // to turn this off, or a path to use another library).
+        // The PyPI mlx-cpu wheel bundles reference BLAS; ours links OpenBLAS behind mlx-sys's
+        // BLAS router (mlx-sys symlinks the bundled names to it). Give mlx-lm the same BLAS by
+        // preloading the router and OpenBLAS (`--peer-blas openblas`: OpenBLAS alone, what a
+        // stock mlx-lm install with OpenBLAS gets; MLX_LM_PRELOAD overrides both; "" for none).
         let preload = std::env::var("MLX_LM_PRELOAD").unwrap_or_else(|_| {
             let p = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0";
-            if mlx_array::default_device().ok() == Some(mlx_array::Device::Cpu) && Path::new(p).exists() { p.into() } else { String::new() }
+            if mlx_array::default_device().ok() != Some(mlx_array::Device::Cpu) || !Path::new(p).exists() {
+                return String::new();
+            }
+            match (a.peer_blas.as_str(), mlx_sys::blas_router_path()) {
+                ("same", Some(r)) => format!("{} {p}", r.display()),
+                _ => p.into(),
+            }
         });
         if !preload.is_empty() {
             cmd.env("LD_PRELOAD", &preload);
@@ -635,12 +654,24 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     // requests: (prompt, gen)
     let reqs: Vec<(usize, usize)> = a.prompts.iter().enumerate().map(|(i, &p)| (p, if i == 0 { a.gen } else { 1 })).collect();
     let prompts: Vec<Vec<u32>> = reqs.iter().map(|&(p, _)| shared::prompt_ids(p, vocab)).collect();
+    // Every request (warm-up included) gets its own first id, so no request starts with another's
+    // prefix: the paged cache would serve it from its prefix blocks (chained hashes: a different
+    // first id changes every block's hash) and the table would time a cache hit, not a prefill.
+    let mut salt = 0usize;
+    let mut fresh = |p: &[u32]| -> Vec<u32> {
+        salt += 1;
+        let mut v = p.to_vec();
+        let span = (vocab - 100).min(30000);
+        v[0] = ((v[0] as usize - 10 + salt) % span + 10) as u32;
+        v
+    };
 
     // warm-up: weights paged in / evaluated, kernels compiled (both sides). On the GPU every
     // request shape once (JIT kernels per shape); on the CPU the first request only.
     let on_gpu = mlx_array::default_device().ok() == Some(mlx_array::Device::Gpu);
     for (i, p) in prompts.iter().enumerate().take(if on_gpu { prompts.len() } else { 1 }) {
         let g = reqs[i].1.min(8);
+        let p = &fresh(p);
         let t = Instant::now();
         run_ours(&model, p, g)?;
         eprintln!("ours: warm-up P={} {:.2} s", p.len(), t.elapsed().as_secs_f64());
@@ -655,7 +686,8 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     let mut mlxlm: Vec<Vec<Run>> = vec![vec![]; reqs.len()];
     for r in 0..a.runs {
         for (i, &(p, g)) in reqs.iter().enumerate() {
-            let o = run_ours(&model, &prompts[i], g)?;
+            let ids = fresh(&prompts[i]);
+            let o = run_ours(&model, &ids, g)?;
             eprintln!(
                 "run {} P={p} gen={g} ours:   ttft {:8.1} ms  prefill {:8.1} tok/s  decode {:7.2} tok/s  peak {:.3} GB",
                 r + 1,
@@ -666,7 +698,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
             );
             ours[i].push(o);
             if let Some(th) = theirs.as_mut() {
-                let m = th.run(&prompts[i], g)?;
+                let m = th.run(&ids, g)?;
                 eprintln!(
                     "run {} P={p} gen={g} mlx-lm: ttft {:8.1} ms  prefill {:8.1} tok/s  decode {:7.2} tok/s  peak {:.3} GB",
                     r + 1,

@@ -52,3 +52,34 @@ pub fn blas_routed_products() -> Option<u64> {
     #[cfg(not(target_os = "linux"))]
     None
 }
+
+/// The file of the BLAS router loaded in this process (see [`blas_routed_products`]), e.g. to
+/// preload the same BLAS into another MLX process; `None` without the router.
+pub fn blas_router_path() -> Option<std::path::PathBuf> {
+    #[cfg(target_os = "linux")]
+    {
+        #[repr(C)]
+        struct DlInfo {
+            fname: *const std::ffi::c_char,
+            fbase: *mut std::ffi::c_void,
+            sname: *const std::ffi::c_char,
+            saddr: *mut std::ffi::c_void,
+        }
+        unsafe extern "C" {
+            fn dlsym(handle: *mut std::ffi::c_void, symbol: *const std::ffi::c_char) -> *mut std::ffi::c_void;
+            fn dladdr(addr: *const std::ffi::c_void, info: *mut DlInfo) -> std::ffi::c_int;
+        }
+        let f = unsafe { dlsym(std::ptr::null_mut(), c"mlx_models_blas_routed_products".as_ptr()) };
+        if f.is_null() {
+            return None;
+        }
+        let mut info = DlInfo { fname: std::ptr::null(), fbase: std::ptr::null_mut(), sname: std::ptr::null(), saddr: std::ptr::null_mut() };
+        if unsafe { dladdr(f, &mut info) } == 0 || info.fname.is_null() {
+            return None;
+        }
+        let name = unsafe { std::ffi::CStr::from_ptr(info.fname) }.to_string_lossy().into_owned();
+        Some(std::path::PathBuf::from(name))
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
