@@ -53,6 +53,11 @@ impl StepBatch {
     pub fn batch_size(&self) -> usize {
         self.q_lens.len()
     }
+    /// Position of the first key sequence `seq` attends to in `group` (0 for full attention;
+    /// sliding groups start inside the window of the step's first query).
+    pub fn kv_start(&self, group: usize, seq: usize) -> Option<usize> {
+        self.groups.get(group).and_then(|g| g.kv_starts.get(seq).copied())
+    }
     /// Key count (before padding) of each sequence in a group, and the padded length.
     pub fn kv_lens(&self, group: usize) -> Option<(&[usize], usize)> {
         self.groups.get(group).map(|g| (&g.kv_lens[..], g.max_len))

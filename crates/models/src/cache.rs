@@ -54,6 +54,12 @@ impl KvCache {
         self.offset
     }
 
+    /// Empty the cache, as if positions `0..offset` had been seen and dropped (a paged mirror
+    /// refilled from the pool from `offset` on).
+    pub(crate) fn restart_at(&mut self, offset: usize) {
+        *self = KvCache { offset, ..KvCache::new(self.window) };
+    }
+
     /// Append `k`, `v` (`[B, H, L, D]`) and return the keys/values attention should use now.
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
         let l = k.dim(2)?;
@@ -231,13 +237,21 @@ impl LayerKv<'_> {
             LayerKv::Paged { pool, batch, layer, offset, mirror } => {
                 pool.write(*layer, batch, k, v).map_err(crate::paged::err)?;
                 let Some(m) = mirror else { return pool.read(*layer, batch).map_err(crate::paged::err) };
-                // Bring the mirror to the sequence's position first: back after a rollback,
-                // forward (from the pool) when the sequence started on cached blocks.
-                let (have, at) = (m.offset(), *offset);
-                if have > at {
-                    m.trim(have - at)?;
-                } else if have < at {
-                    let (pk, pv) = pool.read_span(*layer, batch, have, at).map_err(crate::paged::err)?;
+                // Bring the mirror to the sequence's position first: back after a rollback (a
+                // rotating mirror that cannot go back that far starts over), forward from the
+                // pool when the sequence started on cached blocks. Positions before the first
+                // key this step attends to (sliding layers) are not needed.
+                let at = *offset;
+                let group = pool.layout().placement[*layer].0;
+                let first = batch.kv_start(group, 0).unwrap_or(0).min(at);
+                if m.offset() > at && m.trim(m.offset() - at).is_err() {
+                    m.restart_at(first);
+                }
+                if m.offset() < first {
+                    m.restart_at(first);
+                }
+                if m.offset() < at {
+                    let (pk, pv) = pool.read_span(*layer, batch, m.offset(), at).map_err(crate::paged::err)?;
                     m.update_and_fetch(&pk, &pv)?;
                 }
                 m.update_and_fetch(k, v)
@@ -259,10 +273,8 @@ impl ForwardKv<'_> {
             Some((g, batch, offset)) => {
                 let g = &mut **g;
                 let layer = g.layer_map.get(i).copied().flatten().ok_or_else(|| ModelError::Cache(format!("layer {i} has no K/V")))?;
-                let layout = g.pool.layout();
-                let full = layout.placement.get(layer).is_some_and(|&(grp, _)| layout.groups[grp].attention == kv_paged::Attention::Full);
                 let mirror = match self.layers.get_mut(i) {
-                    Some(LayerCache::Kv(c)) if g.contiguous_reads && full => Some(c),
+                    Some(LayerCache::Kv(c)) if g.contiguous_reads => Some(c),
                     _ => None,
                 };
                 Ok(LayerKv::Paged { pool: &mut g.pool, batch, layer, offset: *offset, mirror })

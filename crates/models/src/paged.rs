@@ -22,14 +22,14 @@ pub struct PagedConfig {
     pub memory_mb: Option<f64>,
     /// Concurrent sequences sliding-window groups are sized for.
     pub max_seqs: usize,
-    /// Full-attention layers also keep each live sequence's K/V in a contiguous per-sequence
-    /// buffer (a flat cache), and attention reads it instead of gathering the sequence's blocks
-    /// out of the pool every step. The pool is still written every step (prefix sharing,
-    /// rollback and copy-on-write work as without it); the buffer is filled from the pool when a
-    /// sequence starts on cached blocks. Costs the flat cache's memory for live sequences on top
-    /// of the pool; on the CPU backend it makes paged decode as fast as flat decode (the
-    /// per-step gather and its fresh buffers cost a third of a small model's decode step).
-    /// Sliding-window layers always read the pool (their reads are bounded by the window).
+    /// Attention layers also keep each live sequence's K/V in a contiguous per-sequence buffer
+    /// (the flat cache: rotating for sliding-window layers), and attention reads it instead of
+    /// gathering the sequence's blocks out of the pool every step. The pool is still written
+    /// every step (prefix sharing, rollback and copy-on-write work as without it); the buffer is
+    /// filled from the pool when a sequence starts on cached blocks or rolls back further than
+    /// a rotating buffer keeps. Costs the flat cache's memory for live sequences on top of the
+    /// pool; on the CPU backend it makes paged decode as fast as flat decode (the per-step
+    /// gather and its fresh buffers cost a third of a small model's decode step).
     pub contiguous_reads: bool,
 }
 

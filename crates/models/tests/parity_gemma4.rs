@@ -224,9 +224,15 @@ fn chat_session_start_and_continue_on_gemma4_text() {
 }
 
 fn paged_model(name: &str, block: Option<usize>) -> mlx_models::Model {
+    paged_model_with(name, block, true)
+}
+
+/// `contiguous`: `PagedConfig::contiguous_reads` (attention reads per-sequence mirrors of the
+/// pool, rotating ones for sliding layers) or not (it gathers from the pool).
+fn paged_model_with(name: &str, block: Option<usize>, contiguous: bool) -> mlx_models::Model {
     use mlx_models::{KvCacheMode, PagedConfig};
     let kv_cache = match block {
-        Some(bs) => KvCacheMode::Paged(PagedConfig { block_size: bs, memory_mb: Some(8.0), ..Default::default() }),
+        Some(bs) => KvCacheMode::Paged(PagedConfig { block_size: bs, memory_mb: Some(8.0), contiguous_reads: contiguous, ..Default::default() }),
         None => KvCacheMode::Flat,
     };
     load_model(fixture(name), &LoadOptions { kv_cache, ..Default::default() }).unwrap().into_lm().unwrap()
@@ -250,15 +256,15 @@ fn paged_equals_flat() {
         let want = greedy_gen(&flat, &prompt, 16, 2048);
         assert_eq!(want, ids(&r["greedy_ids"])[72..], "{name}");
         let a = full_logits(&flat, &prompt);
-        for bs in [1, 5, 16] {
-            let p = paged_model(name, Some(bs));
+        for (bs, c) in [(1, true), (5, true), (16, true), (1, false), (5, false), (16, false)] {
+            let p = paged_model_with(name, Some(bs), c);
             assert!(p.new_cache().is_paged());
             let b = full_logits(&p, &prompt);
             let e = rel_err(&b.concat(), &a.concat());
-            assert!(e < 1e-5, "{name} block size {bs}: paged vs flat logits rel err {e}");
+            assert!(e < 1e-5, "{name} block size {bs}, contiguous reads {c}: paged vs flat logits rel err {e}");
             // Chunked prefill of 20 plus decode, over a pool holding the prompt's blocks (prefix hit).
-            assert_eq!(greedy_gen(&p, &prompt, 16, 20), want, "{name} block size {bs}");
-            assert_eq!(greedy_gen(&paged_model(name, Some(bs)), &prompt, 16, 20), want, "{name} block size {bs}, cold pool");
+            assert_eq!(greedy_gen(&p, &prompt, 16, 20), want, "{name} block size {bs}, contiguous reads {c}");
+            assert_eq!(greedy_gen(&paged_model_with(name, Some(bs), c), &prompt, 16, 20), want, "{name} block size {bs}, contiguous reads {c}, cold pool");
         }
     }
 }
@@ -272,7 +278,46 @@ fn chat_sessions_on_paged_equal_flat() {
         (a.raw_text, b.raw_text, b.cached_tokens, s.cached_ids().to_vec())
     };
     let f = run(paged_model("gemma4_text", None));
-    let p = run(paged_model("gemma4_text", Some(4)));
-    assert_eq!(f, p);
+    for c in [true, false] {
+        assert_eq!(run(paged_model_with("gemma4_text", Some(4), c)), f, "contiguous reads {c}");
+    }
     assert!(f.2 > 0);
+}
+
+/// Rollback on a paged cache after decode steps: the sliding layers' rotating mirrors cannot go
+/// back (they keep only the window), so they start over from the pool, which keeps the window
+/// plus the rollback margin. The next tokens' logits equal a flat model's on the rewritten
+/// sequence, with the mirrors on and off.
+#[test]
+fn paged_rollback_past_a_rotating_mirror() {
+    use mlx_array::Array;
+    let prompt = ids(&reference("gemma4_text")["input_ids"]);
+    let last = |m: &mlx_models::Model, cache: &mut mlx_models::Cache, t: &[u32]| -> Vec<f32> {
+        let a = Array::from_slice(t, &[1, t.len()]).unwrap();
+        m.forward(&a, cache, mlx_models::Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap()
+    };
+    // The rewritten sequence: prompt[..57], then 5 other tokens.
+    let other: Vec<u32> = prompt[57..62].iter().map(|&x| (x + 7) % 200 + 3).collect();
+    let mut want_seq = prompt[..57].to_vec();
+    want_seq.extend(&other);
+    let flat = paged_model("gemma4_text", None);
+    let want = full_logits(&flat, &want_seq);
+    for c in [true, false] {
+        let p = paged_model_with("gemma4_text", Some(4), c);
+        let mut cache = p.new_cache();
+        last(&p, &mut cache, &prompt[..40]);
+        for i in 40..60 {
+            last(&p, &mut cache, &prompt[i..i + 1]); // decode steps: the rotating mirrors wrap (window 16)
+        }
+        cache.trim(3).unwrap(); // back to 57 positions
+        assert_eq!(cache.offset(), 57);
+        let got = last(&p, &mut cache, &other[..2]);
+        let e = rel_err(&got, &want[58]);
+        assert!(e < 1e-5, "contiguous reads {c}: chunk after rollback, rel err {e}");
+        for (i, &t) in other[2..].iter().enumerate() {
+            let got = last(&p, &mut cache, &[t]);
+            let e = rel_err(&got, &want[59 + i]);
+            assert!(e < 1e-5, "contiguous reads {c}: decode step {i} after rollback, rel err {e}");
+        }
+    }
 }
