@@ -17,6 +17,8 @@ OUT=${OUT:-/tmp/gpu-out}
 R=${MLXRT:-/tmp/mlxrt-bench}
 SHAPES=("$@"); [ ${#SHAPES[@]} -gt 0 ] || SHAPES=(qwen3-0.6b qwen3-8b)
 RUNS=${RUNS:-5}   # KV=flat|paged: passed to llm_bench --kv
+# PROFILE=1: after each shape's benchmark, decode_profile (staged next to llm_bench) with a flat and
+# a paged cache: where a decode step's host time goes, and what the paged cache costs.
 mkdir -p "$OUT" "$R/mlx/lib"
 {
   echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -46,6 +48,12 @@ for s in "${SHAPES[@]}"; do
          --json "$OUT/$s.$b.json" 2>&1 | tee -a "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   done
+  if [ -n "${PROFILE:-}" ] && [ -x "$G/decode_profile" ]; then
+    for kv in flat paged; do
+      echo "== $s decode_profile --kv $kv" | tee -a "$OUT/bench.log"
+      "$G/decode_profile" --model "$D" --dtype bf16 --prompt 128 --gen 128 --kv "$kv" 2>&1 | tail -4 | tee -a "$OUT/bench.log"
+    done
+  fi
   [ -n "${KEEP:-}" ] || rm -rf "$D"   # KEEP=1: leave it for benches/gpu_profile.sh
 done
 kill $SMI 2>/dev/null
