@@ -3,7 +3,7 @@
 //! ```text
 //! llm_bench --model DIR [--dtype f32|bf16] [--runs 3] [--gen 128] [--prompts 128,2048]
 //!           [--python PATH] [--no-mlx-lm] [--json FILE] [--bandwidth]
-//!           [--fuse on|off|auto]
+//!           [--fuse on|off|auto] [--kv flat|paged] [--peer-blas same|openblas]
 //! llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR]
 //!   SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small
 //!          lfm2-small lfm2-moe-small
@@ -18,8 +18,11 @@
 //! = P / TTFT, decode tok/s = (n - 1) / (t_last - t_first), peak = MLX's peak allocator counter
 //! (weights included) reset before each request. The mlx-lm side is `mlx_lm_bench.py --serve`
 //! (next to this crate, or `--script`), one process kept alive for the whole run, fed the same ids.
-//! On the CPU it runs with `LD_PRELOAD` = the system OpenBLAS (the same library our libmlx uses
-//! through mlx-sys' symlinks); env `MLX_LM_PRELOAD` overrides ("" = none).
+//! On the CPU it runs with `LD_PRELOAD` = mlx-sys's BLAS router and the system OpenBLAS, the
+//! BLAS our libmlx uses (`--peer-blas openblas`: OpenBLAS alone, a stock mlx-lm on OpenBLAS);
+//! env `MLX_LM_PRELOAD` overrides ("" = none). Every request (warm-up included) gets its own
+//! first prompt id, on both sides, so a paged cache never serves a request from another's
+//! cached prefix (`--kv paged` would otherwise time prefix-cache hits, not prefills).
 //!
 //! `--bandwidth` also measures device copy bandwidth (`y = x + 0` on a 1 GiB array: 2 GiB moved)
 //! and prints the decode floor: bytes of weights (and KV, recurrent state) read per token / copy
