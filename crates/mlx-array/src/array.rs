@@ -54,9 +54,16 @@ impl Array {
         Self::wrap(T::make_array(&[v], &[]))
     }
 
-    /// A 0-d array of `v` converted to `dtype`.
+    /// A 0-d array of `v` converted to `dtype`. Float dtypes are converted on the host: a lazy
+    /// `astype` would be one more kernel launch at every use on the GPU (Gemma 4's bf16 decode
+    /// step launched 44 such one-element casts).
     pub fn scalar_as(v: f32, dtype: DType) -> Result<Self> {
-        Self::scalar(v).astype(dtype)
+        match dtype {
+            DType::F32 => Ok(Self::scalar(v)),
+            DType::BF16 => Ok(Self::scalar(half::bf16::from_f32(v))),
+            DType::F16 => Ok(Self::scalar(half::f16::from_f32(v))),
+            _ => Self::scalar(v).astype(dtype),
+        }
     }
 
     /// Zeros.

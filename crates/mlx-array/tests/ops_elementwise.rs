@@ -130,3 +130,23 @@ fn erf_reference_is_right() {
     assert!((erf(0.5) - 0.520_499_877_813_046_5).abs() < 1e-15);
     assert!((erf(-2.0) + 0.995_322_265_018_952_7).abs() < 1e-15);
 }
+
+/// `scalar_as` gives a 0-d array of the requested dtype holding `v` rounded to it (floats are
+/// converted on the host, other dtypes through `astype`), and `mul_scalar` keeps the dtype.
+#[test]
+fn scalar_as_makes_each_dtype() {
+    for (d, v, want) in [
+        (DType::F32, 0.044715f32, 0.044715f32),
+        (DType::BF16, 0.044715, half::bf16::from_f32(0.044715).to_f32()),
+        (DType::F16, 0.044715, half::f16::from_f32(0.044715).to_f32()),
+        (DType::I32, 3.0, 3.0),
+    ] {
+        let s = Array::scalar_as(v, d).unwrap();
+        assert_eq!((s.dtype(), s.ndim()), (d, 0), "{d:?}");
+        assert_eq!(s.astype(DType::F32).unwrap().to_vec::<f32>().unwrap(), vec![want], "{d:?}");
+    }
+    let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap().astype(DType::BF16).unwrap();
+    let y = x.mul_scalar(0.5).unwrap();
+    assert_eq!(y.dtype(), DType::BF16);
+    assert_eq!(y.astype(DType::F32).unwrap().to_vec::<f32>().unwrap(), vec![0.5, 1.0]);
+}

@@ -466,7 +466,7 @@ impl Experts {
         let xe = x.expand_dims(-2)?.expand_dims(-2)?;
         let gu = ops::gather_mm(&xe, &self.gate_up_t, None, Some(&idx), false)?;
         let parts = gu.split_at(&[self.inter], -1)?;
-        let hmid = self.act.apply(&parts[0])?.mul(&parts[1])?;
+        let hmid = self.act.gated(&parts[0], &parts[1])?;
         let y = ops::gather_mm(&hmid, &self.down_t, None, Some(&idx), false)?.squeeze(&[-2])?;
         y.mul(&w.expand_dims(-1)?.astype(y.dtype())?)?.sum(&[-2], false).map_err(Into::into)
     }
@@ -666,7 +666,12 @@ impl Gemma4Model {
         let pv = emb.weight.dim(0)?;
         // Ids outside the per-layer vocabulary read row 0 (as HF masks them).
         let ids = if pv < self.cfg.vocab_size {
-            let ok = tokens.lt(&Array::scalar(pv as i32).astype(tokens.dtype())?)?;
+            let bound = match tokens.dtype() {
+                DType::U32 => Array::scalar(pv as u32),
+                DType::I32 => Array::scalar(pv as i32),
+                d => Array::scalar(pv as i32).astype(d)?,
+            };
+            let ok = tokens.lt(&bound)?;
             ops::where_(&ok, tokens, &Array::zeros(&[1], tokens.dtype())?)?
         } else {
             tokens.clone()
@@ -742,7 +747,7 @@ impl Gemma4Model {
             let mut y = h.add(&layer.post_ffn_norm.forward(&layer.ffn(&h)?)?)?;
             if let (Some(p), Some(inputs)) = (&layer.ple, &ple) {
                 let pli = inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?;
-                let g = layer.act.apply(&p.gate.forward(&y)?)?.mul(&pli)?;
+                let g = layer.act.gated(&p.gate.forward(&y)?, &pli)?;
                 y = y.add(&p.norm.forward(&p.proj.forward(&g)?)?)?;
             }
             x = y.mul(&layer.layer_scalar)?;

@@ -112,7 +112,7 @@ impl SwitchGlu {
 
     fn glu(&self, gu: &Array) -> Result<Array> {
         let parts = gu.split_at(&[self.inter], -1)?;
-        Ok(self.act.apply(&parts[0])?.mul(&parts[1])?)
+        self.act.gated(&parts[0], &parts[1])
     }
 }
 

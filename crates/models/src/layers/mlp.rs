@@ -27,6 +27,14 @@ impl Activation {
             Activation::Gelu => x.gelu()?,
         })
     }
+    /// `act(x) * up`, as one fused kernel where `mlx_array`'s fusion can compile (SwiGLU, GeGLU).
+    pub fn gated(self, x: &Array, up: &Array) -> Result<Array> {
+        Ok(match self {
+            Activation::Silu => x.swiglu(up)?,
+            Activation::GeluTanh => x.geglu_tanh(up)?,
+            act => act.apply(x)?.mul(up)?,
+        })
+    }
 }
 
 /// `down(act(gate(x)) * up(x))` (SwiGLU / GeGLU).
@@ -52,11 +60,6 @@ impl GatedMlp {
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let gu = self.gate_up.forward(x)?;
-        let h = match self.act {
-            Activation::Silu => gu[0].swiglu(&gu[1])?,
-            Activation::GeluTanh => gu[0].geglu_tanh(&gu[1])?,
-            act => act.apply(&gu[0])?.mul(&gu[1])?,
-        };
-        self.down.forward(&h)
+        self.down.forward(&self.act.gated(&gu[0], &gu[1])?)
     }
 }
