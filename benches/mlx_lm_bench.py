@@ -38,7 +38,6 @@ MODEL_TYPE_REMAP = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"
 DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32, "f16": mx.float16}
 
 
-
 def blas_router_loaded():
     """Whether mlx-sys's BLAS router (llm_bench --peer-blas same) is in this process."""
     import ctypes
@@ -46,6 +45,7 @@ def blas_router_loaded():
         return hasattr(ctypes.CDLL(None), "mlx_models_blas_routed_products")
     except OSError:
         return False
+
 
 def run(model, prompt, gen):
     mx.synchronize()

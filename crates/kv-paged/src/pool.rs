@@ -201,13 +201,17 @@ impl KvPool {
     /// each, keys in position order from [`crate::GroupStep::kv_start`], padded at the end.
     pub fn read(&self, layer: usize, batch: &StepBatch) -> Result<(Array, Array)> {
         let (g, anchor) = self.check_layer(layer)?;
-        let spec = self.layout.layers[anchor];
         let gb = &batch.groups[g];
+        self.gather(anchor, &gb.read, batch.q_lens.len(), gb.max_len)
+    }
+
+    /// Rows `slots` (`[b * len]`) of `anchor`'s keys and values as `[b, kv_heads, len, head_dim]`.
+    fn gather(&self, anchor: usize, slots: &Array, b: usize, len: usize) -> Result<(Array, Array)> {
+        let spec = self.layout.layers[anchor];
         let st = self.storage[anchor].as_ref().expect("anchor storage");
-        let b = batch.q_lens.len() as i32;
-        let shape = [b, gb.max_len as i32, spec.kv_heads as i32, spec.head_dim as i32];
-        let gather = |x: &Array| -> Result<Array> { Ok(x.take(&gb.read, 0)?.reshape(&shape)?.transpose(&[0, 2, 1, 3])?) };
-        Ok((gather(&st.k)?, gather(&st.v)?))
+        let shape = [b as i32, len as i32, spec.kv_heads as i32, spec.head_dim as i32];
+        let g = |x: &Array| -> Result<Array> { Ok(x.take(slots, 0)?.reshape(&shape)?.transpose(&[0, 2, 1, 3])?) };
+        Ok((g(&st.k)?, g(&st.v)?))
     }
 
     /// Keys and values of positions `from..to` of a one-sequence batch at `layer`:
@@ -215,7 +219,6 @@ impl KvPool {
     /// [`KvPool::read`] would return).
     pub fn read_span(&self, layer: usize, batch: &StepBatch, from: usize, to: usize) -> Result<(Array, Array)> {
         let (g, anchor) = self.check_layer(layer)?;
-        let spec = self.layout.layers[anchor];
         let gb = &batch.groups[g];
         if batch.q_lens.len() != 1 {
             return Err(Error::Pool(format!("read_span needs a one-sequence batch, got {}", batch.q_lens.len())));
@@ -224,11 +227,7 @@ impl KvPool {
         if from > to || from < start || to > start + len {
             return Err(Error::Pool(format!("read_span {from}..{to} outside the sequence's keys {start}..{}", start + len)));
         }
-        let rows = gb.read.slice_axis(0, from - start, to - start)?;
-        let shape = [1, (to - from) as i32, spec.kv_heads as i32, spec.head_dim as i32];
-        let st = self.storage[anchor].as_ref().expect("anchor storage");
-        let gather = |x: &Array| -> Result<Array> { Ok(x.take(&rows, 0)?.reshape(&shape)?.transpose(&[0, 2, 1, 3])?) };
-        Ok((gather(&st.k)?, gather(&st.v)?))
+        self.gather(anchor, &gb.read.slice_axis(0, from - start, to - start)?, 1, to - from)
     }
 
     /// Copy whole blocks (copy-on-write after [`crate::KvCacheManager::fork`] or `trim`).

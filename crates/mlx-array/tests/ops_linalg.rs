@@ -104,7 +104,7 @@ fn single_row_and_column_products() {
     if mlx_sys::BLAS == "openblas-routed" {
         assert!(before.is_some(), "built with the BLAS router, but its library is not the one MLX loaded");
     }
-    let vals = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32 * 0.7548 + s).sin() * 0.9)).collect() };
+    let vals = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * 0.7548 + s).sin() * 0.9).collect() };
     let tol = Tol { atol: 1e-5, rtol: 1e-4 };
     for &(k, n) in &[(1usize, 1usize), (1, 37), (300, 1), (257, 129), (1024, 96)] {
         let x = vals(k, 0.3);

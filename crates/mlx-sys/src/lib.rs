@@ -32,23 +32,25 @@ pub extern "C" fn mach_approximate_time() -> u64 {
 /// `external` (`MLX_DIR`: whatever that libmlx loads) or `accelerate` (macOS).
 pub const BLAS: &str = env!("MLX_SYS_BLAS");
 
+#[cfg(target_os = "linux")]
+unsafe extern "C" {
+    fn dlsym(handle: *mut std::ffi::c_void, symbol: *const std::ffi::c_char) -> *mut std::ffi::c_void;
+}
+
+/// The router's counter function, if the router is loaded (glibc's RTLD_DEFAULT is the null
+/// handle: search every library loaded at start-up).
+#[cfg(target_os = "linux")]
+fn router_counter() -> Option<extern "C" fn() -> u64> {
+    let f = unsafe { dlsym(std::ptr::null_mut(), c"mlx_models_blas_routed_products".as_ptr()) };
+    (!f.is_null()).then(|| unsafe { std::mem::transmute::<*mut std::ffi::c_void, extern "C" fn() -> u64>(f) })
+}
+
 /// How many float32 products the BLAS router of `build.rs` (`src/blas_route.c`, the default
 /// `MLX_BLAS=openblas` build on Linux) has sent to `cblas_sgemv` in this process; `None` when MLX
 /// runs on another BLAS (`MLX_BLAS=openblas-plain|bundled`, macOS, an `MLX_DIR` build).
 pub fn blas_routed_products() -> Option<u64> {
     #[cfg(target_os = "linux")]
-    {
-        unsafe extern "C" {
-            fn dlsym(handle: *mut std::ffi::c_void, symbol: *const std::ffi::c_char) -> *mut std::ffi::c_void;
-        }
-        // glibc's RTLD_DEFAULT is the null handle: search every library loaded at start-up.
-        let f = unsafe { dlsym(std::ptr::null_mut(), c"mlx_models_blas_routed_products".as_ptr()) };
-        if f.is_null() {
-            return None;
-        }
-        let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(f) };
-        Some(f())
-    }
+    return router_counter().map(|f| f());
     #[cfg(not(target_os = "linux"))]
     None
 }
@@ -66,15 +68,11 @@ pub fn blas_router_path() -> Option<std::path::PathBuf> {
             saddr: *mut std::ffi::c_void,
         }
         unsafe extern "C" {
-            fn dlsym(handle: *mut std::ffi::c_void, symbol: *const std::ffi::c_char) -> *mut std::ffi::c_void;
             fn dladdr(addr: *const std::ffi::c_void, info: *mut DlInfo) -> std::ffi::c_int;
         }
-        let f = unsafe { dlsym(std::ptr::null_mut(), c"mlx_models_blas_routed_products".as_ptr()) };
-        if f.is_null() {
-            return None;
-        }
+        let f = router_counter()?;
         let mut info = DlInfo { fname: std::ptr::null(), fbase: std::ptr::null_mut(), sname: std::ptr::null(), saddr: std::ptr::null_mut() };
-        if unsafe { dladdr(f, &mut info) } == 0 || info.fname.is_null() {
+        if unsafe { dladdr(f as *const std::ffi::c_void, &mut info) } == 0 || info.fname.is_null() {
             return None;
         }
         let name = unsafe { std::ffi::CStr::from_ptr(info.fname) }.to_string_lossy().into_owned();
