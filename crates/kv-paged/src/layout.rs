@@ -56,11 +56,15 @@ pub struct KvConfig {
     /// Sliding groups keep this many extra tokens before the window, so that a trim (speculative
     /// rollback) of up to this many tokens stays possible.
     pub rollback_tokens: usize,
+    /// Blocks of storage each group starts with; the storage doubles (up to the group's
+    /// `num_blocks`, which the budget sets) when a step needs a block beyond it. `None`:
+    /// allocate the whole budget up front.
+    pub initial_blocks: Option<usize>,
 }
 
 impl Default for KvConfig {
     fn default() -> Self {
-        KvConfig { block_size: DEFAULT_BLOCK_SIZE, budget_mb: 1024.0, dtype_bytes: 2, max_seqs: 8, max_step_tokens: 512, rollback_tokens: 16 }
+        KvConfig { block_size: DEFAULT_BLOCK_SIZE, budget_mb: 1024.0, dtype_bytes: 2, max_seqs: 8, max_step_tokens: 512, rollback_tokens: 16, initial_blocks: Some(32) }
     }
 }
 

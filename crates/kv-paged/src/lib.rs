@@ -3,7 +3,11 @@
 //! A paged KV cache for LLM inference over MLX: a block allocator with reference counts, an LRU
 //! free list and chained prefix hashing (vLLM-style automatic prefix caching), sequences over
 //! one or more cache groups (full attention, sliding windows), and per-layer K/V storage as MLX
-//! arrays with a gather read path for `scaled_dot_product_attention`.
+//! arrays with a gather read path for `scaled_dot_product_attention`. The storage starts at
+//! [`KvConfig::initial_blocks`] and doubles as blocks are used, up to the budget. Decode inputs
+//! that are still being computed join a sequence with [`KvCacheManager::append_pending`] and
+//! get their ids (for prefix hashing) later with [`KvCacheManager::resolve`], so a pipelined
+//! decode loop never waits for the device to hash blocks.
 //!
 //! ```
 //! use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerKind, LayerSpec};

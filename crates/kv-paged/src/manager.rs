@@ -89,6 +89,9 @@ struct Table {
 #[derive(Debug, Clone)]
 struct Seq {
     tokens: Vec<u32>,
+    /// Leading tokens whose ids are known; the rest were appended by
+    /// [`KvCacheManager::append_pending`] and read 0 until [`KvCacheManager::resolve`].
+    known: usize,
     computed: usize,
     scheduled: usize,
     extra: ExtraKeys,
@@ -169,7 +172,7 @@ impl KvCacheManager {
         self.seqs.get(&id.0).ok_or(Error::UnknownSequence(id.0))
     }
 
-    /// All tokens of a sequence (computed or not).
+    /// All tokens of a sequence (computed or not; unresolved ids read 0).
     pub fn tokens(&self, id: SeqId) -> Result<&[u32]> {
         Ok(&self.seq(id)?.tokens)
     }
@@ -246,7 +249,7 @@ impl KvCacheManager {
         self.next_id += 1;
         self.prompt_tokens += prompt.len() as u64;
         self.cached_prompt_tokens += (n * bs) as u64;
-        self.seqs.insert(id, Seq { tokens: prompt.to_vec(), computed: n * bs, scheduled: n * bs, extra, tables });
+        self.seqs.insert(id, Seq { tokens: prompt.to_vec(), known: prompt.len(), computed: n * bs, scheduled: n * bs, extra, tables });
         Ok(Begun { seq: SeqId(id), cached_tokens: n * bs })
     }
 
@@ -254,14 +257,21 @@ impl KvCacheManager {
     /// lookup and sliding groups release the blocks that left the window. Every other call on
     /// the sequence does this first, so calling it is only needed to share blocks sooner.
     pub fn commit(&mut self, id: SeqId) -> Result<()> {
-        let bs = self.block_size;
-        let rollback = self.rollback;
         let s = self.seqs.get_mut(&id.0).ok_or(Error::UnknownSequence(id.0))?;
         if s.scheduled == s.computed {
             return Ok(());
         }
         s.computed = s.scheduled;
-        let full = s.computed / bs;
+        self.register(id)
+    }
+
+    /// Register the computed full blocks whose token ids are all known, and release the blocks
+    /// that left sliding windows.
+    fn register(&mut self, id: SeqId) -> Result<()> {
+        let bs = self.block_size;
+        let rollback = self.rollback;
+        let s = self.seqs.get_mut(&id.0).ok_or(Error::UnknownSequence(id.0))?;
+        let full = s.computed.min(s.known) / bs;
         for (g, (st, t)) in self.groups.iter_mut().zip(s.tables.iter_mut()).enumerate() {
             extend_block_keys(&mut t.keys, &s.tokens[..full * bs], bs, g, &s.extra);
             for i in t.registered.max(t.released)..full {
@@ -284,10 +294,45 @@ impl KvCacheManager {
     }
 
     /// Add tokens (generated ones) to the end of a sequence; they get slots at the next step.
+    /// Fails while ids appended by [`KvCacheManager::append_pending`] are unresolved.
     pub fn append(&mut self, id: SeqId, tokens: &[u32]) -> Result<()> {
         self.commit(id)?;
-        self.seqs.get_mut(&id.0).expect("committed").tokens.extend_from_slice(tokens);
+        let s = self.seqs.get_mut(&id.0).expect("committed");
+        if s.known < s.tokens.len() {
+            return Err(Error::Tokens(format!("append with {} token ids unresolved", s.tokens.len() - s.known)));
+        }
+        s.tokens.extend_from_slice(tokens);
+        s.known = s.tokens.len();
         Ok(())
+    }
+
+    /// Add `n` tokens whose ids are not known yet (a decode step's input still being computed
+    /// on the device). They are scheduled like any others; the blocks holding them join the
+    /// prefix cache only once [`KvCacheManager::resolve`] gives their ids.
+    pub fn append_pending(&mut self, id: SeqId, n: usize) -> Result<()> {
+        self.commit(id)?;
+        let s = self.seqs.get_mut(&id.0).expect("committed");
+        s.tokens.resize(s.tokens.len() + n, 0);
+        Ok(())
+    }
+
+    /// Give the ids of the oldest unresolved tokens (in order); full computed blocks that are
+    /// now known are registered.
+    pub fn resolve(&mut self, id: SeqId, ids: &[u32]) -> Result<()> {
+        self.commit(id)?;
+        let s = self.seqs.get_mut(&id.0).expect("committed");
+        let end = s.known + ids.len();
+        if end > s.tokens.len() {
+            return Err(Error::Tokens(format!("resolve {} ids with {} unresolved", ids.len(), s.tokens.len() - s.known)));
+        }
+        s.tokens[s.known..end].copy_from_slice(ids);
+        s.known = end;
+        self.register(id)
+    }
+
+    /// Tokens whose ids are known (the rest await [`KvCacheManager::resolve`]).
+    pub fn num_known(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.known)
     }
 
     /// Schedule the next up to `max_tokens` tokens not yet computed: allocate their slots and
@@ -363,6 +408,7 @@ impl KvCacheManager {
         }
         let s = self.seqs.get_mut(&id.0).expect("committed");
         s.tokens.truncate(keep);
+        s.known = s.known.min(keep);
         s.computed = s.computed.min(keep);
         s.scheduled = s.computed;
         let mut copies = Vec::new();

@@ -1,9 +1,11 @@
 //! [`KvPool`]: the K/V storage of every attention layer as MLX arrays, written at slot mappings
 //! and gathered back into contiguous `[B, kv_heads, L, head_dim]` for attention.
 //!
-//! Each layer with its own K/V keeps two arrays of shape `[num_blocks * block_size + 1,
-//! kv_heads, head_dim]` (the last row is a padding slot that is never written). KV-shared layers
-//! read their anchor's arrays.
+//! Each layer with its own K/V keeps two arrays of shape `[capacity * block_size + 1, kv_heads,
+//! head_dim]` (the last row is a padding slot that is never written). KV-shared layers read their
+//! anchor's arrays. A group's capacity starts at [`crate::KvConfig::initial_blocks`] and doubles,
+//! up to the group's `num_blocks`, when a step or copy needs a block beyond it: memory follows
+//! the blocks in use and in the prefix cache, not the budget.
 use mlx_array::{ops::scatter_rows, Array, DType};
 
 use crate::error::{Error, Result};
@@ -23,6 +25,8 @@ pub struct KvPool {
     dtype: DType,
     /// Per layer: its own storage, or None for KV-shared layers.
     storage: Vec<Option<Storage>>,
+    /// Per group: blocks its storage holds now.
+    capacity: Vec<usize>,
 }
 
 /// The index arrays of one forward step over a batch of sequences, built once and used by every
@@ -96,6 +100,11 @@ impl KvPool {
     /// Zeroed storage of `dtype` for every layer that keeps its own K/V.
     pub fn new(layout: &KvLayout, dtype: DType) -> Result<Self> {
         let bs = layout.config.block_size;
+        let capacity: Vec<usize> = layout
+            .groups
+            .iter()
+            .map(|g| layout.config.initial_blocks.map_or(g.num_blocks, |n| n.clamp(1, g.num_blocks)))
+            .collect();
         let storage = layout
             .layers
             .iter()
@@ -105,14 +114,44 @@ impl KvPool {
                 if anchor != i {
                     return Ok(None);
                 }
-                let shape = [layout.groups[g].num_blocks * bs + 1, l.kv_heads, l.head_dim];
+                let shape = [capacity[g] * bs + 1, l.kv_heads, l.head_dim];
                 let k = Array::zeros(&shape, dtype)?;
                 let v = Array::zeros(&shape, dtype)?;
                 mlx_array::eval(&[&k, &v])?;
                 Ok(Some(Storage { k, v }))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(KvPool { layout: layout.clone(), dtype, storage })
+        Ok(KvPool { layout: layout.clone(), dtype, storage, capacity })
+    }
+
+    /// Blocks the storage of `group` holds now (at most the group's `num_blocks`).
+    pub fn capacity(&self, group: usize) -> Option<usize> {
+        self.capacity.get(group).copied()
+    }
+
+    /// Grow `group`'s storage to hold blocks `0..blocks` (doubling, capped at `num_blocks`).
+    /// Slots keep their rows; the padding row moves to the new end.
+    fn reserve(&mut self, group: usize, blocks: usize) -> Result<()> {
+        let cap = self.capacity[group];
+        if blocks <= cap {
+            return Ok(());
+        }
+        let max = self.layout.groups[group].num_blocks;
+        if blocks > max {
+            return Err(Error::Pool(format!("block {} out of range for group {group} ({max} blocks)", blocks - 1)));
+        }
+        let new = blocks.max(2 * cap).min(max);
+        let bs = self.layout.config.block_size;
+        for &layer in &self.layout.groups[group].layers {
+            let spec = self.layout.layers[layer];
+            let Some(st) = self.storage[layer].as_mut() else { continue };
+            let tail = Array::zeros(&[(new - cap) * bs + 1, spec.kv_heads, spec.head_dim], self.dtype)?;
+            let grow = |x: &Array| -> Result<Array> { Ok(mlx_array::ops::concatenate(&[&x.slice_axis(0, 0, cap * bs)?, &tail], 0)?) };
+            st.k = grow(&st.k)?;
+            st.v = grow(&st.v)?;
+        }
+        self.capacity[group] = new;
+        Ok(())
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -123,15 +162,25 @@ impl KvPool {
     }
 
     fn pad_slot(&self, group: usize) -> u32 {
-        (self.layout.groups[group].num_blocks * self.layout.config.block_size) as u32
+        (self.capacity[group] * self.layout.config.block_size) as u32
     }
 
     /// The index arrays for one forward step over `steps` (one per sequence, in batch order).
-    pub fn batch(&self, steps: &[&Step]) -> Result<StepBatch> {
+    /// Grows the storage first if a step's blocks lie beyond it. A batch is meant for the step
+    /// it was built for: a later `batch` or [`KvPool::copy_blocks`] that grows the storage moves
+    /// the padding row its reads point at.
+    pub fn batch(&mut self, steps: &[&Step]) -> Result<StepBatch> {
         if steps.is_empty() {
             return Err(Error::Pool("empty batch".into()));
         }
         let ng = self.layout.groups.len();
+        let bs = self.layout.config.block_size;
+        for g in 0..ng {
+            let top = steps.iter().filter_map(|s| s.groups.get(g)).flat_map(|gs| gs.slot_mapping.iter().chain(&gs.kv_slots)).max();
+            if let Some(&top) = top {
+                self.reserve(g, top as usize / bs + 1)?;
+            }
+        }
         let mut groups = Vec::with_capacity(ng);
         for g in 0..ng {
             let mut write = Vec::new();
@@ -242,6 +291,8 @@ impl KvPool {
             if let Some(c) = mine.iter().find(|c| c.src.0 >= nb || c.dst.0 >= nb) {
                 return Err(Error::Pool(format!("copy {c:?} out of range ({nb} blocks)")));
             }
+            let top = mine.iter().map(|c| c.src.0.max(c.dst.0)).max().expect("non-empty");
+            self.reserve(g, top as usize + 1)?;
             let rows = |f: fn(&BlockCopy) -> u32| -> Vec<i32> {
                 mine.iter().flat_map(|c| (0..bs as u32).map(move |o| (f(c) * bs as u32 + o) as i32)).collect()
             };
@@ -257,10 +308,28 @@ impl KvPool {
         Ok(())
     }
 
+    /// The K and V arrays of every layer with its own storage.
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.storage.iter().flatten().flat_map(|s| [&s.k, &s.v]).collect()
+    }
+
     /// Evaluate the pending writes of every layer (bounds the lazy graph; call once per step).
     pub fn eval(&self) -> Result<()> {
-        let arrays: Vec<&Array> = self.storage.iter().flatten().flat_map(|s| [&s.k, &s.v]).collect();
-        Ok(mlx_array::eval(&arrays)?)
+        Ok(mlx_array::eval(&self.arrays())?)
+    }
+
+    /// Queue the pending writes of every layer without waiting for them.
+    pub fn async_eval(&self) -> Result<()> {
+        Ok(mlx_array::async_eval(&self.arrays())?)
+    }
+
+    /// Wait until every layer's storage is computed, one array at a time ([`Array::eval`]):
+    /// works for writes queued by [`KvPool::async_eval`] on another thread.
+    pub fn wait(&self) -> Result<()> {
+        for a in self.arrays() {
+            a.eval()?;
+        }
+        Ok(())
     }
 
     /// Bytes held by all K/V storage.

@@ -3,6 +3,9 @@
 //! (the salt and the whole token prefix up to that position); every step checks that the keys
 //! it hands out hold exactly the sequence's own prefix, which is what a prefix hit, a fork or a
 //! trim must preserve. Refcounts must equal the references held by live block tables.
+//! Appends may leave ids pending (`append_pending`, resolved later in random chunks): a block
+//! with an unresolved id must never be found by a prefix lookup, as its placeholder ids (0)
+//! would match the wrong content.
 use std::collections::HashMap;
 
 use kv_paged::{Attention, BlockCopy, Error, ExtraKeys, KvCacheManager, SeqId};
@@ -16,6 +19,8 @@ enum Op {
     Begin { base: usize, extra_len: usize, salt: bool },
     Step { seq: usize, max: usize },
     Append { seq: usize, tokens: Vec<u32> },
+    AppendPending { seq: usize, tokens: Vec<u32> },
+    Resolve { seq: usize, count: usize },
     Trim { seq: usize, back: usize },
     Fork { seq: usize },
     Finish { seq: usize },
@@ -26,6 +31,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0usize..3, 0usize..10, prop::bool::weighted(0.2)).prop_map(|(base, extra_len, salt)| Op::Begin { base, extra_len, salt }),
         6 => (any::<usize>(), 1usize..12).prop_map(|(seq, max)| Op::Step { seq, max }),
         3 => (any::<usize>(), prop::collection::vec(0u32..3, 1..4)).prop_map(|(seq, tokens)| Op::Append { seq, tokens }),
+        2 => (any::<usize>(), prop::collection::vec(0u32..3, 1..4)).prop_map(|(seq, tokens)| Op::AppendPending { seq, tokens }),
+        2 => (any::<usize>(), 1usize..5).prop_map(|(seq, count)| Op::Resolve { seq, count }),
         2 => (any::<usize>(), 0usize..6).prop_map(|(seq, back)| Op::Trim { seq, back }),
         1 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
         2 => any::<usize>().prop_map(|seq| Op::Finish { seq }),
@@ -38,6 +45,8 @@ struct World {
     /// Shadow KV store per group, indexed by slot.
     kv: Vec<Vec<Content>>,
     salts: HashMap<SeqId, Option<u128>>,
+    /// Each live sequence's real tokens and how many of them the manager knows.
+    truth: HashMap<SeqId, (Vec<u32>, usize)>,
     live: Vec<SeqId>,
 }
 
@@ -90,7 +99,8 @@ impl World {
             }
             Err(e) => return Err(TestCaseError::fail(format!("step: {e}"))),
         };
-        let tokens = self.m.tokens(s).unwrap().to_vec();
+        let tokens = self.truth[&s].0.clone();
+        prop_assert_eq!(tokens.len(), self.m.tokens(s).unwrap().len());
         let salt = self.salts[&s];
         let end = step.start + step.len;
         for (g, gs) in step.groups.iter().enumerate() {
@@ -134,7 +144,7 @@ fn bases() -> [Vec<u32>; 3] {
 fn run(groups: Vec<(Attention, usize)>, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let m = KvCacheManager::with_groups(BS, 3, &groups).unwrap();
     let kv = groups.iter().map(|&(_, n)| vec![None; n * BS]).collect();
-    let mut w = World { m, groups, kv, salts: HashMap::new(), live: vec![] };
+    let mut w = World { m, groups, kv, salts: HashMap::new(), truth: HashMap::new(), live: vec![] };
     for op in ops {
         let pick = |w: &World, i: usize| (!w.live.is_empty()).then(|| w.live[i % w.live.len()]);
         match op {
@@ -145,6 +155,7 @@ fn run(groups: Vec<(Attention, usize)>, ops: Vec<Op>) -> Result<(), TestCaseErro
                 let b = w.m.begin(&p, ExtraKeys { salt, ..Default::default() }).unwrap();
                 prop_assert!(b.cached_tokens % BS == 0 && b.cached_tokens < p.len());
                 w.salts.insert(b.seq, salt);
+                w.truth.insert(b.seq, (p.clone(), p.len()));
                 w.live.push(b.seq);
                 // The cached part is checked by the next step's reads; do one now.
                 w.step(b.seq, 1 + extra_len)?;
@@ -155,8 +166,34 @@ fn run(groups: Vec<(Attention, usize)>, ops: Vec<Op>) -> Result<(), TestCaseErro
             Op::Append { seq, tokens } => {
                 if let Some(s) = pick(&w, seq) {
                     let n = w.m.tokens(s).unwrap().len();
-                    w.m.append(s, &tokens).unwrap();
-                    prop_assert_eq!(w.m.tokens(s).unwrap().len(), n + tokens.len());
+                    let (t, known) = w.truth.get_mut(&s).unwrap();
+                    if *known < t.len() {
+                        prop_assert!(matches!(w.m.append(s, &tokens), Err(Error::Tokens(_))), "append past unresolved ids");
+                        prop_assert_eq!(w.m.tokens(s).unwrap().len(), n);
+                    } else {
+                        w.m.append(s, &tokens).unwrap();
+                        t.extend(&tokens);
+                        *known = t.len();
+                        prop_assert_eq!(w.m.tokens(s).unwrap().len(), n + tokens.len());
+                    }
+                }
+            }
+            Op::AppendPending { seq, tokens } => {
+                if let Some(s) = pick(&w, seq) {
+                    w.m.append_pending(s, tokens.len()).unwrap();
+                    w.truth.get_mut(&s).unwrap().0.extend(&tokens);
+                }
+            }
+            Op::Resolve { seq, count } => {
+                if let Some(s) = pick(&w, seq) {
+                    let (t, known) = w.truth.get_mut(&s).unwrap();
+                    let c = count.min(t.len() - *known);
+                    w.m.resolve(s, &t[*known..*known + c]).unwrap();
+                    *known += c;
+                    prop_assert_eq!(w.m.num_known(s).unwrap(), *known);
+                    if c < count {
+                        prop_assert!(w.m.resolve(s, &vec![0; count - c]).is_err(), "resolve past the pending ids");
+                    }
                 }
             }
             Op::Trim { seq, back } => {
@@ -167,6 +204,9 @@ fn run(groups: Vec<(Attention, usize)>, ops: Vec<Op>) -> Result<(), TestCaseErro
                         Ok(copies) => {
                             w.apply_copies(&copies);
                             prop_assert_eq!(w.m.tokens(s).unwrap().len(), keep);
+                            let (t, known) = w.truth.get_mut(&s).unwrap();
+                            t.truncate(keep);
+                            *known = (*known).min(keep);
                         }
                         Err(Error::TrimBeyondWindow { .. }) | Err(Error::OutOfBlocks { .. }) => {
                             prop_assert_eq!(w.m.tokens(s).unwrap().len(), n, "failed trim changed the sequence");
@@ -182,6 +222,7 @@ fn run(groups: Vec<(Attention, usize)>, ops: Vec<Op>) -> Result<(), TestCaseErro
                             w.apply_copies(&copies);
                             prop_assert_eq!(w.m.tokens(c).unwrap(), w.m.tokens(s).unwrap());
                             w.salts.insert(c, w.salts[&s]);
+                            w.truth.insert(c, w.truth[&s].clone());
                             w.live.push(c);
                         }
                         Err(Error::OutOfBlocks { .. }) => {}

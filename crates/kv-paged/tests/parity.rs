@@ -31,8 +31,13 @@ fn layers() -> Vec<LayerSpec> {
     ]
 }
 
+/// Storage starts at 2 blocks per group and grows as steps need more (see `setup_with`).
 fn setup(block_size: usize) -> (KvLayout, KvCacheManager, KvPool) {
-    let cfg = KvConfig { block_size, budget_mb: 10.0, dtype_bytes: 4, max_seqs: 4, max_step_tokens: 8, rollback_tokens: 2 };
+    setup_with(block_size, Some(2))
+}
+
+fn setup_with(block_size: usize, initial_blocks: Option<usize>) -> (KvLayout, KvCacheManager, KvPool) {
+    let cfg = KvConfig { block_size, budget_mb: 10.0, dtype_bytes: 4, max_seqs: 4, max_step_tokens: 8, rollback_tokens: 2, initial_blocks };
     let layout = KvLayout::new(layers(), cfg).unwrap().with_blocks(&[64 / block_size + 40, 40]).unwrap();
     let m = KvCacheManager::new(&layout).unwrap();
     let pool = KvPool::new(&layout, DType::F32).unwrap();
@@ -94,12 +99,13 @@ fn write_and_check(pool: &mut KvPool, step: &Step, kv: &[(Array, Array)], rng: &
     }
 }
 
+/// Storage grown block by block or allocated up front: the same reads.
 #[test]
 fn paged_attention_matches_contiguous() {
-    for bs in [1usize, 3, 4, 16] {
-        for len in [1usize, 5, 17, 37] {
+    for (bs, len, initial) in [1usize, 3, 4, 16].into_iter().flat_map(|bs| [1usize, 5, 17, 37].map(|l| (bs, l))).flat_map(|(b, l)| [(b, l, Some(2)), (b, l, None)]) {
+        {
             let mut rng = Rng(bs as u64 * 1000 + len as u64);
-            let (_, mut m, mut pool) = setup(bs);
+            let (layout, mut m, mut pool) = setup_with(bs, initial);
             let tokens: Vec<u32> = (0..len as u32).collect();
             let kv = contiguous(&mut rng, len);
             let prompt = (len / 2).max(1);
@@ -113,6 +119,13 @@ fn paged_attention_matches_contiguous() {
                 m.append(b.seq, &tokens[t..t + 1]).unwrap();
                 let step = m.step(b.seq, 1).unwrap();
                 write_and_check(&mut pool, &step, &kv, &mut rng, &format!("bs {bs} len {len} decode"));
+            }
+            let full = layout.groups[0].num_blocks;
+            let need = len.div_ceil(bs);
+            let cap = pool.capacity(0).unwrap();
+            match initial {
+                None => assert_eq!(cap, full),
+                Some(i) => assert!(cap >= need && cap <= (2 * need).max(i).min(full), "bs {bs} len {len}: capacity {cap} for {need} blocks"),
             }
             m.finish(b.seq).unwrap();
         }

@@ -146,9 +146,20 @@ impl Array {
         self.inner.as_dtype(dtype.to_mlx()).op("astype").map(Self::wrap)
     }
 
-    /// Compute this array (and what it depends on).
+    /// Compute this array (and what it depends on) and wait for it. An array already queued
+    /// by [`async_eval`], on any thread, is only waited for (on its own completion event): unlike
+    /// [`eval`] of several arrays this needs no stream of the calling thread.
     pub fn eval(&self) -> Result<()> {
         self.inner.eval().op("eval")
+    }
+
+    /// Whether the data is ready to read without waiting: evaluated, or queued by
+    /// [`async_eval`] and finished. A lazy array that was never evaluated is not.
+    pub fn is_available(&self) -> bool {
+        let mut ready = false;
+        // SAFETY: `inner` is a live mlx_array; the call only reads its status and event.
+        let rc = unsafe { mlx_sys::_mlx_array_is_available(&mut ready, self.inner.as_ptr()) };
+        rc == 0 && ready
     }
 
     /// Evaluate and copy out the elements in row-major order; `T` must match [`Array::dtype`].

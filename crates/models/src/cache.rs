@@ -266,6 +266,15 @@ pub struct ForwardKv<'a> {
     paged: Option<(std::sync::MutexGuard<'a, crate::paged::PagedKv>, kv_paged::StepBatch, usize)>,
 }
 
+impl Drop for ForwardKv<'_> {
+    /// A forward call that failed before [`ForwardKv::finish`] still queues what it wrote.
+    fn drop(&mut self) {
+        if let Some((g, _, _)) = &mut self.paged {
+            let _ = g.release();
+        }
+    }
+}
+
 impl ForwardKv<'_> {
     /// The K/V access of model layer `i`.
     pub fn layer(&mut self, i: usize) -> Result<LayerKv<'_>> {
@@ -285,12 +294,13 @@ impl ForwardKv<'_> {
             },
         }
     }
-    /// End the forward pass. In paged mode this computes the pool writes before the pool is
-    /// released: the pool is shared by every sequence of the model, and MLX streams are per
-    /// thread, so no lazy write may outlive this call (it would be evaluated on another thread).
-    pub fn finish(self) -> Result<()> {
-        if let Some((g, _, _)) = &self.paged {
-            g.pool.eval().map_err(crate::paged::err)?;
+    /// End the forward pass. In paged mode this queues the pool writes before the pool is
+    /// released (without waiting for them): the pool is shared by every sequence of the model
+    /// and MLX streams belong to a thread, so no unqueued write may outlive this call. The next
+    /// forward call from another thread waits for them.
+    pub fn finish(mut self) -> Result<()> {
+        if let Some((mut g, _, _)) = self.paged.take() {
+            g.release()?;
         }
         Ok(())
     }
@@ -323,7 +333,7 @@ impl Cache {
     /// A cache whose attention layers live in the shared paged pool `shared`.
     pub(crate) fn new_paged(spec: &CacheSpec, shared: std::sync::Arc<std::sync::Mutex<crate::paged::PagedKv>>) -> Self {
         let mut c = Self::new(spec);
-        c.paged = Some(crate::paged::PagedSeq { shared, seq: None, offset: 0 });
+        c.paged = Some(crate::paged::PagedSeq::new(shared));
         c
     }
 
@@ -356,10 +366,11 @@ impl Cache {
                 if tokens.ndim() != 2 || tokens.dims()[0] != 1 {
                     return Err(ModelError::InvalidInput(format!("paged caches take one sequence ([1, L] tokens), got {:?}", tokens.shape())));
                 }
-                let ids: Vec<u32> = tokens.astype(mlx_array::DType::U32)?.to_vec()?;
-                let (batch, skipped, offset) = p.schedule(&ids, allow_prefix_skip)?;
+                let crate::paged::PagedSeq { shared, state } = p;
+                let mut guard = shared.lock().unwrap_or_else(|e| e.into_inner());
+                guard.claim()?;
+                let (batch, skipped, offset) = state.schedule(&mut guard, tokens, allow_prefix_skip)?;
                 *last_skipped = skipped;
-                let guard = p.shared.lock().unwrap_or_else(|e| e.into_inner());
                 Ok((ForwardKv { layers, paged: Some((guard, batch, offset)) }, skipped))
             }
         }
@@ -368,7 +379,7 @@ impl Cache {
     /// Positions processed so far (from the first attention layer).
     pub fn offset(&self) -> usize {
         if let Some(p) = &self.paged {
-            return p.offset;
+            return p.state.offset;
         }
         self.layers.iter().find_map(|l| if let LayerCache::Kv(c) = l { Some(c.offset()) } else { None }).unwrap_or(0)
     }

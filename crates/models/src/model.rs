@@ -96,6 +96,11 @@ impl Model {
     pub fn paged_stats(&self) -> Option<kv_paged::ManagerStats> {
         self.paged.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).stats())
     }
+    /// Bytes of K/V storage the paged pool holds now (it grows with use up to its budget), when
+    /// the model uses a paged cache.
+    pub fn paged_storage_bytes(&self) -> Option<usize> {
+        self.paged.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).storage_bytes())
+    }
     pub fn info(&self) -> &ModelInfo {
         &self.info
     }
@@ -117,6 +122,21 @@ impl Model {
         crate::families::qwen3::check_token_range(tokens, self.info.vocab_size)?;
         let rt = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         rt.forward(tokens, cache, logits, hidden)
+    }
+    /// Compute every array the runtime holds, on this thread, by one forward pass over a single
+    /// token into a throwaway flat cache. Weights load lazily and layers derive arrays from
+    /// them (fused projections, transposed experts, casts); MLX binds a lazy array to a stream
+    /// of the thread that made it, so without this a forward call from any other thread would
+    /// fail with "There is no Stream(.., ..) in current thread". [`load_model`] calls it.
+    pub fn materialize(&self) -> Result<()> {
+        let rt = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = Cache::new(&rt.cache_spec());
+        let t = Array::from_slice(&[0u32], &[1, 1])?;
+        let out = rt.forward(&t, &mut cache, Logits::Last, false)?;
+        let mut arrays: Vec<&Array> = out.logits.iter().collect();
+        arrays.extend(cache.arrays());
+        mlx_array::eval(&arrays)?;
+        Ok(())
     }
     /// Run `f` with exclusive use of the runtime.
     pub fn with_runtime<R>(&self, f: impl FnOnce(&dyn ModelRuntime) -> R) -> R {
@@ -165,6 +185,16 @@ pub fn load_model(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMod
 }
 
 pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
+    let m = build_family(dir, family, opts)?;
+    match &m {
+        LoadedModel::Lm(lm) => lm.materialize()?,
+        // Same reason as Model::materialize: compute the weights on the loading thread.
+        LoadedModel::Embedding(e) => drop(e.encode_ids(&[0])?),
+    }
+    Ok(m)
+}
+
+fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
     if opts.draft_model_path.is_some() && !family.accepts_draft_model {
         return Err(ModelError::UnsupportedOption(format!(
             "draft_model_path (speculative-decoding draft) is only supported by gemma4 models; {} has model_type \"{}\"",

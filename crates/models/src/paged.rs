@@ -6,19 +6,29 @@
 //! sequence, blocks already in the pool (same tokens from the start, same extra keys) are
 //! reused and their tokens are not recomputed: the outputs then cover only the computed suffix
 //! ([`crate::ForwardOutput::skipped`] says how many were skipped).
+//!
+//! Nothing here waits on the device in a pipelined decode loop. A step's input ids are usually
+//! the previous step's lazy output: they enter the sequence as pending ids
+//! ([`KvCacheManager::append_pending`]) and are read back for block hashing only once computed.
+//! The pool writes are queued ([`KvPool::async_eval`]) at the end of a forward call, and a
+//! forward call on another thread waits for them first (MLX streams belong to a thread, so no
+//! thread builds on another's unqueued graph).
 use crate::cache::{CacheSpec, LayerKind};
 use crate::{ModelError, Result};
 use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId};
-use mlx_array::DType;
+use mlx_array::{Array, DType};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 
 /// Paged cache settings.
 #[derive(Debug, Clone)]
 pub struct PagedConfig {
     /// Tokens per block (seed default 16).
     pub block_size: usize,
-    /// Memory for all K/V, in MB; `None`: enough for `max_position_embeddings` tokens of every
-    /// attention layer, capped at 2048 MB.
+    /// Most memory for all K/V, in MB; `None`: enough for `max_position_embeddings` tokens of
+    /// every attention layer, capped at 2048 MB. Storage is allocated as blocks are used (see
+    /// `initial_blocks`), so this is a ceiling, not what a load costs.
     pub memory_mb: Option<f64>,
     /// Concurrent sequences sliding-window groups are sized for.
     pub max_seqs: usize,
@@ -31,11 +41,15 @@ pub struct PagedConfig {
     /// pool; on the CPU backend it makes paged decode as fast as flat decode (the per-step
     /// gather and its fresh buffers cost a third of a small model's decode step).
     pub contiguous_reads: bool,
+    /// Blocks of storage each cache group starts with; it doubles when more are needed, up to
+    /// what `memory_mb` allows ([`kv_paged::KvConfig::initial_blocks`]). `None`: allocate all
+    /// of `memory_mb` at load.
+    pub initial_blocks: Option<usize>,
 }
 
 impl Default for PagedConfig {
     fn default() -> Self {
-        PagedConfig { block_size: 16, memory_mb: None, max_seqs: 8, contiguous_reads: true }
+        PagedConfig { block_size: 16, memory_mb: None, max_seqs: 8, contiguous_reads: true, initial_blocks: Some(32) }
     }
 }
 
@@ -51,6 +65,8 @@ pub struct PagedKv {
     pub(crate) layer_map: Vec<Option<usize>>,
     /// [`PagedConfig::contiguous_reads`].
     pub(crate) contiguous_reads: bool,
+    /// The thread whose pool writes may still be in flight (queued, not waited for).
+    writer: Option<ThreadId>,
 }
 
 impl PagedKv {
@@ -79,7 +95,13 @@ impl PagedKv {
             pool_index.push(idx);
             layer_map.push(idx);
         }
-        let kcfg = KvConfig { block_size: cfg.block_size, dtype_bytes: dtype.size(), max_seqs: cfg.max_seqs, ..Default::default() };
+        let kcfg = KvConfig {
+            block_size: cfg.block_size,
+            dtype_bytes: dtype.size(),
+            max_seqs: cfg.max_seqs,
+            initial_blocks: cfg.initial_blocks,
+            ..Default::default()
+        };
         // Auto budget: full-attention layers hold max_position_embeddings tokens (capped at
         // 2048 MB); sliding layers need their fixed per-sequence window groups on top.
         let bs = cfg.block_size.max(1);
@@ -103,7 +125,30 @@ impl PagedKv {
         // Materialize the storage now: MLX streams are per thread, and a lazy array built here
         // could not be evaluated by the session threads that share the pool.
         pool.eval().map_err(err)?;
-        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool, layer_map, contiguous_reads: cfg.contiguous_reads })
+        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool, layer_map, contiguous_reads: cfg.contiguous_reads, writer: None })
+    }
+
+    /// Before this thread touches the pool's arrays: wait for writes another thread queued.
+    pub(crate) fn claim(&mut self) -> Result<()> {
+        let me = std::thread::current().id();
+        if self.writer.is_some_and(|w| w != me) {
+            self.pool.wait().map_err(err)?;
+        }
+        self.writer = None;
+        Ok(())
+    }
+
+    /// After this thread changed the pool's arrays: queue the writes (they complete on the
+    /// device while the host goes on) and remember who queued them.
+    pub(crate) fn release(&mut self) -> Result<()> {
+        self.pool.async_eval().map_err(err)?;
+        self.writer = Some(std::thread::current().id());
+        Ok(())
+    }
+
+    /// Bytes of K/V storage allocated now (it grows with the blocks in use and cached).
+    pub fn storage_bytes(&self) -> usize {
+        self.pool.nbytes()
     }
 
     /// Block and prefix-hit counters.
@@ -115,18 +160,54 @@ impl PagedKv {
 /// One sequence in a shared [`PagedKv`]; its blocks return to the pool's cache when dropped.
 pub(crate) struct PagedSeq {
     pub(crate) shared: Arc<Mutex<PagedKv>>,
-    pub(crate) seq: Option<SeqId>,
-    pub(crate) offset: usize,
+    pub(crate) state: SeqState,
 }
 
-impl PagedSeq {
-    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, PagedKv> {
-        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+/// Where a [`PagedSeq`] stands in the shared pool.
+#[derive(Default)]
+pub(crate) struct SeqState {
+    seq: Option<SeqId>,
+    pub(crate) offset: usize,
+    /// Inputs appended as pending ids, oldest first, not yet read back.
+    pending: VecDeque<Array>,
+}
+
+/// Pending inputs kept at most before the oldest is waited for (a caller that never evaluates
+/// its inputs must not grow the queue without bound).
+const MAX_PENDING: usize = 8;
+
+/// The ids of a `[1, L]` token array, read in its own dtype (no new device work is queued, so a
+/// computed array is read without waiting for later steps).
+fn host_ids(tokens: &Array) -> Result<Vec<u32>> {
+    let bad = |v: i64| ModelError::InvalidInput(format!("token id {v} is negative"));
+    Ok(match tokens.dtype() {
+        DType::U32 => tokens.to_vec::<u32>()?,
+        DType::I32 => tokens.to_vec::<i32>()?.into_iter().map(|v| u32::try_from(v).map_err(|_| bad(v as i64))).collect::<Result<_>>()?,
+        DType::I64 => tokens.to_vec::<i64>()?.into_iter().map(|v| u32::try_from(v).map_err(|_| bad(v))).collect::<Result<_>>()?,
+        _ => tokens.astype(DType::U32)?.to_vec()?,
+    })
+}
+
+impl SeqState {
+    /// Read back the pending inputs that are computed (all of them with `wait`) and give their
+    /// ids to the manager.
+    fn resolve(&mut self, g: &mut PagedKv, wait: bool) -> Result<()> {
+        let Some(seq) = self.seq else { return Ok(()) };
+        while let Some(a) = self.pending.front() {
+            if !wait && self.pending.len() <= MAX_PENDING && !a.is_available() {
+                break;
+            }
+            let ids = host_ids(a)?;
+            g.manager.resolve(seq, &ids).map_err(err)?;
+            self.pending.pop_front();
+        }
+        Ok(())
     }
-    /// Register `ids` and schedule them; returns (batch, tokens skipped as cached, rope offset).
-    pub(crate) fn schedule(&mut self, ids: &[u32], allow_prefix_skip: bool) -> Result<(kv_paged::StepBatch, usize, usize)> {
-        let shared = self.shared.clone();
-        let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+
+    /// Register `tokens` (`[1, L]`) and schedule them; returns (batch, tokens skipped as cached,
+    /// rope offset). A new sequence reads its ids now (prefix lookup needs them); later inputs
+    /// that are not computed yet go in as pending ids.
+    pub(crate) fn schedule(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool) -> Result<(kv_paged::StepBatch, usize, usize)> {
         let (seq, skipped) = match self.seq {
             None => {
                 let extra = if allow_prefix_skip {
@@ -136,11 +217,17 @@ impl PagedSeq {
                     let n = PRIVATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u128;
                     ExtraKeys { salt: Some((0x5eed_u128 << 64) | n), ..ExtraKeys::none() }
                 };
-                let b = g.manager.begin(ids, extra).map_err(err)?;
+                let b = g.manager.begin(&host_ids(tokens)?, extra).map_err(err)?;
                 (b.seq, b.cached_tokens)
             }
             Some(s) => {
-                g.manager.append(s, ids).map_err(err)?;
+                self.resolve(g, false)?;
+                if self.pending.is_empty() && tokens.is_available() {
+                    g.manager.append(s, &host_ids(tokens)?).map_err(err)?;
+                } else {
+                    g.manager.append_pending(s, tokens.size()).map_err(err)?;
+                    self.pending.push_back(tokens.clone());
+                }
                 (s, 0)
             }
         };
@@ -150,25 +237,39 @@ impl PagedSeq {
         self.offset = step.start + step.len;
         Ok((batch, skipped, step.start))
     }
+}
+
+impl PagedSeq {
+    pub(crate) fn new(shared: Arc<Mutex<PagedKv>>) -> Self {
+        PagedSeq { shared, state: SeqState::default() }
+    }
     pub(crate) fn trim(&mut self, n: usize) -> Result<()> {
-        if n > self.offset {
-            return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", self.offset)));
+        let st = &mut self.state;
+        if n > st.offset {
+            return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", st.offset)));
         }
-        if let Some(s) = self.seq {
-            let shared = self.shared.clone();
-            let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
-            let copies = g.manager.trim(s, self.offset - n).map_err(err)?;
+        if let Some(s) = st.seq {
+            let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+            g.claim()?;
+            st.resolve(&mut g, true)?;
+            let copies = g.manager.trim(s, st.offset - n).map_err(err)?;
             g.pool.copy_blocks(&copies).map_err(err)?;
+            g.release()?;
         }
-        self.offset -= n;
+        st.offset -= n;
         Ok(())
     }
 }
 
 impl Drop for PagedSeq {
     fn drop(&mut self) {
-        if let Some(s) = self.seq.take() {
-            let _ = self.lock().manager.finish(s);
+        if self.state.seq.is_some() {
+            let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+            // Best effort: the last blocks join the prefix cache only with their ids known.
+            let _ = self.state.resolve(&mut g, true);
+            if let Some(s) = self.state.seq.take() {
+                let _ = g.manager.finish(s);
+            }
         }
     }
 }

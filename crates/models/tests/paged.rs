@@ -134,3 +134,65 @@ fn hybrid_families_paged_equal_flat() {
         assert!(e < 1e-5, "{name}: paged vs flat logits rel err {e}");
     }
 }
+
+/// Decode inputs enter the pool as pending ids (the pipelined loop feeds step n + 1 the lazy
+/// token n) and are read back later: once the sequence ends, every full block it computed,
+/// generated tokens included, is findable by a new sequence with the right ids.
+#[test]
+fn generated_tokens_join_the_prefix_cache() {
+    let r = reference("qwen3");
+    let prompt = ids(&r["input_ids"]);
+    assert_eq!(prompt.len(), 72);
+    let p = model(Some(4));
+    // 21 new tokens: the first sequence computes at least 72 + 20 = 92 positions (23 blocks).
+    let gen = greedy_tokens(&p, &prompt, 21, 2048);
+    let mut again = prompt.clone();
+    again.extend(&gen);
+    let mut cache = p.new_cache();
+    let t = mlx_array::Array::from_slice(&again, &[1, again.len()]).unwrap();
+    p.forward(&t, &mut cache, mlx_models::Logits::Last, false).unwrap();
+    assert_eq!(cache.last_skipped(), 92, "all 23 full blocks, 5 of them holding generated tokens, are reused");
+}
+
+/// A model loaded on one thread decodes on others, several at once (MLX binds lazy arrays to
+/// the thread that made them: the load computes the weights). Sequences on a paged model share
+/// its pool: each thread waits for the writes another queued before it builds on the pool. The
+/// tokens equal those of the flat cache on the loading thread.
+#[test]
+fn sequences_on_threads_share_one_model() {
+    let r = reference("qwen3");
+    let prompt = ids(&r["input_ids"]);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt[i * 8..].to_vec()).collect();
+    let flat = model(None);
+    let want: Vec<Vec<u32>> = prompts.iter().map(|q| greedy_tokens(&flat, q, 12, 16)).collect();
+    for (paged, contiguous) in [(None, true), (Some(4), true), (Some(4), false)] {
+        let p = model_with(paged, contiguous);
+        let got: Vec<Vec<u32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = prompts.iter().map(|q| s.spawn(|| greedy_tokens(&p, q, 12, 16))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got, want, "paged {paged:?}, contiguous reads {contiguous}");
+    }
+}
+
+/// The pool starts at `initial_blocks` and grows with the blocks in use, up to the budget; the
+/// tokens do not depend on where it started.
+#[test]
+fn pool_storage_grows_with_use() {
+    let r = reference("qwen3");
+    let prompt = ids(&r["input_ids"]);
+    let load = |initial_blocks| {
+        let cfg = PagedConfig { block_size: 4, memory_mb: Some(8.0), initial_blocks, ..Default::default() };
+        load_model(fixture("qwen3"), &LoadOptions { kv_cache: KvCacheMode::Paged(cfg), ..Default::default() }).unwrap().into_lm().unwrap()
+    };
+    let small = load(Some(2));
+    let before = small.paged_storage_bytes().unwrap();
+    let full = load(None);
+    let whole = full.paged_storage_bytes().unwrap();
+    assert!(before * 100 < whole, "starts at 2 blocks: {before} bytes, the whole budget {whole}");
+    let want = greedy_tokens(&full, &prompt, 16, 20);
+    assert_eq!(greedy_tokens(&small, &prompt, 16, 20), want);
+    let after = small.paged_storage_bytes().unwrap();
+    // 88 positions in blocks of 4: at least 22 blocks, doubled from 2 (2 -> 4 -> ... -> 32).
+    assert!(after > before * 10 && after <= whole, "grew to {after} bytes (from {before}, budget {whole})");
+}
