@@ -43,7 +43,11 @@ fn paged_equals_flat() {
         assert!(e < 1e-6, "block size {bs}, contiguous reads {contiguous}: paged vs flat logits rel err {e}");
         // Chunked prefill of 20 (not a multiple of any block size) plus decode. The all-logits
         // call above used a private sequence, so the first run is cold; the second one finds the
-        // first run's full blocks in the pool (a prefix hit).
+        // first run's full blocks in the pool (a prefix hit). The prefix hit computes the last
+        // prompt token alone instead of in the last 12-token chunk. In f32 on the CPU the tokens
+        // are equal. On the H200 (bf16 fixture) this assert fails at block size 1 from the 4th
+        // token, at 54444f7 as after it; the likely cause (not confirmed) is that the other
+        // chunking rounds differently in bf16. See scripts/gpu/h200-run14-session6-paged.log.
         assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, contiguous reads {contiguous}, cold pool");
         assert_eq!(greedy_tokens(&p, &prompt, 16, 20), want, "block size {bs}, contiguous reads {contiguous}, prefix hit");
         assert!(p.paged_stats().unwrap().prefix_hit_rate > 0.0);
