@@ -54,7 +54,8 @@ impl Array {
         Self::wrap(T::make_array(&[v], &[]))
     }
 
-    /// A 0-d array of `v` converted to `dtype`. Float dtypes are converted on the host: a lazy
+    /// A 0-d array of `v` converted to `dtype`, on the host for every dtype with an [`Element`]
+    /// type (the result is available at once, with no kernel behind it): a lazy
     /// `astype` would be one more kernel launch at every use on the GPU (Gemma 4's bf16 decode
     /// step launched 44 such one-element casts).
     pub fn scalar_as(v: f32, dtype: DType) -> Result<Self> {
@@ -62,6 +63,13 @@ impl Array {
             DType::F32 => Ok(Self::scalar(v)),
             DType::BF16 => Ok(Self::scalar(half::bf16::from_f32(v))),
             DType::F16 => Ok(Self::scalar(half::f16::from_f32(v))),
+            // As MLX's cast: toward zero, saturating (NaN reads 0).
+            DType::I32 => Ok(Self::scalar(v as i32)),
+            DType::U32 => Ok(Self::scalar(v as u32)),
+            DType::I64 => Ok(Self::scalar(v as i64)),
+            DType::U8 => Ok(Self::scalar(v as u8)),
+            DType::I8 => Ok(Self::scalar(v as i8)),
+            DType::Bool => Ok(Self::scalar(v != 0.0)),
             _ => Self::scalar(v).astype(dtype),
         }
     }

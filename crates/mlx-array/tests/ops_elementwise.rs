@@ -140,9 +140,16 @@ fn scalar_as_makes_each_dtype() {
         (DType::BF16, 0.044715, half::bf16::from_f32(0.044715).to_f32()),
         (DType::F16, 0.044715, half::f16::from_f32(0.044715).to_f32()),
         (DType::I32, 3.0, 3.0),
+        (DType::I32, -3.7, -3.0),
+        (DType::U32, 32768.0, 32768.0),
+        (DType::I64, 5.0, 5.0),
+        (DType::U8, 255.0, 255.0),
+        (DType::I8, -2.0, -2.0),
+        (DType::Bool, 2.0, 1.0),
     ] {
         let s = Array::scalar_as(v, d).unwrap();
         assert_eq!((s.dtype(), s.ndim()), (d, 0), "{d:?}");
+        assert!(s.is_available(), "{d:?}: made on the host, no cast kernel behind it");
         assert_eq!(s.astype(DType::F32).unwrap().to_vec::<f32>().unwrap(), vec![want], "{d:?}");
     }
     let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap().astype(DType::BF16).unwrap();

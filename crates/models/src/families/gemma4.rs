@@ -666,11 +666,7 @@ impl Gemma4Model {
         let pv = emb.weight.dim(0)?;
         // Ids outside the per-layer vocabulary read row 0 (as HF masks them).
         let ids = if pv < self.cfg.vocab_size {
-            let bound = match tokens.dtype() {
-                DType::U32 => Array::scalar(pv as u32),
-                DType::I32 => Array::scalar(pv as i32),
-                d => Array::scalar(pv as i32).astype(d)?,
-            };
+            let bound = Array::scalar_as(pv as f32, tokens.dtype())?;
             let ok = tokens.lt(&bound)?;
             ops::where_(&ok, tokens, &Array::zeros(&[1], tokens.dtype())?)?
         } else {
