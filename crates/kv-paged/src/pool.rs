@@ -221,13 +221,31 @@ impl KvPool {
     /// Write the step's new keys and values of `layer`, each `[B, kv_heads, T, head_dim]` with
     /// `B * T` the batch's new tokens in sequence order (ragged batches: `B = 1`, concatenated).
     pub fn write(&mut self, layer: usize, batch: &StepBatch, k: &Array, v: &Array) -> Result<()> {
-        let (g, anchor) = self.check_layer(layer)?;
+        let (g, _) = self.check_layer(layer)?;
+        let slots = batch.groups[g].write.clone();
+        self.scatter(layer, &slots, k, v)
+    }
+
+    /// Write keys and values `[1, kv_heads, n, head_dim]` of `layer` at `slots` (`n` of them,
+    /// each in a block the storage already holds: one a step of [`KvPool::batch`] handed out).
+    /// For writes gathered over several steps (one scatter instead of one a step).
+    pub fn write_rows(&mut self, layer: usize, slots: &[u32], k: &Array, v: &Array) -> Result<()> {
+        let (g, _) = self.check_layer(layer)?;
+        let pad = self.pad_slot(g);
+        if let Some(s) = slots.iter().find(|&&s| s >= pad) {
+            return Err(Error::Pool(format!("slot {s} beyond the storage of group {g} ({pad} slots)")));
+        }
+        let idx: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
+        self.scatter(layer, &Array::from_slice(&idx, &[idx.len()])?, k, v)
+    }
+
+    fn scatter(&mut self, layer: usize, slots: &Array, k: &Array, v: &Array) -> Result<()> {
+        let (_, anchor) = self.check_layer(layer)?;
         if anchor != layer {
             return Err(Error::Pool(format!("layer {layer} shares the K/V of layer {anchor}; write through the anchor")));
         }
         let spec = self.layout.layers[layer];
-        let gb = &batch.groups[g];
-        let n = gb.write.size();
+        let n = slots.size();
         let rows = |x: &Array, what: &str| -> Result<Array> {
             let d = x.shape();
             if d.len() != 4 || d[1] != spec.kv_heads || d[3] != spec.head_dim || d[0] * d[2] != n {
@@ -241,8 +259,8 @@ impl KvPool {
         };
         let (kr, vr) = (rows(k, "keys")?, rows(v, "values")?);
         let st = self.storage[layer].as_mut().expect("own storage");
-        st.k = scatter_rows(&st.k, &gb.write, &kr)?;
-        st.v = scatter_rows(&st.v, &gb.write, &vr)?;
+        st.k = scatter_rows(&st.k, slots, &kr)?;
+        st.v = scatter_rows(&st.v, slots, &vr)?;
         Ok(())
     }
 

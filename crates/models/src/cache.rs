@@ -218,8 +218,16 @@ pub struct Cache {
 pub enum LayerKv<'a> {
     Flat(&'a mut KvCache),
     /// `mirror`: the sequence's contiguous copy of this layer's K/V that attention reads
-    /// ([`crate::PagedConfig::contiguous_reads`]); `None`: read (gather) the pool.
-    Paged { pool: &'a mut kv_paged::KvPool, batch: &'a kv_paged::StepBatch, layer: usize, offset: usize, mirror: Option<&'a mut KvCache> },
+    /// ([`crate::PagedConfig::contiguous_reads`]); `None`: read (gather) the pool. `kept`: this
+    /// step's rows go here instead of the pool (written later, several steps at once).
+    Paged {
+        pool: &'a mut kv_paged::KvPool,
+        batch: &'a kv_paged::StepBatch,
+        layer: usize,
+        offset: usize,
+        mirror: Option<&'a mut KvCache>,
+        kept: Option<&'a mut Vec<(Array, Array)>>,
+    },
 }
 
 impl LayerKv<'_> {
@@ -234,8 +242,11 @@ impl LayerKv<'_> {
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
         match self {
             LayerKv::Flat(c) => c.update_and_fetch(k, v),
-            LayerKv::Paged { pool, batch, layer, offset, mirror } => {
-                pool.write(*layer, batch, k, v).map_err(crate::paged::err)?;
+            LayerKv::Paged { pool, batch, layer, offset, mirror, kept } => {
+                match kept {
+                    Some(rows) => rows.push((k.clone(), v.clone())),
+                    None => pool.write(*layer, batch, k, v).map_err(crate::paged::err)?,
+                }
                 let Some(m) = mirror else { return pool.read(*layer, batch).map_err(crate::paged::err) };
                 // Bring the mirror to the sequence's position first: back after a rollback (a
                 // rotating mirror that cannot go back that far starts over), forward from the
@@ -251,6 +262,10 @@ impl LayerKv<'_> {
                     m.restart_at(first);
                 }
                 if m.offset() < at {
+                    if kept.as_ref().is_some_and(|r| r.len() > 1) {
+                        // kept rows are flushed before any rollback, so a refill never needs them
+                        return Err(ModelError::Cache(format!("layer {layer}: mirror refill with decode rows not in the pool (internal error)")));
+                    }
                     let (pk, pv) = pool.read_span(*layer, batch, m.offset(), at).map_err(crate::paged::err)?;
                     m.update_and_fetch(&pk, &pv)?;
                 }
@@ -263,13 +278,13 @@ impl LayerKv<'_> {
 /// Per-forward view of a [`Cache`], from [`Cache::begin_forward`].
 pub struct ForwardKv<'a> {
     layers: &'a mut Vec<LayerCache>,
-    paged: Option<(std::sync::MutexGuard<'a, crate::paged::PagedKv>, kv_paged::StepBatch, usize)>,
+    paged: Option<(std::sync::MutexGuard<'a, crate::paged::PagedKv>, kv_paged::StepBatch, usize, &'a mut crate::paged::SeqState)>,
 }
 
 impl Drop for ForwardKv<'_> {
     /// A forward call that failed before [`ForwardKv::finish`] still queues what it wrote.
     fn drop(&mut self) {
-        if let Some((g, _, _)) = &mut self.paged {
+        if let Some((g, _, _, _)) = &mut self.paged {
             let _ = g.release();
         }
     }
@@ -279,14 +294,15 @@ impl ForwardKv<'_> {
     /// The K/V access of model layer `i`.
     pub fn layer(&mut self, i: usize) -> Result<LayerKv<'_>> {
         match &mut self.paged {
-            Some((g, batch, offset)) => {
+            Some((g, batch, offset, st)) => {
                 let g = &mut **g;
                 let layer = g.layer_map.get(i).copied().flatten().ok_or_else(|| ModelError::Cache(format!("layer {i} has no K/V")))?;
                 let mirror = match self.layers.get_mut(i) {
                     Some(LayerCache::Kv(c)) if g.contiguous_reads => Some(c),
                     _ => None,
                 };
-                Ok(LayerKv::Paged { pool: &mut g.pool, batch, layer, offset: *offset, mirror })
+                let kept = if st.defer { st.rows.get_mut(layer) } else { None };
+                Ok(LayerKv::Paged { pool: &mut g.pool, batch, layer, offset: *offset, mirror, kept })
             }
             None => match self.layers.get_mut(i) {
                 Some(LayerCache::Kv(c)) => Ok(LayerKv::Flat(c)),
@@ -299,7 +315,10 @@ impl ForwardKv<'_> {
     /// and MLX streams belong to a thread, so no unqueued write may outlive this call. The next
     /// forward call from another thread waits for them.
     pub fn finish(mut self) -> Result<()> {
-        if let Some((mut g, _, _)) = self.paged.take() {
+        if let Some((mut g, _, _, st)) = self.paged.take() {
+            if st.flush_at_end {
+                st.flush(&mut g.pool)?;
+            }
             g.release()?;
         }
         Ok(())
@@ -371,7 +390,7 @@ impl Cache {
                 guard.claim()?;
                 let (batch, skipped, offset) = state.schedule(&mut guard, tokens, allow_prefix_skip)?;
                 *last_skipped = skipped;
-                Ok((ForwardKv { layers, paged: Some((guard, batch, offset)) }, skipped))
+                Ok((ForwardKv { layers, paged: Some((guard, batch, offset, state)) }, skipped))
             }
         }
     }

@@ -13,6 +13,11 @@
 //! The pool writes are queued ([`KvPool::async_eval`]) at the end of a forward call, and a
 //! forward call on another thread waits for them first (MLX streams belong to a thread, so no
 //! thread builds on another's unqueued graph).
+//!
+//! With [`PagedConfig::contiguous_reads`] attention reads the sequence's mirror, so the pool
+//! only serves prefix hits and rollbacks: one-token (decode) steps do not write it each step.
+//! Their rows are kept and written in one scatter a layer when a block fills (before the block
+//! can be registered for sharing), before any longer step, and before a rollback.
 use crate::cache::{CacheSpec, LayerKind};
 use crate::{ModelError, Result};
 use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId};
@@ -170,6 +175,14 @@ pub(crate) struct SeqState {
     pub(crate) offset: usize,
     /// Inputs appended as pending ids, oldest first, not yet read back.
     pending: VecDeque<Array>,
+    /// Decode rows not yet in the pool: per pool layer, each deferred step's `(k, v)`...
+    pub(crate) rows: Vec<Vec<(Array, Array)>>,
+    /// ...and per cache group, their slots.
+    row_slots: Vec<Vec<u32>>,
+    /// The step in flight keeps its rows in `rows` (a one-token step with mirrors).
+    pub(crate) defer: bool,
+    /// The step in flight fills a block: write the kept rows when it ends.
+    pub(crate) flush_at_end: bool,
 }
 
 /// Pending inputs kept at most before the oldest is waited for (a caller that never evaluates
@@ -189,6 +202,26 @@ fn host_ids(tokens: &Array) -> Result<Vec<u32>> {
 }
 
 impl SeqState {
+    /// Write the kept decode rows into the pool: one scatter per layer for all of them.
+    pub(crate) fn flush(&mut self, pool: &mut KvPool) -> Result<()> {
+        for (layer, rows) in self.rows.iter_mut().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let g = pool.layout().placement[layer].0;
+            let slots = &self.row_slots[g];
+            if slots.len() != rows.len() {
+                return Err(ModelError::Cache(format!("layer {layer}: {} kept rows for {} slots", rows.len(), slots.len())));
+            }
+            let (ks, vs): (Vec<&Array>, Vec<&Array>) = rows.iter().map(|(k, v)| (k, v)).unzip();
+            let (k, v) = (mlx_array::ops::concatenate(&ks, 2)?, mlx_array::ops::concatenate(&vs, 2)?);
+            pool.write_rows(layer, slots, &k, &v).map_err(err)?;
+            rows.clear();
+        }
+        self.row_slots.iter_mut().for_each(Vec::clear);
+        Ok(())
+    }
+
     /// Read back the pending inputs that are computed (all of them with `wait`) and give their
     /// ids to the manager.
     fn resolve(&mut self, g: &mut PagedKv, wait: bool) -> Result<()> {
@@ -235,6 +268,18 @@ impl SeqState {
         let step = g.manager.step(seq, usize::MAX).map_err(err)?;
         let batch = g.pool.batch(&[&step]).map_err(err)?;
         self.offset = step.start + step.len;
+        self.rows.resize_with(g.pool.layout().layers.len(), Vec::new);
+        self.row_slots.resize_with(step.groups.len(), Vec::new);
+        self.defer = g.contiguous_reads && step.len == 1;
+        if self.defer {
+            for (slots, gs) in self.row_slots.iter_mut().zip(&step.groups) {
+                slots.extend(&gs.slot_mapping);
+            }
+            self.flush_at_end = self.offset % g.manager.block_size() == 0;
+        } else {
+            self.flush(&mut g.pool)?;
+            self.flush_at_end = false;
+        }
         Ok((batch, skipped, step.start))
     }
 }
@@ -252,6 +297,7 @@ impl PagedSeq {
             let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
             g.claim()?;
             st.resolve(&mut g, true)?;
+            st.flush(&mut g.pool)?;
             let copies = g.manager.trim(s, st.offset - n).map_err(err)?;
             g.pool.copy_blocks(&copies).map_err(err)?;
             g.release()?;

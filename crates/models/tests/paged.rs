@@ -154,8 +154,15 @@ fn generated_tokens_join_the_prefix_cache() {
     again.extend(&gen);
     let mut cache = p.new_cache();
     let t = mlx_array::Array::from_slice(&again, &[1, again.len()]).unwrap();
-    p.forward(&t, &mut cache, mlx_models::Logits::Last, false).unwrap();
+    let out = p.forward(&t, &mut cache, mlx_models::Logits::Last, false).unwrap();
     assert_eq!(cache.last_skipped(), 92, "all 23 full blocks, 5 of them holding generated tokens, are reused");
+    // The reused blocks hold the right K/V: decode steps write the pool a block at a time.
+    let flat = model(None);
+    let mut fc = flat.new_cache();
+    let want = flat.forward(&t, &mut fc, mlx_models::Logits::Last, false).unwrap();
+    let (a, b) = (out.logits.unwrap().to_vec::<f32>().unwrap(), want.logits.unwrap().to_vec::<f32>().unwrap());
+    let e = rel_err(&a, &b);
+    assert!(e < 1e-5, "logits after the prefix hit vs flat: rel err {e}");
 }
 
 /// A model loaded on one thread decodes on others, several at once (MLX binds lazy arrays to
