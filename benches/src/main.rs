@@ -439,7 +439,7 @@ fn run_ours(model: &Model, prompt: &[u32], gen: usize) -> Res<Run> {
         }
     }
     // The generator queues the step after the last token: let it finish before the next request.
-    mlx_array::eval(&cache.arrays())?;
+    cache.eval_with(&[])?;
     let t_first = t_first.ok_or("no token generated")?;
     let n = tokens.len();
     Ok(Run {

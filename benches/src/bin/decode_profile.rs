@@ -60,6 +60,7 @@ fn main() -> Res<()> {
 
     for round in 0..3 {
         let mut cache = model.new_cache();
+        cache.set_queue_with_outputs(true); // as the generator: one queueing call a step
         let mut sampler = Sampler::new(SamplingConfig::greedy())?;
         // The graph of one step: forward, then the greedy sample (token and its log-prob).
         let build_step = |cache: &mut mlx_models::Cache, sampler: &mut Sampler, input: &Array| -> Res<sampling::Sample> {
@@ -72,9 +73,7 @@ fn main() -> Res<()> {
             let t0 = Instant::now();
             let s = build_step(cache, sampler, input)?;
             let t1 = Instant::now();
-            let mut arrays = vec![&s.tokens, &s.logprobs];
-            arrays.extend(cache.arrays());
-            mlx_array::async_eval(&arrays)?;
+            cache.async_eval_with(&[&s.tokens, &s.logprobs])?;
             Ok((s.tokens, t1 - t0, t1.elapsed()))
         };
         // prefill
@@ -101,9 +100,7 @@ fn main() -> Res<()> {
             let t0 = Instant::now();
             let s = build_step(&mut cache, &mut sampler, &tok.reshape(&[1, 1])?)?;
             let t1 = Instant::now();
-            let mut arrays = vec![&s.tokens, &s.logprobs];
-            arrays.extend(cache.arrays());
-            mlx_array::eval(&arrays)?;
+            cache.eval_with(&[&s.tokens, &s.logprobs])?;
             let _id = s.tokens.to_vec::<u32>()?[0];
             sbuild += t1 - t0;
             seval += t1.elapsed();

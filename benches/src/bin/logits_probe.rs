@@ -52,7 +52,7 @@ fn main() -> Res<()> {
             let t0 = std::time::Instant::now();
             let mut cache = model.new_cache();
             model.forward(&t, &mut cache, Logits::None, false)?;
-            mlx_array::eval(&cache.arrays())?;
+            cache.eval_with(&[])?;
             ms.push(t0.elapsed().as_secs_f64() * 1e3);
         }
         ms.sort_by(f64::total_cmp);

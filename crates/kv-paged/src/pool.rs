@@ -27,6 +27,8 @@ pub struct KvPool {
     storage: Vec<Option<Storage>>,
     /// Per group: blocks its storage holds now.
     capacity: Vec<usize>,
+    /// Storage changed since the last [`KvPool::eval`] / [`KvPool::async_eval`].
+    dirty: bool,
 }
 
 /// The index arrays of one forward step over a batch of sequences, built once and used by every
@@ -121,7 +123,7 @@ impl KvPool {
                 Ok(Some(Storage { k, v }))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(KvPool { layout: layout.clone(), dtype, storage, capacity })
+        Ok(KvPool { layout: layout.clone(), dtype, storage, capacity, dirty: false })
     }
 
     /// Blocks the storage of `group` holds now (at most the group's `num_blocks`).
@@ -151,6 +153,7 @@ impl KvPool {
             st.v = grow(&st.v)?;
         }
         self.capacity[group] = new;
+        self.dirty = true;
         Ok(())
     }
 
@@ -261,6 +264,7 @@ impl KvPool {
         let st = self.storage[layer].as_mut().expect("own storage");
         st.k = scatter_rows(&st.k, slots, &kr)?;
         st.v = scatter_rows(&st.v, slots, &vr)?;
+        self.dirty = true;
         Ok(())
     }
 
@@ -322,6 +326,7 @@ impl KvPool {
                 st.k = scatter_rows(&st.k, &dst, &st.k.take(&src, 0)?)?;
                 st.v = scatter_rows(&st.v, &dst, &st.v.take(&src, 0)?)?;
             }
+            self.dirty = true;
         }
         Ok(())
     }
@@ -332,13 +337,29 @@ impl KvPool {
     }
 
     /// Evaluate the pending writes of every layer (bounds the lazy graph; call once per step).
-    pub fn eval(&self) -> Result<()> {
-        Ok(mlx_array::eval(&self.arrays())?)
+    pub fn eval(&mut self) -> Result<()> {
+        mlx_array::eval(&self.arrays())?;
+        self.dirty = false;
+        Ok(())
     }
 
     /// Queue the pending writes of every layer without waiting for them.
-    pub fn async_eval(&self) -> Result<()> {
-        Ok(mlx_array::async_eval(&self.arrays())?)
+    pub fn async_eval(&mut self) -> Result<()> {
+        mlx_array::async_eval(&self.arrays())?;
+        self.dirty = false;
+        Ok(())
+    }
+
+    /// The caller queued or computed [`KvPool::arrays`] itself (with other arrays, in one call).
+    pub fn mark_queued(&mut self) {
+        self.dirty = false;
+    }
+
+    /// Whether the storage changed (a write, copy or growth) since the last `eval` or
+    /// `async_eval`: with nothing new, queueing again is wasted work (and MLX may block a
+    /// queueing call while many tasks are in flight).
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
     }
 
     /// Wait until every layer's storage is computed, one array at a time ([`Array::eval`]):

@@ -285,7 +285,7 @@ impl Drop for ForwardKv<'_> {
     /// A forward call that failed before [`ForwardKv::finish`] still queues what it wrote.
     fn drop(&mut self) {
         if let Some((g, _, _, _)) = &mut self.paged {
-            let _ = g.release();
+            let _ = g.release(false);
         }
     }
 }
@@ -319,7 +319,7 @@ impl ForwardKv<'_> {
             if st.flush_at_end {
                 st.flush(&mut g.pool)?;
             }
-            g.release()?;
+            g.release(st.queue_later)?;
         }
         Ok(())
     }
@@ -386,8 +386,8 @@ impl Cache {
                     return Err(ModelError::InvalidInput(format!("paged caches take one sequence ([1, L] tokens), got {:?}", tokens.shape())));
                 }
                 let crate::paged::PagedSeq { shared, state } = p;
-                let mut guard = shared.lock().unwrap_or_else(|e| e.into_inner());
-                guard.claim()?;
+                let mut guard = crate::paged::PagedKv::claim(shared);
+                guard.settle()?;
                 let (batch, skipped, offset) = state.schedule(&mut guard, tokens, allow_prefix_skip)?;
                 *last_skipped = skipped;
                 Ok((ForwardKv { layers, paged: Some((guard, batch, offset, state)) }, skipped))
@@ -426,6 +426,44 @@ impl Cache {
             }
         }
         Ok(())
+    }
+
+    /// Queue `outputs` and everything the cache holds (paged pool writes included) in one
+    /// `async_eval`. Call it once per decode step, with the step's outputs: a second queueing
+    /// call while a step is in flight can block the host (MLX throttles them).
+    pub fn async_eval_with(&mut self, outputs: &[&Array]) -> Result<()> {
+        self.queue(outputs, true)
+    }
+
+    /// [`Cache::async_eval_with`], waiting for the results.
+    pub fn eval_with(&mut self, outputs: &[&Array]) -> Result<()> {
+        self.queue(outputs, false)
+    }
+
+    fn queue(&mut self, outputs: &[&Array], queue_only: bool) -> Result<()> {
+        let mut arrays: Vec<&Array> = outputs.to_vec();
+        arrays.extend(self.arrays());
+        let run = |a: &[&Array]| if queue_only { mlx_array::async_eval(a) } else { mlx_array::eval(a) };
+        let Some(p) = &self.paged else { return Ok(run(&arrays)?) };
+        let mut g = crate::paged::PagedKv::claim(&p.shared);
+        let pool: Vec<Array> = g.pool.arrays().into_iter().cloned().collect();
+        arrays.extend(pool.iter());
+        run(&arrays)?;
+        g.pool.mark_queued();
+        g.queued_by_me();
+        Ok(())
+    }
+
+    /// Paged caches: leave each forward call's pool writes for the caller to queue with the
+    /// step's outputs ([`Cache::async_eval_with`] or [`Cache::eval_with`], right after the
+    /// call), instead of queueing them at its end. One queueing call a step keeps a pipelined
+    /// decode loop from stalling; [`crate::generate`] does this. Forward calls on other threads
+    /// wait until the writes are queued, so a caller that turns this on must queue after
+    /// every forward call. No effect on flat caches.
+    pub fn set_queue_with_outputs(&mut self, on: bool) {
+        if let Some(p) = &mut self.paged {
+            p.state.queue_later = on;
+        }
     }
 
     /// Every array the cache holds, to evaluate them together with a step's outputs.

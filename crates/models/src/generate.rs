@@ -131,6 +131,8 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cont
     let stop = cfg.stop_tokens.clone().unwrap_or_else(|| model.info().eos_token_ids.clone());
     let mut history = context.to_vec();
     history.extend_from_slice(prompt);
+    // One queueing call a step: the pool writes of a paged cache go with the step's outputs.
+    cache.set_queue_with_outputs(true);
     Ok(Generator {
         model,
         cache,
@@ -191,12 +193,20 @@ impl Generator<'_> {
     /// Run the model on `input` and queue a sample of the next token.
     fn step(&mut self, input: &Array) -> Result<(Array, Array)> {
         let out = self.model.with_runtime(|rt| rt.forward(input, self.cache, Logits::Last, false))?;
-        let logits = out.logits.expect("requested").reshape(&[1, -1])?;
-        let s = self.sampler.sample(&logits, &[&self.history]).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-        let mut arrays = vec![&s.tokens, &s.logprobs];
-        arrays.extend(self.cache.arrays());
-        mlx_array::async_eval(&arrays)?;
-        Ok((s.tokens, s.logprobs))
+        let sampled = out.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into())).and_then(|l| {
+            let logits = l.reshape(&[1, -1])?;
+            self.sampler.sample(&logits, &[&self.history]).map_err(|e| ModelError::InvalidInput(e.to_string()))
+        });
+        match sampled {
+            Ok(s) => {
+                self.cache.async_eval_with(&[&s.tokens, &s.logprobs])?;
+                Ok((s.tokens, s.logprobs))
+            }
+            Err(e) => {
+                self.cache.eval_with(&[])?; // the forward's pool writes must still be queued
+                Err(e)
+            }
+        }
     }
 
     fn prefill(&mut self) -> Result<(Array, Array)> {
@@ -209,7 +219,7 @@ impl Generator<'_> {
         while rest.len() > step {
             let t = Array::from_slice(&rest[..step], &[1, step])?;
             self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
-            mlx_array::eval(&self.cache.arrays())?;
+            self.cache.eval_with(&[])?;
             rest = &rest[step..];
         }
         let t = Array::from_slice(rest, &[1, rest.len()])?;
@@ -267,13 +277,13 @@ impl Generator<'_> {
             // Token n is already in the cache and step n + 1 is queued.
             if is_stop {
                 self.pending = None;
-                mlx_array::eval(&self.cache.arrays())?;
+                self.cache.eval_with(&[])?;
             }
         } else if self.forced.is_none() {
             let t = Array::from_slice(&[id], &[1, 1])?;
             if is_stop {
                 self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
-                mlx_array::eval(&self.cache.arrays())?;
+                self.cache.eval_with(&[])?;
             } else {
                 self.pending = Some(self.step(&t)?);
             }
@@ -295,9 +305,15 @@ impl Generator<'_> {
         let p = self.prompt.clone();
         let t = Array::from_slice(&p, &[1, p.len()])?;
         self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
-        mlx_array::eval(&self.cache.arrays())?;
+        self.cache.eval_with(&[])?;
         self.prefill_time = t0.elapsed();
         Ok(())
+    }
+}
+
+impl Drop for Generator<'_> {
+    fn drop(&mut self) {
+        self.cache.set_queue_with_outputs(false);
     }
 }
 

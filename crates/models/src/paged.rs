@@ -23,7 +23,7 @@ use crate::{ModelError, Result};
 use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId};
 use mlx_array::{Array, DType};
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::ThreadId;
 
 /// Paged cache settings.
@@ -72,6 +72,10 @@ pub struct PagedKv {
     pub(crate) contiguous_reads: bool,
     /// The thread whose pool writes may still be in flight (queued, not waited for).
     writer: Option<ThreadId>,
+    /// The thread whose pool writes are not queued yet: it queues them with its step's outputs
+    /// ([`crate::Cache::async_eval_with`]); other threads wait for that on `queued`.
+    unqueued: Option<ThreadId>,
+    queued: Arc<Condvar>,
 }
 
 impl PagedKv {
@@ -126,15 +130,28 @@ impl PagedKv {
         let budget_mb = cfg.memory_mb.unwrap_or(auto_full + sliding as f64 / 1e6 * 1.1 + 1.0);
         let kcfg = KvConfig { budget_mb, ..kcfg };
         let layout = KvLayout::new(specs, kcfg).map_err(err)?;
-        let pool = KvPool::new(&layout, dtype).map_err(err)?;
+        let mut pool = KvPool::new(&layout, dtype).map_err(err)?;
         // Materialize the storage now: MLX streams are per thread, and a lazy array built here
         // could not be evaluated by the session threads that share the pool.
         pool.eval().map_err(err)?;
-        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool, layer_map, contiguous_reads: cfg.contiguous_reads, writer: None })
+        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool, layer_map, contiguous_reads: cfg.contiguous_reads, writer: None, unqueued: None, queued: Arc::new(Condvar::new()) })
     }
 
-    /// Before this thread touches the pool's arrays: wait for writes another thread queued.
-    pub(crate) fn claim(&mut self) -> Result<()> {
+    /// Lock the pool for this thread's use of its arrays: first wait until writes another
+    /// thread left unqueued are queued (that thread does so right after its forward call),
+    /// then until writes another thread queued are computed.
+    pub(crate) fn claim(shared: &Mutex<PagedKv>) -> std::sync::MutexGuard<'_, PagedKv> {
+        let me = std::thread::current().id();
+        let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+        while g.unqueued.is_some_and(|t| t != me) {
+            let cv = g.queued.clone();
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g
+    }
+
+    /// Wait for writes another thread queued (after [`PagedKv::claim`]).
+    pub(crate) fn settle(&mut self) -> Result<()> {
         let me = std::thread::current().id();
         if self.writer.is_some_and(|w| w != me) {
             self.pool.wait().map_err(err)?;
@@ -143,12 +160,30 @@ impl PagedKv {
         Ok(())
     }
 
-    /// After this thread changed the pool's arrays: queue the writes (they complete on the
-    /// device while the host goes on) and remember who queued them.
-    pub(crate) fn release(&mut self) -> Result<()> {
+    /// After this thread changed the pool's arrays, before unlocking it. `later`: the caller
+    /// queues the writes with its step's outputs (one queueing call a step: MLX blocks a
+    /// queueing call while many tasks are in flight, so a second one would stall the host).
+    /// Otherwise they are queued now. A forward that wrote nothing (a decode step keeping its
+    /// rows) leaves nothing to queue.
+    pub(crate) fn release(&mut self, later: bool) -> Result<()> {
+        if !self.pool.is_dirty() {
+            return Ok(());
+        }
+        if later {
+            self.unqueued = Some(std::thread::current().id());
+            return Ok(());
+        }
         self.pool.async_eval().map_err(err)?;
-        self.writer = Some(std::thread::current().id());
+        self.queued_by_me();
         Ok(())
+    }
+
+    /// This thread queued (or computed) every write: other threads may go on.
+    pub(crate) fn queued_by_me(&mut self) {
+        self.writer = Some(std::thread::current().id());
+        if self.unqueued.take().is_some() {
+            self.queued.notify_all();
+        }
     }
 
     /// Bytes of K/V storage allocated now (it grows with the blocks in use and cached).
@@ -183,6 +218,8 @@ pub(crate) struct SeqState {
     pub(crate) defer: bool,
     /// The step in flight fills a block: write the kept rows when it ends.
     pub(crate) flush_at_end: bool,
+    /// [`crate::Cache::set_queue_with_outputs`].
+    pub(crate) queue_later: bool,
 }
 
 /// Pending inputs kept at most before the oldest is waited for (a caller that never evaluates
@@ -294,13 +331,13 @@ impl PagedSeq {
             return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", st.offset)));
         }
         if let Some(s) = st.seq {
-            let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
-            g.claim()?;
+            let mut g = PagedKv::claim(&self.shared);
+            g.settle()?;
             st.resolve(&mut g, true)?;
             st.flush(&mut g.pool)?;
             let copies = g.manager.trim(s, st.offset - n).map_err(err)?;
             g.pool.copy_blocks(&copies).map_err(err)?;
-            g.release()?;
+            g.release(false)?;
         }
         st.offset -= n;
         Ok(())
@@ -310,7 +347,11 @@ impl PagedSeq {
 impl Drop for PagedSeq {
     fn drop(&mut self) {
         if self.state.seq.is_some() {
-            let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = PagedKv::claim(&self.shared);
+            // Writes this thread left for a queueing call that will not come now.
+            if g.unqueued.is_some() {
+                let _ = g.release(false);
+            }
             // Best effort: the last blocks join the prefix cache only with their ids known.
             let _ = self.state.resolve(&mut g, true);
             if let Some(s) = self.state.seq.take() {
