@@ -1,12 +1,13 @@
 //! Last-position logits of one prompt, for checking reduced-precision runs against f32:
 //!
 //! ```text
-//! logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt 128] --out FILE [--time N]
+//! logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt 128] --out FILE [--time N] [--kv flat|paged]
 //! ```
 //!
 //! `--time N` also times N more forward passes of the prompt that evaluate only the caches (a
 //! fresh cache each; no logits), as mlx-lm's prefill of a prompt's leading tokens does, and prints
-//! their median: the prefill without the generation loop around it.
+//! their median: the prefill without the generation loop around it. With `--kv paged` each timed
+//! pass changes the first id (so no pass is a prefix-cache hit of an earlier one).
 //!
 //! The prompt is llm_bench's (`(i * 7919 + 13) % min(vocab - 100, 30000) + 10`); FILE gets the
 //! f32 logits, little-endian, and the top 5 ids are printed. `mlx_lm_bench.py --logits FILE`
@@ -22,6 +23,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 fn main() -> Res<()> {
     let mut args = std::env::args().skip(1);
     let (mut model, mut dtype, mut prompt, mut out, mut time) = (None, "bf16".to_string(), 128usize, None, 0usize);
+    let mut kv = "flat".to_string();
     while let Some(a) = args.next() {
         let mut v = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
@@ -30,12 +32,18 @@ fn main() -> Res<()> {
             "--prompt" => prompt = v()?.parse()?,
             "--out" => out = Some(v()?),
             "--time" => time = v()?.parse()?,
+            "--kv" => kv = v()?,
             _ => return Err(format!("unknown argument {a}; usage: logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt N] --out FILE").into()),
         }
     }
     let (dir, out) = (model.ok_or("--model DIR is required")?, out.ok_or("--out FILE is required")?);
     let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
-    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache: KvCacheMode::Flat, ..Default::default() })?.into_lm()?;
+    let kv_cache = match kv.as_str() {
+        "flat" => KvCacheMode::Flat,
+        "paged" => KvCacheMode::Paged(Default::default()),
+        k => return Err(format!("--kv {k}: flat or paged").into()),
+    };
+    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
     let vocab = model.info().vocab_size;
     let ids = shared::prompt_ids(prompt, vocab);
     let t = mlx_array::Array::from_slice(&ids, &[1, prompt])?;
@@ -48,7 +56,10 @@ fn main() -> Res<()> {
     println!("{dtype} top5 {}", top.join(" "));
     if time > 0 {
         let mut ms = Vec::with_capacity(time);
-        for _ in 0..time {
+        for run in 0..time {
+            let mut ids = ids.clone();
+            ids[0] = 1 + run as u32 % 9; // prompt ids start at 10: never a prefix hit
+            let t = mlx_array::Array::from_slice(&ids, &[1, prompt])?;
             let t0 = std::time::Instant::now();
             let mut cache = model.new_cache();
             model.forward(&t, &mut cache, Logits::None, false)?;

@@ -6,6 +6,11 @@
 //! a free block is handed out again for new content is its registration dropped (lazy eviction),
 //! least recently freed first. Freed blocks without content are put at the front of the free
 //! list: they are worth nothing and go first.
+//!
+//! [`BlockAllocator::with_opened`] starts with only the first blocks *opened* (handed out at
+//! all); the rest open, doubling, only when no opened block is free, cached ones included. The
+//! block ids in use then stay below the working set's high-water mark, and so does the storage
+//! a pool that grows with the highest id needs; the prefix cache keeps what fits there.
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
@@ -58,6 +63,8 @@ pub struct BlockAllocator {
     /// Tokens of registered blocks, `block_size` per block, to verify hash hits.
     tokens: Vec<u32>,
     free: FreeList,
+    /// Blocks `0..opened` may be handed out; the rest are free but not opened yet.
+    opened: u32,
     cache: HashMap<BlockHash, u32>,
     lookups: u64,
     hits: u64,
@@ -85,6 +92,7 @@ impl BlockAllocator {
             meta: vec![Meta::default(); num_blocks],
             tokens: vec![0; num_blocks * block_size],
             free: FreeList::full(num_blocks as u32),
+            opened: num_blocks as u32,
             cache: HashMap::new(),
             lookups: 0,
             hits: 0,
@@ -96,6 +104,24 @@ impl BlockAllocator {
     pub fn with_budget(budget_mb: f64, bytes_per_token: usize, block_size: usize) -> Result<Self> {
         let n = blocks_for_budget(budget_mb, bytes_per_token, block_size)?;
         Self::new(n, block_size, bytes_per_token)
+    }
+
+    /// Open only blocks `0..n` for now (at least 1): when none of the opened blocks is free,
+    /// cached ones included, the opened count doubles (up to `num_blocks`).
+    pub fn with_opened(mut self, n: usize) -> Self {
+        let total = self.meta.len() as u32;
+        self.opened = (n.max(1) as u32).min(total);
+        self.free = FreeList::holding(total, self.opened);
+        self
+    }
+
+    /// Blocks that may be handed out without opening more (see [`BlockAllocator::with_opened`]).
+    pub fn num_opened(&self) -> usize {
+        self.opened as usize
+    }
+
+    fn unopened(&self) -> usize {
+        self.meta.len() - self.opened as usize
     }
 
     /// The cache group this allocator serves, reported in [`Error::OutOfBlocks`].
@@ -110,9 +136,9 @@ impl BlockAllocator {
     pub fn num_blocks(&self) -> usize {
         self.meta.len()
     }
-    /// Free blocks, including cached ones that an allocation would evict.
+    /// Free blocks, including cached ones that an allocation would evict and unopened ones.
     pub fn num_free(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.unopened()
     }
 
     fn meta(&self, id: BlockId) -> Result<&Meta> {
@@ -129,18 +155,26 @@ impl BlockAllocator {
         Ok(self.meta(id)?.key)
     }
 
-    /// Whether a block is on the free list.
+    /// Whether a block is free (on the free list, or not opened yet).
     pub fn is_free(&self, id: BlockId) -> bool {
-        self.free.contains(id.0)
+        self.free.contains(id.0) || (id.0 >= self.opened && (id.0 as usize) < self.meta.len())
     }
 
-    /// Free blocks from the next to be handed out (least recently freed) to the last.
+    /// Opened free blocks from the next to be handed out (least recently freed) to the last.
     pub fn free_order(&self) -> Vec<BlockId> {
         self.free.iter().map(BlockId).collect()
     }
 
     /// Take the least recently used free block (evicting its cached content) with refcount 1.
     pub fn allocate(&mut self) -> Result<BlockId> {
+        if self.free.len() == 0 && self.unopened() > 0 {
+            let new = (self.opened * 2).max(self.opened + 1).min(self.meta.len() as u32);
+            // Fresh blocks hold nothing: they go first, in id order.
+            for i in (self.opened..new).rev() {
+                self.free.push_front(i);
+            }
+            self.opened = new;
+        }
         let i = self.free.pop_front().ok_or(Error::OutOfBlocks {
             group: self.group,
             needed: 1,
@@ -166,8 +200,8 @@ impl BlockAllocator {
 
     /// `Ok` if `n` blocks can be allocated now.
     pub fn ensure_free(&self, n: usize) -> Result<()> {
-        if n > self.free.len() {
-            return Err(Error::OutOfBlocks { group: self.group, needed: n, free: self.free.len(), total: self.meta.len() });
+        if n > self.num_free() {
+            return Err(Error::OutOfBlocks { group: self.group, needed: n, free: self.num_free(), total: self.meta.len() });
         }
         Ok(())
     }
@@ -264,7 +298,7 @@ impl BlockAllocator {
     }
 
     pub fn stats(&self) -> AllocatorStats {
-        let free = self.free.len();
+        let free = self.num_free();
         let in_use = self.meta.len() - free;
         let cached_free = self.free.iter().filter(|&i| self.meta[i as usize].key.is_some()).count();
         AllocatorStats {
@@ -318,6 +352,28 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(a.release(BlockId(9)).is_err());
+    }
+
+    #[test]
+    fn opened_blocks_grow_only_when_none_is_free() {
+        let mut a = BlockAllocator::new(8, 4, 1).unwrap().with_opened(2);
+        assert_eq!((a.num_opened(), a.num_free()), (2, 8));
+        let t = [1, 2, 3, 4];
+        let k = block_keys(&t, 4, 0, &ExtraKeys::none())[0];
+        let b0 = a.allocate().unwrap();
+        assert!(a.register(b0, k, &t).unwrap());
+        a.release(b0).unwrap(); // cached and free
+        let b1 = a.allocate().unwrap();
+        assert_eq!(b1, BlockId(1), "the empty opened block first");
+        let b2 = a.allocate().unwrap();
+        assert_eq!((b2, a.num_opened()), (b0, 2), "then the cached one is evicted rather than opening more");
+        assert_eq!(a.stats().evictions, 1);
+        let b3 = a.allocate().unwrap();
+        assert_eq!((b3, a.num_opened()), (BlockId(2), 4), "none free: the opened count doubles");
+        assert!(a.is_free(BlockId(3)) && a.is_free(BlockId(7)) && !a.is_free(b3));
+        assert_eq!(a.allocate_n(5).unwrap().iter().map(|b| b.0).max(), Some(7));
+        assert_eq!((a.num_opened(), a.num_free()), (8, 0));
+        assert!(a.allocate().is_err());
     }
 
     #[test]

@@ -16,6 +16,11 @@ pub(crate) struct FreeList {
 impl FreeList {
     /// A list holding `0..n` in order.
     pub(crate) fn full(n: u32) -> Self {
+        Self::holding(n, n)
+    }
+
+    /// A list with room for `0..n`, holding `0..held` in order.
+    pub(crate) fn holding(n: u32, held: u32) -> Self {
         let mut l = FreeList {
             prev: vec![NIL; n as usize],
             next: vec![NIL; n as usize],
@@ -24,7 +29,7 @@ impl FreeList {
             tail: NIL,
             len: 0,
         };
-        for i in 0..n {
+        for i in 0..held.min(n) {
             l.push_back(i);
         }
         l

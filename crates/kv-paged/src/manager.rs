@@ -124,7 +124,11 @@ impl KvCacheManager {
             .iter()
             .enumerate()
             .map(|(i, g)| {
-                let alloc = BlockAllocator::new(g.num_blocks, layout.config.block_size, g.bytes_per_token)?.with_group(i);
+                let mut alloc = BlockAllocator::new(g.num_blocks, layout.config.block_size, g.bytes_per_token)?.with_group(i);
+                // Hand out ids as a pool grown from initial_blocks holds them (KvPool::new).
+                if let Some(n) = layout.config.initial_blocks {
+                    alloc = alloc.with_opened(n);
+                }
                 Ok(GroupState { attention: g.attention, alloc })
             })
             .collect::<Result<Vec<_>>>()?;
