@@ -637,7 +637,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
         n_params as f64 / 1e9
     );
     if a.kv == "paged" {
-        eprintln!("note: --kv paged: our peak memory includes the block pool, which keeps the blocks of finished requests cached (it grows with use up to its budget; mlx-lm's caches hold only the live context)");
+        eprintln!("note: --kv paged: our peak memory includes the block pool (it grows to the most blocks live at once, and keeps finished requests' blocks as prefix cache in what it holds)");
     }
     if a.kv == "paged" && n_recurrent > 0 {
         // Hybrid families page only their attention layers (opt-in, no prefix sharing across

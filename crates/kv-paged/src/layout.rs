@@ -56,9 +56,10 @@ pub struct KvConfig {
     /// Sliding groups keep this many extra tokens before the window, so that a trim (speculative
     /// rollback) of up to this many tokens stays possible.
     pub rollback_tokens: usize,
-    /// Blocks of storage each group starts with; the storage doubles (up to the group's
-    /// `num_blocks`, which the budget sets) when a step needs a block beyond it. `None`:
-    /// allocate the whole budget up front.
+    /// Blocks each group starts with: [`crate::KvCacheManager::new`] opens only these in its
+    /// allocators ([`crate::BlockAllocator::with_opened`]: more open, doubling, when none is
+    /// free), and [`crate::KvPool`] storage doubles, up to the group's `num_blocks` (which the
+    /// budget sets), when a step needs a block beyond it. `None`: the whole budget up front.
     pub initial_blocks: Option<usize>,
 }
 

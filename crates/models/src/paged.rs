@@ -32,7 +32,7 @@ pub struct PagedConfig {
     /// Tokens per block (seed default 16).
     pub block_size: usize,
     /// Most memory for all K/V, in MB; `None`: enough for `max_position_embeddings` tokens of
-    /// every attention layer, capped at 2048 MB. Storage is allocated as blocks are used (see
+    /// every attention layer, capped at 2048 MB. Storage is allocated as blocks are needed (see
     /// `initial_blocks`), so this is a ceiling, not what a load costs.
     pub memory_mb: Option<f64>,
     /// Concurrent sequences sliding-window groups are sized for.
@@ -46,9 +46,12 @@ pub struct PagedConfig {
     /// pool; on the CPU backend it makes paged decode as fast as flat decode (the per-step
     /// gather and its fresh buffers cost a third of a small model's decode step).
     pub contiguous_reads: bool,
-    /// Blocks of storage each cache group starts with; it doubles when more are needed, up to
-    /// what `memory_mb` allows ([`kv_paged::KvConfig::initial_blocks`]). `None`: allocate all
-    /// of `memory_mb` at load.
+    /// Blocks each cache group starts with ([`kv_paged::KvConfig::initial_blocks`]). When none
+    /// of them is free (blocks kept only as prefix cache count as free: they are evicted first),
+    /// the group opens twice as many and the storage grows to match, up to what `memory_mb`
+    /// allows. Memory then follows the most blocks live at once, and the prefix cache keeps
+    /// what fits beside them. `None`: allocate all of `memory_mb` at load (the most prefix
+    /// cache, the seeds' behaviour).
     pub initial_blocks: Option<usize>,
 }
 
