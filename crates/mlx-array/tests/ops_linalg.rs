@@ -153,3 +153,54 @@ fn single_row_and_column_products() {
         assert!(a > b, "no product went through the router ({b} -> {a})");
     }
 }
+
+/// The router's fallback for a missing OpenBLAS sgemm (one sgemv per row of C), called directly:
+/// every transpose combination, padded leading dimensions, beta 0 (C not read) and not, K = 0.
+#[cfg(target_os = "linux")]
+#[test]
+fn blas_router_fallback_by_rows() {
+    type Sgemm = extern "C" fn(i32, i32, i32, i32, i32, i32, f32, *const f32, i32, *const f32, i32, f32, *mut f32, i32);
+    unsafe extern "C" {
+        fn dlsym(handle: *mut std::ffi::c_void, symbol: *const std::ffi::c_char) -> *mut std::ffi::c_void;
+    }
+    // Make MLX load its BLAS (the router, in the default build) before looking the symbol up.
+    let _ = out(&arr(&[1.0, 2.0], &[1, 2]).matmul(&arr(&[3.0, 4.0], &[2, 1])).unwrap());
+    let f = unsafe { dlsym(std::ptr::null_mut(), c"mlx_models_blas_sgemm_rows".as_ptr()) };
+    if f.is_null() {
+        assert_ne!(mlx_sys::BLAS, "openblas-routed", "built with the BLAS router, but its fallback is not exported");
+        return; // another BLAS build: no router
+    }
+    let sgemm: Sgemm = unsafe { std::mem::transmute::<*mut std::ffi::c_void, Sgemm>(f) };
+    let (row_major, no_trans, trans) = (101, 111, 112);
+    let (m, n) = (3usize, 5usize);
+    for k in [4usize, 0] {
+        for (ta, tb) in [(no_trans, no_trans), (no_trans, trans), (trans, no_trans), (trans, trans)] {
+            for beta in [0.0f32, 1.5] {
+                // op(A) is m x k, op(B) is k x n; stored with 2 extra columns (padded leading dims).
+                let (ar, ac) = if ta == no_trans { (m, k) } else { (k, m) };
+                let (br, bc) = if tb == no_trans { (k, n) } else { (n, k) };
+                let (lda, ldb, ldc) = (ac + 2, bc + 2, n + 2);
+                let a: Vec<f32> = (0..ar.max(1) * lda).map(|i| (i as f32 * 0.37).sin()).collect();
+                let b: Vec<f32> = (0..br.max(1) * ldb).map(|i| (i as f32 * 0.53).cos()).collect();
+                let c0: Vec<f32> = (0..m * ldc).map(|i| if beta == 0.0 { f32::NAN } else { i as f32 * 0.1 }).collect();
+                let opa = |i: usize, p: usize| if ta == no_trans { a[i * lda + p] } else { a[p * lda + i] } as f64;
+                let opb = |p: usize, j: usize| if tb == no_trans { b[p * ldb + j] } else { b[j * ldb + p] } as f64;
+                let mut c = c0.clone();
+                sgemm(row_major, ta, tb, m as i32, n as i32, k as i32, 0.5, a.as_ptr(), lda as i32, b.as_ptr(), ldb as i32, beta, c.as_mut_ptr(), ldc as i32);
+                for i in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = (0..k).map(|p| opa(i, p) * opb(p, j)).sum();
+                        let prev = if beta == 0.0 { 0.0 } else { beta as f64 * c0[i * ldc + j] as f64 };
+                        let want = 0.5 * dot + prev;
+                        let got = c[i * ldc + j] as f64;
+                        assert!((got - want).abs() < 1e-5, "k {k} ta {ta} tb {tb} beta {beta} C[{i},{j}] = {got}, want {want}");
+                    }
+                    // the padding columns of C are not touched
+                    for j in n..ldc {
+                        assert!(c[i * ldc + j].to_bits() == c0[i * ldc + j].to_bits(), "padding C[{i},{j}] written");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -53,6 +53,23 @@ static void gemv_rows(int trans_a, int rows, int k, float alpha, const float *a,
         cblas_sgemv(ROW_MAJOR, TRANS, k, rows, alpha, a, lda, x, incx, beta, y, incy);
 }
 
+/* Row-major C = alpha * op(A) op(B) + beta * C as one sgemv per row of C: cblas_sgemm's fallback
+ * when no other sgemm can be found, exported so that a test can check it (mlx_sys's tests call it
+ * through dlsym). Other orders are not used by MLX and leave C unchanged. */
+void mlx_models_blas_sgemm_rows(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A,
+                                int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (order != ROW_MAJOR || M <= 0 || N <= 0) return;
+    for (int m = 0; m < M; m++) {
+        const float *x = ta == NO_TRANS ? A + (size_t)m * lda : A + m;
+        int incx = ta == NO_TRANS ? 1 : lda;
+        if (K > 0) {
+            gemv_rows(tb == TRANS ? NO_TRANS : TRANS, N, K, alpha, B, ldb, x, incx, beta, C + (size_t)m * ldc, 1);
+        } else {
+            for (int n = 0; n < N; n++) C[(size_t)m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[(size_t)m * ldc + n];
+        }
+    }
+}
+
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc) {
     if (order == ROW_MAJOR && M > 0 && N > 0 && K > 0 && (M == 1 || N == 1)) {
@@ -73,15 +90,6 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, co
         f(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
         return;
     }
-    /* No sgemm found after this library (not expected: it links OpenBLAS): one sgemv per row. */
-    if (order != ROW_MAJOR || M <= 0 || N <= 0) return;
-    for (int m = 0; m < M; m++) {
-        const float *x = ta == NO_TRANS ? A + (size_t)m * lda : A + m;
-        int incx = ta == NO_TRANS ? 1 : lda;
-        if (K > 0) {
-            gemv_rows(tb == TRANS ? NO_TRANS : TRANS, N, K, alpha, B, ldb, x, incx, beta, C + (size_t)m * ldc, 1);
-        } else {
-            for (int n = 0; n < N; n++) C[(size_t)m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[(size_t)m * ldc + n];
-        }
-    }
+    /* No sgemm found after this library (not expected: it links OpenBLAS). */
+    mlx_models_blas_sgemm_rows(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
