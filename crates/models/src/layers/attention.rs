@@ -66,17 +66,43 @@ impl Attention {
 
     /// `x`: `[B, L, hidden]`, over either K/V store.
     pub fn forward_kv(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask) -> Result<Array> {
+        self.attend(x, cache, mask, false)
+    }
+
+    /// The last row of [`Attention::forward_kv`] (`[B, 1, hidden]`): the K/V of every row go to
+    /// the cache, but only the last position is queried, so its projections and attention run for
+    /// one row. For a model's last layer when only the last position is read (a prefill's
+    /// logits); mlx-lm gets the same saving by prefilling all but the last token without logits.
+    pub fn forward_kv_last(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask) -> Result<Array> {
+        let l = x.dims()[1] as usize;
+        match mask {
+            AttentionMask::Array(_) if l > 1 => {
+                let y = self.attend(x, cache, mask, false)?;
+                Ok(y.slice_axis(1, l - 1, l)?)
+            }
+            _ => self.attend(x, cache, mask, l > 1),
+        }
+    }
+
+    /// `last`: query only the last row (the mask is then that of a query at the end).
+    fn attend(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool) -> Result<Array> {
         let c = &self.cfg;
         let (b, l) = (x.dims()[0], x.dims()[1]);
-        let mut qkv = self.qkv.forward(x)?.into_iter();
-        let (mut q, k, v) = (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap());
+        let (mut q, k, v) = if last {
+            let xq = x.slice_axis(1, l as usize - 1, l as usize)?;
+            (self.qkv.part(0, &xq)?, self.qkv.part(1, x)?, self.qkv.part(2, x)?)
+        } else {
+            let mut qkv = self.qkv.forward(x)?.into_iter();
+            (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap())
+        };
+        let lq = if last { 1 } else { l };
         let mut gate = None;
         if c.output_gate {
             // [B, L, H, 2D]: per head, the first D are the query, the last D the gate.
-            let qg = q.reshape(&[b, l, c.n_heads as i32, 2, c.head_dim as i32])?;
+            let qg = q.reshape(&[b, lq, c.n_heads as i32, 2, c.head_dim as i32])?;
             let parts = qg.split(2, 3)?;
-            q = parts[0].reshape(&[b, l, -1])?;
-            gate = Some(parts[1].reshape(&[b, l, -1])?);
+            q = parts[0].reshape(&[b, lq, -1])?;
+            gate = Some(parts[1].reshape(&[b, lq, -1])?);
         }
         let mut q = self.heads(&q, c.n_heads)?;
         let mut k = self.heads(&k, c.n_kv_heads)?;
@@ -88,11 +114,17 @@ impl Attention {
             k = n.forward(&k)?;
         }
         let off = cache.offset();
-        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, off)?;
+        let q_off = if last { off + l as usize - 1 } else { off };
+        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, q_off)?;
         let k = self.rope.forward(&k.transpose(&[0, 2, 1, 3])?, off)?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
         let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
-        let o = q.sdpa(&k, &v, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        // One query at the end sees every key (causal), or the last `w` (sliding window).
+        let mask = match mask {
+            AttentionMask::Causal if last => AttentionMask::None,
+            m => m,
+        };
+        let o = q.sdpa(&k, &v, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
         let o = match gate {
             Some(g) => o.mul(&g.sigmoid()?)?,
             None => o,

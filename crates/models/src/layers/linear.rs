@@ -107,6 +107,18 @@ impl FusedLinear {
     }
 
     /// The projections of `x`, in load order, each `[..., out_i]`.
+    /// Part `i` of the output only (`x W_i^T`): the other parts' columns are not computed.
+    pub fn part(&self, i: usize, x: &Array) -> Result<Array> {
+        match self {
+            FusedLinear::Separate(parts) => parts[i].forward(x),
+            FusedLinear::Fused { lin, splits } => {
+                let start = if i == 0 { 0 } else { splits[i - 1] };
+                let end = splits.get(i).copied().unwrap_or(lin.out_dim());
+                lin.forward_cols(x, start, end)
+            }
+        }
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
             FusedLinear::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
