@@ -321,3 +321,11 @@ fn paged_rollback_past_a_rotating_mirror() {
         }
     }
 }
+
+/// Sliding and global layers, KV sharing after the last cache-writing layer: a last-position
+/// prefill queries only that position there and matches all positions' last row.
+#[test]
+fn last_position_prefill_equals_all_positions() {
+    check_last_position_prefill("gemma4_text");
+    check_last_position_prefill("gemma4_text_moe");
+}

@@ -36,30 +36,8 @@ fn chunked_prefill_equals_single_prefill() {
 }
 
 /// A prefill that reads only the last position's logits queries only that position in the last
-/// layer (its K/V are cached for all): the same logits as the last row of all positions', flat
-/// and paged, and the same decode after it.
+/// layer: the same logits as the last row of all positions', flat and paged.
 #[test]
 fn last_position_prefill_equals_all_positions() {
-    use mlx_models::{KvCacheMode, Logits, PagedConfig};
-    let r = reference("qwen3");
-    let prompt = ids(&r["input_ids"]);
-    for kv in [KvCacheMode::Flat, KvCacheMode::Paged(PagedConfig { block_size: 4, ..Default::default() })] {
-        let m = load_model(fixture("qwen3"), &LoadOptions { kv_cache: kv.clone(), ..Default::default() }).unwrap().into_lm().unwrap();
-        let all = full_logits(&m, &prompt);
-        for n in [2usize, 37, 72] {
-            let mut cache = m.new_cache();
-            let t = mlx_array::Array::from_slice(&prompt[..n], &[1, n]).unwrap();
-            let last = m.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
-            let want = if n == prompt.len() { all[n - 1].clone() } else { full_logits(&m, &prompt[..n])[n - 1].clone() };
-            let e = rel_err(&last, &want);
-            assert!(e < 1e-5, "{kv:?} prompt {n}: last-position logits vs all positions' last row: rel err {e}");
-            // The cache holds every position: the next step matches a recompute.
-            let next = mlx_array::Array::from_slice(&[prompt[n % prompt.len()]], &[1, 1]).unwrap();
-            let step = m.forward(&next, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
-            let mut longer = prompt[..n].to_vec();
-            longer.push(prompt[n % prompt.len()]);
-            let e = rel_err(&step, &full_logits(&m, &longer)[n]);
-            assert!(e < 1e-5, "{kv:?} prompt {n}: decode after the prefill vs recompute: rel err {e}");
-        }
-    }
+    check_last_position_prefill("qwen3");
 }

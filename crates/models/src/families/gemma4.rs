@@ -393,13 +393,29 @@ impl Attn {
     }
 
     /// `x`: `[B, L, H]`. Own-K/V layers append to `cache` (flat or paged) and return the
-    /// fetched K/V; KV-shared layers attend over `shared` (their anchor's fetched K/V).
-    fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask) -> Result<(Array, (Array, Array))> {
+    /// fetched K/V; KV-shared layers attend over `shared` (their anchor's fetched K/V). `last`:
+    /// only the last position is queried (the output is `[B, 1, H]`); the K/V of all are cached.
+    fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask, last: bool) -> Result<(Array, (Array, Array))> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
-        let heads = |a: &Array, n: usize| a.reshape(&[b, l, n as i32, self.head_dim as i32]);
-        let mut parts = self.proj.forward(x)?.into_iter();
-        let q = self.q_norm.forward(&heads(&parts.next().expect("q part"), self.n_heads)?)?;
-        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, offset)?;
+        let last = last && l > 1 && !matches!(mask, AttentionMask::Array(_));
+        let lq = if last { 1 } else { l };
+        let heads = |a: &Array, n: usize, rows: i32| a.reshape(&[b, rows, n as i32, self.head_dim as i32]);
+        let mut parts = if last {
+            let xq = x.slice_axis(1, l as usize - 1, l as usize)?;
+            let mut p = vec![self.proj.part(0, &xq)?];
+            if self.own_kv() {
+                p.push(self.proj.part(1, x)?);
+                if !self.k_eq_v {
+                    p.push(self.proj.part(2, x)?);
+                }
+            }
+            p.into_iter()
+        } else {
+            self.proj.forward(x)?.into_iter()
+        };
+        let q = self.q_norm.forward(&heads(&parts.next().expect("q part"), self.n_heads, lq)?)?;
+        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, if last { offset + l as usize - 1 } else { offset })?;
+        let heads = |a: &Array, n: usize| heads(a, n, l);
         let (k, v) = match (&self.k_norm, shared) {
             (Some(k_norm), _) => {
                 let raw = heads(&parts.next().expect("k part"), self.n_kv)?;
@@ -412,7 +428,12 @@ impl Attn {
             (None, Some((k, v))) => (k.clone(), v.clone()),
             (None, None) => return Err(ModelError::Cache("KV-shared layer ran before its anchor".into())),
         };
-        let o = q.sdpa(&k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        // One query at the end sees every key (causal), or the last `w` (sliding window).
+        let mask = match mask {
+            AttentionMask::Causal if last => AttentionMask::None,
+            m => m,
+        };
+        let o = q.sdpa(&k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
         Ok((self.o.forward(&o)?, (k, v)))
     }
 }
@@ -719,16 +740,19 @@ impl Gemma4Model {
         for (i, layer) in net.layers.iter().enumerate() {
             let mask = if self.cfg.is_sliding(i) { sliding_mask } else { full_mask };
             let h = layer.input_norm.forward(&x)?;
+            // Past the last cache-writing layer only the last position is read: query just it.
+            let last_only = i == last_own && rows == Rows::Last && x.dim(1)? > 1;
             let (a, kv) = if layer.attn.own_kv() {
                 let mut c = kvs.layer(i)?;
                 // Every layer of a sequence is at the same position (shared layers: the anchor's).
                 offset = c.offset();
-                layer.attn.forward(&h, Some(&mut c), None, offset, mask)?
+                layer.attn.forward(&h, Some(&mut c), None, offset, mask, last_only)?
             } else {
-                layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask)?
+                layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, last_only)?
             };
             fetched[i] = Some(kv);
-            let mut h = x.add(&layer.post_attn_norm.forward(&a)?)?;
+            let residual = if last_only { x.slice_axis(1, l - 1, l)? } else { x.clone() };
+            let mut h = residual.add(&layer.post_attn_norm.forward(&a)?)?;
             if i == last_own {
                 if !rows.cut(&mut h)? {
                     break;

@@ -95,3 +95,31 @@ pub fn check_transformers_parity(name: &str, model_type: &str) {
         assert_eq!(argmax(l), argmax(&full[71 + s]));
     }
 }
+
+/// A prefill that reads only the last position's logits queries only that position in the last
+/// cache-writing layer (its K/V are cached for all): the same logits as the last row of all
+/// positions', flat and paged, at several prompt lengths, and the next decode step matches a
+/// recompute (the cache holds every position).
+pub fn check_last_position_prefill(name: &str) {
+    use mlx_models::{KvCacheMode, PagedConfig};
+    let r = reference(name);
+    let prompt = ids(&r["input_ids"]);
+    for kv in [KvCacheMode::Flat, KvCacheMode::Paged(PagedConfig { block_size: 4, ..Default::default() })] {
+        let m = mlx_models::load_model(fixture(name), &mlx_models::LoadOptions { kv_cache: kv.clone(), ..Default::default() }).unwrap().into_lm().unwrap();
+        for n in [2usize, 37, 72] {
+            let mut cache = m.new_cache();
+            let t = Array::from_slice(&prompt[..n], &[1, n]).unwrap();
+            let last = m.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
+            let want = full_logits(&m, &prompt[..n])[n - 1].clone();
+            let e = rel_err(&last, &want);
+            assert!(e < 1e-5, "{name} {kv:?} prompt {n}: last-position logits vs all positions' last row: rel err {e}");
+            let tok = prompt[n % prompt.len()];
+            let next = Array::from_slice(&[tok], &[1, 1]).unwrap();
+            let step = m.forward(&next, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
+            let mut longer = prompt[..n].to_vec();
+            longer.push(tok);
+            let e = rel_err(&step, &full_logits(&m, &longer)[n]);
+            assert!(e < 1e-5, "{name} {kv:?} prompt {n}: decode after the prefill vs recompute: rel err {e}");
+        }
+    }
+}
