@@ -244,3 +244,11 @@ fn mlx_lm_stacked_expert_layout_loads() {
     let e = rel_err(&flat, &r["logits"].to_vec::<f32>().unwrap());
     assert!(e < 1e-3, "stacked layout: rel err {e}");
 }
+
+/// The last layer is attention in both fixtures: a last-position prefill queries only that
+/// position there and matches all positions' last row (flat and paged attention layers).
+#[test]
+fn last_position_prefill_equals_all_positions() {
+    check_last_position_prefill("lfm2");
+    check_last_position_prefill("lfm2_moe");
+}

@@ -432,16 +432,21 @@ impl Lfm2Model {
         let (mut kv, _) = cache.begin_forward_with(tokens, false)?;
         let mut x = self.embed.forward(tokens)?;
         let mask = causal_mask(tokens.dims()[1] as usize, None);
+        let l = tokens.dims()[1] as usize;
         for (i, layer) in self.layers.iter().enumerate() {
             let n = layer.operator_norm.forward(&x)?;
+            // A last attention layer whose last position alone is read queries only that one.
+            let last_only = i + 1 == self.layers.len() && rows == Rows::Last && l > 1 && matches!(layer.op, Operator::Attn(_));
             let r = match &layer.op {
+                Operator::Attn(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, mask)?,
                 Operator::Attn(a) => a.forward_kv(&n, &mut kv.layer(i)?, mask)?,
                 Operator::Conv(c) => match kv.recurrent(i)? {
                     slots if !slots.is_empty() => c.forward(&n, &mut slots[0])?,
                     _ => return Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
                 },
             };
-            let mut h = x.add(&r)?;
+            let residual = if last_only { x.slice_axis(1, l - 1, l)? } else { x.clone() };
+            let mut h = residual.add(&r)?;
             if i + 1 == self.layers.len() && !rows.cut(&mut h)? {
                 x = h;
                 break;
