@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Stage integration-test binaries for a run on the H200 (the `run` tool, carry [".gpu-tests"]):
+#
+#   bash scripts/gpu/stage_tests.sh [TEST...]     # default: paged (crates/models/tests/paged.rs)
+#
+# Builds `cargo test --release -p mlx-models --test TEST --no-run` here, against the CPU libmlx
+# (the binary runs with the CUDA libmlx swapped in through LD_LIBRARY_PATH, as gpu_check does),
+# and puts each binary (stripped, xz) with the CUDA payload of scripts/gpu/prepare.sh in
+# .gpu-tests/ (git-ignored through .git/info/exclude). Then on the device:
+#   bash scripts/gpu/run_tests.sh
+# Session 6 ran these steps by hand (scripts/gpu/h200-run14-session6-paged.log). In this script
+# form they have not been run on the device yet.
+set -euo pipefail
+ROOT=$(git rev-parse --show-toplevel)
+S=$ROOT/.gpu-tests
+P=${MLX_CUDA_CACHE:-$HOME/.cache/mlx-sys/mlx-cuda-13-0.32.2}/payload-sm90
+EXCL=$(git -C "$ROOT" rev-parse --git-path info/exclude); case $EXCL in /*) ;; *) EXCL=$ROOT/$EXCL ;; esac
+grep -qxF '/.gpu-tests/' "$EXCL" || echo '/.gpu-tests/' >> "$EXCL"
+[ -f "$P/libmlx.so.xz" ] || bash "$ROOT/scripts/gpu/prepare.sh" --no-build || [ -f "$P/libmlx.so.xz" ]
+rm -rf "$S" && mkdir -p "$S"
+cp -f "$P"/{libmlx.so.xz,include.tar.xz,cudalibs.tar.xz} "$S/"
+TESTS=("$@"); [ ${#TESTS[@]} -gt 0 ] || TESTS=(paged)
+for t in "${TESTS[@]}"; do
+  bin=$(cd "$ROOT" && cargo test --release -p mlx-models --test "$t" --no-run --message-format json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]: print(m["executable"])' | tail -1)
+  [ -x "$bin" ] || { echo "no test binary for $t" >&2; exit 1; }
+  cp -f "$bin" "$S/$t" && strip --strip-unneeded "$S/$t" && xz -T2 -6 -f "$S/$t"
+done
+echo "$ROOT" > "$S/manifest_dir_root"   # the tests find their fixtures under this path
+du -ch "$S"/* | tail -1
