@@ -44,3 +44,20 @@ fn text_encoding_with_instruction_presets() {
     assert!(m.encode("x", Some("nope")).is_err());
     assert!(m.encode_ids(&[100_000]).is_err(), "ids out of vocab are refused");
 }
+
+/// One loaded embedding model serves several threads: `Arc<HarrierModel>` is `Send + Sync`, and
+/// embeddings computed on other threads at once equal the loading thread's.
+#[test]
+fn embeddings_on_threads_share_one_model() {
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    let m = load_model(fixture("qwen3_embed"), &LoadOptions::default()).unwrap().into_embedding().unwrap();
+    send_sync(&m);
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_embed").join("reference.json")).unwrap()).unwrap();
+    let inputs: Vec<Vec<u32>> = serde_json::from_value(json["embed_inputs"].clone()).unwrap();
+    let want: Vec<Vec<f32>> = inputs.iter().map(|ids| m.encode_ids(ids).unwrap()).collect();
+    let got: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = inputs.iter().map(|ids| { let m = m.clone(); s.spawn(move || m.encode_ids(ids).unwrap()) }).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+}

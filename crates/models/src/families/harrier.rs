@@ -8,9 +8,11 @@ use mlx_array::{Array, DType};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// A loaded embedding model.
+/// A loaded embedding model: `Send + Sync`, so one `Arc<HarrierModel>` serves several threads
+/// (forward passes take turns).
 pub struct HarrierModel {
-    backbone: Qwen3Backbone,
+    backbone: std::sync::Mutex<Qwen3Backbone>,
+    cfg: Qwen3Config,
     /// Named instruction prefixes from `config_sentence_transformers.json` (`query`, `document`).
     pub prompts: BTreeMap<String, String>,
     pub default_prompt_name: Option<String>,
@@ -45,14 +47,14 @@ impl HarrierModel {
             Err(_) => true,
         };
         let tokenizer = if dir.join("tokenizer.json").exists() { Some(crate::chat::Tokenizer::from_dir(dir)?) } else { None };
-        Ok(HarrierModel { backbone, prompts, default_prompt_name, normalize, tokenizer })
+        Ok(HarrierModel { backbone: std::sync::Mutex::new(backbone), cfg, prompts, default_prompt_name, normalize, tokenizer })
     }
 
     pub fn hidden_size(&self) -> usize {
-        self.backbone.cfg.hidden_size
+        self.cfg.hidden_size
     }
     pub fn max_length(&self) -> usize {
-        self.backbone.cfg.max_position_embeddings
+        self.cfg.max_position_embeddings
     }
 
     /// Embed one token sequence (truncated to `max_position_embeddings`): the final-normed hidden
@@ -61,16 +63,18 @@ impl HarrierModel {
         if ids.is_empty() {
             return Err(ModelError::InvalidInput("cannot embed an empty token sequence".into()));
         }
-        let vocab = self.backbone.cfg.vocab_size;
+        let vocab = self.cfg.vocab_size;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::InvalidInput(format!("token id {bad} out of range for vocab size {vocab}")));
         }
         let ids = &ids[..ids.len().min(self.max_length())];
         let tokens = Array::from_slice(ids, &[1, ids.len()])?;
-        let mut cache = Cache::new(&self.backbone.cache_spec());
-        let (h, _) = self.backbone.forward(&tokens, &mut cache, crate::runtime::Rows::All)?;
-        let last = h.slice_axis(1, ids.len() - 1, ids.len())?.reshape(&[-1])?.astype(DType::F32)?;
-        let v = last.to_vec::<f32>()?;
+        let backbone = self.backbone.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = Cache::new(&backbone.cache_spec());
+        // Only the last position is pooled: the last layer computes just that row.
+        let (h, _) = backbone.forward(&tokens, &mut cache, crate::runtime::Rows::Last)?;
+        let v = h.reshape(&[-1])?.astype(DType::F32)?.to_vec::<f32>()?;
+        drop(backbone);
         Ok(if self.normalize { l2_normalize(v) } else { v })
     }
 
