@@ -158,8 +158,10 @@ impl PagedKv {
         let me = std::thread::current().id();
         if self.writer.is_some_and(|w| w != me) {
             self.pool.wait().map_err(err)?;
+            self.writer = None;
         }
-        self.writer = None;
+        // This thread's own queued writes stay marked: a forward of it that writes nothing new
+        // must not let another thread skip waiting for them.
         Ok(())
     }
 
@@ -232,7 +234,7 @@ const MAX_PENDING: usize = 8;
 /// The ids of a `[1, L]` token array, read in its own dtype (no new device work is queued, so a
 /// computed array is read without waiting for later steps).
 fn host_ids(tokens: &Array) -> Result<Vec<u32>> {
-    let bad = |v: i64| ModelError::InvalidInput(format!("token id {v} is negative"));
+    let bad = |v: i64| ModelError::InvalidInput(format!("token id {v} is not a valid id (0..2^32)"));
     Ok(match tokens.dtype() {
         DType::U32 => tokens.to_vec::<u32>()?,
         DType::I32 => tokens.to_vec::<i32>()?.into_iter().map(|v| u32::try_from(v).map_err(|_| bad(v as i64))).collect::<Result<_>>()?,
