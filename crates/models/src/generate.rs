@@ -313,6 +313,9 @@ impl Generator<'_> {
 
 impl Drop for Generator<'_> {
     fn drop(&mut self) {
+        // Every step queues its own pool writes; this covers a step cut short by a panic, so
+        // that no other thread's forward call waits on writes nobody will queue.
+        let _ = self.cache.async_eval_with(&[]);
         self.cache.set_queue_with_outputs(false);
     }
 }
