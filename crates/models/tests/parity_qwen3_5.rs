@@ -208,3 +208,11 @@ mod random_and_mtp {
         }
     }
 }
+
+/// The last layer is gated full attention in both fixtures: a last-position prefill queries only
+/// that position there (query and gate of one row) and matches all positions' last row.
+#[test]
+fn last_position_prefill_equals_all_positions() {
+    check_last_position_prefill("qwen3_5");
+    check_last_position_prefill("qwen3_5_moe");
+}

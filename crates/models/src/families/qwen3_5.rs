@@ -347,13 +347,18 @@ impl Qwen35Model {
         let (mut kv, _) = cache.begin_forward_with(tokens, false)?;
         let mut x = self.embed.forward(tokens)?;
         let mask = causal_mask(tokens.dims()[1] as usize, None);
+        let l = tokens.dims()[1] as usize;
         for (i, layer) in self.layers.iter().enumerate() {
             let n = layer.input_norm.forward(&x)?;
+            // A last full-attention layer whose last position alone is read queries only that one.
+            let last_only = i + 1 == self.layers.len() && rows == Rows::Last && l > 1 && matches!(layer.mixer, Mixer::Full(_));
             let a = match &layer.mixer {
+                Mixer::Full(att) if last_only => att.forward_kv_last(&n, &mut kv.layer(i)?, mask)?,
                 Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, mask)?,
                 Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?)?,
             };
-            let mut hres = x.add(&a)?;
+            let residual = if last_only { x.slice_axis(1, l - 1, l)? } else { x.clone() };
+            let mut hres = residual.add(&a)?;
             if i + 1 == self.layers.len() && !rows.cut(&mut hres)? {
                 x = hres;
                 break;
