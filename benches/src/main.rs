@@ -648,7 +648,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
             model.info().model_type
         );
     }
-    eprintln!("ours: loaded (lazy) in {:.2} s", t.elapsed().as_secs_f64());
+    eprintln!("ours: loaded in {:.2} s (weights read and computed, as mlx-lm's load does)", t.elapsed().as_secs_f64());
     let mut theirs = if a.no_mlx_lm { None } else { Some(Theirs::start(a, dir, &dt)?) };
     if let Some(t) = &theirs {
         eprintln!("mlx-lm: {}", t.info);
