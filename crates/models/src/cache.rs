@@ -457,7 +457,7 @@ impl Cache {
     /// Paged caches: leave each forward call's pool writes for the caller to queue with the
     /// step's outputs ([`Cache::async_eval_with`] or [`Cache::eval_with`], right after the
     /// call), instead of queueing them at its end. One queueing call a step keeps a pipelined
-    /// decode loop from stalling; [`crate::generate`] does this. Forward calls on other threads
+    /// decode loop from stalling; [`crate::generate()`] does this. Forward calls on other threads
     /// wait until the writes are queued, so a caller that turns this on must queue after
     /// every forward call. No effect on flat caches.
     pub fn set_queue_with_outputs(&mut self, on: bool) {
@@ -466,7 +466,9 @@ impl Cache {
         }
     }
 
-    /// Every array the cache holds, to evaluate them together with a step's outputs.
+    /// The arrays this cache holds itself (flat K/V, paged mirrors, recurrent state), not the
+    /// shared paged pool's: to evaluate a step's outputs with everything, pool writes included,
+    /// use [`Cache::async_eval_with`] or [`Cache::eval_with`].
     pub fn arrays(&self) -> Vec<&Array> {
         let mut v = Vec::new();
         for l in &self.layers {

@@ -5,7 +5,7 @@
 //! A forward call on a paged cache hashes the new tokens' full blocks; on the first call of a
 //! sequence, blocks already in the pool (same tokens from the start, same extra keys) are
 //! reused and their tokens are not recomputed: the outputs then cover only the computed suffix
-//! ([`crate::ForwardOutput::skipped`] says how many were skipped).
+//! ([`crate::Cache::last_skipped`] says how many were skipped).
 //!
 //! Nothing here waits on the device in a pipelined decode loop. A step's input ids are usually
 //! the previous step's lazy output: they enter the sequence as pending ids

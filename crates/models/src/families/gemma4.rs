@@ -604,7 +604,7 @@ fn decoder_prefix(w: &Weights) -> &'static str {
 
 impl Gemma4Model {
     /// A model from its config only: it reports its info and cache layout, but every forward
-    /// call fails with "Model not initialized" (use [`Gemma4Model::load`] / [`crate::load_model`]).
+    /// call fails with "Model not initialized" (use [`crate::load_model`]).
     pub fn from_config(cfg: Gemma4Config, eos: Vec<u32>) -> Result<Self> {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: PathBuf::from("<config>"), reason })?;
         let info = ModelInfo {

@@ -22,8 +22,8 @@
 //!   [`Qwen35Model::mtp_weights`] (not used by the forward pass); a checkpoint without them loads.
 //!
 //! ## Caches and chat sessions
-//! Full-attention layers use [`LayerCache::Kv`]; GatedDeltaNet layers a
-//! [`LayerCache::Recurrent`] with two slots (the last `K - 1` conv inputs, and the f32 delta-rule
+//! Full-attention layers use [`crate::cache::LayerCache::Kv`]; GatedDeltaNet layers a
+//! [`crate::cache::LayerCache::Recurrent`] with two slots (the last `K - 1` conv inputs, and the f32 delta-rule
 //! state `[B, Hv, Dk, Dv]`). A recurrent state summarizes *all* tokens seen so far and cannot be
 //! rolled back, so [`Cache::trim`] refuses it. What the shared session code therefore does:
 //! - **reused**: a new turn whose prompt extends exactly the tokens already in the cache (the usual
