@@ -253,8 +253,7 @@ impl KvPool {
     pub fn write(&mut self, layer: usize, batch: &StepBatch, k: &Array, v: &Array) -> Result<()> {
         let (g, _) = self.check_layer(layer)?;
         let gb = &batch.groups[g];
-        let (slots, host) = (gb.write.clone(), gb.write_host.clone());
-        self.scatter(layer, &slots, &host, k, v)
+        self.scatter(layer, &gb.write, &gb.write_host, k, v)
     }
 
     /// Write keys and values `[1, kv_heads, n, head_dim]` of `layer` at `slots` (`n` of them,

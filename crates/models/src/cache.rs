@@ -310,10 +310,11 @@ impl ForwardKv<'_> {
             },
         }
     }
-    /// End the forward pass. In paged mode this queues the pool writes before the pool is
-    /// released (without waiting for them): the pool is shared by every sequence of the model
-    /// and MLX streams belong to a thread, so no unqueued write may outlive this call. The next
-    /// forward call from another thread waits for them.
+    /// End the forward pass. In paged mode this writes the kept decode rows when the step filled
+    /// a block, then queues the pool writes without waiting for them, or, with
+    /// [`Cache::set_queue_with_outputs`], leaves them for the caller's queueing call. The pool is
+    /// shared by every sequence of the model and MLX streams belong to a thread: a forward call
+    /// on another thread waits until the writes are queued, then until they are computed.
     pub fn finish(mut self) -> Result<()> {
         if let Some((mut g, _, _, st)) = self.paged.take() {
             if st.flush_at_end {
@@ -446,9 +447,9 @@ impl Cache {
         let run = |a: &[&Array]| if queue_only { mlx_array::async_eval(a) } else { mlx_array::eval(a) };
         let Some(p) = &self.paged else { return Ok(run(&arrays)?) };
         let mut g = crate::paged::PagedKv::claim(&p.shared);
-        let pool: Vec<Array> = g.pool.arrays().into_iter().cloned().collect();
-        arrays.extend(pool.iter());
+        arrays.extend(g.pool.arrays());
         run(&arrays)?;
+        drop(arrays);
         g.pool.mark_queued();
         g.queued_by_me();
         Ok(())

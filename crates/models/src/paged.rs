@@ -10,13 +10,14 @@
 //! Nothing here waits on the device in a pipelined decode loop. A step's input ids are usually
 //! the previous step's lazy output: they enter the sequence as pending ids
 //! ([`KvCacheManager::append_pending`]) and are read back for block hashing only once computed.
-//! The pool writes are queued ([`KvPool::async_eval`]) at the end of a forward call, and a
-//! forward call on another thread waits for them first (MLX streams belong to a thread, so no
-//! thread builds on another's unqueued graph).
+//! The pool writes are queued with the step's outputs, in the one `async_eval` of the step
+//! ([`crate::Cache::async_eval_with`]; a forward call not followed by one queues them itself at
+//! its end). A forward call on another thread waits until they are queued and computed (MLX
+//! streams belong to a thread, so no thread builds on another's unqueued graph).
 //!
 //! With [`PagedConfig::contiguous_reads`] attention reads the sequence's mirror, so the pool
 //! only serves prefix hits and rollbacks: one-token (decode) steps do not write it each step.
-//! Their rows are kept and written in one scatter a layer when a block fills (before the block
+//! Their rows are kept and written in one go per layer when a block fills (before the block
 //! can be registered for sharing), before any longer step, and before a rollback.
 use crate::cache::{CacheSpec, LayerKind};
 use crate::{ModelError, Result};
@@ -40,7 +41,8 @@ pub struct PagedConfig {
     /// Attention layers also keep each live sequence's K/V in a contiguous per-sequence buffer
     /// (the flat cache: rotating for sliding-window layers), and attention reads it instead of
     /// gathering the sequence's blocks out of the pool every step. The pool is still written
-    /// every step (prefix sharing, rollback and copy-on-write work as without it); the buffer is
+    /// (decode rows a block at a time; prefix sharing, rollback and copy-on-write work as
+    /// without it); the buffer is
     /// filled from the pool when a sequence starts on cached blocks or rolls back further than
     /// a rotating buffer keeps. Costs the flat cache's memory for live sequences on top of the
     /// pool; on the CPU backend it makes paged decode as fast as flat decode (the per-step
@@ -244,7 +246,7 @@ fn host_ids(tokens: &Array) -> Result<Vec<u32>> {
 }
 
 impl SeqState {
-    /// Write the kept decode rows into the pool: one scatter per layer for all of them.
+    /// Write the kept decode rows into the pool: one write per layer for all of them.
     pub(crate) fn flush(&mut self, pool: &mut KvPool) -> Result<()> {
         for (layer, rows) in self.rows.iter_mut().enumerate() {
             if rows.is_empty() {

@@ -72,6 +72,22 @@ impl Rows {
         }
         Ok(true)
     }
+
+    /// At the last cache-writing layer, over `l` rows: whether its attention need query only the
+    /// last position (only that row is read; the K/V of all rows still go to the cache).
+    pub(crate) fn query_last_only(self, l: usize) -> bool {
+        self == Rows::Last && l > 1
+    }
+
+    /// The residual stream `x` (`[B, L, H]`) that a last-only attention output (`[B, 1, H]`) is
+    /// added to: its last row when `last_only`, else all of it.
+    pub(crate) fn residual(x: &Array, last_only: bool) -> Result<Array> {
+        if !last_only {
+            return Ok(x.clone());
+        }
+        let l = x.dim(1)?;
+        Ok(x.slice_axis(1, l - 1, l)?)
+    }
 }
 
 /// What a forward call returns. With a paged cache, the first `Logits::Last`/`Logits::None`

@@ -741,7 +741,7 @@ impl Gemma4Model {
             let mask = if self.cfg.is_sliding(i) { sliding_mask } else { full_mask };
             let h = layer.input_norm.forward(&x)?;
             // Past the last cache-writing layer only the last position is read: query just it.
-            let last_only = i == last_own && rows == Rows::Last && x.dim(1)? > 1;
+            let last_only = i == last_own && rows.query_last_only(x.dim(1)?);
             let (a, kv) = if layer.attn.own_kv() {
                 let mut c = kvs.layer(i)?;
                 // Every layer of a sequence is at the same position (shared layers: the anchor's).
@@ -751,8 +751,7 @@ impl Gemma4Model {
                 layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, last_only)?
             };
             fetched[i] = Some(kv);
-            let residual = if last_only { x.slice_axis(1, l - 1, l)? } else { x.clone() };
-            let mut h = residual.add(&layer.post_attn_norm.forward(&a)?)?;
+            let mut h = Rows::residual(&x, last_only)?.add(&layer.post_attn_norm.forward(&a)?)?;
             if i == last_own {
                 if !rows.cut(&mut h)? {
                     break;

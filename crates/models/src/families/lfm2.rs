@@ -436,7 +436,7 @@ impl Lfm2Model {
         for (i, layer) in self.layers.iter().enumerate() {
             let n = layer.operator_norm.forward(&x)?;
             // A last attention layer whose last position alone is read queries only that one.
-            let last_only = i + 1 == self.layers.len() && rows == Rows::Last && l > 1 && matches!(layer.op, Operator::Attn(_));
+            let last_only = i + 1 == self.layers.len() && rows.query_last_only(l) && matches!(layer.op, Operator::Attn(_));
             let r = match &layer.op {
                 Operator::Attn(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, mask)?,
                 Operator::Attn(a) => a.forward_kv(&n, &mut kv.layer(i)?, mask)?,
@@ -445,8 +445,7 @@ impl Lfm2Model {
                     _ => return Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
                 },
             };
-            let residual = if last_only { x.slice_axis(1, l - 1, l)? } else { x.clone() };
-            let mut h = residual.add(&r)?;
+            let mut h = Rows::residual(&x, last_only)?.add(&r)?;
             if i + 1 == self.layers.len() && !rows.cut(&mut h)? {
                 x = h;
                 break;

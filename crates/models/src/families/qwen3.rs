@@ -144,21 +144,15 @@ impl Qwen3Backbone {
         let mask = causal_mask(l - skipped, None);
         let n = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
-            let xn = layer.input_norm.forward(&x)?;
-            let mut layer_kv = kv.layer(i)?;
-            let h = if i + 1 == n && rows == Rows::Last && x.dim(1)? > 1 {
-                // Only the last position goes on: query just that one (the K/V of all are cached).
-                let a = layer.attn.forward_kv_last(&xn, &mut layer_kv, mask)?;
-                let l = x.dim(1)?;
-                x.slice_axis(1, l - 1, l)?.add(&a)?
-            } else {
-                let mut h = x.add(&layer.attn.forward_kv(&xn, &mut layer_kv, mask)?)?;
-                if i + 1 == n && !rows.cut(&mut h)? {
-                    x = h;
-                    break;
-                }
-                h
-            };
+            // Only the last position goes on: query just that one (the K/V of all are cached).
+            let last_only = i + 1 == n && rows.query_last_only(x.dim(1)?);
+            let (xn, mut layer_kv) = (layer.input_norm.forward(&x)?, kv.layer(i)?);
+            let a = if last_only { layer.attn.forward_kv_last(&xn, &mut layer_kv, mask)? } else { layer.attn.forward_kv(&xn, &mut layer_kv, mask)? };
+            let mut h = Rows::residual(&x, last_only)?.add(&a)?;
+            if i + 1 == n && !rows.cut(&mut h)? {
+                x = h;
+                break;
+            }
             x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;
         }
         kv.finish()?;

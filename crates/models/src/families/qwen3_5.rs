@@ -351,14 +351,13 @@ impl Qwen35Model {
         for (i, layer) in self.layers.iter().enumerate() {
             let n = layer.input_norm.forward(&x)?;
             // A last full-attention layer whose last position alone is read queries only that one.
-            let last_only = i + 1 == self.layers.len() && rows == Rows::Last && l > 1 && matches!(layer.mixer, Mixer::Full(_));
+            let last_only = i + 1 == self.layers.len() && rows.query_last_only(l) && matches!(layer.mixer, Mixer::Full(_));
             let a = match &layer.mixer {
                 Mixer::Full(att) if last_only => att.forward_kv_last(&n, &mut kv.layer(i)?, mask)?,
                 Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, mask)?,
                 Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?)?,
             };
-            let residual = if last_only { x.slice_axis(1, l - 1, l)? } else { x.clone() };
-            let mut hres = residual.add(&a)?;
+            let mut hres = Rows::residual(&x, last_only)?.add(&a)?;
             if i + 1 == self.layers.len() && !rows.cut(&mut hres)? {
                 x = hres;
                 break;
