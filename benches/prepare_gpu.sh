@@ -6,13 +6,8 @@
 #   LLM_BENCH_BIN=path   use that llm_bench build instead of building
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
-S=$ROOT/.gpu-bench
-P=${MLX_CUDA_CACHE:-$HOME/.cache/mlx-sys/mlx-cuda-13-0.32.2}/payload-sm90
-EXCL=$(git -C "$ROOT" rev-parse --git-path info/exclude); case $EXCL in /*) ;; *) EXCL=$ROOT/$EXCL ;; esac
-grep -qxF '/.gpu-bench/' "$EXCL" || echo '/.gpu-bench/' >> "$EXCL"
-[ -f "$P/libmlx.so.xz" ] || bash "$ROOT/scripts/gpu/prepare.sh" --no-build
-mkdir -p "$S"
-cp -f "$P"/{libmlx.so.xz,include.tar.xz,cudalibs.tar.xz} "$S/"
+. "$ROOT/scripts/gpu/stage_payload.sh"
+stage_payload .gpu-bench
 BIN=${LLM_BENCH_BIN:-}
 if [ -z "$BIN" ]; then
   (cd "$ROOT" && cargo build --release -p mlx-models-bench)

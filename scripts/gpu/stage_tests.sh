@@ -12,13 +12,9 @@
 # form they have not been run on the device yet.
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
-S=$ROOT/.gpu-tests
-P=${MLX_CUDA_CACHE:-$HOME/.cache/mlx-sys/mlx-cuda-13-0.32.2}/payload-sm90
-EXCL=$(git -C "$ROOT" rev-parse --git-path info/exclude); case $EXCL in /*) ;; *) EXCL=$ROOT/$EXCL ;; esac
-grep -qxF '/.gpu-tests/' "$EXCL" || echo '/.gpu-tests/' >> "$EXCL"
-[ -f "$P/libmlx.so.xz" ] || bash "$ROOT/scripts/gpu/prepare.sh" --no-build || [ -f "$P/libmlx.so.xz" ]
-rm -rf "$S" && mkdir -p "$S"
-cp -f "$P"/{libmlx.so.xz,include.tar.xz,cudalibs.tar.xz} "$S/"
+. "$ROOT/scripts/gpu/stage_payload.sh"
+rm -rf "$ROOT/.gpu-tests"
+stage_payload .gpu-tests
 TESTS=("$@"); [ ${#TESTS[@]} -gt 0 ] || TESTS=(paged)
 for t in "${TESTS[@]}"; do
   bin=$(cd "$ROOT" && cargo test --release -p mlx-models --test "$t" --no-run --message-format json 2>/dev/null |
