@@ -24,12 +24,9 @@ mkdir -p "$OUT" "$R/mlx/lib"
   echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
   head -2 /etc/os-release; nproc; free -g | head -2; python3 --version
 } 2>&1 | tee "$OUT/env.log"
-SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
-[ -d "$SP/nvidia/cu13/lib" ] || for d in /opt/torch/.venv/lib/python3*/site-packages; do [ -d "$d/nvidia/cu13/lib" ] && SP=$d; done
-xz -dc "$G/libmlx.so.xz" > "$R/mlx/lib/libmlx.so" || exit 3
-for t in include cudalibs; do tar -C "$R" -xJf "$G/$t.tar.xz" || exit 3; done
+. "$ROOT/scripts/gpu/unpack_payload.sh"
+unpack_payload "$G" "$R" || exit 3
 for w in "$G"/*.whl; do python3 -m zipfile -e "$w" "$R" || exit 3; done
-ln -sfn "$SP/nvidia" "$R/nvidia"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} LD_LIBRARY_PATH=$R/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$R
 export MLX_LM_PYTHON=python3 PYTHONUNBUFFERED=1
 B=$G/llm_bench

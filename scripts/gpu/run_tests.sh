@@ -2,15 +2,14 @@
 # On the H200 (the `run` tool, carry [".gpu-tests"], from the repository root): unpack the CUDA
 # libmlx staged by scripts/gpu/stage_tests.sh and run each staged test binary against it.
 #   bash scripts/gpu/run_tests.sh [-- TEST-ARGS...]   # e.g. -- --test-threads 2
+#   MLX_MODELS_TEST_DTYPE=f32 bash scripts/gpu/run_tests.sh -- matches_transformers
+#       # the transformers parity checks in f32 (the GPU default, the fixtures' bf16, rounds
+#       # 0.1-0.8 relative away from the f32 references, on the CPU too)
 set -uo pipefail
-G=.gpu-tests
+G=${GPU_STAGE:-.gpu-tests}   # GPU_STAGE=.gpu-bench: binaries staged next to the benchmark
 R=${MLXRT:-/tmp/mlxrt-tests}
-mkdir -p "$R/mlx/lib"
-xz -dc "$G/libmlx.so.xz" > "$R/mlx/lib/libmlx.so" || exit 3
-for t in include cudalibs; do tar -C "$R" -xJf "$G/$t.tar.xz" || exit 3; done
-SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
-[ -d "$SP/nvidia/cu13/lib" ] || for d in /opt/torch/.venv/lib/python3*/site-packages; do [ -d "$d/nvidia/cu13/lib" ] && SP=$d; done
-ln -sfn "$SP/nvidia" "$R/nvidia"
+. scripts/gpu/unpack_payload.sh
+unpack_payload "$G" "$R" || exit 3
 # The binaries look for fixtures under the path they were built in (CARGO_MANIFEST_DIR).
 ROOT=$(cat "$G/manifest_dir_root")
 if [ ! -e "$ROOT/crates" ]; then mkdir -p "$(dirname "$ROOT")" && ln -sfn "$PWD" "$ROOT"; fi

@@ -2,6 +2,8 @@
 # Stage integration-test binaries for a run on the H200 (the `run` tool, carry [".gpu-tests"]):
 #
 #   bash scripts/gpu/stage_tests.sh [TEST...]     # default: paged (crates/models/tests/paged.rs)
+#   STAGE=.gpu-bench bash scripts/gpu/stage_tests.sh ...   # add them to the benchmark's staging
+#                                                          # (one carry; GPU_STAGE=.gpu-bench on the device)
 #
 # Builds `cargo test --release -p mlx-models --test TEST --no-run` here, against the CPU libmlx
 # (the binary runs with the CUDA libmlx swapped in through LD_LIBRARY_PATH, as gpu_check does),
@@ -13,8 +15,9 @@
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 . "$ROOT/scripts/gpu/stage_payload.sh"
-rm -rf "$ROOT/.gpu-tests"
-stage_payload .gpu-tests
+STAGE=${STAGE:-.gpu-tests}
+[ "$STAGE" != .gpu-tests ] || rm -rf "$ROOT/.gpu-tests"
+stage_payload "$STAGE"
 TESTS=("$@"); [ ${#TESTS[@]} -gt 0 ] || TESTS=(paged)
 for t in "${TESTS[@]}"; do
   bin=$(cd "$ROOT" && cargo test --release -p mlx-models --test "$t" --no-run --message-format json 2>/dev/null |

@@ -24,17 +24,18 @@ struct Storage {
 /// prefill's slots are one run or a few, and a decode block's 16 rows one.
 const MAX_RUNS: usize = 8;
 
-/// `dst` with rows `slots` (`host` on the host) replaced by `rows`.
-fn put_rows(dst: &Array, slots: &Array, host: &[u32], rows: &Array) -> Result<Array> {
+/// `dst` with rows `slots` replaced by `rows`.
+fn put_rows(dst: &Array, slots: &[u32], rows: &Array) -> Result<Array> {
     let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (first slot, first row, length)
-    for (i, &s) in host.iter().enumerate() {
+    for (i, &s) in slots.iter().enumerate() {
         match runs.last_mut() {
             Some((first, _, len)) if *first + *len == s as usize => *len += 1,
             _ => runs.push((s as usize, i, 1)),
         }
     }
     if runs.len() > MAX_RUNS {
-        return Ok(scatter_rows(dst, slots, rows)?);
+        let idx: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
+        return Ok(scatter_rows(dst, &Array::from_slice(&idx, &[idx.len()])?, rows)?);
     }
     let mut out = dst.clone();
     for (first, row, len) in runs {
@@ -70,14 +71,27 @@ pub struct StepBatch {
 #[derive(Debug, Clone)]
 struct GroupBatch {
     attention: Attention,
-    /// Slots of all new tokens, sequence-major: `[sum(q_lens)]`, on the device and the host.
-    write: Array,
-    write_host: Vec<u32>,
-    /// Key slots padded with the pad slot: `[B * max_len]`.
-    read: Array,
+    /// Slots of all new tokens, sequence-major: `sum(q_lens)` of them.
+    write: Vec<u32>,
+    /// Key slots padded with the pad slot: `B * max_len` of them...
+    read_host: Vec<i32>,
+    /// ...and on the device, made by the first read that gathers (a decode step that reads a
+    /// contiguous mirror never does, and makes no device index arrays).
+    read: std::cell::OnceCell<Array>,
     max_len: usize,
     kv_lens: Vec<usize>,
     kv_starts: Vec<usize>,
+}
+
+impl GroupBatch {
+    /// The key slots on the device.
+    fn read_slots(&self) -> Result<&Array> {
+        if let Some(a) = self.read.get() {
+            return Ok(a);
+        }
+        let a = Array::from_slice(&self.read_host, &[self.read_host.len()])?;
+        Ok(self.read.get_or_init(|| a))
+    }
 }
 
 impl StepBatch {
@@ -233,9 +247,9 @@ impl KvPool {
             }
             groups.push(GroupBatch {
                 attention: self.layout.groups[g].attention,
-                write: Array::from_slice(&write, &[write.len()])?,
-                write_host: write.iter().map(|&x| x as u32).collect(),
-                read: Array::from_slice(&read, &[read.len()])?,
+                write: write.iter().map(|&x| x as u32).collect(),
+                read_host: read,
+                read: std::cell::OnceCell::new(),
                 max_len,
                 kv_lens,
                 kv_starts,
@@ -253,7 +267,7 @@ impl KvPool {
     pub fn write(&mut self, layer: usize, batch: &StepBatch, k: &Array, v: &Array) -> Result<()> {
         let (g, _) = self.check_layer(layer)?;
         let gb = &batch.groups[g];
-        self.scatter(layer, &gb.write, &gb.write_host, k, v)
+        self.scatter(layer, &gb.write, k, v)
     }
 
     /// Write keys and values `[1, kv_heads, n, head_dim]` of `layer` at `slots` (`n` of them,
@@ -265,18 +279,17 @@ impl KvPool {
         if let Some(s) = slots.iter().find(|&&s| s >= pad) {
             return Err(Error::Pool(format!("slot {s} beyond the storage of group {g} ({pad} slots)")));
         }
-        let idx: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-        self.scatter(layer, &Array::from_slice(&idx, &[idx.len()])?, slots, k, v)
+        self.scatter(layer, slots, k, v)
     }
 
-    /// Rows `k`, `v` into `layer`'s storage at `slots` (`host`: the same slots on the host).
-    fn scatter(&mut self, layer: usize, slots: &Array, host: &[u32], k: &Array, v: &Array) -> Result<()> {
+    /// Rows `k`, `v` into `layer`'s storage at `slots`.
+    fn scatter(&mut self, layer: usize, slots: &[u32], k: &Array, v: &Array) -> Result<()> {
         let (_, anchor) = self.check_layer(layer)?;
         if anchor != layer {
             return Err(Error::Pool(format!("layer {layer} shares the K/V of layer {anchor}; write through the anchor")));
         }
         let spec = self.layout.layers[layer];
-        let n = slots.size();
+        let n = slots.len();
         let rows = |x: &Array, what: &str| -> Result<Array> {
             let d = x.shape();
             if d.len() != 4 || d[1] != spec.kv_heads || d[3] != spec.head_dim || d[0] * d[2] != n {
@@ -290,8 +303,8 @@ impl KvPool {
         };
         let (kr, vr) = (rows(k, "keys")?, rows(v, "values")?);
         let st = self.storage[layer].as_mut().expect("own storage");
-        st.k = put_rows(&st.k, slots, host, &kr)?;
-        st.v = put_rows(&st.v, slots, host, &vr)?;
+        st.k = put_rows(&st.k, slots, &kr)?;
+        st.v = put_rows(&st.v, slots, &vr)?;
         self.dirty = true;
         Ok(())
     }
@@ -301,7 +314,7 @@ impl KvPool {
     pub fn read(&self, layer: usize, batch: &StepBatch) -> Result<(Array, Array)> {
         let (g, anchor) = self.check_layer(layer)?;
         let gb = &batch.groups[g];
-        self.gather(anchor, &gb.read, batch.q_lens.len(), gb.max_len)
+        self.gather(anchor, gb.read_slots()?, batch.q_lens.len(), gb.max_len)
     }
 
     /// Rows `slots` (`[b * len]`) of `anchor`'s keys and values as `[b, kv_heads, len, head_dim]`.
@@ -326,7 +339,7 @@ impl KvPool {
         if from > to || from < start || to > start + len {
             return Err(Error::Pool(format!("read_span {from}..{to} outside the sequence's keys {start}..{}", start + len)));
         }
-        self.gather(anchor, &gb.read.slice_axis(0, from - start, to - start)?, 1, to - from)
+        self.gather(anchor, &gb.read_slots()?.slice_axis(0, from - start, to - start)?, 1, to - from)
     }
 
     /// Copy whole blocks (copy-on-write after [`crate::KvCacheManager::fork`] or `trim`).
@@ -422,10 +435,8 @@ mod tests {
                 want[s as usize * w..(s as usize + 1) * w].copy_from_slice(&rows[r * w..(r + 1) * w]);
             }
             let d = Array::from_slice(&dst, &[n, w, 1]).unwrap();
-            let idx: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-            let idx = Array::from_slice(&idx, &[idx.len()]).unwrap();
             let u = Array::from_slice(&rows, &[slots.len(), w, 1]).unwrap();
-            let got = put_rows(&d, &idx, &slots, &u).unwrap().to_vec::<f32>().unwrap();
+            let got = put_rows(&d, &slots, &u).unwrap().to_vec::<f32>().unwrap();
             assert_eq!(got, want, "slots {slots:?}");
         }
     }

@@ -42,11 +42,14 @@ pub struct KvCache {
     /// Rotating caches holding a full window written in place: the slot of the oldest position
     /// (the next one overwritten). `None`: the slots are in temporal order.
     ring: Option<usize>,
+    /// Flat caches: the first position written (positions before it were never given to this
+    /// cache: a paged mirror restarted at it).
+    first: usize,
 }
 
 impl KvCache {
     pub fn new(window: Option<usize>) -> Self {
-        KvCache { keys: None, values: None, offset: 0, window, held: 0, ring: None }
+        KvCache { keys: None, values: None, offset: 0, window, held: 0, ring: None, first: 0 }
     }
 
     /// Positions seen so far (the rope offset of the next token).
@@ -57,7 +60,40 @@ impl KvCache {
     /// Empty the cache, as if positions `0..offset` had been seen and dropped (a paged mirror
     /// refilled from the pool from `offset` on).
     pub(crate) fn restart_at(&mut self, offset: usize) {
-        *self = KvCache { offset, ..KvCache::new(self.window) };
+        *self = KvCache { offset, first: offset, ..KvCache::new(self.window) };
+    }
+
+    /// Keys and values of positions `from..to` as stored: views of the storage (a copy only
+    /// where a rotating cache's ring wraps inside the span), or `None` when the cache does not
+    /// hold every one of them.
+    pub(crate) fn span(&self, from: usize, to: usize) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
+        if from >= to || to > self.offset {
+            return Ok(None);
+        }
+        let Some(w) = self.window else {
+            if from < self.first {
+                return Ok(None);
+            }
+            return Ok(Some((k.slice_axis(2, from, to)?, v.slice_axis(2, from, to)?)));
+        };
+        let start = self.offset - self.held;
+        if from < start {
+            return Ok(None);
+        }
+        // ring None: slots 0..held in temporal order; Some(r): a full window, slot r the oldest
+        let slot = |p: usize| match self.ring {
+            None => p - start,
+            Some(r) => (r + p - start) % w,
+        };
+        let (a, n, cap) = (slot(from), to - from, k.dim(2)?);
+        let part = |x: &Array| -> Result<Array> {
+            if a + n <= cap {
+                return Ok(x.slice_axis(2, a, a + n)?);
+            }
+            Ok(ops::concatenate(&[&x.slice_axis(2, a, cap)?, &x.slice_axis(2, 0, a + n - cap)?], 2)?)
+        };
+        Ok(Some((part(k)?, part(v)?)))
     }
 
     /// Append `k`, `v` (`[B, H, L, D]`) and return the keys/values attention should use now.
@@ -183,6 +219,7 @@ impl KvCache {
             }
         }
         self.offset -= n;
+        self.first = self.first.min(self.offset);
         Ok(())
     }
 }
@@ -318,7 +355,8 @@ impl ForwardKv<'_> {
     pub fn finish(mut self) -> Result<()> {
         if let Some((mut g, _, _, st)) = self.paged.take() {
             if st.flush_at_end {
-                st.flush(&mut g.pool)?;
+                let g = &mut *g;
+                st.flush(&mut g.pool, &g.layer_map, self.layers)?;
             }
             g.release(st.queue_later)?;
         }
@@ -389,7 +427,7 @@ impl Cache {
                 let crate::paged::PagedSeq { shared, state } = p;
                 let mut guard = crate::paged::PagedKv::claim(shared);
                 guard.settle()?;
-                let (batch, skipped, offset) = state.schedule(&mut guard, tokens, allow_prefix_skip)?;
+                let (batch, skipped, offset) = state.schedule(&mut guard, tokens, allow_prefix_skip, layers)?;
                 *last_skipped = skipped;
                 Ok((ForwardKv { layers, paged: Some((guard, batch, offset, state)) }, skipped))
             }
@@ -419,7 +457,7 @@ impl Cache {
             return Err(ModelError::Cache("recurrent layers cannot be trimmed".into()));
         }
         if let Some(p) = &mut self.paged {
-            return p.trim(n);
+            return p.trim(n, &self.layers);
         }
         for l in &mut self.layers {
             if let LayerCache::Kv(c) = l {
@@ -504,7 +542,25 @@ mod tests {
             (2, true), (-1, true), (6, true), (1, true), (1, true), (1, true), (1, true), (1, true), (1, true), (1, true),
             (-1, true), (1, true), (-2, false), (3, true), (-1, false), (1, true), (-1, true), (1, true), (1, true), (2, true), (1, true),
         ];
+        // Every span a rotating cache holds equals the flat cache's rows (ring wraps inside the
+        // span included); one reaching before what it holds is `None`.
+        let spans_match = |rot: &KvCache, flat: &KvCache, s: usize| {
+            let (o, held) = (rot.offset(), rot.stored());
+            for from in o - held..o {
+                for to in from + 1..=o {
+                    let (rk, rv) = rot.span(from, to).unwrap().unwrap_or_else(|| panic!("step {s}: span {from}..{to} held"));
+                    let (fk, fv) = flat.span(from, to).unwrap().unwrap();
+                    assert_eq!(rk.to_vec::<f32>().unwrap(), fk.to_vec::<f32>().unwrap(), "step {s}: keys {from}..{to}");
+                    assert_eq!(rv.to_vec::<f32>().unwrap(), fv.to_vec::<f32>().unwrap(), "step {s}: values {from}..{to}");
+                }
+            }
+            if held < o {
+                assert!(rot.span(o - held - 1, o).unwrap().is_none(), "step {s}: a position no longer held");
+            }
+            assert!(rot.span(o, o + 1).unwrap().is_none() && flat.span(0, o + 1).unwrap().is_none(), "step {s}: past the end");
+        };
         for (s, &(n, ok)) in plan.iter().enumerate() {
+            spans_match(&rot, &flat, s);
             if n < 0 {
                 let n = (-n) as usize;
                 let before = (rot.offset(), rot.stored());
@@ -534,5 +590,24 @@ mod tests {
             }
         }
         assert!(rot.stored() <= w);
+        spans_match(&rot, &flat, plan.len());
+    }
+
+    /// A flat cache restarted at a position (a paged mirror) holds no span before it.
+    #[test]
+    fn restarted_flat_cache_spans_start_at_its_first_position() {
+        let mut c = KvCache::new(None);
+        c.restart_at(5);
+        let k = Array::from_slice(&(0..12).map(|x| x as f32).collect::<Vec<_>>(), &[1, 1, 3, 4]).unwrap();
+        c.update_and_fetch(&k, &k).unwrap();
+        assert!(c.span(4, 8).unwrap().is_none());
+        let (sk, _) = c.span(6, 8).unwrap().unwrap();
+        assert_eq!(sk.to_vec::<f32>().unwrap(), (4..12).map(|x| x as f32).collect::<Vec<_>>());
+        // back to 4, below where it started: it holds nothing, then what comes next
+        c.trim(4).unwrap();
+        assert!(c.span(3, 4).unwrap().is_none());
+        c.update_and_fetch(&k.slice_axis(2, 2, 3).unwrap(), &k.slice_axis(2, 2, 3).unwrap()).unwrap();
+        assert_eq!(c.span(4, 5).unwrap().unwrap().0.to_vec::<f32>().unwrap(), vec![8.0, 9.0, 10.0, 11.0]);
+        assert!(c.span(3, 5).unwrap().is_none());
     }
 }

@@ -19,7 +19,7 @@
 //! only serves prefix hits and rollbacks: one-token (decode) steps do not write it each step.
 //! Their rows are kept and written in one go per layer when a block fills (before the block
 //! can be registered for sharing), before any longer step, and before a rollback.
-use crate::cache::{CacheSpec, LayerKind};
+use crate::cache::{CacheSpec, LayerCache, LayerKind};
 use crate::{ModelError, Result};
 use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId};
 use mlx_array::{Array, DType};
@@ -246,19 +246,31 @@ fn host_ids(tokens: &Array) -> Result<Vec<u32>> {
 }
 
 impl SeqState {
-    /// Write the kept decode rows into the pool: one write per layer for all of them.
-    pub(crate) fn flush(&mut self, pool: &mut KvPool) -> Result<()> {
-        for (layer, rows) in self.rows.iter_mut().enumerate() {
-            if rows.is_empty() {
-                continue;
-            }
+    /// Write the kept decode rows into the pool: one write per layer for all of them. The rows
+    /// are the last positions of the layer's mirror in `layers` (model layers; `layer_map`
+    /// maps them to pool layers): one slice of it, where a concatenation of the steps' rows
+    /// would be one copy per row on the device. A mirror that does not hold them all (a
+    /// rotating one with a window shorter than a block) gives the kept rows instead.
+    pub(crate) fn flush(&mut self, pool: &mut KvPool, layer_map: &[Option<usize>], layers: &[LayerCache]) -> Result<()> {
+        for (i, l) in layer_map.iter().enumerate() {
+            let Some(layer) = *l else { continue };
+            let Some(rows) = self.rows.get_mut(layer).filter(|r| !r.is_empty()) else { continue };
             let g = pool.layout().placement[layer].0;
             let slots = &self.row_slots[g];
             if slots.len() != rows.len() {
                 return Err(ModelError::Cache(format!("layer {layer}: {} kept rows for {} slots", rows.len(), slots.len())));
             }
-            let (ks, vs): (Vec<&Array>, Vec<&Array>) = rows.iter().map(|(k, v)| (k, v)).unzip();
-            let (k, v) = (mlx_array::ops::concatenate(&ks, 2)?, mlx_array::ops::concatenate(&vs, 2)?);
+            let span = match layers.get(i) {
+                Some(LayerCache::Kv(m)) => m.span(self.offset - rows.len(), self.offset)?,
+                _ => None,
+            };
+            let (k, v) = match span {
+                Some(kv) => kv,
+                None => {
+                    let (ks, vs): (Vec<&Array>, Vec<&Array>) = rows.iter().map(|(k, v)| (k, v)).unzip();
+                    (mlx_array::ops::concatenate(&ks, 2)?, mlx_array::ops::concatenate(&vs, 2)?)
+                }
+            };
             pool.write_rows(layer, slots, &k, &v).map_err(err)?;
             rows.clear();
         }
@@ -284,7 +296,12 @@ impl SeqState {
     /// Register `tokens` (`[1, L]`) and schedule them; returns (batch, tokens skipped as cached,
     /// rope offset). A new sequence reads its ids now (prefix lookup needs them); later inputs
     /// that are not computed yet go in as pending ids.
-    pub(crate) fn schedule(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool) -> Result<(kv_paged::StepBatch, usize, usize)> {
+    pub(crate) fn schedule(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool, layers: &[LayerCache]) -> Result<(kv_paged::StepBatch, usize, usize)> {
+        // A step that will not keep its rows (more than one token) writes the rows kept by
+        // earlier steps first, from the mirrors as those steps left them.
+        if !(g.contiguous_reads && tokens.size() == 1) {
+            self.flush(&mut g.pool, &g.layer_map, layers)?;
+        }
         let (seq, skipped) = match self.seq {
             None => {
                 let extra = if allow_prefix_skip {
@@ -321,7 +338,6 @@ impl SeqState {
             }
             self.flush_at_end = self.offset % g.manager.block_size() == 0;
         } else {
-            self.flush(&mut g.pool)?;
             self.flush_at_end = false;
         }
         Ok((batch, skipped, step.start))
@@ -332,7 +348,7 @@ impl PagedSeq {
     pub(crate) fn new(shared: Arc<Mutex<PagedKv>>) -> Self {
         PagedSeq { shared, state: SeqState::default() }
     }
-    pub(crate) fn trim(&mut self, n: usize) -> Result<()> {
+    pub(crate) fn trim(&mut self, n: usize, layers: &[LayerCache]) -> Result<()> {
         let st = &mut self.state;
         if n > st.offset {
             return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", st.offset)));
@@ -341,7 +357,8 @@ impl PagedSeq {
             let mut g = PagedKv::claim(&self.shared);
             g.settle()?;
             st.resolve(&mut g, true)?;
-            st.flush(&mut g.pool)?;
+            let g = &mut *g;
+            st.flush(&mut g.pool, &g.layer_map, layers)?;
             let copies = g.manager.trim(s, st.offset - n).map_err(err)?;
             g.pool.copy_blocks(&copies).map_err(err)?;
             g.release(false)?;

@@ -9,6 +9,20 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name)
 }
 
+/// Load options of the shared parity checks. `MLX_MODELS_TEST_DTYPE=f32|bf16|f16` sets the
+/// compute dtype: on the GPU the default is the fixtures' bf16, and the f32 references need
+/// f32 (`scripts/gpu/run_tests.sh` runs them so). Unset: the library's default (f32 on the CPU).
+pub fn test_load_options() -> mlx_models::LoadOptions {
+    let dtype = match std::env::var("MLX_MODELS_TEST_DTYPE").as_deref() {
+        Ok("f32") => Some(DType::F32),
+        Ok("bf16") => Some(DType::BF16),
+        Ok("f16") => Some(DType::F16),
+        Ok(other) => panic!("MLX_MODELS_TEST_DTYPE={other}: want f32, bf16 or f16"),
+        Err(_) => None,
+    };
+    mlx_models::LoadOptions { dtype, ..Default::default() }
+}
+
 pub fn reference(name: &str) -> HashMap<String, Array> {
     mlx_array::io::load_safetensors(fixture(name).join("reference.safetensors"), Some(DType::F32)).unwrap()
 }
@@ -64,7 +78,7 @@ pub fn full_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
 /// a full recompute (1e-4, same argmax). `model_type` is the canonical family expected.
 pub fn check_transformers_parity(name: &str, model_type: &str) {
     let r = reference(name);
-    let model = mlx_models::load_model(fixture(name), &mlx_models::LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = mlx_models::load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
     assert_eq!(model.info().model_type, model_type);
     let prompt = ids(&r["input_ids"]);
     let greedy_ref = ids(&r["greedy_ids"]);
@@ -105,7 +119,7 @@ pub fn check_last_position_prefill(name: &str) {
     let r = reference(name);
     let prompt = ids(&r["input_ids"]);
     for kv in [KvCacheMode::Flat, KvCacheMode::Paged(PagedConfig { block_size: 4, ..Default::default() })] {
-        let m = mlx_models::load_model(fixture(name), &mlx_models::LoadOptions { kv_cache: kv.clone(), ..Default::default() }).unwrap().into_lm().unwrap();
+        let m = mlx_models::load_model(fixture(name), &mlx_models::LoadOptions { kv_cache: kv.clone(), ..test_load_options() }).unwrap().into_lm().unwrap();
         for n in [2usize, 37, 72] {
             let mut cache = m.new_cache();
             let t = Array::from_slice(&prompt[..n], &[1, n]).unwrap();
