@@ -76,9 +76,11 @@ fn main() -> Res<()> {
             cache.async_eval_with(&[&s.tokens, &s.logprobs])?;
             Ok((s.tokens, t1 - t0, t1.elapsed()))
         };
-        // prefill
-        let (mut tok, _, _) = step(&mut cache, &mut sampler, &Array::from_slice(&ids, &[1, prompt])?)?;
+        // prefill (one chunk): graph build, queueing call, then the wait for the first token
+        let tp = Instant::now();
+        let (mut tok, pb, pq) = step(&mut cache, &mut sampler, &Array::from_slice(&ids, &[1, prompt])?)?;
         tok.eval()?;
+        let pw = tp.elapsed();
         // pipelined decode
         let (mut build, mut queue, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let t = Instant::now();
@@ -108,6 +110,8 @@ fn main() -> Res<()> {
         }
         let swall = ts.elapsed();
         let ms = |d: Duration| d.as_secs_f64() * 1e3 / gen as f64;
+        let msd = |d: Duration| d.as_secs_f64() * 1e3;
+        println!("round {round}: prefill {:.2} ms (build {:.2}, queue {:.2}, then the wait)", msd(pw), msd(pb), msd(pq));
         println!(
             "round {round}: pipelined {:.3} ms/token (build {:.3}, queue {:.3}, wait {:.3}) | sync {:.3} ms/token (build {:.3}, eval+read {:.3})",
             ms(wall), ms(build), ms(queue), ms(wait), ms(swall), ms(sbuild), ms(seval)

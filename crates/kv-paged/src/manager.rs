@@ -358,9 +358,15 @@ impl KvCacheManager {
         let s = self.seqs.get_mut(&id.0).expect("committed");
         let mut groups = Vec::with_capacity(self.groups.len());
         for (st, t) in self.groups.iter_mut().zip(s.tables.iter_mut()) {
+            let first_new = t.blocks.len();
             while t.blocks.len() < nb {
                 t.blocks.push(Some(st.alloc.allocate()?));
             }
+            // A finished sequence's blocks are freed tail first (so its tails are evicted
+            // first), and come back in reverse id order: a step's new blocks go in in id order
+            // instead, so its rows land in a few runs of consecutive slots (KvPool writes each
+            // run as one slice; many runs take a scatter, slow on MLX's CPU backend).
+            t.blocks[first_new..].sort_unstable();
             let slot = |p: usize| t.blocks[p / bs].map(|b| b.0 * bs as u32 + (p % bs) as u32);
             let kv_start = Self::window_start(st.attention, start);
             let slot_mapping = (start..end).map(slot).collect::<Option<Vec<_>>>();

@@ -285,6 +285,22 @@ fn prefix_hit_exact_and_salted() {
     assert!(m.stats().prefix_hit_rate > 0.0);
 }
 
+/// A step's new blocks come in id order: a prompt that reuses a finished sequence's evicted
+/// blocks (freed tail first) still gets consecutive slots.
+#[test]
+fn new_blocks_of_a_step_come_in_id_order() {
+    let mut m = KvCacheManager::with_groups(BS, 0, &[(Attention::Full, 16)]).unwrap();
+    for first in [1u32, 2, 3] {
+        let p: Vec<u32> = std::iter::once(first).chain(100..100 + 12 * BS as u32).collect();
+        let s = m.begin(&p, ExtraKeys::none()).unwrap();
+        assert_eq!(s.cached_tokens, 0);
+        let st = m.step(s.seq, usize::MAX).unwrap();
+        let runs = 1 + st.groups[0].slot_mapping.windows(2).filter(|w| w[1] != w[0] + 1).count();
+        assert!(runs <= 2, "prompt {first}: {runs} runs of slots {:?}", st.groups[0].slot_mapping);
+        m.finish(s.seq).unwrap();
+    }
+}
+
 #[test]
 fn out_of_blocks_carries_numbers() {
     let mut m = KvCacheManager::with_groups(BS, 0, &[(Attention::Full, 2)]).unwrap();
