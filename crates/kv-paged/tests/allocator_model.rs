@@ -126,12 +126,12 @@ proptest! {
                     let r = a.register(BlockId(b), k, &t);
                     if m.key_of[b as usize].is_some() {
                         prop_assert!(r.is_err());
-                    } else if m.cache.contains_key(&k.hash.0) {
-                        prop_assert_eq!(r.unwrap(), false);
-                    } else {
+                    } else if let std::collections::hash_map::Entry::Vacant(e) = m.cache.entry(k.hash.0) {
                         prop_assert_eq!(r.unwrap(), true);
-                        m.cache.insert(k.hash.0, (b, t, k));
+                        e.insert((b, t, k));
                         m.key_of[b as usize] = Some(k.hash.0);
+                    } else {
+                        prop_assert_eq!(r.unwrap(), false);
                     }
                 }
                 Op::Unregister(i) => {

@@ -153,7 +153,7 @@ fn run(groups: Vec<(Attention, usize)>, ops: Vec<Op>) -> Result<(), TestCaseErro
                 p.extend((0..extra_len as u32).map(|i| i % 3));
                 let salt = salt.then_some(99u128);
                 let b = w.m.begin(&p, ExtraKeys { salt, ..Default::default() }).unwrap();
-                prop_assert!(b.cached_tokens % BS == 0 && b.cached_tokens < p.len());
+                prop_assert!(b.cached_tokens.is_multiple_of(BS) && b.cached_tokens < p.len());
                 w.salts.insert(b.seq, salt);
                 w.truth.insert(b.seq, (p.clone(), p.len()));
                 w.live.push(b.seq);

@@ -336,7 +336,7 @@ impl SeqState {
             for (slots, gs) in self.row_slots.iter_mut().zip(&step.groups) {
                 slots.extend(&gs.slot_mapping);
             }
-            self.flush_at_end = self.offset % g.manager.block_size() == 0;
+            self.flush_at_end = self.offset.is_multiple_of(g.manager.block_size());
         } else {
             self.flush_at_end = false;
         }

@@ -107,8 +107,7 @@ fn hf_jinja_parity_filters_and_syntax() {
     let mut n = 0;
     for case in expected_cases().into_iter().filter(|c| c.value.get("custom").is_some()) {
         let t = ChatTemplate::from_source(case.value["custom"].as_str().unwrap()).unwrap();
-        let mut opts = RenderOptions::default();
-        opts.extra = case.value["context"].as_object().unwrap().clone();
+        let opts = RenderOptions { extra: case.value["context"].as_object().unwrap().clone(), ..Default::default() };
         let got = t
             .render(&[ChatMessage::user("x")], &SpecialTokens::default(), &opts)
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));

@@ -99,11 +99,11 @@ fn streaming_and_cancel() {
     let r = done.expect("a Done event");
     assert_eq!(text, r.text);
 
-    let mut stream = s.start_stream(vec![ChatMessage::user("Again")], &ChatConfig { report_performance: true, ..greedy(40) }).unwrap();
+    let stream = s.start_stream(vec![ChatMessage::user("Again")], &ChatConfig { report_performance: true, ..greedy(40) }).unwrap();
     let cancel = stream.cancel_handle();
     let mut seen = 0;
     let mut result = None;
-    while let Some(ev) = stream.next() {
+    for ev in stream {
         match ev.unwrap() {
             StreamEvent::Done(r) => result = Some(r),
             _ => {

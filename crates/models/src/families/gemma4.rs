@@ -287,7 +287,7 @@ impl Gemma4Config {
         }
         for i in 0..n {
             let (kv, d) = (self.layer_kv_heads(i), self.layer_head_dim(i));
-            if kv == 0 || self.num_attention_heads % kv != 0 || d % 2 != 0 {
+            if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) || d % 2 != 0 {
                 return Err(format!("layer {i}: {} heads over {kv} kv heads, head_dim {d} (must divide, even dim)", self.num_attention_heads));
             }
         }
@@ -315,7 +315,7 @@ impl Gemma4Config {
             let r = self.rope_spec(s);
             let d = if s { self.head_dim } else { (0..n).find(|&i| !self.is_sliding(i)).map_or(self.head_dim, |i| self.layer_head_dim(i)) };
             let rot = (d as f32 * r.partial) as usize;
-            if rot == 0 || rot % 2 != 0 || rot > d {
+            if rot == 0 || !rot.is_multiple_of(2) || rot > d {
                 return Err(format!("rope rotates {rot} of {d} dims"));
             }
         }

@@ -169,10 +169,10 @@ impl Lfm2Config {
     pub fn validate(&self, moe: bool) -> std::result::Result<(), String> {
         let h = self.num_attention_heads;
         let kv = self.kv_heads();
-        if h == 0 || kv == 0 || h % kv != 0 {
+        if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
             return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {kv}"));
         }
-        if self.hidden_size == 0 || self.hidden_size % h != 0 || self.head_dim() % 2 != 0 {
+        if self.hidden_size == 0 || !self.hidden_size.is_multiple_of(h) || !self.head_dim().is_multiple_of(2) {
             return Err(format!("hidden_size {} must be a positive multiple of num_attention_heads {h} with an even head_dim", self.hidden_size));
         }
         if self.num_hidden_layers == 0 || self.vocab_size == 0 || self.conv_l_cache == 0 {

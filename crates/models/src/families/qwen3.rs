@@ -56,10 +56,10 @@ impl Qwen3Config {
     /// Checks the config before any tensor is read.
     pub fn validate(&self) -> std::result::Result<(), String> {
         let h = self.num_attention_heads;
-        if h == 0 || self.num_key_value_heads == 0 || h % self.num_key_value_heads != 0 {
+        if h == 0 || self.num_key_value_heads == 0 || !h.is_multiple_of(self.num_key_value_heads) {
             return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {}", self.num_key_value_heads));
         }
-        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || self.head_dim() % 2 != 0 {
+        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || !self.head_dim().is_multiple_of(2) {
             return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
         }
         if Activation::parse(&self.hidden_act).is_none() {

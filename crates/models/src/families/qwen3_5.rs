@@ -148,12 +148,12 @@ impl Qwen35Config {
     pub fn is_full_attention(&self, i: usize) -> bool {
         match &self.layer_types {
             Some(t) => t.get(i).is_some_and(|s| s == "full_attention"),
-            None => (i + 1) % self.full_attention_interval.max(1) == 0,
+            None => (i + 1).is_multiple_of(self.full_attention_interval.max(1)),
         }
     }
     /// Whether layer `i` has a sparse MoE block (else a dense MLP).
     pub fn is_moe_layer(&self, i: usize) -> bool {
-        self.num_experts > 0 && !self.mlp_only_layers.contains(&i) && (i + 1) % self.decoder_sparse_step.max(1) == 0
+        self.num_experts > 0 && !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
     /// Declared MTP layers (`mtp_num_hidden_layers`, else `num_nextn_predict_layers`, else 0).
     pub fn mtp_layers(&self) -> usize {
@@ -173,10 +173,10 @@ impl Qwen35Config {
     /// Checks the config before any tensor is read.
     pub fn validate(&self) -> std::result::Result<(), String> {
         let h = self.num_attention_heads;
-        if h == 0 || self.num_key_value_heads == 0 || h % self.num_key_value_heads != 0 {
+        if h == 0 || self.num_key_value_heads == 0 || !h.is_multiple_of(self.num_key_value_heads) {
             return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {}", self.num_key_value_heads));
         }
-        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || self.head_dim() % 2 != 0 {
+        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || !self.head_dim().is_multiple_of(2) {
             return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
         }
         let (hk, hv) = (self.linear_num_key_heads, self.linear_num_value_heads);
