@@ -72,7 +72,7 @@ fn gather(c: &mut Criterion) {
             b.iter(|| {
                 let one = mlx_array::Array::ones(&[1, 8, 1, 128], DType::F32).unwrap();
                 let dec = kv_paged::Step { seq: step.seq, start: ctx - 1, len: 1, groups: vec![kv_paged::GroupStep {
-                    slot_mapping: vec![*step.groups[0].kv_slots.last().unwrap()],
+                    slot_mapping: vec![*step.groups[0].kv_slots().last().unwrap()],
                     ..step.groups[0].clone()
                 }] };
                 let bb = pool.batch(&[&dec]).unwrap();

@@ -36,11 +36,25 @@ pub struct GroupStep {
     pub slot_mapping: Vec<u32>,
     /// The first key position the step's queries attend to (0 for full attention).
     pub kv_start: usize,
-    /// The slots of the keys at positions `kv_start .. start + len`, in position order.
-    pub kv_slots: Vec<u32>,
-    /// The block table from block index `first_block` on (blocks before it were released).
+    /// How many keys the step's queries attend to: positions `kv_start .. kv_start + kv_len`
+    /// (`kv_start .. start + len`).
+    pub kv_len: usize,
+    /// The block table from block index `first_block` (`kv_start / block_size`) on; blocks
+    /// before it were released.
     pub first_block: usize,
     pub block_table: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl GroupStep {
+    /// The slots of the keys at positions `kv_start .. kv_start + kv_len`, in position order.
+    /// Made from the block table on demand: a step whose attention reads a contiguous copy of
+    /// its keys never needs them, and they grow with the context.
+    pub fn kv_slots(&self) -> Vec<u32> {
+        let bs = self.block_size;
+        (self.kv_start..self.kv_start + self.kv_len).map(|p| self.block_table[p / bs - self.first_block] * bs as u32 + (p % bs) as u32).collect()
+    }
 }
 
 /// The slots of one scheduled step of a sequence: tokens at positions `start .. start + len`.
@@ -370,16 +384,16 @@ impl KvCacheManager {
             let slot = |p: usize| t.blocks[p / bs].map(|b| b.0 * bs as u32 + (p % bs) as u32);
             let kv_start = Self::window_start(st.attention, start);
             let slot_mapping = (start..end).map(slot).collect::<Option<Vec<_>>>();
-            let kv_slots = (kv_start..end).map(slot).collect::<Option<Vec<_>>>();
             let first_block = kv_start / bs;
             let block_table = t.blocks[first_block..].iter().copied().collect::<Option<Vec<_>>>();
-            match (slot_mapping, kv_slots, block_table) {
-                (Some(slot_mapping), Some(kv_slots), Some(bt)) => groups.push(GroupStep {
+            match (slot_mapping, block_table) {
+                (Some(slot_mapping), Some(bt)) => groups.push(GroupStep {
                     slot_mapping,
                     kv_start,
-                    kv_slots,
+                    kv_len: end - kv_start,
                     first_block,
                     block_table: bt.into_iter().map(|b| b.0).collect(),
+                    block_size: bs,
                 }),
                 _ => return Err(Error::Tokens(format!("step at {start} needs released blocks"))),
             }

@@ -10,7 +10,7 @@ use mlx_array::{ops::scatter_rows, Array, DType};
 
 use crate::error::{Error, Result};
 use crate::layout::{Attention, KvLayout};
-use crate::manager::{BlockCopy, Step};
+use crate::manager::{BlockCopy, GroupStep, Step};
 
 #[derive(Debug, Clone)]
 struct Storage {
@@ -73,10 +73,12 @@ struct GroupBatch {
     attention: Attention,
     /// Slots of all new tokens, sequence-major: `sum(q_lens)` of them.
     write: Vec<u32>,
-    /// Key slots padded with the pad slot: `B * max_len` of them...
-    read_host: Vec<i32>,
-    /// ...and on the device, made by the first read that gathers (a decode step that reads a
-    /// contiguous mirror never does, and makes no device index arrays).
+    /// The sequences' steps in this group, for the key slots...
+    steps: Vec<GroupStep>,
+    /// ...the slot padding the shorter ones...
+    pad: u32,
+    /// ...and the key slots (`B * max_len`) on the device, made by the first read that gathers:
+    /// a decode step that reads a contiguous mirror never does (nor pays for the slot list).
     read: std::cell::OnceCell<Array>,
     max_len: usize,
     kv_lens: Vec<usize>,
@@ -89,7 +91,12 @@ impl GroupBatch {
         if let Some(a) = self.read.get() {
             return Ok(a);
         }
-        let a = Array::from_slice(&self.read_host, &[self.read_host.len()])?;
+        let mut read: Vec<u32> = Vec::with_capacity(self.steps.len() * self.max_len);
+        for gs in &self.steps {
+            read.extend(gs.kv_slots());
+            read.extend(std::iter::repeat_n(self.pad, self.max_len - gs.kv_len));
+        }
+        let a = Array::from_slice(&read, &[read.len()])?;
         Ok(self.read.get_or_init(|| a))
     }
 }
@@ -219,36 +226,36 @@ impl KvPool {
         let ng = self.layout.groups.len();
         let bs = self.layout.config.block_size;
         for g in 0..ng {
-            let top = steps.iter().filter_map(|s| s.groups.get(g)).flat_map(|gs| gs.slot_mapping.iter().chain(&gs.kv_slots)).max();
-            if let Some(&top) = top {
-                self.reserve(g, top as usize / bs + 1)?;
+            // the highest block any step writes or reads
+            let top = steps.iter().filter_map(|s| s.groups.get(g)).flat_map(|gs| gs.slot_mapping.iter().map(|&x| x as usize / bs).chain(gs.block_table.iter().map(|&b| b as usize))).max();
+            if let Some(top) = top {
+                self.reserve(g, top + 1)?;
             }
         }
         let mut groups = Vec::with_capacity(ng);
         for g in 0..ng {
             let mut write = Vec::new();
-            let (mut kv_lens, mut kv_starts) = (Vec::new(), Vec::new());
+            let (mut kv_lens, mut kv_starts, mut gsteps) = (Vec::new(), Vec::new(), Vec::with_capacity(steps.len()));
             for s in steps {
                 let gs = s.groups.get(g).ok_or_else(|| Error::Pool(format!("step has {} groups, pool {ng}", s.groups.len())))?;
-                write.extend(gs.slot_mapping.iter().map(|&x| x as i32));
-                kv_lens.push(gs.kv_slots.len());
+                if gs.block_size != bs || gs.first_block != gs.kv_start / bs || gs.block_table.len() < (gs.kv_start + gs.kv_len).div_ceil(bs) - gs.first_block {
+                    return Err(Error::Pool(format!("group {g}: step's block table does not cover its keys (block size {} vs {bs})", gs.block_size)));
+                }
+                write.extend(&gs.slot_mapping);
+                kv_lens.push(gs.kv_len);
                 kv_starts.push(gs.kv_start);
+                gsteps.push(gs.clone());
             }
             let max_len = *kv_lens.iter().max().expect("non-empty");
-            let pad = self.pad_slot(g) as i32;
-            let mut read = Vec::with_capacity(steps.len() * max_len);
-            for s in steps {
-                let kv = &s.groups[g].kv_slots;
-                read.extend(kv.iter().map(|&x| x as i32));
-                read.extend(std::iter::repeat_n(pad, max_len - kv.len()));
-            }
-            if write.iter().chain(&read).any(|&x| x < 0 || x > pad) {
+            let pad = self.pad_slot(g);
+            if write.iter().any(|&x| x >= pad) || gsteps.iter().flat_map(|gs| &gs.block_table).any(|&b| b as usize >= self.capacity[g]) {
                 return Err(Error::Pool(format!("slot out of range for group {g} ({pad} slots)")));
             }
             groups.push(GroupBatch {
                 attention: self.layout.groups[g].attention,
-                write: write.iter().map(|&x| x as u32).collect(),
-                read_host: read,
+                write,
+                steps: gsteps,
+                pad,
                 read: std::cell::OnceCell::new(),
                 max_len,
                 kv_lens,

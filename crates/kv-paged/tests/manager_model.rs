@@ -110,11 +110,11 @@ impl World {
                 Attention::Sliding { window } => (step.start + 1).saturating_sub(window),
             };
             prop_assert_eq!(gs.kv_start, want_start);
-            prop_assert_eq!(gs.kv_slots.len(), end - want_start);
+            prop_assert_eq!(gs.kv_slots().len(), end - want_start);
             prop_assert_eq!(gs.slot_mapping.len(), step.len);
-            prop_assert_eq!(&gs.kv_slots[step.start - want_start..], &gs.slot_mapping[..]);
+            prop_assert_eq!(&gs.kv_slots()[step.start - want_start..], &gs.slot_mapping[..]);
             // Keys already there hold exactly this sequence's prefix.
-            for (p, &slot) in (want_start..step.start).zip(&gs.kv_slots) {
+            for (p, &slot) in (want_start..step.start).zip(&gs.kv_slots()) {
                 let want = Some((salt, tokens[..=p].to_vec()));
                 prop_assert_eq!(&self.kv[g][slot as usize], &want, "group {} position {} slot {}", g, p, slot);
             }
@@ -125,7 +125,7 @@ impl World {
                 prop_assert!(a.key(b).unwrap().is_none(), "write into a registered block");
             }
             // Block table agrees with the slots.
-            for (p, &slot) in (want_start..end).zip(&gs.kv_slots) {
+            for (p, &slot) in (want_start..end).zip(&gs.kv_slots()) {
                 prop_assert_eq!(gs.block_table[p / BS - gs.first_block], slot / BS as u32);
                 prop_assert_eq!(slot as usize % BS, p % BS);
             }

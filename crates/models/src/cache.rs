@@ -485,7 +485,12 @@ impl Cache {
         let run = |a: &[&Array]| if queue_only { mlx_array::async_eval(a) } else { mlx_array::eval(a) };
         let Some(p) = &self.paged else { return Ok(run(&arrays)?) };
         let mut g = crate::paged::PagedKv::claim(&p.shared);
-        arrays.extend(g.pool.arrays());
+        // Pool arrays only when written since they were last queued: most decode steps write
+        // nothing there (rows go in a block at a time), and every array handed to MLX's eval
+        // costs host time even when it is already computed.
+        if g.pool.is_dirty() {
+            arrays.extend(g.pool.arrays());
+        }
         run(&arrays)?;
         drop(arrays);
         g.pool.mark_queued();
