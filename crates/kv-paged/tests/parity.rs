@@ -226,3 +226,22 @@ fn bad_input_is_an_error() {
     assert!(pool.read_span(0, &batch, 2, 1).is_err(), "reversed span");
     assert!(pool.batch(&[]).is_err());
 }
+
+/// A step whose block table does not cover its keys, or names a block beyond the storage, is
+/// refused with an error instead of reading out of range.
+#[test]
+fn batch_refuses_steps_with_bad_block_tables() {
+    let (_, mut m, mut pool) = setup(4);
+    let s = m.begin(&(0..10).collect::<Vec<u32>>(), ExtraKeys::none()).unwrap();
+    let step = m.step(s.seq, 10).unwrap();
+    assert!(pool.batch(&[&step]).is_ok());
+    let mut short = step.clone();
+    short.groups[0].block_table.pop();
+    assert!(pool.batch(&[&short]).is_err(), "a block table one block short");
+    let mut far = step.clone();
+    far.groups[0].block_table[0] = 1_000_000;
+    assert!(pool.batch(&[&far]).is_err(), "a block beyond any storage");
+    let mut other = step;
+    other.groups[0].block_size = 8;
+    assert!(pool.batch(&[&other]).is_err(), "another block size");
+}
