@@ -3,7 +3,7 @@
 mod common;
 use common::*;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions};
-use mlx_models::{generate, load_model, FinishReason, GenerateConfig, LoadOptions};
+use mlx_models::{generate, load_model, FinishReason, GenerateConfig};
 use sampling::SamplingConfig;
 
 fn greedy(n: usize) -> GenerateConfig {
@@ -13,7 +13,7 @@ fn greedy(n: usize) -> GenerateConfig {
 #[test]
 fn greedy_generation_matches_reference() {
     let r = reference("qwen3");
-    let model = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let prompt = ids(&r["input_ids"]);
     let mut cache = model.new_cache();
     let mut g = generate(&model, &mut cache, &prompt, &[], GenerateConfig { prefill_step_size: 16, ..greedy(16) }).unwrap();
@@ -29,7 +29,7 @@ fn greedy_generation_matches_reference() {
 fn chat_template_to_greedy_tokens_matches_reference() {
     let r = reference("qwen3");
     let dir = fixture("qwen3");
-    let model = load_model(&dir, &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(&dir, &test_load_options()).unwrap().into_lm().unwrap();
     let f = ChatFormat::from_dir(&dir).unwrap();
     let p = f.render(&[ChatMessage::user("Hello! What is 2+2?")], &RenderOptions::default()).unwrap();
     assert_eq!(p.ids, ids(&r["chat_input_ids"]));
@@ -41,7 +41,7 @@ fn chat_template_to_greedy_tokens_matches_reference() {
 #[test]
 fn stop_token_is_fed_but_not_returned() {
     let r = reference("qwen3");
-    let model = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let prompt = ids(&r["input_ids"]);
     let want = ids(&r["greedy_ids"])[72..].to_vec();
     let stop = want[5];
@@ -58,7 +58,7 @@ fn stop_token_is_fed_but_not_returned() {
 
 #[test]
 fn cancel_force_and_bad_input() {
-    let model = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
     let mut g = generate(&model, &mut cache, &[1, 2, 3], &[], greedy(50)).unwrap();
     let h = g.cancel_handle();
@@ -78,7 +78,7 @@ fn cancel_force_and_bad_input() {
 
 #[test]
 fn seeded_sampling_is_reproducible() {
-    let model = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let run = |seed| {
         let mut cache = model.new_cache();
         let cfg = GenerateConfig { sampling: SamplingConfig::default().with_seed(seed), ..greedy(12) };
