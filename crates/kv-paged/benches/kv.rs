@@ -85,5 +85,31 @@ fn gather(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, alloc_free, prefix_lookup, gather);
+/// A 512-token prefill's rows into one Qwen3-0.6B-sized layer (f32): consecutive slots (one
+/// run), and the same rows over every other block (32 runs of 16, a fragmented free list).
+fn write_prefill(c: &mut Criterion) {
+    let spec = LayerSpec { kind: LayerKind::Full, kv_heads: 8, head_dim: 128 };
+    let cfg = KvConfig { block_size: 16, budget_mb: 200.0, dtype_bytes: 4, initial_blocks: None, ..Default::default() };
+    let layout = KvLayout::new(vec![spec], cfg).unwrap();
+    let mut pool = KvPool::new(&layout, DType::F32).unwrap();
+    pool.eval().unwrap();
+    let n = 512usize;
+    let kv = mlx_array::Array::ones(&[1, 8, n, 128], DType::F32).unwrap();
+    kv.eval().unwrap();
+    let mut g = c.benchmark_group("write");
+    g.throughput(Throughput::Bytes((2 * n * 8 * 128 * 4) as u64));
+    let runs: Vec<u32> = (0..n as u32).collect();
+    let fragmented: Vec<u32> = (0..n as u32).map(|i| (i / 16) * 32 + i % 16).collect();
+    for (name, slots) in [("1 run", runs), ("32 runs", fragmented)] {
+        g.bench_function(format!("512 rows, {name}"), |b| {
+            b.iter(|| {
+                pool.write_rows(0, &slots, &kv, &kv).unwrap();
+                pool.eval().unwrap();
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, alloc_free, prefix_lookup, gather, write_prefill);
 criterion_main!(benches);
