@@ -1,12 +1,12 @@
 //! Harrier embeddings vs sentence-transformers semantics computed with transformers 5.23.
 mod common;
 use common::*;
-use mlx_models::{load_model, LoadOptions};
+use mlx_models::load_model;
 
 #[test]
 fn harrier_embeddings_match_reference() {
     let r = reference("qwen3_embed");
-    let m = load_model(fixture("qwen3_embed"), &LoadOptions::default()).unwrap().into_embedding().unwrap();
+    let m = load_model(fixture("qwen3_embed"), &test_load_options()).unwrap().into_embedding().unwrap();
     // Inputs of different lengths (72, 17, 4 tokens) are listed in reference.json.
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_embed").join("reference.json")).unwrap()).unwrap();
     let inputs: Vec<Vec<u32>> = serde_json::from_value(json["embed_inputs"].clone()).unwrap();
@@ -22,7 +22,7 @@ fn harrier_embeddings_match_reference() {
         let norm: f32 = e.iter().map(|x| x * x).sum::<f32>().sqrt();
         assert!((norm - 1.0).abs() < 1e-4, "not L2-normalized: {norm}");
     }
-    assert!(load_model(fixture("qwen3_embed"), &LoadOptions::default()).unwrap().into_lm().is_err());
+    assert!(load_model(fixture("qwen3_embed"), &test_load_options()).unwrap().into_lm().is_err());
     assert!(m.encode_ids(&[]).is_err());
     let batch = m.encode_batch_ids(&inputs).unwrap();
     assert_eq!(batch[1], m.encode_ids(&inputs[1]).unwrap());
@@ -31,7 +31,7 @@ fn harrier_embeddings_match_reference() {
 #[test]
 fn text_encoding_with_instruction_presets() {
     let dir = fixture("qwen3_embed");
-    let m = load_model(&dir, &LoadOptions::default()).unwrap().into_embedding().unwrap();
+    let m = load_model(&dir, &test_load_options()).unwrap().into_embedding().unwrap();
     let tok = mlx_models::chat::Tokenizer::from_dir(&dir).unwrap();
     let q = m.prompts["query"].clone();
     assert!(q.starts_with("Instruct:"));
@@ -50,7 +50,7 @@ fn text_encoding_with_instruction_presets() {
 #[test]
 fn embeddings_on_threads_share_one_model() {
     fn send_sync<T: Send + Sync>(_: &T) {}
-    let m = load_model(fixture("qwen3_embed"), &LoadOptions::default()).unwrap().into_embedding().unwrap();
+    let m = load_model(fixture("qwen3_embed"), &test_load_options()).unwrap().into_embedding().unwrap();
     send_sync(&m);
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_embed").join("reference.json")).unwrap()).unwrap();
     let inputs: Vec<Vec<u32>> = serde_json::from_value(json["embed_inputs"].clone()).unwrap();
