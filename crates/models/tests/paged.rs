@@ -235,6 +235,40 @@ fn rollback_inside_a_block_keeps_its_rows() {
     assert!(e < 1e-6, "logits on the reused blocks vs flat: rel err {e}");
 }
 
+/// A several-token step (a chat turn appended) after decode steps whose rows are not in the pool
+/// yet: those rows go in first, so the block they share with the new tokens, once full and
+/// cached, holds the right K/V. Checked as the rollback test is.
+#[test]
+fn chunk_after_decode_rows_keeps_them() {
+    let r = reference("qwen3");
+    let prompt = ids(&r["input_ids"]);
+    let turn = [7u32, 8, 9, 10, 11];
+    let run = |m: &Model, nb: usize| {
+        let mut c = m.new_cache();
+        // 72 + 14 positions: the block 80..96 holds 6 decode rows (80..86) not in the pool yet
+        let a = greedy_tokens_in(m, &mut c, &prompt, &[], 14);
+        let mut hist = prompt.clone();
+        hist.extend(&a);
+        let b = greedy_tokens_in(m, &mut c, &turn, &hist, nb); // 86..91 in one step, then 91..
+        hist.extend(turn);
+        hist.extend(&b);
+        (c, a, b, hist)
+    };
+    let p = model(Some(16));
+    let (pc, pa, pb, hist) = run(&p, 7); // to 98 positions: six full blocks (0..96)
+    assert_eq!(hist.len(), 98);
+    drop(pc);
+    let flat = model(None);
+    let (mut fc, fa, fb, _) = run(&flat, 5); // to 96
+    assert_eq!((&pa, &pb[..5]), (&fa, &fb[..]), "paged vs flat tokens around the chunk");
+    assert_eq!(cached_prefix(&p, &hist), 96);
+    let t = mlx_array::Array::from_slice(&hist, &[1, hist.len()]).unwrap();
+    let got = p.forward(&t, &mut p.new_cache(), mlx_models::Logits::Last, false).unwrap();
+    let want = flat.forward(&t.slice_axis(1, 96, 98).unwrap(), &mut fc, mlx_models::Logits::Last, false).unwrap();
+    let e = rel_err(&got.logits.unwrap().to_vec::<f32>().unwrap(), &want.logits.unwrap().to_vec::<f32>().unwrap());
+    assert!(e < 1e-6, "logits on the reused blocks vs flat: rel err {e}");
+}
+
 /// A model loaded on one thread decodes on others, several at once (MLX binds lazy arrays to
 /// the thread that made them: the load computes the weights). Sequences on a paged model share
 /// its pool: each thread waits for the writes another queued before it builds on the pool. The
