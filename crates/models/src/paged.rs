@@ -297,11 +297,6 @@ impl SeqState {
     /// rope offset). A new sequence reads its ids now (prefix lookup needs them); later inputs
     /// that are not computed yet go in as pending ids.
     pub(crate) fn schedule(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool, layers: &[LayerCache]) -> Result<(kv_paged::StepBatch, usize, usize)> {
-        // A step that will not keep its rows (more than one token) writes the rows kept by
-        // earlier steps first, from the mirrors as those steps left them.
-        if !(g.contiguous_reads && tokens.size() == 1) {
-            self.flush(&mut g.pool, &g.layer_map, layers)?;
-        }
         let (seq, skipped) = match self.seq {
             None => {
                 let extra = if allow_prefix_skip {
@@ -328,10 +323,15 @@ impl SeqState {
         self.seq = Some(seq);
         let step = g.manager.step(seq, usize::MAX).map_err(err)?;
         let batch = g.pool.batch(&[&step]).map_err(err)?;
+        self.defer = g.contiguous_reads && step.len == 1;
+        if !self.defer {
+            // A step that does not keep its rows writes the rows kept by earlier steps first:
+            // the mirrors' last positions before this step (`self.offset` is still its start).
+            self.flush(&mut g.pool, &g.layer_map, layers)?;
+        }
         self.offset = step.start + step.len;
         self.rows.resize_with(g.pool.layout().layers.len(), Vec::new);
         self.row_slots.resize_with(step.groups.len(), Vec::new);
-        self.defer = g.contiguous_reads && step.len == 1;
         if self.defer {
             for (slots, gs) in self.row_slots.iter_mut().zip(&step.groups) {
                 slots.extend(&gs.slot_mapping);
