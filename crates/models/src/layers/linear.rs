@@ -106,7 +106,6 @@ impl FusedLinear {
         Ok(FusedLinear::Fused { lin: Linear::new(w, b)?, splits })
     }
 
-    /// The projections of `x`, in load order, each `[..., out_i]`.
     /// Part `i` of the output only (`x W_i^T`): the other parts' columns are not computed.
     pub fn part(&self, i: usize, x: &Array) -> Result<Array> {
         match self {
@@ -119,6 +118,7 @@ impl FusedLinear {
         }
     }
 
+    /// The projections of `x`, in load order, each `[..., out_i]`.
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
             FusedLinear::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
