@@ -24,7 +24,7 @@
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::families::qwen3::check_tokens;
-use crate::layers::{causal_mask, Activation, Embedding, FusedLinear, GatedMlp, Linear, RmsNorm, Rope};
+use crate::layers::{causal_mask, last_query_mask, Activation, Embedding, FusedLinear, GatedMlp, Linear, RmsNorm, Rope};
 use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
@@ -394,10 +394,13 @@ impl Attn {
 
     /// `x`: `[B, L, H]`. Own-K/V layers append to `cache` (flat or paged) and return the
     /// fetched K/V; KV-shared layers attend over `shared` (their anchor's fetched K/V). `last`:
-    /// only the last position is queried (the output is `[B, 1, H]`); the K/V of all are cached.
+    /// only the last position's output is returned (`[B, 1, H]`), and where the mask allows only
+    /// it is queried; the K/V of all are cached.
     fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask, last: bool) -> Result<(Array, (Array, Array))> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
-        let last = last && l > 1 && !matches!(mask, AttentionMask::Array(_));
+        let want_last = last && l > 1;
+        let narrowed = if want_last { last_query_mask(mask) } else { None };
+        let (last, mask) = (narrowed.is_some(), narrowed.unwrap_or(mask));
         let lq = if last { 1 } else { l };
         let heads = |a: &Array, n: usize, rows: i32| a.reshape(&[b, rows, n as i32, self.head_dim as i32]);
         let mut parts = if last {
@@ -428,12 +431,8 @@ impl Attn {
             (None, Some((k, v))) => (k.clone(), v.clone()),
             (None, None) => return Err(ModelError::Cache("KV-shared layer ran before its anchor".into())),
         };
-        // One query at the end sees every key (causal), or the last `w` (sliding window).
-        let mask = match mask {
-            AttentionMask::Causal if last => AttentionMask::None,
-            m => m,
-        };
         let o = q.sdpa(&k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
+        let o = if want_last && !last { o.slice_axis(1, l as usize - 1, l as usize)? } else { o };
         Ok((self.o.forward(&o)?, (k, v)))
     }
 }

@@ -75,16 +75,17 @@ impl Attention {
     /// logits); mlx-lm gets the same saving by prefilling all but the last token without logits.
     pub fn forward_kv_last(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask) -> Result<Array> {
         let l = x.dims()[1] as usize;
-        match mask {
-            AttentionMask::Array(_) if l > 1 => {
-                let y = self.attend(x, cache, mask, false)?;
-                Ok(y.slice_axis(1, l - 1, l)?)
-            }
-            _ => self.attend(x, cache, mask, l > 1),
+        if l == 1 {
+            return self.attend(x, cache, mask, false);
+        }
+        match last_query_mask(mask) {
+            Some(m) => self.attend(x, cache, m, true),
+            None => Ok(self.attend(x, cache, mask, false)?.slice_axis(1, l - 1, l)?),
         }
     }
 
-    /// `last`: query only the last row (the mask is then that of a query at the end).
+    /// `last`: query only the last row (`mask` is then that of a query at the end:
+    /// [`last_query_mask`]).
     fn attend(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool) -> Result<Array> {
         let c = &self.cfg;
         let (b, l) = (x.dims()[0], x.dims()[1]);
@@ -119,17 +120,24 @@ impl Attention {
         let k = self.rope.forward(&k.transpose(&[0, 2, 1, 3])?, off)?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
         let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
-        // One query at the end sees every key (causal), or the last `w` (sliding window).
-        let mask = match mask {
-            AttentionMask::Causal if last => AttentionMask::None,
-            m => m,
-        };
         let o = q.sdpa(&k, &v, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
         let o = match gate {
             Some(g) => o.mul(&g.sigmoid()?)?,
             None => o,
         };
         self.o.forward(&o)
+    }
+}
+
+/// The mask of a step's last query alone (attention that queries only the last position), or
+/// `None` when `mask` cannot be narrowed to it (a mask array: attend with every row, keep the
+/// last). One query at the end sees every key under a causal mask, the last `w` under a sliding
+/// window.
+pub(crate) fn last_query_mask(mask: AttentionMask<'_>) -> Option<AttentionMask<'_>> {
+    match mask {
+        AttentionMask::Array(_) => None,
+        AttentionMask::Causal => Some(AttentionMask::None),
+        m => Some(m),
     }
 }
 

@@ -6,6 +6,7 @@ mod norm;
 mod rope;
 
 pub use attention::{causal_mask, Attention, AttentionConfig};
+pub(crate) use attention::last_query_mask;
 pub use linear::{Embedding, FusedLinear, Linear};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::RmsNorm;
