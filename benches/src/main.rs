@@ -615,11 +615,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     }
 
     let t = Instant::now();
-    let kv_cache = match a.kv.as_str() {
-        "flat" => mlx_models::KvCacheMode::Flat,
-        "paged" => mlx_models::KvCacheMode::Paged(Default::default()),
-        other => return Err(format!("--kv {other:?}: expected flat or paged").into()),
-    };
+    let kv_cache = shared::kv_cache(&a.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", a.kv))?;
     eprintln!("ours: {} KV cache", a.kv);
     let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, fuse_projections: a.fuse, ..Default::default() })
         .map_err(|e| format!("our loader, {} ({} KV cache): {e}", dir.display(), a.kv))?

@@ -11,6 +11,15 @@ pub fn dtype(s: &str) -> Option<DType> {
     }
 }
 
+/// A `--kv` value: `flat` or `paged` (the paged cache with its default settings).
+pub fn kv_cache(s: &str) -> Option<mlx_models::KvCacheMode> {
+    match s {
+        "flat" => Some(mlx_models::KvCacheMode::Flat),
+        "paged" => Some(mlx_models::KvCacheMode::Paged(Default::default())),
+        _ => None,
+    }
+}
+
 /// llm_bench's prompt of `n` ids (the same formula as mlx_lm_bench.py and
 /// shared/tools/bench_mlx_lm.py).
 #[allow(dead_code)] // not every binary that includes this module uses it

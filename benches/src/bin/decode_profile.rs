@@ -14,7 +14,7 @@
 //! - and then the same loop without the wait overlap (`sync`: build, eval, read), whose
 //!   `eval` is the device time plus launch costs.
 use mlx_array::{Array, DType};
-use mlx_models::{load_model, KvCacheMode, LoadOptions, Logits};
+use mlx_models::{load_model, LoadOptions, Logits};
 use sampling::{Sampler, SamplingConfig};
 use std::time::{Duration, Instant};
 
@@ -39,11 +39,7 @@ fn main() -> Res<()> {
     }
     let dir = model.ok_or("--model DIR is required")?;
     let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
-    let kv_cache = match kv.as_str() {
-        "flat" => KvCacheMode::Flat,
-        "paged" => KvCacheMode::Paged(Default::default()),
-        k => return Err(format!("--kv {k}: flat or paged").into()),
-    };
+    let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
     let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
     let vocab = model.info().vocab_size as u32;
     let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();

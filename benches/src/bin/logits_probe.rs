@@ -13,7 +13,7 @@
 //! f32 logits, little-endian, and the top 5 ids are printed. `mlx_lm_bench.py --logits FILE`
 //! writes mlx-lm's, and `compare_logits.py` compares any of them against an f32 run.
 use mlx_array::DType;
-use mlx_models::{load_model, KvCacheMode, LoadOptions, Logits};
+use mlx_models::{load_model, LoadOptions, Logits};
 
 #[path = "../shared.rs"]
 mod shared;
@@ -38,11 +38,7 @@ fn main() -> Res<()> {
     }
     let (dir, out) = (model.ok_or("--model DIR is required")?, out.ok_or("--out FILE is required")?);
     let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
-    let kv_cache = match kv.as_str() {
-        "flat" => KvCacheMode::Flat,
-        "paged" => KvCacheMode::Paged(Default::default()),
-        k => return Err(format!("--kv {k}: flat or paged").into()),
-    };
+    let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
     let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
     let vocab = model.info().vocab_size;
     let ids = shared::prompt_ids(prompt, vocab);
