@@ -21,9 +21,15 @@ fn model_with(paged: Option<usize>, contiguous: bool) -> Model {
 }
 
 fn greedy_tokens(m: &Model, prompt: &[u32], n: usize, step: usize) -> Vec<u32> {
-    let mut cache = m.new_cache();
+    greedy_tokens_in(m, &mut m.new_cache(), prompt, &[], n, step)
+}
+
+/// `n` greedy tokens after `prompt` on `cache` (`context`: the tokens already in it), prefilled
+/// in chunks of `step`. The generator feeds every token it yields: after it the cache holds
+/// `prompt` and the `n` tokens.
+fn greedy_tokens_in(m: &Model, cache: &mut mlx_models::Cache, prompt: &[u32], context: &[u32], n: usize, step: usize) -> Vec<u32> {
     let cfg = GenerateConfig { max_new_tokens: n, sampling: SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step };
-    generate(m, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect()
+    generate(m, cache, prompt, context, cfg).unwrap().map(|t| t.unwrap().id).collect()
 }
 
 /// How many leading positions of `prompt` a new sequence finds in the pool (and does not compute).
@@ -42,8 +48,7 @@ fn flat_tokens_after(m: &Model, prompt: &[u32], split: usize, n: usize, step: us
         let t = mlx_array::Array::from_slice(c, &[1, c.len()]).unwrap();
         m.forward(&t, &mut cache, mlx_models::Logits::None, false).unwrap();
     }
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step };
-    generate(m, &mut cache, &prompt[split..], &prompt[..split], cfg).unwrap().map(|t| t.unwrap().id).collect()
+    greedy_tokens_in(m, &mut cache, &prompt[split..], &prompt[..split], n, step)
 }
 
 #[test]
@@ -186,87 +191,74 @@ fn generated_tokens_join_the_prefix_cache() {
     // last token alone.
     let flat = model(None);
     let mut fc = flat.new_cache();
-    assert_eq!(greedy_tokens_in(&flat, &mut fc, &prompt, &[], 20), gen[..20]);
+    assert_eq!(greedy_tokens_in(&flat, &mut fc, &prompt, &[], 20, 2048), gen[..20]);
     let want = flat.forward(&t.slice_axis(1, 92, 93).unwrap(), &mut fc, mlx_models::Logits::Last, false).unwrap();
     let (a, b) = (hit.logits.unwrap().to_vec::<f32>().unwrap(), want.logits.unwrap().to_vec::<f32>().unwrap());
     let e = rel_err(&a, &b);
     assert!(e < 1e-6, "logits after the prefix hit vs flat: rel err {e}");
 }
 
-fn greedy_tokens_in(m: &Model, cache: &mut mlx_models::Cache, prompt: &[u32], context: &[u32], n: usize) -> Vec<u32> {
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: 2048 };
-    generate(m, cache, prompt, context, cfg).unwrap().map(|t| t.unwrap().id).collect()
+/// The blocks a paged sequence leaves hold the K/V a flat cache computes on the same steps.
+/// `run(model, end)` drives a new sequence of `model` to `end` positions and returns its cache,
+/// the tokens it generated and its whole token history. The paged run goes to 98 positions and
+/// ends (its six full blocks, 0..96, join the prefix cache); a new sequence reuses them and
+/// computes positions 96 and 97 in one chunk, as the flat cache, run to 96, then does.
+fn check_reused_blocks(what: &str, run: impl Fn(&Model, usize) -> (mlx_models::Cache, Vec<u32>, Vec<u32>)) {
+    let p = model(Some(16));
+    let (pc, got_toks, hist) = run(&p, 98);
+    assert_eq!(hist.len(), 98);
+    drop(pc);
+    let flat = model(None);
+    let (mut fc, want_toks, _) = run(&flat, 96);
+    assert_eq!(got_toks[..want_toks.len()], want_toks[..], "paged vs flat tokens {what}");
+    assert_eq!(cached_prefix(&p, &hist), 96);
+    let t = mlx_array::Array::from_slice(&hist, &[1, hist.len()]).unwrap();
+    let got = p.forward(&t, &mut p.new_cache(), mlx_models::Logits::Last, false).unwrap();
+    let want = flat.forward(&t.slice_axis(1, 96, 98).unwrap(), &mut fc, mlx_models::Logits::Last, false).unwrap();
+    let e = rel_err(&got.logits.unwrap().to_vec::<f32>().unwrap(), &want.logits.unwrap().to_vec::<f32>().unwrap());
+    assert!(e < 1e-6, "{what}: logits on the reused blocks vs flat: rel err {e}");
 }
 
 /// A rollback inside a block whose decode rows are not in the pool yet: the rows that stay go in
 /// before the trim, so the block, once full and cached, holds the right K/V for every position
-/// (the kept, the rolled-back-and-recomputed and the later ones). Checked through a new
-/// sequence that reuses it, against a flat cache that took the same steps.
+/// (the kept, the rolled-back-and-recomputed and the later ones).
 #[test]
 fn rollback_inside_a_block_keeps_its_rows() {
-    let r = reference("qwen3");
-    let prompt = ids(&r["input_ids"]);
-    // The generator feeds every token it yields: after n tokens the cache holds prompt + n.
-    let run = |m: &Model, nb: usize| {
+    let prompt = ids(&reference("qwen3")["input_ids"]);
+    check_reused_blocks("around the rollback", |m, end| {
         let mut c = m.new_cache();
         // 72 + 14 positions: the block 80..96 holds 6 decode rows (80..86) not in the pool yet
-        let a = greedy_tokens_in(m, &mut c, &prompt, &[], 14);
+        let mut toks = greedy_tokens_in(m, &mut c, &prompt, &[], 14, 2048);
         c.trim(2).unwrap(); // keep 80..84
         let mut hist = prompt.clone();
-        hist.extend(&a[..12]);
-        let b = greedy_tokens_in(m, &mut c, &[7], &hist, nb); // 7 at 84, then 85..
+        hist.extend(&toks[..12]);
+        let b = greedy_tokens_in(m, &mut c, &[7], &hist, end - 85, 2048); // 7 at 84, then 85..end
         hist.push(7);
         hist.extend(&b);
-        (c, a, b, hist)
-    };
-    let p = model(Some(16));
-    let (pc, pa, pb, hist) = run(&p, 13); // to 98 positions: six full blocks (0..96)
-    assert_eq!(hist.len(), 98);
-    drop(pc); // the sequence ends: its full blocks join the prefix cache
-    let flat = model(None);
-    let (mut fc, fa, fb, _) = run(&flat, 11); // to 96
-    assert_eq!((&pa, &pb[..11]), (&fa, &fb[..]), "paged vs flat tokens around the rollback");
-    assert_eq!(cached_prefix(&p, &hist), 96);
-    // the new sequence computes positions 96 and 97 in one chunk; the flat cache does the same
-    let t = mlx_array::Array::from_slice(&hist, &[1, hist.len()]).unwrap();
-    let got = p.forward(&t, &mut p.new_cache(), mlx_models::Logits::Last, false).unwrap();
-    let want = flat.forward(&t.slice_axis(1, 96, 98).unwrap(), &mut fc, mlx_models::Logits::Last, false).unwrap();
-    let e = rel_err(&got.logits.unwrap().to_vec::<f32>().unwrap(), &want.logits.unwrap().to_vec::<f32>().unwrap());
-    assert!(e < 1e-6, "logits on the reused blocks vs flat: rel err {e}");
+        toks.extend(b);
+        (c, toks, hist)
+    });
 }
 
 /// A several-token step (a chat turn appended) after decode steps whose rows are not in the pool
 /// yet: those rows go in first, so the block they share with the new tokens, once full and
-/// cached, holds the right K/V. Checked as the rollback test is.
+/// cached, holds the right K/V.
 #[test]
 fn chunk_after_decode_rows_keeps_them() {
-    let r = reference("qwen3");
-    let prompt = ids(&r["input_ids"]);
+    let prompt = ids(&reference("qwen3")["input_ids"]);
     let turn = [7u32, 8, 9, 10, 11];
-    let run = |m: &Model, nb: usize| {
+    check_reused_blocks("around the chunk", |m, end| {
         let mut c = m.new_cache();
         // 72 + 14 positions: the block 80..96 holds 6 decode rows (80..86) not in the pool yet
-        let a = greedy_tokens_in(m, &mut c, &prompt, &[], 14);
+        let mut toks = greedy_tokens_in(m, &mut c, &prompt, &[], 14, 2048);
         let mut hist = prompt.clone();
-        hist.extend(&a);
-        let b = greedy_tokens_in(m, &mut c, &turn, &hist, nb); // 86..91 in one step, then 91..
+        hist.extend(&toks);
+        let b = greedy_tokens_in(m, &mut c, &turn, &hist, end - 91, 2048); // 86..91 in one step, then 91..end
         hist.extend(turn);
         hist.extend(&b);
-        (c, a, b, hist)
-    };
-    let p = model(Some(16));
-    let (pc, pa, pb, hist) = run(&p, 7); // to 98 positions: six full blocks (0..96)
-    assert_eq!(hist.len(), 98);
-    drop(pc);
-    let flat = model(None);
-    let (mut fc, fa, fb, _) = run(&flat, 5); // to 96
-    assert_eq!((&pa, &pb[..5]), (&fa, &fb[..]), "paged vs flat tokens around the chunk");
-    assert_eq!(cached_prefix(&p, &hist), 96);
-    let t = mlx_array::Array::from_slice(&hist, &[1, hist.len()]).unwrap();
-    let got = p.forward(&t, &mut p.new_cache(), mlx_models::Logits::Last, false).unwrap();
-    let want = flat.forward(&t.slice_axis(1, 96, 98).unwrap(), &mut fc, mlx_models::Logits::Last, false).unwrap();
-    let e = rel_err(&got.logits.unwrap().to_vec::<f32>().unwrap(), &want.logits.unwrap().to_vec::<f32>().unwrap());
-    assert!(e < 1e-6, "logits on the reused blocks vs flat: rel err {e}");
+        toks.extend(b);
+        (c, toks, hist)
+    });
 }
 
 /// A model loaded on one thread decodes on others, several at once (MLX binds lazy arrays to
