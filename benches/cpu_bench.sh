@@ -7,6 +7,8 @@
 # Needs the mlx-lm venv of benches/setup_mlx_lm.sh (MLX_LM_PYTHON, default /tmp/mlxlm/bin/python).
 # PEER_BLAS=same (default): mlx-lm gets our BLAS router + OpenBLAS preloaded, the same BLAS as ours;
 # PEER_BLAS=openblas: OpenBLAS alone (a stock mlx-lm with OpenBLAS). See llm_bench --peer-blas.
+# PROMPTS=128,2048 GEN=128: the benchmark issue's own sizes for every shape (the defaults below are
+# shorter so that a pass takes minutes on 2 cores; this one takes about half an hour).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/target/cpu-bench}
@@ -27,6 +29,7 @@ for s in "${SHAPES[@]}"; do
     *) prompts=128,512 ;;
   esac
   gen=64; [ "$name" = qwen3-0.6b ] && gen=32
+  prompts=${PROMPTS:-$prompts} gen=${GEN:-$gen}
   [ -d "$C/$name-f32" ] || "$B" --create-random "$name" --dtype f32 >/dev/null || { rc=1; continue; }
   echo "== $s (kv $kv, prompts $prompts, gen $gen, $RUNS runs, peer BLAS $PEER_BLAS) $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/cpu-bench.log"
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$B" --model "$C/$name-f32" --dtype f32 --kv "$kv" --runs "$RUNS" --gen "$gen" \

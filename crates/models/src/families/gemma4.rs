@@ -24,7 +24,7 @@
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::families::qwen3::check_tokens;
-use crate::layers::{causal_mask, last_query_mask, Activation, Embedding, FusedLinear, GatedMlp, Linear, RmsNorm, Rope};
+use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, RmsNorm, Rope};
 use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
@@ -431,7 +431,7 @@ impl Attn {
             (None, Some((k, v))) => (k.clone(), v.clone()),
             (None, None) => return Err(ModelError::Cache("KV-shared layer ran before its anchor".into())),
         };
-        let o = q.sdpa(&k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
+        let o = sdpa(&q, &k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
         let o = if want_last && !last { o.slice_axis(1, l as usize - 1, l as usize)? } else { o };
         Ok((self.o.forward(&o)?, (k, v)))
     }

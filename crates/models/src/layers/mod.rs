@@ -5,7 +5,8 @@ mod mlp;
 mod norm;
 mod rope;
 
-pub use attention::{causal_mask, Attention, AttentionConfig};
+pub use attention::{causal_mask, Attention, AttentionConfig, CPU_QUERY_CHUNK};
+pub(crate) use attention::sdpa;
 pub(crate) use attention::last_query_mask;
 pub use linear::{Embedding, FusedLinear, Linear};
 pub use mlp::{Activation, GatedMlp};
