@@ -82,7 +82,8 @@ struct GroupBatch {
     attention: Attention,
     /// Slots of all new tokens, sequence-major: `sum(q_lens)` of them.
     write: Vec<u32>,
-    /// The sequences' steps in this group, for the key slots...
+    /// The sequences' steps in this group without their write slots (those are in `write`),
+    /// for the key slots...
     steps: Vec<GroupStep>,
     /// ...the slot padding the shorter ones...
     pad: u32,
@@ -253,7 +254,15 @@ impl KvPool {
                 write.extend(&gs.slot_mapping);
                 kv_lens.push(gs.kv_len);
                 kv_starts.push(gs.kv_start);
-                gsteps.push(gs.clone());
+                // what the key slots need: the write slots are already in `write`
+                gsteps.push(GroupStep {
+                    slot_mapping: Vec::new(),
+                    kv_start: gs.kv_start,
+                    kv_len: gs.kv_len,
+                    first_block: gs.first_block,
+                    block_table: gs.block_table.clone(),
+                    block_size: gs.block_size,
+                });
             }
             let max_len = *kv_lens.iter().max().expect("non-empty");
             let pad = self.pad_slot(g);
