@@ -147,7 +147,7 @@ pub const CPU_QUERY_CHUNK: usize = 64;
 /// kernels and get the single call (on the H200 it is 10 times faster than 64-query chunks).
 pub(crate) fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
     let (l, kn) = (q.dims()[2] as usize, k.dims()[2] as usize);
-    let chunked = matches!(mask, AttentionMask::Causal | AttentionMask::SlidingWindow(_)) && l > CPU_QUERY_CHUNK && l <= kn;
+    let chunked = (matches!(mask, AttentionMask::Causal) || matches!(mask, AttentionMask::SlidingWindow(w) if w > 0)) && l > CPU_QUERY_CHUNK && l <= kn;
     if !chunked || mlx_array::default_device().map_or(true, |d| d != Device::Cpu) {
         return Ok(q.sdpa(k, v, scale, mask)?);
     }
