@@ -14,7 +14,12 @@
 use crate::layers::{Activation, GatedMlp, Linear};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, DType};
+use mlx_array::{ops, Array, DType, Device};
+
+/// Token-expert rows from which [`SwitchGlu`] runs one product per expert on the CPU instead of
+/// MLX's `GatherMM` (see `SwitchGlu::forward_segments`). A 2048-token prefill of 4 of 16
+/// experts has 8192; below about 512 the per-expert products and the read-back cost more.
+pub const CPU_SEGMENT_ROWS: usize = 1024;
 
 /// Top-k routing of `logits: [T, E]`: softmax in f32, the `k` largest probabilities (their order
 /// is unspecified), renormalized to sum 1 when `normalize`. Returns `(indices u32 [T, k],
@@ -86,11 +91,25 @@ impl SwitchGlu {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;
-        // Sort the (token, slot) pairs by expert for larger batches: gather_mm then walks each
-        // expert's rows contiguously.
-        let sort = n >= 64;
+        let y = if n >= CPU_SEGMENT_ROWS && mlx_array::default_device()? == Device::Cpu {
+            self.forward_segments(x, idx, k as usize)?.reshape(&[t, k, h])?
+        } else {
+            // Sort the (token, slot) pairs by expert for larger batches: gather_mm then walks
+            // each expert's rows contiguously.
+            self.forward_gather(x, idx, n >= 64)?
+        };
+        let w = weights.astype(y.dtype())?.expand_dims(-1)?;
+        Ok(y.mul(&w)?.sum(&[1], false)?)
+    }
+
+    /// Every `(token, slot)` row through MLX's `GatherMM`, rows sorted by expert when `sort`:
+    /// `[T, k, H]`.
+    fn forward_gather(&self, x: &Array, idx: &Array, sort: bool) -> Result<Array> {
+        let (t, h) = (x.dims()[0], x.dims()[1]);
+        let k = idx.dims()[1];
+        let n = (t * k) as usize;
         let xe = x.reshape(&[t, 1, 1, h])?;
-        let y = if sort {
+        Ok(if sort {
             let flat = idx.reshape(&[-1])?;
             let order = flat.argsort(0)?;
             let inv = order.argsort(0)?;
@@ -105,9 +124,41 @@ impl SwitchGlu {
             let hgu = ops::gather_mm(&xe, &self.gate_up, None, Some(idx), false)?; // [T, k, 1, 2I]
             let hmid = self.glu(&hgu)?;
             ops::gather_mm(&hmid, &self.down, None, Some(idx), false)?.reshape(&[t, k, h])?
-        };
-        let w = weights.astype(y.dtype())?.expand_dims(-1)?;
-        Ok(y.mul(&w)?.sum(&[1], false)?)
+        })
+    }
+
+    /// The `(token, slot)` rows `x[i / k]` grouped by expert on the host (a counting sort of
+    /// `idx`, which this reads back), one product per expert over its rows, then back in row
+    /// order: `[T * k, H]`. On the CPU, from [`CPU_SEGMENT_ROWS`] rows, this is faster than
+    /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, session 8).
+    fn forward_segments(&self, x: &Array, idx: &Array, k: usize) -> Result<Array> {
+        let e = self.num_experts();
+        let ids = idx.reshape(&[-1])?.astype(DType::U32)?.to_vec::<u32>()?;
+        let mut counts = vec![0usize; e];
+        for &i in &ids {
+            *counts.get_mut(i as usize).ok_or_else(|| ModelError::InvalidInput(format!("expert index {i} of {e} experts")))? += 1;
+        }
+        let mut starts = vec![0usize; e + 1];
+        for j in 0..e {
+            starts[j + 1] = starts[j] + counts[j];
+        }
+        let (mut next, n) = (starts.clone(), ids.len());
+        let (mut order, mut inv) = (vec![0u32; n], vec![0u32; n]);
+        for (r, &i) in ids.iter().enumerate() {
+            let at = next[i as usize];
+            order[at] = (r / k) as u32; // the token of row r
+            inv[r] = at as u32;
+            next[i as usize] += 1;
+        }
+        let xs = x.take(&Array::from_slice(&order, &[n])?, 0)?;
+        let mut outs = Vec::with_capacity(e);
+        for j in (0..e).filter(|&j| counts[j] > 0) {
+            let rows = xs.slice_axis(0, starts[j], starts[j + 1])?;
+            let gu = rows.matmul(&self.gate_up.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?;
+            outs.push(self.glu(&gu)?.matmul(&self.down.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?);
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        Ok(ops::concatenate(&refs, 0)?.take(&Array::from_slice(&inv, &[n])?, 0)?)
     }
 
     fn glu(&self, gu: &Array) -> Result<Array> {
@@ -190,5 +241,66 @@ impl SparseMoe {
             y = y.add(&sh)?;
         }
         Ok(y.reshape(&dims)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_array::random;
+
+    fn glu_experts(e: usize, h: usize, i: usize, seed: u64) -> (SwitchGlu, Vec<f32>, Vec<f32>) {
+        let ks = random::Key::new(seed).unwrap().split_n(2).unwrap();
+        let gu = random::normal(&[e, 2 * i, h], DType::F32, &ks[0]).unwrap();
+        let dn = random::normal(&[e, h, i], DType::F32, &ks[1]).unwrap();
+        let (g, d) = (gu.to_vec::<f32>().unwrap(), dn.to_vec::<f32>().unwrap());
+        (SwitchGlu::from_fused(gu, dn, Activation::Silu).unwrap(), g, d)
+    }
+
+    /// `expert(x)` computed row by row on the host from the stored `[E, 2I, H]` / `[E, H, I]`.
+    fn naive(gu: &[f32], dn: &[f32], h: usize, i: usize, e: usize, x: &[f32]) -> Vec<f32> {
+        let dot = |w: &[f32], v: &[f32]| w.iter().zip(v).map(|(a, b)| a * b).sum::<f32>();
+        let mid: Vec<f32> = (0..i)
+            .map(|j| {
+                let g = dot(&gu[(e * 2 * i + j) * h..][..h], x);
+                let u = dot(&gu[(e * 2 * i + i + j) * h..][..h], x);
+                g / (1.0 + (-g).exp()) * u
+            })
+            .collect();
+        (0..h).map(|r| dot(&dn[(e * h + r) * i..][..i], &mid)).collect()
+    }
+
+    /// The per-expert products against a host reference and against the GatherMM path, with
+    /// one expert chosen by no row. Wrong row bookkeeping (order or inverse) moves rows to the
+    /// wrong tokens, far past the tolerance.
+    #[test]
+    fn expert_segments_match_gather_and_reference() {
+        let (e, h, i, t, k) = (6, 16, 8, 300, 4);
+        let (glu, gu, dn) = glu_experts(e, h, i, 3);
+        let x = random::normal(&[t, h], DType::F32, &random::Key::new(9).unwrap()).unwrap();
+        // experts 0..5 only (expert 5 never chosen), every slot of a token a different expert
+        let ids: Vec<u32> = (0..t * k).map(|r| ((r / k * 7 + (r % k)) % (e - 1)) as u32).collect();
+        let idx = Array::from_slice(&ids, &[t, k]).unwrap();
+        let seg = glu.forward_segments(&x, &idx, k).unwrap().to_vec::<f32>().unwrap();
+        let gat = glu.forward_gather(&x, &idx, true).unwrap().reshape(&[-1]).unwrap().to_vec::<f32>().unwrap();
+        let xs = x.to_vec::<f32>().unwrap();
+        let (mut d_gather, mut d_ref) = (0f32, 0f32);
+        for r in 0..t * k {
+            let want = naive(&gu, &dn, h, i, ids[r] as usize, &xs[r / k * h..][..h]);
+            for c in 0..h {
+                let s = seg[r * h + c];
+                d_gather = d_gather.max((s - gat[r * h + c]).abs());
+                d_ref = d_ref.max((s - want[c]).abs() / (1.0 + want[c].abs()));
+            }
+        }
+        assert!(d_gather < 1e-4 && d_ref < 1e-4, "vs gather {d_gather}, vs reference {d_ref}");
+    }
+
+    #[test]
+    fn expert_segments_refuse_unknown_experts() {
+        let (glu, _, _) = glu_experts(3, 8, 4, 1);
+        let x = Array::zeros(&[2, 8], DType::F32).unwrap();
+        let idx = Array::from_slice(&[0u32, 1, 2, 3], &[2, 2]).unwrap();
+        assert!(glu.forward_segments(&x, &idx, 2).is_err());
     }
 }
