@@ -97,6 +97,25 @@ fn batch_rows_are_independent() {
     }
 }
 
+/// Enough token-expert rows for the per-expert CPU products (a batch of 2 x 300 tokens at 2
+/// experts a token: 1200 rows, from `mlx_models::families::moe::CPU_SEGMENT_ROWS` = 1024) gives
+/// each row the logits of that row alone (600 rows: MLX's GatherMM path).
+#[test]
+fn long_moe_batch_per_expert_products_equal_gather() {
+    let model = load_model(fixture("lfm2_moe"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let rows: Vec<Vec<u32>> = (0..2u32).map(|r| (0..300u32).map(|i| (i * 37 + r * 101 + 5) % 512).collect()).collect();
+    let both: Vec<u32> = rows.concat();
+    let mut cache = model.new_cache();
+    let t = Array::from_slice(&both, &[2, 300]).unwrap();
+    let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
+    let v = l.len() / 2;
+    for (row, toks) in rows.iter().enumerate() {
+        let alone = full_logits(&model, toks);
+        let e = rel_err(&l[row * v..(row + 1) * v], alone.last().unwrap());
+        assert!(e < 1e-4, "batch row {row} rel err {e}");
+    }
+}
+
 fn greedy(n: usize) -> ChatConfig {
     ChatConfig { max_new_tokens: n, sampling: SamplingOverrides { temperature: Some(0.0), ..Default::default() }, ..Default::default() }
 }
