@@ -264,7 +264,8 @@ impl ShortConv {
 /// Sigmoid-routed top-k experts (LFM2-MoE): `expert_bias` picks the experts, the unbiased
 /// sigmoid scores weight them (renormalized with a 1e-6 guard when `norm_topk_prob`, then scaled
 /// by `routed_scaling_factor`). The experts are the generic [`SwitchGlu`] (`gather_mm`, tokens
-/// sorted by expert for larger batches; never a loop over all experts).
+/// sorted by expert for larger batches; on the CPU, long prompts run one product per chosen
+/// expert).
 struct MoeBlock {
     gate: Linear,
     expert_bias: Option<Array>,
