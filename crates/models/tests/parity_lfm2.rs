@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use mlx_array::Array;
 use mlx_models::chat::ChatMessage;
-use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, GenerateConfig, LayerKind, LoadOptions, Logits};
+use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, GenerateConfig, LayerKind, Logits};
 use sampling::{SamplingConfig, SamplingOverrides};
 
 fn check_family(name: &str) {
@@ -26,7 +26,7 @@ fn lfm2_moe_matches_transformers() {
 #[test]
 fn cache_layout_follows_layer_types() {
     for name in ["lfm2", "lfm2_moe"] {
-        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
         let spec = model.with_runtime(|rt| rt.cache_spec());
         let conv = LayerKind::Recurrent { slots: 1 };
         let attn = LayerKind::Attention { kv_heads: 2, head_dim: 16 };
@@ -42,7 +42,7 @@ fn cache_layout_follows_layer_types() {
 /// Prefill in chunks (sizes that do not divide 71, including single tokens, so the conv state
 /// crosses chunk boundaries with fewer than `conv_L_cache` new tokens), then greedy decode.
 fn chunked_equals_single(name: &str) {
-    let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
     let prompt = ids(&reference(name)["input_ids"]);
     let mut one = model.new_cache();
     let (a, la) = greedy_cached(&model, &mut one, &prompt, 8);
@@ -81,7 +81,7 @@ fn batch_rows_are_independent() {
     // Two different rows in one batch give the same logits as each row alone (conv state and MoE
     // routing are per row).
     for name in ["lfm2", "lfm2_moe"] {
-        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
         let prompt = ids(&reference(name)["input_ids"]);
         let (r0, r1) = (&prompt[..24], &prompt[30..54]);
         let both: Vec<u32> = r0.iter().chain(r1).copied().collect();
@@ -102,7 +102,7 @@ fn batch_rows_are_independent() {
 /// each row the logits of that row alone (600 rows: MLX's GatherMM path).
 #[test]
 fn long_moe_batch_per_expert_products_equal_gather() {
-    let model = load_model(fixture("lfm2_moe"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("lfm2_moe"), &test_load_options()).unwrap().into_lm().unwrap();
     let rows: Vec<Vec<u32>> = (0..2u32).map(|r| (0..300u32).map(|i| (i * 37 + r * 101 + 5) % 512).collect()).collect();
     let both: Vec<u32> = rows.concat();
     let mut cache = model.new_cache();
@@ -122,7 +122,7 @@ fn greedy(n: usize) -> ChatConfig {
 
 fn session_smoke(name: &str) {
     let r = reference(name);
-    let mut s = load_session(fixture(name), &LoadOptions::default()).unwrap();
+    let mut s = load_session(fixture(name), &test_load_options()).unwrap();
     let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
     let want = ids(&r["chat_greedy_ids"]);
     let prompt = ids(&r["chat_input_ids"]);
@@ -138,7 +138,7 @@ fn session_smoke(name: &str) {
     let n = res2.num_tokens + usize::from(res2.finish_reason == FinishReason::Stop);
     let prompt = &all[..all.len() - n];
     assert_eq!(&prompt[..want.len()], &want[..], "{name}: second prompt extends the first turn");
-    let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
     let cfg = GenerateConfig { max_new_tokens: 6, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
     let fresh: Vec<u32> = generate(&model, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect();
@@ -174,7 +174,7 @@ fn transformers5_configs_give_the_same_logits() {
     for name in ["lfm2", "lfm2_moe"] {
         let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.hf-5.23-save.json")).unwrap()).unwrap();
         let dir = with_config(name, |c| *c = saved);
-        let model = load_model(dir.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let model = load_model(dir.path(), &test_load_options()).unwrap().into_lm().unwrap();
         let r = reference(name);
         let prompt = ids(&r["input_ids"]);
         let flat: Vec<f32> = full_logits(&model, &prompt).into_iter().flatten().collect();
@@ -200,7 +200,7 @@ fn bad_configs_are_refused() {
             edit(c);
             edited = Some(c.clone());
         });
-        let err = match load_model(dir.path(), &LoadOptions::default()) {
+        let err = match load_model(dir.path(), &test_load_options()) {
             Ok(_) => panic!("{name}: config {:?} was accepted", edited),
             Err(e) => e.to_string(),
         };
@@ -217,7 +217,7 @@ fn random_checkpoints_load_and_decode_consistently() {
         cfg.conv_bias = !moe; // exercise the conv biases on the dense one
         cfg.tie_word_embeddings = Some(moe); // and an untied head
         create_random_lfm2_checkpoint(&cfg, moe, dir.path(), mlx_array::DType::BF16, 7).unwrap();
-        let model = load_model(dir.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let model = load_model(dir.path(), &test_load_options()).unwrap().into_lm().unwrap();
         assert_eq!(model.info().model_type, if moe { "lfm2_moe" } else { "lfm2" });
         assert_eq!(model.info().eos_token_ids, vec![488]);
         let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
@@ -229,7 +229,7 @@ fn random_checkpoints_load_and_decode_consistently() {
             assert!(rel_err(l, &full[39 + s]) < 1e-4, "moe={moe}: step {s}");
         }
         // The bundled tokenizer makes it a chat model.
-        let mut s = load_session(dir.path(), &LoadOptions::default()).unwrap();
+        let mut s = load_session(dir.path(), &test_load_options()).unwrap();
         assert_eq!(s.start(vec![ChatMessage::user("hi")], &greedy(3)).unwrap().num_tokens, 3);
     }
 }
@@ -257,7 +257,7 @@ fn mlx_lm_stacked_expert_layout_loads() {
     }
     let refs: Vec<(&str, &Array)> = out.iter().map(|(n, a)| (n.as_str(), a)).collect();
     mlx_array::io::save_safetensors(dir.path().join("model.safetensors"), &refs, None).unwrap();
-    let model = load_model(dir.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(dir.path(), &test_load_options()).unwrap().into_lm().unwrap();
     let r = reference("lfm2_moe");
     let flat: Vec<f32> = full_logits(&model, &ids(&r["input_ids"])).into_iter().flatten().collect();
     let e = rel_err(&flat, &r["logits"].to_vec::<f32>().unwrap());

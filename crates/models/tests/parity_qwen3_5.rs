@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use mlx_array::Array;
 use mlx_models::families::gated_delta;
-use mlx_models::{load_model, Logits, LoadOptions};
+use mlx_models::{load_model, Logits};
 
 fn check_family(name: &str, model_type: &str) {
     // The 72-token prompt spans more than one 64-position GatedDeltaNet chunk.
@@ -38,7 +38,7 @@ fn qwen3_5_moe_vl_fused_matches_transformers() {
 #[test]
 fn piecewise_prefill_equals_single_prefill() {
     for name in ["qwen3_5", "qwen3_5_moe"] {
-        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
         let prompt = ids(&reference(name)["input_ids"]);
         let mut one = model.new_cache();
         let (a, la) = greedy_cached(&model, &mut one, &prompt, 8);
@@ -82,7 +82,7 @@ fn chunked_delta_rule_equals_recurrent() {
 mod sessions {
     use super::common::*;
     use mlx_models::chat::ChatMessage;
-    use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, GenerateConfig, LoadOptions};
+    use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, GenerateConfig};
     use sampling::{SamplingConfig, SamplingOverrides};
 
     fn greedy(n: usize) -> ChatConfig {
@@ -93,7 +93,7 @@ mod sessions {
     /// state (exact-prefix reuse) and equals a recompute; a diverging restart re-prefills.
     fn chat_start_and_continue(name: &str) {
         let r = reference(name);
-        let mut s = load_session(fixture(name), &LoadOptions::default()).unwrap();
+        let mut s = load_session(fixture(name), &test_load_options()).unwrap();
         let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
         let prompt = ids(&r["chat_input_ids"]);
         assert_eq!(res.prompt_tokens, prompt.len());
@@ -105,7 +105,7 @@ mod sessions {
         let all = s.cached_ids().to_vec();
         let n = res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop);
         let p = &all[..all.len() - n];
-        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
         let mut cache = model.new_cache();
         let cfg = GenerateConfig { max_new_tokens: 8, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
         let fresh: Vec<u32> = generate(&model, &mut cache, p, &[], cfg).unwrap().map(|t| t.unwrap().id).collect();
@@ -136,7 +136,7 @@ mod random_and_mtp {
     use mlx_models::weights::Weights;
     use mlx_models::{
         create_random_qwen35_checkpoint, create_random_qwen35_moe_checkpoint, load_model, tiny_qwen35_config, tiny_qwen35_moe_config,
-        LoadOptions, Logits, ModelRuntime,
+        Logits, ModelRuntime,
     };
     use std::path::Path;
 
@@ -158,7 +158,7 @@ mod random_and_mtp {
             } else {
                 create_random_qwen35_checkpoint(&tiny_qwen35_config(), &dir, DType::BF16, 3).unwrap();
             }
-            let m = load_model(&dir, &LoadOptions::default()).unwrap().into_lm().unwrap();
+            let m = load_model(&dir, &test_load_options()).unwrap().into_lm().unwrap();
             assert_eq!(m.info().model_type, if moe { "qwen3_5_moe" } else { "qwen3_5" });
             let prompt: Vec<u32> = (1..40).collect();
             let mut c = m.new_cache();
@@ -191,8 +191,8 @@ mod random_and_mtp {
         let m = load_concrete(&dir, "qwen3_5");
         assert!(m.has_mtp_weights() && m.mtp_weights().contains_key("mtp.norm.weight"));
         // Reachable through the loaded `Model` handle too (for the speculative crate).
-        assert!(load_model(&dir, &LoadOptions::default()).unwrap().into_lm().unwrap().has_mtp_weights());
-        assert!(!load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap().has_mtp_weights());
+        assert!(load_model(&dir, &test_load_options()).unwrap().into_lm().unwrap().has_mtp_weights());
+        assert!(!load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap().has_mtp_weights());
         // The forward pass does not depend on them.
         let mut c = m.new_cache_for_test();
         let out = m.forward(&Array::from_slice(&[1u32, 2, 3], &[1, 3]).unwrap(), &mut c, Logits::Last, false).unwrap();
