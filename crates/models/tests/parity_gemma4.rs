@@ -36,7 +36,7 @@ fn gemma4_conditional_generation_matches_transformers() {
 fn chunked_prefill_across_the_window_equals_single_prefill() {
     // Chunks of 20 and 7 cross the 16-position window of the rotating caches.
     for name in ["gemma4_text", "gemma4_text_moe"] {
-        let model = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
+        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
         let prompt = ids(&reference(name)["input_ids"]);
         let mut one = model.new_cache();
         let (a, la) = greedy_cached(&model, &mut one, &prompt, 6);
@@ -57,7 +57,7 @@ fn chunked_prefill_across_the_window_equals_single_prefill() {
 
 #[test]
 fn cache_layout_follows_layer_types_and_kv_sharing() {
-    let model = load_model(fixture("gemma4_text"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("gemma4_text"), &test_load_options()).unwrap().into_lm().unwrap();
     let spec = model.with_runtime(|rt| rt.cache_spec());
     // layer_types: s s f s | s f, with the last 2 layers KV-shared: 4 -> 3 (sliding), 5 -> 2 (full).
     assert_eq!(
@@ -72,7 +72,7 @@ fn cache_layout_follows_layer_types_and_kv_sharing() {
         ]
     );
     // k_eq_v full layers use num_global_key_value_heads.
-    let moe = load_model(fixture("gemma4_text_moe"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let moe = load_model(fixture("gemma4_text_moe"), &test_load_options()).unwrap().into_lm().unwrap();
     let spec = moe.with_runtime(|rt| rt.cache_spec());
     assert_eq!(spec.layers[2], LayerKind::Attention { kv_heads: 1, head_dim: 32 });
     assert_eq!(spec.layers[0], LayerKind::SlidingAttention { kv_heads: 2, head_dim: 16, window: 16 });
@@ -165,11 +165,11 @@ fn transformers5_per_layer_config_is_read() {
 fn model_sampling_defaults_come_from_generation_config() {
     // The fixture's generation_config.json sets no sampling values: the defaults stay unset
     // (so the request / library defaults apply), and its eos id is a stop token.
-    let s = load_session(fixture("gemma4_text"), &LoadOptions::default()).unwrap();
+    let s = load_session(fixture("gemma4_text"), &test_load_options()).unwrap();
     let d = s.model_sampling_defaults();
     assert_eq!(*d, SamplingOverrides::from_generation_config(&serde_json::json!({"bos_token_id": 2, "eos_token_id": 1})));
     assert_eq!((d.temperature, d.top_k, d.top_p), (None, None, None));
-    assert!(load_model(fixture("gemma4_text"), &LoadOptions::default()).unwrap().into_lm().unwrap().info().eos_token_ids.contains(&1));
+    assert!(load_model(fixture("gemma4_text"), &test_load_options()).unwrap().into_lm().unwrap().info().eos_token_ids.contains(&1));
 
     // A Gemma 4 style generation_config (temperature 1, top_k 64, top_p 0.95) flows through.
     let tmp = tempfile::tempdir().unwrap();
@@ -181,10 +181,10 @@ fn model_sampling_defaults_come_from_generation_config() {
     let gpath = tmp.path().join("generation_config.json");
     let _ = std::fs::remove_file(&gpath);
     std::fs::write(&gpath, gc.to_string()).unwrap();
-    let s = load_session(tmp.path(), &LoadOptions::default()).unwrap();
+    let s = load_session(tmp.path(), &test_load_options()).unwrap();
     let d = s.model_sampling_defaults();
     assert_eq!((d.temperature, d.top_k, d.top_p), (Some(1.0), Some(64), Some(0.95)));
-    assert!(load_model(tmp.path(), &LoadOptions::default()).unwrap().into_lm().unwrap().info().eos_token_ids.contains(&106));
+    assert!(load_model(tmp.path(), &test_load_options()).unwrap().into_lm().unwrap().info().eos_token_ids.contains(&106));
 }
 
 fn greedy(n: usize) -> ChatConfig {
@@ -194,7 +194,7 @@ fn greedy(n: usize) -> ChatConfig {
 #[test]
 fn chat_session_start_and_continue_on_gemma4_text() {
     let r = reference("gemma4_text");
-    let mut s = load_session(fixture("gemma4_text"), &LoadOptions::default()).unwrap();
+    let mut s = load_session(fixture("gemma4_text"), &test_load_options()).unwrap();
     // The template's stop token is <end_of_turn> (106).
     assert!(s.format().stop_token_ids().contains(&106), "{:?}", s.format().stop_token_ids());
     let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
@@ -217,7 +217,7 @@ fn chat_session_start_and_continue_on_gemma4_text() {
     let all = s.cached_ids().to_vec();
     let n = res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop);
     let p = &all[..all.len() - n];
-    let model = load_model(fixture("gemma4_text"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("gemma4_text"), &test_load_options()).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
     let (fresh, _) = greedy_cached(&model, &mut cache, p, res.num_tokens);
     assert_eq!(fresh, all[p.len()..p.len() + res.num_tokens]);

@@ -3,7 +3,7 @@
 //! a full recompute.
 mod common;
 use common::*;
-use mlx_models::{load_model, LoadOptions};
+use mlx_models::load_model;
 
 fn check_family(name: &str) {
     check_transformers_parity(name, "qwen3");
@@ -21,7 +21,7 @@ fn qwen3_untied_matches_transformers() {
 
 #[test]
 fn chunked_prefill_equals_single_prefill() {
-    let model = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let prompt = ids(&reference("qwen3")["input_ids"]);
     let mut one = model.new_cache();
     let (a, _) = greedy_cached(&model, &mut one, &prompt, 8);

@@ -3,7 +3,7 @@
 mod common;
 use common::*;
 use mlx_models::chat::ChatMessage;
-use mlx_models::{generate, load_model, load_session, ChatConfig, ChatSession, FinishReason, GenerateConfig, LoadOptions, StreamEvent};
+use mlx_models::{generate, load_model, load_session, ChatConfig, ChatSession, FinishReason, GenerateConfig, StreamEvent};
 use sampling::{SamplingConfig, SamplingOverrides};
 
 fn greedy(n: usize) -> ChatConfig {
@@ -11,7 +11,7 @@ fn greedy(n: usize) -> ChatConfig {
 }
 
 fn session() -> ChatSession {
-    load_session(fixture("qwen3"), &LoadOptions::default()).unwrap()
+    load_session(fixture("qwen3"), &test_load_options()).unwrap()
 }
 
 #[test]
@@ -43,7 +43,7 @@ fn continued_turn_reuses_cache_and_equals_recompute() {
     let all = s.cached_ids().to_vec();
     let n = res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop);
     let prompt = &all[..all.len() - n];
-    let model = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
     let cfg = GenerateConfig { max_new_tokens: 8, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
     let fresh: Vec<u32> = generate(&model, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect();
@@ -123,7 +123,7 @@ fn streaming_and_cancel() {
 
 #[test]
 fn sessions_on_several_threads() {
-    let model = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let run = |m: mlx_models::Model, q: &str| {
         let mut s = ChatSession::new(m).unwrap();
         s.start(vec![ChatMessage::user(q)], &greedy(10)).unwrap().raw_text
@@ -146,7 +146,7 @@ fn bad_input() {
     assert!(s.start(tool_first, &greedy(4)).is_err());
     let bad = ChatConfig { sampling: SamplingOverrides { top_p: Some(1.5), ..Default::default() }, ..greedy(4) };
     assert!(s.start(vec![ChatMessage::user("x")], &bad).is_err());
-    let e = load_session(fixture("qwen3_embed"), &LoadOptions::default()).err().unwrap().to_string();
+    let e = load_session(fixture("qwen3_embed"), &test_load_options()).err().unwrap().to_string();
     assert_eq!(e, "load_session: embedding models (Harrier) cannot be wrapped in a ChatSession");
     // The session still works after the errors.
     assert!(s.start(vec![ChatMessage::user("x")], &greedy(2)).is_ok());
