@@ -10,7 +10,7 @@ use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::session::ChatSession;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-use mlx_array::{Array, DType, Device};
+use mlx_array::{Array, DType};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -171,10 +171,7 @@ fn default_dtype(opts: &LoadOptions) -> Option<DType> {
     if opts.dtype.is_some() {
         return opts.dtype;
     }
-    match mlx_array::default_device() {
-        Ok(Device::Gpu) => None,
-        _ => Some(DType::F32),
-    }
+    crate::layers::runs_on_cpu().then_some(DType::F32)
 }
 
 /// Load the checkpoint in `dir`, detecting its family from config.json (see [`registry`]).

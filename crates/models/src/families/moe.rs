@@ -12,10 +12,10 @@
 //!   by `sigmoid(shared_expert_gate(x))`).
 //!
 //! MLX's CPU `GatherMM` only supports f32, which is the CPU compute dtype anyway.
-use crate::layers::{Activation, GatedMlp, Linear};
+use crate::layers::{runs_on_cpu, Activation, GatedMlp, Linear};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, DType, Device};
+use mlx_array::{ops, Array, DType};
 
 /// Token-expert rows from which [`SwitchGlu`] runs one product per expert on the CPU instead of
 /// MLX's `GatherMM` (see `SwitchGlu::forward_segments`). A 2048-token prefill of 4 of 16
@@ -92,7 +92,7 @@ impl SwitchGlu {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;
-        let y = if n >= CPU_SEGMENT_ROWS && mlx_array::default_device()? == Device::Cpu {
+        let y = if n >= CPU_SEGMENT_ROWS && runs_on_cpu() {
             self.forward_segments(x, idx, k as usize)?.reshape(&[t, k, h])?
         } else {
             // Sort the (token, slot) pairs by expert for larger batches: gather_mm then walks

@@ -2,7 +2,7 @@ use super::{FusedLinear, Linear, RmsNorm, Rope};
 use crate::cache::{KvCache, LayerKv};
 use crate::weights::Vb;
 use crate::Result;
-use mlx_array::{ops, Array, AttentionMask, Device};
+use mlx_array::{ops, Array, AttentionMask};
 
 /// The shape and options of a multi-head (grouped-query) attention layer.
 #[derive(Clone, Debug)]
@@ -149,7 +149,7 @@ pub const CPU_QUERY_CHUNK: usize = 64;
 pub(crate) fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
     let (l, kn) = (q.dims()[2] as usize, k.dims()[2] as usize);
     let chunked = (matches!(mask, AttentionMask::Causal) || matches!(mask, AttentionMask::SlidingWindow(w) if w > 0)) && l > CPU_QUERY_CHUNK && l <= kn;
-    if !chunked || mlx_array::default_device().map_or(true, |d| d != Device::Cpu) {
+    if !chunked || !super::runs_on_cpu() {
         return Ok(q.sdpa(k, v, scale, mask)?);
     }
     let c = CPU_QUERY_CHUNK;

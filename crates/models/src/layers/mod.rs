@@ -6,9 +6,14 @@ mod norm;
 mod rope;
 
 pub use attention::{causal_mask, Attention, AttentionConfig, CPU_QUERY_CHUNK};
-pub(crate) use attention::sdpa;
-pub(crate) use attention::last_query_mask;
+pub(crate) use attention::{last_query_mask, sdpa};
 pub use linear::{Embedding, FusedLinear, Linear};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::RmsNorm;
 pub use rope::Rope;
+
+/// Whether new operations run on the CPU: MLX's default device is not the GPU. The CPU-only
+/// tactics (chunked attention, per-expert MoE products) and the CPU's f32 default dtype ask this.
+pub(crate) fn runs_on_cpu() -> bool {
+    !matches!(mlx_array::default_device(), Ok(mlx_array::Device::Gpu))
+}

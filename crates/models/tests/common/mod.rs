@@ -9,7 +9,7 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name)
 }
 
-/// Load options of the shared parity checks. `MLX_MODELS_TEST_DTYPE=f32|bf16|f16` sets the
+/// Load options of the model-loading tests. `MLX_MODELS_TEST_DTYPE=f32|bf16|f16` sets the
 /// compute dtype: on the GPU the default is the fixtures' bf16, and the f32 references need
 /// f32 (`scripts/gpu/run_tests.sh` runs them so). Unset: the library's default (f32 on the CPU).
 pub fn test_load_options() -> mlx_models::LoadOptions {
