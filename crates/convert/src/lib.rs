@@ -1,0 +1,3 @@
+//! # mlx-convert
+//!
+//! Checkpoint conversion for mlx-models: GGUF import, MLX quantization on write, random checkpoints.
