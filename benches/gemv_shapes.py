@@ -1,6 +1,6 @@
 """One-row products (decode projections, unfused as on the CPU) of the Qwen3-0.6B shapes on MLX's CPU, each weight out
 of cache (28 copies, one per layer), and its tied LM head: the GB/s behind BENCHMARKS.md's CPU
-decode profile (session 8).
+decode profile.
 
     python benches/gemv_shapes.py
 

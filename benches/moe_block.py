@@ -2,7 +2,7 @@
 GatherMM over rows sorted by expert (what mlx-lm and the GPU path run) against one product per
 expert over its rows (mlx-models' SwitchGlu::forward_segments on the CPU, from 1024 rows).
 
-    python benches/moe_block.py T        # T tokens (T * 4 rows); BENCHMARKS.md, session 8
+    python benches/moe_block.py T        # T tokens (T * 4 rows); figures in BENCHMARKS.md
 
 Run it with the BLAS that llm_bench preloads for mlx-lm (its log prints the LD_PRELOAD line).
 """

@@ -1,7 +1,7 @@
 """MLX attention in one call against one call per chunk of queries (the CPU path of mlx-models'
 layers::sdpa), on MLX's default device: the CPU with the mlx-cpu wheel, the GPU with the CUDA one.
 
-    python benches/sdpa_chunk.py [f32|bf16]        # BENCHMARKS.md, session 8
+    python benches/sdpa_chunk.py [f32|bf16]        # figures in BENCHMARKS.md
 
 On the CPU run it with the BLAS that llm_bench preloads for mlx-lm (its log prints the
 LD_PRELOAD line), or MLX's products use the wheel's reference BLAS.

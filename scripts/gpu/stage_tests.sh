@@ -10,7 +10,6 @@
 # and puts each binary (stripped, xz) with the CUDA payload of scripts/gpu/prepare.sh in
 # .gpu-tests/ (git-ignored through .git/info/exclude). Then on the device:
 #   bash scripts/gpu/run_tests.sh
-# Session 7 ran them in this form (STAGE=.gpu-bench, scripts/gpu/h200-run17-session7.log and run18).
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 . "$ROOT/scripts/gpu/stage_payload.sh"

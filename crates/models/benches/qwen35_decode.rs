@@ -3,7 +3,7 @@
 //! prefill, evaluating the logits and every cache array (what the generator does each step).
 //!
 //! `cargo bench -p mlx-models --bench qwen35_decode -- --warm-up-time 2 --measurement-time 10`
-//! Figures: `crates/models/BENCH_QWEN35.md`.
+//! A criterion bench of one decode step; it has no peer, so it prints no ratio (see BENCHMARKS.md for the end-to-end comparison against mlx-lm).
 use criterion::{criterion_group, criterion_main, Criterion};
 use mlx_array::{Array, DType};
 use mlx_models::families::qwen3_5::Qwen35Config;

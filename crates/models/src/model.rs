@@ -36,7 +36,7 @@ pub struct LoadOptions {
 #[derive(Debug, Clone, Default)]
 pub enum KvCacheMode {
     /// `use_block_paged_cache` from config.json when present, else the family's default
-    /// (paged for Qwen3, as in the seeds; flat for families whose paged path is not wired yet).
+    /// (paged for Qwen3, as in mlx-node; flat for families whose paged path is not wired yet).
     #[default]
     Auto,
     /// Contiguous per-sequence K/V, preallocated in steps (fastest on the CPU backend).

@@ -53,7 +53,7 @@ pub struct PagedConfig {
     /// the group opens twice as many and the storage grows to match, up to what `memory_mb`
     /// allows. Memory then follows the most blocks live at once, and the prefix cache keeps
     /// what fits beside them. `None`: allocate all of `memory_mb` at load (the most prefix
-    /// cache, the seeds' behaviour).
+    /// cache, mlx-node's behaviour).
     pub initial_blocks: Option<usize>,
 }
 

@@ -40,7 +40,7 @@ pub struct Family {
 
 /// The table, in probe order.
 pub static FAMILIES: &[Family] = &[
-    // First in probe order: the unified architecture is authoritative (seed 001). The draft
+    // First in probe order: the unified architecture is authoritative (as in mlx-node's loader). The draft
     // option is accepted and recorded; speculative decoding comes with the speculative crate.
     Family {
         model_type: "gemma4",

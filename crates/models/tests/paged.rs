@@ -74,8 +74,7 @@ fn paged_equals_flat() {
         // computed the same way: the cached positions in the cold run's chunks of 20, the rest
         // in one chunk. Other chunkings round differently in bf16: on the H200 (bf16 fixture)
         // a flat cache that computes the last prompt token alone gives the prefix hit's tokens
-        // at block size 1, and both differ from the one-chunk prefill's from the 4th token on
-        // (scripts/gpu/h200-run17-session7.log).
+        // at block size 1, and both differ from the one-chunk prefill's from the 4th token on.
         let skipped = cached_prefix(&p, &prompt);
         assert_eq!(skipped, (prompt.len() - 1) / bs * bs, "block size {bs}: the full blocks before the last token are reused");
         let hit = greedy_tokens(&p, &prompt, 16, 20);
@@ -88,7 +87,7 @@ fn paged_equals_flat() {
 #[test]
 fn qwen3_defaults_to_paged_and_config_opts_out() {
     let m = load_model(fixture("qwen3"), &LoadOptions::default()).unwrap().into_lm().unwrap();
-    assert!(m.new_cache().is_paged(), "paged is the Qwen3 default, as in the seeds");
+    assert!(m.new_cache().is_paged(), "paged is the Qwen3 default, as in mlx-node");
     let t = tempfile::tempdir().unwrap();
     for e in std::fs::read_dir(fixture("qwen3")).unwrap() {
         let p = e.unwrap().path();

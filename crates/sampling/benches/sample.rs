@@ -1,7 +1,7 @@
 //! One sampling step at the Qwen3 vocabulary (V = 151936, B = 1): greedy, and temperature 0.7
 //! with top-p 0.9 and repetition (1.1, window 256), presence (0.5, 20) and frequency (0.3, 20)
 //! penalties over a 256-token history. Same logits, history and settings as
-//! `benches/mlx_lm_sampler.py` (see BENCH_RESULTS.md).
+//! `benches/mlx_lm_sampler.py` (figures in BENCHMARKS.md, "Sampling step").
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use mlx_array::Array;
 use sampling::{Sampler, SamplingConfig};

@@ -1,8 +1,7 @@
 //! [`SamplingConfig`]: every knob with its default, validation, and the merge of model defaults
 //! under request values ([`SamplingOverrides`]).
 //!
-//! Defaults follow mlx-node's 0.0.8 declarations (the project seeds,
-//! `shared/seeds/mlx-node-core-0.0.6-to-0.0.8.d.ts.diff`, `ChatConfig` / `GenerationConfig`):
+//! Defaults follow mlx-node 0.0.8's `ChatConfig` / `GenerationConfig` declarations:
 //! repetition context 256, presence and frequency context 20, presence and frequency penalty
 //! 0 (disabled), and the stop guards `maxConsecutiveTokens`, `maxNgramRepeats`, `ngramSize` all
 //! 0 (disabled; "opt in with a positive value"). The diff does not restate the unchanged

@@ -6,7 +6,7 @@
 //! log-probs (processed and raw) and top-n alternatives; plus opt-in [`StopGuard`]s that end a
 //! sequence with finish reason `"repetition"`.
 //!
-//! Defaults are those of the project seeds (mlx-node 0.0.8, see [`config`]); the algorithms
+//! Defaults are those of mlx-node 0.0.8 (see [`config`]); the algorithms
 //! follow mlx-lm 0.32's `mlx_lm/sample_utils.py`, with the differences noted in [`filters`].
 //!
 //! ```

@@ -131,7 +131,7 @@ impl SwitchGlu {
     /// The `(token, slot)` rows `x[i / k]` grouped by expert on the host (a counting sort of
     /// `idx`, which this reads back), one product per expert over its rows, then back in row
     /// order: `[T * k, H]`. On the CPU, from [`CPU_SEGMENT_ROWS`] rows, this is faster than
-    /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, session 8).
+    /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, "CPU: long prompts").
     fn forward_segments(&self, x: &Array, idx: &Array, k: usize) -> Result<Array> {
         let e = self.num_experts();
         let ids = idx.reshape(&[-1])?.astype(DType::U32)?.to_vec::<u32>()?;

@@ -16,7 +16,7 @@
 //! - Checkpoint layouts: text-only (`model.layers.*`) and ConditionalGeneration
 //!   (`model.language_model.*`). Vision-tower tensors (`model.visual.*`) are skipped and
 //!   reported in [`Qwen35Model::load_notes`] (and once on stderr).
-//! - MTP head: `mtp.*` tensors in the checkpoint, or the sidecars the seeds name (`mtp.safetensors`,
+//! - MTP head: `mtp.*` tensors in the checkpoint, or the sidecars mlx-node names (`mtp.safetensors`,
 //!   `mtp/weights.safetensors`, `mlx_lm_extra_tensors.mtp_file` for dense, and an mlx-vlm
 //!   `mtp-drafter/` directory whose bare keys are read as `mtp.*`), are loaded and kept as
 //!   [`Qwen35Model::mtp_weights`] (not used by the forward pass); a checkpoint without them loads.
@@ -383,7 +383,7 @@ fn load_mtp(weights: &Weights, raw: &serde_json::Value, family: &str, dtype: DTy
         mtp.insert(n.clone(), root.get_any(&n)?);
     }
     let dir = weights.path();
-    // Sidecars (seed 001 rules): only dense qwen3_5 has them (top-level mtp.safetensors, nested
+    // Sidecars (mlx-node's loader rules): only dense qwen3_5 has them (top-level mtp.safetensors, nested
     // mtp/weights.safetensors, a config-declared relative file); MoE stores MTP inline.
     let mut sidecars: Vec<std::path::PathBuf> = Vec::new();
     if family == "qwen3_5" {
