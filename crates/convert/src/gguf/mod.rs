@@ -5,6 +5,8 @@
 //! against the data section. [`GgufFile::open`] memory-maps a file; [`GgufFile::tensor_f32`]
 //! dequantizes one tensor straight from the map.
 mod quant;
+pub mod to_hf;
+pub mod tokenizer;
 
 pub use quant::{dequantize, dequantize_into, GgmlType};
 
