@@ -25,6 +25,11 @@ pub fn text_config(root: &Value) -> Value {
     // transformers 5: rope settings under rope_parameters.
     if let Some(Value::Object(rp)) = root.get("rope_parameters").or_else(|| out.get("rope_parameters")).cloned() {
         let obj = out.as_object_mut().unwrap();
+        // A scaled rope (`rope_type` other than default) is the hub's `rope_scaling`.
+        let scaled = rp.get("rope_type").and_then(Value::as_str).is_some_and(|t| t != "default");
+        if scaled && obj.get("rope_scaling").is_none_or(Value::is_null) {
+            obj.insert("rope_scaling".into(), Value::Object(rp.clone()));
+        }
         for (k, v) in rp {
             if k == "rope_theta" || k == "partial_rotary_factor" {
                 obj.entry(k).or_insert(v);

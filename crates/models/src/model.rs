@@ -3,6 +3,7 @@ use crate::cache::Cache;
 use crate::config;
 use crate::families::lfm2::{Lfm2Config, Lfm2Model};
 use crate::families::gemma4::{Gemma4Config, Gemma4Model};
+use crate::families::llama::{self, LlamaConfig, LlamaVariant};
 use crate::families::qwen3_5::{Qwen35Config, Qwen35Model};
 use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
 use crate::registry::{self, Family, FamilyKind};
@@ -216,6 +217,12 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
                 None => m,
             };
             Ok(LoadedModel::Lm(m))
+        }
+        "llama" | "qwen2" => {
+            let cfg: LlamaConfig = config::parse(dir, &text)?;
+            let variant = if family.model_type == "qwen2" { LlamaVariant::Qwen2 } else { LlamaVariant::Llama };
+            let m = Model::from_runtime(Box::new(llama::load(&weights, cfg, variant, eos)?), dir);
+            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, true, &weights)?))
         }
         "lfm2" | "lfm2_moe" => {
             let cfg: Lfm2Config = config::parse(dir, &text)?;

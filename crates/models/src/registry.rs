@@ -85,6 +85,22 @@ pub static FAMILIES: &[Family] = &[
         default_for_nullish_model_type: false,
     },
     Family {
+        model_type: "llama",
+        kind: FamilyKind::Loadable,
+        raw_model_types: &["llama", "mistral"],
+        architecture_probe: None,
+        accepts_draft_model: false,
+        default_for_nullish_model_type: false,
+    },
+    Family {
+        model_type: "qwen2",
+        kind: FamilyKind::Loadable,
+        raw_model_types: &["qwen2"],
+        architecture_probe: None,
+        accepts_draft_model: false,
+        default_for_nullish_model_type: false,
+    },
+    Family {
         model_type: "lfm2",
         kind: FamilyKind::Loadable,
         raw_model_types: &["lfm2"],

@@ -369,6 +369,7 @@ impl Lfm2Model {
             n_kv_heads: cfg.kv_heads(),
             head_dim: d,
             bias: false,
+            o_bias: false,
             qk_norm: Some(eps),
             norm_offset: 0.0,
             output_gate: false,

@@ -3,6 +3,7 @@ pub mod gated_delta;
 pub mod gemma4;
 pub mod harrier;
 pub mod lfm2;
+pub mod llama;
 pub mod moe;
 pub mod qwen3;
 pub mod qwen3_5;

@@ -76,7 +76,32 @@ struct Block {
     mlp: GatedMlp,
 }
 
-/// The Qwen3 transformer stack (no head): shared by the LM and Harrier embeddings.
+/// What distinguishes the dense decoders that share [`Qwen3Backbone`]: Qwen3 (per-head q/k
+/// norms), Llama (optional biases everywhere, scaled rope) and Qwen2 (q/k/v bias only).
+#[derive(Clone)]
+pub struct DecoderOptions {
+    pub qk_norm: bool,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub rope: Rope,
+}
+
+impl DecoderOptions {
+    /// Qwen3's: q/k norms, `attention_bias` on all four projections, plain rope.
+    pub fn qwen3(cfg: &Qwen3Config) -> Self {
+        DecoderOptions {
+            qk_norm: true,
+            qkv_bias: cfg.attention_bias,
+            o_bias: cfg.attention_bias,
+            mlp_bias: false,
+            rope: Rope::new(cfg.head_dim(), cfg.rope_theta),
+        }
+    }
+}
+
+/// The Qwen3 transformer stack (no head): shared by the LM and Harrier embeddings, and by the
+/// Llama and Qwen2 families through [`DecoderOptions`].
 pub struct Qwen3Backbone {
     pub(crate) cfg: Qwen3Config,
     embed: Embedding,
@@ -87,6 +112,10 @@ pub struct Qwen3Backbone {
 impl Qwen3Backbone {
     /// `vb` points at the stack (`model` for the LM, the root for Qwen3Model checkpoints).
     pub fn load(vb: &Vb, cfg: &Qwen3Config) -> Result<Self> {
+        Self::load_with(vb, cfg, &DecoderOptions::qwen3(cfg))
+    }
+
+    pub fn load_with(vb: &Vb, cfg: &Qwen3Config, opts: &DecoderOptions) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim());
         let act = Activation::parse(&cfg.hidden_act).expect("validated");
         let acfg = AttentionConfig {
@@ -94,8 +123,9 @@ impl Qwen3Backbone {
             n_heads: cfg.num_attention_heads,
             n_kv_heads: cfg.num_key_value_heads,
             head_dim: d,
-            bias: cfg.attention_bias,
-            qk_norm: Some(cfg.rms_norm_eps),
+            bias: opts.qkv_bias,
+            o_bias: opts.o_bias,
+            qk_norm: opts.qk_norm.then_some(cfg.rms_norm_eps),
             norm_offset: 0.0,
             output_gate: false,
             scale: None,
@@ -106,9 +136,9 @@ impl Qwen3Backbone {
                 let lv = vb.pp("layers").pp(i);
                 Ok(Block {
                     input_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, cfg.rms_norm_eps, 0.0)?,
-                    attn: Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_norm", "k_norm"])?,
+                    attn: Attention::load(&lv.pp("self_attn"), acfg.clone(), opts.rope.clone(), ["q_norm", "k_norm"])?,
                     post_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, cfg.rms_norm_eps, 0.0)?,
-                    mlp: GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?,
+                    mlp: GatedMlp::load_biased(&lv.pp("mlp"), ["gate_proj", "up_proj", "down_proj"], h, cfg.intermediate_size, act, opts.mlp_bias)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -193,9 +223,15 @@ pub struct Qwen3Model {
 
 impl Qwen3Model {
     pub fn new(weights: &Weights, cfg: Qwen3Config, eos: Vec<u32>) -> Result<Self> {
+        let opts = DecoderOptions::qwen3(&cfg);
+        Self::with_options(weights, cfg, &opts, "qwen3", eos)
+    }
+
+    /// A dense decoder LM with the given options, reported as `model_type`.
+    pub fn with_options(weights: &Weights, cfg: Qwen3Config, opts: &DecoderOptions, model_type: &str, eos: Vec<u32>) -> Result<Self> {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         let root = weights.root();
-        let backbone = Qwen3Backbone::load(&root.pp("model"), &cfg)?;
+        let backbone = Qwen3Backbone::load_with(&root.pp("model"), &cfg, opts)?;
         // Tied checkpoints may still carry an lm_head copy; untied ones must.
         let lm_head = if root.contains("lm_head.weight") && !cfg.tie_word_embeddings {
             Linear::load(&root.pp("lm_head"), cfg.hidden_size, cfg.vocab_size, false)?
@@ -205,7 +241,7 @@ impl Qwen3Model {
             return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
         };
         let info = ModelInfo {
-            model_type: "qwen3".into(),
+            model_type: model_type.into(),
             vocab_size: cfg.vocab_size,
             hidden_size: cfg.hidden_size,
             num_layers: cfg.num_hidden_layers,

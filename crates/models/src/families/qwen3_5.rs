@@ -253,6 +253,7 @@ impl Qwen35Model {
             n_kv_heads: cfg.num_key_value_heads,
             head_dim: d,
             bias: cfg.attention_bias,
+            o_bias: cfg.attention_bias,
             qk_norm: Some(eps),
             norm_offset: 1.0,
             output_gate: true,

@@ -11,7 +11,10 @@ pub struct AttentionConfig {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Bias on the q/k/v projections.
     pub bias: bool,
+    /// Bias on the output projection (Llama's `attention_bias` covers it, Qwen2's does not).
+    pub o_bias: bool,
     /// Per-head RMSNorm on q and k (Qwen3, Gemma 4), with this eps.
     pub qk_norm: Option<f32>,
     /// Norm weight offset (1.0 for `x * (1 + w)` checkpoints).
@@ -46,7 +49,7 @@ impl Attention {
         };
         Ok(Attention {
             qkv: FusedLinear::load(vb, &["q_proj", "k_proj", "v_proj"], h, &[q_out, cfg.n_kv_heads * d, cfg.n_kv_heads * d], cfg.bias)?,
-            o: Linear::load(&vb.pp(cfg.o_name), cfg.n_heads * d, h, cfg.bias)?,
+            o: Linear::load(&vb.pp(cfg.o_name), cfg.n_heads * d, h, cfg.o_bias)?,
             q_norm: norm(qn)?,
             k_norm: norm(kn)?,
             rope,

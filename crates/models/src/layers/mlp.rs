@@ -49,9 +49,13 @@ pub struct GatedMlp {
 impl GatedMlp {
     /// Checkpoint names `gate_proj`, `up_proj`, `down_proj` (pass others for LFM2's w1/w3/w2).
     pub fn load_named(vb: &Vb, names: [&str; 3], hidden: usize, inter: usize, act: Activation) -> Result<Self> {
+        Self::load_biased(vb, names, hidden, inter, act, false)
+    }
+    /// [`GatedMlp::load_named`], with biases on all three projections when `bias` (Llama `mlp_bias`).
+    pub fn load_biased(vb: &Vb, names: [&str; 3], hidden: usize, inter: usize, act: Activation, bias: bool) -> Result<Self> {
         Ok(GatedMlp {
-            gate_up: FusedLinear::load(vb, &names[..2], hidden, &[inter, inter], false)?,
-            down: Linear::load(&vb.pp(names[2]), inter, hidden, false)?,
+            gate_up: FusedLinear::load(vb, &names[..2], hidden, &[inter, inter], bias)?,
+            down: Linear::load(&vb.pp(names[2]), inter, hidden, bias)?,
             act,
         })
     }
