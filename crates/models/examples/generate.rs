@@ -6,29 +6,58 @@
 //! cargo run --release -p mlx-models --example generate -- --model DIR --prompt "Hello" [--chat]
 //! ```
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
-#[path = "common/args.rs"]
-mod args;
+use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions};
 use mlx_models::{generate, load_model, GenerateConfig, LoadOptions};
 use sampling::SamplingConfig;
 use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(about = "Generate from a checkpoint")]
+struct Cli {
+    #[arg(long)]
+    model: PathBuf,
+    /// Comma-separated prompt token ids.
+    #[arg(long, value_delimiter = ',', conflicts_with = "prompt")]
+    prompt_ids: Option<Vec<u32>>,
+    /// Prompt text (tokenized with the checkpoint's tokenizer).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Wrap --prompt as a user message in the chat template.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object as the last stdout line.
+    #[arg(long)]
+    json: bool,
+}
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let a = args::Args::parse(&["json", "chat"])?;
-    let dir = a.get("model").ok_or("--model DIR is required")?;
+    let cli = Cli::parse();
+    let dir = &cli.model;
     let model = load_model(dir, &LoadOptions::default())?.into_lm()?;
-    let format = if a.get("prompt").is_some() { Some(ChatFormat::from_dir(dir)?) } else { None };
-    let prompt: Vec<u32> = match (a.ids("prompt-ids")?, a.get("prompt"), &format) {
+    let format = if cli.prompt.is_some() { Some(ChatFormat::from_dir(dir)?) } else { None };
+    let prompt: Vec<u32> = match (cli.prompt_ids.clone(), cli.prompt.as_deref(), &format) {
         (Some(ids), _, _) => ids,
-        (None, Some(text), Some(f)) if a.flag("chat") => f.render(&[ChatMessage::user(text)], &RenderOptions::default())?.ids,
+        (None, Some(text), Some(f)) if cli.chat => f.render(&[ChatMessage::user(text)], &RenderOptions::default())?.ids,
         (None, Some(text), Some(f)) => f.tokenizer().encode(text, true)?,
         _ => return Err("give --prompt-ids or --prompt".into()),
     };
-    let mut sampling = SamplingConfig::default().with_seed(a.num("seed", 0u64)?);
-    sampling.temperature = a.num("temperature", 0.0f32)?;
-    sampling.top_p = a.num("top-p", 1.0f32)?;
-    sampling.top_k = a.num("top-k", 0u32)?;
-    let mut cfg = GenerateConfig { max_new_tokens: a.num("max-new-tokens", 64usize)?, sampling, ..Default::default() };
+    let mut sampling = SamplingConfig::default().with_seed(cli.seed);
+    sampling.temperature = cli.temperature;
+    sampling.top_p = cli.top_p;
+    sampling.top_k = cli.top_k;
+    let mut cfg = GenerateConfig { max_new_tokens: cli.max_new_tokens, sampling, ..Default::default() };
     if let Some(f) = &format {
         let mut stop = model.info().eos_token_ids.clone();
         stop.extend(f.stop_token_ids());
@@ -42,7 +71,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for t in gen.by_ref() {
         let t = t?;
         ids.push(t.id);
-        if let (Some(d), false) = (decoder.as_mut(), a.flag("json")) {
+        if let (Some(d), false) = (decoder.as_mut(), cli.json) {
             if let Some(s) = d.step(t.id)? {
                 print!("{s}");
                 out.lock().flush()?;
@@ -51,7 +80,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let reason = gen.finish_reason().map(|r| r.as_str()).unwrap_or("stop");
     let perf = gen.performance();
-    if a.flag("json") {
+    if cli.json {
         let text = match &format {
             Some(f) => Some(f.tokenizer().decode(&ids, true)?),
             None => None,
@@ -62,7 +91,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         println!();
     }
-    if !a.flag("json") {
+    if !cli.json {
         eprintln!("[{reason}] {} tokens, prefill {:.1} tok/s, decode {:.1} tok/s", ids.len(), perf.prefill_tokens_per_sec, perf.decode_tokens_per_sec);
     }
     Ok(())
