@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Tiny Llama / Qwen2 checkpoints and their transformers references, for the parity tests.
+"""Tiny Llama / Qwen2 / Qwen3 (scaled rope) / Gemma 3 checkpoints and their transformers references,
+for the parity tests.
 
-    python3 scripts/make_tiny_dense.py OUT_DIR      (needs torch, transformers, safetensors)
+    python3 scripts/make_tiny_dense.py OUT_DIR [NAME ...]   (needs torch, transformers, safetensors)
 
 For each fixture: random weights (HF init, 1-D tensors perturbed, the final norm widened so greedy
 top-1/top-2 gaps are not tiny), rounded to bf16 and saved with `save_pretrained`, then reloaded
@@ -38,7 +39,37 @@ def fixtures():
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
         "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(**base, tie_word_embeddings=True,
                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        # long-context Qwen3: YaRN over a 32-position original context (the prompt is 72)
+        "qwen3_yarn": (T.Qwen3ForCausalLM, T.Qwen3Config(**{**base, "max_position_embeddings": 128}, head_dim=16,
+                       tie_word_embeddings=True, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                                  "original_max_position_embeddings": 32})),
+        # dynamic NTK past a 48-position context
+        "llama_dynamic": (T.LlamaForCausalLM, T.LlamaConfig(**{**base, "max_position_embeddings": 48},
+                          tie_word_embeddings=True, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                     "factor": 2.0})),
+        # Gemma 3 (270M's shape in miniature, untied head, logit softcap): sliding layers, 16-position window
+        "gemma3_text": (T.Gemma3ForCausalLM, T.Gemma3TextConfig(**{**gemma3_text(), "tie_word_embeddings": False},
+                                                                 final_logit_softcapping=30.0)),
+        # Gemma3ForConditionalGeneration's language model (4B's linear-scaled global rope); the vision
+        # tower is tiny and unused by a text prompt. No logit softcap: transformers' ConditionalGeneration
+        # head ignores final_logit_softcapping (its CausalLM applies it; real Gemma 3 configs ship null)
+        "gemma3": (T.Gemma3ForConditionalGeneration, T.Gemma3Config(
+            text_config=dict(**gemma3_text(full_rope={"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}),
+                             final_logit_softcapping=None),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14), mm_tokens_per_image=4)),
     }
+
+
+def gemma3_text(full_rope=None):
+    return dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                             "full_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": full_rope or {"rope_type": "default", "rope_theta": 1e6}},
+                max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=2,
+                eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
 
 
 def perturb(model, seed):
@@ -49,6 +80,8 @@ def perturb(model, seed):
                 t.add_(torch.randn(t.shape, generator=g) * 0.1)
             if name == "model.norm.weight":
                 t.mul_(4.0)
+            if name.endswith("language_model.norm.weight") or (name == "model.norm.weight" and "Gemma" in type(model).__name__):
+                t.add_(3.0)  # Gemma's norms scale by (1 + w)
 
 
 @torch.no_grad()
@@ -100,7 +133,10 @@ def build(name, cls, cfg, out_root, seed):
 
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "crates/models/tests/fixtures/tiny"
+    only = set(sys.argv[2:])
     for i, (name, (cls, cfg)) in enumerate(fixtures().items()):
+        if only and name not in only:
+            continue
         m = build(name, cls, cfg, out, seed=10 + i)
         print(name, m["greedy_new_ids"], "min decode margin", round(m["decode_top1_top2_margin_min"], 4))
 

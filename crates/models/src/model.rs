@@ -2,6 +2,7 @@
 use crate::cache::Cache;
 use crate::config;
 use crate::families::lfm2::{Lfm2Config, Lfm2Model};
+use crate::families::gemma3::{Gemma3Config, Gemma3Model};
 use crate::families::gemma4::{Gemma4Config, Gemma4Model};
 use crate::families::llama::{self, LlamaConfig, LlamaVariant};
 use crate::families::qwen3_5::{Qwen35Config, Qwen35Model};
@@ -222,6 +223,11 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
             let cfg: LlamaConfig = config::parse(dir, &text)?;
             let variant = if family.model_type == "qwen2" { LlamaVariant::Qwen2 } else { LlamaVariant::Llama };
             let m = Model::from_runtime(Box::new(llama::load(&weights, cfg, variant, eos)?), dir);
+            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, true, &weights)?))
+        }
+        "gemma3" => {
+            let cfg = Gemma3Config::from_root(dir, &raw)?;
+            let m = Model::from_runtime(Box::new(Gemma3Model::new(&weights, cfg, eos)?), dir);
             Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, true, &weights)?))
         }
         "lfm2" | "lfm2_moe" => {

@@ -101,6 +101,14 @@ pub static FAMILIES: &[Family] = &[
         default_for_nullish_model_type: false,
     },
     Family {
+        model_type: "gemma3",
+        kind: FamilyKind::Loadable,
+        raw_model_types: &["gemma3", "gemma3_text"],
+        architecture_probe: None,
+        accepts_draft_model: false,
+        default_for_nullish_model_type: false,
+    },
+    Family {
         model_type: "lfm2",
         kind: FamilyKind::Loadable,
         raw_model_types: &["lfm2"],

@@ -1,27 +1,11 @@
 //! Llama and Qwen2 dense causal LMs (mirror mlx-lm `models/llama.py` / `models/qwen2.py` and HF
 //! `LlamaForCausalLM` / `Qwen2ForCausalLM`): the Qwen3 stack without q/k norms, with Llama's
-//! optional biases, Qwen2's q/k/v bias, and linear or llama3 rope scaling.
+//! optional biases, Qwen2's q/k/v bias, and scaled rope (`rope_scaling`).
 use crate::families::qwen3::{DecoderOptions, Qwen3Config, Qwen3Model};
-use crate::layers::Rope;
+use crate::layers::{Rope, RopeScaling};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-use mlx_array::Array;
 use serde::{Deserialize, Serialize};
-
-/// `rope_scaling` of config.json (`rope_type`, or the older `type`).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct RopeScaling {
-    #[serde(alias = "type")]
-    pub rope_type: String,
-    #[serde(default)]
-    pub factor: Option<f32>,
-    #[serde(default)]
-    pub low_freq_factor: Option<f32>,
-    #[serde(default)]
-    pub high_freq_factor: Option<f32>,
-    #[serde(default)]
-    pub original_max_position_embeddings: Option<usize>,
-}
 
 /// `config.json` of a Llama or Qwen2 checkpoint (the keys the model uses; defaults are HF's).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -70,60 +54,14 @@ fn default_act() -> String {
     "silu".into()
 }
 
-/// mlx-lm's `Llama3RoPE`: wavelengths `θ^(2j/d)`, stretched by `factor` below the low-frequency
-/// cut, unchanged above the high-frequency one, and smoothly interpolated between.
-pub fn llama3_wavelengths(dims: usize, base: f32, s: &RopeScaling) -> std::result::Result<Vec<f32>, String> {
-    let factor = s.factor.ok_or("llama3 rope_scaling needs factor")?;
-    let low = s.low_freq_factor.unwrap_or(1.0);
-    let high = s.high_freq_factor.unwrap_or(4.0);
-    let old = s.original_max_position_embeddings.unwrap_or(8192) as f32;
-    if high <= low {
-        return Err(format!("llama3 rope_scaling: high_freq_factor {high} must exceed low_freq_factor {low}"));
-    }
-    let (low_wavelen, high_wavelen) = (old / low, old / high);
-    Ok((0..dims / 2)
-        .map(|j| {
-            let f = base.powf((2 * j) as f32 / dims as f32);
-            let wavelen = 2.0 * std::f32::consts::PI * f;
-            let f = if wavelen > low_wavelen { f * factor } else { f };
-            if wavelen > high_wavelen && wavelen < low_wavelen {
-                let smooth = (old / wavelen - low) / (high - low);
-                f / ((1.0 - smooth) / factor + smooth)
-            } else {
-                f
-            }
-        })
-        .collect())
-}
-
 impl LlamaConfig {
     fn head_dim(&self) -> usize {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// The rope the config asks for: plain, `linear` (positions divided by `factor`) or `llama3`.
+    /// The rope the config asks for (`rope_scaling`: linear, dynamic, yarn, llama3).
     pub fn rope(&self) -> std::result::Result<Rope, String> {
-        let d = self.head_dim();
-        let mut rope = Rope::new(d, self.rope_theta);
-        match &self.rope_scaling {
-            None => {}
-            Some(s) => match s.rope_type.as_str() {
-                "default" => {}
-                "linear" => {
-                    let f = s.factor.ok_or("linear rope_scaling needs factor")?;
-                    if f <= 0.0 {
-                        return Err(format!("linear rope_scaling factor {f} must be positive"));
-                    }
-                    rope.scale = 1.0 / f;
-                }
-                "llama3" => {
-                    let w = llama3_wavelengths(d, self.rope_theta, s)?;
-                    rope.freqs = Some(Array::from_slice(&w, &[d / 2]).map_err(|e| e.to_string())?);
-                }
-                other => return Err(format!("rope_scaling type {other:?} is not supported (default, linear, llama3 are)")),
-            },
-        }
-        Ok(rope)
+        Rope::scaled(self.head_dim(), self.rope_theta, self.rope_scaling.as_ref(), self.max_position_embeddings)
     }
 
     fn as_qwen3(&self) -> Qwen3Config {
@@ -143,6 +81,7 @@ impl LlamaConfig {
             hidden_act: self.hidden_act.clone(),
             eos_token_id: self.eos_token_id.clone(),
             bos_token_id: self.bos_token_id,
+            rope_scaling: self.rope_scaling.clone(),
         }
     }
 }
@@ -166,30 +105,4 @@ pub fn load(weights: &Weights, cfg: LlamaConfig, variant: LlamaVariant, eos: Vec
     };
     let opts = DecoderOptions { qk_norm: false, qkv_bias, o_bias, mlp_bias, rope };
     Qwen3Model::with_options(weights, cfg.as_qwen3(), &opts, model_type, eos)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn llama3_wavelengths_match_mlx_lm() {
-        // mlx-lm Llama3RoPE(dims=8, base=500000, factor=8, low=1, high=4, old=8192)._freqs
-        let s = RopeScaling {
-            rope_type: "llama3".into(),
-            factor: Some(8.0),
-            low_freq_factor: Some(1.0),
-            high_freq_factor: Some(4.0),
-            original_max_position_embeddings: Some(8192),
-        };
-        let w = llama3_wavelengths(8, 500000.0, &s).unwrap();
-        let base: Vec<f32> = (0..4).map(|j| 500000f32.powf((2 * j) as f32 / 8.0)).collect();
-        // j=0: 1 (high frequency, kept); j=1: 26.59 (kept); j=2: 707.1 (medium band: smoothed);
-        // j=3: 18803 (low frequency: times 8)
-        assert_eq!(w[0], base[0]);
-        assert_eq!(w[1], base[1]);
-        assert!(w[2] > base[2] && w[2] < base[2] * 8.0);
-        assert_eq!(w[3], base[3] * 8.0);
-        assert!(llama3_wavelengths(8, 1e4, &RopeScaling { factor: None, ..s.clone() }).is_err());
-    }
 }

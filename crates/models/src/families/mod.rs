@@ -1,5 +1,6 @@
 //! One module per model family.
 pub mod gated_delta;
+pub mod gemma3;
 pub mod gemma4;
 pub mod harrier;
 pub mod lfm2;

@@ -1,6 +1,6 @@
 //! Qwen3 dense causal LM (mirrors mlx-lm `models/qwen3.py` and HF `Qwen3ForCausalLM`).
 use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
@@ -34,6 +34,9 @@ pub struct Qwen3Config {
     pub eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
+    /// `rope_scaling` (or a scaled `rope_parameters`): linear, dynamic, yarn, llama3.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
 }
 
 fn default_eps() -> f32 {
@@ -65,7 +68,12 @@ impl Qwen3Config {
         if Activation::parse(&self.hidden_act).is_none() {
             return Err(format!("unsupported hidden_act {:?}", self.hidden_act));
         }
-        Ok(())
+        self.rope().map(|_| ())
+    }
+
+    /// The rope of every layer: `rope_theta`, scaled as `rope_scaling` asks.
+    pub fn rope(&self) -> std::result::Result<Rope, String> {
+        Rope::scaled(self.head_dim(), self.rope_theta, self.rope_scaling.as_ref(), self.max_position_embeddings)
     }
 }
 
@@ -88,15 +96,9 @@ pub struct DecoderOptions {
 }
 
 impl DecoderOptions {
-    /// Qwen3's: q/k norms, `attention_bias` on all four projections, plain rope.
-    pub fn qwen3(cfg: &Qwen3Config) -> Self {
-        DecoderOptions {
-            qk_norm: true,
-            qkv_bias: cfg.attention_bias,
-            o_bias: cfg.attention_bias,
-            mlp_bias: false,
-            rope: Rope::new(cfg.head_dim(), cfg.rope_theta),
-        }
+    /// Qwen3's: q/k norms, `attention_bias` on all four projections, the config's rope.
+    pub fn qwen3(cfg: &Qwen3Config) -> std::result::Result<Self, String> {
+        Ok(DecoderOptions { qk_norm: true, qkv_bias: cfg.attention_bias, o_bias: cfg.attention_bias, mlp_bias: false, rope: cfg.rope()? })
     }
 }
 
@@ -112,7 +114,8 @@ pub struct Qwen3Backbone {
 impl Qwen3Backbone {
     /// `vb` points at the stack (`model` for the LM, the root for Qwen3Model checkpoints).
     pub fn load(vb: &Vb, cfg: &Qwen3Config) -> Result<Self> {
-        Self::load_with(vb, cfg, &DecoderOptions::qwen3(cfg))
+        let opts = DecoderOptions::qwen3(cfg).map_err(|reason| ModelError::MalformedConfig { path: vb.weights().path().to_path_buf(), reason })?;
+        Self::load_with(vb, cfg, &opts)
     }
 
     pub fn load_with(vb: &Vb, cfg: &Qwen3Config, opts: &DecoderOptions) -> Result<Self> {
@@ -223,7 +226,7 @@ pub struct Qwen3Model {
 
 impl Qwen3Model {
     pub fn new(weights: &Weights, cfg: Qwen3Config, eos: Vec<u32>) -> Result<Self> {
-        let opts = DecoderOptions::qwen3(&cfg);
+        let opts = DecoderOptions::qwen3(&cfg).map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         Self::with_options(weights, cfg, &opts, "qwen3", eos)
     }
 

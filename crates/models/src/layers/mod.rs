@@ -10,7 +10,7 @@ pub(crate) use attention::{last_query_mask, sdpa};
 pub use linear::{Embedding, FusedLinear, Linear};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::RmsNorm;
-pub use rope::Rope;
+pub use rope::{DynamicNtk, Rope, RopeScaling};
 
 /// Whether new operations run on the CPU: MLX's default device is not the GPU. The CPU-only
 /// tactics (chunked attention, per-expert MoE products) and the CPU's f32 default dtype ask this.

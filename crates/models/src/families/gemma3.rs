@@ -1,0 +1,374 @@
+//! Gemma 3 causal LM: `gemma3_text` (Gemma3ForCausalLM) and the language model of `gemma3`
+//! (Gemma3ForConditionalGeneration; the vision tower is not loaded). Mirrors mlx-lm
+//! `models/gemma3_text.py` and HF `models/gemma3/modeling_gemma3.py`.
+//!
+//! What differs from a plain decoder:
+//! - RMSNorm is `x * (1 + w)`, also on the per-head q/k norms; four norms per block (around
+//!   attention and around the MLP).
+//! - Embeddings are scaled by `sqrt(hidden)` (rounded to bf16 as the checkpoints were trained).
+//! - Attention scale is `query_pre_attn_scalar^-0.5`.
+//! - `layer_types`: sliding layers attend over the last `sliding_window` positions (rotating
+//!   cache) with rope θ `rope_local_base_freq`; full layers use `rope_theta` and `rope_scaling`.
+//! - Optional `final_logit_softcapping`.
+use crate::cache::{Cache, CacheSpec, LayerKind};
+use crate::families::qwen3::check_tokens;
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
+use crate::weights::{Vb, Weights};
+use crate::{ModelError, Result};
+use mlx_array::{Array, DType};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::Path;
+
+/// The decoder settings of a Gemma 3 checkpoint (`config.json`, or its `text_config`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Gemma3Config {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default = "d_one")]
+    pub num_key_value_heads: usize,
+    #[serde(default = "d_head_dim")]
+    pub head_dim: usize,
+    #[serde(default = "d_vocab")]
+    pub vocab_size: usize,
+    #[serde(default = "d_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "d_theta")]
+    pub rope_theta: f32,
+    #[serde(default = "d_local_theta")]
+    pub rope_local_base_freq: f32,
+    /// Scaling of the full-attention layers' rope (hub style).
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// transformers 5: `{"full_attention": {...}, "sliding_attention": {...}}`.
+    #[serde(default)]
+    pub rope_parameters: Option<Value>,
+    #[serde(default = "d_head_dim_f")]
+    pub query_pre_attn_scalar: f32,
+    #[serde(default = "d_window")]
+    pub sliding_window: usize,
+    #[serde(default = "d_pattern")]
+    pub sliding_window_pattern: usize,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f32>,
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f32>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub use_bidirectional_attention: bool,
+    #[serde(default = "d_act")]
+    pub hidden_activation: String,
+    #[serde(default = "d_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "d_true")]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+}
+
+fn d_one() -> usize {
+    1
+}
+fn d_head_dim() -> usize {
+    256
+}
+fn d_head_dim_f() -> f32 {
+    256.0
+}
+fn d_vocab() -> usize {
+    262_208
+}
+fn d_eps() -> f32 {
+    1e-6
+}
+fn d_theta() -> f32 {
+    1_000_000.0
+}
+fn d_local_theta() -> f32 {
+    10_000.0
+}
+fn d_window() -> usize {
+    4096
+}
+fn d_pattern() -> usize {
+    6
+}
+fn d_act() -> String {
+    "gelu_pytorch_tanh".into()
+}
+fn d_max_pos() -> usize {
+    131_072
+}
+fn d_true() -> bool {
+    true
+}
+
+impl Gemma3Config {
+    /// Parse from the whole `config.json` (the decoder settings of a ConditionalGeneration
+    /// checkpoint live in `text_config`).
+    pub fn from_root(dir: &Path, root: &Value) -> Result<Self> {
+        let cfg: Gemma3Config = crate::config::parse(dir, &crate::config::text_config(root))?;
+        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+        Ok(cfg)
+    }
+
+    /// `sliding_attention` / `full_attention` per layer; from `sliding_window_pattern` (every
+    /// `pattern`-th layer full) when absent, as transformers derives them.
+    pub fn layer_types(&self) -> Vec<String> {
+        match &self.layer_types {
+            Some(t) => t.clone(),
+            None => {
+                let p = self.sliding_window_pattern.max(1);
+                (0..self.num_hidden_layers).map(|i| if (i + 1) % p == 0 { "full_attention" } else { "sliding_attention" }.to_string()).collect()
+            }
+        }
+    }
+
+    /// The rope of one layer type: per-type `rope_parameters` when present, else
+    /// `rope_local_base_freq` (sliding) or `rope_theta` with `rope_scaling` (full).
+    pub fn rope(&self, sliding: bool) -> std::result::Result<Rope, String> {
+        let key = if sliding { "sliding_attention" } else { "full_attention" };
+        if let Some(p) = self.rope_parameters.as_ref().and_then(|r| r.get(key)) {
+            let mut s: RopeScaling = serde_json::from_value(p.clone()).map_err(|e| format!("rope_parameters.{key}: {e}"))?;
+            let theta = p.get("rope_theta").and_then(Value::as_f64).map_or(if sliding { self.rope_local_base_freq } else { self.rope_theta }, |t| t as f32);
+            if s.rope_type.is_empty() {
+                s.rope_type = "default".into();
+            }
+            return Rope::scaled(self.head_dim, theta, Some(&s), self.max_position_embeddings);
+        }
+        if sliding {
+            Ok(Rope::new(self.head_dim, self.rope_local_base_freq))
+        } else {
+            Rope::scaled(self.head_dim, self.rope_theta, self.rope_scaling.as_ref(), self.max_position_embeddings)
+        }
+    }
+
+    /// Checks the config before any tensor is read.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let (n, h, kv) = (self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads);
+        if self.hidden_size == 0 || n == 0 || self.vocab_size == 0 || h == 0 || kv == 0 || !h.is_multiple_of(kv) {
+            return Err(format!("hidden_size, num_hidden_layers, vocab_size must be positive and {h} heads a multiple of {kv} kv heads"));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) || self.sliding_window == 0 || self.query_pre_attn_scalar <= 0.0 {
+            return Err("head_dim must be even and positive, sliding_window and query_pre_attn_scalar positive".into());
+        }
+        let types = self.layer_types();
+        if types.len() != n {
+            return Err(format!("layer_types has {} entries for {n} layers", types.len()));
+        }
+        if let Some(t) = types.iter().find(|t| *t != "sliding_attention" && *t != "full_attention") {
+            return Err(format!("unsupported layer type {t:?} (expected sliding_attention or full_attention)"));
+        }
+        if self.attn_logit_softcapping.is_some() {
+            return Err("attn_logit_softcapping is not supported (Gemma 3 checkpoints ship it null)".into());
+        }
+        if self.use_bidirectional_attention {
+            return Err("use_bidirectional_attention (EmbeddingGemma) is not supported by the causal LM".into());
+        }
+        if Activation::parse(&self.hidden_activation).is_none() {
+            return Err(format!("unsupported hidden_activation {:?}", self.hidden_activation));
+        }
+        self.rope(true)?;
+        self.rope(false)?;
+        Ok(())
+    }
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    pre_ffn_norm: RmsNorm,
+    mlp: GatedMlp,
+    post_ffn_norm: RmsNorm,
+    sliding: bool,
+}
+
+impl Block {
+    fn load(vb: &Vb, cfg: &Gemma3Config, sliding: bool) -> Result<Self> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let norm = |n: &str| RmsNorm::load(&vb.pp(n), h, eps, 1.0);
+        let acfg = AttentionConfig {
+            hidden: h,
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            bias: cfg.attention_bias,
+            o_bias: cfg.attention_bias,
+            qk_norm: Some(eps),
+            norm_offset: 1.0,
+            output_gate: false,
+            scale: Some(cfg.query_pre_attn_scalar.powf(-0.5)),
+            o_name: "o_proj",
+        };
+        let rope = cfg.rope(sliding).map_err(|reason| ModelError::MalformedConfig { path: vb.weights().path().to_path_buf(), reason })?;
+        let act = Activation::parse(&cfg.hidden_activation).expect("validated");
+        Ok(Block {
+            input_norm: norm("input_layernorm")?,
+            attn: Attention::load(&vb.pp("self_attn"), acfg, rope, ["q_norm", "k_norm"])?,
+            post_attn_norm: norm("post_attention_layernorm")?,
+            pre_ffn_norm: norm("pre_feedforward_layernorm")?,
+            mlp: GatedMlp::load(&vb.pp("mlp"), h, cfg.intermediate_size, act)?,
+            post_ffn_norm: norm("post_feedforward_layernorm")?,
+            sliding,
+        })
+    }
+}
+
+/// Gemma 3 causal LM.
+pub struct Gemma3Model {
+    cfg: Gemma3Config,
+    info: ModelInfo,
+    embed: Embedding,
+    /// `sqrt(hidden)` in bf16, as mlx-lm and the bf16 checkpoints compute it.
+    embed_scale: f32,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+}
+
+/// Where the decoder's tensors live: `model.` (Gemma3ForCausalLM), `model.language_model.`
+/// (Gemma3ForConditionalGeneration in transformers 5) or `language_model.model.` (older hub and
+/// mlx-converted checkpoints).
+fn decoder_prefix(w: &Weights) -> &'static str {
+    ["model.language_model", "language_model.model", "model"].into_iter().find(|p| w.contains(&format!("{p}.embed_tokens.weight"))).unwrap_or("model")
+}
+
+impl Gemma3Model {
+    pub fn new(weights: &Weights, cfg: Gemma3Config, eos: Vec<u32>) -> Result<Self> {
+        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
+        let root = weights.root();
+        let prefix = decoder_prefix(weights);
+        let vb = root.pp(prefix);
+        let h = cfg.hidden_size;
+        let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
+        let types = cfg.layer_types();
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Block::load(&vb.pp("layers").pp(i), &cfg, types[i] == "sliding_attention"))
+            .collect::<Result<Vec<_>>>()?;
+        // ConditionalGeneration keeps the head at the root (`lm_head`), older layouts under the
+        // language model.
+        let head_prefix = if prefix == "language_model.model" { "language_model.lm_head" } else { "lm_head" };
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.as_linear()?
+        } else if root.contains(&format!("{head_prefix}.weight")) {
+            Linear::load(&root.pp(head_prefix), h, cfg.vocab_size, false)?
+        } else {
+            return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: format!("missing tensor {head_prefix}.weight (tie_word_embeddings is false)") });
+        };
+        let info = ModelInfo {
+            model_type: "gemma3".into(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: h,
+            num_layers: cfg.num_hidden_layers,
+            max_position_embeddings: cfg.max_position_embeddings,
+            eos_token_ids: eos,
+            bos_token_id: cfg.bos_token_id,
+        };
+        let embed_scale = mlx_array::bf16::from_f32((h as f32).sqrt()).to_f32();
+        Ok(Gemma3Model { norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 1.0)?, cfg, info, embed, embed_scale, layers, lm_head })
+    }
+
+    pub fn config(&self) -> &Gemma3Config {
+        &self.cfg
+    }
+
+    /// Final-normed hidden states for the `rows` the caller reads (see
+    /// [`crate::families::qwen3::Qwen3Backbone`]: past the last layer's attention only those
+    /// rows are computed).
+    fn hidden(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
+        check_tokens(tokens, self.cfg.vocab_size)?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
+        }
+        let (mut kv, skipped) = cache.begin_forward_with(tokens, rows != Rows::All)?;
+        let l = tokens.dims()[1] as usize;
+        let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
+        let mut x = self.embed.forward(&tokens)?.mul_scalar(self.embed_scale)?;
+        let (full, sliding) = (causal_mask(l - skipped, None), causal_mask(l - skipped, Some(self.cfg.sliding_window)));
+        let n = self.layers.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mask = if layer.sliding { sliding } else { full };
+            let last_only = i + 1 == n && rows.query_last_only(x.dim(1)?);
+            let (xn, mut layer_kv) = (layer.input_norm.forward(&x)?, kv.layer(i)?);
+            let a = if last_only { layer.attn.forward_kv_last(&xn, &mut layer_kv, mask)? } else { layer.attn.forward_kv(&xn, &mut layer_kv, mask)? };
+            let mut h = Rows::residual(&x, last_only)?.add(&layer.post_attn_norm.forward(&a)?)?;
+            if i + 1 == n && !rows.cut(&mut h)? {
+                x = h;
+                break;
+            }
+            x = h.add(&layer.post_ffn_norm.forward(&layer.mlp.forward(&layer.pre_ffn_norm.forward(&h)?)?)?)?;
+        }
+        kv.finish()?;
+        self.norm.forward(&x)
+    }
+}
+
+impl ModelRuntime for Gemma3Model {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        let (kv_heads, head_dim) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let layers = self
+            .layers
+            .iter()
+            .map(|b| if b.sliding { LayerKind::SlidingAttention { kv_heads, head_dim, window: self.cfg.sliding_window } } else { LayerKind::Attention { kv_heads, head_dim } })
+            .collect();
+        CacheSpec { layers }
+    }
+    fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let h = self.hidden(tokens, cache, Rows::of(logits, hidden))?;
+        let head = |x: &Array| -> Result<Array> {
+            let y = self.lm_head.forward(x)?.astype(DType::F32)?;
+            Ok(match self.cfg.final_logit_softcapping {
+                Some(c) if c > 0.0 => y.softcap(c)?,
+                _ => y,
+            })
+        };
+        let logits = logits.select(&h, head)?;
+        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: Value) -> Gemma3Config {
+        let mut v = serde_json::json!({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn layer_types_follow_the_sliding_window_pattern() {
+        let t = cfg(serde_json::json!({})).layer_types();
+        assert_eq!(t.iter().filter(|x| *x == "full_attention").count(), 1);
+        assert_eq!(t[5], "full_attention");
+        assert_eq!(t[6], "sliding_attention");
+        assert!(cfg(serde_json::json!({"layer_types": ["full_attention"]})).validate().unwrap_err().contains("layer_types"));
+    }
+
+    #[test]
+    fn per_type_rope_parameters_and_errors() {
+        let c = cfg(serde_json::json!({"rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}));
+        assert_eq!(c.rope(false).unwrap().scale, 0.125);
+        assert_eq!(c.rope(true).unwrap().base, 1e4);
+        let bad = cfg(serde_json::json!({"rope_parameters": {"full_attention": {"rope_type": "su", "factor": 2.0}}}));
+        assert!(bad.validate().unwrap_err().contains("\"su\""));
+        assert!(cfg(serde_json::json!({"attn_logit_softcapping": 50.0})).validate().is_err());
+        let hub = cfg(serde_json::json!({"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_local_base_freq": 5000.0}));
+        assert_eq!((hub.rope(false).unwrap().scale, hub.rope(true).unwrap().base), (0.25, 5000.0));
+    }
+}
