@@ -227,12 +227,15 @@ mod tests {
         let s = RopeScaling { rope_type: "yarn".into(), factor: Some(4.0), original_max_position_embeddings: Some(32), ..Default::default() };
         let (w, a) = yarn(16, 1e6, &s, 128).unwrap();
         let pos: Vec<f32> = (0..8).map(|j| 1e6f32.powf((2 * j) as f32 / 16.0)).collect();
-        // correction range for d=16, base 1e6, orig 32: low = floor(0.0) = 0, high = ceil(2.0) = 2
+        // correction range for d=16, base 1e6, orig 32: low = max(floor(-1.06), 0) = 0,
+        // high = ceil(0.94) = 1: pair 0 extrapolates (kept), the rest interpolate (times 4)
         assert_eq!(w[0], pos[0]);
-        assert!((w[1] / pos[1] - 1.0 / (0.5 / 4.0 + 0.5)).abs() < 1e-5, "{} {}", w[1], pos[1]);
-        for j in 2..8 {
-            assert!((w[j] / (4.0 * pos[j]) - 1.0).abs() < 1e-5);
+        for j in 1..8 {
+            assert!((w[j] / (4.0 * pos[j]) - 1.0).abs() < 1e-5, "pair {j}: {} vs {}", w[j], pos[j]);
         }
+        let (w, _) = yarn(16, 1e6, &RopeScaling { beta_slow: Some(0.25), ..s.clone() }, 128).unwrap();
+        // high = ceil(1.77) = 2: pair 1 is blended half and half
+        assert!((w[1] / pos[1] - 1.0 / (0.5 / 4.0 + 0.5)).abs() < 1e-5, "{} {}", w[1], pos[1]);
         assert!((a - (0.1 * 4f32.ln() + 1.0)).abs() < 1e-6);
         assert!(yarn(16, 1e6, &RopeScaling { original_max_position_embeddings: None, ..s }, 128).is_err());
     }
@@ -240,7 +243,7 @@ mod tests {
     #[test]
     fn unknown_rope_types_and_bad_factors_are_errors() {
         let s = |t: &str, f: Option<f32>| RopeScaling { rope_type: t.into(), factor: f, ..Default::default() };
-        assert!(Rope::scaled(8, 1e4, Some(&s("su", Some(2.0))), 64).unwrap_err().contains("\"su\""));
+        assert!(Rope::scaled(8, 1e4, Some(&s("su", Some(2.0))), 64).err().unwrap().contains("\"su\""));
         assert!(Rope::scaled(8, 1e4, Some(&s("linear", Some(0.0))), 64).is_err());
         assert!(Rope::scaled(8, 1e4, Some(&s("dynamic", None)), 64).is_err());
         assert_eq!(Rope::scaled(8, 1e4, Some(&s("linear", Some(4.0))), 64).unwrap().scale, 0.25);
