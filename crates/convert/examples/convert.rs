@@ -66,6 +66,9 @@ fn main() -> ExitCode {
                             s.dtype.torch_name(),
                             s.seconds
                         );
+                        if s.chat_template == Some(mlx_convert::gguf::ChatTemplateSource::Builtin) {
+                            println!("the GGUF has no chat template: wrote the built-in {} turn format", s.architecture);
+                        }
                     }
                     ExitCode::SUCCESS
                 }

@@ -7,7 +7,7 @@
 //! ```
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
 use clap::Parser;
-use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions};
+use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
 use mlx_models::{generate, load_model, GenerateConfig, LoadOptions};
 use sampling::SamplingConfig;
 use std::io::Write;
@@ -46,27 +46,37 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
     let dir = &cli.model;
     let model = load_model(dir, &LoadOptions::default())?.into_lm()?;
-    let format = if cli.prompt.is_some() { Some(ChatFormat::from_dir(dir)?) } else { None };
-    let prompt: Vec<u32> = match (cli.prompt_ids.clone(), cli.prompt.as_deref(), &format) {
-        (Some(ids), _, _) => ids,
-        (None, Some(text), Some(f)) if cli.chat => f.render(&[ChatMessage::user(text)], &RenderOptions::default())?.ids,
-        (None, Some(text), Some(f)) => f.tokenizer().encode(text, true)?,
-        _ => return Err("give --prompt-ids or --prompt".into()),
+    // The chat template only for --chat; a plain --prompt needs just the tokenizer.
+    let format = if cli.chat { Some(ChatFormat::from_dir(dir)?) } else { None };
+    let tokenizer = match (&format, cli.prompt.is_some()) {
+        (Some(f), _) => Some(f.tokenizer().clone()),
+        (None, true) => Some(Tokenizer::from_dir(dir)?),
+        (None, false) => None,
+    };
+    let prompt: Vec<u32> = match (cli.prompt_ids.clone(), cli.prompt.as_deref(), &format, &tokenizer) {
+        (Some(ids), _, _, _) => ids,
+        (None, Some(text), Some(f), _) => f.render(&[ChatMessage::user(text)], &RenderOptions::default())?.ids,
+        (None, Some(text), None, Some(t)) => t.encode(text, true)?,
+        _ => return Err("give --prompt-ids or --prompt (--chat needs --prompt)".into()),
     };
     let mut sampling = SamplingConfig::default().with_seed(cli.seed);
     sampling.temperature = cli.temperature;
     sampling.top_p = cli.top_p;
     sampling.top_k = cli.top_k;
     let mut cfg = GenerateConfig { max_new_tokens: cli.max_new_tokens, sampling, ..Default::default() };
-    if let Some(f) = &format {
-        let mut stop = model.info().eos_token_ids.clone();
-        stop.extend(f.stop_token_ids());
+    let mut stop = model.info().eos_token_ids.clone();
+    match (&format, &tokenizer) {
+        (Some(f), _) => stop.extend(f.stop_token_ids()),
+        (None, Some(t)) => stop.extend(t.eos_token_ids()),
+        (None, None) => {}
+    }
+    if format.is_some() || tokenizer.is_some() {
         cfg.stop_tokens = Some(stop);
     }
     let mut cache = model.new_cache();
     let mut gen = generate(&model, &mut cache, &prompt, &[], cfg)?;
     let mut ids = Vec::new();
-    let mut decoder = format.as_ref().map(|f| f.tokenizer().stream_decoder(true));
+    let mut decoder = tokenizer.as_ref().map(|t| t.stream_decoder(true));
     let out = std::io::stdout();
     for t in gen.by_ref() {
         let t = t?;
@@ -81,11 +91,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let reason = gen.finish_reason().map(|r| r.as_str()).unwrap_or("stop");
     let perf = gen.performance();
     if cli.json {
-        let text = match &format {
-            Some(f) => Some(f.tokenizer().decode(&ids, true)?),
+        let text = match &tokenizer {
+            Some(t) => Some(t.decode(&ids, true)?),
             None => None,
         };
-        println!("{}", serde_json::json!({ "token_ids": ids, "finish_reason": reason, "text": text, "performance": perf }));
+        println!("{}", serde_json::json!({ "prompt_token_ids": prompt, "token_ids": ids, "finish_reason": reason, "text": text, "performance": perf }));
     } else if decoder.is_none() {
         println!("{}", ids.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","));
     } else {

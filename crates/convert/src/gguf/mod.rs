@@ -9,6 +9,7 @@ pub mod to_hf;
 pub mod tokenizer;
 
 pub use quant::{dequantize, dequantize_into, GgmlType};
+pub use tokenizer::ChatTemplateSource;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

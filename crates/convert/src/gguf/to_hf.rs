@@ -44,6 +44,8 @@ pub struct ConvertSummary {
     pub bytes_written: u64,
     pub dtype: OutDtype,
     pub seconds: f64,
+    /// Where the written `chat_template` came from (`None`: none written, or `--config-from`).
+    pub chat_template: Option<tokenizer::ChatTemplateSource>,
 }
 
 /// Shape facts of the model, read from the metadata.
@@ -412,6 +414,7 @@ pub fn convert(input: &Path, out: &Path, opts: &GgufToHfOptions, mut progress: i
         bytes_written,
         dtype: opts.dtype,
         seconds: t0.elapsed().as_secs_f64(),
+        chat_template: tok.as_ref().and_then(|t| t.chat_template),
     })
 }
 

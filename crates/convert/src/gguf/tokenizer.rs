@@ -22,7 +22,35 @@ pub struct HfTokenizer {
     pub eos_token_id: Option<u64>,
     pub pad_token_id: Option<u64>,
     pub vocab_size: usize,
+    /// Where `chat_template` came from (`None`: the GGUF has none and no built-in applies).
+    pub chat_template: Option<ChatTemplateSource>,
 }
+
+/// The origin of a rebuilt `chat_template`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChatTemplateSource {
+    /// `tokenizer.chat_template` of the GGUF.
+    Gguf,
+    /// The GGUF has none; the architecture's turn format ([`GEMMA_TURN_TEMPLATE`] for Gemma),
+    /// as llama.cpp falls back to its built-in template of the architecture.
+    Builtin,
+}
+
+/// Gemma's turn format (`<start_of_turn>{user|model}\n...<end_of_turn>\n`, a system message
+/// folded into the first user turn, `model` for the assistant), for Gemma GGUFs without a
+/// template.
+pub const GEMMA_TURN_TEMPLATE: &str = concat!(
+    "{{ bos_token }}",
+    "{%- if messages[0]['role'] == 'system' -%}",
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}",
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}",
+    "{%- for message in loop_messages -%}",
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}",
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + (message['content'] | trim) + '<end_of_turn>\n' }}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}",
+);
 
 /// GPT-2's `bytes_to_unicode`: the printable stand-in for each byte.
 pub fn bytes_to_unicode() -> [char; 256] {
@@ -347,10 +375,16 @@ pub fn build(h: &GgufHeader) -> Result<HfTokenizer, GgufError> {
     if let Some(len) = h.get(&format!("{arch}.context_length")).and_then(MetaValue::as_u64) {
         cfg.insert("model_max_length".into(), json!(len));
     }
-    if let Some(t) = h.get("tokenizer.chat_template") {
+    let chat_template = if let Some(t) = h.get("tokenizer.chat_template") {
         let t = t.as_str().ok_or_else(|| GgufError::MetadataType { key: "tokenizer.chat_template".into(), expected: "a string", found: t.type_name() })?;
         cfg.insert("chat_template".into(), json!(t));
-    }
+        Some(ChatTemplateSource::Gguf)
+    } else if arch.starts_with("gemma") && tokens.iter().any(|t| t == "<start_of_turn>") {
+        cfg.insert("chat_template".into(), json!(GEMMA_TURN_TEMPLATE));
+        Some(ChatTemplateSource::Builtin)
+    } else {
+        None
+    };
     Ok(HfTokenizer {
         tokenizer_json,
         tokenizer_config: Value::Object(cfg),
@@ -358,5 +392,6 @@ pub fn build(h: &GgufHeader) -> Result<HfTokenizer, GgufError> {
         eos_token_id: eos,
         pad_token_id: pad,
         vocab_size: n,
+        chat_template,
     })
 }
