@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! cargo run --release -p mlx-convert --example convert -- gguf IN.gguf OUT_DIR [--dtype f32|bf16|f16] [--config-from HF_DIR] [--json]
+//! cargo run --release -p mlx-convert --example convert -- quantize IN_DIR OUT_DIR [--bits 4] [--group-size 64] [--mode affine|mxfp4|mxfp8|nvfp4] [--recipe mixed_4_6] [--dtype f32|bf16|f16] [--json]
 //! ```
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use mlx_convert::{gguf_to_hf, GgufToHfOptions, OutDtype};
+use mlx_array::QuantMode;
+use mlx_convert::{gguf_to_hf, quantize_dir, GgufToHfOptions, OutDtype, QuantizeOptions, Recipe};
 
 #[derive(Parser)]
 #[command(about = "Convert checkpoints for mlx-models")]
@@ -33,11 +35,95 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Hugging Face directory -> MLX-quantized directory in mlx-lm's layout.
+    Quantize {
+        input: PathBuf,
+        output: PathBuf,
+        /// affine, mxfp4, mxfp8 or nvfp4.
+        #[arg(long, default_value = "affine")]
+        mode: String,
+        /// Bits per weight (affine: 2, 3, 4, 5, 6, 8; default 4; fixed for the other modes).
+        #[arg(long)]
+        bits: Option<u32>,
+        /// Elements per scale (affine: 32, 64, 128; default 64; fixed for the other modes).
+        #[arg(long)]
+        group_size: Option<u32>,
+        /// Mixed precision as mlx-lm's recipes (affine only): mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6.
+        #[arg(long)]
+        recipe: Option<Recipe>,
+        /// dtype of the unquantized tensors (default: as stored).
+        #[arg(long)]
+        dtype: Option<OutDtype>,
+        /// Print a JSON summary instead of the summary line.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The mode the flags describe: each mode's defaults (affine 4/64, mxfp4 4/32, mxfp8 8/32,
+/// nvfp4 4/16); a size the mode cannot take is an error.
+fn quant_mode(mode: &str, bits: Option<u32>, group_size: Option<u32>, recipe: Option<Recipe>) -> Result<QuantMode, String> {
+    let (db, dg) = match mode {
+        "affine" => (4, 64),
+        "mxfp4" => (4, 32),
+        "mxfp8" => (8, 32),
+        "nvfp4" => (4, 16),
+        other => return Err(format!("unknown --mode {other:?} (affine, mxfp4, mxfp8, nvfp4)")),
+    };
+    if recipe.is_some() && bits.is_some() {
+        return Err("--recipe sets the bits of every layer: leave out --bits".into());
+    }
+    QuantMode::from_parts(mode, bits.unwrap_or(db), group_size.unwrap_or(dg)).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Quantize { input, output, mode, bits, group_size, recipe, dtype, json } => {
+            let mode = match quant_mode(&mode, bits, group_size, recipe) {
+                Ok(m) => m,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let bar = ProgressBar::new(0);
+            bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} tensors {msg}").expect("valid template"));
+            let opts = QuantizeOptions { mode, recipe, dtype };
+            let result = quantize_dir(&input, &output, &opts, |p| {
+                bar.set_length(p.total as u64);
+                bar.set_position(p.index as u64 + 1);
+                bar.set_message(p.tensor.to_string());
+            });
+            bar.finish_and_clear();
+            match result {
+                Ok(s) if json => {
+                    println!("{}", serde_json::to_string(&s).expect("summary serializes"));
+                    ExitCode::SUCCESS
+                }
+                Ok(s) => {
+                    let recipe = s.recipe.map(|r| format!(", recipe {r:?}")).unwrap_or_default();
+                    println!(
+                        "{} -> {}: {} layers quantized ({} {} bits, groups of {}{recipe}), {} tensors kept, {:.3} bits per weight, {:.1} MB, {:.1} s",
+                        input.display(),
+                        s.output.display(),
+                        s.quantized,
+                        s.mode,
+                        s.bits,
+                        s.group_size,
+                        s.kept,
+                        s.bits_per_weight,
+                        s.bytes_written as f64 / 1e6,
+                        s.seconds
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Gguf { input, output, dtype, config_from, json } => {
             let bar = ProgressBar::new(0);
             bar.set_style(

@@ -1,14 +1,17 @@
 //! # mlx-convert
 //!
 //! Checkpoint conversion for mlx-models: GGUF import ([`gguf`]: reader, dequantization, and
-//! [`gguf::to_hf`] for a Hugging Face directory), written atomically ([`output`]).
+//! [`gguf::to_hf`] for a Hugging Face directory) and MLX quantization in mlx-lm's layout
+//! ([`quantize`]), written atomically ([`output`]).
 use std::path::PathBuf;
 
 pub mod gguf;
 pub mod output;
+pub mod quantize;
 
 pub use gguf::to_hf::{convert as gguf_to_hf, ConvertSummary, GgufToHfOptions, Progress};
 pub use output::OutDtype;
+pub use quantize::{quantize_dir, QuantizeOptions, QuantizeSummary, Recipe};
 
 /// Why a conversion failed.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +36,12 @@ pub enum ConvertError {
     BadOutput(PathBuf),
     #[error(transparent)]
     Json(#[from] serde_json::Error),
+    #[error(transparent)]
+    Array(#[from] mlx_array::Error),
+    #[error("{0} is already quantized (config.json has quantization)")]
+    AlreadyQuantized(PathBuf),
+    #[error("{0}")]
+    BadOption(String),
     #[error("internal error: {0}")]
     Internal(String),
 }

@@ -8,7 +8,7 @@
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
 use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
-use mlx_models::{generate, load_model, GenerateConfig, LoadOptions};
+use mlx_models::{generate, load_model, GenerateConfig, LoadOptions, QuantizedWeights};
 use sampling::SamplingConfig;
 use std::io::Write;
 use std::path::PathBuf;
@@ -40,12 +40,28 @@ struct Cli {
     /// Print one JSON object as the last stdout line.
     #[arg(long)]
     json: bool,
+    /// Quantized checkpoints: keep the packed weights, dequantize them at load, or auto (the
+    /// library's default: dequantize on the CPU, keep on the GPU).
+    #[arg(long, value_enum, default_value = "auto")]
+    quantized: Quantized,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Quantized {
+    Auto,
+    Keep,
+    Dequantize,
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
     let dir = &cli.model;
-    let model = load_model(dir, &LoadOptions::default())?.into_lm()?;
+    let quantized = match cli.quantized {
+        Quantized::Auto => QuantizedWeights::Auto,
+        Quantized::Keep => QuantizedWeights::Keep,
+        Quantized::Dequantize => QuantizedWeights::Dequantize,
+    };
+    let model = load_model(dir, &LoadOptions { quantized, ..Default::default() })?.into_lm()?;
     // The chat template only for --chat; a plain --prompt needs just the tokenizer.
     let format = if cli.chat { Some(ChatFormat::from_dir(dir)?) } else { None };
     let tokenizer = match (&format, cli.prompt.is_some()) {

@@ -40,7 +40,7 @@ pub mod weights;
 pub use cache::{Cache, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};
-pub use model::{load_model, load_session, KvCacheMode, LoadOptions, LoadedModel, Model};
+pub use model::{load_model, load_session, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights};
 pub use paged::PagedConfig;
 pub use session::{ChatConfig, ChatResult, ChatSession, ChatStream, StreamEvent};
 pub use random_ckpt::{create_random_qwen3_checkpoint, tiny_qwen3_config};

@@ -32,6 +32,23 @@ pub struct LoadOptions {
     /// matmul over concatenated weights. Default (`None`): on the GPU only, where fewer, larger
     /// products measured faster; on the CPU separate OpenBLAS products measured as fast.
     pub fuse_projections: Option<bool>,
+    /// What to do with MLX-quantized layers (mlx-lm's layout).
+    pub quantized: QuantizedWeights,
+}
+
+/// How a quantized checkpoint's layers run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum QuantizedWeights {
+    /// [`QuantizedWeights::Keep`] on the GPU; on the CPU, where MLX's quantized matmul is slower
+    /// than an f32 product over the dequantized weight, [`QuantizedWeights::Dequantize`]
+    /// (BENCHMARKS.md, "Quantized checkpoints on the CPU").
+    #[default]
+    Auto,
+    /// Keep the packed weights: products run `quantized_matmul` (resident bytes about bits/16
+    /// of bf16's).
+    Keep,
+    /// Dequantize every quantized layer at load into the compute dtype.
+    Dequantize,
 }
 
 /// Which KV cache a loaded model's sequences use.
@@ -206,6 +223,17 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
     let eos = config::eos_ids(dir, &text);
     let mut weights = Weights::load(dir, default_dtype(opts))?;
     weights.fuse_projections = opts.fuse_projections;
+    weights.quant = crate::weights::QuantSpec::from_config(&raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+    if weights.quant.is_some() {
+        let dequantize = match opts.quantized {
+            QuantizedWeights::Keep => false,
+            QuantizedWeights::Dequantize => true,
+            QuantizedWeights::Auto => crate::layers::runs_on_cpu(),
+        };
+        if dequantize {
+            weights.dequantize_to = Some(default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32));
+        }
+    }
     match family.model_type {
         "qwen3" => {
             let cfg: Qwen3Config = config::parse(dir, &text)?;

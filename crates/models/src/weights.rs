@@ -5,7 +5,7 @@
 //! let q = vb.get("q_proj.weight", &[n_heads * head_dim, hidden])?;
 //! ```
 use crate::{ModelError, Result};
-use mlx_array::{Array, DType};
+use mlx_array::{Array, DType, QuantMode, Quantized};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -17,12 +17,62 @@ pub struct Weights {
     taken: Mutex<std::collections::HashSet<String>>,
     /// [`crate::LoadOptions::fuse_projections`]: `None` = fuse on the GPU only.
     pub(crate) fuse_projections: Option<bool>,
+    /// config.json's `quantization` (mlx-lm's layout), when the checkpoint is quantized.
+    pub(crate) quant: Option<QuantSpec>,
+    /// Dequantize quantized layers at load into this dtype ([`crate::QuantizedWeights`]).
+    pub(crate) dequantize_to: Option<DType>,
+}
+
+/// mlx-lm's `quantization` entry of config.json: the default mode and per-layer entries
+/// (a mode, or `false` for a layer left unquantized).
+#[derive(Debug, Clone)]
+pub struct QuantSpec {
+    pub default: QuantMode,
+    pub layers: HashMap<String, Option<QuantMode>>,
+}
+
+impl QuantSpec {
+    /// From config.json's root (`quantization`, else `quantization_config` when it has mlx-lm's
+    /// keys). `Ok(None)`: not quantized.
+    pub fn from_config(root: &serde_json::Value) -> std::result::Result<Option<Self>, String> {
+        let q = match root.get("quantization").filter(|q| !q.is_null()) {
+            Some(q) => q,
+            None => match root.get("quantization_config") {
+                Some(q) if q.get("bits").is_some() && q.get("group_size").is_some() => q,
+                Some(q) if !q.is_null() => {
+                    let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("unknown");
+                    return Err(format!("quantization_config with quant_method {method:?} is not supported (MLX quantized checkpoints are)"));
+                }
+                _ => return Ok(None),
+            },
+        };
+        let obj = q.as_object().ok_or("quantization must be an object")?;
+        let mode = |v: &serde_json::Value| -> std::result::Result<QuantMode, String> {
+            let num = |k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as u32).ok_or(format!("quantization entry {v} needs {k}"));
+            let m = v.get("mode").and_then(|m| m.as_str()).unwrap_or("affine");
+            QuantMode::from_parts(m, num("bits")?, num("group_size")?).map_err(|e| e.to_string())
+        };
+        let default = mode(q)?;
+        let mut layers = HashMap::new();
+        for (k, v) in obj {
+            match v {
+                serde_json::Value::Object(_) => {
+                    layers.insert(k.clone(), Some(mode(v)?));
+                }
+                serde_json::Value::Bool(false) => {
+                    layers.insert(k.clone(), None);
+                }
+                _ => {}
+            }
+        }
+        Ok(Some(QuantSpec { default, layers }))
+    }
 }
 
 impl Weights {
     /// Wrap already-loaded tensors; `path` names the checkpoint in errors.
     pub fn from_map(tensors: HashMap<String, Array>, path: impl Into<PathBuf>) -> Self {
-        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()), fuse_projections: None }
+        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()), fuse_projections: None, quant: None, dequantize_to: None }
     }
 
     /// Load every `*.safetensors` tensor under `dir` (sharded through
@@ -162,6 +212,44 @@ impl<'a> Vb<'a> {
         let a = self.get(name, shape)?;
         self.w.map().remove(&self.full(name));
         Ok(a)
+    }
+
+    /// Whether the layer under this prefix is stored quantized (it has `scales`).
+    pub fn is_quantized(&self) -> bool {
+        self.contains("scales")
+    }
+
+    /// The quantized layer under this prefix (`weight` packed u32, `scales`, affine `biases`), its
+    /// mode from config.json (the layer's own entry, else the default), checked against the
+    /// float shape `[.., out, in]` it stands for.
+    pub fn quantized(&self, shape: &[usize]) -> Result<Quantized> {
+        let layer = self.prefix.clone();
+        let spec = self.w.quant.as_ref().ok_or_else(|| self.w.err(format!("{layer} is quantized (it has scales) but config.json has no quantization")))?;
+        let mode = match spec.layers.get(&layer) {
+            Some(Some(m)) => *m,
+            Some(None) => return Err(self.w.err(format!("{layer} has scales but config.json's quantization marks it unquantized"))),
+            None => spec.default,
+        };
+        let (lead, k) = shape.split_at(shape.len() - 1);
+        let k = k[0];
+        let (bits, gs) = (mode.bits() as usize, mode.group_size() as usize);
+        if k % gs != 0 || (k * bits) % 32 != 0 {
+            return Err(self.w.err(format!("{layer}: {k} input features do not fit {} groups of {gs}", mode.name())));
+        }
+        let mut wshape = lead.to_vec();
+        wshape.push(k * bits / 32);
+        let mut sshape = lead.to_vec();
+        sshape.push(k / gs);
+        let weight = self.get_any("weight")?;
+        if weight.dtype() != DType::U32 || weight.shape() != wshape.as_slice() {
+            return Err(self.w.err(format!("{layer}.weight is {} {:?}, expected packed u32 {wshape:?} ({} bits)", weight.dtype(), weight.shape(), mode.name())));
+        }
+        let scales = self.get("scales", &sshape)?;
+        let biases = match mode {
+            QuantMode::Affine { .. } => Some(self.get("biases", &sshape)?),
+            _ => None,
+        };
+        Ok(Quantized { weight, scales, biases, mode })
     }
 
     /// Like [`Vb::get`], `None` when absent.

@@ -15,6 +15,8 @@ pub enum QuantMode {
     Mxfp4,
     /// OCP MX FP8 (E4M3) with a shared E8M0 scale per 32 elements; no biases.
     Mxfp8,
+    /// NVIDIA FP4 (E2M1) with an E4M3 scale per 16 elements; no biases.
+    Nvfp4,
 }
 
 impl QuantMode {
@@ -23,6 +25,7 @@ impl QuantMode {
             QuantMode::Affine { bits, group_size } => (bits as i32, group_size as i32, c"affine"),
             QuantMode::Mxfp4 => (4, 32, c"mxfp4"),
             QuantMode::Mxfp8 => (8, 32, c"mxfp8"),
+            QuantMode::Nvfp4 => (4, 16, c"nvfp4"),
         }
     }
     fn validate(self, op: &'static str) -> Result<()> {
@@ -43,6 +46,38 @@ impl QuantMode {
     /// Elements sharing one scale.
     pub fn group_size(self) -> u32 {
         self.parts().1 as u32
+    }
+    /// The mode's name in MLX and in mlx-lm's config.json (`affine`, `mxfp4`, `mxfp8`, `nvfp4`).
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Affine { .. } => "affine",
+            QuantMode::Mxfp4 => "mxfp4",
+            QuantMode::Mxfp8 => "mxfp8",
+            QuantMode::Nvfp4 => "nvfp4",
+        }
+    }
+    /// The mode mlx-lm's config.json describes (`mode` absent = affine). Sizes the mode cannot
+    /// take are errors: the microscaling modes have fixed bits and group sizes.
+    pub fn from_parts(mode: &str, bits: u32, group_size: u32) -> Result<Self> {
+        let fixed = |m: QuantMode| {
+            if m.bits() == bits && m.group_size() == group_size {
+                Ok(m)
+            } else {
+                Err(Error::arg("quantize", format!("{mode} takes {} bits in groups of {}, not {bits} / {group_size}", m.bits(), m.group_size())))
+            }
+        };
+        let m = match mode {
+            "affine" => {
+                let bits = u8::try_from(bits).map_err(|_| Error::arg("quantize", format!("affine bits {bits}")))?;
+                QuantMode::Affine { bits, group_size }
+            }
+            "mxfp4" => fixed(QuantMode::Mxfp4)?,
+            "mxfp8" => fixed(QuantMode::Mxfp8)?,
+            "nvfp4" => fixed(QuantMode::Nvfp4)?,
+            other => return Err(Error::arg("quantize", format!("unknown quantization mode {other:?} (affine, mxfp4, mxfp8, nvfp4)"))),
+        };
+        m.validate("quantize")?;
+        Ok(m)
     }
 }
 

@@ -683,7 +683,7 @@ impl Gemma4Model {
         };
         let (n, p) = (self.cfg.num_hidden_layers as i32, self.cfg.ple_dim() as i32);
         let (b, l) = (tokens.dims()[0], tokens.dims()[1]);
-        let pv = emb.weight.dim(0)?;
+        let pv = emb.rows();
         // Ids outside the per-layer vocabulary read row 0 (as HF masks them).
         let ids = if pv < self.cfg.vocab_size {
             let bound = Array::scalar_as(pv as f32, tokens.dtype())?;

@@ -192,8 +192,8 @@ impl Qwen3Backbone {
         Ok((self.norm.forward(&x)?, skipped))
     }
 
-    pub fn embed_weight(&self) -> &Array {
-        &self.embed.weight
+    pub fn embed(&self) -> &Embedding {
+        &self.embed
     }
 }
 
@@ -239,7 +239,7 @@ impl Qwen3Model {
         let lm_head = if root.contains("lm_head.weight") && !cfg.tie_word_embeddings {
             Linear::load(&root.pp("lm_head"), cfg.hidden_size, cfg.vocab_size, false)?
         } else if cfg.tie_word_embeddings {
-            Linear::new(backbone.embed_weight().clone(), None)?
+            backbone.embed().as_linear()?
         } else {
             return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
         };

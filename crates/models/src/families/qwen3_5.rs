@@ -292,7 +292,7 @@ impl Qwen35Model {
             .collect::<Result<Vec<_>>>()?;
         let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed.weight.clone(), None)?
+            embed.as_linear()?
         } else if root.contains("lm_head.weight") {
             Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
         } else {
@@ -303,7 +303,7 @@ impl Qwen35Model {
         if visual > 0 {
             notes.push(format!("skipped {visual} vision-tower tensors (model.visual.*): text-only model"));
         }
-        let mtp = load_mtp(weights, raw, family, embed.weight.dtype(), &mut notes)?;
+        let mtp = load_mtp(weights, raw, family, embed.dtype(), &mut notes)?;
         for n in &notes {
             eprintln!("mlx-models: {family} {}: {n}", path.display());
         }

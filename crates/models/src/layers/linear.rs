@@ -1,39 +1,79 @@
 use crate::weights::Vb;
-use crate::Result;
-use mlx_array::Array;
+use crate::{ModelError, Result};
+use mlx_array::{Array, Quantized};
 
-/// `y = x W^T (+ b)` with `W` stored `[out, in]` as in the checkpoint.
+/// The weight of a [`Linear`]: float `W^T` (`[in, out]`, a view of the stored `[out, in]`), or
+/// MLX-quantized `[out, in]` rows run with `quantized_matmul`.
+#[derive(Clone)]
+enum LinearWeight {
+    Dense(Array),
+    Quantized(Quantized),
+}
+
+/// `y = x W^T (+ b)` with `W` stored `[out, in]` as in the checkpoint (float, or quantized in
+/// mlx-lm's layout: `weight` packed u32, `scales`, `biases`).
 #[derive(Clone)]
 pub struct Linear {
-    wt: Array,
+    w: LinearWeight,
     bias: Option<Array>,
 }
 
 impl Linear {
     pub fn new(weight: Array, bias: Option<Array>) -> Result<Self> {
-        Ok(Linear { wt: weight.swap_axes(0, 1)?, bias })
+        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias })
     }
-    /// `prefix.weight` of shape `[out, in]` and, if `bias`, `prefix.bias`.
+    /// A quantized `[out, in]` weight.
+    pub fn quantized(q: Quantized, bias: Option<Array>) -> Self {
+        Linear { w: LinearWeight::Quantized(q), bias }
+    }
+    /// `prefix.weight` of shape `[out, in]` (or its quantized form, dequantized at load when the
+    /// load options ask) and, if `bias`, `prefix.bias`.
     pub fn load(vb: &Vb, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
-        let w = vb.get("weight", &[out_dim, in_dim])?;
         let b = if bias { Some(vb.get("bias", &[out_dim])?) } else { None };
-        Self::new(w, b)
+        if vb.is_quantized() {
+            let q = vb.quantized(&[out_dim, in_dim])?;
+            return match vb.weights().dequantize_to {
+                Some(dt) => Self::new(q.dequantize(Some(dt))?, b),
+                None => Ok(Self::quantized(q, b)),
+            };
+        }
+        Self::new(vb.get("weight", &[out_dim, in_dim])?, b)
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let y = x.matmul(&self.wt)?;
+        let y = match &self.w {
+            LinearWeight::Dense(wt) => x.matmul(wt)?,
+            LinearWeight::Quantized(q) => q.matmul(x, true)?,
+        };
         Ok(match &self.bias {
             Some(b) => y.add(b)?,
             None => y,
         })
     }
     pub fn out_dim(&self) -> usize {
-        self.wt.shape()[1]
+        match &self.w {
+            LinearWeight::Dense(wt) => wt.shape()[1],
+            LinearWeight::Quantized(q) => q.weight.shape()[0],
+        }
+    }
+    /// Whether the weight stays quantized (products run `quantized_matmul`).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.w, LinearWeight::Quantized(_))
+    }
+    /// Bytes of the resident weight (packed weight, scales and biases when quantized).
+    pub fn weight_bytes(&self) -> usize {
+        match &self.w {
+            LinearWeight::Dense(wt) => wt.nbytes(),
+            LinearWeight::Quantized(q) => q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes()),
+        }
     }
     /// Output columns `start..end` only: `x W[start..end]^T (+ b[start..end])`. The rows of the
     /// stored `[out, in]` weight are contiguous, so the slice is a view the matmul reads as a
-    /// transposed operand (no copy).
+    /// transposed operand (no copy). Fused projections are never quantized.
     fn forward_cols(&self, x: &Array, start: usize, end: usize) -> Result<Array> {
-        let y = x.matmul(&self.wt.slice_axis(1, start, end)?)?;
+        let LinearWeight::Dense(wt) = &self.w else {
+            return Err(ModelError::InvalidInput("column slices of a quantized projection".into()));
+        };
+        let y = x.matmul(&wt.slice_axis(1, start, end)?)?;
         Ok(match &self.bias {
             Some(b) => y.add(&b.slice_axis(0, start, end)?)?,
             None => y,
@@ -75,7 +115,9 @@ impl FusedLinear {
     /// Fusing takes them out of the checkpoint map, so the unfused copies are freed.
     pub fn load(vb: &Vb, names: &[&str], in_dim: usize, outs: &[usize], bias: bool) -> Result<Self> {
         assert_eq!(names.len(), outs.len(), "one output size per projection");
-        let fuse = names.len() > 1 && vb.weights().fuse_projections()?;
+        // Quantized projections stay separate (each is its own quantized product).
+        let quantized = names.iter().any(|n| vb.pp(n).is_quantized());
+        let fuse = names.len() > 1 && !quantized && vb.weights().fuse_projections()?;
         if !fuse {
             let parts = names.iter().zip(outs).map(|(n, &o)| Linear::load(&vb.pp(n), in_dim, o, bias)).collect::<Result<Vec<_>>>()?;
             return Ok(FusedLinear::Separate(parts));
@@ -137,22 +179,130 @@ impl FusedLinear {
     }
 }
 
-/// Token embedding table `[vocab, hidden]`, also usable as a tied output head.
+/// Token embedding table `[vocab, hidden]`, also usable as a tied output head. Quantized tables
+/// (mlx-lm's `QuantizedEmbedding`) dequantize the looked-up rows, and their tied head runs
+/// `quantized_matmul`.
 #[derive(Clone)]
 pub struct Embedding {
-    pub weight: Array,
+    table: EmbeddingTable,
+    rows: usize,
+}
+
+#[derive(Clone)]
+enum EmbeddingTable {
+    Dense(Array),
+    /// With the dtype the rows dequantize to.
+    Quantized(Quantized, mlx_array::DType),
 }
 
 impl Embedding {
     pub fn load(vb: &Vb, vocab: usize, hidden: usize) -> Result<Self> {
-        Ok(Embedding { weight: vb.get("weight", &[vocab, hidden])? })
+        let table = if vb.is_quantized() {
+            let q = vb.quantized(&[vocab, hidden])?;
+            match vb.weights().dequantize_to {
+                Some(dt) => EmbeddingTable::Dense(q.dequantize(Some(dt))?),
+                None => {
+                    // Rows come out in the scales' float dtype (affine), else the compute dtype.
+                    let dt = if q.scales.dtype().is_float() { q.scales.dtype() } else { vb.weights().float_dtype().unwrap_or(mlx_array::DType::F32) };
+                    EmbeddingTable::Quantized(q, dt)
+                }
+            }
+        } else {
+            EmbeddingTable::Dense(vb.get("weight", &[vocab, hidden])?)
+        };
+        Ok(Embedding { table, rows: vocab })
+    }
+    /// A float table.
+    pub fn from_weight(weight: Array) -> Self {
+        let rows = weight.shape().first().copied().unwrap_or(0);
+        Embedding { table: EmbeddingTable::Dense(weight), rows }
+    }
+    /// Vocabulary rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// The dtype of looked-up rows.
+    pub fn dtype(&self) -> mlx_array::DType {
+        match &self.table {
+            EmbeddingTable::Dense(w) => w.dtype(),
+            EmbeddingTable::Quantized(_, dt) => *dt,
+        }
+    }
+    /// The float table (`None` when quantized).
+    pub fn dense_weight(&self) -> Option<&Array> {
+        match &self.table {
+            EmbeddingTable::Dense(w) => Some(w),
+            EmbeddingTable::Quantized(..) => None,
+        }
     }
     /// `[B, L]` integer ids to `[B, L, hidden]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
-        Ok(self.weight.take(ids, 0)?)
+        match &self.table {
+            EmbeddingTable::Dense(w) => Ok(w.take(ids, 0)?),
+            EmbeddingTable::Quantized(q, dt) => {
+                let rows = Quantized {
+                    weight: q.weight.take(ids, 0)?,
+                    scales: q.scales.take(ids, 0)?,
+                    biases: q.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?,
+                    mode: q.mode,
+                };
+                Ok(rows.dequantize(Some(*dt))?)
+            }
+        }
     }
     /// Tied output projection: `x @ E^T`.
     pub fn as_linear(&self) -> Result<Linear> {
-        Linear::new(self.weight.clone(), None)
+        match &self.table {
+            EmbeddingTable::Dense(w) => Linear::new(w.clone(), None),
+            EmbeddingTable::Quantized(q, _) => Ok(Linear::quantized(q.clone(), None)),
+        }
+    }
+    /// Bytes of the resident table.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.table {
+            EmbeddingTable::Dense(w) => w.nbytes(),
+            EmbeddingTable::Quantized(q, _) => q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::{QuantSpec, Weights};
+    use mlx_array::DType;
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name)
+    }
+
+    /// A quantized checkpoint's layers keep their packed weights (products run
+    /// `quantized_matmul`): 4-bit weights with f32 scales and biases in groups of 64 take 5/32
+    /// of the f32 bytes; dequantized at load they are f32 again, with the same products.
+    #[test]
+    fn quantized_layers_stay_packed_unless_asked() {
+        let dir = fixture("llama_q4");
+        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let mut w = Weights::load(&dir, Some(DType::F32)).unwrap();
+        w.quant = QuantSpec::from_config(&cfg).unwrap();
+        let vb = w.root().pp("model.layers.0.mlp.down_proj");
+        let q = Linear::load(&vb, 128, 64, false).unwrap();
+        assert!(q.is_quantized());
+        assert_eq!(q.weight_bytes(), 64 * 128 * 5 / 8, "4 bits + 2 f32 per 64 = 5 bits a weight");
+        let e = Embedding::load(&w.root().pp("model.embed_tokens"), 512, 64).unwrap();
+        assert_eq!(e.weight_bytes(), 512 * 64 * 5 / 8);
+        let x = mlx_array::random::normal(&[1, 3, 128], DType::F32, &mlx_array::random::Key::new(1).unwrap()).unwrap();
+        let yq = q.forward(&x).unwrap().to_vec::<f32>().unwrap();
+        w.dequantize_to = Some(DType::F32);
+        let vb = w.root().pp("model.layers.0.mlp.down_proj");
+        let d = Linear::load(&vb, 128, 64, false).unwrap();
+        assert!(!d.is_quantized());
+        assert_eq!(d.weight_bytes(), 64 * 128 * 4);
+        let yd = d.forward(&x).unwrap().to_vec::<f32>().unwrap();
+        let err = yq.iter().zip(&yd).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-4, "quantized_matmul vs dequantized product: {err}");
+        // a layer stored quantized without a quantization entry in config.json is an error
+        w.quant = None;
+        assert!(Linear::load(&w.root().pp("model.layers.0.mlp.down_proj"), 128, 64, false).is_err());
     }
 }

@@ -1,0 +1,334 @@
+//! MLX quantization of a Hugging Face checkpoint directory, written in mlx-lm's layout
+//! (`mlx_lm.convert -q`): each quantized layer's `.weight` becomes packed `uint32` with `.scales`
+//! (and `.biases` for affine), and config.json gains `quantization` / `quantization_config`
+//! (`group_size`, `bits`, `mode`, and per-layer entries where a layer differs from them).
+//!
+//! Which layers: those mlx-lm's `quantize_model` quantizes, decided here from tensor names and
+//! shapes: linear and embedding weights (2-D `*.weight`) and stacked MoE expert weights (3-D,
+//! under `experts` / `switch_mlp`) whose last dimension is a multiple of the group size; not
+//! norms, convolutions, or vision/audio towers. MoE routers (`mlp.gate`,
+//! `shared_expert_gate`) get 8 bits in groups of 64 as mlx-lm's MoE models ask. Mixed recipes
+//! (`mixed_2_6`, `mixed_3_4`, `mixed_3_6`, `mixed_4_6`) follow mlx-lm's
+//! `mixed_quant_predicate_builder`. The packed tensors are MLX's own `quantize` output.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use mlx_array::io::Checkpoint;
+use mlx_array::{Array, DType, QuantMode};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::output::{io, OutDtype, StagedDir};
+use crate::ConvertError;
+
+/// A mixed-precision recipe of mlx-lm (`--quant-predicate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Recipe {
+    Mixed2_6,
+    Mixed3_4,
+    Mixed3_6,
+    Mixed4_6,
+}
+
+impl Recipe {
+    /// (low bits, high bits).
+    fn bits(self) -> (u8, u8) {
+        match self {
+            Recipe::Mixed2_6 => (2, 6),
+            Recipe::Mixed3_4 => (3, 4),
+            Recipe::Mixed3_6 => (3, 6),
+            Recipe::Mixed4_6 => (4, 6),
+        }
+    }
+}
+
+impl std::str::FromStr for Recipe {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "mixed_2_6" => Recipe::Mixed2_6,
+            "mixed_3_4" => Recipe::Mixed3_4,
+            "mixed_3_6" => Recipe::Mixed3_6,
+            "mixed_4_6" => Recipe::Mixed4_6,
+            _ => return Err(format!("unknown recipe {s:?} (mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6)")),
+        })
+    }
+}
+
+/// What `quantize` writes.
+#[derive(Debug, Clone)]
+pub struct QuantizeOptions {
+    /// The default mode of every quantized layer (mlx-lm's default: affine, 4 bits, groups of 64).
+    pub mode: QuantMode,
+    /// A mixed recipe (affine only; its bits replace `mode`'s, its group size is `mode`'s).
+    pub recipe: Option<Recipe>,
+    /// dtype of the tensors left unquantized, and of the tensors quantized from (`None`: as stored).
+    pub dtype: Option<OutDtype>,
+}
+
+impl Default for QuantizeOptions {
+    fn default() -> Self {
+        QuantizeOptions { mode: QuantMode::Affine { bits: 4, group_size: 64 }, recipe: None, dtype: None }
+    }
+}
+
+/// What a quantization wrote.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantizeSummary {
+    pub output: PathBuf,
+    pub mode: String,
+    pub bits: u32,
+    pub group_size: u32,
+    pub recipe: Option<Recipe>,
+    /// Layers quantized, and tensors copied as they were.
+    pub quantized: usize,
+    pub kept: usize,
+    /// Bits written per parameter of the input (packed weights, scales and biases counted), as
+    /// mlx-lm reports it.
+    pub bits_per_weight: f64,
+    pub bytes_written: u64,
+    pub seconds: f64,
+}
+
+/// One tensor done (for progress bars).
+pub struct QuantizeProgress<'a> {
+    pub index: usize,
+    pub total: usize,
+    pub tensor: &'a str,
+}
+
+fn mode_json(m: QuantMode) -> Value {
+    json!({"group_size": m.group_size(), "bits": m.bits(), "mode": m.name()})
+}
+
+/// The layer (module path) of a `*.weight` tensor that mlx-lm would quantize, or `None`.
+pub fn quantizable_layer<'a>(name: &'a str, shape: &[usize], group_size: u32) -> Option<&'a str> {
+    let layer = name.strip_suffix(".weight")?;
+    let tower = ["vision_tower", "vision_model", "visual", "multi_modal_projector", "audio_tower", "embed_vision", "embed_audio"];
+    if tower.iter().any(|t| layer.split('.').any(|p| p == *t)) || layer.contains("norm") || layer.contains("conv") {
+        return None;
+    }
+    let experts = layer.contains("experts") || layer.contains("switch_mlp");
+    let ok_rank = shape.len() == 2 || (shape.len() == 3 && experts);
+    (ok_rank && shape.last().is_some_and(|&d| d > 0 && d % group_size as usize == 0)).then_some(layer)
+}
+
+/// mlx-lm's mixed predicate: the bits of `layer` under `recipe` for a model of `num_layers`.
+fn mixed_bits(recipe: Recipe, layer: &str, layer_location: usize, num_layers: usize) -> u8 {
+    let (low, high) = recipe.bits();
+    let index = layer.split('.').nth(layer_location).and_then(|p| p.parse::<usize>().ok()).unwrap_or(0);
+    let n = num_layers;
+    let more = index < n / 8 || index >= 7 * n / 8 || (index as i64 - (n / 8) as i64).rem_euclid(3) == 2;
+    if (layer.contains("v_proj") || layer.contains("v_a_proj") || layer.contains("v_b_proj")) && more {
+        return high;
+    }
+    if layer.contains("down_proj") && more {
+        return high;
+    }
+    if layer.contains("lm_head") {
+        return high;
+    }
+    low
+}
+
+fn is_router(layer: &str) -> bool {
+    layer.ends_with("mlp.gate") || layer.ends_with("shared_expert_gate")
+}
+
+/// Quantize the checkpoint in `input` into `output` (staged and renamed into place).
+pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut progress: impl FnMut(QuantizeProgress<'_>)) -> Result<QuantizeSummary, ConvertError> {
+    let t0 = Instant::now();
+    let cfg_path = input.join("config.json");
+    let raw = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
+    let mut config: Value = serde_json::from_str(&raw).map_err(|e| ConvertError::BadConfig { path: cfg_path.clone(), msg: e.to_string() })?;
+    let obj = config.as_object_mut().ok_or_else(|| ConvertError::BadConfig { path: cfg_path.clone(), msg: "root is not an object".into() })?;
+    if obj.contains_key("quantization") || obj.get("quantization_config").is_some_and(|q| !q.is_null()) {
+        return Err(ConvertError::AlreadyQuantized(input.to_path_buf()));
+    }
+    let group_size = opts.mode.group_size();
+    if opts.recipe.is_some() && !matches!(opts.mode, QuantMode::Affine { .. }) {
+        return Err(ConvertError::BadOption(format!("mixed recipes are affine only, not {}", opts.mode.name())));
+    }
+    let ckpts = open_weights(input)?;
+    let infos: Vec<(usize, mlx_array::io::TensorInfo)> = ckpts.iter().enumerate().flat_map(|(i, c)| c.tensors().into_iter().map(move |t| (i, t))).collect();
+    let float_dtype = opts.dtype.map(|d| match d {
+        OutDtype::F32 => DType::F32,
+        OutDtype::Bf16 => DType::BF16,
+        OutDtype::F16 => DType::F16,
+    });
+
+    // mlx-lm's mixed recipe locates the layer index from the first down_proj path.
+    let num_layers = {
+        let text = obj.get("text_config").and_then(Value::as_object).unwrap_or(obj);
+        text.get("num_hidden_layers").or_else(|| obj.get("num_hidden_layers")).and_then(Value::as_u64).unwrap_or(0) as usize
+    };
+    let layer_location = match opts.recipe {
+        None => 0,
+        Some(_) => {
+            let first = infos.iter().map(|(_, t)| t).find(|t| t.name.contains("down_proj")).ok_or_else(|| ConvertError::BadOption("mixed recipes need down_proj layers".into()))?;
+            first.name.split('.').position(|p| p.chars().all(|c| c.is_ascii_digit()) && !p.is_empty()).unwrap_or(0)
+        }
+    };
+    let mut qcfg = serde_json::Map::new();
+    if let Value::Object(m) = mode_json(opts.mode) {
+        qcfg.extend(m);
+    }
+
+    let staged = StagedDir::new(output)?;
+    let mut out: Vec<(String, Array)> = Vec::with_capacity(infos.len() * 2);
+    let (mut quantized, mut kept, mut weight_elems) = (0usize, 0usize, 0u64);
+    let total = infos.len();
+    for (index, (file, info)) in infos.iter().enumerate() {
+        let a = ckpts[*file].load(&info.name, float_dtype)?;
+        weight_elems += info.shape.iter().product::<usize>() as u64;
+        let layer = if a.dtype().is_float() { quantizable_layer(&info.name, &info.shape, group_size) } else { None };
+        match layer {
+            Some(layer) => {
+                let mode = if is_router(layer) {
+                    QuantMode::Affine { bits: 8, group_size: 64 }
+                } else if let Some(r) = opts.recipe {
+                    QuantMode::Affine { bits: mixed_bits(r, layer, layer_location, num_layers), group_size }
+                } else {
+                    opts.mode
+                };
+                // The router's own group may not divide its width: then it stays unquantized.
+                if info.shape.last().is_some_and(|&d| d % mode.group_size() as usize != 0) {
+                    out.push((info.name.clone(), a));
+                    kept += 1;
+                } else {
+                    if mode != opts.mode || opts.recipe.is_some() {
+                        qcfg.insert(layer.to_string(), mode_json(mode));
+                    }
+                    let q = a.quantize(mode)?;
+                    out.push((info.name.clone(), q.weight));
+                    out.push((format!("{layer}.scales"), q.scales));
+                    if let Some(b) = q.biases {
+                        out.push((format!("{layer}.biases"), b));
+                    }
+                    quantized += 1;
+                }
+            }
+            None => {
+                out.push((info.name.clone(), a));
+                kept += 1;
+            }
+        }
+        progress(QuantizeProgress { index, total, tensor: &info.name });
+    }
+    if quantized == 0 {
+        return Err(ConvertError::BadOption(format!("no layer of {} can be quantized in groups of {group_size}", input.display())));
+    }
+    let obj = config.as_object_mut().expect("checked");
+    obj.insert("quantization".into(), Value::Object(qcfg.clone()));
+    obj.insert("quantization_config".into(), Value::Object(qcfg));
+    if let Some(d) = opts.dtype {
+        obj.insert("torch_dtype".into(), json!(d.torch_name()));
+    }
+
+    let refs: Vec<(&str, &Array)> = out.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    let meta: std::collections::HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
+    mlx_array::io::save_safetensors(staged.path().join("model.safetensors"), &refs, Some(&meta))?;
+    staged.write("config.json", &serde_json::to_vec_pretty(&config)?)?;
+    copy_side_files(input, &staged)?;
+    let bytes_written: u64 = out.iter().map(|(_, a)| a.nbytes() as u64).sum();
+    let bits_per_weight = if weight_elems > 0 { bytes_written as f64 * 8.0 / weight_elems as f64 } else { 0.0 };
+    let output = staged.commit()?;
+    let (bits, group_size) = match opts.recipe {
+        Some(r) => (r.bits().0 as u32, group_size),
+        None => (opts.mode.bits(), group_size),
+    };
+    Ok(QuantizeSummary {
+        output,
+        mode: opts.mode.name().into(),
+        bits,
+        group_size,
+        recipe: opts.recipe,
+        quantized,
+        kept,
+        bits_per_weight,
+        bytes_written,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// The weights of a checkpoint directory: its index when there is one, else its
+/// `model*.safetensors` files (as mlx-lm and our loader read them; other safetensors files, such
+/// as reference outputs, are not weights).
+fn open_weights(dir: &Path) -> Result<Vec<Checkpoint>, ConvertError> {
+    let index = dir.join(mlx_array::io::INDEX_FILE);
+    if index.exists() {
+        return Ok(vec![Checkpoint::open(&index)?]);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ConvertError::BadOption(format!("{} has no model*.safetensors weights", dir.display())));
+    }
+    files.iter().map(|f| Checkpoint::open(f).map_err(Into::into)).collect()
+}
+
+/// The tokenizer, template, generation and processor files of a checkpoint.
+const SIDE_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+];
+
+/// Tokenizer, template and generation files travel with the weights.
+fn copy_side_files(input: &Path, staged: &StagedDir) -> Result<(), ConvertError> {
+    let entries = std::fs::read_dir(input).map_err(io(input))?;
+    let mut names: BTreeMap<String, PathBuf> = BTreeMap::new();
+    for e in entries {
+        let e = e.map_err(io(input))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if SIDE_FILES.contains(&name.as_str()) && e.path().is_file() {
+            names.insert(name, e.path());
+        }
+    }
+    for (name, p) in names {
+        let dst = staged.path().join(&name);
+        std::fs::copy(&p, &dst).map_err(io(&p))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn which_layers_are_quantized() {
+        assert_eq!(quantizable_layer("model.layers.0.self_attn.q_proj.weight", &[64, 64], 64), Some("model.layers.0.self_attn.q_proj"));
+        assert_eq!(quantizable_layer("model.embed_tokens.weight", &[512, 64], 64), Some("model.embed_tokens"));
+        assert_eq!(quantizable_layer("model.layers.0.input_layernorm.weight", &[64], 64), None);
+        assert_eq!(quantizable_layer("model.layers.0.self_attn.q_proj.bias", &[64], 64), None);
+        assert_eq!(quantizable_layer("model.layers.0.mlp.down_proj.weight", &[64, 96], 64), None);
+        assert_eq!(quantizable_layer("model.layers.0.conv.conv.weight", &[64, 1, 3], 64), None);
+        assert_eq!(quantizable_layer("model.layers.0.mlp.switch_mlp.up_proj.weight", &[4, 64, 64], 64), Some("model.layers.0.mlp.switch_mlp.up_proj"));
+        assert_eq!(quantizable_layer("model.vision_tower.blocks.0.attn.qkv.weight", &[64, 64], 64), None);
+    }
+
+    #[test]
+    fn mixed_recipe_matches_mlx_lm_choices() {
+        // 16 layers: more bits for 0, 1 (< 2), 14, 15 (>= 14) and every third from 2 (4, 7, 10, 13)
+        let more: Vec<usize> = (0..16).filter(|&i| mixed_bits(Recipe::Mixed4_6, &format!("model.layers.{i}.mlp.down_proj"), 2, 16) == 6).collect();
+        assert_eq!(more, vec![0, 1, 4, 7, 10, 13, 14, 15]);
+        assert_eq!(mixed_bits(Recipe::Mixed3_6, "model.layers.4.self_attn.q_proj", 2, 16), 3);
+        assert_eq!(mixed_bits(Recipe::Mixed2_6, "lm_head", 2, 16), 6);
+    }
+}
