@@ -314,8 +314,13 @@ impl Generator<'_> {
 impl Drop for Generator<'_> {
     fn drop(&mut self) {
         // Every step queues its own pool writes; this covers a step cut short by a panic, so
-        // that no other thread's forward call waits on writes nobody will queue.
-        let _ = self.cache.async_eval_with(&[]);
+        // that no other thread's forward call waits on writes nobody will queue. It also waits
+        // for the step queued ahead (pipelining) and for those writes: no work of this
+        // generation is still running on MLX's stream once the generator is gone (a program
+        // that returns from `main` right after must not exit under a computing stream thread).
+        let pending = self.pending.take();
+        let outs: Vec<&Array> = pending.as_ref().map(|(t, l)| vec![t, l]).unwrap_or_default();
+        let _ = self.cache.eval_with(&outs);
         self.cache.set_queue_with_outputs(false);
     }
 }

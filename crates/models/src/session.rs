@@ -108,6 +108,20 @@ pub struct ChatSession {
     /// Token ids the cache holds, in order.
     cached_ids: Vec<u32>,
     history: Vec<ChatMessage>,
+    /// Tool-call ids of this session: `call_<nonce>_<turn>_<n>`, unique across its turns and
+    /// (by the random nonce) across sessions.
+    call_nonce: String,
+    turns: usize,
+}
+
+/// 48 random bits, as hex (std's randomly keyed hasher over a process-wide counter and the clock).
+fn session_nonce() -> String {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let h = std::collections::hash_map::RandomState::new().hash_one((COUNTER.fetch_add(1, Ordering::Relaxed), t));
+    format!("{:012x}", h & 0xffff_ffff_ffff)
 }
 
 impl ChatSession {
@@ -126,7 +140,7 @@ impl ChatSession {
             .map(|v| SamplingOverrides::from_generation_config(&v))
             .unwrap_or_default();
         let cache = model.new_cache();
-        Ok(ChatSession { model, format, defaults, cache, cached_ids: Vec::new(), history: Vec::new() })
+        Ok(ChatSession { model, format, defaults, cache, cached_ids: Vec::new(), history: Vec::new(), call_nonce: session_nonce(), turns: 0 })
     }
 
     pub fn format(&self) -> &Arc<ChatFormat> {
@@ -255,6 +269,9 @@ impl<'a> ChatStream<'a> {
             }
         }
         let gcfg = GenerateConfig { max_new_tokens: cfg.max_new_tokens, sampling, prefill_step_size: cfg.prefill_step_size, stop_tokens: Some(stop) };
+        let mut popts = s.format.parser_options(&opts, starts_in_thinking, cfg.include_reasoning);
+        popts.call_id_prefix = format!("call_{}_{}_", s.call_nonce, s.turns);
+        s.turns += 1;
         let ChatSession { model, format, cache, cached_ids, history, .. } = s;
         let format: &'a ChatFormat = format;
         // The prompt delta joins the cached ids now; generated ids follow as they come.
@@ -268,7 +285,7 @@ impl<'a> ChatStream<'a> {
             cached_ids,
             history,
             decoder: format.stream_decoder(),
-            parser: format.parser(&opts, starts_in_thinking, cfg.include_reasoning),
+            parser: crate::chat::OutputParser::new(popts),
             budget,
             queue: Default::default(),
             generated: Vec::new(),
@@ -393,5 +410,16 @@ impl Drop for ChatStream<'_> {
             self.cancel.cancel();
             let _ = self.step();
         }
+    }
+}
+
+#[cfg(test)]
+mod call_id_tests {
+    #[test]
+    fn session_nonces_are_distinct_hex() {
+        let a: Vec<String> = (0..64).map(|_| super::session_nonce()).collect();
+        let set: std::collections::HashSet<&String> = a.iter().collect();
+        assert_eq!(set.len(), a.len());
+        assert!(a.iter().all(|n| n.len() == 12 && n.chars().all(|c| c.is_ascii_hexdigit())));
     }
 }

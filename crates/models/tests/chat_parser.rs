@@ -219,3 +219,51 @@ fn lfm2_pythonic_tool_calls() {
         }
     }
 }
+
+/// Qwen3.5's XML tool calls (as its chat template asks the model to write them), thinking
+/// first, parse into the same events as Qwen3's JSON ones, at every split of the stream.
+#[test]
+fn qwen3_5_xml_tool_calls_parse_at_every_split() {
+    use mlx_models::chat::{ToolCallFormat, QWEN3_5_TOOL_CALLS, QWEN3_TOOL_CALLS};
+    let tpl = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + k + '>\\n' }}";
+    assert_eq!(ToolCallFormat::detect(tpl), Some(QWEN3_5_TOOL_CALLS));
+    assert_eq!(ToolCallFormat::detect("{{ '<tool_call>\\n' + tool_call | tojson }}"), Some(QWEN3_TOOL_CALLS));
+    let text = "<think>\nNeed the weather.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n東京 🌧\n</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=options>\n{\"unit\": \"celsius\"}\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=broken>\n<parameter=city>\nParis\n</function>\n</tool_call>\n<tool_call>\nnot a function\n</tool_call>";
+    let opts = ParserOptions { tool_calls: Some(QWEN3_5_TOOL_CALLS), ..Default::default() };
+    let out = whole(&opts, text);
+    assert_eq!(out.thinking.as_deref(), Some("Need the weather."));
+    assert_eq!(out.text, "Checking.");
+    assert_eq!(out.tool_calls.len(), 3);
+    let c = &out.tool_calls[0];
+    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
+    assert_eq!(c.arguments, json!({"city": "東京 🌧", "days": 2, "options": {"unit": "celsius"}, "note": "line one\nline two"}));
+    match &out.tool_calls[1].status {
+        ToolCallStatus::Malformed { reason } => assert!(reason.contains("\"city\" has no </parameter>"), "{reason}"),
+        s => panic!("{s:?}"),
+    }
+    assert_eq!(out.tool_calls[1].name, "broken");
+    match &out.tool_calls[2].status {
+        ToolCallStatus::Malformed { reason } => assert!(reason.contains("<function=NAME>"), "{reason}"),
+        s => panic!("{s:?}"),
+    }
+    let ids: std::collections::HashSet<&str> = out.tool_calls.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids.len(), 3, "ids are unique within a reply");
+    for cut in 0..=text.len() {
+        let (split, _) = split_feed(&opts, text, &[cut]);
+        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
+        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
+    }
+    // Three-way splits, and an unterminated call at the end of the output.
+    for a in (0..text.len()).step_by(7) {
+        let (split, _) = split_feed(&opts, text, &[a, a + 13]);
+        assert_eq!(split.tool_calls, out.tool_calls, "splits at {a}, {}", a + 13);
+    }
+    // Output that ends inside a call: parsed as it stands (as for Qwen3's JSON calls).
+    let cut = whole(&opts, "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>");
+    assert_eq!((cut.tool_calls[0].name.as_str(), &cut.tool_calls[0].arguments), ("f", &json!({"x": 1})));
+    let cut = whole(&opts, "<tool_call>\n<function=f>\n<parameter=x>\n1");
+    match &cut.tool_calls[0].status {
+        ToolCallStatus::Ok => panic!("a cut-off call is reported"),
+        ToolCallStatus::Malformed { reason } => assert!(reason.starts_with("unterminated tool call"), "{reason}"),
+    }
+}

@@ -31,6 +31,11 @@ pub enum ToolCallSyntax {
     /// A Python-style list of calls `[name(key=value, ...), ...]` with Python literal values
     /// (LFM2).
     PythonicList,
+    /// XML-style functions (Qwen3.5, Qwen3-Coder):
+    /// `<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>`. A value that
+    /// parses as JSON (numbers, booleans, objects, arrays, null) is taken as such, anything else
+    /// as a string.
+    XmlFunction,
 }
 
 /// A tool-call format: markers plus body syntax. Add Gemma / LFM2 formats as new rows of
@@ -47,6 +52,10 @@ pub struct ToolCallFormat {
 pub const QWEN3_TOOL_CALLS: ToolCallFormat =
     ToolCallFormat { name: "qwen3", start: "<tool_call>", end: "</tool_call>", syntax: ToolCallSyntax::JsonObject };
 
+/// Qwen3.5 format: `<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>`.
+pub const QWEN3_5_TOOL_CALLS: ToolCallFormat =
+    ToolCallFormat { name: "qwen3_5", start: "<tool_call>", end: "</tool_call>", syntax: ToolCallSyntax::XmlFunction };
+
 /// LFM2 format: `<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>`.
 pub const LFM2_TOOL_CALLS: ToolCallFormat = ToolCallFormat {
     name: "lfm2",
@@ -56,12 +65,15 @@ pub const LFM2_TOOL_CALLS: ToolCallFormat = ToolCallFormat {
 };
 
 /// Known formats, tried in order by [`ToolCallFormat::detect`].
-pub const TOOL_CALL_FORMATS: &[ToolCallFormat] = &[LFM2_TOOL_CALLS, QWEN3_TOOL_CALLS];
+pub const TOOL_CALL_FORMATS: &[ToolCallFormat] = &[LFM2_TOOL_CALLS, QWEN3_5_TOOL_CALLS, QWEN3_TOOL_CALLS];
 
 impl ToolCallFormat {
-    /// The format whose start marker the chat template writes, if any.
+    /// The format the chat template writes, if any: its start marker, and for the XML syntax
+    /// also `<function=` (Qwen3's JSON body shares the markers).
     pub fn detect(template_source: &str) -> Option<ToolCallFormat> {
-        TOOL_CALL_FORMATS.iter().copied().find(|f| template_source.contains(f.start))
+        TOOL_CALL_FORMATS.iter().copied().find(|f| {
+            template_source.contains(f.start) && (f.syntax != ToolCallSyntax::XmlFunction || template_source.contains("<function="))
+        })
     }
 }
 
@@ -392,6 +404,7 @@ impl OutputParser {
                 Ok(calls) => calls.into_iter().map(Ok).collect(),
                 Err(reason) => vec![Err((None, reason))],
             },
+            ToolCallSyntax::XmlFunction => parse_xml_calls(&raw),
         };
         parsed
             .into_iter()
@@ -427,6 +440,80 @@ fn partial_marker_suffix(s: &str, markers: &[&str]) -> usize {
 }
 
 type CallParse = std::result::Result<(String, Json), (Option<String>, String)>;
+
+/// The `<function=NAME>...</function>` blocks of one tool-call body (see
+/// [`ToolCallSyntax::XmlFunction`]); a body without one is one malformed call.
+fn parse_xml_calls(body: &str) -> Vec<CallParse> {
+    const FN: &str = "<function=";
+    const FN_END: &str = "</function>";
+    const P: &str = "<parameter=";
+    const P_END: &str = "</parameter>";
+    // One newline on each side of a value belongs to the format, not to the value.
+    let strip = |v: &str| -> String {
+        let v = v.strip_prefix('\n').unwrap_or(v);
+        v.strip_suffix('\n').unwrap_or(v).to_owned()
+    };
+    let mut calls = Vec::new();
+    let mut rest = body;
+    while let Some(i) = rest.find(FN) {
+        rest = &rest[i + FN.len()..];
+        let Some(gt) = rest.find('>') else {
+            calls.push(Err((None, "unterminated <function= tag".into())));
+            return calls;
+        };
+        let name = rest[..gt].trim().to_owned();
+        rest = &rest[gt + 1..];
+        let (inner, after) = match rest.find(FN_END) {
+            Some(e) => (&rest[..e], &rest[e + FN_END.len()..]),
+            None => (rest, ""),
+        };
+        let closed = rest.contains(FN_END);
+        rest = after;
+        if name.is_empty() {
+            calls.push(Err((None, "empty function name".into())));
+            continue;
+        }
+        if !closed {
+            calls.push(Err((Some(name), "missing </function>".into())));
+            continue;
+        }
+        let mut args = serde_json::Map::new();
+        let mut p = inner;
+        let mut err = None;
+        while let Some(j) = p.find(P) {
+            p = &p[j + P.len()..];
+            let Some(gt) = p.find('>') else {
+                err = Some("unterminated <parameter= tag".to_string());
+                break;
+            };
+            let key = p[..gt].trim().to_owned();
+            p = &p[gt + 1..];
+            let Some(e) = p.find(P_END) else {
+                err = Some(format!("parameter {key:?} has no </parameter>"));
+                break;
+            };
+            let value = strip(&p[..e]);
+            p = &p[e + P_END.len()..];
+            if key.is_empty() {
+                err = Some("empty parameter name".into());
+                break;
+            }
+            let v = match serde_json::from_str::<Json>(value.trim()) {
+                Ok(v) if !value.trim().is_empty() => v,
+                _ => Json::String(value),
+            };
+            args.insert(key, v);
+        }
+        calls.push(match err {
+            Some(reason) => Err((Some(name), reason)),
+            None => Ok((name, Json::Object(args))),
+        });
+    }
+    if calls.is_empty() {
+        calls.push(Err((None, "expected <function=NAME>...</function>".into())));
+    }
+    calls
+}
 
 /// `{"name": "...", "arguments": {...}}`; `arguments` may be a JSON string holding an object,
 /// or be named `parameters`; missing arguments are `{}`.
