@@ -634,7 +634,7 @@ fn run_checks(ck: &mut Checker, inp: &mut Inputs) -> Result<()> {
             // the reconstruction loosely (a step of 4 bit over a group of N(0, 0.05) is ~0.02).
             let step = match mode {
                 QuantMode::Affine { bits, .. } => 0.6 * 0.05 * 2f32.powi(4 - bits as i32),
-                QuantMode::Mxfp4 => 0.07,
+                QuantMode::Mxfp4 | QuantMode::Nvfp4 => 0.07,
                 QuantMode::Mxfp8 => 0.01,
             };
             run(ck, format!("quantize+dequantize {label}"), close(step, 0.0), &|| wf.quantize(mode)?.dequantize(Some(F32)));

@@ -8,12 +8,13 @@ use common::*;
 use mlx_array::{ops, Array, DType, QuantMode, Quantized};
 use proptest::prelude::*;
 
-const MODES: [QuantMode; 5] = [
+const MODES: [QuantMode; 6] = [
     QuantMode::Affine { bits: 4, group_size: 32 },
     QuantMode::Affine { bits: 4, group_size: 64 },
     QuantMode::Affine { bits: 8, group_size: 64 },
     QuantMode::Mxfp4,
     QuantMode::Mxfp8,
+    QuantMode::Nvfp4,
 ];
 
 fn e2m1(c: u32) -> f64 {
@@ -49,6 +50,15 @@ fn decode(q: &Quantized, rows: usize, cols: usize) -> Vec<f64> {
                 }
             }
         }
+        QuantMode::Nvfp4 => {
+            // E4M3 scale per 16 elements, E2M1 codes
+            let s = q.scales.to_vec::<u8>().unwrap();
+            for r in 0..rows {
+                for j in 0..cols {
+                    out[r * cols + j] = e4m3(s[r * cols / gs + j / gs] as u32) * e2m1(code(r, j));
+                }
+            }
+        }
         QuantMode::Mxfp4 | QuantMode::Mxfp8 => {
             let s = q.scales.to_vec::<u8>().unwrap();
             for r in 0..rows {
@@ -77,6 +87,8 @@ fn err_bound(mode: QuantMode, group: &[f32]) -> f64 {
         QuantMode::Affine { bits, .. } => (mx - mn) / ((1u32 << bits) - 1) as f64 * 1.01 + 1e-6,
         // E2M1 next to its largest codes is 2 steps of scale apart, scale <= amax / 4.
         QuantMode::Mxfp4 => amax * 0.5 + 1e-6,
+        // E2M1 under an E4M3 scale (3 mantissa bits: within 1/8 of amax / 6).
+        QuantMode::Nvfp4 => amax * 0.5 + 1e-6,
         // E4M3: 3 mantissa bits and a power-of-two scale.
         QuantMode::Mxfp8 => amax * 0.13 + 1e-6,
     }
@@ -90,7 +102,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
 
     #[test]
-    fn quantize_dequantize_matmul(mode_i in 0usize..5, (n, kg, m) in (1usize..5, 1usize..3, 1usize..4), seed in vals(4 * 128 + 3 * 128, -1.0, 1.0), bfl in any::<bool>()) {
+    fn quantize_dequantize_matmul(mode_i in 0usize..6, (n, kg, m) in (1usize..5, 1usize..3, 1usize..4), seed in vals(4 * 128 + 3 * 128, -1.0, 1.0), bfl in any::<bool>()) {
         let mode = MODES[mode_i];
         let k = 64 * kg; // a multiple of every group size used
         let w = &seed[..n * k];
@@ -136,7 +148,7 @@ proptest! {
 
     /// `transpose = false`: weights stored `[in, out]`, quantized along `out`.
     #[test]
-    fn quantized_matmul_untransposed(mode_i in 0usize..5, (m, kin) in (1usize..4, 1usize..6), seed in vals(5 * 64 + 3 * 5, -1.0, 1.0)) {
+    fn quantized_matmul_untransposed(mode_i in 0usize..6, (m, kin) in (1usize..4, 1usize..6), seed in vals(5 * 64 + 3 * 5, -1.0, 1.0)) {
         let mode = MODES[mode_i];
         let nout = 64;
         let w = &seed[..kin * nout];
@@ -151,7 +163,7 @@ proptest! {
 
     /// MoE: `out[i] = x[lhs[i]] @ dequantized(W[rhs[i]]).T`, against a per-row loop.
     #[test]
-    fn gather_qmm_matches_loop(mode_i in 0usize..5, (ex, e, n, m) in (1usize..3, 1usize..4, 1usize..4, 1usize..3), picks in prop::collection::vec((0usize..10, 0usize..10), 1..5), seed in vals(3 * 3 * 64 + 2 * 2 * 64, -1.0, 1.0)) {
+    fn gather_qmm_matches_loop(mode_i in 0usize..6, (ex, e, n, m) in (1usize..3, 1usize..4, 1usize..4, 1usize..3), picks in prop::collection::vec((0usize..10, 0usize..10), 1..5), seed in vals(3 * 3 * 64 + 2 * 2 * 64, -1.0, 1.0)) {
         let mode = MODES[mode_i];
         let k = 64;
         let w = &seed[..e * n * k];
