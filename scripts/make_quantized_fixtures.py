@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Quantized fixtures made by mlx-lm from the tiny transformers fixtures, with mlx-lm's outputs.
 
-    python3 scripts/make_quantized_fixtures.py [OUT_DIR]    (needs mlx-lm and mlx[cpu])
+    python3 scripts/make_quantized_fixtures.py [OUT_DIR]    (needs mlx-lm 0.32.2 and mlx[cpu] 0.32.4: mlx-lm
+    0.32.2 passes gather_qmm a global_scale that MLX 0.32.2 lacks)
 
 For each entry below: mlx-lm loads the bf16 fixture, casts it to f32 (as `mlx_lm.convert
 --dtype float32` does), quantizes it with `quantize_model` (mlx-lm's layer choice, MLX's
@@ -49,6 +50,9 @@ FIXTURES = {
     "qwen3_untied_q8g32": ("qwen3_untied", "affine", 32, 8, None, None),
     "gemma3_text_mxfp4": ("gemma3_text", "mxfp4", None, None, None, GEMMA3_FOR_MLX_LM),
     "llama_mixed_3_6": ("llama_scaled", "affine", 32, None, "mixed_3_6", None),
+    # MoE: stacked switch_mlp experts through gather_qmm
+    "lfm2_moe_q4": ("lfm2_moe", "affine", 32, 4, None, None),
+    "qwen3_5_moe_vl_q8": ("qwen3_5_moe_vl", "affine", 32, 8, None, None),
 }
 
 

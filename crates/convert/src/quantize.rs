@@ -133,8 +133,10 @@ fn mixed_bits(recipe: Recipe, layer: &str, layer_location: usize, num_layers: us
     low
 }
 
+/// MoE routers mlx-lm's MoE models (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, LFM2-MoE) keep at
+/// 8 bits in groups of 64.
 fn is_router(layer: &str) -> bool {
-    layer.ends_with("mlp.gate") || layer.ends_with("shared_expert_gate")
+    layer.ends_with("mlp.gate") || layer.ends_with("shared_expert_gate") || layer.ends_with("feed_forward.gate")
 }
 
 /// Quantize the checkpoint in `input` into `output` (staged and renamed into place).
@@ -198,7 +200,10 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
                     out.push((info.name.clone(), a));
                     kept += 1;
                 } else {
-                    if mode != opts.mode || opts.recipe.is_some() {
+                    if is_router(layer) {
+                        // as mlx-lm's predicates write them: no mode key
+                        qcfg.insert(layer.to_string(), json!({"group_size": 64, "bits": 8}));
+                    } else if mode != opts.mode || opts.recipe.is_some() {
                         qcfg.insert(layer.to_string(), mode_json(mode));
                     }
                     let q = a.quantize(mode)?;

@@ -124,6 +124,11 @@ impl Weights {
         self.map().contains_key(name) || self.taken.lock().unwrap_or_else(|e| e.into_inner()).contains(name)
     }
 
+    /// The shape of tensor `name` (without marking it read), `None` if absent.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.map().get(name).map(|a| a.shape())
+    }
+
     /// The names of the tensors still held (taken ones excluded), unsorted.
     pub fn names(&self) -> Vec<String> {
         self.map().keys().cloned().collect()

@@ -78,11 +78,22 @@ impl GatedDeltaNet {
         if cfg.num_k_heads == 0 || hv % cfg.num_k_heads != 0 {
             return Err(ModelError::InvalidInput(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {}", cfg.num_k_heads)));
         }
-        let conv = vb.get("conv1d.weight", &[c, 1, cfg.conv_kernel])?;
+        // transformers stores `[C, 1, K]`, mlx-lm `[C, K, 1]` (the layout the conv runs in)
+        let conv = vb.get_any("conv1d.weight")?;
+        let conv_w = if conv.shape() == [c, 1, cfg.conv_kernel] {
+            conv.swap_axes(1, 2)?
+        } else if conv.shape() == [c, cfg.conv_kernel, 1] {
+            conv
+        } else {
+            return Err(ModelError::Checkpoint {
+                path: vb.weights().path().to_path_buf(),
+                msg: format!("conv1d.weight has shape {:?}, expected [{c}, 1, {k}] or [{c}, {k}, 1]", conv.shape(), k = cfg.conv_kernel),
+            });
+        };
         let a_log = f32(&vb.get("A_log", &[hv])?)?;
         Ok(GatedDeltaNet {
             in_proj: FusedLinear::load(vb, &["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], h, &[c, cfg.value_dim(), hv, hv], false)?,
-            conv_w: conv.swap_axes(1, 2)?,
+            conv_w,
             neg_a: a_log.exp()?.neg()?,
             dt_bias: f32(&vb.get("dt_bias", &[hv])?)?,
             norm_w: f32(&vb.pp("norm").get("weight", &[cfg.head_v_dim])?)?,

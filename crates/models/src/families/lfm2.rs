@@ -283,10 +283,7 @@ impl MoeBlock {
         // Per-expert `experts.N.w1/w3/w2` (what transformers writes), or mlx-lm's stacked
         // `switch_mlp.{gate,up,down}_proj`.
         let experts = if vb.contains("switch_mlp.gate_proj.weight") {
-            let sv = vb.pp("switch_mlp");
-            let g = sv.get("gate_proj.weight", &[e, i, h])?;
-            let u = sv.get("up_proj.weight", &[e, i, h])?;
-            SwitchGlu::from_fused(ops::concatenate(&[&g, &u], 1)?, sv.get("down_proj.weight", &[e, h, i])?, Activation::Silu)?
+            SwitchGlu::load_switch_mlp(&vb.pp("switch_mlp"), e, h, i, Activation::Silu)?
         } else {
             SwitchGlu::load(&vb.pp("experts"), e, h, i, ["w1", "w3", "w2"], Activation::Silu)?
         };

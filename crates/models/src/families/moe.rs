@@ -15,7 +15,7 @@
 use crate::layers::{runs_on_cpu, Activation, GatedMlp, Linear};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, DType};
+use mlx_array::{ops, Array, DType, Quantized};
 
 /// Token-expert rows from which [`SwitchGlu`] runs one product per expert on the CPU instead of
 /// MLX's `GatherMM` (see `SwitchGlu::forward_segments`). A 2048-token prefill of 4 of 16
@@ -48,18 +48,57 @@ pub struct SwitchGlu {
     gate_up: Array,
     /// `[E, I, H]`.
     down: Array,
+    /// MLX-quantized experts (mlx-lm's `switch_mlp` layout kept packed): products run
+    /// `gather_qmm`, and `gate_up` / `down` are empty.
+    quantized: Option<Box<QuantizedExperts>>,
     inter: usize,
     act: Activation,
 }
 
+/// `gate_proj`, `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]`, quantized along their last axis.
+#[derive(Clone)]
+struct QuantizedExperts {
+    gate: Quantized,
+    up: Quantized,
+    down: Quantized,
+}
+
 impl SwitchGlu {
+    /// `vb` at `…switch_mlp` (mlx-lm's layout): stacked `gate_proj`, `up_proj` `[E, I, H]` and
+    /// `down_proj` `[E, H, I]`, float or MLX-quantized (kept packed, or dequantized at load as
+    /// the load options ask).
+    pub fn load_switch_mlp(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, act: Activation) -> Result<Self> {
+        let (e, h, i) = (n_experts, hidden, inter);
+        let parts = [("gate_proj", [e, i, h]), ("up_proj", [e, i, h]), ("down_proj", [e, h, i])];
+        if parts.iter().any(|(n, _)| vb.pp(n).is_quantized()) {
+            let mut q = parts.iter().map(|(n, s)| vb.pp(n).quantized(s)).collect::<Result<Vec<_>>>()?.into_iter();
+            let (gate, up, down) = (q.next().unwrap(), q.next().unwrap(), q.next().unwrap());
+            if let Some(dt) = vb.weights().dequantize_to {
+                let g = gate.dequantize(Some(dt))?;
+                let u = up.dequantize(Some(dt))?;
+                return Self::from_fused(ops::concatenate(&[&g, &u], 1)?, down.dequantize(Some(dt))?, act);
+            }
+            let empty = Array::zeros(&[0], DType::F32)?;
+            let quantized = Some(Box::new(QuantizedExperts { gate, up, down }));
+            return Ok(SwitchGlu { gate_up: empty.clone(), down: empty, quantized, inter, act });
+        }
+        let g = vb.get("gate_proj.weight", &[e, i, h])?;
+        let u = vb.get("up_proj.weight", &[e, i, h])?;
+        Self::from_fused(ops::concatenate(&[&g, &u], 1)?, vb.get("down_proj.weight", &[e, h, i])?, act)
+    }
+
+    /// Whether the experts run `gather_qmm` over packed weights.
+    pub fn is_quantized(&self) -> bool {
+        self.quantized.is_some()
+    }
+
     /// Build from `gate_up: [E, 2I, H]` (gate rows first) and `down: [E, H, I]` as stored.
     pub fn from_fused(gate_up: Array, down: Array, act: Activation) -> Result<Self> {
         let (gs, ds) = (gate_up.shape(), down.shape());
         if gs.len() != 3 || ds.len() != 3 || gs[0] != ds[0] || gs[1] != 2 * ds[2] || gs[2] != ds[1] {
             return Err(ModelError::InvalidInput(format!("expert shapes gate_up {gs:?} / down {ds:?} do not match [E,2I,H] / [E,H,I]")));
         }
-        Ok(SwitchGlu { inter: ds[2], gate_up: gate_up.swap_axes(1, 2)?, down: down.swap_axes(1, 2)?, act })
+        Ok(SwitchGlu { inter: ds[2], gate_up: gate_up.swap_axes(1, 2)?, down: down.swap_axes(1, 2)?, quantized: None, act })
     }
 
     /// `vb` at `…mlp.experts`: the fused layout (`gate_up_proj`, `down_proj`, optionally with a
@@ -84,7 +123,10 @@ impl SwitchGlu {
     }
 
     pub fn num_experts(&self) -> usize {
-        self.gate_up.shape()[0]
+        match &self.quantized {
+            Some(q) => q.gate.weight.shape()[0],
+            None => self.gate_up.shape()[0],
+        }
     }
 
     /// `x: [T, H]`, `idx: [T, k]` expert ids, `weights: [T, k]` → `Σ_k w · expert_k(x)`: `[T, H]`.
@@ -92,7 +134,9 @@ impl SwitchGlu {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;
-        let y = if n >= CPU_SEGMENT_ROWS && runs_on_cpu() {
+        let y = if let Some(q) = &self.quantized {
+            self.forward_quantized(q, x, idx, n >= 64)?
+        } else if n >= CPU_SEGMENT_ROWS && runs_on_cpu() {
             self.forward_segments(x, idx, k as usize)?.reshape(&[t, k, h])?
         } else {
             // Sort the (token, slot) pairs by expert for larger batches: gather_mm then walks
@@ -101,6 +145,30 @@ impl SwitchGlu {
         };
         let w = weights.astype(y.dtype())?.expand_dims(-1)?;
         Ok(y.mul(&w)?.sum(&[1], false)?)
+    }
+
+    /// Quantized experts through `gather_qmm` (as mlx-lm's `QuantizedSwitchLinear`), rows
+    /// sorted by expert when `sort`: `[T, k, H]`.
+    fn forward_quantized(&self, q: &QuantizedExperts, x: &Array, idx: &Array, sort: bool) -> Result<Array> {
+        let (t, h) = (x.dims()[0], x.dims()[1]);
+        let k = idx.dims()[1];
+        let n = (t * k) as usize;
+        let run = |xs: &Array, ids: &Array, sorted: bool| -> Result<Array> {
+            let g = ops::gather_qmm(xs, &q.gate, None, Some(ids), true, sorted)?;
+            let u = ops::gather_qmm(xs, &q.up, None, Some(ids), true, sorted)?;
+            Ok(ops::gather_qmm(&self.act.gated(&g, &u)?, &q.down, None, Some(ids), true, sorted)?)
+        };
+        Ok(if sort {
+            let flat = idx.reshape(&[-1])?;
+            let order = flat.argsort(0)?;
+            let inv = order.argsort(0)?;
+            let sorted_idx = flat.take(&order, 0)?;
+            let rows = order.floor_divide_u32(k as u32)?;
+            let xs = x.take(&rows, 0)?.reshape(&[n as i32, 1, h])?;
+            run(&xs, &sorted_idx, true)?.take(&inv, 0)?.reshape(&[t, k, h])?
+        } else {
+            run(&x.reshape(&[t, 1, 1, h])?, idx, false)?.reshape(&[t, k, h])?
+        })
     }
 
     /// Every `(token, slot)` row through MLX's `GatherMM`, rows sorted by expert when `sort`:
@@ -220,7 +288,12 @@ impl SparseMoe {
         };
         Ok(SparseMoe {
             router: Linear::load(&vb.pp("gate"), cfg.hidden, cfg.num_experts, false)?,
-            experts: SwitchGlu::load(&vb.pp("experts"), cfg.num_experts, cfg.hidden, cfg.moe_intermediate, ["gate_proj", "up_proj", "down_proj"], cfg.act)?,
+            // HF's `experts` (fused or per expert), or mlx-lm's stacked `switch_mlp`.
+            experts: if vb.contains("switch_mlp.gate_proj.weight") {
+                SwitchGlu::load_switch_mlp(&vb.pp("switch_mlp"), cfg.num_experts, cfg.hidden, cfg.moe_intermediate, cfg.act)?
+            } else {
+                SwitchGlu::load(&vb.pp("experts"), cfg.num_experts, cfg.hidden, cfg.moe_intermediate, ["gate_proj", "up_proj", "down_proj"], cfg.act)?
+            },
             shared,
             shared_gate,
             top_k: cfg.top_k,

@@ -13,8 +13,10 @@
 //!   renormalized unless `norm_topk_prob` is false, plus the sigmoid-gated shared expert); other
 //!   layers a dense MLP of `intermediate_size`. Experts load from the fused hub layout or the
 //!   per-expert layout transformers writes.
-//! - Checkpoint layouts: text-only (`model.layers.*`) and ConditionalGeneration
-//!   (`model.language_model.*`). Vision-tower tensors (`model.visual.*`) are skipped and
+//! - Checkpoint layouts: text-only (`model.layers.*`), ConditionalGeneration
+//!   (`model.language_model.*`) and mlx-lm's saved form (`language_model.model.*`, conv1d
+//!   weights `[C, K, 1]`, the 1 of the (1 + w) norms already added, MoE experts stacked in
+//!   `switch_mlp`; plain or quantized). Vision-tower tensors (`model.visual.*`) are skipped and
 //!   reported in [`Qwen35Model::load_notes`] (and once on stderr).
 //! - MTP head: `mtp.*` tensors in the checkpoint, or the sidecars mlx-node names (`mtp.safetensors`,
 //!   `mtp/weights.safetensors`, `mlx_lm_extra_tensors.mtp_file` for dense, and an mlx-vlm
@@ -242,8 +244,18 @@ impl Qwen35Model {
         let path = weights.path().to_path_buf();
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: path.clone(), reason })?;
         let root = weights.root();
-        let prefix = if weights.contains("model.language_model.embed_tokens.weight") { "model.language_model" } else { "model" };
+        let prefix = ["model.language_model", "language_model.model", "model"]
+            .into_iter()
+            .find(|p| weights.contains(&format!("{p}.embed_tokens.weight")))
+            .unwrap_or("model");
         let vb = root.pp(prefix);
+        // mlx-lm's saved layout (what `mlx_lm.convert` writes): conv1d weights `[C, K, 1]` and the
+        // (1 + w) norms stored with the 1 added.
+        let mlx_layout = (0..cfg.num_hidden_layers)
+            .find(|&i| !cfg.is_full_attention(i))
+            .and_then(|i| weights.shape_of(&format!("{prefix}.layers.{i}.linear_attn.conv1d.weight")))
+            .is_some_and(|s| s.len() == 3 && s[2] == 1 && s[1] > 1);
+        let off = if mlx_layout { 0.0 } else { 1.0 };
         let (h, d) = (cfg.hidden_size, cfg.head_dim());
         let eps = cfg.rms_norm_eps;
         let act = Activation::parse(&cfg.hidden_act).expect("validated");
@@ -255,7 +267,7 @@ impl Qwen35Model {
             bias: cfg.attention_bias,
             o_bias: cfg.attention_bias,
             qk_norm: Some(eps),
-            norm_offset: 1.0,
+            norm_offset: off,
             output_gate: true,
             scale: None,
             o_name: "o_proj",
@@ -283,9 +295,9 @@ impl Qwen35Model {
                     Ffn::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
                 };
                 Ok(Block {
-                    input_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, 1.0)?,
+                    input_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?,
                     mixer,
-                    post_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, 1.0)?,
+                    post_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?,
                     ffn,
                 })
             })
@@ -295,6 +307,8 @@ impl Qwen35Model {
             embed.as_linear()?
         } else if root.contains("lm_head.weight") {
             Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
+        } else if root.contains("language_model.lm_head.weight") {
+            Linear::load(&root.pp("language_model.lm_head"), h, cfg.vocab_size, false)?
         } else {
             return Err(ModelError::Checkpoint { path, msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
         };
@@ -316,7 +330,7 @@ impl Qwen35Model {
             eos_token_ids: eos,
             bos_token_id: cfg.bos_token_id,
         };
-        Ok(Qwen35Model { norm: RmsNorm::load(&vb.pp("norm"), h, eps, 1.0)?, cfg, embed, layers, lm_head, info, mtp, notes })
+        Ok(Qwen35Model { norm: RmsNorm::load(&vb.pp("norm"), h, eps, off)?, cfg, embed, layers, lm_head, info, mtp, notes })
     }
 
     pub fn config(&self) -> &Qwen35Config {
