@@ -8,7 +8,7 @@
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
 use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
-use mlx_models::{generate, load_model, GenerateConfig, LoadOptions, QuantizedWeights};
+use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, PagedConfig, QuantizedWeights};
 use sampling::SamplingConfig;
 use std::io::Write;
 use std::path::PathBuf;
@@ -44,6 +44,16 @@ struct Cli {
     /// library's default: dequantize on the CPU, keep on the GPU).
     #[arg(long, value_enum, default_value = "auto")]
     quantized: Quantized,
+    /// KV cache: the family's default (auto), flat, or the paged block pool.
+    #[arg(long, value_enum, default_value = "auto")]
+    kv: Kv,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Kv {
+    Auto,
+    Flat,
+    Paged,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -61,7 +71,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Quantized::Keep => QuantizedWeights::Keep,
         Quantized::Dequantize => QuantizedWeights::Dequantize,
     };
-    let model = load_model(dir, &LoadOptions { quantized, ..Default::default() })?.into_lm()?;
+    let kv_cache = match cli.kv {
+        Kv::Auto => KvCacheMode::Auto,
+        Kv::Flat => KvCacheMode::Flat,
+        Kv::Paged => KvCacheMode::Paged(PagedConfig::default()),
+    };
+    let model = load_model(dir, &LoadOptions { quantized, kv_cache, ..Default::default() })?.into_lm()?;
     // The chat template only for --chat; a plain --prompt needs just the tokenizer.
     let format = if cli.chat { Some(ChatFormat::from_dir(dir)?) } else { None };
     let tokenizer = match (&format, cli.prompt.is_some()) {

@@ -129,6 +129,23 @@ fn events_stream_in_order_and_to_assistant_message() {
     assert_eq!((calls[0].id.as_deref(), calls[0].name.as_str(), &calls[0].arguments), (Some("call_0"), "f", &json!({"x": 1})));
 }
 
+/// A malformed call (here a random model's `<tool_call> null </tool_call>`) is reported, but the
+/// history message keeps only well-formed calls, so the next turn's messages still validate.
+#[test]
+fn malformed_calls_stay_out_of_the_history_message() {
+    use mlx_models::chat::{validate_messages, ChatMessage};
+    let out = whole(&ParserOptions::default(), "Hi <tool_call> null </tool_call> and <tool_call>{\"name\": \"f\"}</tool_call>");
+    assert_eq!(out.tool_calls.len(), 2);
+    assert!(!out.tool_calls[0].is_ok() && out.tool_calls[1].is_ok());
+    let m = out.to_assistant_message();
+    let calls = m.tool_calls.clone().unwrap();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].name, "f");
+    validate_messages(&[ChatMessage::user("hello"), m, ChatMessage::user("and then?")]).unwrap();
+    let only_bad = whole(&ParserOptions::default(), "<tool_call>{\"arguments\": {}}</tool_call>").to_assistant_message();
+    assert!(only_bad.tool_calls.is_none());
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 

@@ -186,9 +186,12 @@ impl ParsedOutput {
         }
     }
 
-    /// The assistant message to append to the history for the next turn.
+    /// The assistant message to append to the history for the next turn. Only well-formed tool
+    /// calls go in: a malformed one stays in [`ParsedOutput::tool_calls`] with its status and
+    /// raw text for the caller, but no chat template can render a call without a name, so the
+    /// history leaves it out (the next turn must not fail on what the model wrote).
     pub fn to_assistant_message(&self) -> ChatMessage {
-        let calls: Vec<ToolCall> = self.tool_calls.iter().map(ParsedToolCall::to_tool_call).collect();
+        let calls: Vec<ToolCall> = self.tool_calls.iter().filter(|c| c.is_ok()).map(ParsedToolCall::to_tool_call).collect();
         ChatMessage {
             role: Role::Assistant,
             content: self.text.clone(),
