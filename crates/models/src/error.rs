@@ -6,6 +6,11 @@ pub enum ModelError {
     /// The array layer failed (MLX message inside).
     #[error(transparent)]
     Array(#[from] mlx_array::Error),
+    /// The logits of a generation step were NaN or +inf (the sampled token's log-prob says so):
+    /// the weights or the activations overflowed. Generation stops instead of emitting tokens
+    /// drawn from garbage.
+    #[error("non-finite logits at generated token {step} (sampled token log-prob {logprob}): NaN or infinite activations")]
+    NonFiniteLogits { step: usize, logprob: f32 },
     /// `config.json` is absent or unreadable.
     #[error("Cannot detect model type: config.json not found in {}", .0.display())]
     ConfigNotFound(PathBuf),

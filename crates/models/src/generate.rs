@@ -257,7 +257,15 @@ impl Generator<'_> {
                     self.queued_on_lazy = true;
                 }
                 // Read the queued arrays themselves (to_vec of a fresh reshape would wait for step n + 1).
-                (tok.to_vec::<u32>()?[0], lp.to_vec::<f32>()?[0])
+                let (id, lp) = (tok.to_vec::<u32>()?[0], lp.to_vec::<f32>()?[0]);
+                // A NaN or +inf logit makes the log-normaliser NaN or inf, so the sampled token's
+                // log-prob shows it at no extra cost (no scan of the logits).
+                if lp.is_nan() || lp == f32::INFINITY {
+                    self.pending = None;
+                    self.finish = Some(FinishReason::Cancelled);
+                    return Err(ModelError::NonFiniteLogits { step: self.produced, logprob: lp });
+                }
+                (id, lp)
             }
         };
         let fed = std::mem::take(&mut self.queued_on_lazy);

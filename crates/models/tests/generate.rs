@@ -87,3 +87,31 @@ fn seeded_sampling_is_reproducible() {
     assert_eq!(run(1), run(1));
     assert_ne!(run(1), run(2));
 }
+
+/// A checkpoint whose final norm is NaN gives NaN logits: generation stops with a typed error
+/// at the first token instead of streaming token 0.
+#[test]
+fn nan_logits_are_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("qwen3");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+        }
+    }
+    let mut w = mlx_array::io::load_safetensors(src.join("model.safetensors"), None).unwrap();
+    let n = w["model.norm.weight"].shape()[0];
+    w.insert("model.norm.weight".into(), mlx_array::Array::from_slice(&vec![f32::NAN; n], &[n]).unwrap());
+    let named: Vec<(&str, &mlx_array::Array)> = w.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx_array::io::save_safetensors(dir.path().join("model.safetensors"), &named, None).unwrap();
+    let model = load_model(dir.path(), &test_load_options()).unwrap().into_lm().unwrap();
+    for sampling in [SamplingConfig::greedy(), SamplingConfig::default().with_seed(3)] {
+        let mut cache = model.new_cache();
+        let mut g = generate(&model, &mut cache, &[5, 6, 7], &[], GenerateConfig { max_new_tokens: 4, sampling, stop_tokens: Some(vec![]), ..Default::default() }).unwrap();
+        match g.next() {
+            Some(Err(mlx_models::ModelError::NonFiniteLogits { step: 0, .. })) => {}
+            other => panic!("expected NonFiniteLogits, got {:?}", other.map(|r| r.map(|t| t.id))),
+        }
+        assert!(g.next().is_none(), "generation ends after the error");
+    }
+}

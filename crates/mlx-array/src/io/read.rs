@@ -96,8 +96,10 @@ impl SafetensorsFile {
                 return Err(bad(&path, format!("tensor {name:?}: {dtype} {:?} does not fit data_offsets [{b}, {e}]", raw.shape)));
             }
             check_shape("safetensors", &raw.shape)?;
+            // Offsets come from the file: check them against its length before any use.
+            let end = data_start.checked_add(e).filter(|&x| x <= len).ok_or_else(|| Error::Truncated { path: path.clone(), expected: data_start.saturating_add(e), actual: len })?;
             data_end = data_end.max(e);
-            let range = (data_start + b) as usize..(data_start + e) as usize;
+            let range = (data_start + b) as usize..end as usize;
             entries.insert(name.clone(), (TensorInfo { name, dtype, shape: raw.shape }, range));
         }
         if data_start + data_end > len {
