@@ -17,7 +17,7 @@
 //!   (`model.language_model.*`) and mlx-lm's saved form (`language_model.model.*`, conv1d
 //!   weights `[C, K, 1]`, the 1 of the (1 + w) norms already added, MoE experts stacked in
 //!   `switch_mlp`; plain or quantized). Vision-tower tensors (`model.visual.*`) are skipped and
-//!   reported in [`Qwen35Model::load_notes`] (and once on stderr).
+//!   reported in [`Qwen35Model::load_notes`].
 //! - MTP head: `mtp.*` tensors in the checkpoint, or the sidecars mlx-node names (`mtp.safetensors`,
 //!   `mtp/weights.safetensors`, `mlx_lm_extra_tensors.mtp_file` for dense, and an mlx-vlm
 //!   `mtp-drafter/` directory whose bare keys are read as `mtp.*`), are loaded and kept as
@@ -318,9 +318,6 @@ impl Qwen35Model {
             notes.push(format!("skipped {visual} vision-tower tensors (model.visual.*): text-only model"));
         }
         let mtp = load_mtp(weights, raw, family, embed.dtype(), &mut notes)?;
-        for n in &notes {
-            eprintln!("mlx-models: {family} {}: {n}", path.display());
-        }
         let info = ModelInfo {
             model_type: family.into(),
             vocab_size: cfg.vocab_size,
