@@ -284,3 +284,38 @@ fn qwen3_5_xml_tool_calls_parse_at_every_split() {
         ToolCallStatus::Malformed { reason } => assert!(reason.starts_with("unterminated tool call"), "{reason}"),
     }
 }
+
+/// Gemma 4: the thought channel and native tool calls (`call:NAME{...}` with `<|"|>` strings)
+/// parse into the same events, at every split of the stream.
+#[test]
+fn gemma4_thought_channel_and_tool_calls_parse_at_every_split() {
+    use mlx_models::chat::{ToolCallFormat, GEMMA4_THINK_TAGS, GEMMA4_TOOL_CALLS};
+    assert_eq!(ToolCallFormat::detect("{{- '<|tool_call>call:' + function['name'] + '{' }}"), Some(GEMMA4_TOOL_CALLS));
+    let text = "<|channel>thought\nThe user wants Tokyo's weather.<channel|>Let me look.<|tool_call>call:get_weather{city:<|\"|>東京, Japan<|\"|>,days:2,metric:true,opts:{unit:<|\"|>c<|\"|>,hours:[6,12]},note:null}<tool_call|><|tool_call>call:broken{city:<|\"|>Paris}<tool_call|><|tool_call>get_time{}<tool_call|>";
+    let opts = ParserOptions { think: Some(GEMMA4_THINK_TAGS), tool_calls: Some(GEMMA4_TOOL_CALLS), ..Default::default() };
+    let out = whole(&opts, text);
+    assert_eq!(out.thinking.as_deref(), Some("The user wants Tokyo's weather."));
+    assert_eq!(out.text, "Let me look.");
+    assert_eq!(out.tool_calls.len(), 3);
+    let c = &out.tool_calls[0];
+    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
+    assert_eq!(c.arguments, json!({"city": "東京, Japan", "days": 2, "metric": true, "opts": {"unit": "c", "hours": [6, 12]}, "note": null}));
+    match &out.tool_calls[1].status {
+        ToolCallStatus::Malformed { reason } => assert!(reason.contains("unterminated"), "{reason}"),
+        s => panic!("{s:?}"),
+    }
+    assert_eq!(out.tool_calls[1].name, "broken");
+    match &out.tool_calls[2].status {
+        ToolCallStatus::Malformed { reason } => assert!(reason.contains("call:NAME"), "{reason}"),
+        s => panic!("{s:?}"),
+    }
+    for cut in 0..=text.len() {
+        let (split, _) = split_feed(&opts, text, &[cut]);
+        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
+        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
+    }
+    for a in (0..text.len()).step_by(5) {
+        let (split, _) = split_feed(&opts, text, &[a, a + 11, a + 17]);
+        assert_eq!(split.tool_calls, out.tool_calls, "splits at {a}");
+    }
+}

@@ -4,7 +4,7 @@
 //! through the tokenizer; model output made of marker fragments through the output parser at
 //! random splits (split = whole).
 mod common;
-use mlx_models::chat::{validate_messages, ChatFormat, ChatMessage, OutputParser, ParserOptions, RenderOptions, ToolDefinition, LFM2_TOOL_CALLS, QWEN3_5_TOOL_CALLS};
+use mlx_models::chat::{validate_messages, ChatFormat, ChatMessage, OutputParser, ParserOptions, RenderOptions, ToolDefinition, GEMMA4_THINK_TAGS, GEMMA4_TOOL_CALLS, LFM2_TOOL_CALLS, QWEN3_5_TOOL_CALLS};
 use mlx_models::families::{gemma3::Gemma3Config, gemma4::Gemma4Config, lfm2::Lfm2Config, llama::LlamaConfig, qwen3::Qwen3Config, qwen3_5::Qwen35Config};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -109,13 +109,14 @@ proptest! {
 
     #[test]
     fn parser_on_marker_soup_split_equals_whole(parts in prop::collection::vec(prop_oneof![
-            prop::sample::select(&["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", ">", "\n", "{\"name\": \"f\", \"arguments\": {}}", "[f(x=1)]", "<|tool_call_start|>", "<|tool_call_end|>", "<", "</", "🌧", "é"][..]).prop_map(str::to_string),
+            prop::sample::select(&["<|channel>thought", "<channel|>", "<|tool_call>", "<tool_call|>", "call:f{", "<|\"|>", "}", "<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", ">", "\n", "{\"name\": \"f\", \"arguments\": {}}", "[f(x=1)]", "<|tool_call_start|>", "<|tool_call_end|>", "<", "</", "🌧", "é"][..]).prop_map(str::to_string),
             ".{0,6}",
         ], 0..24),
         cuts in prop::collection::vec(0usize..200, 0..8),
-        fmt in 0usize..3, starts in any::<bool>()) {
-        let tool_calls = [None, Some(QWEN3_5_TOOL_CALLS), Some(LFM2_TOOL_CALLS)][fmt];
-        let opts = ParserOptions { tool_calls: tool_calls.or(ParserOptions::default().tool_calls), starts_in_thinking: starts, ..Default::default() };
+        fmt in 0usize..4, starts in any::<bool>()) {
+        let tool_calls = [None, Some(QWEN3_5_TOOL_CALLS), Some(LFM2_TOOL_CALLS), Some(GEMMA4_TOOL_CALLS)][fmt];
+        let think = if fmt == 3 { Some(GEMMA4_THINK_TAGS) } else { ParserOptions::default().think };
+        let opts = ParserOptions { think, tool_calls: tool_calls.or(ParserOptions::default().tool_calls), starts_in_thinking: starts, ..Default::default() };
         let s: String = parts.concat();
         let whole = OutputParser::parse_all(opts.clone(), &s);
         let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (s.len() + 1)).filter(|&c| s.is_char_boundary(c)).collect();

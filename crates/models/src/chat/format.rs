@@ -5,7 +5,7 @@ use std::path::Path;
 use super::budget::ThinkingBudget;
 use super::error::{ChatError, Result};
 use super::message::{validate_messages, ChatMessage, Role};
-use super::parser::{OutputParser, ParserOptions, ThinkTags, ToolCallFormat, THINK_TAGS};
+use super::parser::{OutputParser, ParserOptions, ThinkTags, ToolCallFormat, GEMMA4_THINK_TAGS, THINK_TAGS};
 use super::template::{ChatTemplate, RenderOptions};
 use super::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -77,7 +77,11 @@ impl ChatFormat {
             template.source(&o).ok().map(str::to_owned)
         }).collect();
         let has_tok = |s: &str| tokenizer.token_to_id(s).is_some();
-        let think = (sources.contains(THINK_TAGS.start) || (has_tok(THINK_TAGS.start) && has_tok(THINK_TAGS.end))).then_some(THINK_TAGS);
+        let think = if sources.contains("<|channel>") && has_tok("<channel|>") {
+            Some(GEMMA4_THINK_TAGS)
+        } else {
+            (sources.contains(THINK_TAGS.start) || (has_tok(THINK_TAGS.start) && has_tok(THINK_TAGS.end))).then_some(THINK_TAGS)
+        };
         let think_ids = match think {
             Some(t) => (single_token(&tokenizer, t.start), single_token(&tokenizer, t.end)),
             None => (None, None),

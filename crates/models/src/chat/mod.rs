@@ -33,7 +33,8 @@ pub use format::{common_prefix_len, ChatFormat, DeltaKind, Prompt, PromptPlan};
 pub use message::{validate_messages, ChatMessage, FunctionDefinition, Role, ToolCall, ToolDefinition, TOOL_ERROR_MARKER};
 pub use parser::{
     ChatEvent, OutputParser, ParsedOutput, ParsedToolCall, ParserOptions, ThinkTags, ToolCallFormat, ToolCallStatus,
-    ToolCallSyntax, LFM2_TOOL_CALLS, QWEN3_5_TOOL_CALLS, QWEN3_TOOL_CALLS, THINK_TAGS, TOOL_CALL_FORMATS,
+    ToolCallSyntax, GEMMA4_THINK_TAGS, GEMMA4_TOOL_CALLS, LFM2_TOOL_CALLS, QWEN3_5_TOOL_CALLS, QWEN3_TOOL_CALLS, THINK_TAGS,
+    TOOL_CALL_FORMATS,
 };
 pub use template::{ChatTemplate, ReasoningEffort, RenderOptions};
 pub use tokenizer::{SpecialTokens, StreamDecoder, Tokenizer};

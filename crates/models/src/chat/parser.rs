@@ -22,6 +22,9 @@ pub struct ThinkTags {
 /// Qwen3 / DeepSeek-R1 style `<think>…</think>`.
 pub const THINK_TAGS: ThinkTags = ThinkTags { start: "<think>", end: "</think>" };
 
+/// Gemma 4's thought channel: `<|channel>thought\n…<channel|>`.
+pub const GEMMA4_THINK_TAGS: ThinkTags = ThinkTags { start: "<|channel>thought", end: "<channel|>" };
+
 /// How the body between the tool-call markers is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolCallSyntax {
@@ -31,6 +34,9 @@ pub enum ToolCallSyntax {
     /// A Python-style list of calls `[name(key=value, ...), ...]` with Python literal values
     /// (LFM2).
     PythonicList,
+    /// Gemma 4's native calls: `call:NAME{key:value,...}` with strings between `<|"|>` markers,
+    /// nested `{...}` objects and `[...]` arrays, bare numbers, booleans and null.
+    GemmaCall,
     /// XML-style functions (Qwen3.5, Qwen3-Coder):
     /// `<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>`. A value that
     /// parses as JSON (numbers, booleans, objects, arrays, null) is taken as such, anything else
@@ -56,6 +62,10 @@ pub const QWEN3_TOOL_CALLS: ToolCallFormat =
 pub const QWEN3_5_TOOL_CALLS: ToolCallFormat =
     ToolCallFormat { name: "qwen3_5", start: "<tool_call>", end: "</tool_call>", syntax: ToolCallSyntax::XmlFunction };
 
+/// Gemma 4 format: `<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>`.
+pub const GEMMA4_TOOL_CALLS: ToolCallFormat =
+    ToolCallFormat { name: "gemma4", start: "<|tool_call>", end: "<tool_call|>", syntax: ToolCallSyntax::GemmaCall };
+
 /// LFM2 format: `<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>`.
 pub const LFM2_TOOL_CALLS: ToolCallFormat = ToolCallFormat {
     name: "lfm2",
@@ -65,7 +75,7 @@ pub const LFM2_TOOL_CALLS: ToolCallFormat = ToolCallFormat {
 };
 
 /// Known formats, tried in order by [`ToolCallFormat::detect`].
-pub const TOOL_CALL_FORMATS: &[ToolCallFormat] = &[LFM2_TOOL_CALLS, QWEN3_5_TOOL_CALLS, QWEN3_TOOL_CALLS];
+pub const TOOL_CALL_FORMATS: &[ToolCallFormat] = &[GEMMA4_TOOL_CALLS, LFM2_TOOL_CALLS, QWEN3_5_TOOL_CALLS, QWEN3_TOOL_CALLS];
 
 impl ToolCallFormat {
     /// The format the chat template writes, if any: its start marker, and for the XML syntax
@@ -408,6 +418,7 @@ impl OutputParser {
                 Err(reason) => vec![Err((None, reason))],
             },
             ToolCallSyntax::XmlFunction => parse_xml_calls(&raw),
+            ToolCallSyntax::GemmaCall => vec![gemma_call::parse(raw.trim())],
         };
         parsed
             .into_iter()
@@ -779,6 +790,134 @@ mod pythonic {
                     other => out.push(other),
                 }
             }
+        }
+    }
+}
+
+/// Gemma 4's `call:NAME{...}` bodies.
+mod gemma_call {
+    use super::CallParse;
+    use serde_json::{Map, Value as Json};
+
+    const QUOTE: &str = "<|\"|>";
+
+    pub(super) fn parse(body: &str) -> CallParse {
+        let Some(rest) = body.strip_prefix("call:") else {
+            return Err((None, "expected call:NAME{...}".into()));
+        };
+        let Some(brace) = rest.find('{') else {
+            let name = rest.trim();
+            return Err(((!name.is_empty()).then(|| name.to_owned()), "missing {arguments}".into()));
+        };
+        let name = rest[..brace].trim().to_owned();
+        if name.is_empty() {
+            return Err((None, "empty function name".into()));
+        }
+        let mut p = P { s: &rest[brace..] };
+        match p.object() {
+            Ok(args) if p.s.trim().is_empty() => Ok((name, args)),
+            Ok(_) => Err((Some(name), format!("unexpected text after the arguments: {:?}", p.s.trim()))),
+            Err(e) => Err((Some(name), e)),
+        }
+    }
+
+    struct P<'a> {
+        s: &'a str,
+    }
+
+    impl P<'_> {
+        fn ws(&mut self) {
+            self.s = self.s.trim_start();
+        }
+        fn eat(&mut self, c: char) -> bool {
+            self.ws();
+            match self.s.strip_prefix(c) {
+                Some(r) => {
+                    self.s = r;
+                    true
+                }
+                None => false,
+            }
+        }
+        fn object(&mut self) -> Result<Json, String> {
+            if !self.eat('{') {
+                return Err("expected {".into());
+            }
+            let mut m = Map::new();
+            if self.eat('}') {
+                return Ok(Json::Object(m));
+            }
+            loop {
+                self.ws();
+                let key = match self.s.strip_prefix(QUOTE) {
+                    Some(r) => {
+                        let end = r.find(QUOTE).ok_or("unterminated <|\"|> string key")?;
+                        let k = r[..end].to_owned();
+                        self.s = &r[end + QUOTE.len()..];
+                        k
+                    }
+                    None => {
+                        let end = self.s.find(':').ok_or("expected key:value")?;
+                        let k = self.s[..end].trim().to_owned();
+                        self.s = &self.s[end..];
+                        k
+                    }
+                };
+                if key.is_empty() || key.contains(['{', '}', ',', '[', ']']) {
+                    return Err(format!("bad key {key:?}"));
+                }
+                if !self.eat(':') {
+                    return Err(format!("expected : after {key:?}"));
+                }
+                let v = self.value()?;
+                m.insert(key, v);
+                if self.eat(',') {
+                    continue;
+                }
+                if self.eat('}') {
+                    return Ok(Json::Object(m));
+                }
+                return Err("expected , or }".into());
+            }
+        }
+        fn value(&mut self) -> Result<Json, String> {
+            self.ws();
+            if let Some(r) = self.s.strip_prefix(QUOTE) {
+                let end = r.find(QUOTE).ok_or("unterminated <|\"|> string")?;
+                let v = Json::String(r[..end].to_owned());
+                self.s = &r[end + QUOTE.len()..];
+                return Ok(v);
+            }
+            if self.s.starts_with('{') {
+                return self.object();
+            }
+            if self.eat('[') {
+                let mut a = Vec::new();
+                if self.eat(']') {
+                    return Ok(Json::Array(a));
+                }
+                loop {
+                    a.push(self.value()?);
+                    if self.eat(',') {
+                        continue;
+                    }
+                    if self.eat(']') {
+                        return Ok(Json::Array(a));
+                    }
+                    return Err("expected , or ]".into());
+                }
+            }
+            // a bare token: number, true/false/null, else text
+            let end = self.s.find([',', '}', ']']).unwrap_or(self.s.len());
+            let tok = self.s[..end].trim();
+            self.s = &self.s[end..];
+            if tok.is_empty() {
+                return Err("missing value".into());
+            }
+            Ok(match serde_json::from_str::<Json>(tok) {
+                Ok(v @ (Json::Number(_) | Json::Bool(_) | Json::Null)) => v,
+                _ => Json::String(tok.to_owned()),
+            })
         }
     }
 }
