@@ -224,6 +224,7 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
     let mut weights = Weights::load(dir, default_dtype(opts))?;
     weights.fuse_projections = opts.fuse_projections;
     weights.quant = crate::weights::QuantSpec::from_config(&raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+    weights.fp8_block = crate::weights::fp8_block_size(&raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
     if weights.quant.is_some() {
         let dequantize = match opts.quantized {
             QuantizedWeights::Keep => false,

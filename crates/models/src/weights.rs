@@ -21,6 +21,45 @@ pub struct Weights {
     pub(crate) quant: Option<QuantSpec>,
     /// Dequantize quantized layers at load into this dtype ([`crate::QuantizedWeights`]).
     pub(crate) dequantize_to: Option<DType>,
+    /// Block-scaled FP8 checkpoints (`quantization_config.quant_method = "fp8"`): the
+    /// `weight_block_size` `[rows, cols]` of `weight_scale_inv`.
+    pub(crate) fp8_block: Option<[usize; 2]>,
+}
+
+/// `quantization_config` of a block-scaled FP8 checkpoint (Qwen3's and DeepSeek's FP8 releases):
+/// `Some([rows, cols])` of `weight_block_size`; `None` when the checkpoint is not FP8.
+pub fn fp8_block_size(root: &serde_json::Value) -> std::result::Result<Option<[usize; 2]>, String> {
+    let Some(q) = root.get("quantization_config").filter(|q| q.get("quant_method").and_then(|m| m.as_str()) == Some("fp8")) else {
+        return Ok(None);
+    };
+    if let Some(f) = q.get("fmt").and_then(|f| f.as_str()) {
+        if f != "e4m3" {
+            return Err(format!("fp8 fmt {f:?} is not supported (e4m3 is)"));
+        }
+    }
+    let b = q.get("weight_block_size").and_then(|b| b.as_array()).ok_or("fp8 quantization_config needs weight_block_size [rows, cols]")?;
+    match b.iter().map(|x| x.as_u64().filter(|&v| v > 0).map(|v| v as usize)).collect::<Option<Vec<_>>>().as_deref() {
+        Some([r, c]) => Ok(Some([*r, *c])),
+        _ => Err(format!("fp8 weight_block_size must be two positive integers, got {}", serde_json::Value::Array(b.clone()))),
+    }
+}
+
+/// The float value of every e4m3fn byte (sign, 4 exponent bits with bias 7, 3 mantissa bits;
+/// subnormals below exponent 1; `S.1111.111` is NaN; no infinities).
+fn e4m3fn_table() -> [f32; 256] {
+    let mut t = [0f32; 256];
+    for (b, v) in t.iter_mut().enumerate() {
+        let (s, e, m) = ((b >> 7) & 1, (b >> 3) & 15, b & 7);
+        let mag = if e == 15 && m == 7 {
+            f32::NAN
+        } else if e == 0 {
+            m as f32 / 8.0 * 2f32.powi(-6)
+        } else {
+            (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7)
+        };
+        *v = if s == 1 { -mag } else { mag };
+    }
+    t
 }
 
 /// mlx-lm's `quantization` entry of config.json: the default mode and per-layer entries
@@ -39,6 +78,8 @@ impl QuantSpec {
             Some(q) => q,
             None => match root.get("quantization_config") {
                 Some(q) if q.get("bits").is_some() && q.get("group_size").is_some() => q,
+                // block-scaled FP8: see fp8_block_size
+                Some(q) if q.get("quant_method").and_then(|m| m.as_str()) == Some("fp8") => return Ok(None),
                 Some(q) if !q.is_null() => {
                     let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("unknown");
                     return Err(format!("quantization_config with quant_method {method:?} is not supported (MLX quantized checkpoints are)"));
@@ -72,7 +113,7 @@ impl QuantSpec {
 impl Weights {
     /// Wrap already-loaded tensors; `path` names the checkpoint in errors.
     pub fn from_map(tensors: HashMap<String, Array>, path: impl Into<PathBuf>) -> Self {
-        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()), fuse_projections: None, quant: None, dequantize_to: None }
+        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()), fuse_projections: None, quant: None, dequantize_to: None, fp8_block: None }
     }
 
     /// Load every `*.safetensors` tensor under `dir` (sharded through
@@ -217,6 +258,31 @@ impl<'a> Vb<'a> {
         let a = self.get(name, shape)?;
         self.w.map().remove(&self.full(name));
         Ok(a)
+    }
+
+    /// Whether the layer under this prefix is stored in block-scaled FP8 (it has `weight_scale_inv`).
+    pub fn is_fp8(&self) -> bool {
+        self.contains("weight_scale_inv")
+    }
+
+    /// The FP8 layer under this prefix decoded to f32: e4m3fn `weight` `[out, in]` (loaded as
+    /// bytes) times `weight_scale_inv`, one scale per `weight_block_size` block (the last blocks
+    /// may be partial), as transformers' FP8 dequantization computes it.
+    pub fn fp8_dequantized(&self, out_dim: usize, in_dim: usize) -> Result<Array> {
+        let layer = self.prefix.clone();
+        let [br, bc] = self.w.fp8_block.ok_or_else(|| self.w.err(format!("{layer} has weight_scale_inv but config.json has no fp8 quantization_config")))?;
+        let w = self.get_any("weight")?;
+        if w.dtype() != DType::U8 || w.shape() != [out_dim, in_dim] {
+            return Err(self.w.err(format!("{layer}.weight is {} {:?}, expected F8_E4M3 [{out_dim}, {in_dim}]", w.dtype(), w.shape())));
+        }
+        let (sr, sc) = (out_dim.div_ceil(br), in_dim.div_ceil(bc));
+        let s = self.get("weight_scale_inv", &[sr, sc])?.astype(DType::F32)?;
+        let table = Array::from_slice(&e4m3fn_table(), &[256])?;
+        let vals = table.take(&w.astype(DType::U32)?, 0)?; // [out, in] f32
+        // expand the scales over their blocks, then cut the partial last ones
+        let s = s.expand_dims(1)?.expand_dims(3)?.broadcast_to(&[sr, br, sc, bc])?.reshape(&[(sr * br) as i32, (sc * bc) as i32])?;
+        let s = s.slice_axis(0, 0, out_dim)?.slice_axis(1, 0, in_dim)?;
+        Ok(vals.mul(&s)?)
     }
 
     /// Whether the layer under this prefix is stored quantized (it has `scales`).

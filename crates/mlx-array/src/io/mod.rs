@@ -40,6 +40,9 @@ fn dtype_from_name(name: &str) -> Option<DType> {
         "I16" => DType::I16,
         "U64" => DType::U64,
         "F64" => DType::F64,
+        // MLX has no fp8 dtype: FP8 (e4m3fn) tensors load as their raw bytes, for the model
+        // loader to decode with their scales.
+        "F8_E4M3" => DType::U8,
         _ => return None,
     })
 }

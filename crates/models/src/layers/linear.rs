@@ -30,6 +30,14 @@ impl Linear {
     /// load options ask) and, if `bias`, `prefix.bias`.
     pub fn load(vb: &Vb, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
         let b = if bias { Some(vb.get("bias", &[out_dim])?) } else { None };
+        if vb.is_fp8() {
+            let w = vb.fp8_dequantized(out_dim, in_dim)?;
+            let w = match vb.weights().float_dtype() {
+                Some(dt) if dt != mlx_array::DType::F32 => w.astype(dt)?,
+                _ => w,
+            };
+            return Self::new(w, b);
+        }
         if vb.is_quantized() {
             let q = vb.quantized(&[out_dim, in_dim])?;
             return match vb.weights().dequantize_to {
@@ -116,7 +124,7 @@ impl FusedLinear {
     pub fn load(vb: &Vb, names: &[&str], in_dim: usize, outs: &[usize], bias: bool) -> Result<Self> {
         assert_eq!(names.len(), outs.len(), "one output size per projection");
         // Quantized projections stay separate (each is its own quantized product).
-        let quantized = names.iter().any(|n| vb.pp(n).is_quantized());
+        let quantized = names.iter().any(|n| vb.pp(n).is_quantized() || vb.pp(n).is_fp8());
         let fuse = names.len() > 1 && !quantized && vb.weights().fuse_projections()?;
         if !fuse {
             let parts = names.iter().zip(outs).map(|(n, &o)| Linear::load(&vb.pp(n), in_dim, o, bias)).collect::<Result<Vec<_>>>()?;
