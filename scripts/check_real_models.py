@@ -33,22 +33,19 @@ def ours(gen, d, prompt, n):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def mlx_lm_run(d, prompt_ids, n):
+def mlx_lm_run(d, prompt, prompt_ids, n):
     import mlx.core as mx
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     mx.set_default_device(mx.cpu)
     model, tok = load(d)
-    rendered = tok.apply_chat_template([{"role": "user", "content": PROMPT[d]}], add_generation_prompt=True)
+    rendered = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     ids = []
     for r in stream_generate(model, tok, mx.array(prompt_ids), max_tokens=n, sampler=make_sampler(temp=0.0)):
         ids.append(int(r.token))
     # stream_generate yields the stop token too and then ends; ours stops without returning it
     return list(rendered), ids
-
-
-PROMPT = {}
 
 
 def main():
@@ -65,10 +62,9 @@ def main():
         d = os.path.join(a.work, name + "-f32")
         if not os.path.exists(os.path.join(d, "model.safetensors")):
             subprocess.run([conv, "gguf", src, d, "--dtype", "f32"], check=True)
-        PROMPT[d] = prompt
         t0 = time.time()
         o = ours(gen, d, prompt, a.tokens)
-        rendered, m_ids = mlx_lm_run(d, o["prompt_token_ids"], a.tokens)
+        rendered, m_ids = mlx_lm_run(d, prompt, o["prompt_token_ids"], a.tokens)
         same_prompt = rendered == o["prompt_token_ids"]
         ids = o["token_ids"]
         # equal up to where one stopped; a stop must be at the same place (mlx-lm yields the stop id)

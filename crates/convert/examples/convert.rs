@@ -60,6 +60,20 @@ enum Command {
     },
 }
 
+/// A bar over the tensors of a conversion (hidden when stderr is not a terminal).
+fn tensor_bar() -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} tensors {msg}").expect("valid template"));
+    bar
+}
+
+/// Tensor `index` of `total` is done.
+fn show(bar: &ProgressBar, index: usize, total: usize, tensor: &str) {
+    bar.set_length(total as u64);
+    bar.set_position(index as u64 + 1);
+    bar.set_message(tensor.to_string());
+}
+
 /// The mode the flags describe: each mode's defaults (affine 4/64, mxfp4 4/32, mxfp8 8/32,
 /// nvfp4 4/16); a size the mode cannot take is an error.
 fn quant_mode(mode: &str, bits: Option<u32>, group_size: Option<u32>, recipe: Option<Recipe>) -> Result<QuantMode, String> {
@@ -87,14 +101,9 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let bar = ProgressBar::new(0);
-            bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} tensors {msg}").expect("valid template"));
+            let bar = tensor_bar();
             let opts = QuantizeOptions { mode, recipe, dtype };
-            let result = quantize_dir(&input, &output, &opts, |p| {
-                bar.set_length(p.total as u64);
-                bar.set_position(p.index as u64 + 1);
-                bar.set_message(p.tensor.to_string());
-            });
+            let result = quantize_dir(&input, &output, &opts, |p| show(&bar, p.index, p.total, p.tensor));
             bar.finish_and_clear();
             match result {
                 Ok(s) if json => {
@@ -125,17 +134,9 @@ fn main() -> ExitCode {
             }
         }
         Command::Gguf { input, output, dtype, config_from, json } => {
-            let bar = ProgressBar::new(0);
-            bar.set_style(
-                ProgressStyle::with_template("{bar:40} {pos}/{len} tensors {bytes_per_sec} {msg}")
-                    .expect("valid template"),
-            );
+            let bar = tensor_bar();
             let opts = GgufToHfOptions { dtype, config_from };
-            let result = gguf_to_hf(&input, &output, &opts, |p| {
-                bar.set_length(p.total as u64);
-                bar.set_position(p.index as u64 + 1);
-                bar.set_message(p.tensor.to_string());
-            });
+            let result = gguf_to_hf(&input, &output, &opts, |p| show(&bar, p.index, p.total, p.tensor));
             bar.finish_and_clear();
             match result {
                 Ok(s) => {

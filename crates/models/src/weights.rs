@@ -165,6 +165,13 @@ impl Weights {
         self.map().contains_key(name) || self.taken.lock().unwrap_or_else(|e| e.into_inner()).contains(name)
     }
 
+    /// Where a decoder's tensors live: `model.` (…ForCausalLM), `model.language_model.`
+    /// (…ForConditionalGeneration in transformers 5) or `language_model.model.` (older hub and
+    /// mlx-lm-saved checkpoints); found by its `embed_tokens.weight`, `model` when none has one.
+    pub fn decoder_prefix(&self) -> &'static str {
+        ["model.language_model", "language_model.model", "model"].into_iter().find(|p| self.contains(&format!("{p}.embed_tokens.weight"))).unwrap_or("model")
+    }
+
     /// The shape of tensor `name` (without marking it read), `None` if absent.
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
         self.map().get(name).map(|a| a.shape())

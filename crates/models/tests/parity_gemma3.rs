@@ -27,13 +27,6 @@ fn model(name: &str, kv_cache: KvCacheMode) -> mlx_models::Model {
     load_model(fixture(name), &LoadOptions { kv_cache, ..test_load_options() }).unwrap().into_lm().unwrap()
 }
 
-fn greedy_gen(m: &mlx_models::Model, prompt: &[u32], n: usize, step: usize) -> Vec<u32> {
-    use mlx_models::{generate, GenerateConfig};
-    let mut cache = m.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step };
-    generate(m, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect()
-}
-
 #[test]
 fn gemma3_paged_equals_flat() {
     for name in ["gemma3_text", "gemma3"] {

@@ -238,13 +238,6 @@ fn paged_model_with(name: &str, block: Option<usize>, contiguous: bool) -> mlx_m
     load_model(fixture(name), &LoadOptions { kv_cache, ..Default::default() }).unwrap().into_lm().unwrap()
 }
 
-fn greedy_gen(m: &mlx_models::Model, prompt: &[u32], n: usize, step: usize) -> Vec<u32> {
-    use mlx_models::{generate, GenerateConfig};
-    let mut cache = m.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step };
-    generate(m, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect()
-}
-
 #[test]
 fn paged_equals_flat() {
     // Full layers in the kv-paged block pool, sliding layers in its sliding groups, KV-shared

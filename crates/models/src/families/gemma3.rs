@@ -191,7 +191,8 @@ struct Block {
 }
 
 impl Block {
-    fn load(vb: &Vb, cfg: &Gemma3Config, sliding: bool) -> Result<Self> {
+    /// `rope`: the rope of this layer's type.
+    fn load(vb: &Vb, cfg: &Gemma3Config, sliding: bool, rope: Rope) -> Result<Self> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let norm = |n: &str| RmsNorm::load(&vb.pp(n), h, eps, 1.0);
         let acfg = AttentionConfig {
@@ -207,7 +208,6 @@ impl Block {
             scale: Some(cfg.query_pre_attn_scalar.powf(-0.5)),
             o_name: "o_proj",
         };
-        let rope = cfg.rope(sliding).map_err(|reason| ModelError::MalformedConfig { path: vb.weights().path().to_path_buf(), reason })?;
         let act = Activation::parse(&cfg.hidden_activation).expect("validated");
         Ok(Block {
             input_norm: norm("input_layernorm")?,
@@ -233,24 +233,22 @@ pub struct Gemma3Model {
     lm_head: Linear,
 }
 
-/// Where the decoder's tensors live: `model.` (Gemma3ForCausalLM), `model.language_model.`
-/// (Gemma3ForConditionalGeneration in transformers 5) or `language_model.model.` (older hub and
-/// mlx-converted checkpoints).
-fn decoder_prefix(w: &Weights) -> &'static str {
-    ["model.language_model", "language_model.model", "model"].into_iter().find(|p| w.contains(&format!("{p}.embed_tokens.weight"))).unwrap_or("model")
-}
-
 impl Gemma3Model {
     pub fn new(weights: &Weights, cfg: Gemma3Config, eos: Vec<u32>) -> Result<Self> {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         let root = weights.root();
-        let prefix = decoder_prefix(weights);
+        let prefix = weights.decoder_prefix();
         let vb = root.pp(prefix);
         let h = cfg.hidden_size;
         let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
         let types = cfg.layer_types();
+        let bad = |reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason };
+        let (sliding_rope, full_rope) = (cfg.rope(true).map_err(bad)?, cfg.rope(false).map_err(bad)?);
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Block::load(&vb.pp("layers").pp(i), &cfg, types[i] == "sliding_attention"))
+            .map(|i| {
+                let sliding = types[i] == "sliding_attention";
+                Block::load(&vb.pp("layers").pp(i), &cfg, sliding, if sliding { sliding_rope.clone() } else { full_rope.clone() })
+            })
             .collect::<Result<Vec<_>>>()?;
         // ConditionalGeneration keeps the head at the root (`lm_head`), older layouts under the
         // language model.

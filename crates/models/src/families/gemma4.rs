@@ -592,14 +592,6 @@ pub struct Gemma4Model {
     draft_model_path: Option<PathBuf>,
 }
 
-/// Where the decoder's tensors live: `model.` (Gemma4ForCausalLM), `model.language_model.`
-/// (Gemma4ForConditionalGeneration / unified), or `language_model.model.` (mlx-converted).
-fn decoder_prefix(w: &Weights) -> &'static str {
-    ["model.language_model", "language_model.model", "model"]
-        .into_iter()
-        .find(|p| w.contains(&format!("{p}.embed_tokens.weight")))
-        .unwrap_or("model")
-}
 
 impl Gemma4Model {
     /// A model from its config only: it reports its info and cache layout, but every forward
@@ -627,7 +619,7 @@ impl Gemma4Model {
         })?;
         let cfg = &m.cfg;
         let root = weights.root();
-        let vb = root.pp(decoder_prefix(weights));
+        let vb = root.pp(weights.decoder_prefix());
         let (h, n, p) = (cfg.hidden_size, cfg.num_hidden_layers, cfg.ple_dim());
         let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
         let (embed_per_layer, per_layer_model_projection, per_layer_projection_norm) = if p > 0 {

@@ -44,15 +44,17 @@ pub fn route_topk_probs(scores: &Array, k: usize, normalize: bool) -> Result<(Ar
 /// Every expert's gated MLP, stacked for `gather_mm`.
 #[derive(Clone)]
 pub struct SwitchGlu {
-    /// `[E, H, 2I]` (transposed for `x @ w`): gate columns first, then up.
-    gate_up: Array,
-    /// `[E, I, H]`.
-    down: Array,
-    /// MLX-quantized experts (mlx-lm's `switch_mlp` layout kept packed): products run
-    /// `gather_qmm`, and `gate_up` / `down` are empty.
-    quantized: Option<Box<QuantizedExperts>>,
+    w: ExpertWeights,
     inter: usize,
     act: Activation,
+}
+
+#[derive(Clone)]
+enum ExpertWeights {
+    /// `gate_up: [E, H, 2I]` (transposed for `x @ w`; gate columns first, then up), `down: [E, I, H]`.
+    Dense { gate_up: Array, down: Array },
+    /// MLX-quantized (mlx-lm's `switch_mlp` layout kept packed): products run `gather_qmm`.
+    Quantized(Box<QuantizedExperts>),
 }
 
 /// `gate_proj`, `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]`, quantized along their last axis.
@@ -78,9 +80,7 @@ impl SwitchGlu {
                 let u = up.dequantize(Some(dt))?;
                 return Self::from_fused(ops::concatenate(&[&g, &u], 1)?, down.dequantize(Some(dt))?, act);
             }
-            let empty = Array::zeros(&[0], DType::F32)?;
-            let quantized = Some(Box::new(QuantizedExperts { gate, up, down }));
-            return Ok(SwitchGlu { gate_up: empty.clone(), down: empty, quantized, inter, act });
+            return Ok(SwitchGlu { w: ExpertWeights::Quantized(Box::new(QuantizedExperts { gate, up, down })), inter, act });
         }
         let g = vb.get("gate_proj.weight", &[e, i, h])?;
         let u = vb.get("up_proj.weight", &[e, i, h])?;
@@ -89,7 +89,7 @@ impl SwitchGlu {
 
     /// Whether the experts run `gather_qmm` over packed weights.
     pub fn is_quantized(&self) -> bool {
-        self.quantized.is_some()
+        matches!(self.w, ExpertWeights::Quantized(_))
     }
 
     /// Build from `gate_up: [E, 2I, H]` (gate rows first) and `down: [E, H, I]` as stored.
@@ -98,7 +98,8 @@ impl SwitchGlu {
         if gs.len() != 3 || ds.len() != 3 || gs[0] != ds[0] || gs[1] != 2 * ds[2] || gs[2] != ds[1] {
             return Err(ModelError::InvalidInput(format!("expert shapes gate_up {gs:?} / down {ds:?} do not match [E,2I,H] / [E,H,I]")));
         }
-        Ok(SwitchGlu { inter: ds[2], gate_up: gate_up.swap_axes(1, 2)?, down: down.swap_axes(1, 2)?, quantized: None, act })
+        let w = ExpertWeights::Dense { gate_up: gate_up.swap_axes(1, 2)?, down: down.swap_axes(1, 2)? };
+        Ok(SwitchGlu { inter: ds[2], w, act })
     }
 
     /// `vb` at `…mlp.experts`: the fused layout (`gate_up_proj`, `down_proj`, optionally with a
@@ -123,9 +124,9 @@ impl SwitchGlu {
     }
 
     pub fn num_experts(&self) -> usize {
-        match &self.quantized {
-            Some(q) => q.gate.weight.shape()[0],
-            None => self.gate_up.shape()[0],
+        match &self.w {
+            ExpertWeights::Dense { gate_up, .. } => gate_up.shape()[0],
+            ExpertWeights::Quantized(q) => q.gate.weight.shape()[0],
         }
     }
 
@@ -134,50 +135,39 @@ impl SwitchGlu {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;
-        let y = if let Some(q) = &self.quantized {
-            self.forward_quantized(q, x, idx, n >= 64)?
-        } else if n >= CPU_SEGMENT_ROWS && runs_on_cpu() {
+        let y = if !self.is_quantized() && n >= CPU_SEGMENT_ROWS && runs_on_cpu() {
             self.forward_segments(x, idx, k as usize)?.reshape(&[t, k, h])?
         } else {
-            // Sort the (token, slot) pairs by expert for larger batches: gather_mm then walks
-            // each expert's rows contiguously.
+            // Sort the (token, slot) pairs by expert for larger batches: the gathered products
+            // then walk each expert's rows contiguously.
             self.forward_gather(x, idx, n >= 64)?
         };
         let w = weights.astype(y.dtype())?.expand_dims(-1)?;
         Ok(y.mul(&w)?.sum(&[1], false)?)
     }
 
-    /// Quantized experts through `gather_qmm` (as mlx-lm's `QuantizedSwitchLinear`), rows
-    /// sorted by expert when `sort`: `[T, k, H]`.
-    fn forward_quantized(&self, q: &QuantizedExperts, x: &Array, idx: &Array, sort: bool) -> Result<Array> {
-        let (t, h) = (x.dims()[0], x.dims()[1]);
-        let k = idx.dims()[1];
-        let n = (t * k) as usize;
-        let run = |xs: &Array, ids: &Array, sorted: bool| -> Result<Array> {
-            let g = ops::gather_qmm(xs, &q.gate, None, Some(ids), true, sorted)?;
-            let u = ops::gather_qmm(xs, &q.up, None, Some(ids), true, sorted)?;
-            Ok(ops::gather_qmm(&self.act.gated(&g, &u)?, &q.down, None, Some(ids), true, sorted)?)
-        };
-        Ok(if sort {
-            let flat = idx.reshape(&[-1])?;
-            let order = flat.argsort(0)?;
-            let inv = order.argsort(0)?;
-            let sorted_idx = flat.take(&order, 0)?;
-            let rows = order.floor_divide_u32(k as u32)?;
-            let xs = x.take(&rows, 0)?.reshape(&[n as i32, 1, h])?;
-            run(&xs, &sorted_idx, true)?.take(&inv, 0)?.reshape(&[t, k, h])?
-        } else {
-            run(&x.reshape(&[t, 1, 1, h])?, idx, false)?.reshape(&[t, k, h])?
-        })
+    /// The expert MLPs of rows `xs` (`[.., 1, H]`) picked by `ids`, with `GatherMM` (float) or
+    /// `gather_qmm` (quantized, as mlx-lm's `QuantizedSwitchLinear`): `[.., 1, H]`.
+    fn gathered(&self, xs: &Array, ids: &Array, sorted: bool) -> Result<Array> {
+        match &self.w {
+            ExpertWeights::Dense { gate_up, down } => {
+                let hgu = ops::gather_mm(xs, gate_up, None, Some(ids), sorted)?;
+                Ok(ops::gather_mm(&self.glu(&hgu)?, down, None, Some(ids), sorted)?)
+            }
+            ExpertWeights::Quantized(q) => {
+                let g = ops::gather_qmm(xs, &q.gate, None, Some(ids), true, sorted)?;
+                let u = ops::gather_qmm(xs, &q.up, None, Some(ids), true, sorted)?;
+                Ok(ops::gather_qmm(&self.act.gated(&g, &u)?, &q.down, None, Some(ids), true, sorted)?)
+            }
+        }
     }
 
-    /// Every `(token, slot)` row through MLX's `GatherMM`, rows sorted by expert when `sort`:
-    /// `[T, k, H]`.
+    /// Every `(token, slot)` row through the gathered products, rows sorted by expert when
+    /// `sort`: `[T, k, H]`.
     fn forward_gather(&self, x: &Array, idx: &Array, sort: bool) -> Result<Array> {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;
-        let xe = x.reshape(&[t, 1, 1, h])?;
         Ok(if sort {
             let flat = idx.reshape(&[-1])?;
             let order = flat.argsort(0)?;
@@ -185,14 +175,9 @@ impl SwitchGlu {
             let sorted_idx = flat.take(&order, 0)?;
             let rows = order.floor_divide_u32(k as u32)?;
             let xs = x.take(&rows, 0)?.reshape(&[n as i32, 1, h])?;
-            let hgu = ops::gather_mm(&xs, &self.gate_up, None, Some(&sorted_idx), true)?; // [n, 1, 2I]
-            let hmid = self.glu(&hgu)?;
-            let out = ops::gather_mm(&hmid, &self.down, None, Some(&sorted_idx), true)?; // [n, 1, H]
-            out.take(&inv, 0)?.reshape(&[t, k, h])?
+            self.gathered(&xs, &sorted_idx, true)?.take(&inv, 0)?.reshape(&[t, k, h])? // [n, 1, H] back in row order
         } else {
-            let hgu = ops::gather_mm(&xe, &self.gate_up, None, Some(idx), false)?; // [T, k, 1, 2I]
-            let hmid = self.glu(&hgu)?;
-            ops::gather_mm(&hmid, &self.down, None, Some(idx), false)?.reshape(&[t, k, h])?
+            self.gathered(&x.reshape(&[t, 1, 1, h])?, idx, false)?.reshape(&[t, k, h])? // [T, k, 1, H]
         })
     }
 
@@ -201,6 +186,9 @@ impl SwitchGlu {
     /// order: `[T * k, H]`. On the CPU, from [`CPU_SEGMENT_ROWS`] rows, this is faster than
     /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, "CPU: long prompts").
     fn forward_segments(&self, x: &Array, idx: &Array, k: usize) -> Result<Array> {
+        let ExpertWeights::Dense { gate_up, down } = &self.w else {
+            return Err(ModelError::InvalidInput("per-expert segments of quantized experts (they run gather_qmm)".into()));
+        };
         let e = self.num_experts();
         let ids = idx.reshape(&[-1])?.astype(DType::U32)?.to_vec::<u32>()?;
         let mut counts = vec![0usize; e];
@@ -223,8 +211,8 @@ impl SwitchGlu {
         let mut outs = Vec::with_capacity(e);
         for j in (0..e).filter(|&j| counts[j] > 0) {
             let rows = xs.slice_axis(0, starts[j], starts[j + 1])?;
-            let gu = rows.matmul(&self.gate_up.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?;
-            outs.push(self.glu(&gu)?.matmul(&self.down.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?);
+            let gu = rows.matmul(&gate_up.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?;
+            outs.push(self.glu(&gu)?.matmul(&down.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?);
         }
         let refs: Vec<&Array> = outs.iter().collect();
         Ok(ops::concatenate(&refs, 0)?.take(&Array::from_slice(&inv, &[n])?, 0)?)

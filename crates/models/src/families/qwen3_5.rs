@@ -244,10 +244,7 @@ impl Qwen35Model {
         let path = weights.path().to_path_buf();
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: path.clone(), reason })?;
         let root = weights.root();
-        let prefix = ["model.language_model", "language_model.model", "model"]
-            .into_iter()
-            .find(|p| weights.contains(&format!("{p}.embed_tokens.weight")))
-            .unwrap_or("model");
+        let prefix = weights.decoder_prefix();
         let vb = root.pp(prefix);
         // mlx-lm's saved layout (what `mlx_lm.convert` writes): conv1d weights `[C, K, 1]` and the
         // (1 + w) norms stored with the 1 added.
