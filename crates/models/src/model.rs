@@ -138,7 +138,7 @@ impl Model {
     /// One forward pass (holding the model for its duration). Token ids are range-checked
     /// (one device sync); [`ModelRuntime::forward`] itself checks only shape and dtype.
     pub fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        crate::families::qwen3::check_token_range(tokens, self.info.vocab_size)?;
+        crate::runtime::check_token_range(tokens, self.info.vocab_size)?;
         let rt = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         rt.forward(tokens, cache, logits, hidden)
     }

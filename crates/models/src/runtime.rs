@@ -1,7 +1,7 @@
 //! The [`ModelRuntime`] trait every family implements: forward, cache spec, config.
 use crate::cache::{Cache, CacheSpec};
-use crate::Result;
-use mlx_array::Array;
+use crate::{ModelError, Result};
+use mlx_array::{Array, DType};
 
 /// Family-independent facts about a loaded model.
 #[derive(Debug, Clone)]
@@ -15,6 +15,42 @@ pub struct ModelInfo {
     /// Token ids that end generation (from config.json / generation_config.json).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
+}
+
+impl ModelInfo {
+    /// The facts of a decoder LM; `eos_token_ids` come from the checkpoint's files.
+    pub fn decoder(model_type: &str, vocab_size: usize, hidden_size: usize, num_layers: usize, max_position_embeddings: usize, eos_token_ids: Vec<u32>, bos_token_id: Option<u32>) -> Self {
+        ModelInfo { model_type: model_type.into(), vocab_size, hidden_size, num_layers, max_position_embeddings, eos_token_ids, bos_token_id }
+    }
+}
+
+/// `[B, L]` integer ids (shape and dtype only: no device sync, so decode stays pipelined).
+/// [`crate::Model::forward`] also checks the id range ([`check_token_range`]); generation checks
+/// host ids itself.
+pub(crate) fn check_tokens(tokens: &Array) -> Result<()> {
+    if tokens.ndim() != 2 || tokens.size() == 0 || !matches!(tokens.dtype(), DType::I32 | DType::U32 | DType::I64) {
+        return Err(ModelError::InvalidInput(format!("tokens must be a non-empty [batch, length] integer array, got {:?} {}", tokens.shape(), tokens.dtype())));
+    }
+    Ok(())
+}
+
+/// Every id of `tokens` is in `0..vocab` (reads two scalars back: one device sync).
+pub(crate) fn check_token_range(tokens: &Array, vocab: usize) -> Result<()> {
+    check_tokens(tokens)?;
+    let max = tokens.max(&[], false)?.astype(DType::I64)?.item::<i64>()?;
+    let min = tokens.min(&[], false)?.astype(DType::I64)?.item::<i64>()?;
+    if min < 0 || max as usize >= vocab {
+        return Err(ModelError::InvalidInput(format!("token id {} out of range for vocab size {vocab}", if min < 0 { min } else { max })));
+    }
+    Ok(())
+}
+
+/// The cache was laid out for a model of `layers` layers.
+pub(crate) fn check_cache_layers(cache: &Cache, layers: usize) -> Result<()> {
+    if cache.layers.len() != layers {
+        return Err(ModelError::Cache(format!("cache has {} layers, model {layers}", cache.layers.len())));
+    }
+    Ok(())
 }
 
 /// Which logits a forward call should compute.

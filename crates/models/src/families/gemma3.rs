@@ -10,13 +10,13 @@
 //! - `layer_types`: sliding layers attend over the last `sliding_window` positions (rotating
 //!   cache) with rope θ `rope_local_base_freq`; full layers use `rope_theta` and `rope_scaling`.
 //! - Optional `final_logit_softcapping`.
-use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::families::qwen3::check_tokens;
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
+use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::layers::decoder::{DecoderLayer, Masks, Stack};
+use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{Array, DType};
+use mlx_array::Array;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
@@ -221,6 +221,19 @@ impl Block {
     }
 }
 
+impl DecoderLayer for Block {
+    type Ctx = Masks;
+    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, masks: &Masks, last_only: bool) -> Result<Array> {
+        let mask = if self.sliding { masks.sliding } else { masks.full };
+        let (xn, mut kv) = (self.input_norm.forward(x)?, kv.layer(i)?);
+        let a = if last_only { self.attn.forward_kv_last(&xn, &mut kv, mask)? } else { self.attn.forward_kv(&xn, &mut kv, mask)? };
+        self.post_attn_norm.forward(&a)
+    }
+    fn ffn(&self, h: &Array) -> Result<Array> {
+        self.post_ffn_norm.forward(&self.mlp.forward(&self.pre_ffn_norm.forward(h)?)?)
+    }
+}
+
 /// Gemma 3 causal LM.
 pub struct Gemma3Model {
     cfg: Gemma3Config,
@@ -230,7 +243,7 @@ pub struct Gemma3Model {
     embed_scale: f32,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: LmHead,
 }
 
 impl Gemma3Model {
@@ -250,61 +263,14 @@ impl Gemma3Model {
                 Block::load(&vb.pp("layers").pp(i), &cfg, sliding, if sliding { sliding_rope.clone() } else { full_rope.clone() })
             })
             .collect::<Result<Vec<_>>>()?;
-        // ConditionalGeneration keeps the head at the root (`lm_head`), older layouts under the
-        // language model.
-        let head_prefix = if prefix == "language_model.model" { "language_model.lm_head" } else { "lm_head" };
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.as_linear()?
-        } else if root.contains(&format!("{head_prefix}.weight")) {
-            Linear::load(&root.pp(head_prefix), h, cfg.vocab_size, false)?
-        } else {
-            return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: format!("missing tensor {head_prefix}.weight (tie_word_embeddings is false)") });
-        };
-        let info = ModelInfo {
-            model_type: "gemma3".into(),
-            vocab_size: cfg.vocab_size,
-            hidden_size: h,
-            num_layers: cfg.num_hidden_layers,
-            max_position_embeddings: cfg.max_position_embeddings,
-            eos_token_ids: eos,
-            bos_token_id: cfg.bos_token_id,
-        };
+        let lm_head = LmHead::load(&root, prefix, &embed, cfg.tie_word_embeddings, h, cfg.vocab_size)?.with_softcap(cfg.final_logit_softcapping);
+        let info = ModelInfo::decoder("gemma3", cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         let embed_scale = mlx_array::bf16::from_f32((h as f32).sqrt()).to_f32();
         Ok(Gemma3Model { norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 1.0)?, cfg, info, embed, embed_scale, layers, lm_head })
     }
 
     pub fn config(&self) -> &Gemma3Config {
         &self.cfg
-    }
-
-    /// Final-normed hidden states for the `rows` the caller reads (see
-    /// [`crate::families::qwen3::Qwen3Backbone`]: past the last layer's attention only those
-    /// rows are computed).
-    fn hidden(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
-        check_tokens(tokens, self.cfg.vocab_size)?;
-        if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
-        }
-        let (mut kv, skipped) = cache.begin_forward_with(tokens, rows != Rows::All)?;
-        let l = tokens.dims()[1] as usize;
-        let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
-        let mut x = self.embed.forward(&tokens)?.mul_scalar(self.embed_scale)?;
-        let (full, sliding) = (causal_mask(l - skipped, None), causal_mask(l - skipped, Some(self.cfg.sliding_window)));
-        let n = self.layers.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mask = if layer.sliding { sliding } else { full };
-            let last_only = i + 1 == n && rows.query_last_only(x.dim(1)?);
-            let (xn, mut layer_kv) = (layer.input_norm.forward(&x)?, kv.layer(i)?);
-            let a = if last_only { layer.attn.forward_kv_last(&xn, &mut layer_kv, mask)? } else { layer.attn.forward_kv(&xn, &mut layer_kv, mask)? };
-            let mut h = Rows::residual(&x, last_only)?.add(&layer.post_attn_norm.forward(&a)?)?;
-            if i + 1 == n && !rows.cut(&mut h)? {
-                x = h;
-                break;
-            }
-            x = h.add(&layer.post_ffn_norm.forward(&layer.mlp.forward(&layer.pre_ffn_norm.forward(&h)?)?)?)?;
-        }
-        kv.finish()?;
-        self.norm.forward(&x)
     }
 }
 
@@ -322,16 +288,10 @@ impl ModelRuntime for Gemma3Model {
         CacheSpec { layers }
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let h = self.hidden(tokens, cache, Rows::of(logits, hidden))?;
-        let head = |x: &Array| -> Result<Array> {
-            let y = self.lm_head.forward(x)?.astype(DType::F32)?;
-            Ok(match self.cfg.final_logit_softcapping {
-                Some(c) if c > 0.0 => y.softcap(c)?,
-                _ => y,
-            })
-        };
-        let logits = logits.select(&h, head)?;
-        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+        let stack = Stack { layers: &self.layers, prefix_skip: true, norm: &self.norm };
+        let embed = |t: &Array| Ok(self.embed.forward(t)?.mul_scalar(self.embed_scale)?);
+        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), embed, |l| Masks::new(l, Some(self.cfg.sliding_window)))?;
+        self.lm_head.output(h, logits, hidden)
     }
 }
 

@@ -22,13 +22,13 @@
 //! Caches: flat (rotating for sliding layers) or the kv-paged block pool (`KvCacheMode`; Auto
 //! follows `use_block_paged_cache`), both through [`Cache::begin_forward_with`]. KV-shared layers have
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
+use super::moe::SwitchGlu;
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
-use crate::families::qwen3::check_tokens;
-use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, RmsNorm, Rope};
-use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
+use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, AttentionMask, DType};
+use mlx_array::{ops, Array, AttentionMask};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -437,21 +437,17 @@ impl Attn {
     }
 }
 
-/// Top-k routed experts with fused gate/up weights, dispatched with `gather_mm`.
+/// Top-k routed experts (Gemma 4's router: RMS-normed input, softmax over the top k, scaled per
+/// expert) over the shared [`SwitchGlu`].
 struct Experts {
     proj: Linear,
     /// `router.scale * hidden^-0.5`, the router's RMSNorm weight.
     router_norm: Array,
     per_expert_scale: Array,
-    /// `[E, H, 2I]`: gate columns first, then up.
-    gate_up_t: Array,
-    /// `[E, I, H]`.
-    down_t: Array,
+    experts: SwitchGlu,
     top_k: usize,
     n_experts: usize,
-    inter: usize,
     eps: f32,
-    act: Activation,
 }
 
 impl Experts {
@@ -466,13 +462,10 @@ impl Experts {
             proj: Linear::load(&r.pp("proj"), h, e, false)?,
             router_norm,
             per_expert_scale: r.get("per_expert_scale", &[e])?,
-            gate_up_t: ex.get("gate_up_proj", &[e, 2 * i, h])?.swap_axes(-1, -2)?,
-            down_t: ex.get("down_proj", &[e, h, i])?.swap_axes(-1, -2)?,
+            experts: SwitchGlu::load(&ex, e, h, i, ["gate_proj", "up_proj", "down_proj"], act)?,
             top_k: k,
             n_experts: e,
-            inter: i,
             eps: cfg.rms_norm_eps,
-            act,
         })
     }
 
@@ -482,13 +475,10 @@ impl Experts {
         let scores = self.proj.forward(&route.rms_norm(Some(&self.router_norm), self.eps)?)?;
         let idx = scores.argpartition((e - k) as i32, -1)?.slice_axis(-1, e - k, e)?;
         let w = scores.take_along_axis(&idx, -1)?.softmax(-1, true)?.mul(&self.per_expert_scale.take(&idx, 0)?)?;
-        // [B, L, 1, 1, H] x [E, H, 2I] gathered by idx [B, L, k] -> [B, L, k, 1, 2I].
-        let xe = x.expand_dims(-2)?.expand_dims(-2)?;
-        let gu = ops::gather_mm(&xe, &self.gate_up_t, None, Some(&idx), false)?;
-        let parts = gu.split_at(&[self.inter], -1)?;
-        let hmid = self.act.gated(&parts[0], &parts[1])?;
-        let y = ops::gather_mm(&hmid, &self.down_t, None, Some(&idx), false)?.squeeze(&[-2])?;
-        y.mul(&w.expand_dims(-1)?.astype(y.dtype())?)?.sum(&[-2], false).map_err(Into::into)
+        let shape = x.dims();
+        let h = shape[shape.len() - 1];
+        let (xs, idx, w) = (x.reshape(&[-1, h])?, idx.reshape(&[-1, k as i32])?, w.reshape(&[-1, k as i32])?);
+        Ok(self.experts.forward(&xs, &idx, &w)?.reshape(&shape)?)
     }
 }
 
@@ -580,7 +570,7 @@ struct Net {
     per_layer_projection_norm: Option<RmsNorm>,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: LmHead,
 }
 
 /// Gemma 4 causal LM (dense or MoE, with or without PLE and KV sharing).
@@ -598,15 +588,7 @@ impl Gemma4Model {
     /// call fails with "Model not initialized" (use [`crate::load_model`]).
     pub fn from_config(cfg: Gemma4Config, eos: Vec<u32>) -> Result<Self> {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: PathBuf::from("<config>"), reason })?;
-        let info = ModelInfo {
-            model_type: "gemma4".into(),
-            vocab_size: cfg.vocab_size,
-            hidden_size: cfg.hidden_size,
-            num_layers: cfg.num_hidden_layers,
-            max_position_embeddings: cfg.max_position_embeddings,
-            eos_token_ids: eos,
-            bos_token_id: cfg.bos_token_id,
-        };
+        let info = ModelInfo::decoder("gemma4", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         Ok(Gemma4Model { kv_src: cfg.kv_sources(), cfg, info, net: None, draft_model_path: None })
     }
 
@@ -633,15 +615,7 @@ impl Gemma4Model {
             (None, None, None)
         };
         let layers = (0..n).map(|i| Block::load(&vb.pp("layers").pp(i), cfg, i)).collect::<Result<Vec<_>>>()?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.as_linear()?
-        } else if root.contains("lm_head.weight") {
-            Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
-        } else if vb.contains("lm_head.weight") {
-            Linear::load(&vb.pp("lm_head"), h, cfg.vocab_size, false)?
-        } else {
-            return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
-        };
+        let lm_head = LmHead::load(&root, weights.decoder_prefix(), &embed, cfg.tie_word_embeddings, h, cfg.vocab_size)?.with_softcap(cfg.final_logit_softcapping);
         m.net = Some(Net {
             norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 0.0)?,
             embed,
@@ -700,11 +674,9 @@ impl Gemma4Model {
     /// prompt's leading tokens.
     fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
         let allow_prefix_skip = rows != Rows::All;
-        check_tokens(tokens, self.cfg.vocab_size)?;
+        check_tokens(tokens)?;
         let n = self.cfg.num_hidden_layers;
-        if cache.layers.len() != n {
-            return Err(ModelError::Cache(format!("cache has {} layers, model {n}", cache.layers.len())));
-        }
+        check_cache_layers(cache, n)?;
         for (i, &src) in self.kv_src.iter().enumerate() {
             let ok = match &cache.layers[i] {
                 LayerCache::Kv(_) => src == i,
@@ -793,14 +765,6 @@ impl ModelRuntime for Gemma4Model {
         // Calls that need every position's output must not skip a cached prefix.
         let rows = Rows::of(logits, hidden);
         let h = self.hidden(net, tokens, cache, rows)?;
-        let head = |x: &Array| -> Result<Array> {
-            let y = net.lm_head.forward(x)?.astype(DType::F32)?;
-            Ok(match self.cfg.final_logit_softcapping {
-                Some(c) if c > 0.0 => y.softcap(c)?,
-                _ => y,
-            })
-        };
-        let logits = logits.select(&h, head)?;
-        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+        net.lm_head.output(h, logits, hidden)
     }
 }

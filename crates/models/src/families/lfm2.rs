@@ -9,13 +9,13 @@
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
-use super::qwen3::check_tokens;
-use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::layers::decoder::{DecoderLayer, Stack};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, DType};
+use mlx_array::{ops, Array, AttentionMask, DType};
 use serde::{Deserialize, Serialize};
 
 /// `config.json` of an LFM2 or LFM2-MoE checkpoint (hub style and transformers-5 style).
@@ -338,13 +338,38 @@ struct Block {
     ffn: FeedForward,
 }
 
+impl DecoderLayer for Block {
+    type Ctx = AttentionMask<'static>;
+    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
+        let n = self.operator_norm.forward(x)?;
+        match &self.op {
+            Operator::Attn(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
+            Operator::Attn(a) => a.forward_kv(&n, &mut kv.layer(i)?, *mask),
+            Operator::Conv(c) => match kv.recurrent(i)? {
+                slots if !slots.is_empty() => c.forward(&n, &mut slots[0]),
+                _ => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
+            },
+        }
+    }
+    fn can_query_last_only(&self) -> bool {
+        matches!(self.op, Operator::Attn(_))
+    }
+    fn ffn(&self, h: &Array) -> Result<Array> {
+        let n = self.ffn_norm.forward(h)?;
+        match &self.ffn {
+            FeedForward::Dense(m) => m.forward(&n),
+            FeedForward::Moe(m) => m.forward(&n),
+        }
+    }
+}
+
 /// LFM2 / LFM2-MoE causal LM.
 pub struct Lfm2Model {
     cfg: Lfm2Config,
     embed: Embedding,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: LmHead,
     info: ModelInfo,
 }
 
@@ -399,66 +424,11 @@ impl Lfm2Model {
             })
             .collect::<Result<Vec<_>>>()?;
         let embed = Embedding::load(&mv.pp("embed_tokens"), cfg.vocab_size, h)?;
-        let lm_head = if !cfg.tied() && root.contains("lm_head.weight") {
-            Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
-        } else if cfg.tied() {
-            embed.as_linear()?
-        } else {
-            return Err(ModelError::Checkpoint { path, msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
-        };
-        let info = ModelInfo {
-            model_type: if moe { "lfm2_moe" } else { "lfm2" }.into(),
-            vocab_size: cfg.vocab_size,
-            hidden_size: h,
-            num_layers: cfg.num_hidden_layers,
-            max_position_embeddings: cfg.max_position_embeddings,
-            eos_token_ids: eos,
-            bos_token_id: cfg.bos_token_id,
-        };
+        let lm_head = LmHead::load(&root, "model", &embed, cfg.tied(), h, cfg.vocab_size)?;
+        let info = ModelInfo::decoder(if moe { "lfm2_moe" } else { "lfm2" }, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         Ok(Lfm2Model { norm: RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?, cfg, embed, layers, lm_head, info })
     }
 
-    /// Final-normed hidden states for the `rows` the caller reads: every position, the last
-    /// (`[B, 1, hidden]`), or none (a prefill chunk: only the caches matter, so the last layer's
-    /// feed-forward is skipped, as mlx-lm evaluates only the caches for a prompt's leading tokens).
-    fn hidden(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
-        check_tokens(tokens, self.cfg.vocab_size)?;
-        if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
-        }
-        // Hybrid model: never skip a cached prefix (the conv state must see every token), so a
-        // paged cache stores only the attention layers' K/V and is not shared between sequences.
-        let (mut kv, _) = cache.begin_forward_with(tokens, false)?;
-        let mut x = self.embed.forward(tokens)?;
-        let mask = causal_mask(tokens.dims()[1] as usize, None);
-        let l = tokens.dims()[1] as usize;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let n = layer.operator_norm.forward(&x)?;
-            // A last attention layer whose last position alone is read queries only that one.
-            let last_only = i + 1 == self.layers.len() && rows.query_last_only(l) && matches!(layer.op, Operator::Attn(_));
-            let r = match &layer.op {
-                Operator::Attn(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, mask)?,
-                Operator::Attn(a) => a.forward_kv(&n, &mut kv.layer(i)?, mask)?,
-                Operator::Conv(c) => match kv.recurrent(i)? {
-                    slots if !slots.is_empty() => c.forward(&n, &mut slots[0])?,
-                    _ => return Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
-                },
-            };
-            let mut h = Rows::residual(&x, last_only)?.add(&r)?;
-            if i + 1 == self.layers.len() && !rows.cut(&mut h)? {
-                x = h;
-                break;
-            }
-            let n = layer.ffn_norm.forward(&h)?;
-            let f = match &layer.ffn {
-                FeedForward::Dense(m) => m.forward(&n)?,
-                FeedForward::Moe(m) => m.forward(&n)?,
-            };
-            x = h.add(&f)?;
-        }
-        kv.finish()?;
-        self.norm.forward(&x)
-    }
 }
 
 impl ModelRuntime for Lfm2Model {
@@ -477,9 +447,11 @@ impl ModelRuntime for Lfm2Model {
         CacheSpec { layers }
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let h = self.hidden(tokens, cache, Rows::of(logits, hidden))?;
-        let logits = logits.select(&h, |x| Ok(self.lm_head.forward(x)?.astype(DType::F32)?))?;
-        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+        // Hybrid model: never skip a cached prefix (the conv state must see every token), so a
+        // paged cache stores only the attention layers' K/V and is not shared between sequences.
+        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
+        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| causal_mask(l, None))?;
+        self.lm_head.output(h, logits, hidden)
     }
 }
 

@@ -1,10 +1,11 @@
 //! Qwen3 dense causal LM (mirrors mlx-lm `models/qwen3.py` and HF `Qwen3ForCausalLM`).
-use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
-use crate::runtime::{Rows, ForwardOutput, Logits, ModelInfo, ModelRuntime};
+use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::layers::decoder::{DecoderLayer, Stack};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{Array, DType};
+use mlx_array::{Array, AttentionMask};
 use serde::{Deserialize, Serialize};
 
 /// `config.json` of a Qwen3 checkpoint (the keys the model uses).
@@ -84,6 +85,17 @@ struct Block {
     mlp: GatedMlp,
 }
 
+impl DecoderLayer for Block {
+    type Ctx = AttentionMask<'static>;
+    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
+        let (xn, mut kv) = (self.input_norm.forward(x)?, kv.layer(i)?);
+        if last_only { self.attn.forward_kv_last(&xn, &mut kv, *mask) } else { self.attn.forward_kv(&xn, &mut kv, *mask) }
+    }
+    fn ffn(&self, h: &Array) -> Result<Array> {
+        self.mlp.forward(&self.post_norm.forward(h)?)
+    }
+}
+
 /// What distinguishes the dense decoders that share [`Qwen3Backbone`]: Qwen3 (per-head q/k
 /// norms), Llama (optional biases everywhere, scaled rope) and Qwen2 (q/k/v bias only).
 #[derive(Clone)]
@@ -158,38 +170,11 @@ impl Qwen3Backbone {
         CacheSpec { layers: vec![k; self.layers.len()] }
     }
 
-    /// Final-normed hidden states `[B, L - skipped, hidden]` and `skipped`, the leading tokens
-    /// served by a paged prefix-cache hit (0 with flat caches).
-    /// `rows`: which positions the caller reads. Past the last layer's attention (its K/V are
-    /// written) only those are computed: the last one for `Rows::Last`, none for `Rows::None`
-    /// (a prefill chunk), as mlx-lm evaluates only the caches for the prompt's leading tokens.
-    /// Anything but `Rows::All` may skip a cached prefix ([`Cache::begin_forward_with`]).
+    /// Final-normed hidden states and the leading tokens a paged prefix hit served (see
+    /// [`Stack::forward`]).
     pub(crate) fn forward(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<(Array, usize)> {
-        let allow_prefix_skip = rows != Rows::All;
-        check_tokens(tokens, self.cfg.vocab_size)?;
-        if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
-        }
-        let (mut kv, skipped) = cache.begin_forward_with(tokens, allow_prefix_skip)?;
-        let l = tokens.dims()[1] as usize;
-        let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
-        let mut x = self.embed.forward(&tokens)?;
-        let mask = causal_mask(l - skipped, None);
-        let n = self.layers.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            // Only the last position goes on: query just that one (the K/V of all are cached).
-            let last_only = i + 1 == n && rows.query_last_only(x.dim(1)?);
-            let (xn, mut layer_kv) = (layer.input_norm.forward(&x)?, kv.layer(i)?);
-            let a = if last_only { layer.attn.forward_kv_last(&xn, &mut layer_kv, mask)? } else { layer.attn.forward_kv(&xn, &mut layer_kv, mask)? };
-            let mut h = Rows::residual(&x, last_only)?.add(&a)?;
-            if i + 1 == n && !rows.cut(&mut h)? {
-                x = h;
-                break;
-            }
-            x = h.add(&layer.mlp.forward(&layer.post_norm.forward(&h)?)?)?;
-        }
-        kv.finish()?;
-        Ok((self.norm.forward(&x)?, skipped))
+        let stack = Stack { layers: &self.layers, prefix_skip: true, norm: &self.norm };
+        stack.forward(tokens, cache, rows, |t| self.embed.forward(t), |l| causal_mask(l, None))
     }
 
     pub fn embed(&self) -> &Embedding {
@@ -197,30 +182,10 @@ impl Qwen3Backbone {
     }
 }
 
-/// `[B, L]` integer ids (shape and dtype only: no device sync, so decode stays pipelined).
-/// [`crate::Model::forward`] also checks the id range; generation checks host ids itself.
-pub(crate) fn check_tokens(tokens: &Array, _vocab: usize) -> Result<()> {
-    if tokens.ndim() != 2 || tokens.size() == 0 || !matches!(tokens.dtype(), DType::I32 | DType::U32 | DType::I64) {
-        return Err(ModelError::InvalidInput(format!("tokens must be a non-empty [batch, length] integer array, got {:?} {}", tokens.shape(), tokens.dtype())));
-    }
-    Ok(())
-}
-
-/// Every id of `tokens` is in `0..vocab` (reads two scalars back: one device sync).
-pub(crate) fn check_token_range(tokens: &Array, vocab: usize) -> Result<()> {
-    check_tokens(tokens, vocab)?;
-    let max = tokens.max(&[], false)?.astype(DType::I64)?.item::<i64>()?;
-    let min = tokens.min(&[], false)?.astype(DType::I64)?.item::<i64>()?;
-    if min < 0 || max as usize >= vocab {
-        return Err(ModelError::InvalidInput(format!("token id {} out of range for vocab size {vocab}", if min < 0 { min } else { max })));
-    }
-    Ok(())
-}
-
 /// Qwen3 causal LM.
 pub struct Qwen3Model {
     backbone: Qwen3Backbone,
-    lm_head: Linear,
+    lm_head: LmHead,
     info: ModelInfo,
 }
 
@@ -235,23 +200,8 @@ impl Qwen3Model {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         let root = weights.root();
         let backbone = Qwen3Backbone::load_with(&root.pp("model"), &cfg, opts)?;
-        // Tied checkpoints may still carry an lm_head copy; untied ones must.
-        let lm_head = if root.contains("lm_head.weight") && !cfg.tie_word_embeddings {
-            Linear::load(&root.pp("lm_head"), cfg.hidden_size, cfg.vocab_size, false)?
-        } else if cfg.tie_word_embeddings {
-            backbone.embed().as_linear()?
-        } else {
-            return Err(ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
-        };
-        let info = ModelInfo {
-            model_type: model_type.into(),
-            vocab_size: cfg.vocab_size,
-            hidden_size: cfg.hidden_size,
-            num_layers: cfg.num_hidden_layers,
-            max_position_embeddings: cfg.max_position_embeddings,
-            eos_token_ids: eos,
-            bos_token_id: cfg.bos_token_id,
-        };
+        let lm_head = LmHead::load(&root, "model", backbone.embed(), cfg.tie_word_embeddings, cfg.hidden_size, cfg.vocab_size)?;
+        let info = ModelInfo::decoder(model_type, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         Ok(Qwen3Model { backbone, lm_head, info })
     }
 }
@@ -265,7 +215,6 @@ impl ModelRuntime for Qwen3Model {
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         let (h, _) = self.backbone.forward(tokens, cache, Rows::of(logits, hidden))?;
-        let logits = logits.select(&h, |x| Ok(self.lm_head.forward(x)?.astype(DType::F32)?))?;
-        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+        self.lm_head.output(h, logits, hidden)
     }
 }

@@ -36,13 +36,13 @@
 //!   because the state at the divergence point was not saved.
 use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
-use super::qwen3::check_tokens;
-use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::layers::decoder::{DecoderLayer, Stack};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-use mlx_array::{Array, DType};
+use mlx_array::{Array, AttentionMask, DType};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
@@ -225,13 +225,35 @@ struct Block {
     ffn: Ffn,
 }
 
+impl DecoderLayer for Block {
+    type Ctx = AttentionMask<'static>;
+    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
+        let n = self.input_norm.forward(x)?;
+        match &self.mixer {
+            Mixer::Full(att) if last_only => att.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
+            Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, *mask),
+            Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?),
+        }
+    }
+    fn can_query_last_only(&self) -> bool {
+        matches!(self.mixer, Mixer::Full(_))
+    }
+    fn ffn(&self, h: &Array) -> Result<Array> {
+        let n = self.post_norm.forward(h)?;
+        match &self.ffn {
+            Ffn::Dense(m) => m.forward(&n),
+            Ffn::Moe(m) => m.forward(&n),
+        }
+    }
+}
+
 /// A Qwen3.5 (dense or MoE) causal LM.
 pub struct Qwen35Model {
     cfg: Qwen35Config,
     embed: Embedding,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: LmHead,
     info: ModelInfo,
     mtp: HashMap<String, Array>,
     notes: Vec<String>,
@@ -300,30 +322,14 @@ impl Qwen35Model {
             })
             .collect::<Result<Vec<_>>>()?;
         let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.as_linear()?
-        } else if root.contains("lm_head.weight") {
-            Linear::load(&root.pp("lm_head"), h, cfg.vocab_size, false)?
-        } else if root.contains("language_model.lm_head.weight") {
-            Linear::load(&root.pp("language_model.lm_head"), h, cfg.vocab_size, false)?
-        } else {
-            return Err(ModelError::Checkpoint { path, msg: "missing tensor lm_head.weight (tie_word_embeddings is false)".into() });
-        };
+        let lm_head = LmHead::load(&root, prefix, &embed, cfg.tie_word_embeddings, h, cfg.vocab_size)?;
         let mut notes = Vec::new();
         let visual = weights.names().into_iter().filter(|n| n.starts_with("model.visual.") || n.starts_with("visual.")).count();
         if visual > 0 {
             notes.push(format!("skipped {visual} vision-tower tensors (model.visual.*): text-only model"));
         }
         let mtp = load_mtp(weights, raw, family, embed.dtype(), &mut notes)?;
-        let info = ModelInfo {
-            model_type: family.into(),
-            vocab_size: cfg.vocab_size,
-            hidden_size: h,
-            num_layers: cfg.num_hidden_layers,
-            max_position_embeddings: cfg.max_position_embeddings,
-            eos_token_ids: eos,
-            bos_token_id: cfg.bos_token_id,
-        };
+        let info = ModelInfo::decoder(family, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         Ok(Qwen35Model { norm: RmsNorm::load(&vb.pp("norm"), h, eps, off)?, cfg, embed, layers, lm_head, info, mtp, notes })
     }
 
@@ -343,44 +349,6 @@ impl Qwen35Model {
         &self.notes
     }
 
-    /// Final-normed hidden states for the `rows` the caller reads: every position, the last
-    /// (`[B, 1, hidden]`), or none (a prefill chunk: only the caches matter, so the last layer's
-    /// feed-forward is skipped, as mlx-lm evaluates only the caches for a prompt's leading tokens).
-    fn hidden(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
-        check_tokens(tokens, self.cfg.vocab_size)?;
-        if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Cache(format!("cache has {} layers, model {}", cache.layers.len(), self.layers.len())));
-        }
-        // Hybrid model: never skip a cached prefix (the recurrent layers' state must see every
-        // token), so a paged cache here stores the full-attention K/V but is not shared.
-        let (mut kv, _) = cache.begin_forward_with(tokens, false)?;
-        let mut x = self.embed.forward(tokens)?;
-        let mask = causal_mask(tokens.dims()[1] as usize, None);
-        let l = tokens.dims()[1] as usize;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let n = layer.input_norm.forward(&x)?;
-            // A last full-attention layer whose last position alone is read queries only that one.
-            let last_only = i + 1 == self.layers.len() && rows.query_last_only(l) && matches!(layer.mixer, Mixer::Full(_));
-            let a = match &layer.mixer {
-                Mixer::Full(att) if last_only => att.forward_kv_last(&n, &mut kv.layer(i)?, mask)?,
-                Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, mask)?,
-                Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?)?,
-            };
-            let mut hres = Rows::residual(&x, last_only)?.add(&a)?;
-            if i + 1 == self.layers.len() && !rows.cut(&mut hres)? {
-                x = hres;
-                break;
-            }
-            let n = layer.post_norm.forward(&hres)?;
-            let f = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&n)?,
-                Ffn::Moe(m) => m.forward(&n)?,
-            };
-            x = hres.add(&f)?;
-        }
-        kv.finish()?;
-        self.norm.forward(&x)
-    }
 }
 
 /// MTP tensors: `mtp.*` in the checkpoint, then the sidecar files (see the module docs).
@@ -456,13 +424,11 @@ impl ModelRuntime for Qwen35Model {
         CacheSpec { layers }
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let h = self.hidden(tokens, cache, Rows::of(logits, hidden))?;
-        let logits = logits.select(&h, |x| Ok(self.lm_head.forward(x)?.astype(DType::F32)?))?;
-        Ok(ForwardOutput { logits, hidden: if hidden { Some(h) } else { None } })
+        // Hybrid model: never skip a cached prefix (the recurrent layers' state must see every
+        // token), so a paged cache here stores the full-attention K/V but is not shared.
+        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
+        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| causal_mask(l, None))?;
+        self.lm_head.output(h, logits, hidden)
     }
 }
 
-/// Parse the config of `dir` (already read) for [`Qwen35Model`].
-pub fn parse_config(dir: &Path, text: &serde_json::Value) -> Result<Qwen35Config> {
-    crate::config::parse(dir, text)
-}

@@ -1,10 +1,12 @@
 //! Building blocks shared by every family.
 mod attention;
+pub(crate) mod decoder;
 mod linear;
 mod mlp;
 mod norm;
 mod rope;
 
+pub use decoder::LmHead;
 pub use attention::{causal_mask, Attention, AttentionConfig, CPU_QUERY_CHUNK};
 pub(crate) use attention::{last_query_mask, sdpa};
 pub use linear::{Embedding, FusedLinear, Linear};

@@ -1,0 +1,150 @@
+//! The decoder skeleton every causal LM family runs: checks, cache begin/finish, prefix skipping,
+//! which rows are computed past the last mixer, and the output head. A family supplies its
+//! embedding, its blocks ([`DecoderLayer`]) and its [`LmHead`].
+use crate::cache::{Cache, ForwardKv};
+use crate::layers::{Embedding, Linear};
+use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, Rows};
+use crate::weights::Vb;
+use crate::{ModelError, Result};
+use mlx_array::{Array, AttentionMask, DType};
+
+/// One block of a decoder stack: a token mixer (attention, convolution, recurrence) and a
+/// channel mixer (MLP, MoE), each with its own norms; the runner adds the residuals.
+pub(crate) trait DecoderLayer {
+    /// Inputs shared by every layer of one forward call (the masks for its length).
+    type Ctx;
+
+    /// The token mixer's output for `x` (`[B, L, H]`), to be added to `x`. `last_only`: only the
+    /// last position is read past this layer, so an attention layer may query only that one
+    /// (returning `[B, 1, H]`) while still caching the K/V of every position.
+    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, ctx: &Self::Ctx, last_only: bool) -> Result<Array>;
+
+    /// Whether [`DecoderLayer::mixer`] honours `last_only` (attention does; a recurrence must
+    /// see every position).
+    fn can_query_last_only(&self) -> bool {
+        true
+    }
+
+    /// The channel mixer's output for `h`, to be added to `h`.
+    fn ffn(&self, h: &Array) -> Result<Array>;
+}
+
+/// The masks of one forward call over `l` new positions: full causal, and sliding-window causal
+/// when the family has sliding layers.
+#[derive(Clone, Copy)]
+pub(crate) struct Masks {
+    pub full: AttentionMask<'static>,
+    pub sliding: AttentionMask<'static>,
+}
+
+impl Masks {
+    pub fn new(l: usize, window: Option<usize>) -> Self {
+        Masks { full: crate::layers::causal_mask(l, None), sliding: crate::layers::causal_mask(l, window) }
+    }
+}
+
+/// How a family's stack is run.
+pub(crate) struct Stack<'a, L: DecoderLayer> {
+    pub layers: &'a [L],
+    /// Whether a paged cache may serve a cached prefix (attention-only stacks). Hybrid stacks
+    /// (recurrent layers must see every token) never skip.
+    pub prefix_skip: bool,
+    /// The final norm.
+    pub norm: &'a crate::layers::RmsNorm,
+}
+
+impl<L: DecoderLayer> Stack<'_, L> {
+    /// Final-normed hidden states `[B, L - skipped, H]` (or `[B, 1, H]` for `Rows::Last`) and
+    /// `skipped`, the leading tokens a paged prefix-cache hit served (0 with flat caches).
+    ///
+    /// `rows`: which positions the caller reads. Past the last layer's mixer (its caches are
+    /// written) only those are computed: the last one for `Rows::Last`, none for `Rows::None`
+    /// (a prefill chunk), as mlx-lm evaluates only the caches for a prompt's leading tokens.
+    /// `embed` maps the (unskipped) ids to the first hidden states; `ctx` builds the per-call
+    /// inputs from the number of new positions.
+    pub fn forward(
+        &self,
+        tokens: &Array,
+        cache: &mut Cache,
+        rows: Rows,
+        embed: impl FnOnce(&Array) -> Result<Array>,
+        ctx: impl FnOnce(usize) -> L::Ctx,
+    ) -> Result<(Array, usize)> {
+        check_tokens(tokens)?;
+        check_cache_layers(cache, self.layers.len())?;
+        let (mut kv, skipped) = cache.begin_forward_with(tokens, self.prefix_skip && rows != Rows::All)?;
+        let l = tokens.dims()[1] as usize;
+        let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
+        let mut x = embed(&tokens)?;
+        let ctx = ctx(l - skipped);
+        let n = self.layers.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let last = i + 1 == n;
+            let last_only = last && layer.can_query_last_only() && rows.query_last_only(x.dim(1)?);
+            let a = layer.mixer(&x, &mut kv, i, &ctx, last_only)?;
+            let mut h = Rows::residual(&x, last_only)?.add(&a)?;
+            if last && !rows.cut(&mut h)? {
+                x = h;
+                break;
+            }
+            x = h.add(&layer.ffn(&h)?)?;
+        }
+        kv.finish()?;
+        Ok((self.norm.forward(&x)?, skipped))
+    }
+}
+
+/// The output projection: the tied embedding or its own `lm_head`, with an optional final
+/// logit soft-cap (Gemma).
+pub struct LmHead {
+    linear: Linear,
+    softcap: Option<f32>,
+}
+
+impl LmHead {
+    /// One precedence for every family: `tie_word_embeddings` decides. Tied: the embedding
+    /// (an `lm_head` copy a tied checkpoint may carry is set aside by the loader). Untied: the
+    /// head at the root next to the decoder (`lm_head`, or `language_model.lm_head` for
+    /// `language_model.model` layouts), else under the decoder prefix.
+    pub fn load(root: &Vb, decoder_prefix: &str, embed: &Embedding, tied: bool, hidden: usize, vocab: usize) -> Result<Self> {
+        let linear = if tied {
+            embed.as_linear()?
+        } else {
+            let candidates = [head_prefix(decoder_prefix).to_string(), format!("{decoder_prefix}.lm_head")];
+            let at = candidates.iter().find(|c| root.contains(&format!("{c}.weight"))).unwrap_or(&candidates[0]);
+            Linear::load(&root.pp(at), hidden, vocab, false).map_err(|e| match e {
+                ModelError::Checkpoint { path, msg } if msg.starts_with("missing tensor") => {
+                    ModelError::Checkpoint { path, msg: format!("{msg} (tie_word_embeddings is false)") }
+                }
+                e => e,
+            })?
+        };
+        Ok(LmHead { linear, softcap: None })
+    }
+
+    /// Soft-cap the logits: `c * tanh(logits / c)` (no cap for `None` or `c <= 0`).
+    pub fn with_softcap(mut self, c: Option<f32>) -> Self {
+        self.softcap = c.filter(|c| *c > 0.0);
+        self
+    }
+
+    /// f32 logits of hidden states `h`.
+    pub fn forward(&self, h: &Array) -> Result<Array> {
+        let y = self.linear.forward(h)?.astype(DType::F32)?;
+        Ok(match self.softcap {
+            Some(c) => y.softcap(c)?,
+            None => y,
+        })
+    }
+
+    /// The requested logits of final hidden states `h`, and `h` itself when asked for.
+    pub fn output(&self, h: Array, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let logits = logits.select(&h, |x| self.forward(x))?;
+        Ok(ForwardOutput { logits, hidden: hidden.then_some(h) })
+    }
+}
+
+/// Where the untied head of a decoder under `decoder_prefix` lives.
+pub(crate) fn head_prefix(decoder_prefix: &str) -> &'static str {
+    if decoder_prefix == "language_model.model" { "language_model.lm_head" } else { "lm_head" }
+}
