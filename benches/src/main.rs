@@ -5,7 +5,7 @@
 //!           [--python PATH] [--no-mlx-lm] [--json FILE] [--bandwidth]
 //!           [--fuse on|off|auto] [--kv flat|paged] [--peer-blas same|openblas]
 //! llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR]
-//!   SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small
+//!   SHAPE: FAMILY-PRESET from the registry: qwen3-tiny qwen3-small qwen3-0.6b qwen3-8b qwen3_5-small
 //!          lfm2-small lfm2-moe-small
 //! llm_bench --bandwidth-only
 //! ```
@@ -35,14 +35,7 @@
 mod shared;
 
 use mlx_array::{memory, DType};
-use mlx_models::families::gemma4::Gemma4Config;
-use mlx_models::families::lfm2::{create_random_lfm2_checkpoint, Lfm2Config};
-use mlx_models::families::qwen3::Qwen3Config;
-use mlx_models::families::qwen3_5::Qwen35Config;
-use mlx_models::random_gemma4::create_random_gemma4_checkpoint;
-use mlx_models::{
-    create_random_qwen35_checkpoint, create_random_qwen35_moe_checkpoint, create_random_qwen3_checkpoint, generate, load_model, GenerateConfig, LayerKind, LoadOptions, Model,
-};
+use mlx_models::{generate, load_model, GenerateConfig, LayerKind, LoadOptions, Model};
 use sampling::SamplingConfig;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -86,7 +79,7 @@ const USAGE: &str = "usage:
             [--python PATH] [--script mlx_lm_bench.py] [--no-mlx-lm] [--json FILE] [--bandwidth]
             [--fuse on|off|auto] [--peer-blas same|openblas]
   llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR] [--seed N]
-     SHAPE: qwen3-0.6b qwen3-small qwen3-8b qwen3_5-small qwen3_5-moe-small gemma4-small lfm2-small lfm2-moe-small
+     SHAPE: FAMILY-PRESET from the registry (qwen3-small, qwen3-0.6b, qwen3-8b, qwen3_5-moe-small, gemma4-small, lfm2-small, ...)
   llm_bench --bandwidth-only
   --peer-blas (CPU): same (default) preloads our BLAS router and OpenBLAS into mlx-lm, so both
      sides run the same BLAS; openblas preloads OpenBLAS alone (a stock mlx-lm with OpenBLAS)
@@ -166,109 +159,17 @@ fn device_name() -> String {
 
 // ------------------------------------------------------------------ random checkpoints
 
-/// Names accepted by `--create-random`.
-const SHAPES: &[&str] = &["qwen3-0.6b", "qwen3-small", "qwen3-8b", "qwen3_5-small", "qwen3_5-moe-small", "gemma4-small", "lfm2-small", "lfm2-moe-small"];
-
-/// A random-checkpoint shape of one family.
-enum Shape {
-    Qwen3(Qwen3Config),
-    Qwen35 { cfg: Qwen35Config, moe: bool },
-    Gemma4(Gemma4Config),
-    Lfm2 { cfg: Lfm2Config, moe: bool },
+/// A `--create-random` name, `FAMILY-PRESET` (`qwen3-small`, `qwen3_5-moe-small`, `qwen3-0.6b`):
+/// the family's model type (dashes inside it spelled as underscores) and the preset's config.
+fn shape(name: &str) -> Option<(&'static str, Value)> {
+    let (family, preset) = name.rsplit_once('-')?;
+    let f = mlx_models::registry::family(&family.replace('-', "_"))?;
+    Some((f.model_type, f.preset(preset)?))
 }
 
-macro_rules! from_json {
-    ($v:expr) => {
-        serde_json::from_value($v).expect("static config")
-    };
-}
-
-fn shape(name: &str) -> Option<Shape> {
-    let qwen3 = |h: usize, l: usize, nq: usize, nkv: usize, inter: usize, vocab: usize, tied: bool| {
-        Shape::Qwen3(from_json!(json!({
-            "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": l,
-            "num_attention_heads": nq, "num_key_value_heads": nkv, "head_dim": 128, "vocab_size": vocab,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": tied,
-            "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645
-        })))
-    };
-    // Qwen3.5: 3 GatedDeltaNet layers per gated full-attention layer (full_attention_interval 4),
-    // head_dim 256 with a quarter rotary, linear attention 8 key / 16 value heads of 128.
-    let qwen35 = |moe: bool| {
-        let lin = "linear_attention";
-        let mut v = json!({
-            "hidden_size": 1024, "intermediate_size": if moe { 0 } else { 3072 }, "num_hidden_layers": 8,
-            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 32768,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-            "tie_word_embeddings": true, "max_position_embeddings": 262144, "eos_token_id": 488,
-            "layer_types": [lin, lin, lin, "full_attention", lin, lin, lin, "full_attention"],
-            "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128, "linear_num_key_heads": 8, "linear_num_value_heads": 16
-        });
-        if moe {
-            // every layer sparse: 16 experts of width 256, top 4, plus a shared expert of 512
-            v.as_object_mut().unwrap().extend(
-                json!({"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
-                       "shared_expert_intermediate_size": 512, "norm_topk_prob": true})
-                .as_object()
-                .unwrap()
-                .clone(),
-            );
-        }
-        Shape::Qwen35 { cfg: from_json!(v), moe }
-    };
-    // LFM2-350M's layer (hidden 1024, 16/8 heads, ff 6656 -> 4608) with 8 layers: conv, conv,
-    // attention, conv, conv, attention, conv, attention.
-    let lfm2 = |moe: bool| {
-        let c = "conv";
-        let mut v = json!({
-            "vocab_size": 32768, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
-            "num_key_value_heads": 8, "max_position_embeddings": 128000, "norm_eps": 1e-5,
-            "conv_bias": false, "conv_L_cache": 3, "rope_theta": 1000000.0,
-            "layer_types": [c, c, "full_attention", c, c, "full_attention", c, "full_attention"],
-            "tie_word_embeddings": true, "bos_token_id": 486, "eos_token_id": 488
-        });
-        let extra = if moe {
-            // LFM2-8B-A1B's mix, shrunk: 2 dense layers (4608), then 16 experts of 256, top 4
-            json!({"intermediate_size": 4608, "moe_intermediate_size": 256, "num_experts": 16,
-                   "num_experts_per_tok": 4, "norm_topk_prob": true, "use_expert_bias": true, "num_dense_layers": 2})
-        } else {
-            json!({"intermediate_size": 6656, "block_dim": 1024, "block_ff_dim": 6656, "block_multiple_of": 256,
-                   "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": true})
-        };
-        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        Shape::Lfm2 { cfg: from_json!(v), moe }
-    };
-    Some(match name {
-        "qwen3-0.6b" => qwen3(1024, 28, 16, 8, 3072, 151936, true),
-        "qwen3-small" => qwen3(1024, 8, 16, 8, 3072, 32768, true),
-        "qwen3-8b" => qwen3(4096, 36, 32, 8, 12288, 151936, false),
-        "qwen3_5-small" => qwen35(false),
-        "qwen3_5-moe-small" => qwen35(true),
-        // Gemma 4 E2B-style: sliding (head_dim 128, window 512) and global (head_dim 256,
-        // proportional rope) layers 3:1, per-layer inputs (PLE 64), the last 2 layers KV-shared
-        // with double-wide MLPs, logit softcap 30.
-        "gemma4-small" => {
-            let (s, f) = ("sliding_attention", "full_attention");
-            Shape::Gemma4(from_json!(json!({
-                "hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 3072,
-                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "global_head_dim": 256,
-                "vocab_size": 32768, "vocab_size_per_layer_input": 32768, "hidden_size_per_layer_input": 64,
-                "num_kv_shared_layers": 2, "use_double_wide_mlp": true, "attention_k_eq_v": false,
-                "sliding_window": 512, "layer_types": [s, s, s, f, s, s, s, f],
-                "rope_parameters": {
-                    "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
-                    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}
-                },
-                "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
-                "tie_word_embeddings": true, "hidden_activation": "gelu_pytorch_tanh",
-                "bos_token_id": 486, "eos_token_id": 488
-            })))
-        }
-        "lfm2-small" => lfm2(false),
-        "lfm2-moe-small" => lfm2(true),
-        _ => return None,
-    })
+/// Every `FAMILY-PRESET` name of the registry.
+fn shape_names() -> Vec<String> {
+    mlx_models::registry::FAMILIES.iter().flat_map(|f| f.presets.iter().map(move |(p, _)| format!("{}-{p}", f.model_type.replace("_moe", "-moe")))).collect()
 }
 
 /// One tensor of a checkpoint, from the safetensors headers.
@@ -352,8 +253,8 @@ fn qwen35_config_for_both(dir: &Path, moe: bool) -> Res<()> {
 }
 
 fn create(a: &Args, name: &str) -> Res<()> {
-    let Some(shape) = shape(name) else {
-        eprintln!("unknown shape {name:?}; known: {}", SHAPES.join(", "));
+    let Some((family, config)) = shape(name) else {
+        eprintln!("unknown shape {name:?}; known: {}", shape_names().join(", "));
         usage()
     };
     let dt = a.dtype.as_deref().unwrap_or("bf16");
@@ -361,18 +262,9 @@ fn create(a: &Args, name: &str) -> Res<()> {
     let dir = a.out.clone().unwrap_or_else(|| cache_root().join(format!("{name}-{dt}")));
     eprintln!("creating random {name} in {} ({dt}) on {} ...", dir.display(), device_name());
     let t = Instant::now();
-    match &shape {
-        Shape::Qwen3(c) => create_random_qwen3_checkpoint(c, &dir, dtype, a.seed)?,
-        Shape::Qwen35 { cfg, moe } => {
-            if *moe {
-                create_random_qwen35_moe_checkpoint(cfg, &dir, dtype, a.seed)?
-            } else {
-                create_random_qwen35_checkpoint(cfg, &dir, dtype, a.seed)?
-            }
-            qwen35_config_for_both(&dir, *moe)?;
-        }
-        Shape::Gemma4(c) => create_random_gemma4_checkpoint(c, &dir, dtype, a.seed)?,
-        Shape::Lfm2 { cfg, moe } => create_random_lfm2_checkpoint(cfg, *moe, &dir, dtype, a.seed)?,
+    mlx_models::create_random_checkpoint(&config, &dir, dtype, a.seed)?;
+    if family.starts_with("qwen3_5") {
+        qwen35_config_for_both(&dir, family == "qwen3_5_moe")?;
     }
     let tensors = checkpoint_tensors(&dir)?;
     let raw: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;

@@ -14,7 +14,7 @@
 mod real_model;
 use clap::Parser;
 use mlx_models::chat::ChatMessage;
-use mlx_models::{create_random_qwen3_checkpoint, load_session, tiny_qwen3_config, ChatConfig, LoadOptions, StreamEvent};
+use mlx_models::{create_random_preset, load_session, ChatConfig, LoadOptions, StreamEvent};
 use sampling::SamplingOverrides;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -54,7 +54,7 @@ fn random_model(cache: &std::path::Path) -> Result<PathBuf, Box<dyn std::error::
     let dir = cache.join("random-qwen3-tiny");
     if !dir.join("config.json").exists() {
         eprintln!("creating a random-weight Qwen3 checkpoint in {} ...", dir.display());
-        create_random_qwen3_checkpoint(&tiny_qwen3_config(), &dir, mlx_array::DType::BF16, 0)?;
+        create_random_preset("qwen3", "tiny", &dir, mlx_array::DType::BF16, 0)?;
     }
     eprintln!("chatting with a RANDOM-WEIGHT Qwen3 ({}): its replies are random text.", dir.display());
     Ok(dir)

@@ -28,9 +28,7 @@ pub mod families;
 pub mod generate;
 pub mod layers;
 mod model;
-pub mod random_ckpt;
-pub mod random_qwen35;
-pub mod random_gemma4;
+pub mod random;
 pub mod paged;
 pub mod registry;
 mod session;
@@ -43,6 +41,5 @@ pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generat
 pub use model::{load_model, load_session, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights};
 pub use paged::PagedConfig;
 pub use session::{ChatConfig, ChatResult, ChatSession, ChatStream, StreamEvent};
-pub use random_ckpt::{create_random_qwen3_checkpoint, tiny_qwen3_config};
-pub use random_qwen35::{create_random_qwen35_checkpoint, create_random_qwen35_moe_checkpoint, tiny_qwen35_config, tiny_qwen35_moe_config};
+pub use random::{create_random_checkpoint, create_random_preset, expected_tensors, preset_config};
 pub use runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};

@@ -1,13 +1,8 @@
 //! Loading checkpoints into runnable, thread-safe handles.
 use crate::cache::Cache;
 use crate::config;
-use crate::families::lfm2::{Lfm2Config, Lfm2Model};
-use crate::families::gemma3::{Gemma3Config, Gemma3Model};
-use crate::families::gemma4::{Gemma4Config, Gemma4Model};
-use crate::families::llama::{self, LlamaConfig, LlamaVariant};
-use crate::families::qwen3_5::{Qwen35Config, Qwen35Model};
-use crate::families::{harrier::HarrierModel, qwen3::{Qwen3Config, Qwen3Model}};
-use crate::registry::{self, Family, FamilyKind};
+use crate::families::harrier::HarrierModel;
+use crate::registry::{self, Built, Family, FamilyKind, KvDefault, LoadContext};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::session::ChatSession;
 use crate::weights::Weights;
@@ -219,8 +214,6 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
         )));
     }
     let raw = config::read_config_json(dir)?;
-    let text = config::text_config(&raw);
-    let eos = config::eos_ids(dir, &text);
     let mut weights = Weights::load(dir, default_dtype(opts))?;
     weights.fuse_projections = opts.fuse_projections;
     weights.quant = crate::weights::QuantSpec::from_config(&raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
@@ -235,73 +228,35 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
             weights.dequantize_to = Some(default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32));
         }
     }
-    match family.model_type {
-        "qwen3" => {
-            let cfg: Qwen3Config = config::parse(dir, &text)?;
-            let m = Model::from_runtime(Box::new(Qwen3Model::new(&weights, cfg, eos)?), dir);
-            let m = match opts.kv_cache.resolve(&text, true) {
-                Some(pc) => {
-                    let dt = default_dtype(opts).or_else(|| weights.float_dtype());
-                    m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
-                }
+    let text = config::text_config(&raw);
+    let paged_default = match family.kv_default {
+        KvDefault::Paged => true,
+        KvDefault::Flat => false,
+        KvDefault::PagedWithoutDraft => opts.draft_model_path.is_none(),
+    };
+    let paged = opts.kv_cache.resolve(&text, paged_default);
+    let dtype = default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32);
+    (family.sanitize)(&mut weights, &raw);
+    let built = construct(dir, &raw, &weights, family, opts.draft_model_path.as_deref())?;
+    weights.check_all_used()?;
+    Ok(match built {
+        Built::Lm(rt) => {
+            let m = Model::from_runtime(rt, dir);
+            LoadedModel::Lm(match paged {
+                Some(pc) => m.with_paged_cache(&pc, dtype)?,
                 None => m,
-            };
-            Ok(LoadedModel::Lm(m))
+            })
         }
-        "llama" | "qwen2" => {
-            let cfg: LlamaConfig = config::parse(dir, &text)?;
-            let variant = if family.model_type == "qwen2" { LlamaVariant::Qwen2 } else { LlamaVariant::Llama };
-            let m = Model::from_runtime(Box::new(llama::load(&weights, cfg, variant, eos)?), dir);
-            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, true, &weights)?))
-        }
-        "gemma3" => {
-            let cfg = Gemma3Config::from_root(dir, &raw)?;
-            let m = Model::from_runtime(Box::new(Gemma3Model::new(&weights, cfg, eos)?), dir);
-            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, true, &weights)?))
-        }
-        "lfm2" | "lfm2_moe" => {
-            let cfg: Lfm2Config = config::parse(dir, &text)?;
-            let m = Model::from_runtime(Box::new(Lfm2Model::new(&weights, cfg, family.model_type, eos)?), dir);
-            // Hybrid (short conv + attention): paged attention layers are opt-in.
-            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, false, &weights)?))
-        }
-        "gemma4" => {
-            let cfg = Gemma4Config::from_root(dir, &raw)?;
-            let m = Model::from_runtime(Box::new(Gemma4Model::new(&weights, cfg, eos, opts.draft_model_path.clone())?), dir);
-            // Seed default: paged unless a draft model is given (drafting needs flat caches);
-            // config.json's use_block_paged_cache overrides.
-            let m = match opts.kv_cache.resolve(&text, opts.draft_model_path.is_none()) {
-                Some(pc) => {
-                    let dt = default_dtype(opts).or_else(|| weights.float_dtype());
-                    m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))?
-                }
-                None => m,
-            };
-            Ok(LoadedModel::Lm(m))
-        }
-        "qwen3_5" | "qwen3_5_moe" => {
-            let cfg: Qwen35Config = config::parse(dir, &text)?;
-            let m = Model::from_runtime(Box::new(Qwen35Model::new(&weights, cfg, &text, eos, family.model_type)?), dir);
-            // Seed default for text-only Qwen3.5: flat; paged is opt-in.
-            Ok(LoadedModel::Lm(with_kv_mode(m, opts, &text, false, &weights)?))
-        }
-        "harrier" => {
-            let cfg: Qwen3Config = config::parse(dir, &text)?;
-            Ok(LoadedModel::Embedding(Arc::new(HarrierModel::new(dir, &weights, cfg)?)))
-        }
-        other => Err(ModelError::UnsupportedModelType { path: dir.to_path_buf(), model_type: other.to_string() }),
-    }
+        Built::Embedding(e) => LoadedModel::Embedding(Arc::new(e)),
+    })
 }
 
-/// Attach a paged pool when the options (or config.json, or the family default) ask for one.
-fn with_kv_mode(m: Model, opts: &LoadOptions, text: &serde_json::Value, family_default: bool, weights: &Weights) -> Result<Model> {
-    match opts.kv_cache.resolve(text, family_default) {
-        Some(pc) => {
-            let dt = default_dtype(opts).or_else(|| weights.float_dtype());
-            m.with_paged_cache(&pc, dt.unwrap_or(DType::F32))
-        }
-        None => Ok(m),
-    }
+/// Run `family`'s constructor over `weights` (a checkpoint's, or [`Weights::expecting`]).
+pub(crate) fn construct(dir: &Path, raw: &serde_json::Value, weights: &Weights, family: &'static Family, draft: Option<&Path>) -> Result<Built> {
+    let text = config::text_config(raw);
+    let eos = config::eos_ids(dir, &text);
+    let ctx = LoadContext { dir, config: raw, text, weights, eos, family, draft_model_path: draft };
+    (family.load)(&ctx)
 }
 
 /// Load the checkpoint in `dir` as a [`ChatSession`]; embedding models are refused.

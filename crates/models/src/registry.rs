@@ -5,10 +5,59 @@
 //! `qwen3` config whose architectures name `Qwen3Model` and not `Qwen3ForCausalLM`). Config
 //! validation fails closed: a root that is not an object, or `architectures` that is neither an
 //! array nor a string, is rejected rather than silently routed to the default.
+use crate::families::harrier::HarrierModel;
+use crate::runtime::ModelRuntime;
+use crate::weights::Weights;
 use crate::{ModelError, Result};
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::collections::HashSet;
 use std::path::Path;
+
+/// What a family's constructor reads: the checkpoint directory, its config and its weights.
+pub struct LoadContext<'a> {
+    pub dir: &'a Path,
+    /// The whole config.json.
+    pub config: &'a Value,
+    /// The decoder's settings ([`crate::config::text_config`] of `config`).
+    pub text: Value,
+    pub weights: &'a Weights,
+    /// End-of-sequence ids from config.json and generation_config.json.
+    pub eos: Vec<u32>,
+    pub family: &'static Family,
+    /// A speculative-decoding draft checkpoint (families that accept one).
+    pub draft_model_path: Option<&'a Path>,
+}
+
+impl LoadContext<'_> {
+    /// The family's typed config, parsed from [`LoadContext::text`].
+    pub fn parse<T: DeserializeOwned>(&self) -> Result<T> {
+        crate::config::parse(self.dir, &self.text)
+    }
+    /// A config error naming the checkpoint.
+    pub fn bad_config(&self, reason: impl Into<String>) -> ModelError {
+        ModelError::MalformedConfig { path: self.dir.to_path_buf(), reason: reason.into() }
+    }
+}
+
+/// What a family's constructor builds.
+pub enum Built {
+    Lm(Box<dyn ModelRuntime>),
+    Embedding(HarrierModel),
+}
+
+/// Which KV cache a family's sequences get when neither the load options nor config.json's
+/// `use_block_paged_cache` choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDefault {
+    Paged,
+    Flat,
+    /// Paged, unless a draft model is given (drafting needs flat caches).
+    PagedWithoutDraft,
+}
+
+/// A named random-checkpoint shape of a family: its hub-style config.json.
+pub type Preset = (&'static str, fn() -> Value);
 
 /// What a family can be used for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +77,8 @@ pub struct ProbeContext<'a> {
     pub architectures: &'a HashSet<String>,
 }
 
-/// One row of the registry.
+/// One row of the registry: everything the loader, the random-checkpoint writer and the
+/// benchmarks know about a family.
 pub struct Family {
     pub model_type: &'static str,
     pub kind: FamilyKind,
@@ -36,6 +86,41 @@ pub struct Family {
     pub architecture_probe: Option<fn(&ProbeContext) -> bool>,
     pub accepts_draft_model: bool,
     pub default_for_nullish_model_type: bool,
+    /// Build the model from a checkpoint (or, over [`Weights::expecting`], from a config alone).
+    pub load: fn(&LoadContext) -> Result<Built>,
+    /// Set aside tensors the family does not load on purpose (vision towers, rotary tables),
+    /// before construction (given config.json); whatever else the model leaves unread is an error.
+    pub sanitize: fn(&mut Weights, &Value),
+    pub kv_default: KvDefault,
+    /// Random-checkpoint shapes: `tiny` (tests), `small` (benchmarks), named sizes.
+    pub presets: &'static [Preset],
+}
+
+impl Family {
+    /// The config.json of preset `name`.
+    pub fn preset(&self, name: &str) -> Option<Value> {
+        self.presets.iter().find(|(n, _)| *n == name).map(|(_, f)| f())
+    }
+}
+
+/// Tensors no family reads: precomputed rotary tables some exports carry, and the `lm_head`
+/// copy of a checkpoint whose config ties it to the embedding.
+fn sanitize_common(w: &mut Weights, config: &Value) {
+    w.set_aside(|n| n.ends_with(".rotary_emb.inv_freq"));
+    let tied = crate::config::text_config(config).get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    if tied {
+        w.set_aside(|n| n == "lm_head.weight" || n == "language_model.lm_head.weight");
+    }
+}
+
+/// Multimodal checkpoints whose towers are not supported: the language model alone loads.
+fn sanitize_towers(w: &mut Weights, c: &Value) {
+    sanitize_common(w, c);
+    const TOWERS: [&str; 6] = ["vision_tower.", "multi_modal_projector.", "audio_tower.", "embed_vision.", "embed_audio.", "visual."];
+    w.set_aside(|n| {
+        let n = n.strip_prefix("model.").unwrap_or(n);
+        TOWERS.iter().any(|t| n.starts_with(t))
+    });
 }
 
 /// The table, in probe order.
@@ -49,6 +134,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: Some(|c| c.architectures.contains("Gemma4UnifiedForConditionalGeneration")),
         accepts_draft_model: true,
         default_for_nullish_model_type: false,
+        load: crate::families::gemma4::load,
+        sanitize: sanitize_towers,
+        kv_default: KvDefault::PagedWithoutDraft,
+        presets: crate::families::gemma4::PRESETS,
     },
     Family {
         model_type: "harrier",
@@ -59,6 +148,10 @@ pub static FAMILIES: &[Family] = &[
         }),
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::harrier::load,
+        sanitize: sanitize_common,
+        kv_default: KvDefault::Flat,
+        presets: crate::families::harrier::PRESETS,
     },
     Family {
         model_type: "qwen3",
@@ -67,6 +160,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: true,
+        load: crate::families::qwen3::load,
+        sanitize: sanitize_common,
+        kv_default: KvDefault::Paged,
+        presets: crate::families::qwen3::PRESETS,
     },
     Family {
         model_type: "qwen3_5",
@@ -75,6 +172,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::qwen3_5::load,
+        sanitize: sanitize_towers,
+        kv_default: KvDefault::Flat,
+        presets: crate::families::qwen3_5::PRESETS,
     },
     Family {
         model_type: "qwen3_5_moe",
@@ -83,6 +184,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::qwen3_5::load,
+        sanitize: sanitize_towers,
+        kv_default: KvDefault::Flat,
+        presets: crate::families::qwen3_5::MOE_PRESETS,
     },
     Family {
         model_type: "llama",
@@ -91,6 +196,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::llama::load_llama,
+        sanitize: sanitize_common,
+        kv_default: KvDefault::Paged,
+        presets: crate::families::llama::PRESETS,
     },
     Family {
         model_type: "qwen2",
@@ -99,6 +208,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::llama::load_qwen2,
+        sanitize: sanitize_common,
+        kv_default: KvDefault::Paged,
+        presets: crate::families::llama::QWEN2_PRESETS,
     },
     Family {
         model_type: "gemma3",
@@ -107,6 +220,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::gemma3::load,
+        sanitize: sanitize_towers,
+        kv_default: KvDefault::Paged,
+        presets: crate::families::gemma3::PRESETS,
     },
     Family {
         model_type: "lfm2",
@@ -115,6 +232,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::lfm2::load,
+        sanitize: sanitize_common,
+        kv_default: KvDefault::Flat,
+        presets: crate::families::lfm2::PRESETS,
     },
     Family {
         model_type: "lfm2_moe",
@@ -123,6 +244,10 @@ pub static FAMILIES: &[Family] = &[
         architecture_probe: None,
         accepts_draft_model: false,
         default_for_nullish_model_type: false,
+        load: crate::families::lfm2::load,
+        sanitize: sanitize_common,
+        kv_default: KvDefault::Flat,
+        presets: crate::families::lfm2::MOE_PRESETS,
     },
 ];
 

@@ -10,11 +10,41 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+/// How a random checkpoint draws one tensor: `N(mean, std)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Init {
+    pub mean: f32,
+    pub std: f32,
+}
+
+impl Init {
+    /// Projections and embeddings: `N(0, 0.02)`.
+    pub const WEIGHT: Init = Init { mean: 0.0, std: 0.02 };
+    pub const fn normal(mean: f32, std: f32) -> Self {
+        Init { mean, std }
+    }
+}
+
+/// A tensor a model reads, as recorded while it is built from a config alone
+/// ([`Weights::expecting`]): the expected checkpoint keys, in the order the model reads them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpectedTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// How a random checkpoint draws it.
+    pub init: Init,
+}
+
 /// All tensors of a checkpoint, by name, plus which ones a model has taken.
 pub struct Weights {
     tensors: Mutex<HashMap<String, Array>>,
     path: PathBuf,
     taken: Mutex<std::collections::HashSet<String>>,
+    /// Tensors set aside on purpose by the loader's sanitize step (vision towers, a tied
+    /// checkpoint's `lm_head` copy): present, not consumed, not an error.
+    set_aside: Mutex<Vec<String>>,
+    /// Recording mode ([`Weights::expecting`]): every read is recorded and answered with zeros.
+    expected: Option<Mutex<Vec<ExpectedTensor>>>,
     /// [`crate::LoadOptions::fuse_projections`]: `None` = fuse on the GPU only.
     pub(crate) fuse_projections: Option<bool>,
     /// config.json's `quantization` (mlx-lm's layout), when the checkpoint is quantized.
@@ -113,7 +143,66 @@ impl QuantSpec {
 impl Weights {
     /// Wrap already-loaded tensors; `path` names the checkpoint in errors.
     pub fn from_map(tensors: HashMap<String, Array>, path: impl Into<PathBuf>) -> Self {
-        Weights { tensors: Mutex::new(tensors), path: path.into(), taken: Mutex::new(Default::default()), fuse_projections: None, quant: None, dequantize_to: None, fp8_block: None }
+        Weights {
+            tensors: Mutex::new(tensors),
+            path: path.into(),
+            taken: Mutex::new(Default::default()),
+            set_aside: Mutex::new(Vec::new()),
+            expected: None,
+            fuse_projections: None,
+            quant: None,
+            dequantize_to: None,
+            fp8_block: None,
+        }
+    }
+
+    /// No tensors: a model built over this records every tensor it reads (name, shape, init)
+    /// and gets zeros (lazy, never computed). [`Weights::expected`] lists them afterwards: the
+    /// checkpoint layout a config implies, which random checkpoints are written from. Optional
+    /// tensors (those a loader probes with `contains`) are taken as absent, so the recorded
+    /// layout is the hub layout.
+    pub fn expecting(path: impl Into<PathBuf>) -> Self {
+        let mut w = Self::from_map(HashMap::new(), path);
+        w.expected = Some(Mutex::new(Vec::new()));
+        w.fuse_projections = Some(false);
+        w
+    }
+
+    /// The tensors recorded by a model built over [`Weights::expecting`], in reading order.
+    pub fn expected(&self) -> Vec<ExpectedTensor> {
+        self.expected.as_ref().map(|e| e.lock().unwrap_or_else(|e| e.into_inner()).clone()).unwrap_or_default()
+    }
+
+    /// Remove the tensors whose names match `pred` as set aside on purpose (not loaded, not
+    /// an error for [`Weights::check_all_used`]); returns how many.
+    pub fn set_aside(&mut self, pred: impl Fn(&str) -> bool) -> usize {
+        let map = self.tensors.get_mut().unwrap_or_else(|e| e.into_inner());
+        let names: Vec<String> = map.keys().filter(|k| pred(k)).cloned().collect();
+        for n in &names {
+            map.remove(n);
+        }
+        let n = names.len();
+        self.set_aside.get_mut().unwrap_or_else(|e| e.into_inner()).extend(names);
+        n
+    }
+
+    /// The names [`Weights::set_aside`] removed, sorted.
+    pub fn set_aside_names(&self) -> Vec<String> {
+        let mut v = self.set_aside.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        v.sort();
+        v
+    }
+
+    /// Strict loading: every tensor of the checkpoint was consumed by the model or set aside.
+    /// Unexpected tensors (a mistyped layout, a newer checkpoint format) are an error naming them.
+    pub fn check_all_used(&self) -> Result<()> {
+        let unused = self.unused();
+        if unused.is_empty() {
+            return Ok(());
+        }
+        let shown: Vec<&str> = unused.iter().take(8).map(String::as_str).collect();
+        let more = if unused.len() > 8 { format!(" (+{} more)", unused.len() - 8) } else { String::new() };
+        Err(self.err(format!("{} unexpected tensor(s) that no layer of the model reads: {}{more}", unused.len(), shown.join(", "))))
     }
 
     /// Load every `*.safetensors` tensor under `dir` (sharded through
@@ -192,11 +281,6 @@ impl Weights {
         self.tensors.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Rename, drop or add tensors before a model reads them (the sanitize hook).
-    pub fn map_mut(&mut self) -> &mut HashMap<String, Array> {
-        self.tensors.get_mut().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Tensors never read by the model, sorted (checkpoint keys the model did not expect).
     pub fn unused(&self) -> Vec<String> {
         let taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
@@ -236,9 +320,19 @@ impl<'a> Vb<'a> {
         self.w.contains(&self.full(name))
     }
 
-    /// The tensor `prefix.name`, which must have exactly `shape`.
+    /// The tensor `prefix.name`, which must have exactly `shape` (a random checkpoint draws it
+    /// from [`Init::WEIGHT`]).
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Array> {
+        self.get_init(name, shape, Init::WEIGHT)
+    }
+
+    /// [`Vb::get`], naming how a random checkpoint draws the tensor.
+    pub fn get_init(&self, name: &str, shape: &[usize], init: Init) -> Result<Array> {
         let full = self.full(name);
+        if let Some(rec) = &self.w.expected {
+            rec.lock().unwrap_or_else(|e| e.into_inner()).push(ExpectedTensor { name: full, shape: shape.to_vec(), init });
+            return Ok(Array::zeros(shape, DType::F32)?);
+        }
         let a = self.get_any(name)?;
         if a.shape() != shape {
             return Err(self.w.err(format!("tensor {full} has shape {:?}, expected {shape:?}", a.shape())));
@@ -246,9 +340,25 @@ impl<'a> Vb<'a> {
         Ok(a)
     }
 
+    /// The tensor `prefix.name` in one of the layouts `shapes` (the first is the hub's, the
+    /// one a random checkpoint gets).
+    pub fn get_either(&self, name: &str, shapes: &[&[usize]], init: Init) -> Result<Array> {
+        if self.w.expected.is_some() {
+            return self.get_init(name, shapes[0], init);
+        }
+        let a = self.get_any(name)?;
+        if !shapes.contains(&a.shape().as_slice()) {
+            return Err(self.w.err(format!("tensor {} has shape {:?}, expected one of {shapes:?}", self.full(name), a.shape())));
+        }
+        Ok(a)
+    }
+
     /// The tensor `prefix.name`, whatever its shape.
     pub fn get_any(&self, name: &str) -> Result<Array> {
         let full = self.full(name);
+        if self.w.expected.is_some() {
+            return Err(self.w.err(format!("{full}: a tensor of unknown shape cannot be recorded")));
+        }
         let found = self.w.map().get(&full).cloned();
         match found {
             Some(a) => {

@@ -3,9 +3,7 @@
 //! paths: one product for a few rows (decode), one product per part over views of the fused
 //! weight for more (prefill).
 use mlx_array::{Array, DType};
-use mlx_models::families::lfm2::{create_random_lfm2_checkpoint, tiny_lfm2_config};
-use mlx_models::random_gemma4::{create_random_gemma4_checkpoint, tiny_gemma4_config};
-use mlx_models::{create_random_qwen35_checkpoint, create_random_qwen3_checkpoint, load_model, tiny_qwen35_config, tiny_qwen3_config, KvCacheMode, LoadOptions, Logits, Model};
+use mlx_models::{create_random_preset, load_model, KvCacheMode, LoadOptions, Logits, Model};
 use std::path::Path;
 
 fn load(dir: &Path, fuse: bool) -> Model {
@@ -39,20 +37,20 @@ fn check(name: &str, write: impl FnOnce(&Path)) {
 
 #[test]
 fn qwen3_fused_equals_separate() {
-    check("qwen3", |d| create_random_qwen3_checkpoint(&tiny_qwen3_config(), d, DType::F32, 3).unwrap());
+    check("qwen3", |d| create_random_preset("qwen3", "tiny", d, DType::F32, 3).unwrap());
 }
 
 #[test]
 fn qwen3_5_fused_equals_separate() {
-    check("qwen3_5", |d| create_random_qwen35_checkpoint(&tiny_qwen35_config(), d, DType::F32, 3).unwrap());
+    check("qwen3_5", |d| create_random_preset("qwen3_5", "tiny", d, DType::F32, 3).unwrap());
 }
 
 #[test]
 fn gemma4_fused_equals_separate() {
-    check("gemma4", |d| create_random_gemma4_checkpoint(&tiny_gemma4_config(), d, DType::F32, 3).unwrap());
+    check("gemma4", |d| create_random_preset("gemma4", "tiny", d, DType::F32, 3).unwrap());
 }
 
 #[test]
 fn lfm2_fused_equals_separate() {
-    check("lfm2", |d| create_random_lfm2_checkpoint(&tiny_lfm2_config(false), false, d, DType::F32, 3).unwrap());
+    check("lfm2", |d| create_random_preset("lfm2", "tiny", d, DType::F32, 3).unwrap());
 }

@@ -2,7 +2,7 @@
 mod common;
 use common::*;
 use mlx_models::registry::detect_model_type;
-use mlx_models::{create_random_qwen3_checkpoint, load_model, tiny_qwen3_config, LoadOptions, ModelError};
+use mlx_models::{create_random_preset, load_model, LoadOptions, ModelError};
 use std::path::Path;
 
 fn write(dir: &Path, name: &str, body: &str) {
@@ -84,9 +84,8 @@ fn broken_weights() {
     assert!(e.contains("safetensors"), "{e}");
 
     // A missing tensor and a wrong shape, in otherwise valid checkpoints.
-    let cfg = tiny_qwen3_config();
     let t = tempfile::tempdir().unwrap();
-    create_random_qwen3_checkpoint(&cfg, t.path(), mlx_array::DType::BF16, 0).unwrap();
+    create_random_preset("qwen3", "tiny", t.path(), mlx_array::DType::BF16, 0).unwrap();
     let mut w = mlx_array::io::load_safetensors(t.path().join("model.safetensors"), None).unwrap();
     w.remove("model.layers.1.mlp.up_proj.weight");
     let refs: Vec<(&str, &mlx_array::Array)> = w.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -133,15 +132,14 @@ fn bad_tokens_to_forward() {
 #[test]
 fn random_checkpoint_roundtrip() {
     let t = tempfile::tempdir().unwrap();
-    let cfg = tiny_qwen3_config();
-    create_random_qwen3_checkpoint(&cfg, t.path(), mlx_array::DType::BF16, 7).unwrap();
+    create_random_preset("qwen3", "tiny", t.path(), mlx_array::DType::BF16, 7).unwrap();
     let m = load_model(t.path(), &LoadOptions::default()).unwrap().into_lm().unwrap();
     assert_eq!(m.info().vocab_size, 512);
     assert_eq!(m.info().eos_token_ids, vec![488]);
     mlx_models::chat::ChatFormat::from_dir(t.path()).unwrap();
     // Same seed, same bytes; no temp files left behind.
     let t2 = tempfile::tempdir().unwrap();
-    create_random_qwen3_checkpoint(&cfg, t2.path(), mlx_array::DType::BF16, 7).unwrap();
+    create_random_preset("qwen3", "tiny", t2.path(), mlx_array::DType::BF16, 7).unwrap();
     assert_eq!(std::fs::read(t.path().join("model.safetensors")).unwrap(), std::fs::read(t2.path().join("model.safetensors")).unwrap());
     let names: Vec<String> = std::fs::read_dir(t.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(names.iter().all(|n| !n.contains(".tmp")), "{names:?}");

@@ -210,13 +210,12 @@ fn bad_configs_are_refused() {
 
 #[test]
 fn random_checkpoints_load_and_decode_consistently() {
-    use mlx_models::families::lfm2::{create_random_lfm2_checkpoint, tiny_lfm2_config};
     for moe in [false, true] {
         let dir = tempfile::tempdir().unwrap();
-        let mut cfg = tiny_lfm2_config(moe);
-        cfg.conv_bias = !moe; // exercise the conv biases on the dense one
-        cfg.tie_word_embeddings = Some(moe); // and an untied head
-        create_random_lfm2_checkpoint(&cfg, moe, dir.path(), mlx_array::DType::BF16, 7).unwrap();
+        let mut cfg = mlx_models::preset_config(if moe { "lfm2_moe" } else { "lfm2" }, "tiny").unwrap();
+        cfg["conv_bias"] = (!moe).into(); // exercise the conv biases on the dense one
+        cfg["tie_word_embeddings"] = moe.into(); // and an untied head
+        mlx_models::create_random_checkpoint(&cfg, dir.path(), mlx_array::DType::BF16, 7).unwrap();
         let model = load_model(dir.path(), &test_load_options()).unwrap().into_lm().unwrap();
         assert_eq!(model.info().model_type, if moe { "lfm2_moe" } else { "lfm2" });
         assert_eq!(model.info().eos_token_ids, vec![488]);

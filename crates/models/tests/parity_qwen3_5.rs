@@ -134,10 +134,7 @@ mod random_and_mtp {
     use mlx_array::{Array, DType};
     use mlx_models::families::qwen3_5::{Qwen35Config, Qwen35Model};
     use mlx_models::weights::Weights;
-    use mlx_models::{
-        create_random_qwen35_checkpoint, create_random_qwen35_moe_checkpoint, load_model, tiny_qwen35_config, tiny_qwen35_moe_config,
-        Logits, ModelRuntime,
-    };
+    use mlx_models::{create_random_checkpoint, create_random_preset, load_model, preset_config, Logits, ModelRuntime};
     use std::path::Path;
 
     fn load_concrete(dir: &Path, family: &str) -> Qwen35Model {
@@ -153,11 +150,7 @@ mod random_and_mtp {
         let tmp = tempfile::tempdir().unwrap();
         for (moe, sub) in [(false, "dense"), (true, "moe")] {
             let dir = tmp.path().join(sub);
-            if moe {
-                create_random_qwen35_moe_checkpoint(&tiny_qwen35_moe_config(), &dir, DType::BF16, 3).unwrap();
-            } else {
-                create_random_qwen35_checkpoint(&tiny_qwen35_config(), &dir, DType::BF16, 3).unwrap();
-            }
+            create_random_preset(if moe { "qwen3_5_moe" } else { "qwen3_5" }, "tiny", &dir, DType::BF16, 3).unwrap();
             let m = load_model(&dir, &test_load_options()).unwrap().into_lm().unwrap();
             assert_eq!(m.info().model_type, if moe { "qwen3_5_moe" } else { "qwen3_5" });
             let prompt: Vec<u32> = (1..40).collect();
@@ -168,15 +161,18 @@ mod random_and_mtp {
             assert!(full.iter().flatten().all(|x| x.is_finite()));
             assert!(!load_concrete(&dir, if moe { "qwen3_5_moe" } else { "qwen3_5" }).has_mtp_weights());
         }
-        // The MoE config without num_experts is refused.
-        assert!(create_random_qwen35_moe_checkpoint(&tiny_qwen35_config(), &tmp.path().join("bad"), DType::F32, 0).is_err());
+        // An MoE config without num_experts is refused.
+        let mut bad = preset_config("qwen3_5_moe", "tiny").unwrap();
+        bad.as_object_mut().unwrap().remove("num_experts");
+        bad["intermediate_size"] = 0.into();
+        assert!(create_random_checkpoint(&bad, &tmp.path().join("bad"), DType::F32, 0).is_err());
     }
 
     #[test]
     fn mtp_weights_in_checkpoint_and_sidecars() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("m");
-        create_random_qwen35_checkpoint(&tiny_qwen35_config(), &dir, DType::F32, 1).unwrap();
+        create_random_preset("qwen3_5", "tiny", &dir, DType::F32, 1).unwrap();
         let fc = Array::zeros(&[64, 128], DType::F32).unwrap();
         let norm = Array::zeros(&[64], DType::F32).unwrap();
         // Nested dense sidecar (bare keys are read as mtp.*).

@@ -19,7 +19,7 @@
 //!
 //! All of the recurrence (decays, state, norms) is computed in f32 whatever the weight dtype.
 use crate::layers::{FusedLinear, Linear};
-use crate::weights::Vb;
+use crate::weights::{Init, Vb};
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, DType};
 
@@ -79,24 +79,16 @@ impl GatedDeltaNet {
             return Err(ModelError::InvalidInput(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {}", cfg.num_k_heads)));
         }
         // transformers stores `[C, 1, K]`, mlx-lm `[C, K, 1]` (the layout the conv runs in)
-        let conv = vb.get_any("conv1d.weight")?;
-        let conv_w = if conv.shape() == [c, 1, cfg.conv_kernel] {
-            conv.swap_axes(1, 2)?
-        } else if conv.shape() == [c, cfg.conv_kernel, 1] {
-            conv
-        } else {
-            return Err(ModelError::Checkpoint {
-                path: vb.weights().path().to_path_buf(),
-                msg: format!("conv1d.weight has shape {:?}, expected [{c}, 1, {k}] or [{c}, {k}, 1]", conv.shape(), k = cfg.conv_kernel),
-            });
-        };
-        let a_log = f32(&vb.get("A_log", &[hv])?)?;
+        let k = cfg.conv_kernel;
+        let conv = vb.get_either("conv1d.weight", &[&[c, 1, k], &[c, k, 1]], Init::normal(0.0, 0.2))?;
+        let conv_w = if conv.shape() == [c, 1, k] && k > 1 { conv.swap_axes(1, 2)? } else { conv };
+        let a_log = f32(&vb.get_init("A_log", &[hv], Init::normal(1.0, 0.5))?)?;
         Ok(GatedDeltaNet {
             in_proj: FusedLinear::load(vb, &["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], h, &[c, cfg.value_dim(), hv, hv], false)?,
             conv_w,
             neg_a: a_log.exp()?.neg()?,
-            dt_bias: f32(&vb.get("dt_bias", &[hv])?)?,
-            norm_w: f32(&vb.pp("norm").get("weight", &[cfg.head_v_dim])?)?,
+            dt_bias: f32(&vb.get_init("dt_bias", &[hv], Init::normal(1.0, 0.1))?)?,
+            norm_w: f32(&vb.pp("norm").get_init("weight", &[cfg.head_v_dim], Init::normal(1.0, 0.1))?)?,
             out: Linear::load(&vb.pp("out_proj"), cfg.value_dim(), h, false)?,
             cfg,
         })

@@ -17,6 +17,7 @@ use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::Array;
+use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
@@ -294,6 +295,27 @@ impl ModelRuntime for Gemma3Model {
         self.lm_head.output(h, logits, hidden)
     }
 }
+
+/// The registry's constructor.
+pub(crate) fn load(c: &LoadContext) -> Result<Built> {
+    let cfg = Gemma3Config::from_root(c.dir, c.config)?;
+    Ok(Built::Lm(Box::new(Gemma3Model::new(c.weights, cfg, c.eos.clone())?)))
+}
+
+/// `tiny`: hidden 64, 6 layers (5 sliding over 16 positions, 1 full), vocab 512, soft-capped.
+pub(crate) const PRESETS: &[Preset] = &[(
+    "tiny",
+    || {
+        serde_json::json!({
+            "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 16,
+            "sliding_window": 16, "sliding_window_pattern": 6, "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": true, "max_position_embeddings": 4096, "bos_token_id": 486, "eos_token_id": 488
+        })
+    },
+)];
 
 #[cfg(test)]
 mod tests {

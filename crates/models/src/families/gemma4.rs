@@ -26,9 +26,10 @@ use super::moe::SwitchGlu;
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
-use crate::weights::{Vb, Weights};
+use crate::weights::{Init, Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, AttentionMask};
+use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -455,13 +456,13 @@ impl Experts {
         let h = cfg.hidden_size;
         let (e, k, i) = (cfg.num_experts.unwrap(), cfg.top_k_experts.unwrap(), cfg.moe_intermediate_size.unwrap());
         let r = vb.pp("router");
-        let scale = r.get("scale", &[h])?;
+        let scale = r.get_init("scale", &[h], Init::normal(1.0, 0.1))?;
         let router_norm = scale.mul_scalar((h as f32).powf(-0.5))?;
         let ex = vb.pp("experts");
         Ok(Experts {
             proj: Linear::load(&r.pp("proj"), h, e, false)?,
             router_norm,
-            per_expert_scale: r.get("per_expert_scale", &[e])?,
+            per_expert_scale: r.get_init("per_expert_scale", &[e], Init::normal(1.0, 0.1))?,
             experts: SwitchGlu::load(&ex, e, h, i, ["gate_proj", "up_proj", "down_proj"], act)?,
             top_k: k,
             n_experts: e,
@@ -544,7 +545,7 @@ impl Block {
             post_ffn_norm: norm("post_feedforward_layernorm")?,
             moe,
             ple,
-            layer_scalar: vb.get("layer_scalar", &[1])?,
+            layer_scalar: vb.get_init("layer_scalar", &[1], Init::normal(1.0, 0.0))?,
             act,
         })
     }
@@ -768,3 +769,38 @@ impl ModelRuntime for Gemma4Model {
         net.lm_head.output(h, logits, hidden)
     }
 }
+
+/// The registry's constructor.
+pub(crate) fn load(c: &LoadContext) -> Result<Built> {
+    let cfg = Gemma4Config::from_root(c.dir, c.config)?;
+    Ok(Built::Lm(Box::new(Gemma4Model::new(c.weights, cfg, c.eos.clone(), c.draft_model_path.map(Path::to_path_buf))?)))
+}
+
+/// A Gemma 4 text config.json. Every setting whose default differs between transformers and
+/// mlx-lm is spelled out (mlx-lm defaults `num_kv_shared_layers` to 20,
+/// `hidden_size_per_layer_input` to 256, `global_head_dim` to 512), so both read the same network.
+fn shape(h: usize, inter: usize, heads: usize, d: usize, global_d: usize, vocab: usize, ple: usize, window: usize, max_pos: usize) -> Value {
+    let (s, f) = ("sliding_attention", "full_attention");
+    serde_json::json!({
+        "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"],
+        "hidden_size": h, "num_hidden_layers": if h > 64 { 8 } else { 6 }, "intermediate_size": inter,
+        "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": d, "global_head_dim": global_d,
+        "vocab_size": vocab, "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": ple,
+        "num_kv_shared_layers": 2, "use_double_wide_mlp": true, "attention_k_eq_v": false, "sliding_window": window,
+        "layer_types": if h > 64 { serde_json::json!([s, s, s, f, s, s, s, f]) } else { serde_json::json!([s, s, f, s, s, f]) },
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}
+        },
+        "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "max_position_embeddings": max_pos,
+        "tie_word_embeddings": true, "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 486, "eos_token_id": 488
+    })
+}
+
+/// `tiny`: hidden 64, 6 layers (2 sliding + 1 full, twice; window 16), PLE 16, the last 2 layers
+/// KV-shared with double-wide MLPs, vocab 512. `small` (E2B-style): hidden 1024, sliding (head
+/// 128, window 512) and global (head 256, proportional rope) layers 3:1, PLE 64.
+pub(crate) const PRESETS: &[Preset] = &[
+    ("tiny", || shape(64, 128, 4, 16, 32, 512, 16, 16, 4096)),
+    ("small", || shape(1024, 3072, 8, 128, 256, 32768, 64, 512, 131072)),
+];

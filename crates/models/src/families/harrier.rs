@@ -6,6 +6,7 @@ use crate::weights::Weights;
 use crate::{ModelError, Result};
 use mlx_array::{Array, DType};
 use std::collections::BTreeMap;
+use crate::registry::{Built, LoadContext, Preset};
 use std::path::Path;
 
 /// A loaded embedding model: `Send + Sync`, so one `Arc<HarrierModel>` serves several threads
@@ -108,3 +109,18 @@ fn l2_normalize(v: Vec<f32>) -> Vec<f32> {
     let n = v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt().max(1e-12);
     v.into_iter().map(|x| (x as f64 / n) as f32).collect()
 }
+
+/// The registry's constructor.
+pub(crate) fn load(c: &LoadContext) -> Result<Built> {
+    Ok(Built::Embedding(HarrierModel::new(c.dir, c.weights, c.parse()?)?))
+}
+
+/// `tiny`: the tiny Qwen3 stack as a `Qwen3Model` checkpoint (keys without `model.`).
+pub(crate) const PRESETS: &[Preset] = &[(
+    "tiny",
+    || {
+        let mut v = (super::qwen3::PRESETS[0].1)();
+        v["architectures"] = serde_json::json!(["Qwen3Model"]);
+        v
+    },
+)];

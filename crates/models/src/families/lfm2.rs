@@ -16,7 +16,9 @@ use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, AttentionMask, DType};
+use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 /// `config.json` of an LFM2 or LFM2-MoE checkpoint (hub style and transformers-5 style).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -215,20 +217,11 @@ struct ShortConv {
 }
 
 impl ShortConv {
-    fn load(vb: &Vb, cfg: &Lfm2Config, path: &std::path::Path, layer: usize) -> Result<Self> {
+    fn load(vb: &Vb, cfg: &Lfm2Config) -> Result<Self> {
         let (h, k) = (cfg.hidden_size, cfg.conv_l_cache);
-        let w = vb.get_any("conv.weight")?;
         // HF stores [H, 1, K]; mlx-lm's converted checkpoints [H, K, 1].
-        let weight = if w.shape() == [h, 1, k] {
-            w.transpose(&[0, 2, 1])?
-        } else if w.shape() == [h, k, 1] {
-            w
-        } else {
-            return Err(ModelError::Checkpoint {
-                path: path.to_path_buf(),
-                msg: format!("tensor model.layers.{layer}.conv.conv.weight has shape {:?}, expected [{h}, 1, {k}]", w.shape()),
-            });
-        };
+        let w = vb.get_either("conv.weight", &[&[h, 1, k], &[h, k, 1]], crate::weights::Init::WEIGHT)?;
+        let weight = if w.shape() == [h, 1, k] && k > 1 { w.transpose(&[0, 2, 1])? } else { w };
         let bias = if cfg.conv_bias { Some(vb.get("conv.bias", &[h])?) } else { None };
         Ok(ShortConv {
             in_proj: Linear::load(&vb.pp("in_proj"), h, 3 * h, cfg.conv_bias)?,
@@ -406,7 +399,7 @@ impl Lfm2Model {
                 let op = if is_attn[i] {
                     Operator::Attn(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_layernorm", "k_layernorm"])?)
                 } else {
-                    Operator::Conv(ShortConv::load(&lv.pp("conv"), &cfg, &path, i)?)
+                    Operator::Conv(ShortConv::load(&lv.pp("conv"), &cfg)?)
                 };
                 let fv = lv.pp("feed_forward");
                 let ffn = if moe && i >= cfg.num_dense_layers {
@@ -455,89 +448,43 @@ impl ModelRuntime for Lfm2Model {
     }
 }
 
-/// A small LFM2 (or, with `moe`, LFM2-MoE) shape: hidden 64, 4 layers (conv, attention, conv,
-/// attention), vocab 512; the MoE variant has 4 experts, top 2, one dense layer.
-pub fn tiny_lfm2_config(moe: bool) -> Lfm2Config {
-    let mut v = serde_json::json!({
-        "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 4096, "norm_eps": 1e-5,
-        "conv_bias": false, "conv_L_cache": 3, "rope_theta": 1000000.0,
-        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
-        "tie_word_embeddings": true, "bos_token_id": 486, "eos_token_id": 488
-    });
-    let extra = if moe {
-        serde_json::json!({"intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
-            "num_experts_per_tok": 2, "norm_topk_prob": true, "use_expert_bias": true, "num_dense_layers": 1})
-    } else {
-        serde_json::json!({"intermediate_size": 192, "block_dim": 64, "block_ff_dim": 192, "block_multiple_of": 32,
-            "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": true})
-    };
-    v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-    serde_json::from_value(v).expect("static config")
+/// The registry's constructor (`lfm2` and `lfm2_moe`).
+pub(crate) fn load(c: &LoadContext) -> Result<Built> {
+    Ok(Built::Lm(Box::new(Lfm2Model::new(c.weights, c.parse()?, c.family.model_type, c.eos.clone())?)))
 }
 
-/// Create a random LFM2 (`moe: false`) or LFM2-MoE checkpoint in `dir` in the transformers
-/// layout (config.json, model.safetensors in `dtype`, and the bundled 512-id Qwen3 tokenizer, as
-/// the fixtures use). Weights ~ N(0, 0.02), norms ~ 1 + N(0, 0.1): text is random.
-pub fn create_random_lfm2_checkpoint(cfg: &Lfm2Config, moe: bool, dir: &std::path::Path, dtype: DType, seed: u64) -> Result<()> {
-    use crate::random_ckpt::write_random_checkpoint;
-    cfg.validate(moe).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
-    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    let is_attn = cfg.attention_layers().expect("validated");
-    let (h, d, k) = (cfg.hidden_size, cfg.head_dim(), cfg.conv_l_cache);
-    let (nq, nkv) = (cfg.num_attention_heads * d, cfg.kv_heads() * d);
-    let mut shapes: Vec<(String, Vec<usize>, f32, f32)> = vec![("model.embed_tokens.weight".into(), vec![cfg.vocab_size, h], 0.0, 0.02)];
-    let mut w = |name: String, shape: Vec<usize>| shapes.push((name, shape, 0.0, 0.02));
-    let mut norms = Vec::new();
-    for (l, &attn) in is_attn.iter().enumerate() {
-        let p = format!("model.layers.{l}");
-        if attn {
-            w(format!("{p}.self_attn.q_proj.weight"), vec![nq, h]);
-            w(format!("{p}.self_attn.k_proj.weight"), vec![nkv, h]);
-            w(format!("{p}.self_attn.v_proj.weight"), vec![nkv, h]);
-            w(format!("{p}.self_attn.out_proj.weight"), vec![h, nq]);
-            norms.push((format!("{p}.self_attn.q_layernorm.weight"), d));
-            norms.push((format!("{p}.self_attn.k_layernorm.weight"), d));
-        } else {
-            w(format!("{p}.conv.in_proj.weight"), vec![3 * h, h]);
-            w(format!("{p}.conv.conv.weight"), vec![h, 1, k]);
-            w(format!("{p}.conv.out_proj.weight"), vec![h, h]);
-            if cfg.conv_bias {
-                w(format!("{p}.conv.in_proj.bias"), vec![3 * h]);
-                w(format!("{p}.conv.conv.bias"), vec![h]);
-                w(format!("{p}.conv.out_proj.bias"), vec![h]);
-            }
-        }
-        let f = format!("{p}.feed_forward");
-        if moe && l >= cfg.num_dense_layers {
-            let (e, i) = (cfg.num_experts.unwrap(), cfg.moe_intermediate_size.unwrap());
-            w(format!("{f}.gate.weight"), vec![e, h]);
-            if cfg.use_expert_bias {
-                w(format!("{f}.expert_bias"), vec![e]);
-            }
-            for x in 0..e {
-                w(format!("{f}.experts.{x}.w1.weight"), vec![i, h]);
-                w(format!("{f}.experts.{x}.w3.weight"), vec![i, h]);
-                w(format!("{f}.experts.{x}.w2.weight"), vec![h, i]);
-            }
-        } else {
-            let ff = cfg.dense_ff_dim(moe).unwrap();
-            w(format!("{f}.w1.weight"), vec![ff, h]);
-            w(format!("{f}.w3.weight"), vec![ff, h]);
-            w(format!("{f}.w2.weight"), vec![h, ff]);
-        }
-        norms.push((format!("{p}.operator_norm.weight"), h));
-        norms.push((format!("{p}.ffn_norm.weight"), h));
-    }
-    if !cfg.tied() {
-        w("lm_head.weight".into(), vec![cfg.vocab_size, h]);
-    }
-    norms.push(("model.embedding_norm.weight".into(), h));
-    shapes.extend(norms.into_iter().map(|(n, s)| (n, vec![s], 1.0, 0.1)));
-    let json = serde_json::to_value(cfg).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-    let (mt, arch) = if moe { ("lfm2_moe", "Lfm2MoeForCausalLM") } else { ("lfm2", "Lfm2ForCausalLM") };
-    write_random_checkpoint(dir, shapes, dtype, seed, json, mt, arch)
+/// An LFM2 / LFM2-MoE config.json. `tiny`: hidden 64, 4 layers (conv, attention, conv,
+/// attention), vocab 512 (MoE: 4 experts of 32, top 2, one dense layer). `small`: LFM2-350M's
+/// layer (hidden 1024, 16/8 heads, ff 6656 -> 4608) in 8 layers, conv:attention 5:3 (MoE:
+/// LFM2-8B-A1B's mix shrunk, 2 dense layers of 4608, then 16 experts of 256, top 4).
+fn shape(small: bool, moe: bool) -> Value {
+    let c = "conv";
+    let (h, heads, kv, vocab, max_pos) = if small { (1024, 16, 8, 32768, 128000) } else { (64, 4, 2, 512, 4096) };
+    let types = if small { serde_json::json!([c, c, "full_attention", c, c, "full_attention", c, "full_attention"]) } else { serde_json::json!([c, "full_attention", c, "full_attention"]) };
+    let (model_type, arch) = if moe { ("lfm2_moe", "Lfm2MoeForCausalLM") } else { ("lfm2", "Lfm2ForCausalLM") };
+    let mut v = serde_json::json!({
+        "model_type": model_type, "architectures": [arch],
+        "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": if small { 8 } else { 4 }, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "max_position_embeddings": max_pos, "norm_eps": 1e-5,
+        "conv_bias": false, "conv_L_cache": 3, "rope_theta": 1000000.0, "layer_types": types,
+        "tie_word_embeddings": true, "bos_token_id": 486, "eos_token_id": 488
+    });
+    let extra = match (small, moe) {
+        (false, true) => serde_json::json!({"intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+            "num_experts_per_tok": 2, "norm_topk_prob": true, "use_expert_bias": true, "num_dense_layers": 1}),
+        (false, false) => serde_json::json!({"intermediate_size": 192, "block_dim": 64, "block_ff_dim": 192, "block_multiple_of": 32,
+            "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": true}),
+        (true, true) => serde_json::json!({"intermediate_size": 4608, "moe_intermediate_size": 256, "num_experts": 16,
+            "num_experts_per_tok": 4, "norm_topk_prob": true, "use_expert_bias": true, "num_dense_layers": 2}),
+        (true, false) => serde_json::json!({"intermediate_size": 6656, "block_dim": 1024, "block_ff_dim": 6656, "block_multiple_of": 256,
+            "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": true}),
+    };
+    v.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+    v
 }
+
+pub(crate) const PRESETS: &[Preset] = &[("tiny", || shape(false, false)), ("small", || shape(true, false))];
+pub(crate) const MOE_PRESETS: &[Preset] = &[("tiny", || shape(false, true)), ("small", || shape(true, true))];
 
 #[cfg(test)]
 mod tests {

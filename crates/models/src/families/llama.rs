@@ -5,7 +5,9 @@ use crate::families::qwen3::{DecoderOptions, Qwen3Config, Qwen3Model};
 use crate::layers::{Rope, RopeScaling};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
+use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 /// `config.json` of a Llama or Qwen2 checkpoint (the keys the model uses; defaults are HF's).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -106,3 +108,38 @@ pub fn load(weights: &Weights, cfg: LlamaConfig, variant: LlamaVariant, eos: Vec
     let opts = DecoderOptions { qk_norm: false, qkv_bias, o_bias, mlp_bias, rope };
     Qwen3Model::with_options(weights, cfg.as_qwen3(), &opts, model_type, eos)
 }
+
+/// The registry's constructors.
+pub(crate) fn load_llama(c: &LoadContext) -> Result<Built> {
+    Ok(Built::Lm(Box::new(load(c.weights, c.parse()?, LlamaVariant::Llama, c.eos.clone())?)))
+}
+pub(crate) fn load_qwen2(c: &LoadContext) -> Result<Built> {
+    Ok(Built::Lm(Box::new(load(c.weights, c.parse()?, LlamaVariant::Qwen2, c.eos.clone())?)))
+}
+
+/// `tiny`: hidden 64, 2 layers, vocab 512, untied, llama3-scaled rope (SmolLM2/Llama 3 style).
+pub(crate) const PRESETS: &[Preset] = &[(
+    "tiny",
+    || {
+        json!({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+            "tie_word_embeddings": false, "max_position_embeddings": 4096, "bos_token_id": 486, "eos_token_id": 488
+        })
+    },
+)];
+
+/// `tiny`: hidden 64, 2 layers, vocab 512, tied (Qwen2.5-0.5B style).
+pub(crate) const QWEN2_PRESETS: &[Preset] = &[(
+    "tiny",
+    || {
+        json!({
+            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "tie_word_embeddings": true, "max_position_embeddings": 4096, "bos_token_id": 486, "eos_token_id": 488
+        })
+    },
+)];

@@ -6,7 +6,9 @@ use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{Array, AttentionMask};
+use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 
 /// `config.json` of a Qwen3 checkpoint (the keys the model uses).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -218,3 +220,28 @@ impl ModelRuntime for Qwen3Model {
         self.lm_head.output(h, logits, hidden)
     }
 }
+
+/// The registry's constructor.
+pub(crate) fn load(c: &LoadContext) -> Result<Built> {
+    Ok(Built::Lm(Box::new(Qwen3Model::new(c.weights, c.parse()?, c.eos.clone())?)))
+}
+
+/// A Qwen3 config.json of the given shape (head_dim 128 unless `head_dim` says otherwise).
+fn shape(h: usize, l: usize, nq: usize, nkv: usize, d: usize, inter: usize, vocab: usize, tied: bool, bos: u32, eos: u32) -> Value {
+    json!({
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": l,
+        "num_attention_heads": nq, "num_key_value_heads": nkv, "head_dim": d, "vocab_size": vocab,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": tied,
+        "max_position_embeddings": if vocab > 512 { 40960 } else { 4096 }, "bos_token_id": bos, "eos_token_id": eos
+    })
+}
+
+/// `tiny`: hidden 64, 2 layers, vocab 512 (runs anywhere in milliseconds); `small`: 8 layers of
+/// Qwen3-0.6B's width with a 32k vocabulary; `0.6b` and `8b`: the real shapes.
+pub(crate) const PRESETS: &[Preset] = &[
+    ("tiny", || shape(64, 2, 4, 2, 16, 128, 512, true, 486, 488)),
+    ("small", || shape(1024, 8, 16, 8, 128, 3072, 32768, true, 151643, 151645)),
+    ("0.6b", || shape(1024, 28, 16, 8, 128, 3072, 151936, true, 151643, 151645)),
+    ("8b", || shape(4096, 36, 32, 8, 128, 12288, 151936, false, 151643, 151645)),
+];

@@ -43,7 +43,9 @@ use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use mlx_array::{Array, AttentionMask, DType};
+use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -324,7 +326,7 @@ impl Qwen35Model {
         let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
         let lm_head = LmHead::load(&root, prefix, &embed, cfg.tie_word_embeddings, h, cfg.vocab_size)?;
         let mut notes = Vec::new();
-        let visual = weights.names().into_iter().filter(|n| n.starts_with("model.visual.") || n.starts_with("visual.")).count();
+        let visual = weights.set_aside_names().into_iter().filter(|n| n.starts_with("model.visual.") || n.starts_with("visual.")).count();
         if visual > 0 {
             notes.push(format!("skipped {visual} vision-tower tensors (model.visual.*): text-only model"));
         }
@@ -432,3 +434,46 @@ impl ModelRuntime for Qwen35Model {
     }
 }
 
+
+/// The registry's constructor (`qwen3_5` and `qwen3_5_moe`).
+pub(crate) fn load(c: &LoadContext) -> Result<Built> {
+    Ok(Built::Lm(Box::new(Qwen35Model::new(c.weights, c.parse()?, &c.text, c.eos.clone(), c.family.model_type)?)))
+}
+
+/// A text-only Qwen3.5 config.json: 3 GatedDeltaNet layers per gated full-attention layer, a
+/// quarter rotary; with `experts` `(count, top_k, width, shared width)` every layer is sparse.
+fn shape(h: usize, layers: usize, heads: usize, d: usize, inter: usize, lin: (usize, usize, usize), vocab: usize, tied: bool, experts: Option<(usize, usize, usize, usize)>) -> Value {
+    let types: Vec<&str> = (0..layers).map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" }).collect();
+    let (model_type, arch) = if experts.is_some() { ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM") } else { ("qwen3_5_text", "Qwen3_5ForCausalLM") };
+    let mut v = serde_json::json!({
+        "model_type": model_type, "architectures": [arch],
+        "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": d, "vocab_size": vocab,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": tied, "max_position_embeddings": if vocab > 512 { 262144 } else { 4096 }, "eos_token_id": 488,
+        "layer_types": types, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": lin.2, "linear_value_head_dim": lin.2, "linear_num_key_heads": lin.0, "linear_num_value_heads": lin.1
+    });
+    if let Some((e, k, w, sw)) = experts {
+        let o = v.as_object_mut().expect("object");
+        for (key, x) in [("num_experts", e), ("num_experts_per_tok", k), ("moe_intermediate_size", w), ("shared_expert_intermediate_size", sw)] {
+            o.insert(key.into(), x.into());
+        }
+        o.insert("norm_topk_prob".into(), true.into());
+    }
+    v
+}
+
+/// `tiny`: hidden 64, 4 layers, vocab 512, untied; `small`: hidden 1024, 8 layers, head 256,
+/// linear attention 8 key / 16 value heads of 128, vocab 32k.
+pub(crate) const PRESETS: &[Preset] = &[
+    ("tiny", || shape(64, 4, 4, 32, 128, (2, 4, 16), 512, false, None)),
+    ("small", || shape(1024, 8, 8, 256, 3072, (8, 16, 128), 32768, true, None)),
+];
+
+/// `tiny`: the tiny shape with 8 experts of 32, top 2, a shared expert of 48; `small`: 16
+/// experts of 256, top 4, a shared expert of 512.
+pub(crate) const MOE_PRESETS: &[Preset] = &[
+    ("tiny", || shape(64, 4, 4, 32, 0, (2, 4, 16), 512, false, Some((8, 2, 32, 48)))),
+    ("small", || shape(1024, 8, 8, 256, 0, (8, 16, 128), 32768, true, Some((16, 4, 256, 512)))),
+];

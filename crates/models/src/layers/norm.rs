@@ -12,7 +12,9 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     pub fn load(vb: &Vb, dim: usize, eps: f32, offset: f32) -> Result<Self> {
-        let w = vb.get("weight", &[dim])?;
+        // a random checkpoint's norms scale by about 1: w ~ 1 + N(0, 0.1) as stored for `x * w`,
+        // w ~ N(0, 0.1) for `x * (1 + w)`
+        let w = vb.get_init("weight", &[dim], crate::weights::Init::normal(1.0 - offset, 0.1))?;
         let w = if offset != 0.0 {
             let d = w.dtype();
             w.astype(DType::F32)?.add_scalar(offset)?.astype(d)?
