@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release -p mlx-convert --example convert -- gguf IN.gguf OUT_DIR [--dtype f32|bf16|f16] [--config-from HF_DIR] [--json]
 //! cargo run --release -p mlx-convert --example convert -- quantize IN_DIR OUT_DIR [--bits 4] [--group-size 64] [--mode affine|mxfp4|mxfp8|nvfp4] [--recipe mixed_4_6] [--dtype f32|bf16|f16] [--json]
+//! cargo run --release -p mlx-convert --example convert -- random FAMILY OUT_DIR [--preset tiny] [--dtype bf16] [--seed 0]
 //! ```
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,6 +35,20 @@ enum Command {
         /// Print a JSON summary instead of the summary line.
         #[arg(long)]
         json: bool,
+    },
+    /// A random-weight checkpoint of any registered family (`qwen3`, `llama`, `gemma3`, `lfm2_moe`,
+    /// ...) in one of its presets; the tensor list is what the loader reads for that config.
+    Random {
+        family: String,
+        output: PathBuf,
+        /// The family's preset: tiny, small, or a named size (qwen3: 0.6b, 8b).
+        #[arg(long, default_value = "tiny")]
+        preset: String,
+        /// Element type of the written tensors.
+        #[arg(long, default_value = "bf16")]
+        dtype: OutDtype,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Hugging Face directory -> MLX-quantized directory in mlx-lm's layout.
     Quantize {
@@ -93,6 +108,23 @@ fn quant_mode(mode: &str, bits: Option<u32>, group_size: Option<u32>, recipe: Op
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Random { family, output, preset, dtype, seed } => {
+            let dt = match dtype {
+                OutDtype::F32 => mlx_array::DType::F32,
+                OutDtype::F16 => mlx_array::DType::F16,
+                OutDtype::Bf16 => mlx_array::DType::BF16,
+            };
+            match mlx_models::create_random_preset(&family, &preset, &output, dt, seed) {
+                Ok(()) => {
+                    println!("{}: random {family} ({preset}, {dtype:?})", output.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Quantize { input, output, mode, bits, group_size, recipe, dtype, json } => {
             let mode = match quant_mode(&mode, bits, group_size, recipe) {
                 Ok(m) => m,
