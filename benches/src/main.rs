@@ -45,108 +45,84 @@ use std::time::Instant;
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
-#[derive(Debug, Clone)]
+/// Our runtime against mlx-lm on one checkpoint (see the crate docs for what is timed).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "llm_bench", after_help = AFTER_HELP)]
 struct Args {
+    /// Checkpoint directory to benchmark.
+    #[arg(long, required_unless_present_any = ["create", "bandwidth_only"])]
     model: Option<PathBuf>,
+    /// Compute dtype (f32 | bf16; default: the loader's).
+    #[arg(long)]
     dtype: Option<String>,
-    /// KV cache of our side: "flat" (default, like mlx-lm's KVCache) or "paged".
+    /// KV cache of our side: flat (like mlx-lm's KVCache) or paged.
+    #[arg(long, default_value = "flat", value_parser = ["flat", "paged"])]
     kv: String,
+    #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// New tokens of the decode request.
+    #[arg(long, default_value_t = 128)]
     gen: usize,
+    /// Prompt lengths, comma-separated: the first also decodes, the others prefill only.
+    #[arg(long, value_delimiter = ',', default_value = "128,2048")]
     prompts: Vec<usize>,
+    /// Python with mlx-lm (default: $MLX_LM_PYTHON, /tmp/mlxlm/bin/python, else python3).
+    #[arg(long, env = "MLX_LM_PYTHON")]
     python: Option<String>,
+    /// The mlx-lm side's script (default: benches/mlx_lm_bench.py).
+    #[arg(long)]
     script: Option<PathBuf>,
+    /// Time our side only.
+    #[arg(long)]
     no_mlx_lm: bool,
+    /// Also write the figures as JSON here.
+    #[arg(long)]
     json: Option<PathBuf>,
+    /// Write a random checkpoint FAMILY-PRESET from the registry (qwen3-small, qwen3-0.6b,
+    /// qwen3_5-moe-small, gemma4-small, lfm2-small, ...) and exit.
+    #[arg(long = "create-random", value_name = "SHAPE")]
     create: Option<String>,
+    /// Where --create-random writes (default ~/.cache/mlx-models/bench/SHAPE-DTYPE).
+    #[arg(long)]
     out: Option<PathBuf>,
+    /// Also measure device copy bandwidth and print the decode floor.
+    #[arg(long)]
     bandwidth: bool,
+    /// Only measure device copy bandwidth.
+    #[arg(long)]
     bandwidth_only: bool,
+    /// Seed of --create-random.
+    #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// `--fuse on|off|auto`: LoadOptions::fuse_projections (auto: GPU only).
-    fuse: Option<bool>,
-    /// `--peer-blas same|openblas`: the BLAS preloaded into mlx-lm on the CPU (see Theirs::start).
+    /// LoadOptions::fuse_projections: on, off, or auto (GPU only).
+    #[arg(long, default_value = "auto", value_parser = ["on", "off", "auto"])]
+    fuse: String,
+    /// The BLAS preloaded into mlx-lm on the CPU: same (our BLAS router and OpenBLAS, the BLAS
+    /// ours runs) or openblas (OpenBLAS alone, a stock mlx-lm with OpenBLAS).
+    #[arg(long, default_value = "same", value_parser = ["same", "openblas"])]
     peer_blas: String,
 }
 
+const AFTER_HELP: &str = "env: MLX_LM_PRELOAD (LD_PRELOAD for mlx-lm, overrides --peer-blas)";
+
+/// `--fuse` as LoadOptions::fuse_projections.
+fn fuse_option(s: &str) -> Option<bool> {
+    match s {
+        "on" => Some(true),
+        "off" => Some(false),
+        _ => None,
+    }
+}
+
+/// A bad value found after parsing (a dtype, a shape name): print usage and exit 2.
 fn usage() -> ! {
-    eprintln!("{}", USAGE);
+    use clap::CommandFactory;
+    let _ = Args::command().print_help();
     std::process::exit(2)
 }
 
-const USAGE: &str = "usage:
-  llm_bench --model DIR [--dtype f32|bf16] [--kv flat|paged] [--runs 3] [--gen 128] [--prompts 128,2048]
-            [--python PATH] [--script mlx_lm_bench.py] [--no-mlx-lm] [--json FILE] [--bandwidth]
-            [--fuse on|off|auto] [--peer-blas same|openblas]
-  llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR] [--seed N]
-     SHAPE: FAMILY-PRESET from the registry (qwen3-small, qwen3-0.6b, qwen3-8b, qwen3_5-moe-small, gemma4-small, lfm2-small, ...)
-  llm_bench --bandwidth-only
-  --peer-blas (CPU): same (default) preloads our BLAS router and OpenBLAS into mlx-lm, so both
-     sides run the same BLAS; openblas preloads OpenBLAS alone (a stock mlx-lm with OpenBLAS)
-env: MLX_LM_PYTHON (python with mlx-lm; default /tmp/mlxlm/bin/python, else python3);
-     MLX_LM_PRELOAD (LD_PRELOAD for mlx-lm, overrides --peer-blas)";
-
 fn parse_args() -> Args {
-    let mut a = Args {
-        model: None,
-        dtype: None,
-        kv: "flat".into(),
-        runs: 3,
-        gen: 128,
-        prompts: vec![128, 2048],
-        python: std::env::var("MLX_LM_PYTHON").ok(),
-        script: None,
-        no_mlx_lm: false,
-        json: None,
-        create: None,
-        out: None,
-        bandwidth: false,
-        bandwidth_only: false,
-        seed: 0,
-        fuse: None,
-        peer_blas: "same".into(),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut v = || it.next().unwrap_or_else(|| usage());
-        match k.as_str() {
-            "--model" => a.model = Some(v().into()),
-            "--dtype" => a.dtype = Some(v()),
-            "--kv" => a.kv = v(),
-            "--runs" => a.runs = v().parse().unwrap_or_else(|_| usage()),
-            "--gen" => a.gen = v().parse().unwrap_or_else(|_| usage()),
-            "--prompts" => a.prompts = v().split(',').map(|s| s.trim().parse().unwrap_or_else(|_| usage())).collect(),
-            "--python" => a.python = Some(v()),
-            "--script" => a.script = Some(v().into()),
-            "--no-mlx-lm" => a.no_mlx_lm = true,
-            "--json" => a.json = Some(v().into()),
-            "--create-random" => a.create = Some(v()),
-            "--out" => a.out = Some(v().into()),
-            "--seed" => a.seed = v().parse().unwrap_or_else(|_| usage()),
-            "--fuse" => {
-                a.fuse = match v().as_str() {
-                    "on" => Some(true),
-                    "off" => Some(false),
-                    "auto" => None,
-                    _ => usage(),
-                }
-            }
-            "--peer-blas" => {
-                a.peer_blas = v();
-                if a.peer_blas != "same" && a.peer_blas != "openblas" {
-                    usage()
-                }
-            }
-            "--bandwidth" => a.bandwidth = true,
-            "--bandwidth-only" => a.bandwidth_only = true,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0)
-            }
-            _ => usage(),
-        }
-    }
-    a
+    <Args as clap::Parser>::parse()
 }
 
 fn parse_dtype(s: &str) -> DType {
@@ -509,7 +485,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     let t = Instant::now();
     let kv_cache = shared::kv_cache(&a.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", a.kv))?;
     eprintln!("ours: {} KV cache", a.kv);
-    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, fuse_projections: a.fuse, ..Default::default() })
+    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, fuse_projections: fuse_option(&a.fuse), ..Default::default() })
         .map_err(|e| format!("our loader, {} ({} KV cache): {e}", dir.display(), a.kv))?
         .into_lm()?;
     let vocab = model.info().vocab_size;
