@@ -1,7 +1,7 @@
 //! Allocator ops/s, longest-prefix lookup on a 32k-token prompt, and K/V gather throughput for
 //! a Qwen3-0.6B-sized layer (8 kv heads, head dim 128, f32).
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kv_paged::{Attention, BlockAllocator, ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerKind, LayerSpec};
+use kv_paged::{Attention, BlockAllocator, ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, KvLayerKind, LayerSpec};
 use mlx_array::DType;
 
 fn alloc_free(c: &mut Criterion) {
@@ -42,7 +42,7 @@ fn prefix_lookup(c: &mut Criterion) {
 }
 
 fn gather(c: &mut Criterion) {
-    let spec = LayerSpec { kind: LayerKind::Full, kv_heads: 8, head_dim: 128 };
+    let spec = LayerSpec { kind: KvLayerKind::Full, kv_heads: 8, head_dim: 128 };
     let mut g = c.benchmark_group("gather");
     for ctx in [1024usize, 8192] {
         let cfg = KvConfig { block_size: 16, budget_mb: 200.0, dtype_bytes: 4, ..Default::default() };
@@ -88,7 +88,7 @@ fn gather(c: &mut Criterion) {
 /// A 512-token prefill's rows into one Qwen3-0.6B-sized layer (f32): consecutive slots (one
 /// run), and the same rows over every other block (32 runs of 16, a fragmented free list).
 fn write_prefill(c: &mut Criterion) {
-    let spec = LayerSpec { kind: LayerKind::Full, kv_heads: 8, head_dim: 128 };
+    let spec = LayerSpec { kind: KvLayerKind::Full, kv_heads: 8, head_dim: 128 };
     let cfg = KvConfig { block_size: 16, budget_mb: 200.0, dtype_bytes: 4, initial_blocks: None, ..Default::default() };
     let layout = KvLayout::new(vec![spec], cfg).unwrap();
     let mut pool = KvPool::new(&layout, DType::F32).unwrap();

@@ -4,7 +4,7 @@ use crate::error::{Error, Result};
 
 /// How one attention layer keeps its keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerKind {
+pub enum KvLayerKind {
     /// Attends to the whole sequence.
     Full,
     /// Attends to the last `window` positions only (including the query's own); older blocks are
@@ -17,7 +17,7 @@ pub enum LayerKind {
 /// One attention layer's K/V shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerSpec {
-    pub kind: LayerKind,
+    pub kind: KvLayerKind,
     pub kv_heads: usize,
     pub head_dim: usize,
 }
@@ -91,10 +91,10 @@ impl KvLayout {
         let mut own_group = vec![None; layers.len()];
         for (i, l) in layers.iter().enumerate() {
             let att = match l.kind {
-                LayerKind::Full => Attention::Full,
-                LayerKind::Sliding { window: 0 } => return Err(Error::Config(format!("layer {i}: sliding window 0"))),
-                LayerKind::Sliding { window } => Attention::Sliding { window },
-                LayerKind::Shared { .. } => continue,
+                KvLayerKind::Full => Attention::Full,
+                KvLayerKind::Sliding { window: 0 } => return Err(Error::Config(format!("layer {i}: sliding window 0"))),
+                KvLayerKind::Sliding { window } => Attention::Sliding { window },
+                KvLayerKind::Shared { .. } => continue,
             };
             if l.kv_heads == 0 || l.head_dim == 0 {
                 return Err(Error::Config(format!("layer {i}: {} kv heads, head dim {}", l.kv_heads, l.head_dim)));
@@ -116,7 +116,7 @@ impl KvLayout {
         let mut placement = Vec::with_capacity(layers.len());
         for (i, l) in layers.iter().enumerate() {
             match l.kind {
-                LayerKind::Shared { anchor } => {
+                KvLayerKind::Shared { anchor } => {
                     let g = own_group.get(anchor).copied().flatten().ok_or_else(|| {
                         Error::Config(format!("layer {i} shares layer {anchor}, which keeps no K/V of its own"))
                     })?;
@@ -167,9 +167,9 @@ mod tests {
 
     #[test]
     fn gemma_like_layout() {
-        let sw = LayerSpec { kind: LayerKind::Sliding { window: 512 }, kv_heads: 8, head_dim: 256 };
-        let gl = LayerSpec { kind: LayerKind::Full, kv_heads: 2, head_dim: 512 };
-        let sh = LayerSpec { kind: LayerKind::Shared { anchor: 1 }, kv_heads: 2, head_dim: 512 };
+        let sw = LayerSpec { kind: KvLayerKind::Sliding { window: 512 }, kv_heads: 8, head_dim: 256 };
+        let gl = LayerSpec { kind: KvLayerKind::Full, kv_heads: 2, head_dim: 512 };
+        let sh = LayerSpec { kind: KvLayerKind::Shared { anchor: 1 }, kv_heads: 2, head_dim: 512 };
         let l = KvLayout::new(vec![sw, gl, sw, sh], KvConfig::default()).unwrap();
         assert_eq!(l.groups.len(), 2);
         assert_eq!(l.groups[0].attention, Attention::Sliding { window: 512 });
@@ -178,7 +178,7 @@ mod tests {
         // (512 + 16 + 512) / 16 = 65, + 1, times 8 sequences.
         assert_eq!(l.groups[0].num_blocks, 66 * 8);
         assert!(l.groups[1].num_blocks > 0);
-        let bad = LayerSpec { kind: LayerKind::Shared { anchor: 3 }, ..sh };
+        let bad = LayerSpec { kind: KvLayerKind::Shared { anchor: 3 }, ..sh };
         assert!(KvLayout::new(vec![sw, gl, sw, bad], KvConfig::default()).is_err());
         assert!(KvLayout::new(vec![sw], KvConfig { budget_mb: 1.0, ..Default::default() }).is_err());
     }

@@ -10,10 +10,10 @@
 //! decode loop never waits for the device to hash blocks.
 //!
 //! ```
-//! use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerKind, LayerSpec};
+//! use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, KvLayerKind, LayerSpec};
 //! use mlx_array::{Array, AttentionMask, DType};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let spec = LayerSpec { kind: LayerKind::Full, kv_heads: 2, head_dim: 8 };
+//! let spec = LayerSpec { kind: KvLayerKind::Full, kv_heads: 2, head_dim: 8 };
 //! let cfg = KvConfig { block_size: 4, budget_mb: 1.0, dtype_bytes: 4, ..Default::default() };
 //! let layout = KvLayout::new(vec![spec; 2], cfg)?;
 //! let mut cache = KvCacheManager::new(&layout)?;
@@ -54,6 +54,6 @@ mod pool;
 pub use allocator::{blocks_for_budget, AllocatorStats, BlockAllocator, BlockId, DEFAULT_BLOCK_SIZE};
 pub use error::{Error, Result};
 pub use hash::{block_keys, BlockHash, BlockKey, ExtraKeys};
-pub use layout::{Attention, Group, KvConfig, KvLayout, LayerKind, LayerSpec};
+pub use layout::{Attention, Group, KvConfig, KvLayout, KvLayerKind, LayerSpec};
 pub use manager::{BlockCopy, Begun, GroupStep, KvCacheManager, ManagerStats, SeqId, Step};
 pub use pool::{KvPool, StepBatch};

@@ -2,7 +2,7 @@
 //! contiguous: random data, several block sizes, lengths that are not block multiples, chunked
 //! prefill then decode, full + sliding-window + KV-shared layers, batches with padding masks,
 //! prefix hits and fork copy-on-write.
-use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerKind, LayerSpec, Step};
+use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, KvLayerKind, LayerSpec, Step};
 use mlx_array::{Array, AttentionMask, DType};
 
 const WINDOW: usize = 6;
@@ -25,9 +25,9 @@ impl Rng {
 
 fn layers() -> Vec<LayerSpec> {
     vec![
-        LayerSpec { kind: LayerKind::Full, kv_heads: 2, head_dim: 8 },
-        LayerSpec { kind: LayerKind::Sliding { window: WINDOW }, kv_heads: 1, head_dim: 16 },
-        LayerSpec { kind: LayerKind::Shared { anchor: 0 }, kv_heads: 2, head_dim: 8 },
+        LayerSpec { kind: KvLayerKind::Full, kv_heads: 2, head_dim: 8 },
+        LayerSpec { kind: KvLayerKind::Sliding { window: WINDOW }, kv_heads: 1, head_dim: 16 },
+        LayerSpec { kind: KvLayerKind::Shared { anchor: 0 }, kv_heads: 2, head_dim: 8 },
     ]
 }
 

@@ -20,6 +20,11 @@
 //! assert_eq!(cache.offset(), 3);
 //! # Ok(()) }
 //! ```
+/// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 pub mod cache;
 pub mod chat;
 pub mod config;

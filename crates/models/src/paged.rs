@@ -90,15 +90,15 @@ impl PagedKv {
         let mut pool_index = Vec::new();
         for k in &spec.layers {
             let s = match *k {
-                LayerKind::Attention { kv_heads, head_dim } => Some(LayerSpec { kind: kv_paged::LayerKind::Full, kv_heads, head_dim }),
+                LayerKind::Attention { kv_heads, head_dim } => Some(LayerSpec { kind: kv_paged::KvLayerKind::Full, kv_heads, head_dim }),
                 LayerKind::SlidingAttention { kv_heads, head_dim, window } => {
-                    Some(LayerSpec { kind: kv_paged::LayerKind::Sliding { window }, kv_heads, head_dim })
+                    Some(LayerSpec { kind: kv_paged::KvLayerKind::Sliding { window }, kv_heads, head_dim })
                 }
                 LayerKind::SharedKv { anchor } => {
                     let a: Option<usize> = pool_index.get(anchor).copied().flatten();
                     let a = a.ok_or_else(|| ModelError::Cache(format!("shared layer's anchor {anchor} has no K/V")))?;
                     let sa = specs[a];
-                    Some(LayerSpec { kind: kv_paged::LayerKind::Shared { anchor: a }, ..sa })
+                    Some(LayerSpec { kind: kv_paged::KvLayerKind::Shared { anchor: a }, ..sa })
                 }
                 LayerKind::Recurrent { .. } => None,
             };
@@ -123,12 +123,12 @@ impl PagedKv {
         for s in &specs {
             let per_token = 2 * s.kv_heads * s.head_dim * dtype.size();
             match s.kind {
-                kv_paged::LayerKind::Full => full += per_token,
-                kv_paged::LayerKind::Sliding { window } => {
+                kv_paged::KvLayerKind::Full => full += per_token,
+                kv_paged::KvLayerKind::Sliding { window } => {
                     let blocks = (window + kcfg.rollback_tokens + kcfg.max_step_tokens).div_ceil(bs) + 1;
                     sliding += per_token * (cfg.max_seqs * blocks + 1) * bs;
                 }
-                kv_paged::LayerKind::Shared { .. } => {}
+                kv_paged::KvLayerKind::Shared { .. } => {}
             }
         }
         let auto_full = ((full * max_positions.max(bs)) as f64 / 1e6 * 1.1).min(2048.0);
