@@ -3,7 +3,7 @@
 //! ```text
 //! llm_bench --model DIR [--dtype f32|bf16] [--runs 3] [--gen 128] [--prompts 128,2048]
 //!           [--python PATH] [--no-mlx-lm] [--json FILE] [--bandwidth]
-//!           [--fuse on|off|auto] [--kv flat|paged] [--peer-blas same|openblas]
+//!           [--fuse on|off|auto] [--cpu-fusion on|off] [--kv flat|paged] [--peer-blas same|openblas]
 //! llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR]
 //!   SHAPE: FAMILY-PRESET from the registry: qwen3-tiny qwen3-small qwen3-0.6b qwen3-8b qwen3_5-small
 //!          lfm2-small lfm2-moe-small
@@ -97,6 +97,9 @@ struct Args {
     /// LoadOptions::fuse_projections: on, off, or auto (GPU only).
     #[arg(long, default_value = "auto", value_parser = ["on", "off", "auto"])]
     fuse: String,
+    /// Whether the CPU backend fuses elementwise chains (mlx_array::CpuFusion; off by default).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    cpu_fusion: String,
     /// The BLAS preloaded into mlx-lm on the CPU: same (our BLAS router and OpenBLAS, the BLAS
     /// ours runs) or openblas (OpenBLAS alone, a stock mlx-lm with OpenBLAS).
     #[arg(long, default_value = "same", value_parser = ["same", "openblas"])]
@@ -292,12 +295,12 @@ struct Run {
 fn run_ours(model: &Model, prompt: &[u32], gen: usize) -> Res<Run> {
     let mut cache = model.new_cache();
     memory::reset_peak()?;
-    let cfg = GenerateConfig { max_new_tokens: gen, sampling: SamplingConfig::greedy(), prefill_step_size: 2048, stop_tokens: Some(vec![]) };
+    let cfg = GenerateConfig { max_new_tokens: gen, sampling: SamplingConfig::greedy(), prefill_step_size: 2048, stop_tokens: Some(vec![]), context: Vec::new() };
     let t0 = Instant::now();
     let (mut t_first, mut t_last) = (None, 0.0);
     let mut tokens = Vec::with_capacity(gen);
     {
-        let g = generate(model, &mut cache, prompt, &[], cfg)?;
+        let g = generate(model, &mut cache, prompt, cfg)?;
         for t in g {
             let t = t?;
             let now = t0.elapsed().as_secs_f64();
@@ -673,6 +676,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
 
 fn main() {
     let a = parse_args();
+    mlx_array::ops::set_cpu_fusion(if a.cpu_fusion == "on" { mlx_array::ops::CpuFusion::On } else { mlx_array::ops::CpuFusion::Off });
     let r = if a.bandwidth_only {
         copy_bandwidth().map(|bw| println!("device {}: copy bandwidth {:.1} GB/s", device_name(), bw / 1e9))
     } else if let Some(name) = a.create.clone() {

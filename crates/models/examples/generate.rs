@@ -105,7 +105,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         cfg.stop_tokens = Some(stop);
     }
     let mut cache = model.new_cache();
-    let mut gen = generate(&model, &mut cache, &prompt, &[], cfg)?;
+    let mut gen = generate(&model, &mut cache, &prompt, cfg)?;
     let mut ids = Vec::new();
     let mut decoder = tokenizer.as_ref().map(|t| t.stream_decoder(true));
     let out = std::io::stdout();

@@ -48,11 +48,14 @@ pub struct GenerateConfig {
     pub prefill_step_size: usize,
     /// Stop tokens; `None` = the model's eos ids.
     pub stop_tokens: Option<Vec<u32>>,
+    /// The tokens already in the cache before the prompt (a continued conversation): the
+    /// repetition, presence and frequency penalties count them with the prompt.
+    pub context: Vec<u32>,
 }
 
 impl Default for GenerateConfig {
     fn default() -> Self {
-        GenerateConfig { max_new_tokens: 256, sampling: SamplingConfig::default(), prefill_step_size: 2048, stop_tokens: None }
+        GenerateConfig { max_new_tokens: 256, sampling: SamplingConfig::default(), prefill_step_size: 2048, stop_tokens: None, context: Vec::new() }
     }
 }
 
@@ -115,8 +118,8 @@ pub struct Generator<'a> {
 }
 
 /// Start generating after `prompt` (appended to `cache`; pass only the tokens not yet in it).
-/// `context` is the earlier token history used by the repetition penalties.
-pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], context: &[u32], cfg: GenerateConfig) -> Result<Generator<'a>> {
+/// [`GenerateConfig::context`] holds the tokens already in the cache, for the penalties.
+pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cfg: GenerateConfig) -> Result<Generator<'a>> {
     if prompt.is_empty() {
         return Err(ModelError::InvalidInput("generation needs at least one prompt token".into()));
     }
@@ -129,7 +132,7 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cont
     let lazy_feed = sc.repetition_penalty == 1.0 && sc.presence_penalty == 0.0 && sc.frequency_penalty == 0.0;
     let guard = StopGuard::new(&cfg.sampling).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
     let stop = cfg.stop_tokens.clone().unwrap_or_else(|| model.info().eos_token_ids.clone());
-    let mut history = context.to_vec();
+    let mut history = cfg.context.clone();
     history.extend_from_slice(prompt);
     // One queueing call a step: the pool writes of a paged cache go with the step's outputs.
     cache.set_queue_with_outputs(true);

@@ -2,9 +2,8 @@
 use crate::cache::Cache;
 use crate::config;
 use crate::families::harrier::HarrierModel;
-use crate::registry::{self, Built, Family, FamilyKind, KvDefault, LoadContext};
+use crate::registry::{self, Built, Family, KvDefault, LoadContext};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
-use crate::session::ChatSession;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use mlx_array::{Array, DType};
@@ -181,7 +180,7 @@ impl LoadedModel {
     }
 }
 
-fn default_dtype(opts: &LoadOptions) -> Option<DType> {
+pub(crate) fn default_dtype(opts: &LoadOptions) -> Option<DType> {
     if opts.dtype.is_some() {
         return opts.dtype;
     }
@@ -206,6 +205,14 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
 }
 
 fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
+    let raw = config::read_config_json(dir)?;
+    let mut weights = Weights::load(dir, default_dtype(opts))?;
+    build_over(dir, &raw, &mut weights, family, opts)
+}
+
+/// Build `family`'s model over `weights` (a checkpoint's tensors, or a parameter tree's): the
+/// load options applied to the weights, sanitize, construction, the strict check, the cache.
+pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
     if opts.draft_model_path.is_some() && !family.accepts_draft_model {
         return Err(ModelError::UnsupportedOption(format!(
             "draft_model_path (speculative-decoding draft) is only supported by gemma4 models; {} has model_type \"{}\"",
@@ -213,22 +220,8 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
             family.model_type
         )));
     }
-    let raw = config::read_config_json(dir)?;
-    let mut weights = Weights::load(dir, default_dtype(opts))?;
-    weights.fuse_projections = opts.fuse_projections;
-    weights.quant = crate::weights::QuantSpec::from_config(&raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
-    weights.fp8_block = crate::weights::fp8_block_size(&raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
-    if weights.quant.is_some() {
-        let dequantize = match opts.quantized {
-            QuantizedWeights::Keep => false,
-            QuantizedWeights::Dequantize => true,
-            QuantizedWeights::Auto => crate::layers::runs_on_cpu(),
-        };
-        if dequantize {
-            weights.dequantize_to = Some(default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32));
-        }
-    }
-    let text = config::text_config(&raw);
+    configure(dir, raw, weights, opts)?;
+    let text = config::text_config(raw);
     let paged_default = match family.kv_default {
         KvDefault::Paged => true,
         KvDefault::Flat => false,
@@ -236,8 +229,8 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
     };
     let paged = opts.kv_cache.resolve(&text, paged_default);
     let dtype = default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32);
-    (family.sanitize)(&mut weights, &raw);
-    let built = construct(dir, &raw, &weights, family, opts.draft_model_path.as_deref())?;
+    (family.sanitize)(weights, raw);
+    let built = construct(dir, raw, weights, family, opts.draft_model_path.as_deref())?;
     weights.check_all_used()?;
     Ok(match built {
         Built::Lm(rt) => {
@@ -251,20 +244,28 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
     })
 }
 
+/// Apply the load options and config.json's quantization entries to `weights`.
+fn configure(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, opts: &LoadOptions) -> Result<()> {
+    weights.fuse_projections = opts.fuse_projections;
+    weights.quant = crate::weights::QuantSpec::from_config(raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+    weights.fp8_block = crate::weights::fp8_block_size(raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+    if weights.quant.is_some() {
+        let dequantize = match opts.quantized {
+            QuantizedWeights::Keep => false,
+            QuantizedWeights::Dequantize => true,
+            QuantizedWeights::Auto => crate::layers::runs_on_cpu(),
+        };
+        if dequantize {
+            weights.dequantize_to = Some(default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32));
+        }
+    }
+    Ok(())
+}
+
 /// Run `family`'s constructor over `weights` (a checkpoint's, or [`Weights::expecting`]).
 pub(crate) fn construct(dir: &Path, raw: &serde_json::Value, weights: &Weights, family: &'static Family, draft: Option<&Path>) -> Result<Built> {
     let text = config::text_config(raw);
     let eos = config::eos_ids(dir, &text);
     let ctx = LoadContext { dir, config: raw, text, weights, eos, family, draft_model_path: draft };
     (family.load)(&ctx)
-}
-
-/// Load the checkpoint in `dir` as a [`ChatSession`]; embedding models are refused.
-pub fn load_session(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<ChatSession> {
-    let dir = dir.as_ref();
-    let family = registry::detect_model_type(dir)?;
-    if family.kind == FamilyKind::Embedding {
-        return Err(ModelError::WrongKind("load_session: embedding models (Harrier) cannot be wrapped in a ChatSession".into()));
-    }
-    ChatSession::new(load_family(dir, family, opts)?.into_lm()?)
 }

@@ -19,12 +19,12 @@
 //! only serves prefix hits and rollbacks: one-token (decode) steps do not write it each step.
 //! Their rows are kept and written in one go per layer when a block fills (before the block
 //! can be registered for sharing), before any longer step, and before a rollback.
-use crate::cache::{CacheSpec, LayerCache, LayerKind};
+use crate::kv::{CacheSpec, KvCache, LayerKind};
 use crate::{ModelError, Result};
-use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId};
+use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId, StepBatch};
 use mlx_array::{Array, DType};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 /// Paged cache settings.
@@ -69,12 +69,12 @@ pub(crate) fn err(e: kv_paged::Error) -> ModelError {
 
 /// Block pool, sequences and K/V storage of one model.
 pub struct PagedKv {
-    pub(crate) manager: KvCacheManager,
-    pub(crate) pool: KvPool,
+    manager: KvCacheManager,
+    pool: KvPool,
     /// Model layer -> pool layer (attention layers only).
-    pub(crate) layer_map: Vec<Option<usize>>,
+    layer_map: Vec<Option<usize>>,
     /// [`PagedConfig::contiguous_reads`].
-    pub(crate) contiguous_reads: bool,
+    contiguous_reads: bool,
     /// The thread whose pool writes may still be in flight (queued, not waited for).
     writer: Option<ThreadId>,
     /// The thread whose pool writes are not queued yet: it queues them with its step's outputs
@@ -145,7 +145,7 @@ impl PagedKv {
     /// Lock the pool for this thread's use of its arrays: first wait until writes another
     /// thread left unqueued are queued (that thread does so right after its forward call),
     /// then until writes another thread queued are computed.
-    pub(crate) fn claim(shared: &Mutex<PagedKv>) -> std::sync::MutexGuard<'_, PagedKv> {
+    fn claim(shared: &Mutex<PagedKv>) -> std::sync::MutexGuard<'_, PagedKv> {
         let me = std::thread::current().id();
         let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
         while g.unqueued.is_some_and(|t| t != me) {
@@ -156,7 +156,7 @@ impl PagedKv {
     }
 
     /// Wait for writes another thread queued (after [`PagedKv::claim`]).
-    pub(crate) fn settle(&mut self) -> Result<()> {
+    fn settle(&mut self) -> Result<()> {
         let me = std::thread::current().id();
         if self.writer.is_some_and(|w| w != me) {
             self.pool.wait().map_err(err)?;
@@ -172,7 +172,7 @@ impl PagedKv {
     /// queueing call while many tasks are in flight, so a second one would stall the host).
     /// Otherwise they are queued now. A forward that wrote nothing (a decode step keeping its
     /// rows) leaves nothing to queue.
-    pub(crate) fn release(&mut self, later: bool) -> Result<()> {
+    fn release(&mut self, later: bool) -> Result<()> {
         if !self.pool.is_dirty() {
             return Ok(());
         }
@@ -186,7 +186,7 @@ impl PagedKv {
     }
 
     /// This thread queued (or computed) every write: other threads may go on.
-    pub(crate) fn queued_by_me(&mut self) {
+    fn queued_by_me(&mut self) {
         self.writer = Some(std::thread::current().id());
         if self.unqueued.take().is_some() {
             self.queued.notify_all();
@@ -206,27 +206,27 @@ impl PagedKv {
 
 /// One sequence in a shared [`PagedKv`]; its blocks return to the pool's cache when dropped.
 pub(crate) struct PagedSeq {
-    pub(crate) shared: Arc<Mutex<PagedKv>>,
-    pub(crate) state: SeqState,
+    shared: Arc<Mutex<PagedKv>>,
+    state: SeqState,
 }
 
 /// Where a [`PagedSeq`] stands in the shared pool.
 #[derive(Default)]
-pub(crate) struct SeqState {
+struct SeqState {
     seq: Option<SeqId>,
-    pub(crate) offset: usize,
+    offset: usize,
     /// Inputs appended as pending ids, oldest first, not yet read back.
     pending: VecDeque<Array>,
     /// Decode rows not yet in the pool: per pool layer, each deferred step's `(k, v)`...
-    pub(crate) rows: Vec<Vec<(Array, Array)>>,
+    rows: Vec<Vec<(Array, Array)>>,
     /// ...and per cache group, their slots.
     row_slots: Vec<Vec<u32>>,
     /// The step in flight keeps its rows in `rows` (a one-token step with mirrors).
-    pub(crate) defer: bool,
+    defer: bool,
     /// The step in flight fills a block: write the kept rows when it ends.
-    pub(crate) flush_at_end: bool,
+    flush_at_end: bool,
     /// [`crate::Cache::set_queue_with_outputs`].
-    pub(crate) queue_later: bool,
+    queue_later: bool,
 }
 
 /// Pending inputs kept at most before the oldest is waited for (a caller that never evaluates
@@ -247,11 +247,11 @@ fn host_ids(tokens: &Array) -> Result<Vec<u32>> {
 
 impl SeqState {
     /// Write the kept decode rows into the pool: one write per layer for all of them. The rows
-    /// are the last positions of the layer's mirror in `layers` (model layers; `layer_map`
-    /// maps them to pool layers): one slice of it, where a concatenation of the steps' rows
+    /// are the last positions of the layer's mirror (`mirror(i)` for model layer `i`; `layer_map`
+    /// maps model layers to pool layers): one slice of it, where a concatenation of the steps' rows
     /// would be one copy per row on the device. A mirror that does not hold them all (a
     /// rotating one with a window shorter than a block) gives the kept rows instead.
-    pub(crate) fn flush(&mut self, pool: &mut KvPool, layer_map: &[Option<usize>], layers: &[LayerCache]) -> Result<()> {
+    fn flush<'m>(&mut self, pool: &mut KvPool, layer_map: &[Option<usize>], mirror: &impl Fn(usize) -> Option<&'m KvCache>) -> Result<()> {
         for (i, l) in layer_map.iter().enumerate() {
             let Some(layer) = *l else { continue };
             let Some(rows) = self.rows.get_mut(layer).filter(|r| !r.is_empty()) else { continue };
@@ -260,9 +260,9 @@ impl SeqState {
             if slots.len() != rows.len() {
                 return Err(ModelError::Cache(format!("layer {layer}: {} kept rows for {} slots", rows.len(), slots.len())));
             }
-            let span = match layers.get(i) {
-                Some(LayerCache::Kv(m)) => m.span(self.offset - rows.len(), self.offset)?,
-                _ => None,
+            let span = match mirror(i) {
+                Some(m) => m.span(self.offset - rows.len(), self.offset)?,
+                None => None,
             };
             let (k, v) = match span {
                 Some(kv) => kv,
@@ -296,7 +296,7 @@ impl SeqState {
     /// Register `tokens` (`[1, L]`) and schedule them; returns (batch, tokens skipped as cached,
     /// rope offset). A new sequence reads its ids now (prefix lookup needs them); later inputs
     /// that are not computed yet go in as pending ids.
-    pub(crate) fn schedule(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool, layers: &[LayerCache]) -> Result<(kv_paged::StepBatch, usize, usize)> {
+    fn schedule<'m>(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool, mirror: &impl Fn(usize) -> Option<&'m KvCache>) -> Result<(StepBatch, usize, usize)> {
         let (seq, skipped) = match self.seq {
             None => {
                 let extra = if allow_prefix_skip {
@@ -327,7 +327,7 @@ impl SeqState {
         if !self.defer {
             // A step that does not keep its rows writes the rows kept by earlier steps first:
             // the mirrors' last positions before this step (`self.offset` is still its start).
-            self.flush(&mut g.pool, &g.layer_map, layers)?;
+            self.flush(&mut g.pool, &g.layer_map, mirror)?;
         }
         self.offset = step.start + step.len;
         self.rows.resize_with(g.pool.layout().layers.len(), Vec::new);
@@ -348,7 +348,48 @@ impl PagedSeq {
     pub(crate) fn new(shared: Arc<Mutex<PagedKv>>) -> Self {
         PagedSeq { shared, state: SeqState::default() }
     }
-    pub(crate) fn trim(&mut self, n: usize, layers: &[LayerCache]) -> Result<()> {
+
+    /// Positions processed so far.
+    pub(crate) fn offset(&self) -> usize {
+        self.state.offset
+    }
+
+    /// [`crate::Cache::set_queue_with_outputs`].
+    pub(crate) fn set_queue_later(&mut self, on: bool) {
+        self.state.queue_later = on;
+    }
+
+    /// Start a forward step over `tokens` (`[1, L]`): lock the pool, register and schedule the
+    /// tokens. Returns the step and how many leading tokens the prefix cache served. `mirror(i)`
+    /// is model layer `i`'s contiguous mirror, if it keeps one.
+    pub(crate) fn begin<'m>(&mut self, tokens: &Array, allow_prefix_skip: bool, mirror: impl Fn(usize) -> Option<&'m KvCache>) -> Result<(PagedStep<'_>, usize)> {
+        let PagedSeq { shared, state } = self;
+        let mut guard = PagedKv::claim(shared);
+        guard.settle()?;
+        let (batch, skipped, offset) = state.schedule(&mut guard, tokens, allow_prefix_skip, &mirror)?;
+        Ok((PagedStep { guard, batch, offset, state, finished: false }, skipped))
+    }
+
+    /// Queue `arrays` (a step's outputs and the sequence's own arrays) with the pool's pending
+    /// writes through `run` (`eval` or `async_eval`).
+    pub(crate) fn queue(&self, arrays: Vec<&Array>, run: impl FnOnce(&[&Array]) -> mlx_array::Result<()>) -> Result<()> {
+        let mut g = PagedKv::claim(&self.shared);
+        let mut arrays: Vec<&Array> = arrays.into_iter().collect();
+        // Pool arrays only when written since they were last queued: most decode steps write
+        // nothing there (rows go in a block at a time), and every array handed to MLX's eval
+        // costs host time even when it is already computed.
+        if g.pool.is_dirty() {
+            arrays.extend(g.pool.arrays());
+        }
+        run(&arrays)?;
+        drop(arrays);
+        g.pool.mark_queued();
+        g.queued_by_me();
+        Ok(())
+    }
+
+    /// Roll the sequence back by `n` positions (kept rows are written first, from `mirror`).
+    pub(crate) fn trim<'m>(&mut self, n: usize, mirror: impl Fn(usize) -> Option<&'m KvCache>) -> Result<()> {
         let st = &mut self.state;
         if n > st.offset {
             return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", st.offset)));
@@ -358,13 +399,110 @@ impl PagedSeq {
             g.settle()?;
             st.resolve(&mut g, true)?;
             let g = &mut *g;
-            st.flush(&mut g.pool, &g.layer_map, layers)?;
+            st.flush(&mut g.pool, &g.layer_map, &mirror)?;
             let copies = g.manager.trim(s, st.offset - n).map_err(err)?;
             g.pool.copy_blocks(&copies).map_err(err)?;
             g.release(false)?;
         }
         st.offset -= n;
         Ok(())
+    }
+}
+
+/// One forward step of a paged sequence: holds the pool locked from [`PagedSeq::begin`] to
+/// [`PagedStep::finish`] (or drop).
+pub(crate) struct PagedStep<'a> {
+    guard: MutexGuard<'a, PagedKv>,
+    batch: StepBatch,
+    offset: usize,
+    state: &'a mut SeqState,
+    finished: bool,
+}
+
+impl Drop for PagedStep<'_> {
+    /// A forward call that failed before [`PagedStep::finish`] still queues what it wrote.
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.guard.release(false);
+        }
+    }
+}
+
+impl PagedStep<'_> {
+    /// The pool access of model layer `i`; `mirror` is its contiguous copy, read instead of the
+    /// pool with [`PagedConfig::contiguous_reads`].
+    pub(crate) fn layer<'b>(&'b mut self, i: usize, mirror: Option<&'b mut KvCache>) -> Result<PagedLayerKv<'b>> {
+        let g = &mut *self.guard;
+        let layer = g.layer_map.get(i).copied().flatten().ok_or_else(|| ModelError::Cache(format!("layer {i} has no K/V")))?;
+        let mirror = if g.contiguous_reads { mirror } else { None };
+        let kept = if self.state.defer { self.state.rows.get_mut(layer) } else { None };
+        Ok(PagedLayerKv { pool: &mut g.pool, batch: &self.batch, layer, offset: self.offset, mirror, kept })
+    }
+
+    /// End the step: write the kept decode rows when it filled a block, then queue the pool
+    /// writes without waiting for them, or, with [`crate::Cache::set_queue_with_outputs`], leave
+    /// them for the caller's queueing call. The pool is shared by every sequence of the model and
+    /// MLX streams belong to a thread: a forward call on another thread waits until the writes
+    /// are queued, then until they are computed.
+    pub(crate) fn finish<'m>(mut self, mirror: impl Fn(usize) -> Option<&'m KvCache>) -> Result<()> {
+        self.finished = true;
+        let g = &mut *self.guard;
+        if self.state.flush_at_end {
+            self.state.flush(&mut g.pool, &g.layer_map, &mirror)?;
+        }
+        g.release(self.state.queue_later)
+    }
+}
+
+/// The K/V access of one attention layer in a paged step (see [`crate::cache::LayerKv`]).
+pub struct PagedLayerKv<'a> {
+    pool: &'a mut KvPool,
+    batch: &'a StepBatch,
+    layer: usize,
+    offset: usize,
+    /// The sequence's contiguous copy of this layer's K/V that attention reads
+    /// ([`PagedConfig::contiguous_reads`]); `None`: read (gather) the pool.
+    mirror: Option<&'a mut KvCache>,
+    /// This step's rows go here instead of the pool (written later, several steps at once).
+    kept: Option<&'a mut Vec<(Array, Array)>>,
+}
+
+impl PagedLayerKv<'_> {
+    /// The rope offset of this step's first token.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Store this step's `k`, `v` (`[B, H, L, D]`) and return all keys/values to attend to.
+    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let PagedLayerKv { pool, batch, layer, offset, mirror, kept } = self;
+        match kept {
+            Some(rows) => rows.push((k.clone(), v.clone())),
+            None => pool.write(*layer, batch, k, v).map_err(err)?,
+        }
+        let Some(m) = mirror else { return pool.read(*layer, batch).map_err(err) };
+        // Bring the mirror to the sequence's position first: back after a rollback (a rotating
+        // mirror that cannot go back that far starts over), forward from the pool when the
+        // sequence started on cached blocks. Positions before the first key this step attends
+        // to (sliding layers) are not needed.
+        let at = *offset;
+        let group = pool.layout().placement[*layer].0;
+        let first = batch.kv_start(group, 0).unwrap_or(0).min(at);
+        if m.offset() > at && m.trim(m.offset() - at).is_err() {
+            m.restart_at(first);
+        }
+        if m.offset() < first {
+            m.restart_at(first);
+        }
+        if m.offset() < at {
+            if kept.as_ref().is_some_and(|r| r.len() > 1) {
+                // kept rows are flushed before any rollback, so a refill never needs them
+                return Err(ModelError::Cache(format!("layer {layer}: mirror refill with decode rows not in the pool (internal error)")));
+            }
+            let (pk, pv) = pool.read_span(*layer, batch, m.offset(), at).map_err(err)?;
+            m.update_and_fetch(&pk, &pv)?;
+        }
+        m.update_and_fetch(k, v)
     }
 }
 

@@ -15,9 +15,11 @@ use crate::chat::{
     RenderOptions, StreamDecoder, ThinkingBudget, ToolDefinition,
 };
 use crate::generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance};
-use crate::model::Model;
+use crate::model::{load_family, LoadOptions, Model};
+use crate::registry::{self, FamilyKind};
 use crate::{ModelError, Result};
 use sampling::{SamplingConfig, SamplingOverrides};
+use std::path::Path;
 use std::sync::Arc;
 
 /// Per-call chat settings (defaults follow mlx-node's `ChatConfig`).
@@ -268,17 +270,17 @@ impl<'a> ChatStream<'a> {
                 stop.push(e);
             }
         }
-        let gcfg = GenerateConfig { max_new_tokens: cfg.max_new_tokens, sampling, prefill_step_size: cfg.prefill_step_size, stop_tokens: Some(stop) };
+        let mut gcfg = GenerateConfig { max_new_tokens: cfg.max_new_tokens, sampling, prefill_step_size: cfg.prefill_step_size, stop_tokens: Some(stop), context: Vec::new() };
         let mut popts = s.format.parser_options(&opts, starts_in_thinking, cfg.include_reasoning);
         popts.call_id_prefix = format!("call_{}_{}_", s.call_nonce, s.turns);
         s.turns += 1;
         let ChatSession { model, format, cache, cached_ids, history, .. } = s;
         let format: &'a ChatFormat = format;
         // The prompt delta joins the cached ids now; generated ids follow as they come.
-        let context = cached_ids.clone();
+        gcfg.context = cached_ids.clone();
         cached_ids.extend_from_slice(&delta);
         let budget = format.thinking_budget(cfg.thinking_token_budget, starts_in_thinking)?;
-        let gen = generate(model, cache, &delta, &context, gcfg)?;
+        let gen = generate(model, cache, &delta, gcfg)?;
         let cancel = gen.cancel_handle();
         Ok(ChatStream {
             gen: Some(gen),
@@ -422,4 +424,14 @@ mod call_id_tests {
         assert_eq!(set.len(), a.len());
         assert!(a.iter().all(|n| n.len() == 12 && n.chars().all(|c| c.is_ascii_hexdigit())));
     }
+}
+
+/// Load the checkpoint in `dir` as a [`ChatSession`]; embedding models are refused.
+pub fn load_session(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<ChatSession> {
+    let dir = dir.as_ref();
+    let family = registry::detect_model_type(dir)?;
+    if family.kind == FamilyKind::Embedding {
+        return Err(ModelError::WrongKind("load_session: embedding models (Harrier) cannot be wrapped in a ChatSession".into()));
+    }
+    ChatSession::new(load_family(dir, family, opts)?.into_lm()?)
 }

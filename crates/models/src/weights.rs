@@ -45,8 +45,14 @@ pub struct Weights {
     set_aside: Mutex<Vec<String>>,
     /// Recording mode ([`Weights::expecting`]): every read is recorded and answered with zeros.
     expected: Option<Mutex<Vec<ExpectedTensor>>>,
+    /// [`Weights::log_reads`]: every tensor the model read, as read (name -> array).
+    read_log: Option<Mutex<std::collections::BTreeMap<String, Array>>>,
     /// [`crate::LoadOptions::fuse_projections`]: `None` = fuse on the GPU only.
     pub(crate) fuse_projections: Option<bool>,
+    /// The tensors stay held elsewhere (a [`crate::ParameterTree`]): arrays derived at load are
+    /// left lazy, since computing them early frees nothing (and cannot run inside a gradient
+    /// transform, where a model built from a tree's arrays is differentiated).
+    pub(crate) sources_held: bool,
     /// config.json's `quantization` (mlx-lm's layout), when the checkpoint is quantized.
     pub(crate) quant: Option<QuantSpec>,
     /// Dequantize quantized layers at load into this dtype ([`crate::QuantizedWeights`]).
@@ -149,7 +155,9 @@ impl Weights {
             taken: Mutex::new(Default::default()),
             set_aside: Mutex::new(Vec::new()),
             expected: None,
+            read_log: None,
             fuse_projections: None,
+            sources_held: false,
             quant: None,
             dequantize_to: None,
             fp8_block: None,
@@ -166,6 +174,18 @@ impl Weights {
         w.expected = Some(Mutex::new(Vec::new()));
         w.fuse_projections = Some(false);
         w
+    }
+
+    /// Keep every tensor a model reads from now on, as it was read (before the model fuses,
+    /// transposes or dequantizes it): [`Weights::take_read_log`] returns them by name. This is
+    /// the model's parameter tree in checkpoint names ([`crate::ParameterTree`]).
+    pub fn log_reads(&mut self) {
+        self.read_log = Some(Mutex::new(Default::default()));
+    }
+
+    /// The tensors read since [`Weights::log_reads`], by checkpoint name (empty when not logging).
+    pub fn take_read_log(&self) -> std::collections::BTreeMap<String, Array> {
+        self.read_log.as_ref().map(|l| std::mem::take(&mut *l.lock().unwrap_or_else(|e| e.into_inner()))).unwrap_or_default()
     }
 
     /// The tensors recorded by a model built over [`Weights::expecting`], in reading order.
@@ -362,6 +382,9 @@ impl<'a> Vb<'a> {
         let found = self.w.map().get(&full).cloned();
         match found {
             Some(a) => {
+                if let Some(log) = &self.w.read_log {
+                    log.lock().unwrap_or_else(|e| e.into_inner()).insert(full.clone(), a.clone());
+                }
                 self.w.taken.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
                 Ok(a)
             }

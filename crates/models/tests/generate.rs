@@ -16,7 +16,7 @@ fn greedy_generation_matches_reference() {
     let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let prompt = ids(&r["input_ids"]);
     let mut cache = model.new_cache();
-    let mut g = generate(&model, &mut cache, &prompt, &[], GenerateConfig { prefill_step_size: 16, ..greedy(16) }).unwrap();
+    let mut g = generate(&model, &mut cache, &prompt, GenerateConfig { prefill_step_size: 16, ..greedy(16) }).unwrap();
     let toks: Vec<u32> = g.by_ref().map(|t| t.unwrap().id).collect();
     assert_eq!(g.finish_reason(), Some(FinishReason::Length));
     assert_eq!(toks, ids(&r["greedy_ids"])[72..]);
@@ -34,7 +34,7 @@ fn chat_template_to_greedy_tokens_matches_reference() {
     let p = f.render(&[ChatMessage::user("Hello! What is 2+2?")], &RenderOptions::default()).unwrap();
     assert_eq!(p.ids, ids(&r["chat_input_ids"]));
     let mut cache = model.new_cache();
-    let toks: Vec<u32> = generate(&model, &mut cache, &p.ids, &[], greedy(16)).unwrap().map(|t| t.unwrap().id).collect();
+    let toks: Vec<u32> = generate(&model, &mut cache, &p.ids, greedy(16)).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(toks, ids(&r["chat_greedy_ids"])[p.ids.len()..]);
 }
 
@@ -48,7 +48,7 @@ fn stop_token_is_fed_but_not_returned() {
     let first = want.iter().position(|&t| t == stop).unwrap();
     let mut cache = model.new_cache();
     let cfg = GenerateConfig { stop_tokens: Some(vec![stop]), ..greedy(16) };
-    let mut g = generate(&model, &mut cache, &prompt, &[], cfg).unwrap();
+    let mut g = generate(&model, &mut cache, &prompt, cfg).unwrap();
     let toks: Vec<u32> = g.by_ref().map(|t| t.unwrap().id).collect();
     assert_eq!(g.finish_reason(), Some(FinishReason::Stop));
     assert_eq!(toks, want[..first]);
@@ -60,7 +60,7 @@ fn stop_token_is_fed_but_not_returned() {
 fn cancel_force_and_bad_input() {
     let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
-    let mut g = generate(&model, &mut cache, &[1, 2, 3], &[], greedy(50)).unwrap();
+    let mut g = generate(&model, &mut cache, &[1, 2, 3], greedy(50)).unwrap();
     let h = g.cancel_handle();
     assert!(g.next().unwrap().is_ok());
     g.force_next(7);
@@ -70,10 +70,10 @@ fn cancel_force_and_bad_input() {
     assert_eq!(g.finish_reason(), Some(FinishReason::Cancelled));
     drop(g);
     let mut cache = model.new_cache();
-    assert!(generate(&model, &mut cache, &[], &[], greedy(4)).is_err());
-    assert!(generate(&model, &mut cache, &[100_000], &[], greedy(4)).is_err());
+    assert!(generate(&model, &mut cache, &[], greedy(4)).is_err());
+    assert!(generate(&model, &mut cache, &[100_000], greedy(4)).is_err());
     let bad = GenerateConfig { sampling: SamplingConfig { temperature: -1.0, ..Default::default() }, ..greedy(4) };
-    assert!(generate(&model, &mut cache, &[1], &[], bad).is_err());
+    assert!(generate(&model, &mut cache, &[1], bad).is_err());
 }
 
 #[test]
@@ -82,7 +82,7 @@ fn seeded_sampling_is_reproducible() {
     let run = |seed| {
         let mut cache = model.new_cache();
         let cfg = GenerateConfig { sampling: SamplingConfig::default().with_seed(seed), ..greedy(12) };
-        generate(&model, &mut cache, &[5, 6, 7], &[], cfg).unwrap().map(|t| t.unwrap().id).collect::<Vec<_>>()
+        generate(&model, &mut cache, &[5, 6, 7], cfg).unwrap().map(|t| t.unwrap().id).collect::<Vec<_>>()
     };
     assert_eq!(run(1), run(1));
     assert_ne!(run(1), run(2));
@@ -107,7 +107,7 @@ fn nan_logits_are_a_typed_error() {
     let model = load_model(dir.path(), &test_load_options()).unwrap().into_lm().unwrap();
     for sampling in [SamplingConfig::greedy(), SamplingConfig::default().with_seed(3)] {
         let mut cache = model.new_cache();
-        let mut g = generate(&model, &mut cache, &[5, 6, 7], &[], GenerateConfig { max_new_tokens: 4, sampling, stop_tokens: Some(vec![]), ..Default::default() }).unwrap();
+        let mut g = generate(&model, &mut cache, &[5, 6, 7], GenerateConfig { max_new_tokens: 4, sampling, stop_tokens: Some(vec![]), ..Default::default() }).unwrap();
         match g.next() {
             Some(Err(mlx_models::ModelError::NonFiniteLogits { step: 0, .. })) => {}
             other => panic!("expected NonFiniteLogits, got {:?}", other.map(|r| r.map(|t| t.id))),

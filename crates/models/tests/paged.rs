@@ -28,8 +28,8 @@ fn greedy_tokens(m: &Model, prompt: &[u32], n: usize, step: usize) -> Vec<u32> {
 /// in chunks of `step`. The generator feeds every token it yields: after it the cache holds
 /// `prompt` and the `n` tokens.
 fn greedy_tokens_in(m: &Model, cache: &mut mlx_models::Cache, prompt: &[u32], context: &[u32], n: usize, step: usize) -> Vec<u32> {
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step };
-    generate(m, cache, prompt, context, cfg).unwrap().map(|t| t.unwrap().id).collect()
+    let cfg = GenerateConfig { max_new_tokens: n, sampling: SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step, context: context.to_vec() };
+    generate(m, cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect()
 }
 
 /// How many leading positions of `prompt` a new sequence finds in the pool (and does not compute).

@@ -141,7 +141,7 @@ fn session_smoke(name: &str) {
     let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
     let cfg = GenerateConfig { max_new_tokens: 6, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
-    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect();
+    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(fresh, all[prompt.len()..prompt.len() + res2.num_tokens], "{name}: continued turn equals a fresh prefill");
 }
 

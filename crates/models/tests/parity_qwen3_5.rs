@@ -108,7 +108,7 @@ mod sessions {
         let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
         let mut cache = model.new_cache();
         let cfg = GenerateConfig { max_new_tokens: 8, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
-        let fresh: Vec<u32> = generate(&model, &mut cache, p, &[], cfg).unwrap().map(|t| t.unwrap().id).collect();
+        let fresh: Vec<u32> = generate(&model, &mut cache, p, cfg).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(fresh, all[p.len()..p.len() + res.num_tokens], "{name}: continued turn equals recompute");
 
         // A different conversation diverges inside the cache: the recurrent cache is reset.

@@ -13,8 +13,8 @@ fn decode(dir: &std::path::Path) -> Vec<u32> {
     let model = load_model(dir, &opts()).unwrap().into_lm().unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
     let mut cache = model.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: 4, sampling: sampling::SamplingConfig::greedy(), prefill_step_size: 2048, stop_tokens: Some(vec![]) };
-    generate(&model, &mut cache, &prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect()
+    let cfg = GenerateConfig { max_new_tokens: 4, sampling: sampling::SamplingConfig::greedy(), prefill_step_size: 2048, stop_tokens: Some(vec![]), context: Vec::new() };
+    generate(&model, &mut cache, &prompt, cfg).unwrap().map(|t| t.unwrap().id).collect()
 }
 
 #[test]

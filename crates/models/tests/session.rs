@@ -46,7 +46,7 @@ fn continued_turn_reuses_cache_and_equals_recompute() {
     let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let mut cache = model.new_cache();
     let cfg = GenerateConfig { max_new_tokens: 8, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
-    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect();
+    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(fresh, all[prompt.len()..prompt.len() + res.num_tokens]);
 
     // A tool result for a call the model never made is refused, and the session goes on.

@@ -17,7 +17,7 @@ fn load(name: &str, kv: KvCacheMode) -> Model {
 fn plain(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = m.new_cache();
     let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() };
-    generate(m, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect()
+    generate(m, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect()
 }
 
 #[test]

@@ -3,14 +3,16 @@
 //! helpers (`swiglu`, `gelu_approx`, the gated-delta step).
 //!
 //! On the GPU MLX generates the fused kernels itself. On the CPU it writes C++ and builds it
-//! with `g++` at run time; where no `g++` is on the `PATH`, [`fused`] runs the plain ops
-//! instead, so results are the same either way (up to the rounding of fused arithmetic).
+//! with `g++` at run time, which only pays where the chain is long and the arrays large; whether
+//! the CPU backend fuses is the process-wide [`CpuFusion`] setting ([`set_cpu_fusion`]), off
+//! by default. With it off [`fused`] runs the plain ops, so results are the same either way (up
+//! to the rounding of fused arithmetic).
 use crate::error::{OpExt, Result};
 use crate::Array;
 use mlx_rs::error::Exception;
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A function to fuse: array ops only, no captured state (it is traced once per input
 /// shapes and dtypes, then replayed).
@@ -22,21 +24,43 @@ thread_local! {
     static COMPILED: RefCell<HashMap<(usize, bool), Compiled>> = RefCell::new(HashMap::new());
 }
 
-/// Whether the CPU backend can build fused kernels here (a `g++` on the `PATH`), probed once.
-pub fn cpu_fusion_available() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("g++").is_file()))
-    })
+/// Whether the CPU backend runs [`fused`] functions as compiled kernels.
+///
+/// `Off` (the default) runs their ops one by one. `On` compiles them through MLX, which on the
+/// CPU needs a C++ compiler (`g++`) on the `PATH` when a kernel is first built: without one the
+/// first fused call returns MLX's compile error. Measured on the 2-core x86 CPU the
+/// project benchmarks on, fusion does not speed up decode (BENCHMARKS.md, "CPU kernel fusion").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpuFusion {
+    #[default]
+    Off,
+    On,
+}
+
+static CPU_FUSION_ON: AtomicBool = AtomicBool::new(false);
+
+/// Set whether the CPU backend fuses (process-wide; the GPU always fuses).
+pub fn set_cpu_fusion(mode: CpuFusion) {
+    CPU_FUSION_ON.store(mode == CpuFusion::On, Ordering::Relaxed);
+}
+
+/// The current [`CpuFusion`] setting.
+pub fn cpu_fusion() -> CpuFusion {
+    if CPU_FUSION_ON.load(Ordering::Relaxed) {
+        CpuFusion::On
+    } else {
+        CpuFusion::Off
+    }
 }
 
 /// `f(inputs)`, compiled (`shapeless`: one compilation for every input shape, only for
-/// functions without reshapes) when the default device can fuse, else run op by op.
+/// functions without reshapes) on the GPU and, with [`CpuFusion::On`], on the CPU; else run op
+/// by op.
 pub fn fused(f: FusedFn, shapeless: bool, inputs: &[&Array]) -> Result<Vec<Array>> {
     let xs: Vec<mlx_rs::Array> = inputs.iter().map(|a| a.inner.clone()).collect();
     let can = match crate::default_device()? {
         crate::Device::Gpu => true,
-        crate::Device::Cpu => cpu_fusion_available(),
+        crate::Device::Cpu => cpu_fusion() == CpuFusion::On,
     };
     let out = if can {
         COMPILED.with(|c| {

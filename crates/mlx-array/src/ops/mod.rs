@@ -9,7 +9,7 @@ mod quant;
 mod reduce;
 mod shape;
 
-pub use fused::{cpu_fusion_available, fused, FusedFn};
+pub use fused::{cpu_fusion, fused, set_cpu_fusion, CpuFusion, FusedFn};
 pub use index::scatter_rows;
 pub use linalg::gather_mm;
 pub use math::where_;

@@ -48,10 +48,10 @@ impl GatedDeltaConfig {
 }
 
 /// Positions per chunk of the chunked prefill (as transformers and FLA).
-pub const CHUNK: usize = 64;
+pub(crate) const CHUNK: usize = 64;
 
 /// Cache slots of a GatedDeltaNet layer: conv inputs and recurrent state.
-pub const SLOTS: usize = 2;
+pub(crate) const SLOTS: usize = 2;
 
 #[derive(Clone)]
 pub struct GatedDeltaNet {

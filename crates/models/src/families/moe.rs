@@ -20,7 +20,7 @@ use mlx_array::{ops, Array, DType, Quantized};
 /// Token-expert rows from which [`SwitchGlu`] runs one product per expert on the CPU instead of
 /// MLX's `GatherMM` (see `SwitchGlu::forward_segments`). A 2048-token prefill of 4 of 16
 /// experts has 8192; below about 512 the per-expert products and the read-back cost more.
-pub const CPU_SEGMENT_ROWS: usize = 1024;
+pub(crate) const CPU_SEGMENT_ROWS: usize = 1024;
 
 /// Top-k routing of `logits: [T, E]`: softmax in f32, the `k` largest probabilities (their order
 /// is unspecified), renormalized to sum 1 when `normalize`. Returns `(indices u32 [T, k],

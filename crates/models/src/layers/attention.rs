@@ -134,7 +134,7 @@ impl Attention {
 
 /// Queries per attention call in a long causal or sliding-window step on the CPU (the shared
 /// attention splits such steps into calls of this many queries; BENCHMARKS.md, "CPU: long prompts").
-pub const CPU_QUERY_CHUNK: usize = 64;
+pub(crate) const CPU_QUERY_CHUNK: usize = 64;
 
 /// Attention of queries `[B, Hq, L, D]` over keys and values `[B, Hkv, K, D]`, the queries being
 /// the last `L` of the `K` positions ([`Array::sdpa`]), for every attention layer of every

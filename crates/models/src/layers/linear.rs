@@ -139,10 +139,13 @@ impl FusedLinear {
                 bs.push(v.take("bias", &[o])?);
             }
         }
+        let held = vb.weights().sources_held;
         let cat = |parts: &[Array]| -> Result<Array> {
             let refs: Vec<&Array> = parts.iter().collect();
             let a = mlx_array::ops::concatenate(&refs, 0)?;
-            a.eval()?; // materialise now: the parts are freed when this returns
+            if !held {
+                a.eval()?; // materialise now: the parts are freed when this returns
+            }
             Ok(a)
         };
         let w = cat(&ws)?;

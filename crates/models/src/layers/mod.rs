@@ -7,7 +7,7 @@ mod norm;
 mod rope;
 
 pub use decoder::LmHead;
-pub use attention::{causal_mask, Attention, AttentionConfig, CPU_QUERY_CHUNK};
+pub use attention::{causal_mask, Attention, AttentionConfig};
 pub(crate) use attention::{last_query_mask, sdpa};
 pub use linear::{Embedding, FusedLinear, Linear};
 pub use mlp::{Activation, GatedMlp};

@@ -153,6 +153,6 @@ pub fn check_last_position_prefill(name: &str) {
 pub fn greedy_gen(m: &mlx_models::Model, prompt: &[u32], n: usize, step: usize) -> Vec<u32> {
     use mlx_models::{generate, GenerateConfig};
     let mut cache = m.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step };
-    generate(m, &mut cache, prompt, &[], cfg).unwrap().map(|t| t.unwrap().id).collect()
+    let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step, context: Vec::new() };
+    generate(m, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect()
 }

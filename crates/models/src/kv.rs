@@ -1,0 +1,328 @@
+//! Per-layer cache layout ([`CacheSpec`]) and the K/V storage of one attention layer
+//! ([`KvCache`]): flat (contiguous, grown in steps, as mlx-lm's `KVCache`) or rotating
+//! (sliding-window layers keep only the last `window` positions). Nothing here knows about
+//! paging: the paged pool ([`crate::paged`]) uses a [`KvCache`] as a sequence's contiguous mirror.
+use crate::{ModelError, Result};
+use mlx_array::{ops, Array};
+
+/// What one layer caches.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LayerKind {
+    /// Full-attention K/V: `[B, kv_heads, T, head_dim]`.
+    Attention { kv_heads: usize, head_dim: usize },
+    /// Sliding-window attention: only the last `window` positions matter.
+    SlidingAttention { kv_heads: usize, head_dim: usize, window: usize },
+    /// Reuses the K/V of layer `anchor` (no storage of its own).
+    SharedKv { anchor: usize },
+    /// Recurrent state slots (conv state, SSM state): opaque to the cache.
+    Recurrent { slots: usize },
+}
+
+/// A model's cache layout, layer by layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheSpec {
+    pub layers: Vec<LayerKind>,
+}
+
+/// Growth step of flat caches, in positions (as mlx-lm's KVCache).
+const STEP: usize = 256;
+
+/// K/V storage of one attention layer.
+#[derive(Clone)]
+pub struct KvCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: usize,
+    /// `Some(w)`: rotating storage of the last `w` positions.
+    window: Option<usize>,
+    /// Rotating caches: positions held (the first `held` slots of the buffers).
+    held: usize,
+    /// Rotating caches holding a full window written in place: the slot of the oldest position
+    /// (the next one overwritten). `None`: the slots are in temporal order.
+    ring: Option<usize>,
+    /// Flat caches: the first position written (positions before it were never given to this
+    /// cache: a paged mirror restarted at it).
+    first: usize,
+}
+
+impl KvCache {
+    pub fn new(window: Option<usize>) -> Self {
+        KvCache { keys: None, values: None, offset: 0, window, held: 0, ring: None, first: 0 }
+    }
+
+    /// Positions seen so far (the rope offset of the next token).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The storage arrays (keys, values) once written.
+    pub(crate) fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.keys.iter().chain(self.values.iter())
+    }
+
+    /// Empty the cache, as if positions `0..offset` had been seen and dropped (a paged mirror
+    /// refilled from the pool from `offset` on).
+    pub(crate) fn restart_at(&mut self, offset: usize) {
+        *self = KvCache { offset, first: offset, ..KvCache::new(self.window) };
+    }
+
+    /// Keys and values of positions `from..to` as stored: views of the storage (a copy only
+    /// where a rotating cache's ring wraps inside the span), or `None` when the cache does not
+    /// hold every one of them.
+    pub(crate) fn span(&self, from: usize, to: usize) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
+        if from >= to || to > self.offset {
+            return Ok(None);
+        }
+        let Some(w) = self.window else {
+            if from < self.first {
+                return Ok(None);
+            }
+            return Ok(Some((k.slice_axis(2, from, to)?, v.slice_axis(2, from, to)?)));
+        };
+        let start = self.offset - self.held;
+        if from < start {
+            return Ok(None);
+        }
+        // ring None: slots 0..held in temporal order; Some(r): a full window, slot r the oldest
+        let slot = |p: usize| match self.ring {
+            None => p - start,
+            Some(r) => (r + p - start) % w,
+        };
+        let (a, n, cap) = (slot(from), to - from, k.dim(2)?);
+        let part = |x: &Array| -> Result<Array> {
+            if a + n <= cap {
+                return Ok(x.slice_axis(2, a, a + n)?);
+            }
+            Ok(ops::concatenate(&[&x.slice_axis(2, a, cap)?, &x.slice_axis(2, 0, a + n - cap)?], 2)?)
+        };
+        Ok(Some((part(k)?, part(v)?)))
+    }
+
+    /// Append `k`, `v` (`[B, H, L, D]`) and return the keys/values attention should use now.
+    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let l = k.dim(2)?;
+        if let Some(w) = self.window {
+            return if l == 1 { self.rotating_step(k, v, w) } else { self.rotating_concat(k, v, l, w) };
+        }
+        let need = self.offset + l;
+        let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
+        if need > cap {
+            let grow = need.div_ceil(STEP) * STEP - cap;
+            let (keys, values) = (self.keys.take(), self.values.take());
+            self.keys = Some(grow_axis2(keys, k, grow, self.offset)?);
+            self.values = Some(grow_axis2(values, v, grow, self.offset)?);
+        }
+        let kb = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, self.offset, 0])?;
+        let vb = self.values.as_ref().unwrap().slice_update(v, &[0, 0, self.offset, 0])?;
+        self.offset = need;
+        let out = (kb.slice_axis(2, 0, need)?, vb.slice_axis(2, 0, need)?);
+        self.keys = Some(kb);
+        self.values = Some(vb);
+        Ok(out)
+    }
+
+    /// The held positions in temporal order (a copy only when the ring has wrapped).
+    fn temporal(&self) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
+        let order = |a: &Array| -> Result<Array> {
+            Ok(match self.ring {
+                Some(0) | None => a.slice_axis(2, 0, self.held)?,
+                Some(r) => ops::concatenate(&[&a.slice_axis(2, r, self.held)?, &a.slice_axis(2, 0, r)?], 2)?,
+            })
+        };
+        Ok(Some((order(k)?, order(v)?)))
+    }
+
+    /// Several new positions (prefill, a verify step): the last `w - 1` held positions, in
+    /// temporal order, then the new ones, so every new query sees its whole window (the
+    /// attention mask limits each to `w`); the last `w - 1` of them are kept.
+    fn rotating_concat(&mut self, k: &Array, v: &Array, l: usize, w: usize) -> Result<(Array, Array)> {
+        let (keys, values) = match self.temporal()? {
+            Some((pk, pv)) => {
+                let drop = self.held.saturating_sub(w - 1);
+                let (pk, pv) = (pk.slice_axis(2, drop, self.held)?, pv.slice_axis(2, drop, self.held)?);
+                (ops::concatenate(&[&pk, k], 2)?, ops::concatenate(&[&pv, v], 2)?)
+            }
+            None => (k.clone(), v.clone()),
+        };
+        self.offset += l;
+        let t = keys.dim(2)?;
+        let keep = (w - 1).min(t);
+        self.keys = Some(keys.slice_axis(2, t - keep, t)?);
+        self.values = Some(values.slice_axis(2, t - keep, t)?);
+        (self.held, self.ring) = (keep, None);
+        Ok((keys, values))
+    }
+
+    /// One new position, written in place (as mlx-lm's RotatingKVCache): into the next free slot
+    /// until the window is full, then over the oldest. The slots come back in storage order;
+    /// with at most `w` keys a single query needs no mask, so their order does not matter
+    /// (rope was applied before caching).
+    fn rotating_step(&mut self, k: &Array, v: &Array, w: usize) -> Result<(Array, Array)> {
+        let slot = match self.ring {
+            Some(r) => r,
+            None => {
+                let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
+                if self.held + 1 > cap {
+                    // grow_axis2 keeps the first `held` slots and appends `grow` fresh ones
+                    let grow = (self.held + STEP).min(w).max(self.held + 1) - self.held;
+                    let (keys, values) = (self.keys.take(), self.values.take());
+                    self.keys = Some(grow_axis2(keys, k, grow, self.held)?);
+                    self.values = Some(grow_axis2(values, v, grow, self.held)?);
+                }
+                self.held
+            }
+        };
+        let kb = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, slot, 0])?;
+        let vb = self.values.as_ref().unwrap().slice_update(v, &[0, 0, slot, 0])?;
+        self.offset += 1;
+        if self.ring.is_some() {
+            self.ring = Some((slot + 1) % w);
+        } else {
+            self.held += 1;
+            if self.held == w {
+                self.ring = Some(0);
+            }
+        }
+        let out = if self.held == kb.dim(2)? { (kb.clone(), vb.clone()) } else { (kb.slice_axis(2, 0, self.held)?, vb.slice_axis(2, 0, self.held)?) };
+        self.keys = Some(kb);
+        self.values = Some(vb);
+        Ok(out)
+    }
+
+    /// Number of positions currently stored (≤ offset for rotating caches).
+    pub fn stored(&self) -> usize {
+        match (&self.keys, self.window) {
+            (Some(_), Some(_)) => self.held,
+            (Some(_), None) => self.offset,
+            _ => 0,
+        }
+    }
+
+    /// Forget the last `n` positions (rollback, prefix reuse). A rotating cache refuses (and is
+    /// left as it was) when what would remain is less than the next position's window needs:
+    /// it keeps only the last `window` positions, so a deep rollback must re-prefill instead.
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if n > self.offset {
+            return Err(ModelError::Cache(format!("cannot trim {n} of {} positions", self.offset)));
+        }
+        if let Some(w) = self.window {
+            let held = self.stored();
+            let need = (w - 1).min(self.offset - n);
+            if n > held || held - n < need {
+                return Err(ModelError::Cache(format!(
+                    "sliding-window cache holds the last {held} positions: after trimming {n} the next position's window needs {need} (re-prefill instead)"
+                )));
+            }
+            if let Some((k, v)) = self.temporal()? {
+                self.keys = Some(k.slice_axis(2, 0, held - n)?);
+                self.values = Some(v.slice_axis(2, 0, held - n)?);
+                (self.held, self.ring) = (held - n, None);
+            }
+        }
+        self.offset -= n;
+        self.first = self.first.min(self.offset);
+        Ok(())
+    }
+}
+
+fn grow_axis2(old: Option<Array>, like: &Array, grow: usize, used: usize) -> Result<Array> {
+    let s = like.shape();
+    let fresh = Array::zeros(&[s[0], s[1], grow, s[3]], like.dtype())?;
+    Ok(match old {
+        Some(o) => ops::concatenate(&[&o.slice_axis(2, 0, used)?, &fresh], 2)?,
+        None => fresh,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_array::random::{self, Key};
+    use mlx_array::{AttentionMask, DType};
+
+    /// A rotating cache (ring buffer for single steps, concatenation for chunks, trims) gives
+    /// the same attention as a flat cache of every position under the sliding-window mask.
+    #[test]
+    fn rotating_cache_matches_flat_with_window_mask() {
+        let (w, h, d) = (4usize, 2usize, 8usize);
+        let mut rot = KvCache::new(Some(w));
+        let mut flat = KvCache::new(None);
+        // chunk sizes (> 0) and trims (< 0: `Ok` expected when the bool is true): a trim before the
+        // window fills, a prefill past the window, steps that wrap the ring, a trim of a wrapped
+        // ring, trims deeper than what the next window needs (refused, cache unchanged), chunks
+        // after a full ring
+        let plan: &[(i64, bool)] = &[
+            (2, true), (-1, true), (6, true), (1, true), (1, true), (1, true), (1, true), (1, true), (1, true), (1, true),
+            (-1, true), (1, true), (-2, false), (3, true), (-1, false), (1, true), (-1, true), (1, true), (1, true), (2, true), (1, true),
+        ];
+        // Every span a rotating cache holds equals the flat cache's rows (ring wraps inside the
+        // span included); one reaching before what it holds is `None`.
+        let spans_match = |rot: &KvCache, flat: &KvCache, s: usize| {
+            let (o, held) = (rot.offset(), rot.stored());
+            for from in o - held..o {
+                for to in from + 1..=o {
+                    let (rk, rv) = rot.span(from, to).unwrap().unwrap_or_else(|| panic!("step {s}: span {from}..{to} held"));
+                    let (fk, fv) = flat.span(from, to).unwrap().unwrap();
+                    assert_eq!(rk.to_vec::<f32>().unwrap(), fk.to_vec::<f32>().unwrap(), "step {s}: keys {from}..{to}");
+                    assert_eq!(rv.to_vec::<f32>().unwrap(), fv.to_vec::<f32>().unwrap(), "step {s}: values {from}..{to}");
+                }
+            }
+            if held < o {
+                assert!(rot.span(o - held - 1, o).unwrap().is_none(), "step {s}: a position no longer held");
+            }
+            assert!(rot.span(o, o + 1).unwrap().is_none() && flat.span(0, o + 1).unwrap().is_none(), "step {s}: past the end");
+        };
+        for (s, &(n, ok)) in plan.iter().enumerate() {
+            spans_match(&rot, &flat, s);
+            if n < 0 {
+                let n = (-n) as usize;
+                let before = (rot.offset(), rot.stored());
+                assert_eq!(rot.trim(n).is_ok(), ok, "step {s}: trim {n} at offset {} holding {}", before.0, before.1);
+                if ok {
+                    flat.trim(n).unwrap();
+                } else {
+                    assert_eq!((rot.offset(), rot.stored()), before, "a refused trim leaves the cache as it was");
+                }
+                assert_eq!(rot.offset(), flat.offset());
+                continue;
+            }
+            let l = n as usize;
+            let ks = Key::new(100 + s as u64).unwrap().split_n(3).unwrap();
+            let k = random::normal(&[1, h, l, d], DType::F32, &ks[0]).unwrap().add_scalar(s as f32).unwrap();
+            let v = random::normal(&[1, h, l, d], DType::F32, &ks[1]).unwrap();
+            let q = random::normal(&[1, h, l, d], DType::F32, &ks[2]).unwrap();
+            let (rk, rv) = rot.update_and_fetch(&k, &v).unwrap();
+            let (fk, fv) = flat.update_and_fetch(&k, &v).unwrap();
+            assert!(rk.dim(2).unwrap() <= w - 1 + l, "step {s}: rotating cache returned {} keys", rk.dim(2).unwrap());
+            assert!(rot.stored() <= w && rot.stored() <= rot.offset());
+            let mask = AttentionMask::SlidingWindow(w);
+            let got = q.sdpa(&rk, &rv, 0.5, mask).unwrap().to_vec::<f32>().unwrap();
+            let want = q.sdpa(&fk, &fv, 0.5, mask).unwrap().to_vec::<f32>().unwrap();
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "step {s} (offset {}): {a} vs {b}", rot.offset());
+            }
+        }
+        assert!(rot.stored() <= w);
+        spans_match(&rot, &flat, plan.len());
+    }
+
+    /// A flat cache restarted at a position (a paged mirror) holds no span before it.
+    #[test]
+    fn restarted_flat_cache_spans_start_at_its_first_position() {
+        let mut c = KvCache::new(None);
+        c.restart_at(5);
+        let k = Array::from_slice(&(0..12).map(|x| x as f32).collect::<Vec<_>>(), &[1, 1, 3, 4]).unwrap();
+        c.update_and_fetch(&k, &k).unwrap();
+        assert!(c.span(4, 8).unwrap().is_none());
+        let (sk, _) = c.span(6, 8).unwrap().unwrap();
+        assert_eq!(sk.to_vec::<f32>().unwrap(), (4..12).map(|x| x as f32).collect::<Vec<_>>());
+        // back to 4, below where it started: it holds nothing, then what comes next
+        c.trim(4).unwrap();
+        assert!(c.span(3, 4).unwrap().is_none());
+        c.update_and_fetch(&k.slice_axis(2, 2, 3).unwrap(), &k.slice_axis(2, 2, 3).unwrap()).unwrap();
+        assert_eq!(c.span(4, 5).unwrap().unwrap().0.to_vec::<f32>().unwrap(), vec![8.0, 9.0, 10.0, 11.0]);
+        assert!(c.span(3, 5).unwrap().is_none());
+    }
+}
