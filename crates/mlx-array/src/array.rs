@@ -219,6 +219,39 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
 }
 
 /// Start evaluating arrays in the background; a later [`eval`] or readback waits for them.
+///
+/// Work still queued when the process exits is waited for before the shared libraries are torn
+/// down (see [`wait_for_queued_work_at_exit`]).
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    wait_for_queued_work_at_exit();
     mlx_rs::transforms::async_eval(arrays.iter().map(|a| &a.inner)).op("async_eval")
+}
+
+/// Waits for the thread's queued MLX work when the thread's locals are destroyed.
+struct WaitOnExit;
+
+impl Drop for WaitOnExit {
+    fn drop(&mut self) {
+        // Nothing can be reported from a thread-local destructor; a failure leaves the exit as
+        // it would have been.
+        let _ = unsafe { mlx_sys::mlx_synchronize_default() };
+    }
+}
+
+thread_local! {
+    static WAIT_ON_EXIT: WaitOnExit = const { WaitOnExit };
+}
+
+/// Make this thread's exit (the process's, on the main thread) wait for the work it queued on
+/// MLX's default stream. [`async_eval`] calls it.
+///
+/// A program that returns from `main` while MLX's stream thread still runs queued work races
+/// the exit handlers: OpenBLAS's (`gotoblas_quit`, from `_dl_fini`) joins its worker threads
+/// and can wait forever on a worker that the in-flight BLAS call left parked, and MLX's
+/// allocator destroyed under a running task corrupts the heap (aborts in `malloc_consolidate`,
+/// segfaults). The wait runs as a thread-local destructor: those run at exit before the atexit
+/// handlers and `_dl_fini`, in reverse order of registration, so after this thread's first
+/// `async_eval` it runs before MLX's own thread-local state is destroyed.
+pub fn wait_for_queued_work_at_exit() {
+    WAIT_ON_EXIT.with(|_| {});
 }
