@@ -35,6 +35,7 @@ pub mod layers;
 mod model;
 pub mod random;
 pub mod paged;
+pub mod privacy;
 pub mod registry;
 mod session;
 mod runtime;
