@@ -52,7 +52,7 @@ def config():
     return OpenAIPrivacyFilterConfig(
         vocab_size=512, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=6, max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1,
+        sliding_window=6, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
         pad_token_id=0, eos_token_id=0)
@@ -73,9 +73,10 @@ def perturb(model, seed):
             if name.endswith("experts.gate_up_proj_bias") or name.endswith("experts.down_proj_bias"):
                 t.copy_(torch.randn(t.shape, generator=g) * 0.5)
             if name == "score.weight":
-                t.mul_(8.0)  # peaked tag distributions: spans with mean probabilities on both sides of 0.5
+                t.mul_(4.0)  # peaked tag distributions: spans with mean probabilities on both sides of 0.5
             if name == "score.bias":
                 t.copy_(torch.randn(t.shape, generator=g))
+                t[0] += 6.0  # background (O) is the most common tag, as in real text
 
 
 def parse_labels(id2label):

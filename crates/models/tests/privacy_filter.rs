@@ -157,13 +157,24 @@ fn byte_offsets_slice_multibyte_text() {
         beyond_ascii |= !text[..e.start].is_ascii();
     }
     assert!(beyond_ascii, "some entity starts after a multi-byte character");
-    // an entity's score is the mean of its tokens' scores
-    for e in &res.entities {
-        let inside: Vec<f32> = toks.iter().filter(|t| t.start >= e.start && t.end <= e.end).map(|t| t.score).collect();
-        let first = toks.iter().position(|t| t.start == e.start).unwrap();
-        let last = toks.iter().rposition(|t| t.end == e.end).unwrap();
-        let mean = toks[first..=last].iter().map(|t| t.score as f64).sum::<f64>() / (last - first + 1) as f64;
-        assert!((mean as f32 - e.score).abs() < 1e-6, "{e:?} vs {inside:?}");
+    // entities rebuilt from the per-token tags: B…E / S runs, offsets of their first and last
+    // tokens, score the mean of their token scores
+    let mut want = Vec::new();
+    let mut open: Option<usize> = None;
+    for (i, t) in toks.iter().enumerate() {
+        match t.tag.split_once('-').map(|(p, _)| p) {
+            Some("B") => open = Some(i),
+            Some("S") => want.push((i, i)),
+            Some("E") => want.push((open.take().unwrap(), i)),
+            _ => {}
+        }
+    }
+    assert_eq!(want.len(), res.entities.len());
+    for ((a, z), e) in want.into_iter().zip(&res.entities) {
+        assert_eq!((e.start, e.end), (toks[a].start, toks[z].end));
+        assert_eq!(e.label, toks[a].tag[2..]);
+        let mean = toks[a..=z].iter().map(|t| t.score as f64).sum::<f64>() / (z - a + 1) as f64;
+        assert!((mean as f32 - e.score).abs() < 1e-6, "{e:?} vs {mean}");
     }
 }
 
