@@ -13,7 +13,8 @@ OUT_DIR receives:
 - `tokenizer.json`: a byte-level BPE (by default the repository's tiny Qwen3 one).
 - `viterbi_calibration.json`: `operating_points.default.biases` with six non-zero transition biases.
 - `reference.safetensors`: `input_ids` `[1, T]` and `logits` `[1, T, 33]` of the checkpoint reloaded in
-  float32 with eager attention, for `TEXT` tokenized without special tokens.
+  float32 with eager attention, for `TEXT` tokenized without special tokens (`short_input_ids`,
+  `short_logits`: the same for `SHORT_TEXT`, shorter than the window).
 - `reference.json`: the text, the token ids and byte offsets (converted from the Python binding's
   character offsets), and the spans a plain NumPy BIOES Viterbi decoder (written here, independent of the
   Rust one) extracts from those logits under the file's calibration and under `OVERRIDE` (threshold 0:
@@ -34,6 +35,8 @@ from transformers.models.openai_privacy_filter import (OpenAIPrivacyFilterConfig
 
 TEXT = ("Write to Zoë Müller at zoe.muller@example.com or call +49 30 1234567; she lives at 12 Rue de "
         "l’Église, Paris — born 1990-05-17 in 東京. Key: sk-9f8e7d6c5b4a.")
+# shorter than the window: every key visible, no band mask
+SHORT_TEXT = "Zoë 19"
 SEED = 20
 BIASES = {
     "transition_bias_background_stay": 0.3,
@@ -170,15 +173,22 @@ def main():
     ids = torch.tensor([enc.ids], dtype=torch.long)
 
     clamp = []
+
     def hook(mod, inp, _out):  # fraction of gate/up pre-activations past the clamp, over all experts
         h = inp[0].float()
         gu = torch.einsum("th,ehf->etf", h, mod.gate_up_proj.float()) + mod.gate_up_proj_bias.float()[:, None]
         clamp.append(float((gu.abs() > mod.limit).float().mean()))
+
     for layer in model.model.layers:
         layer.mlp.experts.register_forward_hook(hook)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
-    save_file({"input_ids": ids.contiguous(), "logits": logits.contiguous()}, os.path.join(out, "reference.safetensors"))
+        text_clamp = list(clamp)  # the text's layers only
+        short_ids = torch.tensor([tok.encode(SHORT_TEXT, add_special_tokens=False).ids], dtype=torch.long)
+        assert short_ids.shape[1] <= model.config.sliding_window + 1
+        short_logits = model(input_ids=short_ids).logits.float()
+    save_file({"input_ids": ids.contiguous(), "logits": logits.contiguous(), "short_input_ids": short_ids.contiguous(),
+               "short_logits": short_logits.contiguous()}, os.path.join(out, "reference.safetensors"))
 
     lg = logits[0].double().numpy()
     logp = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
@@ -189,16 +199,16 @@ def main():
         path = viterbi(logp, tags, b)
         decoded[name] = dict(tags=[model.config.id2label[k] for k in path],
                              entities=spans(TEXT, path, probs, tags, byte_off))
-    meta = dict(text=TEXT, input_ids=enc.ids, offsets=byte_off, seed=SEED, override=OVERRIDE,
+    meta = dict(text=TEXT, short_text=SHORT_TEXT, input_ids=enc.ids, offsets=byte_off, seed=SEED, override=OVERRIDE,
                 sliding_window=model.config.sliding_window, tokens=len(enc.ids),
                 weights_dtype="bfloat16", reference_dtype="float32", attn_implementation="eager",
                 torch=torch.__version__, transformers=T.__version__,
-                clamp_fraction_per_layer=clamp, decoded=decoded)
+                clamp_fraction_per_layer=text_clamp, decoded=decoded)
     with open(os.path.join(out, "reference.json"), "w") as f:
         json.dump(meta, f, indent=1, ensure_ascii=False)
     for name, d in decoded.items():
         print(name, [(e["label"], e["text"], round(e["score"], 3)) for e in d["entities"]])
-    print("tokens", len(enc.ids), "clamp fractions", [round(c, 3) for c in clamp])
+    print("tokens", len(enc.ids), "clamp fractions", [round(c, 3) for c in text_clamp])
 
 
 if __name__ == "__main__":

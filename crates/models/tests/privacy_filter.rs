@@ -69,8 +69,20 @@ fn tokens_and_logits_match_transformers() {
     let err = common::rel_err(&got.to_vec::<f32>().unwrap(), &want);
     println!("privacy_filter logits: {} tokens, max rel err {err:.3e} (bound {LOGITS_TOL:e})", want_ids.len());
     assert!(err <= LOGITS_TOL, "logits rel err {err}");
-    // the band matters: the prompt is much longer than the window
-    assert!(r["sliding_window"].as_u64().unwrap() * 4 < want_ids.len() as u64);
+    // the band matters: the prompt is much longer than the window, and its queries run in
+    // several blocks
+    let window = r["sliding_window"].as_u64().unwrap() as usize;
+    assert!(window * 4 < want_ids.len() && mlx_models::privacy::model::query_block(window) < want_ids.len());
+
+    // a text shorter than the window: every key visible
+    let short = r["short_text"].as_str().unwrap();
+    let short_ids = m.tokenizer().inner().encode(short, false).unwrap().get_ids().to_vec();
+    assert_eq!(short_ids, common::ids(&refs["short_input_ids"]));
+    assert!(short_ids.len() <= window + 1);
+    let got = m.logits(&short_ids).unwrap().to_vec::<f32>().unwrap();
+    let err = common::rel_err(&got, &refs["short_logits"].to_vec::<f32>().unwrap());
+    println!("privacy_filter short-text logits: {} tokens, max rel err {err:.3e}", short_ids.len());
+    assert!(err <= LOGITS_TOL, "short-text logits rel err {err}");
 }
 
 fn check_decode(got: &mlx_models::privacy::ClassifyResult, want: &Value, text: &str) {

@@ -206,9 +206,10 @@ impl SinkAttention {
         Ok(x.reshape(&[1, t, n as i32, self.head_dim as i32])?.transpose(&[0, 2, 1, 3])?)
     }
 
-    /// `x: [1, T, H]`; `mask`: boolean `[T, T]` (true = visible), `None` when every key is visible.
-    fn forward(&self, x: &Array, rope: &Rope, mask: Option<&Array>) -> Result<Array> {
-        let t = x.dims()[1];
+    /// `x: [1, T, H]`. Queries run in blocks of [`query_block`] rows, each against only the keys
+    /// its band reaches, so memory grows with `T * (block + 2 * window)` rather than `T^2`.
+    fn forward(&self, x: &Array, rope: &Rope, window: usize) -> Result<Array> {
+        let t = x.dims()[1] as usize;
         let scale = (self.head_dim as f32).powf(-0.25);
         let q = rope.forward(&self.heads(&self.q.forward(x)?, self.n_heads)?, 0)?.mul_scalar(scale)?;
         let k = rope.forward(&self.heads(&self.k.forward(x)?, self.n_kv)?, 0)?.mul_scalar(scale)?;
@@ -218,19 +219,46 @@ impl SinkAttention {
             if rep == 1 {
                 return Ok(a);
             }
-            let (tl, d) = (t as usize, self.head_dim);
-            Ok(a.expand_dims(2)?.broadcast_to(&[1, self.n_kv, rep, tl, d])?.reshape(&[1, self.n_heads as i32, t, d as i32])?)
+            let d = self.head_dim;
+            Ok(a.expand_dims(2)?.broadcast_to(&[1, self.n_kv, rep, t, d])?.reshape(&[1, self.n_heads as i32, t as i32, d as i32])?)
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let mut scores = q.matmul(&k.swap_axes(2, 3)?)?; // [1, nh, T, T]
-        if let Some(m) = mask {
-            scores = ops::where_(m, &scores, &Array::scalar(f32::NEG_INFINITY))?;
+        let block = query_block(window);
+        let mut outs = Vec::with_capacity(t.div_ceil(block));
+        for qs in (0..t).step_by(block) {
+            let qe = (qs + block).min(t);
+            let (ks, ke) = (qs.saturating_sub(window), qe.saturating_add(window).min(t));
+            let kc = k.slice_axis(2, ks, ke)?;
+            let mut scores = q.slice_axis(2, qs, qe)?.matmul(&kc.swap_axes(2, 3)?)?; // [1, nh, qe-qs, ke-ks]
+            if let Some(m) = band_mask(qs, qe, ks, ke, window)? {
+                scores = ops::where_(&m, &scores, &Array::scalar(f32::NEG_INFINITY))?;
+            }
+            let sinks = self.sinks.broadcast_to(&[1, self.n_heads, qe - qs, 1])?;
+            let probs = ops::concatenate(&[&scores, &sinks], 3)?.softmax(3, true)?.slice_axis(3, 0, ke - ks)?;
+            outs.push(probs.matmul(&v.slice_axis(2, ks, ke)?)?);
         }
-        let sinks = self.sinks.broadcast_to(&[1, self.n_heads, t as usize, 1])?;
-        let probs = ops::concatenate(&[&scores, &sinks], 3)?.softmax(3, true)?.slice_axis(3, 0, t as usize)?;
-        let out = probs.matmul(&v)?.transpose(&[0, 2, 1, 3])?.reshape(&[1, t, (self.n_heads * self.head_dim) as i32])?;
+        let refs: Vec<&Array> = outs.iter().collect();
+        let out = ops::concatenate(&refs, 2)?.transpose(&[0, 2, 1, 3])?.reshape(&[1, t as i32, (self.n_heads * self.head_dim) as i32])?;
         self.o.forward(&out)
     }
+}
+
+/// Query rows per attention block: at least 64, and at least twice the window.
+pub fn query_block(window: usize) -> usize {
+    window.saturating_mul(2).max(64)
+}
+
+/// Visibility of keys `ks..ke` from queries `qs..qe` (`|i - j| <= window`) as a boolean
+/// `[qe-qs, ke-ks]`; `None` when every key is visible.
+fn band_mask(qs: usize, qe: usize, ks: usize, ke: usize, window: usize) -> Result<Option<Array>> {
+    // the farthest pairs are (qs, ke-1) and (qe-1, ks)
+    if (ke - 1).abs_diff(qs) <= window && (qe - 1).abs_diff(ks) <= window {
+        return Ok(None);
+    }
+    let rows = Array::arange(qs as i64, qe as i64, DType::I32)?.reshape(&[(qe - qs) as i32, 1])?;
+    let cols = Array::arange(ks as i64, ke as i64, DType::I32)?.reshape(&[1, (ke - ks) as i32])?;
+    let w = i32::try_from(window).unwrap_or(i32::MAX);
+    Ok(Some(rows.sub(&cols)?.abs()?.le(&Array::scalar(w))?))
 }
 
 struct ClampedMoe {
@@ -347,16 +375,9 @@ impl PrivacyEncoder {
             return Err(ModelError::InvalidInput(format!("token id {bad} is outside the vocabulary of {}", self.vocab)));
         }
         let t = ids.len();
-        let mask = if t > self.sliding_window + 1 {
-            let pos = Array::arange(0, t as i64, DType::I32)?;
-            let dist = pos.reshape(&[t as i32, 1])?.sub(&pos.reshape(&[1, t as i32])?)?.abs()?;
-            Some(dist.le(&Array::scalar(i32::try_from(self.sliding_window).unwrap_or(i32::MAX)))?)
-        } else {
-            None
-        };
         let mut x = self.embed.forward(&Array::from_slice(ids, &[1, t])?)?.astype(DType::F32)?;
         for l in &self.layers {
-            x = x.add(&l.attn.forward(&l.input_norm.forward(&x)?, &self.rope, mask.as_ref())?)?;
+            x = x.add(&l.attn.forward(&l.input_norm.forward(&x)?, &self.rope, self.sliding_window)?)?;
             let h = l.post_norm.forward(&x)?.reshape(&[t as i32, -1])?;
             x = x.add(&l.moe.forward(&h)?.reshape(&[1, t as i32, -1])?)?;
         }
