@@ -197,7 +197,8 @@ pub fn read_calibration(path: &Path) -> std::result::Result<Calibration, Privacy
 impl PrivacyFilterModel {
     /// Load `config.json`, the safetensors weights (`model.safetensors`, or sharded with its
     /// index), `tokenizer.json` (with `tokenizer_config.json` when present) and, when present,
-    /// `viterbi_calibration.json` (otherwise every bias is 0). Weights are held in f32.
+    /// `viterbi_calibration.json` (otherwise every bias is 0). Weights are held in f32 and computed
+    /// before this returns, so the model can move to another thread.
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let cfg = read_config(dir)?;
@@ -210,6 +211,10 @@ impl PrivacyFilterModel {
         let tokenizer = Tokenizer::from_dir(dir)?;
         let weights = Weights::load(dir, Some(DType::F32))?;
         let encoder = PrivacyEncoder::load(&weights, &cfg, tags.len())?;
+        // Compute every weight and derived array on this thread (one token through every layer):
+        // MLX binds a lazy array to a stream of the thread that made it, so a model whose arrays
+        // were still lazy could not run on another thread.
+        encoder.forward(&[0])?.eval()?;
         Ok(PrivacyFilterModel { encoder, tokenizer, tags, calibration, dir: dir.to_path_buf() })
     }
 
