@@ -245,6 +245,23 @@ fn broken_directories_are_typed_errors() {
     assert!(matches!(e, ModelError::UnsupportedModelType { .. }), "{e}");
     let e = broken(|d| edit_json(&d.join("config.json"), |v| v.as_object_mut().unwrap().remove("hidden_size").map(|_| ()).unwrap())).unwrap_err();
     assert!(matches!(e, ModelError::MalformedConfig { .. }), "{e}");
+    // shapes transformers could not build, and an unknown rope type
+    for (k, v) in [("num_key_value_heads", Value::from(3)), ("num_experts_per_tok", 5.into()), ("head_dim", 15.into())] {
+        let e = broken(|d| edit_json(&d.join("config.json"), |c| c[k] = v)).unwrap_err();
+        assert!(matches!(e, ModelError::MalformedConfig { .. }), "{k}: {e}");
+    }
+    let e = broken(|d| edit_json(&d.join("config.json"), |c| c["rope_parameters"]["rope_type"] = "su".into())).unwrap_err();
+    assert!(matches!(e, ModelError::MalformedConfig { .. }) && e.to_string().contains("\"su\""), "{e}");
+    // a tensor no module reads
+    let e = broken(|d| {
+        let p = d.join("model.safetensors");
+        let mut t = mlx_array::io::load_safetensors(&p, None).unwrap();
+        t.insert("model.layers.0.mlp.experts.extra".into(), mlx_array::Array::zeros(&[2], DType::F32).unwrap());
+        let refs: Vec<(&str, &mlx_array::Array)> = t.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        mlx_array::io::save_safetensors(&p, &refs, None).unwrap();
+    })
+    .unwrap_err();
+    assert!(matches!(&e, ModelError::Checkpoint { msg, .. } if msg.contains("experts.extra")), "{e}");
     // id2label: a gap, a bad prefix, a missing E-, two O labels
     let e = broken(|d| edit_json(&d.join("config.json"), |v| {
         let m = v["id2label"].as_object_mut().unwrap();

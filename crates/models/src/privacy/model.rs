@@ -331,7 +331,7 @@ impl PrivacyEncoder {
     /// Build from `weights` (transformers' names: `model.*`, `score.*`), every tensor in f32.
     /// Tensors no module reads are an error.
     pub fn load(weights: &Weights, c: &PrivacyFilterConfig, num_labels: usize) -> Result<Self> {
-        let bad = |reason: String| ModelError::Checkpoint { path: weights.path().to_path_buf(), msg: reason };
+        let bad = |reason: String| ModelError::MalformedConfig { path: weights.path().join("config.json"), reason };
         c.validate().map_err(bad)?;
         let rope = c.rope().map_err(bad)?;
         let root = weights.root();
