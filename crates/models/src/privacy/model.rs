@@ -226,7 +226,7 @@ impl SinkAttention {
         let block = query_block(window);
         let mut outs = Vec::with_capacity(t.div_ceil(block));
         for qs in (0..t).step_by(block) {
-            let qe = (qs + block).min(t);
+            let qe = qs.saturating_add(block).min(t);
             let (ks, ke) = (qs.saturating_sub(window), qe.saturating_add(window).min(t));
             let kc = k.slice_axis(2, ks, ke)?;
             let mut scores = q.slice_axis(2, qs, qe)?.matmul(&kc.swap_axes(2, 3)?)?; // [1, nh, qe-qs, ke-ks]
