@@ -41,6 +41,9 @@ pub enum ModelError {
     /// KV-cache block pool exhausted or misused.
     #[error("KV cache: {0}")]
     Cache(String),
+    /// Privacy-filter labels, calibration or options.
+    #[error(transparent)]
+    Privacy(#[from] crate::privacy::PrivacyError),
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

@@ -37,6 +37,7 @@ mod model;
 pub mod random;
 pub mod paged;
 mod params;
+pub mod privacy;
 pub mod registry;
 mod session;
 mod runtime;
