@@ -2,8 +2,10 @@
 //!
 //! transformers 5 writes `rope_parameters` instead of `rope_theta`/`rope_scaling`, `dtype` instead
 //! of `torch_dtype`, and multimodal checkpoints nest the decoder's settings in `text_config`.
+use crate::layers::Activation;
 use crate::{ModelError, Result};
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
@@ -61,4 +63,57 @@ pub fn eos_ids(dir: &Path, cfg: &Value) -> Vec<u32> {
     let mut seen = std::collections::HashSet::new();
     ids.retain(|x| seen.insert(*x));
     ids
+}
+
+/// The `config.json` keys that the Qwen/Llama-style decoders (Qwen3, Llama, Qwen2, Qwen3.5) read
+/// alike, flattened into each family's config (`#[serde(flatten)]`), which adds its own keys and
+/// the defaults that differ between families (`rope_theta`, `max_position_embeddings`, ...).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DecoderConfig {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// `hidden_size / num_attention_heads` when absent (see [`DecoderConfig::head_dim`]).
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    #[serde(default = "default_rms_norm_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "default_hidden_act")]
+    pub hidden_act: String,
+    pub eos_token_id: Option<Value>,
+    pub bos_token_id: Option<u32>,
+}
+
+fn default_rms_norm_eps() -> f32 {
+    1e-6
+}
+fn default_hidden_act() -> String {
+    "silu".into()
+}
+
+impl DecoderConfig {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Checks the attention shape (`kv_heads` key/value heads), the sizes and `hidden_act`.
+    pub fn validate(&self, kv_heads: usize) -> std::result::Result<(), String> {
+        let h = self.num_attention_heads;
+        if h == 0 || kv_heads == 0 || !h.is_multiple_of(kv_heads) {
+            return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {kv_heads}"));
+        }
+        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || !self.head_dim().is_multiple_of(2) {
+            return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
+        }
+        self.activation().map(|_| ())
+    }
+
+    /// The MLP activation `hidden_act` names.
+    pub fn activation(&self) -> std::result::Result<Activation, String> {
+        Activation::parse(&self.hidden_act).ok_or_else(|| format!("unsupported hidden_act {:?}", self.hidden_act))
+    }
 }

@@ -1,6 +1,7 @@
 //! Llama and Qwen2 dense causal LMs (mirror mlx-lm `models/llama.py` / `models/qwen2.py` and HF
 //! `LlamaForCausalLM` / `Qwen2ForCausalLM`): the Qwen3 stack without q/k norms, with Llama's
 //! optional biases, Qwen2's q/k/v bias, and scaled rope (`rope_scaling`).
+use crate::config::DecoderConfig;
 use crate::families::qwen3::{DecoderOptions, Qwen3Config, Qwen3Model};
 use crate::layers::{Rope, RopeScaling};
 use crate::weights::Weights;
@@ -8,59 +9,40 @@ use crate::{ModelError, Result};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use std::ops::Deref;
 
 /// `config.json` of a Llama or Qwen2 checkpoint (the keys the model uses; defaults are HF's).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LlamaConfig {
-    pub hidden_size: usize,
+    #[serde(flatten)]
+    pub decoder: DecoderConfig,
     pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    #[serde(default)]
+    /// `num_attention_heads` when absent.
     pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    pub vocab_size: usize,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
     #[serde(default = "default_theta")]
     pub rope_theta: f32,
-    #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub attention_bias: bool,
     #[serde(default)]
     pub mlp_bias: bool,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
-    #[serde(default = "default_act")]
-    pub hidden_act: String,
-    #[serde(default)]
-    pub eos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    pub bos_token_id: Option<u32>,
 }
 
-fn default_eps() -> f32 {
-    1e-6
-}
 fn default_theta() -> f32 {
     10_000.0
 }
 fn default_max_pos() -> usize {
     2048
 }
-fn default_act() -> String {
-    "silu".into()
+
+impl Deref for LlamaConfig {
+    type Target = DecoderConfig;
+    fn deref(&self) -> &DecoderConfig {
+        &self.decoder
+    }
 }
 
 impl LlamaConfig {
-    fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
-    }
-
     /// The rope the config asks for (`rope_scaling`: linear, dynamic, yarn, llama3).
     pub fn rope(&self) -> std::result::Result<Rope, String> {
         Rope::scaled(self.head_dim(), self.rope_theta, self.rope_scaling.as_ref(), self.max_position_embeddings)
@@ -68,21 +50,11 @@ impl LlamaConfig {
 
     fn as_qwen3(&self) -> Qwen3Config {
         Qwen3Config {
-            hidden_size: self.hidden_size,
+            decoder: DecoderConfig { head_dim: Some(self.head_dim()), ..self.decoder.clone() },
             intermediate_size: self.intermediate_size,
-            num_hidden_layers: self.num_hidden_layers,
-            num_attention_heads: self.num_attention_heads,
             num_key_value_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
-            head_dim: Some(self.head_dim()),
-            vocab_size: self.vocab_size,
-            rms_norm_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
-            tie_word_embeddings: self.tie_word_embeddings,
-            attention_bias: self.attention_bias,
             max_position_embeddings: self.max_position_embeddings,
-            hidden_act: self.hidden_act.clone(),
-            eos_token_id: self.eos_token_id.clone(),
-            bos_token_id: self.bos_token_id,
             rope_scaling: self.rope_scaling.clone(),
         }
     }

@@ -37,6 +37,7 @@
 use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::config::DecoderConfig;
 use crate::layers::decoder::{DecoderLayer, Stack};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
@@ -47,39 +48,24 @@ use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
+use std::ops::Deref;
 use std::path::Path;
 
 /// The decoder settings of a Qwen3.5 (dense or MoE) checkpoint, from [`crate::config::text_config`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Qwen35Config {
-    pub hidden_size: usize,
+    #[serde(flatten)]
+    pub decoder: DecoderConfig,
     /// Dense MLP width (dense models, and `mlp_only_layers` of MoE models).
     #[serde(default)]
     pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    pub vocab_size: usize,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
     #[serde(default = "default_theta")]
     pub rope_theta: f32,
     #[serde(default = "default_partial")]
     pub partial_rotary_factor: f32,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub attention_bias: bool,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
-    #[serde(default = "default_act")]
-    pub hidden_act: String,
-    #[serde(default)]
-    pub eos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    pub bos_token_id: Option<u32>,
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
     #[serde(default = "default_interval")]
@@ -112,9 +98,6 @@ pub struct Qwen35Config {
     pub num_nextn_predict_layers: Option<usize>,
 }
 
-fn default_eps() -> f32 {
-    1e-6
-}
 fn default_theta() -> f32 {
     10_000_000.0
 }
@@ -123,9 +106,6 @@ fn default_partial() -> f32 {
 }
 fn default_max_pos() -> usize {
     262144
-}
-fn default_act() -> String {
-    "silu".into()
 }
 fn default_interval() -> usize {
     4
@@ -140,10 +120,14 @@ fn default_one() -> usize {
     1
 }
 
-impl Qwen35Config {
-    pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+impl Deref for Qwen35Config {
+    type Target = DecoderConfig;
+    fn deref(&self) -> &DecoderConfig {
+        &self.decoder
     }
+}
+
+impl Qwen35Config {
     /// Rotary dims of the full-attention layers.
     pub fn rotary_dims(&self) -> usize {
         ((self.head_dim() as f32 * self.partial_rotary_factor) as usize) & !1
@@ -176,13 +160,7 @@ impl Qwen35Config {
     }
     /// Checks the config before any tensor is read.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let h = self.num_attention_heads;
-        if h == 0 || self.num_key_value_heads == 0 || !h.is_multiple_of(self.num_key_value_heads) {
-            return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {}", self.num_key_value_heads));
-        }
-        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || !self.head_dim().is_multiple_of(2) {
-            return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
-        }
+        self.decoder.validate(self.num_key_value_heads)?;
         let (hk, hv) = (self.linear_num_key_heads, self.linear_num_value_heads);
         if hk == 0 || hv % hk != 0 || self.linear_key_head_dim == 0 || self.linear_value_head_dim == 0 || self.linear_conv_kernel_dim == 0 {
             return Err(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}, head dims and conv kernel positive"));
@@ -194,9 +172,6 @@ impl Qwen35Config {
             if let Some(bad) = t.iter().find(|s| *s != "full_attention" && *s != "linear_attention") {
                 return Err(format!("unknown layer type {bad:?}"));
             }
-        }
-        if Activation::parse(&self.hidden_act).is_none() {
-            return Err(format!("unsupported hidden_act {:?}", self.hidden_act));
         }
         let any_moe = (0..self.num_hidden_layers).any(|i| self.is_moe_layer(i));
         let any_dense = (0..self.num_hidden_layers).any(|i| !self.is_moe_layer(i));
