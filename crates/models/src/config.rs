@@ -46,6 +46,13 @@ pub fn parse<T: DeserializeOwned>(dir: &Path, v: &Value) -> Result<T> {
     serde_json::from_value(v.clone()).map_err(|e| ModelError::MalformedConfig { path: dir.to_path_buf(), reason: e.to_string() })
 }
 
+/// [`parse`], then `check` (a family config's `validate`), its reason a config error too.
+pub fn parse_checked<T: DeserializeOwned>(dir: &Path, v: &Value, check: impl FnOnce(&T) -> std::result::Result<(), String>) -> Result<T> {
+    let cfg = parse(dir, v)?;
+    check(&cfg).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
+    Ok(cfg)
+}
+
 /// `eos_token_id` may be an int or a list; generation_config.json may add more.
 pub fn eos_ids(dir: &Path, cfg: &Value) -> Vec<u32> {
     let mut ids = Vec::new();
