@@ -9,13 +9,13 @@
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
-use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
-use crate::layers::decoder::{DecoderLayer, Stack};
+use crate::cache::{Cache, CacheSpec, LayerKind};
+use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, Mixer, RecurrentMixer, Stack};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, AttentionMask, DType};
+use mlx_array::{ops, Array, DType};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -314,47 +314,22 @@ impl MoeBlock {
     }
 }
 
-enum Operator {
-    Conv(ShortConv),
-    Attn(Attention),
-}
-
-enum FeedForward {
-    Dense(GatedMlp),
-    Moe(MoeBlock),
-}
-
-struct Block {
-    operator_norm: RmsNorm,
-    op: Operator,
-    ffn_norm: RmsNorm,
-    ffn: FeedForward,
-}
-
-impl DecoderLayer for Block {
-    type Ctx = AttentionMask<'static>;
-    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
-        let n = self.operator_norm.forward(x)?;
-        match &self.op {
-            Operator::Attn(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
-            Operator::Attn(a) => a.forward_kv(&n, &mut kv.layer(i)?, *mask),
-            Operator::Conv(c) => match kv.recurrent(i)? {
-                slots if !slots.is_empty() => c.forward(&n, &mut slots[0]),
-                _ => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
-            },
-        }
-    }
-    fn can_query_last_only(&self) -> bool {
-        matches!(self.op, Operator::Attn(_))
-    }
-    fn ffn(&self, h: &Array) -> Result<Array> {
-        let n = self.ffn_norm.forward(h)?;
-        match &self.ffn {
-            FeedForward::Dense(m) => m.forward(&n),
-            FeedForward::Moe(m) => m.forward(&n),
+impl RecurrentMixer for ShortConv {
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize) -> Result<Array> {
+        match slots.first_mut() {
+            Some(state) => self.forward(x, state),
+            None => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
         }
     }
 }
+
+impl ExpertBlock for MoeBlock {
+    fn forward_experts(&self, x: &Array) -> Result<Array> {
+        self.forward(x)
+    }
+}
+
+type Block = HybridBlock<ShortConv, MoeBlock>;
 
 /// LFM2 / LFM2-MoE causal LM.
 pub struct Lfm2Model {
@@ -397,20 +372,20 @@ impl Lfm2Model {
             .map(|i| {
                 let lv = mv.pp("layers").pp(i);
                 let op = if is_attn[i] {
-                    Operator::Attn(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_layernorm", "k_layernorm"])?)
+                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_layernorm", "k_layernorm"])?)
                 } else {
-                    Operator::Conv(ShortConv::load(&lv.pp("conv"), &cfg)?)
+                    Mixer::Recurrent(ShortConv::load(&lv.pp("conv"), &cfg)?)
                 };
                 let fv = lv.pp("feed_forward");
                 let ffn = if moe && i >= cfg.num_dense_layers {
-                    FeedForward::Moe(MoeBlock::load(&fv, &cfg)?)
+                    FeedForward::Experts(MoeBlock::load(&fv, &cfg)?)
                 } else {
                     let ff = cfg.dense_ff_dim(moe).expect("validated");
                     FeedForward::Dense(GatedMlp::load_named(&fv, dense_names(&fv), h, ff, Activation::Silu)?)
                 };
                 Ok(Block {
-                    operator_norm: RmsNorm::load(&lv.pp("operator_norm"), h, eps, 0.0)?,
-                    op,
+                    mixer_norm: RmsNorm::load(&lv.pp("operator_norm"), h, eps, 0.0)?,
+                    mixer: op,
                     ffn_norm: RmsNorm::load(&lv.pp("ffn_norm"), h, eps, 0.0)?,
                     ffn,
                 })
@@ -432,9 +407,9 @@ impl ModelRuntime for Lfm2Model {
         let layers = self
             .layers
             .iter()
-            .map(|l| match l.op {
-                Operator::Attn(_) => LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() },
-                Operator::Conv(_) => LayerKind::Recurrent { slots: 1 },
+            .map(|l| match l.mixer {
+                Mixer::Attention(_) => LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() },
+                Mixer::Recurrent(_) => LayerKind::Recurrent { slots: 1 },
             })
             .collect();
         CacheSpec { layers }

@@ -36,14 +36,14 @@
 //!   because the state at the divergence point was not saved.
 use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
-use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::config::DecoderConfig;
-use crate::layers::decoder::{DecoderLayer, Stack};
+use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, Mixer, RecurrentMixer, Stack};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-use mlx_array::{Array, AttentionMask, DType};
+use mlx_array::{Array, DType};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -185,44 +185,19 @@ impl Qwen35Config {
     }
 }
 
-enum Mixer {
-    Linear(GatedDeltaNet),
-    Full(Attention),
-}
-
-enum Ffn {
-    Dense(GatedMlp),
-    Moe(SparseMoe),
-}
-
-struct Block {
-    input_norm: RmsNorm,
-    mixer: Mixer,
-    post_norm: RmsNorm,
-    ffn: Ffn,
-}
-
-impl DecoderLayer for Block {
-    type Ctx = AttentionMask<'static>;
-    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
-        let n = self.input_norm.forward(x)?;
-        match &self.mixer {
-            Mixer::Full(att) if last_only => att.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
-            Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, *mask),
-            Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?),
-        }
-    }
-    fn can_query_last_only(&self) -> bool {
-        matches!(self.mixer, Mixer::Full(_))
-    }
-    fn ffn(&self, h: &Array) -> Result<Array> {
-        let n = self.post_norm.forward(h)?;
-        match &self.ffn {
-            Ffn::Dense(m) => m.forward(&n),
-            Ffn::Moe(m) => m.forward(&n),
-        }
+impl RecurrentMixer for GatedDeltaNet {
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], _i: usize) -> Result<Array> {
+        self.forward(x, slots)
     }
 }
+
+impl ExpertBlock for SparseMoe {
+    fn forward_experts(&self, x: &Array) -> Result<Array> {
+        self.forward(x)
+    }
+}
+
+type Block = HybridBlock<GatedDeltaNet, SparseMoe>;
 
 /// A Qwen3.5 (dense or MoE) causal LM.
 pub struct Qwen35Model {
@@ -281,19 +256,19 @@ impl Qwen35Model {
             .map(|i| {
                 let lv = vb.pp("layers").pp(i);
                 let mixer = if cfg.is_full_attention(i) {
-                    Mixer::Full(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(cfg.rotary_dims(), cfg.rope_theta), ["q_norm", "k_norm"])?)
+                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(cfg.rotary_dims(), cfg.rope_theta), ["q_norm", "k_norm"])?)
                 } else {
-                    Mixer::Linear(GatedDeltaNet::load(&lv.pp("linear_attn"), cfg.gated_delta())?)
+                    Mixer::Recurrent(GatedDeltaNet::load(&lv.pp("linear_attn"), cfg.gated_delta())?)
                 };
                 let ffn = if cfg.is_moe_layer(i) {
-                    Ffn::Moe(SparseMoe::load(&lv.pp("mlp"), &moe_cfg)?)
+                    FeedForward::Experts(SparseMoe::load(&lv.pp("mlp"), &moe_cfg)?)
                 } else {
-                    Ffn::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
+                    FeedForward::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
                 };
                 Ok(Block {
-                    input_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?,
+                    mixer_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?,
                     mixer,
-                    post_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?,
+                    ffn_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?,
                     ffn,
                 })
             })
