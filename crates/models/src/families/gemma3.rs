@@ -223,17 +223,12 @@ impl Block {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let norm = |n: &str| RmsNorm::load(&vb.pp(n), h, eps, 1.0);
         let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
             bias: cfg.attention_bias,
             o_bias: cfg.attention_bias,
             qk_norm: Some(eps),
             norm_offset: 1.0,
-            output_gate: false,
             scale: Some(cfg.query_pre_attn_scalar.powf(-0.5)),
-            o_name: "o_proj",
+            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         };
         let act = Activation::parse(&cfg.hidden_activation).expect("validated");
         Ok(Block {

@@ -10,9 +10,9 @@
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
 use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, Mixer, RecurrentMixer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
+use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
+use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, DType};
@@ -334,10 +334,7 @@ type Block = HybridBlock<ShortConv, MoeBlock>;
 /// LFM2 / LFM2-MoE causal LM.
 pub struct Lfm2Model {
     cfg: Lfm2Config,
-    embed: Embedding,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: LmHead,
+    stack: HybridStack<ShortConv, MoeBlock>,
     info: ModelInfo,
 }
 
@@ -353,19 +350,7 @@ impl Lfm2Model {
         cfg.validate(moe).map_err(|reason| ModelError::MalformedConfig { path: path.clone(), reason })?;
         let is_attn = cfg.attention_layers().expect("validated");
         let (h, d, eps) = (cfg.hidden_size, cfg.head_dim(), cfg.norm_eps);
-        let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.kv_heads(),
-            head_dim: d,
-            bias: false,
-            o_bias: false,
-            qk_norm: Some(eps),
-            norm_offset: 0.0,
-            output_gate: false,
-            scale: None,
-            o_name: "out_proj",
-        };
+        let acfg = AttentionConfig { qk_norm: Some(eps), o_name: "out_proj", ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.kv_heads(), d) };
         let root = weights.root();
         let mv = root.pp("model");
         let layers = (0..cfg.num_hidden_layers)
@@ -394,7 +379,8 @@ impl Lfm2Model {
         let embed = Embedding::load(&mv.pp("embed_tokens"), cfg.vocab_size, h)?;
         let lm_head = LmHead::load(&root, "model", &embed, cfg.tied(), h, cfg.vocab_size)?;
         let info = ModelInfo::decoder(if moe { "lfm2_moe" } else { "lfm2" }, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
-        Ok(Lfm2Model { norm: RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?, cfg, embed, layers, lm_head, info })
+        let norm = RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?;
+        Ok(Lfm2Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info })
     }
 
 }
@@ -404,22 +390,10 @@ impl ModelRuntime for Lfm2Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| match l.mixer {
-                Mixer::Attention(_) => LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() },
-                Mixer::Recurrent(_) => LayerKind::Recurrent { slots: 1 },
-            })
-            .collect();
-        CacheSpec { layers }
+        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() }, 1)
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        // Hybrid model: never skip a cached prefix (the conv state must see every token), so a
-        // paged cache stores only the attention layers' K/V and is not shared between sequences.
-        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
-        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| causal_mask(l, None))?;
-        self.lm_head.output(h, logits, hidden)
+        self.stack.forward(tokens, cache, logits, hidden)
     }
 }
 

@@ -111,17 +111,10 @@ impl Qwen3Backbone {
         let (h, d) = (cfg.hidden_size, cfg.head_dim());
         let act = Activation::parse(&cfg.hidden_act).expect("validated");
         let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.num_key_value_heads,
-            head_dim: d,
             bias: opts.qkv_bias,
             o_bias: opts.o_bias,
             qk_norm: opts.qk_norm.then_some(cfg.rms_norm_eps),
-            norm_offset: 0.0,
-            output_gate: false,
-            scale: None,
-            o_name: "o_proj",
+            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, d)
         };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {

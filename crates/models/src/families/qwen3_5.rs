@@ -38,9 +38,9 @@ use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::config::DecoderConfig;
-use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, Mixer, RecurrentMixer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
+use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
+use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use mlx_array::{Array, DType};
@@ -202,10 +202,7 @@ type Block = HybridBlock<GatedDeltaNet, SparseMoe>;
 /// A Qwen3.5 (dense or MoE) causal LM.
 pub struct Qwen35Model {
     cfg: Qwen35Config,
-    embed: Embedding,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: LmHead,
+    stack: HybridStack<GatedDeltaNet, SparseMoe>,
     info: ModelInfo,
     mtp: HashMap<String, Array>,
     notes: Vec<String>,
@@ -231,17 +228,12 @@ impl Qwen35Model {
         let eps = cfg.rms_norm_eps;
         let act = Activation::parse(&cfg.hidden_act).expect("validated");
         let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.num_key_value_heads,
-            head_dim: d,
             bias: cfg.attention_bias,
             o_bias: cfg.attention_bias,
             qk_norm: Some(eps),
             norm_offset: off,
             output_gate: true,
-            scale: None,
-            o_name: "o_proj",
+            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, d)
         };
         let moe_cfg = SparseMoeConfig {
             hidden: h,
@@ -282,7 +274,8 @@ impl Qwen35Model {
         }
         let mtp = load_mtp(weights, raw, family, embed.dtype(), &mut notes)?;
         let info = ModelInfo::decoder(family, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
-        Ok(Qwen35Model { norm: RmsNorm::load(&vb.pp("norm"), h, eps, off)?, cfg, embed, layers, lm_head, info, mtp, notes })
+        let norm = RmsNorm::load(&vb.pp("norm"), h, eps, off)?;
+        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, notes })
     }
 
     pub fn config(&self) -> &Qwen35Config {
@@ -364,26 +357,12 @@ impl ModelRuntime for Qwen35Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        let layers = (0..self.cfg.num_hidden_layers)
-            .map(|i| {
-                if self.cfg.is_full_attention(i) {
-                    LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }
-                } else {
-                    LayerKind::Recurrent { slots: gated_delta::SLOTS }
-                }
-            })
-            .collect();
-        CacheSpec { layers }
+        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }, gated_delta::SLOTS)
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        // Hybrid model: never skip a cached prefix (the recurrent layers' state must see every
-        // token), so a paged cache here stores the full-attention K/V but is not shared.
-        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
-        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| causal_mask(l, None))?;
-        self.lm_head.output(h, logits, hidden)
+        self.stack.forward(tokens, cache, logits, hidden)
     }
 }
-
 
 /// The registry's constructor (`qwen3_5` and `qwen3_5_moe`).
 pub(crate) fn load(c: &LoadContext) -> Result<Built> {

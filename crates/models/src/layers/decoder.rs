@@ -1,7 +1,7 @@
 //! The decoder skeleton every causal LM family runs: checks, cache begin/finish, prefix skipping,
 //! which rows are computed past the last mixer, and the output head. A family supplies its
 //! embedding, its blocks ([`DecoderLayer`]) and its [`LmHead`].
-use crate::cache::{Cache, ForwardKv};
+use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
 use crate::layers::{Attention, Embedding, GatedMlp, Linear, RmsNorm};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, Rows};
 use crate::weights::Vb;
@@ -81,6 +81,33 @@ impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
             FeedForward::Dense(m) => m.forward(&n),
             FeedForward::Experts(m) => m.forward_experts(&n),
         }
+    }
+}
+
+/// A hybrid LM's embedding, blocks, final norm and head (Qwen3.5, LFM2).
+pub(crate) struct HybridStack<R, E> {
+    pub embed: Embedding,
+    pub layers: Vec<HybridBlock<R, E>>,
+    pub norm: RmsNorm,
+    pub lm_head: LmHead,
+}
+
+impl<R: RecurrentMixer, E: ExpertBlock> HybridStack<R, E> {
+    /// `attention` for the attention layers, `slots` recurrent slots for the others.
+    pub fn cache_spec(&self, attention: LayerKind, slots: usize) -> CacheSpec {
+        let kind = |l: &HybridBlock<R, E>| match l.mixer {
+            Mixer::Attention(_) => attention.clone(),
+            Mixer::Recurrent(_) => LayerKind::Recurrent { slots },
+        };
+        CacheSpec { layers: self.layers.iter().map(kind).collect() }
+    }
+
+    /// Never skips a cached prefix (a recurrent state must see every token), so a paged cache
+    /// stores only the attention layers' K/V and is not shared between sequences.
+    pub fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
+        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| crate::layers::causal_mask(l, None))?;
+        self.lm_head.output(h, logits, hidden)
     }
 }
 
