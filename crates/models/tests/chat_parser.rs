@@ -11,6 +11,23 @@ fn whole(opts: &ParserOptions, text: &str) -> ParsedOutput {
     OutputParser::parse_all(opts.clone(), text)
 }
 
+/// The reason of a call reported malformed (any other status fails the test).
+fn malformed_reason(status: &ToolCallStatus) -> &str {
+    match status {
+        ToolCallStatus::Malformed { reason } => reason,
+        s => panic!("expected a malformed call, got {s:?}"),
+    }
+}
+
+/// Feeding `text` split at any one byte gives `out` (tool calls, text and thinking).
+fn check_every_split(opts: &ParserOptions, text: &str, out: &ParsedOutput) {
+    for cut in 0..=text.len() {
+        let (split, _) = split_feed(opts, text, &[cut]);
+        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
+        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
+    }
+}
+
 /// Feed `text` split at the given byte positions (snapped to char boundaries); returns the
 /// output and the events.
 fn split_feed(opts: &ParserOptions, text: &str, cuts: &[usize]) -> (ParsedOutput, Vec<ChatEvent>) {
@@ -52,10 +69,8 @@ fn malformed_tool_call_is_reported_not_dropped() {
     assert_eq!(bad.name, "broken", "best-effort name");
     assert_eq!(bad.arguments, serde_json::Value::Null);
     assert_eq!(bad.raw, "\n{\"name\": \"broken\", \"arguments\": {\"city\": \"Paris\"\n");
-    match &bad.status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.starts_with("invalid JSON: "), "{reason}"),
-        s => panic!("expected malformed, got {s:?}"),
-    }
+    let reason = malformed_reason(&bad.status);
+    assert!(reason.starts_with("invalid JSON: "), "{reason}");
     // Other malformed shapes.
     for (body, reason) in [
         ("[1, 2]", "expected a JSON object, got an array"),
@@ -254,22 +269,14 @@ fn qwen3_5_xml_tool_calls_parse_at_every_split() {
     let c = &out.tool_calls[0];
     assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
     assert_eq!(c.arguments, json!({"city": "東京 🌧", "days": 2, "options": {"unit": "celsius"}, "note": "line one\nline two"}));
-    match &out.tool_calls[1].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("\"city\" has no </parameter>"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
+    let reason = malformed_reason(&out.tool_calls[1].status);
+    assert!(reason.contains("\"city\" has no </parameter>"), "{reason}");
     assert_eq!(out.tool_calls[1].name, "broken");
-    match &out.tool_calls[2].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("<function=NAME>"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
+    let reason = malformed_reason(&out.tool_calls[2].status);
+    assert!(reason.contains("<function=NAME>"), "{reason}");
     let ids: std::collections::HashSet<&str> = out.tool_calls.iter().map(|c| c.id.as_str()).collect();
     assert_eq!(ids.len(), 3, "ids are unique within a reply");
-    for cut in 0..=text.len() {
-        let (split, _) = split_feed(&opts, text, &[cut]);
-        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
-        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
-    }
+    check_every_split(&opts, text, &out);
     // Three-way splits, and an unterminated call at the end of the output.
     for a in (0..text.len()).step_by(7) {
         let (split, _) = split_feed(&opts, text, &[a, a + 13]);
@@ -279,10 +286,8 @@ fn qwen3_5_xml_tool_calls_parse_at_every_split() {
     let cut = whole(&opts, "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>");
     assert_eq!((cut.tool_calls[0].name.as_str(), &cut.tool_calls[0].arguments), ("f", &json!({"x": 1})));
     let cut = whole(&opts, "<tool_call>\n<function=f>\n<parameter=x>\n1");
-    match &cut.tool_calls[0].status {
-        ToolCallStatus::Ok => panic!("a cut-off call is reported"),
-        ToolCallStatus::Malformed { reason } => assert!(reason.starts_with("unterminated tool call"), "{reason}"),
-    }
+    let reason = malformed_reason(&cut.tool_calls[0].status);
+    assert!(reason.starts_with("unterminated tool call"), "{reason}");
 }
 
 /// Gemma 4: the thought channel and native tool calls (`call:NAME{...}` with `<|"|>` strings)
@@ -300,20 +305,12 @@ fn gemma4_thought_channel_and_tool_calls_parse_at_every_split() {
     let c = &out.tool_calls[0];
     assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
     assert_eq!(c.arguments, json!({"city": "東京, Japan", "days": 2, "metric": true, "opts": {"unit": "c", "hours": [6, 12]}, "note": null}));
-    match &out.tool_calls[1].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("unterminated"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
+    let reason = malformed_reason(&out.tool_calls[1].status);
+    assert!(reason.contains("unterminated"), "{reason}");
     assert_eq!(out.tool_calls[1].name, "broken");
-    match &out.tool_calls[2].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("call:NAME"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
-    for cut in 0..=text.len() {
-        let (split, _) = split_feed(&opts, text, &[cut]);
-        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
-        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
-    }
+    let reason = malformed_reason(&out.tool_calls[2].status);
+    assert!(reason.contains("call:NAME"), "{reason}");
+    check_every_split(&opts, text, &out);
     for a in (0..text.len()).step_by(5) {
         let (split, _) = split_feed(&opts, text, &[a, a + 11, a + 17]);
         assert_eq!(split.tool_calls, out.tool_calls, "splits at {a}");
