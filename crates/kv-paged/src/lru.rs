@@ -45,32 +45,29 @@ impl FreeList {
 
     /// Append `i` (must not be linked) as the most recently used entry.
     pub(crate) fn push_back(&mut self, i: u32) {
-        debug_assert!(!self.linked[i as usize]);
-        let iu = i as usize;
-        self.prev[iu] = self.tail;
-        self.next[iu] = NIL;
-        if self.tail == NIL {
-            self.head = i;
-        } else {
-            self.next[self.tail as usize] = i;
-        }
-        self.tail = i;
-        self.linked[iu] = true;
-        self.len += 1;
+        self.link_between(i, self.tail, NIL);
     }
 
     /// Prepend `i` (must not be linked): it will be the next one popped.
     pub(crate) fn push_front(&mut self, i: u32) {
+        self.link_between(i, NIL, self.head);
+    }
+
+    /// Link `i` (must not be linked) between the adjacent entries `p` and `n` (`NIL` at an end).
+    fn link_between(&mut self, i: u32, p: u32, n: u32) {
         debug_assert!(!self.linked[i as usize]);
         let iu = i as usize;
-        self.next[iu] = self.head;
-        self.prev[iu] = NIL;
-        if self.head == NIL {
+        (self.prev[iu], self.next[iu]) = (p, n);
+        if p == NIL {
+            self.head = i;
+        } else {
+            self.next[p as usize] = i;
+        }
+        if n == NIL {
             self.tail = i;
         } else {
-            self.prev[self.head as usize] = i;
+            self.prev[n as usize] = i;
         }
-        self.head = i;
         self.linked[iu] = true;
         self.len += 1;
     }
