@@ -19,6 +19,22 @@ fn malformed_reason(status: &ToolCallStatus) -> &str {
     }
 }
 
+/// `out` holds `thinking` and `text` and three calls: `get_weather` with `args`, then a call
+/// named `broken` and a nameless one, both malformed, their reasons containing `reasons`.
+fn check_three_calls(out: &ParsedOutput, (thinking, text): (&str, &str), args: serde_json::Value, reasons: [&str; 2]) {
+    assert_eq!(out.thinking.as_deref(), Some(thinking));
+    assert_eq!(out.text, text);
+    assert_eq!(out.tool_calls.len(), 3);
+    let c = &out.tool_calls[0];
+    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
+    assert_eq!(c.arguments, args);
+    assert_eq!(out.tool_calls[1].name, "broken");
+    for (call, want) in out.tool_calls[1..].iter().zip(reasons) {
+        let reason = malformed_reason(&call.status);
+        assert!(reason.contains(want), "{reason}");
+    }
+}
+
 /// Feeding `text` split at any one byte gives `out` (tool calls, text and thinking).
 fn check_every_split(opts: &ParserOptions, text: &str, out: &ParsedOutput) {
     for cut in 0..=text.len() {
@@ -263,17 +279,8 @@ fn qwen3_5_xml_tool_calls_parse_at_every_split() {
     let text = "<think>\nNeed the weather.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n東京 🌧\n</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=options>\n{\"unit\": \"celsius\"}\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=broken>\n<parameter=city>\nParis\n</function>\n</tool_call>\n<tool_call>\nnot a function\n</tool_call>";
     let opts = ParserOptions { tool_calls: Some(QWEN3_5_TOOL_CALLS), ..Default::default() };
     let out = whole(&opts, text);
-    assert_eq!(out.thinking.as_deref(), Some("Need the weather."));
-    assert_eq!(out.text, "Checking.");
-    assert_eq!(out.tool_calls.len(), 3);
-    let c = &out.tool_calls[0];
-    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
-    assert_eq!(c.arguments, json!({"city": "東京 🌧", "days": 2, "options": {"unit": "celsius"}, "note": "line one\nline two"}));
-    let reason = malformed_reason(&out.tool_calls[1].status);
-    assert!(reason.contains("\"city\" has no </parameter>"), "{reason}");
-    assert_eq!(out.tool_calls[1].name, "broken");
-    let reason = malformed_reason(&out.tool_calls[2].status);
-    assert!(reason.contains("<function=NAME>"), "{reason}");
+    let args = json!({"city": "東京 🌧", "days": 2, "options": {"unit": "celsius"}, "note": "line one\nline two"});
+    check_three_calls(&out, ("Need the weather.", "Checking."), args, ["\"city\" has no </parameter>", "<function=NAME>"]);
     let ids: std::collections::HashSet<&str> = out.tool_calls.iter().map(|c| c.id.as_str()).collect();
     assert_eq!(ids.len(), 3, "ids are unique within a reply");
     check_every_split(&opts, text, &out);
@@ -299,17 +306,8 @@ fn gemma4_thought_channel_and_tool_calls_parse_at_every_split() {
     let text = "<|channel>thought\nThe user wants Tokyo's weather.<channel|>Let me look.<|tool_call>call:get_weather{city:<|\"|>東京, Japan<|\"|>,days:2,metric:true,opts:{unit:<|\"|>c<|\"|>,hours:[6,12]},note:null}<tool_call|><|tool_call>call:broken{city:<|\"|>Paris}<tool_call|><|tool_call>get_time{}<tool_call|>";
     let opts = ParserOptions { think: Some(GEMMA4_THINK_TAGS), tool_calls: Some(GEMMA4_TOOL_CALLS), ..Default::default() };
     let out = whole(&opts, text);
-    assert_eq!(out.thinking.as_deref(), Some("The user wants Tokyo's weather."));
-    assert_eq!(out.text, "Let me look.");
-    assert_eq!(out.tool_calls.len(), 3);
-    let c = &out.tool_calls[0];
-    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
-    assert_eq!(c.arguments, json!({"city": "東京, Japan", "days": 2, "metric": true, "opts": {"unit": "c", "hours": [6, 12]}, "note": null}));
-    let reason = malformed_reason(&out.tool_calls[1].status);
-    assert!(reason.contains("unterminated"), "{reason}");
-    assert_eq!(out.tool_calls[1].name, "broken");
-    let reason = malformed_reason(&out.tool_calls[2].status);
-    assert!(reason.contains("call:NAME"), "{reason}");
+    let args = json!({"city": "東京, Japan", "days": 2, "metric": true, "opts": {"unit": "c", "hours": [6, 12]}, "note": null});
+    check_three_calls(&out, ("The user wants Tokyo's weather.", "Let me look."), args, ["unterminated", "call:NAME"]);
     check_every_split(&opts, text, &out);
     for a in (0..text.len()).step_by(5) {
         let (split, _) = split_feed(&opts, text, &[a, a + 11, a + 17]);
