@@ -291,8 +291,11 @@ impl MoeBlock {
         })
     }
 
+}
+
+impl ExpertBlock for MoeBlock {
     /// `x: [B, L, H]` → `[B, L, H]`.
-    fn forward(&self, x: &Array) -> Result<Array> {
+    fn forward_experts(&self, x: &Array) -> Result<Array> {
         let dims = x.dims().to_vec();
         let flat = x.reshape(&[-1, dims[2]])?;
         let k = self.top_k;
@@ -320,12 +323,6 @@ impl RecurrentMixer for ShortConv {
             Some(state) => self.forward(x, state),
             None => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
         }
-    }
-}
-
-impl ExpertBlock for MoeBlock {
-    fn forward_experts(&self, x: &Array) -> Result<Array> {
-        self.forward(x)
     }
 }
 

@@ -38,7 +38,7 @@ use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::config::DecoderConfig;
-use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
+use crate::layers::decoder::{FeedForward, HybridBlock, HybridStack, Mixer};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::Weights;
@@ -182,18 +182,6 @@ impl Qwen35Config {
             return Err("intermediate_size must be positive for dense MLP layers".into());
         }
         Ok(())
-    }
-}
-
-impl RecurrentMixer for GatedDeltaNet {
-    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], _i: usize) -> Result<Array> {
-        self.forward(x, slots)
-    }
-}
-
-impl ExpertBlock for SparseMoe {
-    fn forward_experts(&self, x: &Array) -> Result<Array> {
-        self.forward(x)
     }
 }
 
