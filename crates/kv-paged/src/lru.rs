@@ -56,29 +56,14 @@ impl FreeList {
     /// Link `i` (must not be linked) between the adjacent entries `p` and `n` (`NIL` at an end).
     fn link_between(&mut self, i: u32, p: u32, n: u32) {
         debug_assert!(!self.linked[i as usize]);
-        let iu = i as usize;
-        (self.prev[iu], self.next[iu]) = (p, n);
-        if p == NIL {
-            self.head = i;
-        } else {
-            self.next[p as usize] = i;
-        }
-        if n == NIL {
-            self.tail = i;
-        } else {
-            self.prev[n as usize] = i;
-        }
-        self.linked[iu] = true;
+        self.join(p, i);
+        self.join(i, n);
+        self.linked[i as usize] = true;
         self.len += 1;
     }
 
-    /// Unlink `i` wherever it is; false if it was not linked.
-    pub(crate) fn remove(&mut self, i: u32) -> bool {
-        if !self.contains(i) {
-            return false;
-        }
-        let iu = i as usize;
-        let (p, n) = (self.prev[iu], self.next[iu]);
+    /// Make `n` follow `p` (`NIL` for `p`: `n` is the head; for `n`: `p` is the tail).
+    fn join(&mut self, p: u32, n: u32) {
         if p == NIL {
             self.head = n;
         } else {
@@ -89,6 +74,15 @@ impl FreeList {
         } else {
             self.prev[n as usize] = p;
         }
+    }
+
+    /// Unlink `i` wherever it is; false if it was not linked.
+    pub(crate) fn remove(&mut self, i: u32) -> bool {
+        if !self.contains(i) {
+            return false;
+        }
+        let iu = i as usize;
+        self.join(self.prev[iu], self.next[iu]);
         self.prev[iu] = NIL;
         self.next[iu] = NIL;
         self.linked[iu] = false;
