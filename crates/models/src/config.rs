@@ -95,6 +95,30 @@ pub struct DecoderConfig {
     pub bos_token_id: Option<u32>,
 }
 
+/// `Deref` from a family config to the shared keys it flattens into `field`, so that
+/// `cfg.hidden_size` reads them: `impl_deref!(Qwen3Config => decoder: DecoderConfig);`.
+macro_rules! impl_deref {
+    ($cfg:ty => $field:ident: $shared:ty) => {
+        impl std::ops::Deref for $cfg {
+            type Target = $shared;
+            fn deref(&self) -> &$shared {
+                &self.$field
+            }
+        }
+    };
+}
+pub(crate) use impl_deref;
+
+/// A serde default for an integer key: `#[serde(default = "crate::config::default_usize::<4096>")]`.
+pub(crate) const fn default_usize<const N: usize>() -> usize {
+    N
+}
+
+/// The serde default `true`.
+pub(crate) const fn default_true() -> bool {
+    true
+}
+
 fn default_rms_norm_eps() -> f32 {
     1e-6
 }

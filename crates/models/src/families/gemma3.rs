@@ -10,6 +10,7 @@
 //! - `layer_types`: sliding layers attend over the last `sliding_window` positions (rotating
 //!   cache) with rope θ `rope_local_base_freq`; full layers use `rope_theta` and `rope_scaling`.
 //! - Optional `final_logit_softcapping`.
+use crate::config::{default_true, default_usize};
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
 use crate::layers::decoder::{DecoderLayer, Masks, Stack};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
@@ -20,7 +21,6 @@ use mlx_array::Array;
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::ops::Deref;
 use std::path::Path;
 
 /// The `config.json` keys Gemma 3 and Gemma 4 read alike, with their shared defaults; flattened
@@ -31,9 +31,9 @@ pub struct GemmaConfig {
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
-    #[serde(default = "d_one")]
+    #[serde(default = "default_usize::<1>")]
     pub num_key_value_heads: usize,
-    #[serde(default = "d_head_dim")]
+    #[serde(default = "default_usize::<256>")]
     pub head_dim: usize,
     #[serde(default = "d_eps")]
     pub rms_norm_eps: f32,
@@ -43,31 +43,19 @@ pub struct GemmaConfig {
     pub final_logit_softcapping: Option<f32>,
     #[serde(default = "d_act")]
     pub hidden_activation: String,
-    #[serde(default = "d_max_pos")]
+    #[serde(default = "default_usize::<131_072>")]
     pub max_position_embeddings: usize,
-    #[serde(default = "d_true")]
+    #[serde(default = "default_true")]
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<Value>,
 }
 
-fn d_one() -> usize {
-    1
-}
-fn d_head_dim() -> usize {
-    256
-}
 fn d_eps() -> f32 {
     1e-6
 }
 fn d_act() -> String {
     "gelu_pytorch_tanh".into()
-}
-fn d_max_pos() -> usize {
-    131_072
-}
-fn d_true() -> bool {
-    true
 }
 
 impl GemmaConfig {
@@ -105,7 +93,7 @@ impl GemmaConfig {
 pub struct Gemma3Config {
     #[serde(flatten)]
     pub base: GemmaConfig,
-    #[serde(default = "d_vocab")]
+    #[serde(default = "default_usize::<262_208>")]
     pub vocab_size: usize,
     #[serde(default = "d_theta")]
     pub rope_theta: f32,
@@ -115,9 +103,9 @@ pub struct Gemma3Config {
     pub rope_scaling: Option<RopeScaling>,
     #[serde(default = "d_head_dim_f")]
     pub query_pre_attn_scalar: f32,
-    #[serde(default = "d_window")]
+    #[serde(default = "default_usize::<4096>")]
     pub sliding_window: usize,
-    #[serde(default = "d_pattern")]
+    #[serde(default = "default_usize::<6>")]
     pub sliding_window_pattern: usize,
     pub attn_logit_softcapping: Option<f32>,
     #[serde(default)]
@@ -126,9 +114,6 @@ pub struct Gemma3Config {
     pub use_bidirectional_attention: bool,
 }
 
-fn d_vocab() -> usize {
-    262_208
-}
 fn d_theta() -> f32 {
     1_000_000.0
 }
@@ -138,19 +123,8 @@ fn d_local_theta() -> f32 {
 fn d_head_dim_f() -> f32 {
     256.0
 }
-fn d_window() -> usize {
-    4096
-}
-fn d_pattern() -> usize {
-    6
-}
 
-impl Deref for Gemma3Config {
-    type Target = GemmaConfig;
-    fn deref(&self) -> &GemmaConfig {
-        &self.base
-    }
-}
+crate::config::impl_deref!(Gemma3Config => base: GemmaConfig);
 
 impl Gemma3Config {
     /// Parse from the whole `config.json` (the decoder settings of a ConditionalGeneration

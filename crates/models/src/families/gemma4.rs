@@ -24,6 +24,7 @@
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
 use super::gemma3::GemmaConfig;
 use super::moe::SwitchGlu;
+use crate::config::default_usize;
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
@@ -34,7 +35,6 @@ use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
-use std::ops::Deref;
 use std::path::{Path, PathBuf};
 
 /// Per-layer overrides as transformers 5 saves them (`per_layer_config`), instead of the hub's
@@ -53,7 +53,7 @@ pub struct Gemma4Config {
     #[serde(flatten)]
     pub base: GemmaConfig,
     pub global_head_dim: Option<usize>,
-    #[serde(default = "d_vocab")]
+    #[serde(default = "default_usize::<262144>")]
     pub vocab_size: usize,
     pub vocab_size_per_layer_input: Option<usize>,
     pub num_global_key_value_heads: Option<usize>,
@@ -62,9 +62,9 @@ pub struct Gemma4Config {
     pub rope_theta: Option<f32>,
     pub rope_local_base_freq: Option<f32>,
     pub global_partial_rotary_factor: Option<f32>,
-    #[serde(default = "d_window")]
+    #[serde(default = "default_usize::<512>")]
     pub sliding_window: usize,
-    #[serde(default = "d_pattern")]
+    #[serde(default = "default_usize::<5>")]
     pub sliding_window_pattern: usize,
     #[serde(default)]
     pub attention_k_eq_v: bool,
@@ -78,22 +78,8 @@ pub struct Gemma4Config {
     pub per_layer_config: Option<HashMap<String, Gemma4LayerOverride>>,
 }
 
-fn d_vocab() -> usize {
-    262144
-}
-fn d_window() -> usize {
-    512
-}
-fn d_pattern() -> usize {
-    5
-}
 
-impl Deref for Gemma4Config {
-    type Target = GemmaConfig;
-    fn deref(&self) -> &GemmaConfig {
-        &self.base
-    }
-}
+crate::config::impl_deref!(Gemma4Config => base: GemmaConfig);
 
 /// Rope of one layer type, resolved from `rope_parameters` (or the hub's flat keys).
 #[derive(Debug, Clone, PartialEq)]

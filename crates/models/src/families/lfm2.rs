@@ -9,6 +9,7 @@
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
+use crate::config::{default_true, default_usize};
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
@@ -29,13 +30,13 @@ pub struct Lfm2Config {
     pub num_attention_heads: usize,
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
-    #[serde(default = "default_max_pos")]
+    #[serde(default = "default_usize::<128_000>")]
     pub max_position_embeddings: usize,
     #[serde(default = "default_eps")]
     pub norm_eps: f32,
     #[serde(default)]
     pub conv_bias: bool,
-    #[serde(default = "default_conv_l", rename = "conv_L_cache")]
+    #[serde(default = "default_usize::<3>", rename = "conv_L_cache")]
     pub conv_l_cache: usize,
     #[serde(default = "default_theta")]
     pub rope_theta: f32,
@@ -51,7 +52,7 @@ pub struct Lfm2Config {
     pub block_dim: Option<usize>,
     #[serde(default)]
     pub block_ff_dim: Option<usize>,
-    #[serde(default = "default_multiple_of")]
+    #[serde(default = "default_usize::<256>")]
     pub block_multiple_of: usize,
     #[serde(default = "default_multiplier")]
     pub block_ffn_dim_multiplier: Option<f32>,
@@ -82,26 +83,14 @@ pub struct Lfm2Config {
     pub eos_token_id: Option<serde_json::Value>,
 }
 
-fn default_max_pos() -> usize {
-    128_000
-}
 fn default_eps() -> f32 {
     1e-5
-}
-fn default_conv_l() -> usize {
-    3
 }
 fn default_theta() -> f32 {
     1_000_000.0
 }
-fn default_multiple_of() -> usize {
-    256
-}
 fn default_multiplier() -> Option<f32> {
     Some(1.0)
-}
-fn default_true() -> bool {
-    true
 }
 fn default_scaling() -> f32 {
     1.0

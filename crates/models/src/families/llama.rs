@@ -7,7 +7,6 @@ use crate::{ModelError, Result};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use std::ops::Deref;
 
 /// `config.json` of a Llama or Qwen2 checkpoint: Qwen3's keys, with HF's Llama defaults where
 /// they differ (`rope_theta` 1e4, `max_position_embeddings` 2048, `num_key_value_heads` =
@@ -40,12 +39,7 @@ impl<'de> Deserialize<'de> for LlamaConfig {
     }
 }
 
-impl Deref for LlamaConfig {
-    type Target = Qwen3Config;
-    fn deref(&self) -> &Qwen3Config {
-        &self.qwen3
-    }
-}
+crate::config::impl_deref!(LlamaConfig => qwen3: Qwen3Config);
 
 /// Which of the two layouts a checkpoint uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Qwen3 dense causal LM (mirrors mlx-lm `models/qwen3.py` and HF `Qwen3ForCausalLM`).
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
-use crate::config::DecoderConfig;
+use crate::config::{default_usize, DecoderConfig};
 use crate::layers::decoder::{DecoderLayer, Stack};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
@@ -10,7 +10,6 @@ use mlx_array::{Array, AttentionMask};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use std::ops::Deref;
 
 /// `config.json` of a Qwen3 checkpoint (the keys the model uses).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -22,7 +21,7 @@ pub struct Qwen3Config {
     pub num_key_value_heads: usize,
     #[serde(default = "default_theta")]
     pub rope_theta: f32,
-    #[serde(default = "default_max_pos")]
+    #[serde(default = "default_usize::<40960>")]
     pub max_position_embeddings: usize,
     /// `rope_scaling` (or a scaled `rope_parameters`): linear, dynamic, yarn, llama3.
     pub rope_scaling: Option<RopeScaling>,
@@ -31,16 +30,8 @@ pub struct Qwen3Config {
 fn default_theta() -> f32 {
     1_000_000.0
 }
-fn default_max_pos() -> usize {
-    40960
-}
 
-impl Deref for Qwen3Config {
-    type Target = DecoderConfig;
-    fn deref(&self) -> &DecoderConfig {
-        &self.decoder
-    }
-}
+crate::config::impl_deref!(Qwen3Config => decoder: DecoderConfig);
 
 impl Qwen3Config {
     /// Checks the config before any tensor is read.

@@ -37,7 +37,7 @@
 use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
 use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::config::DecoderConfig;
+use crate::config::{default_true, default_usize, DecoderConfig};
 use crate::layers::decoder::{FeedForward, HybridBlock, HybridStack, Mixer};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
@@ -48,7 +48,6 @@ use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
-use std::ops::Deref;
 use std::path::Path;
 
 /// The decoder settings of a Qwen3.5 (dense or MoE) checkpoint, from [`crate::config::text_config`].
@@ -64,13 +63,13 @@ pub struct Qwen35Config {
     pub rope_theta: f32,
     #[serde(default = "default_partial")]
     pub partial_rotary_factor: f32,
-    #[serde(default = "default_max_pos")]
+    #[serde(default = "default_usize::<262144>")]
     pub max_position_embeddings: usize,
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
-    #[serde(default = "default_interval")]
+    #[serde(default = "default_usize::<4>")]
     pub full_attention_interval: usize,
-    #[serde(default = "default_conv")]
+    #[serde(default = "default_usize::<4>")]
     pub linear_conv_kernel_dim: usize,
     pub linear_key_head_dim: usize,
     pub linear_value_head_dim: usize,
@@ -87,7 +86,7 @@ pub struct Qwen35Config {
     pub shared_expert_intermediate_size: usize,
     #[serde(default = "default_true")]
     pub norm_topk_prob: bool,
-    #[serde(default = "default_one")]
+    #[serde(default = "default_usize::<1>")]
     pub decoder_sparse_step: usize,
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
@@ -104,28 +103,8 @@ fn default_theta() -> f32 {
 fn default_partial() -> f32 {
     0.25
 }
-fn default_max_pos() -> usize {
-    262144
-}
-fn default_interval() -> usize {
-    4
-}
-fn default_conv() -> usize {
-    4
-}
-fn default_true() -> bool {
-    true
-}
-fn default_one() -> usize {
-    1
-}
 
-impl Deref for Qwen35Config {
-    type Target = DecoderConfig;
-    fn deref(&self) -> &DecoderConfig {
-        &self.decoder
-    }
-}
+crate::config::impl_deref!(Qwen35Config => decoder: DecoderConfig);
 
 impl Qwen35Config {
     /// Rotary dims of the full-attention layers.
