@@ -114,12 +114,18 @@ pub(crate) const fn default_usize<const N: usize>() -> usize {
     N
 }
 
+/// A serde default for a float key with a whole value: `default_f32::<10_000>` is 10000.0.
+pub(crate) const fn default_f32<const N: u32>() -> f32 {
+    N as f32
+}
+
 /// The serde default `true`.
 pub(crate) const fn default_true() -> bool {
     true
 }
 
-fn default_rms_norm_eps() -> f32 {
+/// 1e-6, the `rms_norm_eps` default of the Qwen, Llama and Gemma configs.
+pub(crate) fn default_rms_norm_eps() -> f32 {
     1e-6
 }
 fn default_hidden_act() -> String {
@@ -146,5 +152,33 @@ impl DecoderConfig {
     /// The MLP activation `hidden_act` names.
     pub fn activation(&self) -> std::result::Result<Activation, String> {
         Activation::parse(&self.hidden_act).ok_or_else(|| format!("unsupported hidden_act {:?}", self.hidden_act))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::families::{gemma3::Gemma3Config, gemma4::Gemma4Config, lfm2::Lfm2Config, qwen3::Qwen3Config, qwen3_5::Qwen35Config};
+    use serde_json::json;
+
+    /// Keys left out of config.json take each family's defaults (transformers' and mlx-lm's).
+    #[test]
+    fn absent_keys_take_the_family_defaults() {
+        let sizes = json!({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512});
+        let q: Qwen3Config = serde_json::from_value(sizes.clone()).unwrap();
+        assert_eq!((q.rms_norm_eps, q.rope_theta, q.max_position_embeddings, q.hidden_act.as_str(), q.tie_word_embeddings), (1e-6, 1e6, 40960, "silu", false));
+        let mut v = sizes.clone();
+        v.as_object_mut().unwrap().extend(["linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"].map(|k| (k.to_string(), json!(8))));
+        let q: Qwen35Config = serde_json::from_value(v).unwrap();
+        assert_eq!((q.rope_theta, q.partial_rotary_factor, q.max_position_embeddings), (1e7, 0.25, 262144));
+        assert_eq!((q.full_attention_interval, q.linear_conv_kernel_dim, q.norm_topk_prob, q.decoder_sparse_step), (4, 4, true, 1));
+        let g: Gemma3Config = serde_json::from_value(json!({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})).unwrap();
+        assert_eq!((g.num_key_value_heads, g.head_dim, g.vocab_size, g.rms_norm_eps, g.max_position_embeddings), (1, 256, 262_208, 1e-6, 131_072));
+        assert_eq!((g.rope_theta, g.rope_local_base_freq, g.query_pre_attn_scalar, g.sliding_window, g.sliding_window_pattern), (1e6, 1e4, 256.0, 4096, 6));
+        assert_eq!((g.hidden_activation.as_str(), g.tie_word_embeddings), ("gelu_pytorch_tanh", true));
+        let g: Gemma4Config = serde_json::from_value(json!({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})).unwrap();
+        assert_eq!((g.num_key_value_heads, g.head_dim, g.vocab_size, g.sliding_window, g.sliding_window_pattern, g.tie_word_embeddings), (1, 256, 262144, 512, 5, true));
+        let l: Lfm2Config = serde_json::from_value(json!({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512})).unwrap();
+        assert_eq!((l.max_position_embeddings, l.norm_eps, l.conv_l_cache, l.rope_theta, l.block_multiple_of), (128_000, 1e-5, 3, 1e6, 256));
+        assert_eq!((l.block_ffn_dim_multiplier, l.block_auto_adjust_ff_dim, l.routed_scaling_factor), (Some(1.0), true, 1.0));
     }
 }

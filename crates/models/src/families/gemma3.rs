@@ -10,7 +10,7 @@
 //! - `layer_types`: sliding layers attend over the last `sliding_window` positions (rotating
 //!   cache) with rope θ `rope_local_base_freq`; full layers use `rope_theta` and `rope_scaling`.
 //! - Optional `final_logit_softcapping`.
-use crate::config::{default_true, default_usize};
+use crate::config::{default_f32, default_rms_norm_eps, default_true, default_usize};
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
 use crate::layers::decoder::{DecoderLayer, Masks, Stack};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
@@ -35,7 +35,7 @@ pub struct GemmaConfig {
     pub num_key_value_heads: usize,
     #[serde(default = "default_usize::<256>")]
     pub head_dim: usize,
-    #[serde(default = "d_eps")]
+    #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f32,
     /// transformers 5: `{"full_attention": {...}, "sliding_attention": {...}}`.
     pub rope_parameters: Option<Value>,
@@ -51,9 +51,6 @@ pub struct GemmaConfig {
     pub eos_token_id: Option<Value>,
 }
 
-fn d_eps() -> f32 {
-    1e-6
-}
 fn d_act() -> String {
     "gelu_pytorch_tanh".into()
 }
@@ -95,13 +92,13 @@ pub struct Gemma3Config {
     pub base: GemmaConfig,
     #[serde(default = "default_usize::<262_208>")]
     pub vocab_size: usize,
-    #[serde(default = "d_theta")]
+    #[serde(default = "default_f32::<1_000_000>")]
     pub rope_theta: f32,
-    #[serde(default = "d_local_theta")]
+    #[serde(default = "default_f32::<10_000>")]
     pub rope_local_base_freq: f32,
     /// Scaling of the full-attention layers' rope (hub style).
     pub rope_scaling: Option<RopeScaling>,
-    #[serde(default = "d_head_dim_f")]
+    #[serde(default = "default_f32::<256>")]
     pub query_pre_attn_scalar: f32,
     #[serde(default = "default_usize::<4096>")]
     pub sliding_window: usize,
@@ -114,15 +111,6 @@ pub struct Gemma3Config {
     pub use_bidirectional_attention: bool,
 }
 
-fn d_theta() -> f32 {
-    1_000_000.0
-}
-fn d_local_theta() -> f32 {
-    10_000.0
-}
-fn d_head_dim_f() -> f32 {
-    256.0
-}
 
 crate::config::impl_deref!(Gemma3Config => base: GemmaConfig);
 

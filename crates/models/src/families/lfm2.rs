@@ -9,7 +9,7 @@
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
-use crate::config::{default_true, default_usize};
+use crate::config::{default_f32, default_true, default_usize};
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
@@ -38,7 +38,7 @@ pub struct Lfm2Config {
     pub conv_bias: bool,
     #[serde(default = "default_usize::<3>", rename = "conv_L_cache")]
     pub conv_l_cache: usize,
-    #[serde(default = "default_theta")]
+    #[serde(default = "default_f32::<1_000_000>")]
     pub rope_theta: f32,
     #[serde(default)]
     pub full_attn_idxs: Option<Vec<usize>>,
@@ -75,7 +75,7 @@ pub struct Lfm2Config {
     pub use_expert_bias: bool,
     #[serde(default)]
     pub num_dense_layers: usize,
-    #[serde(default = "default_scaling")]
+    #[serde(default = "default_f32::<1>")]
     pub routed_scaling_factor: f32,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
@@ -86,14 +86,8 @@ pub struct Lfm2Config {
 fn default_eps() -> f32 {
     1e-5
 }
-fn default_theta() -> f32 {
-    1_000_000.0
-}
 fn default_multiplier() -> Option<f32> {
     Some(1.0)
-}
-fn default_scaling() -> f32 {
-    1.0
 }
 
 /// LFM2's feed-forward width rule: `int(2·ff/3)`, times the multiplier, rounded up to a multiple

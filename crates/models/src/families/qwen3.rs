@@ -1,6 +1,6 @@
 //! Qwen3 dense causal LM (mirrors mlx-lm `models/qwen3.py` and HF `Qwen3ForCausalLM`).
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
-use crate::config::{default_usize, DecoderConfig};
+use crate::config::{default_f32, default_usize, DecoderConfig};
 use crate::layers::decoder::{DecoderLayer, Stack};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
@@ -19,7 +19,7 @@ pub struct Qwen3Config {
     pub decoder: DecoderConfig,
     pub intermediate_size: usize,
     pub num_key_value_heads: usize,
-    #[serde(default = "default_theta")]
+    #[serde(default = "default_f32::<1_000_000>")]
     pub rope_theta: f32,
     #[serde(default = "default_usize::<40960>")]
     pub max_position_embeddings: usize,
@@ -27,9 +27,6 @@ pub struct Qwen3Config {
     pub rope_scaling: Option<RopeScaling>,
 }
 
-fn default_theta() -> f32 {
-    1_000_000.0
-}
 
 crate::config::impl_deref!(Qwen3Config => decoder: DecoderConfig);
 

@@ -37,7 +37,7 @@
 use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
 use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::config::{default_true, default_usize, DecoderConfig};
+use crate::config::{default_f32, default_true, default_usize, DecoderConfig};
 use crate::layers::decoder::{FeedForward, HybridBlock, HybridStack, Mixer};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
@@ -59,7 +59,7 @@ pub struct Qwen35Config {
     #[serde(default)]
     pub intermediate_size: usize,
     pub num_key_value_heads: usize,
-    #[serde(default = "default_theta")]
+    #[serde(default = "default_f32::<10_000_000>")]
     pub rope_theta: f32,
     #[serde(default = "default_partial")]
     pub partial_rotary_factor: f32,
@@ -97,9 +97,6 @@ pub struct Qwen35Config {
     pub num_nextn_predict_layers: Option<usize>,
 }
 
-fn default_theta() -> f32 {
-    10_000_000.0
-}
 fn default_partial() -> f32 {
     0.25
 }
