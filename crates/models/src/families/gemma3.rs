@@ -10,8 +10,8 @@
 //! - `layer_types`: sliding layers attend over the last `sliding_window` positions (rotating
 //!   cache) with rope θ `rope_local_base_freq`; full layers use `rope_theta` and `rope_scaling`.
 //! - Optional `final_logit_softcapping`.
-use crate::config::{default_f32, default_rms_norm_eps, default_true, default_usize};
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::config::{default_f32, default_rms_norm_eps, default_true, default_usize};
 use crate::layers::decoder::{DecoderLayer, Masks, Stack};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
@@ -110,7 +110,6 @@ pub struct Gemma3Config {
     #[serde(default)]
     pub use_bidirectional_attention: bool,
 }
-
 
 crate::config::impl_deref!(Gemma3Config => base: GemmaConfig);
 

@@ -24,8 +24,8 @@
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
 use super::gemma3::GemmaConfig;
 use super::moe::SwitchGlu;
-use crate::config::default_usize;
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
+use crate::config::default_usize;
 use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Init, Vb, Weights};
@@ -77,7 +77,6 @@ pub struct Gemma4Config {
     pub moe_intermediate_size: Option<usize>,
     pub per_layer_config: Option<HashMap<String, Gemma4LayerOverride>>,
 }
-
 
 crate::config::impl_deref!(Gemma4Config => base: GemmaConfig);
 

@@ -9,8 +9,8 @@
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
-use crate::config::{default_f32, default_true, default_usize};
 use crate::cache::{Cache, CacheSpec, LayerKind};
+use crate::config::{default_f32, default_true, default_usize};
 use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
@@ -273,7 +273,6 @@ impl MoeBlock {
             scaling: cfg.routed_scaling_factor,
         })
     }
-
 }
 
 impl ExpertBlock for MoeBlock {

@@ -27,7 +27,6 @@ pub struct Qwen3Config {
     pub rope_scaling: Option<RopeScaling>,
 }
 
-
 crate::config::impl_deref!(Qwen3Config => decoder: DecoderConfig);
 
 impl Qwen3Config {
