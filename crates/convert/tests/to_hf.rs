@@ -158,22 +158,18 @@ fn real_gguf(name: &str) -> PathBuf {
     p
 }
 
-/// Needs the real files (`scripts/fetch_gguf.sh`).
+/// SmolLM2 (gpt2 BPE) and Gemma 3 (SentencePiece) checkpoints: their tensors convert and the
+/// converted tokenizer encodes like transformers'. Needs the real files (`scripts/fetch_gguf.sh`).
 #[test]
 #[ignore]
-fn smollm2_tokenizer_encodes_like_transformers() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = convert(&real_gguf("SmolLM2-135M-Instruct.Q4_1.gguf"), &dir.path().join("hf"), OutDtype::Bf16);
-    assert_eq!(s.tensors, 272);
-    check_tokenizer(&dir.path().join("hf"), &fixtures().join("smollm2-135m-instruct.tokens.json"));
-}
-
-/// Needs the real files (`scripts/fetch_gguf.sh`).
-#[test]
-#[ignore]
-fn gemma3_tokenizer_encodes_like_transformers() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = convert(&real_gguf("gemma-3-270m-q4_k_m.gguf"), &dir.path().join("hf"), OutDtype::Bf16);
-    assert_eq!(s.tensors, 236);
-    check_tokenizer(&dir.path().join("hf"), &fixtures().join("gemma-3-270m.tokens.json"));
+fn real_tokenizers_encode_like_transformers() {
+    for (gguf, tensors, tokens) in [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", 272, "smollm2-135m-instruct.tokens.json"),
+        ("gemma-3-270m-q4_k_m.gguf", 236, "gemma-3-270m.tokens.json"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = convert(&real_gguf(gguf), &dir.path().join("hf"), OutDtype::Bf16);
+        assert_eq!(s.tensors, tensors, "{gguf}");
+        check_tokenizer(&dir.path().join("hf"), &fixtures().join(tokens));
+    }
 }

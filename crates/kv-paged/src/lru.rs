@@ -45,43 +45,25 @@ impl FreeList {
 
     /// Append `i` (must not be linked) as the most recently used entry.
     pub(crate) fn push_back(&mut self, i: u32) {
-        debug_assert!(!self.linked[i as usize]);
-        let iu = i as usize;
-        self.prev[iu] = self.tail;
-        self.next[iu] = NIL;
-        if self.tail == NIL {
-            self.head = i;
-        } else {
-            self.next[self.tail as usize] = i;
-        }
-        self.tail = i;
-        self.linked[iu] = true;
-        self.len += 1;
+        self.link_between(i, self.tail, NIL);
     }
 
     /// Prepend `i` (must not be linked): it will be the next one popped.
     pub(crate) fn push_front(&mut self, i: u32) {
+        self.link_between(i, NIL, self.head);
+    }
+
+    /// Link `i` (must not be linked) between the adjacent entries `p` and `n` (`NIL` at an end).
+    fn link_between(&mut self, i: u32, p: u32, n: u32) {
         debug_assert!(!self.linked[i as usize]);
-        let iu = i as usize;
-        self.next[iu] = self.head;
-        self.prev[iu] = NIL;
-        if self.head == NIL {
-            self.tail = i;
-        } else {
-            self.prev[self.head as usize] = i;
-        }
-        self.head = i;
-        self.linked[iu] = true;
+        self.join(p, i);
+        self.join(i, n);
+        self.linked[i as usize] = true;
         self.len += 1;
     }
 
-    /// Unlink `i` wherever it is; false if it was not linked.
-    pub(crate) fn remove(&mut self, i: u32) -> bool {
-        if !self.contains(i) {
-            return false;
-        }
-        let iu = i as usize;
-        let (p, n) = (self.prev[iu], self.next[iu]);
+    /// Make `n` follow `p` (`NIL` for `p`: `n` is the head; for `n`: `p` is the tail).
+    fn join(&mut self, p: u32, n: u32) {
         if p == NIL {
             self.head = n;
         } else {
@@ -92,6 +74,15 @@ impl FreeList {
         } else {
             self.prev[n as usize] = p;
         }
+    }
+
+    /// Unlink `i` wherever it is; false if it was not linked.
+    pub(crate) fn remove(&mut self, i: u32) -> bool {
+        if !self.contains(i) {
+            return false;
+        }
+        let iu = i as usize;
+        self.join(self.prev[iu], self.next[iu]);
         self.prev[iu] = NIL;
         self.next[iu] = NIL;
         self.linked[iu] = false;

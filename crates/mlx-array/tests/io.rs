@@ -2,7 +2,7 @@
 use mlx_array::io::{self, Checkpoint, SafetensorsFile, TensorInfo};
 use mlx_array::{bf16, f16, Array, DType, Error};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 fn all_dtypes() -> Vec<(&'static str, Array)> {
     vec![
@@ -32,14 +32,21 @@ fn same(a: &Array, b: &Array) {
     }
 }
 
-#[test]
-fn roundtrip_every_dtype_with_metadata() {
+/// [`all_dtypes`] saved (with `meta`) as `m.safetensors` in a new temporary directory; returns
+/// the directory, the file and the arrays.
+fn saved_all_dtypes(meta: Option<&HashMap<String, String>>) -> (tempfile::TempDir, PathBuf, Vec<(&'static str, Array)>) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.safetensors");
     let ts = all_dtypes();
     let refs: Vec<(&str, &Array)> = ts.iter().map(|(n, a)| (*n, a)).collect();
+    io::save_safetensors(&p, &refs, meta).unwrap();
+    (dir, p, ts)
+}
+
+#[test]
+fn roundtrip_every_dtype_with_metadata() {
     let meta: HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
-    io::save_safetensors(&p, &refs, Some(&meta)).unwrap();
+    let (_dir, p, ts) = saved_all_dtypes(Some(&meta));
     let f = SafetensorsFile::open(&p).unwrap();
     assert_eq!(f.metadata(), &meta);
     let infos = f.tensors();
@@ -61,11 +68,7 @@ fn roundtrip_every_dtype_with_metadata() {
 
 #[test]
 fn upcast_and_selected() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("m.safetensors");
-    let ts = all_dtypes();
-    let refs: Vec<(&str, &Array)> = ts.iter().map(|(n, a)| (*n, a)).collect();
-    io::save_safetensors(&p, &refs, None).unwrap();
+    let (_dir, p, _) = saved_all_dtypes(None);
     let ck = Checkpoint::open(&p).unwrap();
     let got = ck.load_selected(&["bf16", "f16", "i32"], Some(DType::F32)).unwrap();
     assert_eq!(got.len(), 3);

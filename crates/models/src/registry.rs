@@ -97,6 +97,24 @@ pub struct Family {
 }
 
 impl Family {
+    /// A row with the usual settings, which a row overrides where it differs (`..Family::new(..)`):
+    /// loadable, the type names given, no architecture probe, no draft model, not the default for a
+    /// config without `model_type`, the common sanitize hook, paged caches.
+    const fn new(model_type: &'static str, raw_model_types: &'static [&'static str], load: fn(&LoadContext) -> Result<Built>, presets: &'static [Preset]) -> Family {
+        Family {
+            model_type,
+            kind: FamilyKind::Loadable,
+            raw_model_types,
+            architecture_probe: None,
+            accepts_draft_model: false,
+            default_for_nullish_model_type: false,
+            load,
+            sanitize: sanitize_common,
+            kv_default: KvDefault::Paged,
+            presets,
+        }
+    }
+
     /// The config.json of preset `name`.
     pub fn preset(&self, name: &str) -> Option<Value> {
         self.presets.iter().find(|(n, _)| *n == name).map(|(_, f)| f())
@@ -128,126 +146,50 @@ pub static FAMILIES: &[Family] = &[
     // First in probe order: the unified architecture is authoritative (as in mlx-node's loader). The draft
     // option is accepted and recorded; speculative decoding comes with the speculative crate.
     Family {
-        model_type: "gemma4",
-        kind: FamilyKind::Loadable,
-        raw_model_types: &["gemma4", "gemma4_text", "gemma4_unified"],
         architecture_probe: Some(|c| c.architectures.contains("Gemma4UnifiedForConditionalGeneration")),
         accepts_draft_model: true,
-        default_for_nullish_model_type: false,
-        load: crate::families::gemma4::load,
         sanitize: sanitize_towers,
         kv_default: KvDefault::PagedWithoutDraft,
-        presets: crate::families::gemma4::PRESETS,
+        ..Family::new("gemma4", &["gemma4", "gemma4_text", "gemma4_unified"], crate::families::gemma4::load, crate::families::gemma4::PRESETS)
     },
     Family {
-        model_type: "harrier",
         kind: FamilyKind::Embedding,
-        raw_model_types: &["harrier"],
         architecture_probe: Some(|c| {
             c.model_type == Some("qwen3") && c.architectures.contains("Qwen3Model") && !c.architectures.contains("Qwen3ForCausalLM")
         }),
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::harrier::load,
-        sanitize: sanitize_common,
         kv_default: KvDefault::Flat,
-        presets: crate::families::harrier::PRESETS,
+        ..Family::new("harrier", &["harrier"], crate::families::harrier::load, crate::families::harrier::PRESETS)
     },
     Family {
-        model_type: "qwen3",
         kind: FamilyKind::Trainable,
-        raw_model_types: &["qwen3"],
-        architecture_probe: None,
-        accepts_draft_model: false,
         default_for_nullish_model_type: true,
-        load: crate::families::qwen3::load,
-        sanitize: sanitize_common,
-        kv_default: KvDefault::Paged,
-        presets: crate::families::qwen3::PRESETS,
+        ..Family::new("qwen3", &["qwen3"], crate::families::qwen3::load, crate::families::qwen3::PRESETS)
     },
     Family {
-        model_type: "qwen3_5",
         kind: FamilyKind::Trainable,
-        raw_model_types: &["qwen3_5", "qwen3_5_text"],
-        architecture_probe: None,
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::qwen3_5::load,
         sanitize: sanitize_towers,
         kv_default: KvDefault::Flat,
-        presets: crate::families::qwen3_5::PRESETS,
+        ..Family::new("qwen3_5", &["qwen3_5", "qwen3_5_text"], crate::families::qwen3_5::load, crate::families::qwen3_5::PRESETS)
     },
     Family {
-        model_type: "qwen3_5_moe",
         kind: FamilyKind::Trainable,
-        raw_model_types: &["qwen3_5_moe", "qwen3_5_moe_text"],
-        architecture_probe: None,
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::qwen3_5::load,
         sanitize: sanitize_towers,
         kv_default: KvDefault::Flat,
-        presets: crate::families::qwen3_5::MOE_PRESETS,
+        ..Family::new("qwen3_5_moe", &["qwen3_5_moe", "qwen3_5_moe_text"], crate::families::qwen3_5::load, crate::families::qwen3_5::MOE_PRESETS)
     },
+    Family::new("llama", &["llama", "mistral"], crate::families::llama::load_llama, crate::families::llama::PRESETS),
+    Family::new("qwen2", &["qwen2"], crate::families::llama::load_qwen2, crate::families::llama::QWEN2_PRESETS),
     Family {
-        model_type: "llama",
-        kind: FamilyKind::Loadable,
-        raw_model_types: &["llama", "mistral"],
-        architecture_probe: None,
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::llama::load_llama,
-        sanitize: sanitize_common,
-        kv_default: KvDefault::Paged,
-        presets: crate::families::llama::PRESETS,
-    },
-    Family {
-        model_type: "qwen2",
-        kind: FamilyKind::Loadable,
-        raw_model_types: &["qwen2"],
-        architecture_probe: None,
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::llama::load_qwen2,
-        sanitize: sanitize_common,
-        kv_default: KvDefault::Paged,
-        presets: crate::families::llama::QWEN2_PRESETS,
-    },
-    Family {
-        model_type: "gemma3",
-        kind: FamilyKind::Loadable,
-        raw_model_types: &["gemma3", "gemma3_text"],
-        architecture_probe: None,
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::gemma3::load,
         sanitize: sanitize_towers,
-        kv_default: KvDefault::Paged,
-        presets: crate::families::gemma3::PRESETS,
+        ..Family::new("gemma3", &["gemma3", "gemma3_text"], crate::families::gemma3::load, crate::families::gemma3::PRESETS)
     },
     Family {
-        model_type: "lfm2",
-        kind: FamilyKind::Loadable,
-        raw_model_types: &["lfm2"],
-        architecture_probe: None,
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::lfm2::load,
-        sanitize: sanitize_common,
         kv_default: KvDefault::Flat,
-        presets: crate::families::lfm2::PRESETS,
+        ..Family::new("lfm2", &["lfm2"], crate::families::lfm2::load, crate::families::lfm2::PRESETS)
     },
     Family {
-        model_type: "lfm2_moe",
-        kind: FamilyKind::Loadable,
-        raw_model_types: &["lfm2_moe"],
-        architecture_probe: None,
-        accepts_draft_model: false,
-        default_for_nullish_model_type: false,
-        load: crate::families::lfm2::load,
-        sanitize: sanitize_common,
         kv_default: KvDefault::Flat,
-        presets: crate::families::lfm2::MOE_PRESETS,
+        ..Family::new("lfm2_moe", &["lfm2_moe"], crate::families::lfm2::load, crate::families::lfm2::MOE_PRESETS)
     },
 ];
 

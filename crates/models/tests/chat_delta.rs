@@ -32,13 +32,19 @@ fn after_reply(fmt: &ChatFormat, msgs: &[ChatMessage], reply: &str, opts: &Rende
     (history, cached)
 }
 
+/// The format of fixture `name`, and the history and cache after `user` was answered with `reply`
+/// (default render options).
+fn first_turn(name: &str, user: &str, reply: &str) -> (ChatFormat, Vec<ChatMessage>, Vec<u32>) {
+    let fmt = ChatFormat::from_dir(tiny(name)).unwrap();
+    let (history, cached) = after_reply(&fmt, &[ChatMessage::user(user)], reply, &RenderOptions::default());
+    (fmt, history, cached)
+}
+
 #[test]
 fn exact_delta_when_history_re_renders_identically() {
     // Gemma's template renders an old assistant turn exactly as generated.
-    let fmt = ChatFormat::from_dir(tiny("gemma4")).unwrap();
+    let (fmt, history, cached) = first_turn("gemma4", "Hello", "Hi there.<end_of_turn>");
     let opts = RenderOptions::default();
-    let first = [ChatMessage::user("Hello")];
-    let (history, cached) = after_reply(&fmt, &first, "Hi there.<end_of_turn>", &opts);
     let new = [ChatMessage::user("How are you?")];
     let plan = fmt.plan_continuation(&history, &cached, &new, &opts).unwrap();
     let PromptPlan::Append { delta, delta_text, cached_tokens, kind, .. } = plan else { panic!("{plan:?}") };
@@ -55,10 +61,8 @@ fn exact_delta_when_history_re_renders_identically() {
 
 #[test]
 fn turn_boundary_delta_when_template_drops_old_thinking() {
-    let fmt = ChatFormat::from_dir(tiny("qwen3")).unwrap();
+    let (fmt, history, cached) = first_turn("qwen3", "2+2?", "<think>\nadd them\n</think>\n\n4<|im_end|>");
     let opts = RenderOptions::default();
-    let first = [ChatMessage::user("2+2?")];
-    let (history, cached) = after_reply(&fmt, &first, "<think>\nadd them\n</think>\n\n4<|im_end|>", &opts);
     assert_eq!(history[1].reasoning_content.as_deref(), Some("add them"));
     assert_eq!(history[1].content, "4");
     let plan = fmt.plan_continuation(&history, &cached, &[ChatMessage::user("3+3?")], &opts).unwrap();
@@ -131,9 +135,8 @@ fn cut_reply_gets_its_turn_closed() {
 
 #[test]
 fn mismatched_cache_asks_for_a_reprefill() {
-    let fmt = ChatFormat::from_dir(tiny("qwen3")).unwrap();
+    let (fmt, history, mut cached) = first_turn("qwen3", "a", "b<|im_end|>");
     let opts = RenderOptions::default();
-    let (history, mut cached) = after_reply(&fmt, &[ChatMessage::user("a")], "b<|im_end|>", &opts);
     // The cache holds one more turn than the history says.
     let extra = fmt.tokenizer().encode("\n<|im_start|>user\nz<|im_end|>", false).unwrap();
     cached.extend(&extra);

@@ -11,6 +11,39 @@ fn whole(opts: &ParserOptions, text: &str) -> ParsedOutput {
     OutputParser::parse_all(opts.clone(), text)
 }
 
+/// The reason of a call reported malformed (any other status fails the test).
+fn malformed_reason(status: &ToolCallStatus) -> &str {
+    match status {
+        ToolCallStatus::Malformed { reason } => reason,
+        s => panic!("expected a malformed call, got {s:?}"),
+    }
+}
+
+/// `out` holds `thinking` and `text` and three calls: `get_weather` with `args`, then a call
+/// named `broken` and a nameless one, both malformed, their reasons containing `reasons`.
+fn check_three_calls(out: &ParsedOutput, (thinking, text): (&str, &str), args: serde_json::Value, reasons: [&str; 2]) {
+    assert_eq!(out.thinking.as_deref(), Some(thinking));
+    assert_eq!(out.text, text);
+    assert_eq!(out.tool_calls.len(), 3);
+    let c = &out.tool_calls[0];
+    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
+    assert_eq!(c.arguments, args);
+    assert_eq!(out.tool_calls[1].name, "broken");
+    for (call, want) in out.tool_calls[1..].iter().zip(reasons) {
+        let reason = malformed_reason(&call.status);
+        assert!(reason.contains(want), "{reason}");
+    }
+}
+
+/// Feeding `text` split at any one byte gives `out` (tool calls, text and thinking).
+fn check_every_split(opts: &ParserOptions, text: &str, out: &ParsedOutput) {
+    for cut in 0..=text.len() {
+        let (split, _) = split_feed(opts, text, &[cut]);
+        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
+        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
+    }
+}
+
 /// Feed `text` split at the given byte positions (snapped to char boundaries); returns the
 /// output and the events.
 fn split_feed(opts: &ParserOptions, text: &str, cuts: &[usize]) -> (ParsedOutput, Vec<ChatEvent>) {
@@ -52,10 +85,8 @@ fn malformed_tool_call_is_reported_not_dropped() {
     assert_eq!(bad.name, "broken", "best-effort name");
     assert_eq!(bad.arguments, serde_json::Value::Null);
     assert_eq!(bad.raw, "\n{\"name\": \"broken\", \"arguments\": {\"city\": \"Paris\"\n");
-    match &bad.status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.starts_with("invalid JSON: "), "{reason}"),
-        s => panic!("expected malformed, got {s:?}"),
-    }
+    let reason = malformed_reason(&bad.status);
+    assert!(reason.starts_with("invalid JSON: "), "{reason}");
     // Other malformed shapes.
     for (body, reason) in [
         ("[1, 2]", "expected a JSON object, got an array"),
@@ -248,28 +279,11 @@ fn qwen3_5_xml_tool_calls_parse_at_every_split() {
     let text = "<think>\nNeed the weather.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n東京 🌧\n</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=options>\n{\"unit\": \"celsius\"}\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=broken>\n<parameter=city>\nParis\n</function>\n</tool_call>\n<tool_call>\nnot a function\n</tool_call>";
     let opts = ParserOptions { tool_calls: Some(QWEN3_5_TOOL_CALLS), ..Default::default() };
     let out = whole(&opts, text);
-    assert_eq!(out.thinking.as_deref(), Some("Need the weather."));
-    assert_eq!(out.text, "Checking.");
-    assert_eq!(out.tool_calls.len(), 3);
-    let c = &out.tool_calls[0];
-    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
-    assert_eq!(c.arguments, json!({"city": "東京 🌧", "days": 2, "options": {"unit": "celsius"}, "note": "line one\nline two"}));
-    match &out.tool_calls[1].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("\"city\" has no </parameter>"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
-    assert_eq!(out.tool_calls[1].name, "broken");
-    match &out.tool_calls[2].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("<function=NAME>"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
+    let args = json!({"city": "東京 🌧", "days": 2, "options": {"unit": "celsius"}, "note": "line one\nline two"});
+    check_three_calls(&out, ("Need the weather.", "Checking."), args, ["\"city\" has no </parameter>", "<function=NAME>"]);
     let ids: std::collections::HashSet<&str> = out.tool_calls.iter().map(|c| c.id.as_str()).collect();
     assert_eq!(ids.len(), 3, "ids are unique within a reply");
-    for cut in 0..=text.len() {
-        let (split, _) = split_feed(&opts, text, &[cut]);
-        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
-        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
-    }
+    check_every_split(&opts, text, &out);
     // Three-way splits, and an unterminated call at the end of the output.
     for a in (0..text.len()).step_by(7) {
         let (split, _) = split_feed(&opts, text, &[a, a + 13]);
@@ -279,10 +293,8 @@ fn qwen3_5_xml_tool_calls_parse_at_every_split() {
     let cut = whole(&opts, "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>");
     assert_eq!((cut.tool_calls[0].name.as_str(), &cut.tool_calls[0].arguments), ("f", &json!({"x": 1})));
     let cut = whole(&opts, "<tool_call>\n<function=f>\n<parameter=x>\n1");
-    match &cut.tool_calls[0].status {
-        ToolCallStatus::Ok => panic!("a cut-off call is reported"),
-        ToolCallStatus::Malformed { reason } => assert!(reason.starts_with("unterminated tool call"), "{reason}"),
-    }
+    let reason = malformed_reason(&cut.tool_calls[0].status);
+    assert!(reason.starts_with("unterminated tool call"), "{reason}");
 }
 
 /// Gemma 4: the thought channel and native tool calls (`call:NAME{...}` with `<|"|>` strings)
@@ -294,26 +306,9 @@ fn gemma4_thought_channel_and_tool_calls_parse_at_every_split() {
     let text = "<|channel>thought\nThe user wants Tokyo's weather.<channel|>Let me look.<|tool_call>call:get_weather{city:<|\"|>東京, Japan<|\"|>,days:2,metric:true,opts:{unit:<|\"|>c<|\"|>,hours:[6,12]},note:null}<tool_call|><|tool_call>call:broken{city:<|\"|>Paris}<tool_call|><|tool_call>get_time{}<tool_call|>";
     let opts = ParserOptions { think: Some(GEMMA4_THINK_TAGS), tool_calls: Some(GEMMA4_TOOL_CALLS), ..Default::default() };
     let out = whole(&opts, text);
-    assert_eq!(out.thinking.as_deref(), Some("The user wants Tokyo's weather."));
-    assert_eq!(out.text, "Let me look.");
-    assert_eq!(out.tool_calls.len(), 3);
-    let c = &out.tool_calls[0];
-    assert_eq!((c.name.as_str(), &c.status), ("get_weather", &ToolCallStatus::Ok));
-    assert_eq!(c.arguments, json!({"city": "東京, Japan", "days": 2, "metric": true, "opts": {"unit": "c", "hours": [6, 12]}, "note": null}));
-    match &out.tool_calls[1].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("unterminated"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
-    assert_eq!(out.tool_calls[1].name, "broken");
-    match &out.tool_calls[2].status {
-        ToolCallStatus::Malformed { reason } => assert!(reason.contains("call:NAME"), "{reason}"),
-        s => panic!("{s:?}"),
-    }
-    for cut in 0..=text.len() {
-        let (split, _) = split_feed(&opts, text, &[cut]);
-        assert_eq!(split.tool_calls, out.tool_calls, "split at {cut}");
-        assert_eq!((split.text.as_str(), split.thinking.as_deref()), (out.text.as_str(), out.thinking.as_deref()), "split at {cut}");
-    }
+    let args = json!({"city": "東京, Japan", "days": 2, "metric": true, "opts": {"unit": "c", "hours": [6, 12]}, "note": null});
+    check_three_calls(&out, ("The user wants Tokyo's weather.", "Let me look."), args, ["unterminated", "call:NAME"]);
+    check_every_split(&opts, text, &out);
     for a in (0..text.len()).step_by(5) {
         let (split, _) = split_feed(&opts, text, &[a, a + 11, a + 17]);
         assert_eq!(split.tool_calls, out.tool_calls, "splits at {a}");

@@ -9,48 +9,25 @@ use mlx_array::Array;
 use mlx_models::chat::ChatMessage;
 use mlx_models::families::gemma4::{Gemma4Config, Gemma4Model};
 use mlx_models::registry;
-use mlx_models::{load_model, load_session, ChatConfig, FinishReason, LayerKind, LoadOptions, Logits, ModelError, ModelRuntime};
+use mlx_models::{load_model, load_session, FinishReason, LayerKind, LoadOptions, Logits, ModelError, ModelRuntime};
 use sampling::SamplingOverrides;
 
-fn check_family(name: &str) {
-    // Rotating sliding-window caches and KV-shared layers are exercised by the cached decode.
-    check_transformers_parity(name, "gemma4");
-}
-
+/// gemma4_text (PLE, KV sharing, double-wide MLP), gemma4_text_moe (k_eq_v, MoE) and the
+/// ConditionalGeneration layout; rotating sliding-window caches and KV-shared layers are
+/// exercised by the cached decode.
 #[test]
-fn gemma4_text_matches_transformers() {
-    check_family("gemma4_text");
-}
-
-#[test]
-fn gemma4_text_moe_matches_transformers() {
-    check_family("gemma4_text_moe");
-}
-
-#[test]
-fn gemma4_conditional_generation_matches_transformers() {
-    check_family("gemma4");
+fn every_fixture_matches_transformers() {
+    for name in ["gemma4_text", "gemma4_text_moe", "gemma4"] {
+        check_transformers_parity(name, "gemma4");
+    }
 }
 
 #[test]
 fn chunked_prefill_across_the_window_equals_single_prefill() {
     // Chunks of 20 and 7 cross the 16-position window of the rotating caches.
     for name in ["gemma4_text", "gemma4_text_moe"] {
-        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
-        let prompt = ids(&reference(name)["input_ids"]);
-        let mut one = model.new_cache();
-        let (a, la) = greedy_cached(&model, &mut one, &prompt, 6);
         for step in [20, 7] {
-            let mut chunked = model.new_cache();
-            for c in prompt[..71].chunks(step) {
-                let t = Array::from_slice(c, &[1, c.len()]).unwrap();
-                model.forward(&t, &mut chunked, Logits::None, false).unwrap();
-            }
-            let (b, lb) = greedy_cached(&model, &mut chunked, &prompt[71..], 6);
-            assert_eq!(a, b, "{name}: chunks of {step}");
-            for (x, y) in la.iter().zip(&lb) {
-                assert!(rel_err(y, x) < 1e-4, "{name}: chunks of {step}");
-            }
+            check_chunked_prefill(name, &[step], 6);
         }
     }
 }
@@ -187,17 +164,13 @@ fn model_sampling_defaults_come_from_generation_config() {
     assert!(load_model(tmp.path(), &test_load_options()).unwrap().into_lm().unwrap().info().eos_token_ids.contains(&106));
 }
 
-fn greedy(n: usize) -> ChatConfig {
-    ChatConfig { max_new_tokens: n, sampling: SamplingOverrides { temperature: Some(0.0), ..Default::default() }, ..Default::default() }
-}
-
 #[test]
 fn chat_session_start_and_continue_on_gemma4_text() {
     let r = reference("gemma4_text");
     let mut s = load_session(fixture("gemma4_text"), &test_load_options()).unwrap();
     // The template's stop token is <end_of_turn> (106).
     assert!(s.format().stop_token_ids().contains(&106), "{:?}", s.format().stop_token_ids());
-    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
+    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy_chat(16)).unwrap();
     let prompt = ids(&r["chat_input_ids"]);
     let want = ids(&r["chat_greedy_ids"]);
     assert_eq!(res.prompt_tokens, prompt.len());
@@ -207,7 +180,7 @@ fn chat_session_start_and_continue_on_gemma4_text() {
 
     // Continue: the first turn's tokens are reused from the cache.
     let turn1 = s.cached_ids().len();
-    let res = s.continue_with("And then?", &greedy(8)).unwrap();
+    let res = s.continue_with("And then?", &greedy_chat(8)).unwrap();
     assert!(res.cached_tokens > 0 && res.cached_tokens <= turn1, "cached {} of {turn1}", res.cached_tokens);
     assert!(res.prompt_tokens > turn1);
     let text = s.format().tokenizer().decode(&s.cached_ids()[turn1 - 16..], false).unwrap();
@@ -266,8 +239,8 @@ fn paged_equals_flat() {
 fn chat_sessions_on_paged_equal_flat() {
     let run = |m: mlx_models::Model| {
         let mut s = mlx_models::ChatSession::new(m).unwrap();
-        let a = s.start(vec![ChatMessage::user("Hello there")], &greedy(8)).unwrap();
-        let b = s.continue_with("And then?", &greedy(8)).unwrap();
+        let a = s.start(vec![ChatMessage::user("Hello there")], &greedy_chat(8)).unwrap();
+        let b = s.continue_with("And then?", &greedy_chat(8)).unwrap();
         (a.raw_text, b.raw_text, b.cached_tokens, s.cached_ids().to_vec())
     };
     let f = run(paged_model("gemma4_text", None));

@@ -6,27 +6,19 @@ mod common;
 use common::*;
 use mlx_array::Array;
 use mlx_models::chat::ChatMessage;
-use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, GenerateConfig, LayerKind, Logits};
-use sampling::{SamplingConfig, SamplingOverrides};
-
-fn check_family(name: &str) {
-    check_transformers_parity(name, name);
-}
+use mlx_models::{load_model, load_session, FinishReason, LayerKind, Logits};
 
 #[test]
-fn lfm2_matches_transformers() {
-    check_family("lfm2");
-}
-
-#[test]
-fn lfm2_moe_matches_transformers() {
-    check_family("lfm2_moe");
+fn lfm2_and_lfm2_moe_match_transformers() {
+    for name in ["lfm2", "lfm2_moe"] {
+        check_transformers_parity(name, name);
+    }
 }
 
 #[test]
 fn cache_layout_follows_layer_types() {
     for name in ["lfm2", "lfm2_moe"] {
-        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
+        let model = fixture_lm(name);
         let spec = model.with_runtime(|rt| rt.cache_spec());
         let conv = LayerKind::Recurrent { slots: 1 };
         let attn = LayerKind::Attention { kv_heads: 2, head_dim: 16 };
@@ -41,39 +33,11 @@ fn cache_layout_follows_layer_types() {
 
 /// Prefill in chunks (sizes that do not divide 71, including single tokens, so the conv state
 /// crosses chunk boundaries with fewer than `conv_L_cache` new tokens), then greedy decode.
-fn chunked_equals_single(name: &str) {
-    let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
-    let prompt = ids(&reference(name)["input_ids"]);
-    let mut one = model.new_cache();
-    let (a, la) = greedy_cached(&model, &mut one, &prompt, 8);
-    let mut chunked = model.new_cache();
-    let mut start = 0;
-    for size in [20, 1, 2, 1, 30].iter().cycle() {
-        if start >= 71 {
-            break;
-        }
-        let end = (start + size).min(71);
-        let c = &prompt[start..end];
-        let t = Array::from_slice(c, &[1, c.len()]).unwrap();
-        model.forward(&t, &mut chunked, Logits::None, false).unwrap();
-        start = end;
-    }
-    let (b, lb) = greedy_cached(&model, &mut chunked, &prompt[71..], 8);
-    assert_eq!(a, b, "{name}: chunked prefill changes greedy tokens");
-    for (x, y) in la.iter().zip(&lb) {
-        let e = rel_err(y, x);
-        assert!(e < 1e-4, "{name}: chunked vs one-shot logits rel err {e}");
-    }
-}
-
 #[test]
-fn lfm2_chunked_prefill_equals_single_prefill() {
-    chunked_equals_single("lfm2");
-}
-
-#[test]
-fn lfm2_moe_chunked_prefill_equals_single_prefill() {
-    chunked_equals_single("lfm2_moe");
+fn chunked_prefill_equals_single_prefill() {
+    for name in ["lfm2", "lfm2_moe"] {
+        check_chunked_prefill(name, &[20, 1, 2, 1, 30], 8);
+    }
 }
 
 #[test]
@@ -81,19 +45,8 @@ fn batch_rows_are_independent() {
     // Two different rows in one batch give the same logits as each row alone (conv state and MoE
     // routing are per row).
     for name in ["lfm2", "lfm2_moe"] {
-        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
         let prompt = ids(&reference(name)["input_ids"]);
-        let (r0, r1) = (&prompt[..24], &prompt[30..54]);
-        let both: Vec<u32> = r0.iter().chain(r1).copied().collect();
-        let mut cache = model.new_cache();
-        let t = Array::from_slice(&both, &[2, 24]).unwrap();
-        let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
-        let v = l.len() / 2;
-        for (row, toks) in [r0, r1].iter().enumerate() {
-            let alone = full_logits(&model, toks);
-            let e = rel_err(&l[row * v..(row + 1) * v], alone.last().unwrap());
-            assert!(e < 1e-4, "{name}: batch row {row} rel err {e}");
-        }
+        check_batch_rows_independent(&fixture_lm(name), &[&prompt[..24], &prompt[30..54]]);
     }
 }
 
@@ -102,28 +55,14 @@ fn batch_rows_are_independent() {
 /// each row the logits of that row alone (600 rows: MLX's GatherMM path).
 #[test]
 fn long_moe_batch_per_expert_products_equal_gather() {
-    let model = load_model(fixture("lfm2_moe"), &test_load_options()).unwrap().into_lm().unwrap();
     let rows: Vec<Vec<u32>> = (0..2u32).map(|r| (0..300u32).map(|i| (i * 37 + r * 101 + 5) % 512).collect()).collect();
-    let both: Vec<u32> = rows.concat();
-    let mut cache = model.new_cache();
-    let t = Array::from_slice(&both, &[2, 300]).unwrap();
-    let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
-    let v = l.len() / 2;
-    for (row, toks) in rows.iter().enumerate() {
-        let alone = full_logits(&model, toks);
-        let e = rel_err(&l[row * v..(row + 1) * v], alone.last().unwrap());
-        assert!(e < 1e-4, "batch row {row} rel err {e}");
-    }
-}
-
-fn greedy(n: usize) -> ChatConfig {
-    ChatConfig { max_new_tokens: n, sampling: SamplingOverrides { temperature: Some(0.0), ..Default::default() }, ..Default::default() }
+    check_batch_rows_independent(&fixture_lm("lfm2_moe"), &[&rows[0], &rows[1]]);
 }
 
 fn session_smoke(name: &str) {
     let r = reference(name);
     let mut s = load_session(fixture(name), &test_load_options()).unwrap();
-    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
+    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy_chat(16)).unwrap();
     let want = ids(&r["chat_greedy_ids"]);
     let prompt = ids(&r["chat_input_ids"]);
     assert_eq!(res.prompt_tokens, prompt.len(), "{name}: chat prompt");
@@ -131,28 +70,18 @@ fn session_smoke(name: &str) {
     assert_eq!(s.cached_ids(), &want[..], "{name}: first turn equals the transformers chat reference");
     // Continue: the conv state cannot be trimmed, so the session re-prefills when it must; the
     // reply equals generation from the same tokens on a fresh cache.
-    let res2 = s.continue_with("And then?", &greedy(6)).unwrap();
+    let res2 = s.continue_with("And then?", &greedy_chat(6)).unwrap();
     assert!(res2.prompt_tokens > want.len());
     assert_eq!(s.history().len(), 4);
-    let all = s.cached_ids().to_vec();
-    let n = res2.num_tokens + usize::from(res2.finish_reason == FinishReason::Stop);
-    let prompt = &all[..all.len() - n];
-    assert_eq!(&prompt[..want.len()], &want[..], "{name}: second prompt extends the first turn");
-    let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
-    let mut cache = model.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: 6, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
-    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect();
-    assert_eq!(fresh, all[prompt.len()..prompt.len() + res2.num_tokens], "{name}: continued turn equals a fresh prefill");
+    assert_eq!(&s.cached_ids()[..want.len()], &want[..], "{name}: second prompt extends the first turn");
+    check_reply_equals_fresh_generation(name, &s, &res2);
 }
 
 #[test]
-fn lfm2_chat_session_start_and_continue() {
-    session_smoke("lfm2");
-}
-
-#[test]
-fn lfm2_moe_chat_session_start_and_continue() {
-    session_smoke("lfm2_moe");
+fn chat_sessions_start_and_continue() {
+    for name in ["lfm2", "lfm2_moe"] {
+        session_smoke(name);
+    }
 }
 
 /// A copy of fixture `name` whose config.json is `edit(config)`.
@@ -229,7 +158,7 @@ fn random_checkpoints_load_and_decode_consistently() {
         }
         // The bundled tokenizer makes it a chat model.
         let mut s = load_session(dir.path(), &test_load_options()).unwrap();
-        assert_eq!(s.start(vec![ChatMessage::user("hi")], &greedy(3)).unwrap().num_tokens, 3);
+        assert_eq!(s.start(vec![ChatMessage::user("hi")], &greedy_chat(3)).unwrap().num_tokens, 3);
     }
 }
 

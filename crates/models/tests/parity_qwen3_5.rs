@@ -6,53 +6,21 @@ mod common;
 use common::*;
 use mlx_array::Array;
 use mlx_models::families::gated_delta;
-use mlx_models::{load_model, Logits};
 
-fn check_family(name: &str, model_type: &str) {
-    // The 72-token prompt spans more than one 64-position GatedDeltaNet chunk.
-    check_transformers_parity(name, model_type);
-}
-
+/// Dense and MoE, text-only and ConditionalGeneration layouts, per-expert and fused experts.
 #[test]
-fn qwen3_5_matches_transformers() {
-    check_family("qwen3_5", "qwen3_5");
+fn every_layout_matches_transformers() {
+    for (name, model_type) in [("qwen3_5", "qwen3_5"), ("qwen3_5_vl", "qwen3_5"), ("qwen3_5_moe", "qwen3_5_moe"), ("qwen3_5_moe_vl", "qwen3_5_moe")] {
+        check_transformers_parity(name, model_type);
+    }
 }
 
-#[test]
-fn qwen3_5_vl_layout_matches_transformers() {
-    check_family("qwen3_5_vl", "qwen3_5");
-}
-
-#[test]
-fn qwen3_5_moe_per_expert_matches_transformers() {
-    check_family("qwen3_5_moe", "qwen3_5_moe");
-}
-
-#[test]
-fn qwen3_5_moe_vl_fused_matches_transformers() {
-    check_family("qwen3_5_moe_vl", "qwen3_5_moe");
-}
-
-/// Prefill in uneven pieces (the recurrent state and conv state carry across calls) equals one
-/// prefill.
+/// Prefill in pieces of 20 (the recurrent state and conv state carry across calls), then
+/// single-token steps, equals one prefill.
 #[test]
 fn piecewise_prefill_equals_single_prefill() {
     for name in ["qwen3_5", "qwen3_5_moe"] {
-        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
-        let prompt = ids(&reference(name)["input_ids"]);
-        let mut one = model.new_cache();
-        let (a, la) = greedy_cached(&model, &mut one, &prompt, 8);
-        let mut pieces = model.new_cache();
-        for c in prompt[..71].chunks(20).chain(std::iter::once(&prompt[71..71])).filter(|c| !c.is_empty()) {
-            let t = Array::from_slice(c, &[1, c.len()]).unwrap();
-            model.forward(&t, &mut pieces, Logits::None, false).unwrap();
-        }
-        // Then three single tokens (recurrent steps) before the rest.
-        let (b, lb) = greedy_cached(&model, &mut pieces, &prompt[71..], 8);
-        assert_eq!(a, b, "{name}");
-        for (x, y) in la.iter().zip(&lb) {
-            assert!(rel_err(x, y) < 1e-4, "{name}: {}", rel_err(x, y));
-        }
+        check_chunked_prefill(name, &[20], 8);
     }
 }
 
@@ -82,50 +50,35 @@ fn chunked_delta_rule_equals_recurrent() {
 mod sessions {
     use super::common::*;
     use mlx_models::chat::ChatMessage;
-    use mlx_models::{generate, load_model, load_session, ChatConfig, FinishReason, GenerateConfig};
-    use sampling::{SamplingConfig, SamplingOverrides};
-
-    fn greedy(n: usize) -> ChatConfig {
-        ChatConfig { max_new_tokens: n, sampling: SamplingOverrides { temperature: Some(0.0), ..Default::default() }, ..Default::default() }
-    }
+    use mlx_models::load_session;
 
     /// Chat start matches the reference's chat greedy ids; a continue appends to the recurrent
     /// state (exact-prefix reuse) and equals a recompute; a diverging restart re-prefills.
     fn chat_start_and_continue(name: &str) {
         let r = reference(name);
         let mut s = load_session(fixture(name), &test_load_options()).unwrap();
-        let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
+        let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy_chat(16)).unwrap();
         let prompt = ids(&r["chat_input_ids"]);
         assert_eq!(res.prompt_tokens, prompt.len());
         assert_eq!(s.cached_ids(), &ids(&r["chat_greedy_ids"])[..], "{name}: first turn equals the reference");
 
         let turn1 = s.cached_ids().len();
-        let res = s.continue_with("And then?", &greedy(8)).unwrap();
+        let res = s.continue_with("And then?", &greedy_chat(8)).unwrap();
         assert_eq!(res.cached_tokens, turn1, "{name}: the whole first turn is reused");
-        let all = s.cached_ids().to_vec();
-        let n = res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop);
-        let p = &all[..all.len() - n];
-        let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
-        let mut cache = model.new_cache();
-        let cfg = GenerateConfig { max_new_tokens: 8, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
-        let fresh: Vec<u32> = generate(&model, &mut cache, p, cfg).unwrap().map(|t| t.unwrap().id).collect();
-        assert_eq!(fresh, all[p.len()..p.len() + res.num_tokens], "{name}: continued turn equals recompute");
+        check_reply_equals_fresh_generation(name, &s, &res);
 
         // A different conversation diverges inside the cache: the recurrent cache is reset.
-        let res = s.start(vec![ChatMessage::user("Something else")], &greedy(4)).unwrap();
+        let res = s.start(vec![ChatMessage::user("Something else")], &greedy_chat(4)).unwrap();
         assert_eq!(res.cached_tokens, 0, "{name}: recurrent caches cannot be trimmed, so the prompt is re-prefilled");
-        let again = s.continue_with("ok", &greedy(4)).unwrap();
+        let again = s.continue_with("ok", &greedy_chat(4)).unwrap();
         assert!(again.cached_tokens > 0);
     }
 
     #[test]
-    fn qwen3_5_chat_session() {
-        chat_start_and_continue("qwen3_5");
-    }
-
-    #[test]
-    fn qwen3_5_moe_chat_session() {
-        chat_start_and_continue("qwen3_5_moe_vl");
+    fn dense_and_moe_chat_sessions() {
+        for name in ["qwen3_5", "qwen3_5_moe_vl"] {
+            chat_start_and_continue(name);
+        }
     }
 }
 

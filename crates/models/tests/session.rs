@@ -3,12 +3,8 @@
 mod common;
 use common::*;
 use mlx_models::chat::ChatMessage;
-use mlx_models::{generate, load_model, load_session, ChatConfig, ChatSession, FinishReason, GenerateConfig, StreamEvent};
-use sampling::{SamplingConfig, SamplingOverrides};
-
-fn greedy(n: usize) -> ChatConfig {
-    ChatConfig { max_new_tokens: n, sampling: SamplingOverrides { temperature: Some(0.0), ..Default::default() }, ..Default::default() }
-}
+use mlx_models::{load_model, load_session, ChatConfig, ChatSession, FinishReason, StreamEvent};
+use sampling::SamplingOverrides;
 
 fn session() -> ChatSession {
     load_session(fixture("qwen3"), &test_load_options()).unwrap()
@@ -18,7 +14,7 @@ fn session() -> ChatSession {
 fn first_turn_matches_reference() {
     let r = reference("qwen3");
     let mut s = session();
-    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy(16)).unwrap();
+    let res = s.start(vec![ChatMessage::user("Hello! What is 2+2?")], &greedy_chat(16)).unwrap();
     let want = ids(&r["chat_greedy_ids"]);
     let prompt = ids(&r["chat_input_ids"]);
     assert_eq!(res.finish_reason, FinishReason::Length);
@@ -34,26 +30,19 @@ fn first_turn_matches_reference() {
 #[test]
 fn continued_turn_reuses_cache_and_equals_recompute() {
     let mut s = session();
-    s.start(vec![ChatMessage::system("Be brief."), ChatMessage::user("Hi")], &greedy(6)).unwrap();
+    s.start(vec![ChatMessage::system("Be brief."), ChatMessage::user("Hi")], &greedy_chat(6)).unwrap();
     let turn1 = s.cached_ids().len();
-    let res = s.continue_with("And then?", &greedy(8)).unwrap();
+    let res = s.continue_with("And then?", &greedy_chat(8)).unwrap();
     assert_eq!(res.cached_tokens, turn1, "the whole first turn is reused");
     assert!(res.prompt_tokens > turn1);
     // Recompute: the same token prompt on a fresh cache gives the same reply tokens.
-    let all = s.cached_ids().to_vec();
-    let n = res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop);
-    let prompt = &all[..all.len() - n];
-    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
-    let mut cache = model.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: 8, sampling: SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
-    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect();
-    assert_eq!(fresh, all[prompt.len()..prompt.len() + res.num_tokens]);
+    check_reply_equals_fresh_generation("qwen3", &s, &res);
 
     // A tool result for a call the model never made is refused, and the session goes on.
-    assert!(s.continue_tool("call_7", "{}", false, &greedy(4)).is_err());
+    assert!(s.continue_tool("call_7", "{}", false, &greedy_chat(4)).is_err());
     // Restarting with the same conversation prefix reuses it too.
     let hist = s.history()[..2].to_vec();
-    let res = s.start(hist, &greedy(4)).unwrap();
+    let res = s.start(hist, &greedy_chat(4)).unwrap();
     assert!(res.cached_tokens > 0);
 }
 
@@ -67,18 +56,18 @@ fn tool_results_render_and_continue() {
         ChatMessage::assistant("").with_tool_calls(vec![call]),
         ChatMessage::tool("call_0", "sunny").with_error(true),
     ];
-    let res = s.start(msgs, &greedy(4)).unwrap();
+    let res = s.start(msgs, &greedy_chat(4)).unwrap();
     let prompt = s.format().tokenizer().decode(&s.cached_ids()[..res.prompt_tokens], false).unwrap();
     assert!(prompt.contains("<tool_response>") && prompt.contains("sunny"), "{prompt}");
     assert!(prompt.contains(mlx_models::chat::TOOL_ERROR_MARKER), "errored tool results are marked: {prompt}");
-    let res2 = s.continue_with("thanks", &greedy(4)).unwrap();
+    let res2 = s.continue_with("thanks", &greedy_chat(4)).unwrap();
     assert_eq!(res2.cached_tokens, res.prompt_tokens + res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop));
 }
 
 #[test]
 fn reuse_off_prefills_everything() {
     let mut s = session();
-    let cfg = ChatConfig { reuse_cache: false, ..greedy(4) };
+    let cfg = ChatConfig { reuse_cache: false, ..greedy_chat(4) };
     s.start(vec![ChatMessage::user("Hi")], &cfg).unwrap();
     let res = s.continue_with("more", &cfg).unwrap();
     assert_eq!(res.cached_tokens, 0);
@@ -89,7 +78,7 @@ fn streaming_and_cancel() {
     let mut s = session();
     let mut text = String::new();
     let mut done = None;
-    for ev in s.start_stream(vec![ChatMessage::user("Tell me a story")], &greedy(12)).unwrap() {
+    for ev in s.start_stream(vec![ChatMessage::user("Tell me a story")], &greedy_chat(12)).unwrap() {
         match ev.unwrap() {
             StreamEvent::Text(t) => text.push_str(&t),
             StreamEvent::Thinking(_) | StreamEvent::ToolCall(_) => {}
@@ -99,7 +88,7 @@ fn streaming_and_cancel() {
     let r = done.expect("a Done event");
     assert_eq!(text, r.text);
 
-    let stream = s.start_stream(vec![ChatMessage::user("Again")], &ChatConfig { report_performance: true, ..greedy(40) }).unwrap();
+    let stream = s.start_stream(vec![ChatMessage::user("Again")], &ChatConfig { report_performance: true, ..greedy_chat(40) }).unwrap();
     let cancel = stream.cancel_handle();
     let mut seen = 0;
     let mut result = None;
@@ -126,7 +115,7 @@ fn sessions_on_several_threads() {
     let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let run = |m: mlx_models::Model, q: &str| {
         let mut s = ChatSession::new(m).unwrap();
-        s.start(vec![ChatMessage::user(q)], &greedy(10)).unwrap().raw_text
+        s.start(vec![ChatMessage::user(q)], &greedy_chat(10)).unwrap().raw_text
     };
     let a = run(model.clone(), "one");
     let b = run(model.clone(), "two");
@@ -140,14 +129,14 @@ fn sessions_on_several_threads() {
 #[test]
 fn bad_input() {
     let mut s = session();
-    assert!(s.start(vec![], &greedy(4)).is_err());
-    assert!(s.continue_with("x", &greedy(4)).is_err(), "continue before start");
+    assert!(s.start(vec![], &greedy_chat(4)).is_err());
+    assert!(s.continue_with("x", &greedy_chat(4)).is_err(), "continue before start");
     let tool_first = vec![ChatMessage::tool("call_9", "result")];
-    assert!(s.start(tool_first, &greedy(4)).is_err());
-    let bad = ChatConfig { sampling: SamplingOverrides { top_p: Some(1.5), ..Default::default() }, ..greedy(4) };
+    assert!(s.start(tool_first, &greedy_chat(4)).is_err());
+    let bad = ChatConfig { sampling: SamplingOverrides { top_p: Some(1.5), ..Default::default() }, ..greedy_chat(4) };
     assert!(s.start(vec![ChatMessage::user("x")], &bad).is_err());
     let e = load_session(fixture("qwen3_embed"), &test_load_options()).err().unwrap().to_string();
     assert_eq!(e, "load_session: embedding models (Harrier) cannot be wrapped in a ChatSession");
     // The session still works after the errors.
-    assert!(s.start(vec![ChatMessage::user("x")], &greedy(2)).is_ok());
+    assert!(s.start(vec![ChatMessage::user("x")], &greedy_chat(2)).is_ok());
 }

@@ -111,6 +111,20 @@ fn opt_bool(h: &GgufHeader, key: &str) -> Result<Option<bool>, GgufError> {
 
 /// A vocabulary as a Python dict built from an enumerated list: first-occurrence order, the last
 /// occurrence's id.
+/// `tokenizer.ggml.merges` entries (`"a b"`) as pairs.
+fn merge_pairs(merges: &[&str]) -> Result<Vec<(String, String)>, GgufError> {
+    merges
+        .iter()
+        .map(|m| {
+            let mut it = m.split(' ');
+            match (it.next(), it.next(), it.next()) {
+                (Some(a), Some(b), None) => Ok((a.to_string(), b.to_string())),
+                _ => Err(tok_err(format!("merge {m:?} is not two space-separated pieces"))),
+            }
+        })
+        .collect()
+}
+
 fn vocab_dict(tokens: &[String]) -> (Vec<String>, HashMap<String, usize>) {
     let mut order = Vec::with_capacity(tokens.len());
     let mut ids = HashMap::with_capacity(tokens.len());
@@ -234,16 +248,7 @@ pub fn build(h: &GgufHeader) -> Result<HfTokenizer, GgufError> {
                 })
                 .collect();
             let merges = merges_meta.ok_or_else(|| tok_err("a gpt2 tokenizer without tokenizer.ggml.merges"))?;
-            let merges: Vec<(String, String)> = merges
-                .iter()
-                .map(|m| {
-                    let mut it = m.split(' ');
-                    match (it.next(), it.next(), it.next()) {
-                        (Some(a), Some(b), None) => Ok((a.to_string(), b.to_string())),
-                        _ => Err(tok_err(format!("merge {m:?} is not two space-separated pieces"))),
-                    }
-                })
-                .collect::<Result<_, _>>()?;
+            let merges = merge_pairs(&merges)?;
             let pre = match h.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).and_then(split_regex) {
                 Some(re) => json!({"type": "Sequence", "pretokenizers": [
                     {"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false},
@@ -264,16 +269,7 @@ pub fn build(h: &GgufHeader) -> Result<HfTokenizer, GgufError> {
                 .collect();
             let (order, vocab) = vocab_dict(&tokens);
             let merges = match merges_meta {
-                Some(m) => m
-                    .iter()
-                    .map(|m| {
-                        let mut it = m.split(' ');
-                        match (it.next(), it.next(), it.next()) {
-                            (Some(a), Some(b), None) => Ok((a.to_string(), b.to_string())),
-                            _ => Err(tok_err(format!("merge {m:?} is not two space-separated pieces"))),
-                        }
-                    })
-                    .collect::<Result<_, _>>()?,
+                Some(m) => merge_pairs(&m)?,
                 None => {
                     let mut scores = HashMap::with_capacity(order.len());
                     if gemma {

@@ -11,46 +11,29 @@ use std::sync::atomic::{AtomicU64, Ordering};
 struct Flat {
     dtype: safetensors::Dtype,
     shape: Vec<usize>,
+    /// The copy's bytes (a `u8` view sharing its buffer).
     flat: mlx_rs::Array,
-    our: DType,
-}
-
-fn bytes<T: mlx_rs::ArrayElement>(a: &mlx_rs::Array) -> Result<&[u8]> {
-    if a.size() == 0 {
-        return Ok(&[]); // MLX has no buffer for an empty array
-    }
-    let s = a.try_as_slice::<T>().map_err(|e| Error::Mlx { op: "save_safetensors", msg: e.to_string() })?;
-    // SAFETY: plain element types without padding, viewed as their bytes.
-    Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) })
 }
 
 impl Flat {
     fn new(a: &Array) -> Result<Self> {
         let our = a.dtype();
         let dtype = to_st_dtype(our).ok_or_else(|| Error::DType { op: "save_safetensors", expected: "a safetensors dtype".into(), got: our.to_string() })?;
+        if our == DType::F64 {
+            return Err(Error::DType { op: "save_safetensors", expected: "a dtype mlx-rs can read back".into(), got: our.to_string() });
+        }
         let flat = mlx_rs::ops::reshape(&a.inner, &[-1]).op("save_safetensors")?.contiguous().op("save_safetensors")?;
+        let flat = flat.view::<u8>().op("save_safetensors")?;
         flat.eval().op("save_safetensors")?;
-        let f = Flat { dtype, shape: a.shape(), flat, our };
-        f.raw()?; // fail here, before any file is touched, for element types mlx-rs cannot view
+        let f = Flat { dtype, shape: a.shape(), flat };
+        f.raw()?; // fail here, before any file is touched
         Ok(f)
     }
     fn raw(&self) -> Result<&[u8]> {
-        use half::{bf16, f16};
-        match self.our {
-            DType::F32 => bytes::<f32>(&self.flat),
-            DType::F16 => bytes::<f16>(&self.flat),
-            DType::BF16 => bytes::<bf16>(&self.flat),
-            DType::I32 => bytes::<i32>(&self.flat),
-            DType::U32 => bytes::<u32>(&self.flat),
-            DType::I64 => bytes::<i64>(&self.flat),
-            DType::U8 => bytes::<u8>(&self.flat),
-            DType::I8 => bytes::<i8>(&self.flat),
-            DType::Bool => bytes::<bool>(&self.flat),
-            DType::U16 => bytes::<u16>(&self.flat),
-            DType::U64 => bytes::<u64>(&self.flat),
-            DType::I16 => bytes::<i16>(&self.flat),
-            DType::F64 | DType::Complex64 => Err(Error::DType { op: "save_safetensors", expected: "a dtype mlx-rs can read back".into(), got: self.our.to_string() }),
+        if self.flat.size() == 0 {
+            return Ok(&[]); // MLX has no buffer for an empty array
         }
+        self.flat.try_as_slice::<u8>().map_err(|e| Error::Mlx { op: "save_safetensors", msg: e.to_string() })
     }
 }
 

@@ -13,6 +13,14 @@ pub fn vals(n: usize, lo: f32, hi: f32) -> BoxedStrategy<Vec<f32>> {
 }
 
 /// Round to the nearest bf16 (what the bf16 tests feed both MLX and the reference).
+/// A 3-d shape with sides in `1..max_side` and values in [-9, 9] to fill it.
+pub fn cube(max_side: usize) -> impl Strategy<Value = (Vec<usize>, Vec<f32>)> {
+    prop::collection::vec(1usize..max_side, 3).prop_flat_map(|s| {
+        let n = s.iter().product();
+        (Just(s), vals(n, -9.0, 9.0))
+    })
+}
+
 pub fn bf(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }

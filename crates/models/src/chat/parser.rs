@@ -652,30 +652,32 @@ mod pythonic {
                 return Err(self.err("expected '('"));
             }
             let mut args = Map::new();
+            self.list(b')', "')'", |p| {
+                let key = p.ident().ok_or_else(|| p.err("expected a keyword argument name"))?;
+                p.ws();
+                if !p.eat(b'=') {
+                    return Err(p.err("expected '=' (only keyword arguments are supported)"));
+                }
+                p.ws();
+                args.insert(key, p.value()?);
+                Ok(())
+            })?;
+            Ok((name, Json::Object(args)))
+        }
+        /// Comma-separated items up to `close` (`what` in errors), each read by `item`.
+        fn list(&mut self, close: u8, what: &str, mut item: impl FnMut(&mut Self) -> Result<(), String>) -> Result<(), String> {
             loop {
                 self.ws();
-                if self.eat(b')') {
-                    break;
+                if self.eat(close) {
+                    return Ok(());
                 }
-                let key = self.ident().ok_or_else(|| self.err("expected a keyword argument name"))?;
+                item(self)?;
                 self.ws();
-                if !self.eat(b'=') {
-                    return Err(self.err("expected '=' (only keyword arguments are supported)"));
+                if !self.eat(b',') {
+                    self.ws();
+                    return if self.eat(close) { Ok(()) } else { Err(self.err(&format!("expected ',' or {what}"))) };
                 }
-                self.ws();
-                let v = self.value()?;
-                args.insert(key, v);
-                self.ws();
-                if self.eat(b',') {
-                    continue;
-                }
-                self.ws();
-                if !self.eat(b')') {
-                    return Err(self.err("expected ',' or ')'"));
-                }
-                break;
             }
-            Ok((name, Json::Object(args)))
         }
         fn value(&mut self) -> Result<Json, String> {
             self.ws();
@@ -686,52 +688,27 @@ mod pythonic {
                     let close = if self.s[self.i] == b'[' { b']' } else { b')' };
                     self.i += 1;
                     let mut items = Vec::new();
-                    loop {
-                        self.ws();
-                        if self.eat(close) {
-                            break;
-                        }
-                        items.push(self.value()?);
-                        self.ws();
-                        if self.eat(b',') {
-                            continue;
-                        }
-                        self.ws();
-                        if !self.eat(close) {
-                            return Err(self.err("expected ',' or the closing bracket"));
-                        }
-                        break;
-                    }
+                    self.list(close, "the closing bracket", |p| {
+                        items.push(p.value()?);
+                        Ok(())
+                    })?;
                     Ok(Json::Array(items))
                 }
                 Some(b'{') => {
                     self.i += 1;
                     let mut m = Map::new();
-                    loop {
-                        self.ws();
-                        if self.eat(b'}') {
-                            break;
-                        }
-                        let k = match self.value()? {
+                    self.list(b'}', "'}'", |p| {
+                        let k = match p.value()? {
                             Json::String(s) => s,
                             other => other.to_string(),
                         };
-                        self.ws();
-                        if !self.eat(b':') {
-                            return Err(self.err("expected ':'"));
+                        p.ws();
+                        if !p.eat(b':') {
+                            return Err(p.err("expected ':'"));
                         }
-                        let v = self.value()?;
-                        m.insert(k, v);
-                        self.ws();
-                        if self.eat(b',') {
-                            continue;
-                        }
-                        self.ws();
-                        if !self.eat(b'}') {
-                            return Err(self.err("expected ',' or '}'"));
-                        }
-                        break;
-                    }
+                        m.insert(k, p.value()?);
+                        Ok(())
+                    })?;
                     Ok(Json::Object(m))
                 }
                 Some(_) => {

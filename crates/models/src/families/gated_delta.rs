@@ -18,6 +18,7 @@
 //! 5. Per-head gated RMSNorm `rms(y)·w·silu(z)` (plain `w`, not `1 + w`), then `out_proj`.
 //!
 //! All of the recurrence (decays, state, norms) is computed in f32 whatever the weight dtype.
+use crate::layers::decoder::RecurrentMixer;
 use crate::layers::{FusedLinear, Linear};
 use crate::weights::{Init, Vb};
 use crate::{ModelError, Result};
@@ -275,4 +276,10 @@ fn unit_lower_inverse(a: &Array, c: usize) -> Result<Array> {
     }
     let refs: Vec<&Array> = rows.iter().collect();
     Ok(ops::concatenate(&refs, nd - 2)?)
+}
+
+impl RecurrentMixer for GatedDeltaNet {
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], _i: usize) -> Result<Array> {
+        self.forward(x, slots)
+    }
 }

@@ -11,6 +11,7 @@
 //!   cache) with rope θ `rope_local_base_freq`; full layers use `rope_theta` and `rope_scaling`.
 //! - Optional `final_logit_softcapping`.
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::config::{default_f32, default_rms_norm_eps, default_true, default_usize};
 use crate::layers::decoder::{DecoderLayer, Masks, Stack};
 use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
@@ -22,113 +23,107 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
-/// The decoder settings of a Gemma 3 checkpoint (`config.json`, or its `text_config`).
+/// The `config.json` keys Gemma 3 and Gemma 4 read alike, with their shared defaults; flattened
+/// into [`Gemma3Config`] and `Gemma4Config` (`cfg.hidden_size` etc. read through it).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Gemma3Config {
+pub struct GemmaConfig {
     pub hidden_size: usize,
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
-    #[serde(default = "d_one")]
+    #[serde(default = "default_usize::<1>")]
     pub num_key_value_heads: usize,
-    #[serde(default = "d_head_dim")]
+    #[serde(default = "default_usize::<256>")]
     pub head_dim: usize,
-    #[serde(default = "d_vocab")]
-    pub vocab_size: usize,
-    #[serde(default = "d_eps")]
+    #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f32,
-    #[serde(default = "d_theta")]
+    /// transformers 5: `{"full_attention": {...}, "sliding_attention": {...}}`.
+    pub rope_parameters: Option<Value>,
+    pub layer_types: Option<Vec<String>>,
+    pub final_logit_softcapping: Option<f32>,
+    #[serde(default = "d_act")]
+    pub hidden_activation: String,
+    #[serde(default = "default_usize::<131_072>")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<Value>,
+}
+
+fn d_act() -> String {
+    "gelu_pytorch_tanh".into()
+}
+
+impl GemmaConfig {
+    /// `layer_types`, or when absent every `pattern`-th layer full and the others sliding (as
+    /// transformers derives them); `last_full`: the last layer is full too.
+    pub fn layer_types_or_pattern(&self, pattern: usize, last_full: bool) -> Vec<String> {
+        if let Some(t) = &self.layer_types {
+            return t.clone();
+        }
+        let p = pattern.max(1);
+        let n = self.num_hidden_layers;
+        (0..n).map(|i| if (i + 1) % p == 0 || (last_full && i + 1 == n) { "full_attention" } else { "sliding_attention" }.to_string()).collect()
+    }
+
+    /// Checks that `types` has one entry per layer, each `sliding_attention` or `full_attention`.
+    pub fn check_layer_types(&self, types: &[String]) -> std::result::Result<(), String> {
+        let n = self.num_hidden_layers;
+        if types.len() != n {
+            return Err(format!("layer_types has {} entries for {n} layers", types.len()));
+        }
+        if let Some(t) = types.iter().find(|t| *t != "sliding_attention" && *t != "full_attention") {
+            return Err(format!("unsupported layer type {t:?} (expected sliding_attention or full_attention)"));
+        }
+        Ok(())
+    }
+
+    /// The MLP activation `hidden_activation` names.
+    pub fn activation(&self) -> std::result::Result<Activation, String> {
+        Activation::parse(&self.hidden_activation).ok_or_else(|| format!("unsupported hidden_activation {:?}", self.hidden_activation))
+    }
+}
+
+/// The decoder settings of a Gemma 3 checkpoint (`config.json`, or its `text_config`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Gemma3Config {
+    #[serde(flatten)]
+    pub base: GemmaConfig,
+    #[serde(default = "default_usize::<262_208>")]
+    pub vocab_size: usize,
+    #[serde(default = "default_f32::<1_000_000>")]
     pub rope_theta: f32,
-    #[serde(default = "d_local_theta")]
+    #[serde(default = "default_f32::<10_000>")]
     pub rope_local_base_freq: f32,
     /// Scaling of the full-attention layers' rope (hub style).
-    #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
-    /// transformers 5: `{"full_attention": {...}, "sliding_attention": {...}}`.
-    #[serde(default)]
-    pub rope_parameters: Option<Value>,
-    #[serde(default = "d_head_dim_f")]
+    #[serde(default = "default_f32::<256>")]
     pub query_pre_attn_scalar: f32,
-    #[serde(default = "d_window")]
+    #[serde(default = "default_usize::<4096>")]
     pub sliding_window: usize,
-    #[serde(default = "d_pattern")]
+    #[serde(default = "default_usize::<6>")]
     pub sliding_window_pattern: usize,
-    #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
-    #[serde(default)]
-    pub final_logit_softcapping: Option<f32>,
-    #[serde(default)]
     pub attn_logit_softcapping: Option<f32>,
     #[serde(default)]
     pub attention_bias: bool,
     #[serde(default)]
     pub use_bidirectional_attention: bool,
-    #[serde(default = "d_act")]
-    pub hidden_activation: String,
-    #[serde(default = "d_max_pos")]
-    pub max_position_embeddings: usize,
-    #[serde(default = "d_true")]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub bos_token_id: Option<u32>,
 }
 
-fn d_one() -> usize {
-    1
-}
-fn d_head_dim() -> usize {
-    256
-}
-fn d_head_dim_f() -> f32 {
-    256.0
-}
-fn d_vocab() -> usize {
-    262_208
-}
-fn d_eps() -> f32 {
-    1e-6
-}
-fn d_theta() -> f32 {
-    1_000_000.0
-}
-fn d_local_theta() -> f32 {
-    10_000.0
-}
-fn d_window() -> usize {
-    4096
-}
-fn d_pattern() -> usize {
-    6
-}
-fn d_act() -> String {
-    "gelu_pytorch_tanh".into()
-}
-fn d_max_pos() -> usize {
-    131_072
-}
-fn d_true() -> bool {
-    true
-}
+crate::config::impl_deref!(Gemma3Config => base: GemmaConfig);
 
 impl Gemma3Config {
     /// Parse from the whole `config.json` (the decoder settings of a ConditionalGeneration
     /// checkpoint live in `text_config`).
     pub fn from_root(dir: &Path, root: &Value) -> Result<Self> {
-        let cfg: Gemma3Config = crate::config::parse(dir, &crate::config::text_config(root))?;
-        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
-        Ok(cfg)
+        crate::config::parse_checked(dir, &crate::config::text_config(root), Gemma3Config::validate)
     }
 
     /// `sliding_attention` / `full_attention` per layer; from `sliding_window_pattern` (every
     /// `pattern`-th layer full) when absent, as transformers derives them.
     pub fn layer_types(&self) -> Vec<String> {
-        match &self.layer_types {
-            Some(t) => t.clone(),
-            None => {
-                let p = self.sliding_window_pattern.max(1);
-                (0..self.num_hidden_layers).map(|i| if (i + 1) % p == 0 { "full_attention" } else { "sliding_attention" }.to_string()).collect()
-            }
-        }
+        self.base.layer_types_or_pattern(self.sliding_window_pattern, false)
     }
 
     /// The rope of one layer type: per-type `rope_parameters` when present, else
@@ -159,22 +154,14 @@ impl Gemma3Config {
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) || self.sliding_window == 0 || self.query_pre_attn_scalar <= 0.0 {
             return Err("head_dim must be even and positive, sliding_window and query_pre_attn_scalar positive".into());
         }
-        let types = self.layer_types();
-        if types.len() != n {
-            return Err(format!("layer_types has {} entries for {n} layers", types.len()));
-        }
-        if let Some(t) = types.iter().find(|t| *t != "sliding_attention" && *t != "full_attention") {
-            return Err(format!("unsupported layer type {t:?} (expected sliding_attention or full_attention)"));
-        }
+        self.check_layer_types(&self.layer_types())?;
         if self.attn_logit_softcapping.is_some() {
             return Err("attn_logit_softcapping is not supported (Gemma 3 checkpoints ship it null)".into());
         }
         if self.use_bidirectional_attention {
             return Err("use_bidirectional_attention (EmbeddingGemma) is not supported by the causal LM".into());
         }
-        if Activation::parse(&self.hidden_activation).is_none() {
-            return Err(format!("unsupported hidden_activation {:?}", self.hidden_activation));
-        }
+        self.activation()?;
         self.rope(true)?;
         self.rope(false)?;
         Ok(())
@@ -197,17 +184,12 @@ impl Block {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let norm = |n: &str| RmsNorm::load(&vb.pp(n), h, eps, 1.0);
         let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
             bias: cfg.attention_bias,
             o_bias: cfg.attention_bias,
             qk_norm: Some(eps),
             norm_offset: 1.0,
-            output_gate: false,
             scale: Some(cfg.query_pre_attn_scalar.powf(-0.5)),
-            o_name: "o_proj",
+            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         };
         let act = Activation::parse(&cfg.hidden_activation).expect("validated");
         Ok(Block {

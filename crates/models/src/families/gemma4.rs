@@ -22,8 +22,10 @@
 //! Caches: flat (rotating for sliding layers) or the kv-paged block pool (`KvCacheMode`; Auto
 //! follows `use_block_paged_cache`), both through [`Cache::begin_forward_with`]. KV-shared layers have
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
+use super::gemma3::GemmaConfig;
 use super::moe::SwitchGlu;
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
+use crate::config::default_usize;
 use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Init, Vb, Weights};
@@ -48,97 +50,35 @@ pub struct Gemma4LayerOverride {
 /// The decoder settings of a Gemma 4 checkpoint (`config.json`, or its `text_config`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Gemma4Config {
-    pub hidden_size: usize,
-    pub num_hidden_layers: usize,
-    pub intermediate_size: usize,
-    pub num_attention_heads: usize,
-    #[serde(default = "d_head_dim")]
-    pub head_dim: usize,
-    #[serde(default)]
+    #[serde(flatten)]
+    pub base: GemmaConfig,
     pub global_head_dim: Option<usize>,
-    #[serde(default = "d_eps")]
-    pub rms_norm_eps: f32,
-    #[serde(default = "d_vocab")]
+    #[serde(default = "default_usize::<262144>")]
     pub vocab_size: usize,
-    #[serde(default)]
     pub vocab_size_per_layer_input: Option<usize>,
-    #[serde(default = "d_one")]
-    pub num_key_value_heads: usize,
-    #[serde(default)]
     pub num_global_key_value_heads: Option<usize>,
-    #[serde(default)]
     pub num_kv_shared_layers: Option<usize>,
-    #[serde(default)]
     pub hidden_size_per_layer_input: Option<usize>,
-    #[serde(default)]
-    pub rope_parameters: Option<Value>,
-    #[serde(default)]
     pub rope_theta: Option<f32>,
-    #[serde(default)]
     pub rope_local_base_freq: Option<f32>,
-    #[serde(default)]
     pub global_partial_rotary_factor: Option<f32>,
-    #[serde(default = "d_window")]
+    #[serde(default = "default_usize::<512>")]
     pub sliding_window: usize,
-    #[serde(default = "d_pattern")]
+    #[serde(default = "default_usize::<5>")]
     pub sliding_window_pattern: usize,
-    #[serde(default = "d_max_pos")]
-    pub max_position_embeddings: usize,
     #[serde(default)]
     pub attention_k_eq_v: bool,
-    #[serde(default)]
-    pub final_logit_softcapping: Option<f32>,
     #[serde(default)]
     pub use_double_wide_mlp: bool,
     #[serde(default)]
     pub enable_moe_block: bool,
-    #[serde(default)]
     pub num_experts: Option<usize>,
-    #[serde(default)]
     pub top_k_experts: Option<usize>,
-    #[serde(default)]
     pub moe_intermediate_size: Option<usize>,
-    #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
-    #[serde(default = "d_true")]
-    pub tie_word_embeddings: bool,
-    #[serde(default = "d_act")]
-    pub hidden_activation: String,
-    #[serde(default)]
     pub per_layer_config: Option<HashMap<String, Gemma4LayerOverride>>,
-    #[serde(default)]
-    pub bos_token_id: Option<u32>,
-    #[serde(default)]
-    pub eos_token_id: Option<Value>,
 }
 
-fn d_head_dim() -> usize {
-    256
-}
-fn d_eps() -> f32 {
-    1e-6
-}
-fn d_vocab() -> usize {
-    262144
-}
-fn d_one() -> usize {
-    1
-}
-fn d_window() -> usize {
-    512
-}
-fn d_pattern() -> usize {
-    5
-}
-fn d_max_pos() -> usize {
-    131072
-}
-fn d_true() -> bool {
-    true
-}
-fn d_act() -> String {
-    "gelu_pytorch_tanh".into()
-}
+crate::config::impl_deref!(Gemma4Config => base: GemmaConfig);
 
 /// Rope of one layer type, resolved from `rope_parameters` (or the hub's flat keys).
 #[derive(Debug, Clone, PartialEq)]
@@ -161,27 +101,13 @@ impl Gemma4Config {
                 }
             }
         }
-        let cfg: Gemma4Config = crate::config::parse(dir, &text)?;
-        cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
-        Ok(cfg)
+        crate::config::parse_checked(dir, &text, Gemma4Config::validate)
     }
 
     /// `sliding_attention` / `full_attention` per layer; generated from `sliding_window_pattern`
     /// (last layer full) when absent.
     pub fn layer_types(&self) -> Vec<String> {
-        match &self.layer_types {
-            Some(t) => t.clone(),
-            None => {
-                let p = self.sliding_window_pattern.max(1);
-                let mut t: Vec<String> = (0..self.num_hidden_layers)
-                    .map(|i| if (i + 1) % p == 0 { "full_attention" } else { "sliding_attention" }.to_string())
-                    .collect();
-                if let Some(last) = t.last_mut() {
-                    *last = "full_attention".into();
-                }
-                t
-            }
-        }
+        self.base.layer_types_or_pattern(self.sliding_window_pattern, true)
     }
 
     fn is_sliding(&self, i: usize) -> bool {
@@ -277,12 +203,7 @@ impl Gemma4Config {
             return Err("hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be positive".into());
         }
         let types = self.layer_types();
-        if types.len() != n {
-            return Err(format!("layer_types has {} entries for {n} layers", types.len()));
-        }
-        if let Some(t) = types.iter().find(|t| *t != "sliding_attention" && *t != "full_attention") {
-            return Err(format!("unsupported layer type {t:?} (expected sliding_attention or full_attention)"));
-        }
+        self.check_layer_types(&types)?;
         if self.sliding_window == 0 {
             return Err("sliding_window must be positive".into());
         }
@@ -303,9 +224,7 @@ impl Gemma4Config {
                 }
             }
         }
-        if Activation::parse(&self.hidden_activation).is_none() {
-            return Err(format!("unsupported hidden_activation {:?}", self.hidden_activation));
-        }
+        self.activation()?;
         if self.enable_moe_block {
             match (self.num_experts, self.top_k_experts, self.moe_intermediate_size) {
                 (Some(e), Some(k), Some(i)) if e > 0 && k > 0 && k <= e && i > 0 => {}

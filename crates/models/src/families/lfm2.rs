@@ -9,13 +9,14 @@
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
 use super::moe::SwitchGlu;
-use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
-use crate::layers::decoder::{DecoderLayer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
+use crate::cache::{Cache, CacheSpec, LayerKind};
+use crate::config::{default_f32, default_true, default_usize};
+use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
+use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, AttentionMask, DType};
+use mlx_array::{ops, Array, DType};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -29,15 +30,15 @@ pub struct Lfm2Config {
     pub num_attention_heads: usize,
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
-    #[serde(default = "default_max_pos")]
+    #[serde(default = "default_usize::<128_000>")]
     pub max_position_embeddings: usize,
     #[serde(default = "default_eps")]
     pub norm_eps: f32,
     #[serde(default)]
     pub conv_bias: bool,
-    #[serde(default = "default_conv_l", rename = "conv_L_cache")]
+    #[serde(default = "default_usize::<3>", rename = "conv_L_cache")]
     pub conv_l_cache: usize,
-    #[serde(default = "default_theta")]
+    #[serde(default = "default_f32::<1_000_000>")]
     pub rope_theta: f32,
     #[serde(default)]
     pub full_attn_idxs: Option<Vec<usize>>,
@@ -51,7 +52,7 @@ pub struct Lfm2Config {
     pub block_dim: Option<usize>,
     #[serde(default)]
     pub block_ff_dim: Option<usize>,
-    #[serde(default = "default_multiple_of")]
+    #[serde(default = "default_usize::<256>")]
     pub block_multiple_of: usize,
     #[serde(default = "default_multiplier")]
     pub block_ffn_dim_multiplier: Option<f32>,
@@ -74,7 +75,7 @@ pub struct Lfm2Config {
     pub use_expert_bias: bool,
     #[serde(default)]
     pub num_dense_layers: usize,
-    #[serde(default = "default_scaling")]
+    #[serde(default = "default_f32::<1>")]
     pub routed_scaling_factor: f32,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
@@ -82,29 +83,11 @@ pub struct Lfm2Config {
     pub eos_token_id: Option<serde_json::Value>,
 }
 
-fn default_max_pos() -> usize {
-    128_000
-}
 fn default_eps() -> f32 {
     1e-5
 }
-fn default_conv_l() -> usize {
-    3
-}
-fn default_theta() -> f32 {
-    1_000_000.0
-}
-fn default_multiple_of() -> usize {
-    256
-}
 fn default_multiplier() -> Option<f32> {
     Some(1.0)
-}
-fn default_true() -> bool {
-    true
-}
-fn default_scaling() -> f32 {
-    1.0
 }
 
 /// LFM2's feed-forward width rule: `int(2·ff/3)`, times the multiplier, rounded up to a multiple
@@ -290,9 +273,11 @@ impl MoeBlock {
             scaling: cfg.routed_scaling_factor,
         })
     }
+}
 
+impl ExpertBlock for MoeBlock {
     /// `x: [B, L, H]` → `[B, L, H]`.
-    fn forward(&self, x: &Array) -> Result<Array> {
+    fn forward_experts(&self, x: &Array) -> Result<Array> {
         let dims = x.dims().to_vec();
         let flat = x.reshape(&[-1, dims[2]])?;
         let k = self.top_k;
@@ -314,55 +299,21 @@ impl MoeBlock {
     }
 }
 
-enum Operator {
-    Conv(ShortConv),
-    Attn(Attention),
-}
-
-enum FeedForward {
-    Dense(GatedMlp),
-    Moe(MoeBlock),
-}
-
-struct Block {
-    operator_norm: RmsNorm,
-    op: Operator,
-    ffn_norm: RmsNorm,
-    ffn: FeedForward,
-}
-
-impl DecoderLayer for Block {
-    type Ctx = AttentionMask<'static>;
-    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
-        let n = self.operator_norm.forward(x)?;
-        match &self.op {
-            Operator::Attn(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
-            Operator::Attn(a) => a.forward_kv(&n, &mut kv.layer(i)?, *mask),
-            Operator::Conv(c) => match kv.recurrent(i)? {
-                slots if !slots.is_empty() => c.forward(&n, &mut slots[0]),
-                _ => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
-            },
-        }
-    }
-    fn can_query_last_only(&self) -> bool {
-        matches!(self.op, Operator::Attn(_))
-    }
-    fn ffn(&self, h: &Array) -> Result<Array> {
-        let n = self.ffn_norm.forward(h)?;
-        match &self.ffn {
-            FeedForward::Dense(m) => m.forward(&n),
-            FeedForward::Moe(m) => m.forward(&n),
+impl RecurrentMixer for ShortConv {
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize) -> Result<Array> {
+        match slots.first_mut() {
+            Some(state) => self.forward(x, state),
+            None => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
         }
     }
 }
+
+type Block = HybridBlock<ShortConv, MoeBlock>;
 
 /// LFM2 / LFM2-MoE causal LM.
 pub struct Lfm2Model {
     cfg: Lfm2Config,
-    embed: Embedding,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: LmHead,
+    stack: HybridStack<ShortConv, MoeBlock>,
     info: ModelInfo,
 }
 
@@ -378,39 +329,27 @@ impl Lfm2Model {
         cfg.validate(moe).map_err(|reason| ModelError::MalformedConfig { path: path.clone(), reason })?;
         let is_attn = cfg.attention_layers().expect("validated");
         let (h, d, eps) = (cfg.hidden_size, cfg.head_dim(), cfg.norm_eps);
-        let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.kv_heads(),
-            head_dim: d,
-            bias: false,
-            o_bias: false,
-            qk_norm: Some(eps),
-            norm_offset: 0.0,
-            output_gate: false,
-            scale: None,
-            o_name: "out_proj",
-        };
+        let acfg = AttentionConfig { qk_norm: Some(eps), o_name: "out_proj", ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.kv_heads(), d) };
         let root = weights.root();
         let mv = root.pp("model");
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let lv = mv.pp("layers").pp(i);
                 let op = if is_attn[i] {
-                    Operator::Attn(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_layernorm", "k_layernorm"])?)
+                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_layernorm", "k_layernorm"])?)
                 } else {
-                    Operator::Conv(ShortConv::load(&lv.pp("conv"), &cfg)?)
+                    Mixer::Recurrent(ShortConv::load(&lv.pp("conv"), &cfg)?)
                 };
                 let fv = lv.pp("feed_forward");
                 let ffn = if moe && i >= cfg.num_dense_layers {
-                    FeedForward::Moe(MoeBlock::load(&fv, &cfg)?)
+                    FeedForward::Experts(MoeBlock::load(&fv, &cfg)?)
                 } else {
                     let ff = cfg.dense_ff_dim(moe).expect("validated");
                     FeedForward::Dense(GatedMlp::load_named(&fv, dense_names(&fv), h, ff, Activation::Silu)?)
                 };
                 Ok(Block {
-                    operator_norm: RmsNorm::load(&lv.pp("operator_norm"), h, eps, 0.0)?,
-                    op,
+                    mixer_norm: RmsNorm::load(&lv.pp("operator_norm"), h, eps, 0.0)?,
+                    mixer: op,
                     ffn_norm: RmsNorm::load(&lv.pp("ffn_norm"), h, eps, 0.0)?,
                     ffn,
                 })
@@ -419,7 +358,8 @@ impl Lfm2Model {
         let embed = Embedding::load(&mv.pp("embed_tokens"), cfg.vocab_size, h)?;
         let lm_head = LmHead::load(&root, "model", &embed, cfg.tied(), h, cfg.vocab_size)?;
         let info = ModelInfo::decoder(if moe { "lfm2_moe" } else { "lfm2" }, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
-        Ok(Lfm2Model { norm: RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?, cfg, embed, layers, lm_head, info })
+        let norm = RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?;
+        Ok(Lfm2Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info })
     }
 
 }
@@ -429,22 +369,10 @@ impl ModelRuntime for Lfm2Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| match l.op {
-                Operator::Attn(_) => LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() },
-                Operator::Conv(_) => LayerKind::Recurrent { slots: 1 },
-            })
-            .collect();
-        CacheSpec { layers }
+        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() }, 1)
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        // Hybrid model: never skip a cached prefix (the conv state must see every token), so a
-        // paged cache stores only the attention layers' K/V and is not shared between sequences.
-        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
-        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| causal_mask(l, None))?;
-        self.lm_head.output(h, logits, hidden)
+        self.stack.forward(tokens, cache, logits, hidden)
     }
 }
 

@@ -2,91 +2,44 @@
 //! `LlamaForCausalLM` / `Qwen2ForCausalLM`): the Qwen3 stack without q/k norms, with Llama's
 //! optional biases, Qwen2's q/k/v bias, and scaled rope (`rope_scaling`).
 use crate::families::qwen3::{DecoderOptions, Qwen3Config, Qwen3Model};
-use crate::layers::{Rope, RopeScaling};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
+use serde_json::{json, Value};
 
-/// `config.json` of a Llama or Qwen2 checkpoint (the keys the model uses; defaults are HF's).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// `config.json` of a Llama or Qwen2 checkpoint: Qwen3's keys, with HF's Llama defaults where
+/// they differ (`rope_theta` 1e4, `max_position_embeddings` 2048, `num_key_value_heads` =
+/// `num_attention_heads`), and `mlp_bias`.
+#[derive(Debug, Clone, Serialize)]
 pub struct LlamaConfig {
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    #[serde(default)]
-    pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    pub vocab_size: usize,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
-    #[serde(default = "default_theta")]
-    pub rope_theta: f32,
-    #[serde(default)]
-    pub rope_scaling: Option<RopeScaling>,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub attention_bias: bool,
-    #[serde(default)]
+    #[serde(flatten)]
+    pub qwen3: Qwen3Config,
     pub mlp_bias: bool,
-    #[serde(default = "default_max_pos")]
-    pub max_position_embeddings: usize,
-    #[serde(default = "default_act")]
-    pub hidden_act: String,
-    #[serde(default)]
-    pub eos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    pub bos_token_id: Option<u32>,
 }
 
-fn default_eps() -> f32 {
-    1e-6
-}
-fn default_theta() -> f32 {
-    10_000.0
-}
-fn default_max_pos() -> usize {
-    2048
-}
-fn default_act() -> String {
-    "silu".into()
-}
-
-impl LlamaConfig {
-    fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
-    }
-
-    /// The rope the config asks for (`rope_scaling`: linear, dynamic, yarn, llama3).
-    pub fn rope(&self) -> std::result::Result<Rope, String> {
-        Rope::scaled(self.head_dim(), self.rope_theta, self.rope_scaling.as_ref(), self.max_position_embeddings)
-    }
-
-    fn as_qwen3(&self) -> Qwen3Config {
-        Qwen3Config {
-            hidden_size: self.hidden_size,
-            intermediate_size: self.intermediate_size,
-            num_hidden_layers: self.num_hidden_layers,
-            num_attention_heads: self.num_attention_heads,
-            num_key_value_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
-            head_dim: Some(self.head_dim()),
-            vocab_size: self.vocab_size,
-            rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
-            tie_word_embeddings: self.tie_word_embeddings,
-            attention_bias: self.attention_bias,
-            max_position_embeddings: self.max_position_embeddings,
-            hidden_act: self.hidden_act.clone(),
-            eos_token_id: self.eos_token_id.clone(),
-            bos_token_id: self.bos_token_id,
-            rope_scaling: self.rope_scaling.clone(),
+impl<'de> Deserialize<'de> for LlamaConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let mut v = Value::deserialize(d)?;
+        let mut mlp_bias = false;
+        if let Some(o) = v.as_object_mut() {
+            o.entry("rope_theta").or_insert(json!(10_000.0));
+            o.entry("max_position_embeddings").or_insert(json!(2048));
+            if o.get("num_key_value_heads").is_none_or(Value::is_null) {
+                if let Some(h) = o.get("num_attention_heads").cloned() {
+                    o.insert("num_key_value_heads".into(), h);
+                }
+            }
+            if let Some(b) = o.get("mlp_bias") {
+                mlp_bias = bool::deserialize(b).map_err(serde::de::Error::custom)?;
+            }
         }
+        let qwen3 = Qwen3Config::deserialize(v).map_err(serde::de::Error::custom)?;
+        Ok(LlamaConfig { qwen3, mlp_bias })
     }
 }
+
+crate::config::impl_deref!(LlamaConfig => qwen3: Qwen3Config);
 
 /// Which of the two layouts a checkpoint uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +59,7 @@ pub fn load(weights: &Weights, cfg: LlamaConfig, variant: LlamaVariant, eos: Vec
         LlamaVariant::Qwen2 => (true, false, false, "qwen2"),
     };
     let opts = DecoderOptions { qk_norm: false, qkv_bias, o_bias, mlp_bias, rope };
-    Qwen3Model::with_options(weights, cfg.as_qwen3(), &opts, model_type, eos)
+    Qwen3Model::with_options(weights, cfg.qwen3, &opts, model_type, eos)
 }
 
 /// The registry's constructors.
@@ -117,29 +70,42 @@ pub(crate) fn load_qwen2(c: &LoadContext) -> Result<Built> {
     Ok(Built::Lm(Box::new(load(c.weights, c.parse()?, LlamaVariant::Qwen2, c.eos.clone())?)))
 }
 
-/// `tiny`: hidden 64, 2 layers, vocab 512, untied, llama3-scaled rope (SmolLM2/Llama 3 style).
+/// A config.json of the `tiny` shape (hidden 64, 2 layers, 4 heads over 2 KV heads, vocab 512).
+fn tiny(model_type: &str, architecture: &str, rms_norm_eps: f64, rope_theta: f64, tied: bool) -> Value {
+    json!({
+        "model_type": model_type, "architectures": [architecture],
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": rms_norm_eps, "rope_theta": rope_theta,
+        "tie_word_embeddings": tied, "max_position_embeddings": 4096, "bos_token_id": 486, "eos_token_id": 488
+    })
+}
+
+/// `tiny`: untied, llama3-scaled rope (SmolLM2/Llama 3 style).
 pub(crate) const PRESETS: &[Preset] = &[(
     "tiny",
     || {
-        json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
-            "tie_word_embeddings": false, "max_position_embeddings": 4096, "bos_token_id": 486, "eos_token_id": 488
-        })
+        let mut c = tiny("llama", "LlamaForCausalLM", 1e-5, 500000.0, false);
+        c["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024});
+        c
     },
 )];
 
-/// `tiny`: hidden 64, 2 layers, vocab 512, tied (Qwen2.5-0.5B style).
-pub(crate) const QWEN2_PRESETS: &[Preset] = &[(
-    "tiny",
-    || {
-        json!({
-            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-            "tie_word_embeddings": true, "max_position_embeddings": 4096, "bos_token_id": 486, "eos_token_id": 488
-        })
-    },
-)];
+/// `tiny`: tied (Qwen2.5-0.5B style).
+pub(crate) const QWEN2_PRESETS: &[Preset] = &[("tiny", || tiny("qwen2", "Qwen2ForCausalLM", 1e-6, 1000000.0, true))];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absent_keys_take_hf_llama_defaults() {
+        let base = json!({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512});
+        let c: LlamaConfig = serde_json::from_value(base.clone()).unwrap();
+        assert_eq!((c.rope_theta, c.max_position_embeddings, c.num_key_value_heads, c.mlp_bias), (10_000.0, 2048, 4, false));
+        let mut given = base;
+        given.as_object_mut().unwrap().extend([("rope_theta".into(), json!(5e5)), ("num_key_value_heads".into(), json!(2)), ("mlp_bias".into(), json!(true))]);
+        let c: LlamaConfig = serde_json::from_value(given).unwrap();
+        assert_eq!((c.rope_theta, c.num_key_value_heads, c.mlp_bias), (5e5, 2, true));
+        assert!(serde_json::from_value::<LlamaConfig>(json!({"hidden_size": 64})).is_err());
+    }
+}

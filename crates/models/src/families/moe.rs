@@ -12,6 +12,7 @@
 //!   by `sigmoid(shared_expert_gate(x))`).
 //!
 //! MLX's CPU `GatherMM` only supports f32, which is the CPU compute dtype anyway.
+use crate::layers::decoder::ExpertBlock;
 use crate::layers::{runs_on_cpu, Activation, GatedMlp, Linear};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
@@ -303,6 +304,12 @@ impl SparseMoe {
             y = y.add(&sh)?;
         }
         Ok(y.reshape(&dims)?)
+    }
+}
+
+impl ExpertBlock for SparseMoe {
+    fn forward_experts(&self, x: &Array) -> Result<Array> {
+        self.forward(x)
     }
 }
 

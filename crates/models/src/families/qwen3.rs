@@ -1,5 +1,6 @@
 //! Qwen3 dense causal LM (mirrors mlx-lm `models/qwen3.py` and HF `Qwen3ForCausalLM`).
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::config::{default_f32, default_usize, DecoderConfig};
 use crate::layers::decoder::{DecoderLayer, Stack};
 use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
@@ -13,64 +14,25 @@ use serde_json::{json, Value};
 /// `config.json` of a Qwen3 checkpoint (the keys the model uses).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Qwen3Config {
-    pub hidden_size: usize,
+    /// The keys every Qwen/Llama-style decoder reads (`cfg.hidden_size` etc. read through it).
+    #[serde(flatten)]
+    pub decoder: DecoderConfig,
     pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    pub vocab_size: usize,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
-    #[serde(default = "default_theta")]
+    #[serde(default = "default_f32::<1_000_000>")]
     pub rope_theta: f32,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub attention_bias: bool,
-    #[serde(default = "default_max_pos")]
+    #[serde(default = "default_usize::<40960>")]
     pub max_position_embeddings: usize,
-    #[serde(default = "default_act")]
-    pub hidden_act: String,
-    #[serde(default)]
-    pub eos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    pub bos_token_id: Option<u32>,
     /// `rope_scaling` (or a scaled `rope_parameters`): linear, dynamic, yarn, llama3.
-    #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
 }
 
-fn default_eps() -> f32 {
-    1e-6
-}
-fn default_theta() -> f32 {
-    1_000_000.0
-}
-fn default_max_pos() -> usize {
-    40960
-}
-fn default_act() -> String {
-    "silu".into()
-}
+crate::config::impl_deref!(Qwen3Config => decoder: DecoderConfig);
 
 impl Qwen3Config {
-    pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
-    }
     /// Checks the config before any tensor is read.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let h = self.num_attention_heads;
-        if h == 0 || self.num_key_value_heads == 0 || !h.is_multiple_of(self.num_key_value_heads) {
-            return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {}", self.num_key_value_heads));
-        }
-        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || !self.head_dim().is_multiple_of(2) {
-            return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
-        }
-        if Activation::parse(&self.hidden_act).is_none() {
-            return Err(format!("unsupported hidden_act {:?}", self.hidden_act));
-        }
+        self.decoder.validate(self.num_key_value_heads)?;
         self.rope().map(|_| ())
     }
 
@@ -136,17 +98,10 @@ impl Qwen3Backbone {
         let (h, d) = (cfg.hidden_size, cfg.head_dim());
         let act = Activation::parse(&cfg.hidden_act).expect("validated");
         let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.num_key_value_heads,
-            head_dim: d,
             bias: opts.qkv_bias,
             o_bias: opts.o_bias,
             qk_norm: opts.qk_norm.then_some(cfg.rms_norm_eps),
-            norm_offset: 0.0,
-            output_gate: false,
-            scale: None,
-            o_name: "o_proj",
+            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, d)
         };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {

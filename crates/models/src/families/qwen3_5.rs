@@ -36,13 +36,14 @@
 //!   because the state at the divergence point was not saved.
 use super::gated_delta::{self, GatedDeltaConfig, GatedDeltaNet};
 use super::moe::{SparseMoe, SparseMoeConfig};
-use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
-use crate::layers::decoder::{DecoderLayer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
-use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
+use crate::cache::{Cache, CacheSpec, LayerKind};
+use crate::config::{default_f32, default_true, default_usize, DecoderConfig};
+use crate::layers::decoder::{FeedForward, HybridBlock, HybridStack, Mixer};
+use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-use mlx_array::{Array, AttentionMask, DType};
+use mlx_array::{Array, DType};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -52,39 +53,23 @@ use std::path::Path;
 /// The decoder settings of a Qwen3.5 (dense or MoE) checkpoint, from [`crate::config::text_config`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Qwen35Config {
-    pub hidden_size: usize,
+    #[serde(flatten)]
+    pub decoder: DecoderConfig,
     /// Dense MLP width (dense models, and `mlp_only_layers` of MoE models).
     #[serde(default)]
     pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    pub vocab_size: usize,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
-    #[serde(default = "default_theta")]
+    #[serde(default = "default_f32::<10_000_000>")]
     pub rope_theta: f32,
     #[serde(default = "default_partial")]
     pub partial_rotary_factor: f32,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub attention_bias: bool,
-    #[serde(default = "default_max_pos")]
+    #[serde(default = "default_usize::<262144>")]
     pub max_position_embeddings: usize,
-    #[serde(default = "default_act")]
-    pub hidden_act: String,
-    #[serde(default)]
-    pub eos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    pub bos_token_id: Option<u32>,
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
-    #[serde(default = "default_interval")]
+    #[serde(default = "default_usize::<4>")]
     pub full_attention_interval: usize,
-    #[serde(default = "default_conv")]
+    #[serde(default = "default_usize::<4>")]
     pub linear_conv_kernel_dim: usize,
     pub linear_key_head_dim: usize,
     pub linear_value_head_dim: usize,
@@ -101,7 +86,7 @@ pub struct Qwen35Config {
     pub shared_expert_intermediate_size: usize,
     #[serde(default = "default_true")]
     pub norm_topk_prob: bool,
-    #[serde(default = "default_one")]
+    #[serde(default = "default_usize::<1>")]
     pub decoder_sparse_step: usize,
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
@@ -112,38 +97,13 @@ pub struct Qwen35Config {
     pub num_nextn_predict_layers: Option<usize>,
 }
 
-fn default_eps() -> f32 {
-    1e-6
-}
-fn default_theta() -> f32 {
-    10_000_000.0
-}
 fn default_partial() -> f32 {
     0.25
 }
-fn default_max_pos() -> usize {
-    262144
-}
-fn default_act() -> String {
-    "silu".into()
-}
-fn default_interval() -> usize {
-    4
-}
-fn default_conv() -> usize {
-    4
-}
-fn default_true() -> bool {
-    true
-}
-fn default_one() -> usize {
-    1
-}
+
+crate::config::impl_deref!(Qwen35Config => decoder: DecoderConfig);
 
 impl Qwen35Config {
-    pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
-    }
     /// Rotary dims of the full-attention layers.
     pub fn rotary_dims(&self) -> usize {
         ((self.head_dim() as f32 * self.partial_rotary_factor) as usize) & !1
@@ -176,13 +136,7 @@ impl Qwen35Config {
     }
     /// Checks the config before any tensor is read.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let h = self.num_attention_heads;
-        if h == 0 || self.num_key_value_heads == 0 || !h.is_multiple_of(self.num_key_value_heads) {
-            return Err(format!("num_attention_heads {h} must be a positive multiple of num_key_value_heads {}", self.num_key_value_heads));
-        }
-        if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || !self.head_dim().is_multiple_of(2) {
-            return Err("hidden_size, num_hidden_layers and vocab_size must be positive, head_dim even".into());
-        }
+        self.decoder.validate(self.num_key_value_heads)?;
         let (hk, hv) = (self.linear_num_key_heads, self.linear_num_value_heads);
         if hk == 0 || hv % hk != 0 || self.linear_key_head_dim == 0 || self.linear_value_head_dim == 0 || self.linear_conv_kernel_dim == 0 {
             return Err(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}, head dims and conv kernel positive"));
@@ -194,9 +148,6 @@ impl Qwen35Config {
             if let Some(bad) = t.iter().find(|s| *s != "full_attention" && *s != "linear_attention") {
                 return Err(format!("unknown layer type {bad:?}"));
             }
-        }
-        if Activation::parse(&self.hidden_act).is_none() {
-            return Err(format!("unsupported hidden_act {:?}", self.hidden_act));
         }
         let any_moe = (0..self.num_hidden_layers).any(|i| self.is_moe_layer(i));
         let any_dense = (0..self.num_hidden_layers).any(|i| !self.is_moe_layer(i));
@@ -210,52 +161,12 @@ impl Qwen35Config {
     }
 }
 
-enum Mixer {
-    Linear(GatedDeltaNet),
-    Full(Attention),
-}
-
-enum Ffn {
-    Dense(GatedMlp),
-    Moe(SparseMoe),
-}
-
-struct Block {
-    input_norm: RmsNorm,
-    mixer: Mixer,
-    post_norm: RmsNorm,
-    ffn: Ffn,
-}
-
-impl DecoderLayer for Block {
-    type Ctx = AttentionMask<'static>;
-    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
-        let n = self.input_norm.forward(x)?;
-        match &self.mixer {
-            Mixer::Full(att) if last_only => att.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
-            Mixer::Full(att) => att.forward_kv(&n, &mut kv.layer(i)?, *mask),
-            Mixer::Linear(gdn) => gdn.forward(&n, kv.recurrent(i)?),
-        }
-    }
-    fn can_query_last_only(&self) -> bool {
-        matches!(self.mixer, Mixer::Full(_))
-    }
-    fn ffn(&self, h: &Array) -> Result<Array> {
-        let n = self.post_norm.forward(h)?;
-        match &self.ffn {
-            Ffn::Dense(m) => m.forward(&n),
-            Ffn::Moe(m) => m.forward(&n),
-        }
-    }
-}
+type Block = HybridBlock<GatedDeltaNet, SparseMoe>;
 
 /// A Qwen3.5 (dense or MoE) causal LM.
 pub struct Qwen35Model {
     cfg: Qwen35Config,
-    embed: Embedding,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: LmHead,
+    stack: HybridStack<GatedDeltaNet, SparseMoe>,
     info: ModelInfo,
     mtp: HashMap<String, Array>,
     notes: Vec<String>,
@@ -281,17 +192,12 @@ impl Qwen35Model {
         let eps = cfg.rms_norm_eps;
         let act = Activation::parse(&cfg.hidden_act).expect("validated");
         let acfg = AttentionConfig {
-            hidden: h,
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.num_key_value_heads,
-            head_dim: d,
             bias: cfg.attention_bias,
             o_bias: cfg.attention_bias,
             qk_norm: Some(eps),
             norm_offset: off,
             output_gate: true,
-            scale: None,
-            o_name: "o_proj",
+            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, d)
         };
         let moe_cfg = SparseMoeConfig {
             hidden: h,
@@ -306,19 +212,19 @@ impl Qwen35Model {
             .map(|i| {
                 let lv = vb.pp("layers").pp(i);
                 let mixer = if cfg.is_full_attention(i) {
-                    Mixer::Full(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(cfg.rotary_dims(), cfg.rope_theta), ["q_norm", "k_norm"])?)
+                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(cfg.rotary_dims(), cfg.rope_theta), ["q_norm", "k_norm"])?)
                 } else {
-                    Mixer::Linear(GatedDeltaNet::load(&lv.pp("linear_attn"), cfg.gated_delta())?)
+                    Mixer::Recurrent(GatedDeltaNet::load(&lv.pp("linear_attn"), cfg.gated_delta())?)
                 };
                 let ffn = if cfg.is_moe_layer(i) {
-                    Ffn::Moe(SparseMoe::load(&lv.pp("mlp"), &moe_cfg)?)
+                    FeedForward::Experts(SparseMoe::load(&lv.pp("mlp"), &moe_cfg)?)
                 } else {
-                    Ffn::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
+                    FeedForward::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
                 };
                 Ok(Block {
-                    input_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?,
+                    mixer_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?,
                     mixer,
-                    post_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?,
+                    ffn_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?,
                     ffn,
                 })
             })
@@ -332,7 +238,8 @@ impl Qwen35Model {
         }
         let mtp = load_mtp(weights, raw, family, embed.dtype(), &mut notes)?;
         let info = ModelInfo::decoder(family, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
-        Ok(Qwen35Model { norm: RmsNorm::load(&vb.pp("norm"), h, eps, off)?, cfg, embed, layers, lm_head, info, mtp, notes })
+        let norm = RmsNorm::load(&vb.pp("norm"), h, eps, off)?;
+        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, notes })
     }
 
     pub fn config(&self) -> &Qwen35Config {
@@ -414,26 +321,12 @@ impl ModelRuntime for Qwen35Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        let layers = (0..self.cfg.num_hidden_layers)
-            .map(|i| {
-                if self.cfg.is_full_attention(i) {
-                    LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }
-                } else {
-                    LayerKind::Recurrent { slots: gated_delta::SLOTS }
-                }
-            })
-            .collect();
-        CacheSpec { layers }
+        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }, gated_delta::SLOTS)
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        // Hybrid model: never skip a cached prefix (the recurrent layers' state must see every
-        // token), so a paged cache here stores the full-attention K/V but is not shared.
-        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
-        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| causal_mask(l, None))?;
-        self.lm_head.output(h, logits, hidden)
+        self.stack.forward(tokens, cache, logits, hidden)
     }
 }
-
 
 /// The registry's constructor (`qwen3_5` and `qwen3_5_moe`).
 pub(crate) fn load(c: &LoadContext) -> Result<Built> {

@@ -27,6 +27,14 @@ pub struct AttentionConfig {
     pub o_name: &'static str,
 }
 
+impl AttentionConfig {
+    /// Plain grouped-query attention: no biases, no q/k norms, no output gate, the default scale,
+    /// `o_proj`; a family sets what differs with `..AttentionConfig::new(..)`.
+    pub fn new(hidden: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Self {
+        AttentionConfig { hidden, n_heads, n_kv_heads, head_dim, bias: false, o_bias: false, qk_norm: None, norm_offset: 0.0, output_gate: false, scale: None, o_name: "o_proj" }
+    }
+}
+
 /// Self-attention with rotary positions over a [`KvCache`].
 #[derive(Clone)]
 pub struct Attention {

@@ -1,8 +1,8 @@
 //! The decoder skeleton every causal LM family runs: checks, cache begin/finish, prefix skipping,
 //! which rows are computed past the last mixer, and the output head. A family supplies its
 //! embedding, its blocks ([`DecoderLayer`]) and its [`LmHead`].
-use crate::cache::{Cache, ForwardKv};
-use crate::layers::{Embedding, Linear};
+use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
+use crate::layers::{Attention, Embedding, GatedMlp, Linear, RmsNorm};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, Rows};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
@@ -27,6 +27,88 @@ pub(crate) trait DecoderLayer {
 
     /// The channel mixer's output for `h`, to be added to `h`.
     fn ffn(&self, h: &Array) -> Result<Array>;
+}
+
+/// A token mixer that carries state from call to call in its layer's recurrent cache slots (a
+/// short convolution, a linear-attention recurrence).
+pub(crate) trait RecurrentMixer {
+    /// The output for the normed `x` (`[B, L, H]`), reading and updating `slots` (layer `i`'s).
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize) -> Result<Array>;
+}
+
+/// A routed expert block: `[B, L, H]` to `[B, L, H]`.
+pub(crate) trait ExpertBlock {
+    fn forward_experts(&self, x: &Array) -> Result<Array>;
+}
+
+/// The token mixer of a [`HybridBlock`].
+pub(crate) enum Mixer<R> {
+    Attention(Attention),
+    Recurrent(R),
+}
+
+/// The channel mixer of a [`HybridBlock`].
+pub(crate) enum FeedForward<E> {
+    Dense(GatedMlp),
+    Experts(E),
+}
+
+/// A pre-norm block of a hybrid stack (Qwen3.5, LFM2): attention or a recurrent mixer, then a
+/// dense MLP or an expert block, each behind its own RMSNorm.
+pub(crate) struct HybridBlock<R, E> {
+    pub mixer_norm: RmsNorm,
+    pub mixer: Mixer<R>,
+    pub ffn_norm: RmsNorm,
+    pub ffn: FeedForward<E>,
+}
+
+impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
+    type Ctx = AttentionMask<'static>;
+    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
+        let n = self.mixer_norm.forward(x)?;
+        match &self.mixer {
+            Mixer::Attention(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
+            Mixer::Attention(a) => a.forward_kv(&n, &mut kv.layer(i)?, *mask),
+            Mixer::Recurrent(r) => r.forward_slots(&n, kv.recurrent(i)?, i),
+        }
+    }
+    fn can_query_last_only(&self) -> bool {
+        matches!(self.mixer, Mixer::Attention(_))
+    }
+    fn ffn(&self, h: &Array) -> Result<Array> {
+        let n = self.ffn_norm.forward(h)?;
+        match &self.ffn {
+            FeedForward::Dense(m) => m.forward(&n),
+            FeedForward::Experts(m) => m.forward_experts(&n),
+        }
+    }
+}
+
+/// A hybrid LM's embedding, blocks, final norm and head (Qwen3.5, LFM2).
+pub(crate) struct HybridStack<R, E> {
+    pub embed: Embedding,
+    pub layers: Vec<HybridBlock<R, E>>,
+    pub norm: RmsNorm,
+    pub lm_head: LmHead,
+}
+
+impl<R: RecurrentMixer, E: ExpertBlock> HybridStack<R, E> {
+    /// `attention` for the attention layers, `slots` recurrent slots for the others.
+    pub fn cache_spec(&self, attention: LayerKind, slots: usize) -> CacheSpec {
+        let kind = |l: &HybridBlock<R, E>| match l.mixer {
+            Mixer::Attention(_) => attention.clone(),
+            Mixer::Recurrent(_) => LayerKind::Recurrent { slots },
+        };
+        CacheSpec { layers: self.layers.iter().map(kind).collect() }
+    }
+
+    /// Never skips a cached prefix (a recurrent state must see every token), so a paged cache
+    /// stores only the attention layers' K/V and is not shared between sequences.
+    pub fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
+        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| crate::layers::causal_mask(l, None))?;
+        self.lm_head.output(h, logits, hidden)
+    }
 }
 
 /// The masks of one forward call over `l` new positions: full causal, and sliding-window causal

@@ -86,7 +86,7 @@ pub fn check_transformers_parity(name: &str, model_type: &str) {
 /// rotates every position differently from the steps that cached them).
 pub fn check_transformers_parity_with(name: &str, model_type: &str, recompute: bool) {
     let r = reference(name);
-    let model = mlx_models::load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
+    let model = fixture_lm(name);
     assert_eq!(model.info().model_type, model_type);
     let prompt = ids(&r["input_ids"]);
     let greedy_ref = ids(&r["greedy_ids"]);
@@ -155,4 +155,70 @@ pub fn greedy_gen(m: &mlx_models::Model, prompt: &[u32], n: usize, step: usize) 
     let mut cache = m.new_cache();
     let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), prefill_step_size: step, context: Vec::new() };
     generate(m, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect()
+}
+
+/// The LM of fixture `name`, loaded with [`test_load_options`].
+pub fn fixture_lm(name: &str) -> Model {
+    mlx_models::load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap()
+}
+
+/// A chat turn of `n` greedy tokens.
+pub fn greedy_chat(n: usize) -> mlx_models::ChatConfig {
+    let sampling = sampling::SamplingOverrides { temperature: Some(0.0), ..Default::default() };
+    mlx_models::ChatConfig { max_new_tokens: n, sampling, ..Default::default() }
+}
+
+/// Prefilling the first 71 tokens of fixture `name`'s prompt in chunks of `sizes` (cycled), then
+/// `steps` greedy tokens, gives the tokens of one whole prefill and logits within 1e-4 relative.
+pub fn check_chunked_prefill(name: &str, sizes: &[usize], steps: usize) {
+    let model = fixture_lm(name);
+    let prompt = ids(&reference(name)["input_ids"]);
+    let mut one = model.new_cache();
+    let (a, la) = greedy_cached(&model, &mut one, &prompt, steps);
+    let mut chunked = model.new_cache();
+    let mut start = 0;
+    for size in sizes.iter().cycle() {
+        if start >= 71 {
+            break;
+        }
+        let end = (start + size).min(71);
+        let t = Array::from_slice(&prompt[start..end], &[1, end - start]).unwrap();
+        model.forward(&t, &mut chunked, Logits::None, false).unwrap();
+        start = end;
+    }
+    let (b, lb) = greedy_cached(&model, &mut chunked, &prompt[71..], steps);
+    assert_eq!(a, b, "{name}: chunks of {sizes:?} change the greedy tokens");
+    for (x, y) in la.iter().zip(&lb) {
+        let e = rel_err(y, x);
+        assert!(e < 1e-4, "{name}: chunks of {sizes:?} vs one prefill: logits rel err {e}");
+    }
+}
+
+/// The rows of one batch (`rows`, of equal length) give the last-position logits of each row
+/// alone, within 1e-4 relative.
+pub fn check_batch_rows_independent(model: &Model, rows: &[&[u32]]) {
+    let both: Vec<u32> = rows.concat();
+    let mut cache = model.new_cache();
+    let t = Array::from_slice(&both, &[rows.len(), rows[0].len()]).unwrap();
+    let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
+    let v = l.len() / rows.len();
+    for (row, toks) in rows.iter().enumerate() {
+        let alone = full_logits(model, toks);
+        let e = rel_err(&l[row * v..(row + 1) * v], alone.last().unwrap());
+        assert!(e < 1e-4, "batch row {row} rel err {e}");
+    }
+}
+
+/// The reply of the session's last turn (`res`) equals greedy generation over the same prompt
+/// tokens on a fresh cache of fixture `name` (with the template's stop tokens).
+pub fn check_reply_equals_fresh_generation(name: &str, s: &mlx_models::ChatSession, res: &mlx_models::ChatResult) {
+    use mlx_models::{generate, FinishReason, GenerateConfig};
+    let all = s.cached_ids().to_vec();
+    let n = res.num_tokens + usize::from(res.finish_reason == FinishReason::Stop);
+    let prompt = &all[..all.len() - n];
+    let model = fixture_lm(name);
+    let mut cache = model.new_cache();
+    let cfg = GenerateConfig { max_new_tokens: res.num_tokens, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
+    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect();
+    assert_eq!(fresh, all[prompt.len()..prompt.len() + res.num_tokens], "{name}: the reply equals generation on a fresh cache");
 }
