@@ -12,7 +12,7 @@ use super::moe::SwitchGlu;
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::config::{default_f32, default_true, default_usize};
 use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
-use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope};
+use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
@@ -40,6 +40,8 @@ pub struct Lfm2Config {
     pub conv_l_cache: usize,
     #[serde(default = "default_f32::<1_000_000>")]
     pub rope_theta: f32,
+    /// `rope_scaling` (or a scaled `rope_parameters`).
+    pub rope_scaling: Option<RopeScaling>,
     #[serde(default)]
     pub full_attn_idxs: Option<Vec<usize>>,
     #[serde(default)]
@@ -151,7 +153,14 @@ impl Lfm2Config {
         Some(effective_ff_dim(ff, self.block_multiple_of, self.block_ffn_dim_multiplier, self.block_auto_adjust_ff_dim))
     }
     /// Checks the config before any tensor is read.
+    /// The rope of the attention layers: `rope_theta` over the whole head, scaled as
+    /// `rope_scaling` asks.
+    pub fn rope(&self) -> std::result::Result<Rope, String> {
+        Rope::scaled(self.head_dim(), self.rope_theta, self.rope_scaling.as_ref(), self.max_position_embeddings)
+    }
+
     pub fn validate(&self, moe: bool) -> std::result::Result<(), String> {
+        self.rope()?;
         let h = self.num_attention_heads;
         let kv = self.kv_heads();
         if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
@@ -330,13 +339,14 @@ impl Lfm2Model {
         let is_attn = cfg.attention_layers().expect("validated");
         let (h, d, eps) = (cfg.hidden_size, cfg.head_dim(), cfg.norm_eps);
         let acfg = AttentionConfig { qk_norm: Some(eps), o_name: "out_proj", ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.kv_heads(), d) };
+        let rope = cfg.rope().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         let root = weights.root();
         let mv = root.pp("model");
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let lv = mv.pp("layers").pp(i);
                 let op = if is_attn[i] {
-                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(d, cfg.rope_theta), ["q_layernorm", "k_layernorm"])?)
+                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), rope.clone(), ["q_layernorm", "k_layernorm"])?)
                 } else {
                     Mixer::Recurrent(ShortConv::load(&lv.pp("conv"), &cfg)?)
                 };

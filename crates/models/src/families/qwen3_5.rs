@@ -39,7 +39,7 @@ use super::moe::{SparseMoe, SparseMoeConfig};
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::config::{default_f32, default_true, default_usize, DecoderConfig};
 use crate::layers::decoder::{FeedForward, HybridBlock, HybridStack, Mixer};
-use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope};
+use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp, LmHead, RmsNorm, Rope, RopeScaling};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
@@ -63,6 +63,8 @@ pub struct Qwen35Config {
     pub rope_theta: f32,
     #[serde(default = "default_partial")]
     pub partial_rotary_factor: f32,
+    /// `rope_scaling` (or a scaled `rope_parameters`) over the rotated dims.
+    pub rope_scaling: Option<RopeScaling>,
     #[serde(default = "default_usize::<262144>")]
     pub max_position_embeddings: usize,
     #[serde(default)]
@@ -108,6 +110,11 @@ impl Qwen35Config {
     pub fn rotary_dims(&self) -> usize {
         ((self.head_dim() as f32 * self.partial_rotary_factor) as usize) & !1
     }
+    /// The rope of the full-attention layers: `rope_theta` over [`Self::rotary_dims`], scaled as
+    /// `rope_scaling` asks.
+    pub fn rope(&self) -> std::result::Result<Rope, String> {
+        Rope::scaled(self.rotary_dims(), self.rope_theta, self.rope_scaling.as_ref(), self.max_position_embeddings)
+    }
     /// Whether layer `i` is full attention (else GatedDeltaNet).
     pub fn is_full_attention(&self, i: usize) -> bool {
         match &self.layer_types {
@@ -137,6 +144,7 @@ impl Qwen35Config {
     /// Checks the config before any tensor is read.
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.decoder.validate(self.num_key_value_heads)?;
+        self.rope()?;
         let (hk, hv) = (self.linear_num_key_heads, self.linear_num_value_heads);
         if hk == 0 || hv % hk != 0 || self.linear_key_head_dim == 0 || self.linear_value_head_dim == 0 || self.linear_conv_kernel_dim == 0 {
             return Err(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}, head dims and conv kernel positive"));
@@ -208,11 +216,12 @@ impl Qwen35Model {
             norm_topk_prob: cfg.norm_topk_prob,
             act,
         };
+        let rope = cfg.rope().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let lv = vb.pp("layers").pp(i);
                 let mixer = if cfg.is_full_attention(i) {
-                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), Rope::new(cfg.rotary_dims(), cfg.rope_theta), ["q_norm", "k_norm"])?)
+                    Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), rope.clone(), ["q_norm", "k_norm"])?)
                 } else {
                     Mixer::Recurrent(GatedDeltaNet::load(&lv.pp("linear_attn"), cfg.gated_delta())?)
                 };

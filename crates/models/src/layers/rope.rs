@@ -8,8 +8,12 @@ use serde::{Deserialize, Serialize};
 /// `rope_parameters` dict of transformers 5.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct RopeScaling {
-    #[serde(alias = "type")]
+    /// Empty when the key is absent: see [`RopeScaling::kind`].
+    #[serde(default)]
     pub rope_type: String,
+    /// The older key `type` (transformers writes both in saved configs).
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub legacy_type: Option<String>,
     #[serde(default)]
     pub factor: Option<f32>,
     #[serde(default)]
@@ -32,6 +36,17 @@ pub struct RopeScaling {
     /// YaRN: round the correction range to whole dims (default true).
     #[serde(default)]
     pub truncate: Option<bool>,
+}
+
+impl RopeScaling {
+    /// The scaling type: `rope_type`, else the older `type`, else `default`.
+    pub fn kind(&self) -> &str {
+        match (self.rope_type.as_str(), self.legacy_type.as_deref()) {
+            ("", Some(t)) if !t.is_empty() => t,
+            ("", _) => "default",
+            (t, _) => t,
+        }
+    }
 }
 
 /// Dynamic NTK: the base grows with the sequence once it passes `max_position_embeddings`.
@@ -61,7 +76,9 @@ impl Rope {
     }
 
     /// The rope a config asks for: `dims` rotated features, base `base`, `scaling` as read from
-    /// `rope_scaling` (`None` or `default`: plain). Unknown types and missing parameters are errors.
+    /// `rope_scaling` (`None` or `default`: plain). `mrope` (Qwen-VL's multimodal rope) is plain
+    /// for text: its sections all see the token's one position. Unknown types and missing
+    /// parameters are errors.
     pub fn scaled(dims: usize, base: f32, scaling: Option<&RopeScaling>, max_position_embeddings: usize) -> std::result::Result<Rope, String> {
         let mut rope = Rope::new(dims, base);
         let Some(s) = scaling else { return Ok(rope) };
@@ -72,8 +89,8 @@ impl Rope {
                 None => Err(format!("{kind} rope_scaling needs factor")),
             }
         };
-        match s.rope_type.as_str() {
-            "default" => {}
+        match s.kind() {
+            "default" | "mrope" => {}
             "linear" => rope.scale = 1.0 / factor("linear")?,
             "dynamic" => {
                 if dims <= 2 {

@@ -27,7 +27,7 @@ use crate::{ModelError, Result};
 use mlx_array::{Array, DType};
 use model::{PrivacyEncoder, PrivacyFilterConfig};
 use std::path::{Path, PathBuf};
-pub use viterbi::{Calibration, Tag, TagSet};
+pub use viterbi::{Calibration, Tag, TagSet, TransitionBiases};
 
 /// The `model_type` this module loads.
 pub const MODEL_TYPE: &str = "openai_privacy_filter";
@@ -58,29 +58,13 @@ pub enum PrivacyError {
 }
 
 /// Per-call overrides of the checkpoint's transition biases; `None` keeps the checkpoint's value.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct CalibrationOverrides {
-    pub background_stay: Option<f32>,
-    pub background_to_start: Option<f32>,
-    pub end_to_background: Option<f32>,
-    pub end_to_start: Option<f32>,
-    pub inside_to_continue: Option<f32>,
-    pub inside_to_end: Option<f32>,
-}
+pub type CalibrationOverrides = TransitionBiases<Option<f32>>;
 
 impl CalibrationOverrides {
     /// `base` with every set override applied; non-finite overrides are errors.
     pub fn apply(&self, base: &Calibration) -> std::result::Result<Calibration, PrivacyError> {
         let mut c = *base;
-        let over = [
-            self.background_stay,
-            self.background_to_start,
-            self.end_to_background,
-            self.end_to_start,
-            self.inside_to_continue,
-            self.inside_to_end,
-        ];
-        for ((slot, o), name) in c.fields_mut().into_iter().zip(over).zip(Calibration::KEYS) {
+        for ((slot, o), name) in c.fields_mut().into_iter().zip(self.values()).zip(Calibration::KEYS) {
             if let Some(v) = o {
                 if !v.is_finite() {
                     return Err(PrivacyError::Override { name, value: v });

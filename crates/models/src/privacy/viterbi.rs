@@ -111,23 +111,45 @@ impl TagSet {
     }
 }
 
+/// One value per transition class of the BIOES decoder: the biases themselves
+/// ([`Calibration`]) or per-call overrides of them ([`crate::privacy::CalibrationOverrides`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TransitionBiases<T> {
+    /// `O → O`.
+    pub background_stay: T,
+    /// `O → B-*`, `O → S-*`.
+    pub background_to_start: T,
+    /// `E-* → O`, `S-* → O`.
+    pub end_to_background: T,
+    /// `E-* → B-*`, `E-* → S-*`, `S-* → B-*`, `S-* → S-*` (back-to-back entities).
+    pub end_to_start: T,
+    /// `B-x → I-x`, `I-x → I-x`.
+    pub inside_to_continue: T,
+    /// `B-x → E-x`, `I-x → E-x`.
+    pub inside_to_end: T,
+}
+
 /// The six transition biases of the BIOES decoder (`viterbi_calibration.json`'s
 /// `operating_points.default.biases`). Each is added to the log-score of the transitions it names;
 /// transitions BIOES forbids are never taken.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Calibration {
-    /// `O → O`.
-    pub background_stay: f32,
-    /// `O → B-*`, `O → S-*`.
-    pub background_to_start: f32,
-    /// `E-* → O`, `S-* → O`.
-    pub end_to_background: f32,
-    /// `E-* → B-*`, `E-* → S-*`, `S-* → B-*`, `S-* → S-*` (back-to-back entities).
-    pub end_to_start: f32,
-    /// `B-x → I-x`, `I-x → I-x`.
-    pub inside_to_continue: f32,
-    /// `B-x → E-x`, `I-x → E-x`.
-    pub inside_to_end: f32,
+pub type Calibration = TransitionBiases<f32>;
+
+impl<T: Copy> TransitionBiases<T> {
+    /// The six values in [`Calibration::KEYS`] order.
+    pub fn values(&self) -> [T; 6] {
+        [self.background_stay, self.background_to_start, self.end_to_background, self.end_to_start, self.inside_to_continue, self.inside_to_end]
+    }
+
+    pub(crate) fn fields_mut(&mut self) -> [&mut T; 6] {
+        [
+            &mut self.background_stay,
+            &mut self.background_to_start,
+            &mut self.end_to_background,
+            &mut self.end_to_start,
+            &mut self.inside_to_continue,
+            &mut self.inside_to_end,
+        ]
+    }
 }
 
 impl Calibration {
@@ -140,17 +162,6 @@ impl Calibration {
         "transition_bias_inside_to_continue",
         "transition_bias_inside_to_end",
     ];
-
-    pub(crate) fn fields_mut(&mut self) -> [&mut f32; 6] {
-        [
-            &mut self.background_stay,
-            &mut self.background_to_start,
-            &mut self.end_to_background,
-            &mut self.end_to_start,
-            &mut self.inside_to_continue,
-            &mut self.inside_to_end,
-        ]
-    }
 
     /// The bias of `prev → next`, `None` when BIOES forbids it.
     pub fn transition(&self, prev: Tag, next: Tag) -> Option<f32> {

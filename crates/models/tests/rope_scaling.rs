@@ -1,0 +1,59 @@
+//! Every family reads `rope_scaling`: the hybrid families (Qwen3.5, LFM2) too. A scaled rope
+//! changes the logits, `mrope` (text positions) and `default` leave them as they are, both the
+//! `rope_type` and the older `type` key are read, and an unknown type is a typed error.
+mod common;
+
+use common::{fixture, full_logits, test_load_options};
+use mlx_models::{load_model, ModelError};
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// A copy of fixture `name` whose text config gets `rope_scaling = scaling`.
+fn with_scaling(name: &str, scaling: Value, dir: &Path) {
+    let src = fixture(name);
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let text = match cfg.get_mut("text_config") {
+        Some(t) => t,
+        None => &mut cfg,
+    };
+    text["rope_scaling"] = scaling;
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+}
+
+fn logits_with(name: &str, scaling: Value) -> Result<Vec<Vec<f32>>, ModelError> {
+    let dir = tempfile::tempdir().unwrap();
+    with_scaling(name, scaling, dir.path());
+    let m = load_model(dir.path(), &test_load_options())?.into_lm()?;
+    Ok(full_logits(&m, &(1..40).collect::<Vec<u32>>()))
+}
+
+#[test]
+fn hybrid_families_read_rope_scaling() {
+    for name in ["qwen3_5", "lfm2"] {
+        let plain = logits_with(name, Value::Null).unwrap();
+        let same = [
+            json!({"rope_type": "default"}),
+            json!({"type": "mrope", "mrope_section": [2, 1, 1]}),
+            json!({"rope_type": "default", "type": "default", "mrope_section": [2, 1, 1]}),
+        ];
+        for s in same {
+            assert_eq!(logits_with(name, s.clone()).unwrap(), plain, "{name}: {s} is plain rope");
+        }
+        for s in [json!({"rope_type": "linear", "factor": 4.0}), json!({"type": "linear", "factor": 4.0}), json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})] {
+            let scaled = logits_with(name, s.clone()).unwrap();
+            let diff = scaled.iter().flatten().zip(plain.iter().flatten()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff > 1e-3, "{name}: {s} changes the logits (max diff {diff})");
+        }
+        for s in [json!({"rope_type": "longrope-ish", "factor": 2.0}), json!({"rope_type": "linear"})] {
+            match logits_with(name, s.clone()) {
+                Err(ModelError::MalformedConfig { reason, .. }) => assert!(reason.contains("rope_scaling"), "{name}: {reason}"),
+                Err(e) => panic!("{name}: {s}: unexpected error {e}"),
+                Ok(_) => panic!("{name}: {s} must be refused"),
+            }
+        }
+    }
+}
