@@ -3,20 +3,24 @@
 //! affine 4-bit with a quantized tied embedding (Llama), affine 8-bit in groups of 32 with an
 //! untied quantized head (Qwen3), mxfp4 (Gemma 3) and mlx-lm's mixed_3_6 recipe with per-layer
 //! bits (Llama 3), and MoE with stacked `switch_mlp` experts through `gather_qmm` and 8-bit routers
-//! (LFM2-MoE 4-bit; Qwen3.5-MoE 8-bit in mlx-lm's `language_model.` layout). Logits within 1e-4 relative, 16 greedy tokens identical through the cache, with
+//! (LFM2-MoE 4-bit; Qwen3.5-MoE 8-bit in mlx-lm's `language_model.` layout; Gemma 4 MoE's
+//! `experts.switch_glu` at mlx_lm.convert -q's affine 4/64, where the 32-wide expert down_proj
+//! stays float, and in mxfp4). Logits within 1e-4 relative, 16 greedy tokens identical through the cache, with
 //! the packed weights kept (`quantized_matmul`) and dequantized at load. And our `quantize`
 //! writes exactly mlx-lm's tensors and config for the same source.
 mod common;
 use common::*;
 use mlx_models::{load_model, LoadOptions, QuantizedWeights};
 
-const FIXTURES: [(&str, &str); 6] = [
+const FIXTURES: [(&str, &str); 8] = [
     ("llama_q4", "llama"),
     ("qwen3_untied_q8g32", "qwen3"),
     ("gemma3_text_mxfp4", "gemma3"),
     ("llama_mixed_3_6", "llama"),
     ("lfm2_moe_q4", "lfm2_moe"),
     ("qwen3_5_moe_vl_q8", "qwen3_5_moe"),
+    ("gemma4_text_moe_q4", "gemma4"),
+    ("gemma4_text_moe_mxfp4", "gemma4"),
 ];
 
 fn check(name: &str, model_type: &str, quantized: QuantizedWeights) {
