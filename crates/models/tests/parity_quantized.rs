@@ -53,18 +53,22 @@ fn quantized_checkpoints_match_mlx_lm_dequantized_at_load() {
     }
 }
 
-/// Our `quantize` of each fixture's source equals mlx-lm's output tensor for tensor, bit for bit,
-/// and writes the same `quantization` entries.
+/// Our `quantize` of each fixture's source equals mlx-lm's output tensor for tensor, bit for bit
+/// (in mlx-lm's layout where its model stores tensors differently, as Gemma 4's experts), and
+/// writes the same `quantization` entries.
 #[test]
 fn our_quantize_writes_mlx_lm_tensors() {
     use mlx_convert::{quantize_dir, QuantizeOptions, Recipe};
     use mlx_array::QuantMode;
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, &str, QuantMode, Option<Recipe>); 4] = [
+    let cases: [(&str, &str, QuantMode, Option<Recipe>); 6] = [
         ("llama_q4", "llama", QuantMode::Affine { bits: 4, group_size: 64 }, None),
         ("qwen3_untied_q8g32", "qwen3_untied", QuantMode::Affine { bits: 8, group_size: 32 }, None),
         ("gemma3_text_mxfp4", "gemma3_text", QuantMode::Mxfp4, None),
         ("llama_mixed_3_6", "llama_scaled", QuantMode::Affine { bits: 4, group_size: 32 }, Some(Recipe::Mixed3_6)),
+        // Gemma 4 MoE: HF's fused experts written as mlx-lm's switch_glu, router at 8/64
+        ("gemma4_text_moe_q4", "gemma4_text_moe", QuantMode::Affine { bits: 4, group_size: 64 }, None),
+        ("gemma4_text_moe_mxfp4", "gemma4_text_moe", QuantMode::Mxfp4, None),
     ];
     for (name, src, mode, recipe) in cases {
         let out = dir.path().join(name);

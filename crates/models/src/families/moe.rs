@@ -165,6 +165,18 @@ impl SwitchGlu {
         Self::from_fused(ops::stack(&gr, 0)?, ops::stack(&dr, 0)?, act)
     }
 
+    /// Bytes of the resident expert weights (packed weights, scales and biases when quantized).
+    pub fn weight_bytes(&self) -> usize {
+        let proj = |p: &ExpertProj| match p {
+            ExpertProj::Packed(q) => q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes()),
+            ExpertProj::Dense(w) => w.nbytes(),
+        };
+        match &self.w {
+            ExpertWeights::Dense { gate_up, down } => gate_up.nbytes() + down.nbytes(),
+            ExpertWeights::Split(s) => proj(&s.gate) + proj(&s.up) + proj(&s.down),
+        }
+    }
+
     pub fn num_experts(&self) -> usize {
         match &self.w {
             ExpertWeights::Dense { gate_up, .. } => gate_up.shape()[0],
@@ -398,6 +410,45 @@ mod tests {
             }
         }
         assert!(d_gather < 1e-4 && d_ref < 1e-4, "vs gather {d_gather}, vs reference {d_ref}");
+    }
+
+    /// mlx-lm's stacked experts from its quantized Gemma 4 MoE fixtures: kept packed they run
+    /// `gather_qmm` over about bits/32 of the f32 bytes (a projection mlx-lm left float, the
+    /// 32-wide `down_proj` in groups of 64, runs `gather_mm`), with the products of the
+    /// experts dequantized at load.
+    #[test]
+    fn quantized_switch_experts_stay_packed_unless_asked() {
+        use crate::weights::{QuantSpec, Weights};
+        let (e, h, i) = (4usize, 64usize, 32usize);
+        let f32_bytes = e * 3 * h * i * 4;
+        // (fixture, resident bytes kept packed): affine 4/64 packs gate and up (4 bits + f32 scale
+        // and bias per 64) and keeps down f32; mxfp4 packs all three (4 bits + a u8 scale per 32).
+        for (name, packed_bytes) in [("gemma4_text_moe_q4", e * 2 * h * i * 5 / 8 + e * h * i * 4), ("gemma4_text_moe_mxfp4", e * 3 * h * i * 17 / 32)] {
+            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name);
+            let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+            let mut w = Weights::load(&dir, Some(DType::F32)).unwrap();
+            w.quant = QuantSpec::from_config(&cfg).unwrap();
+            let load = |w: &Weights| SwitchGlu::load_switch_mlp(&w.root().pp("model.layers.1.experts.switch_glu"), e, h, i, Activation::GeluTanh).unwrap();
+            let q = load(&w);
+            assert!(q.is_quantized(), "{name}");
+            assert_eq!(q.weight_bytes(), packed_bytes, "{name}");
+            w.dequantize_to = Some(DType::F32);
+            let d = load(&w);
+            assert!(!d.is_quantized(), "{name}");
+            assert_eq!(d.weight_bytes(), f32_bytes, "{name}");
+            let ks = random::Key::new(3).unwrap().split_n(2).unwrap();
+            let x = random::normal(&[40, h], DType::F32, &ks[0]).unwrap();
+            let idx = random::randint(&[40, 2], 0, e as i32, DType::U32, &ks[1]).unwrap();
+            let wts = Array::full(&[40, 2], 0.5, DType::F32).unwrap();
+            // 80 rows: the sorted gather path; 2 rows: the unsorted one
+            for t in [40, 1] {
+                let (xs, ids, ws) = (x.slice_axis(0, 0, t).unwrap(), idx.slice_axis(0, 0, t).unwrap(), wts.slice_axis(0, 0, t).unwrap());
+                let a = q.forward(&xs, &ids, &ws).unwrap().to_vec::<f32>().unwrap();
+                let b = d.forward(&xs, &ids, &ws).unwrap().to_vec::<f32>().unwrap();
+                let err = a.iter().zip(&b).map(|(p, r)| (p - r).abs() / (1.0 + r.abs())).fold(0f32, f32::max);
+                assert!(err < 1e-5, "{name} {t} tokens: gather_qmm vs dequantized experts {err}");
+            }
+        }
     }
 
     #[test]
