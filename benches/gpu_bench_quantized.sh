@@ -60,13 +60,18 @@ for bits in $BITS; do
   echo "== convert quantize $D $Q --bits $bits" | tee -a "$LOG"
   "$BIN/convert" quantize "$D" "$Q" --bits "$bits" --json > "$OUT/quantize-q$bits.json" 2>>"$LOG" || { rc=1; continue; }
   echo "quantized in $(( $(date +%s) - t0 )) s; $(du -sh "$Q" | cut -f1)" | tee -a "$LOG"
-  for kv in $KVS; do
+done
+# every bit width with the first KV cache, then with the next (what a short call gets through first)
+for kv in $KVS; do
+  for bits in $BITS; do
+    Q=$W/$SHAPE-q$bits
+    [ -d "$Q" ] || continue
     echo "== $SHAPE q$bits, KV $kv" | tee -a "$LOG"
     "$BIN/llm_bench" --model "$Q" --dtype bf16 --runs "$RUNS" --prompts 128 --gen "$GEN" --kv "$kv" --bandwidth \
       --script "$ROOT/benches/mlx_lm_bench.py" --json "$OUT/$SHAPE-q$bits-$kv.json" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   done
-  rm -rf "$Q"
 done
+[ -n "${KEEP:-}" ] || rm -rf "$W"/"$SHAPE"-*
 kill $SMI 2>/dev/null
 exit $rc
