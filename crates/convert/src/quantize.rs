@@ -150,9 +150,9 @@ fn is_router(layer: &str) -> bool {
 enum MlxLmLayout {
     /// Tensors keep their names.
     AsStored,
-    /// mlx-lm's `gemma4_text` (`sanitize`, `quant_predicate`), and `gemma4`'s, which first
-    /// renames `model.language_model.` to `language_model.model.` and drops the vision and audio
-    /// towers.
+    /// mlx-lm's `gemma4_text` (`sanitize`, `quant_predicate`), and `gemma4`'s (also
+    /// `gemma4_unified`'s), which first renames `model.language_model.` to
+    /// `language_model.model.` and drops the vision and audio towers.
     Gemma4 {
         /// Layers from here on are KV-shared: mlx-lm drops their k/v projections and k norm.
         first_kv_shared: usize,
@@ -163,13 +163,16 @@ enum MlxLmLayout {
 impl MlxLmLayout {
     fn of(config: &serde_json::Map<String, Value>) -> Self {
         let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("");
-        if model_type != "gemma4" && model_type != "gemma4_text" {
-            return MlxLmLayout::AsStored;
-        }
+        // mlx-lm reads `gemma4_unified` with its `gemma4` model
+        let multimodal = match model_type {
+            "gemma4" | "gemma4_unified" => true,
+            "gemma4_text" => false,
+            _ => return MlxLmLayout::AsStored,
+        };
         let text = config.get("text_config").and_then(Value::as_object).unwrap_or(config);
         let num = |k: &str| text.get(k).and_then(Value::as_u64).unwrap_or(0) as usize;
         let layers = num("num_hidden_layers");
-        MlxLmLayout::Gemma4 { first_kv_shared: layers - num("num_kv_shared_layers").min(layers), multimodal: model_type == "gemma4" }
+        MlxLmLayout::Gemma4 { first_kv_shared: layers - num("num_kv_shared_layers").min(layers), multimodal }
     }
 
     /// The tensors mlx-lm saves for the stored tensor `name` (none: dropped), lazily.
@@ -446,6 +449,7 @@ mod tests {
         assert!(matches!(names(&text, "model.layers.0.experts.gate_up_proj", &[4, 3, 8]), Err(ConvertError::BadTensor { .. })));
         assert!(matches!(names(&text, "model.layers.0.experts.gate_up_proj", &[4]), Err(ConvertError::BadTensor { .. })));
         let mm = MlxLmLayout::of(&cfg("gemma4"));
+        assert_eq!(MlxLmLayout::of(&cfg("gemma4_unified")), mm);
         assert_eq!(names(&mm, "model.language_model.norm.weight", &[8]).unwrap(), vec![("language_model.model.norm.weight".into(), vec![8])]);
         assert!(names(&mm, "model.vision_tower.x.weight", &[8, 8]).unwrap().is_empty());
         assert!(names(&mm, "model.embed_vision.embedding_projection.weight", &[8, 8]).unwrap().is_empty());
