@@ -60,6 +60,9 @@ FIXTURES = {
     "gemma4_text_moe_q4": ("gemma4_text_moe", "affine", None, None, None, None),
     # mxfp4 (groups of 32): every expert projection packed, the router affine 8-bit.
     "gemma4_text_moe_mxfp4": ("gemma4_text_moe", "mxfp4", None, None, None, None),
+    # Gemma 4 dense with per-layer input embeddings (a quantized embed_tokens_per_layer) and
+    # KV-shared layers, affine 4-bit in groups of 32
+    "gemma4_text_q4g32": ("gemma4_text", "affine", 32, 4, None, None),
 }
 
 
