@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Quantized fixtures made by mlx-lm from the tiny transformers fixtures, with mlx-lm's outputs.
 
-    python3 scripts/make_quantized_fixtures.py [OUT_DIR]    (needs mlx-lm 0.32.2 and mlx[cpu] 0.32.4: mlx-lm
+    python3 scripts/make_quantized_fixtures.py [OUT_DIR [NAME...]]    (needs mlx-lm 0.32.2 and mlx[cpu] 0.32.4: mlx-lm
     0.32.2 passes gather_qmm a global_scale that MLX 0.32.2 lacks)
 
 For each entry below: mlx-lm loads the bf16 fixture, casts it to f32 (as `mlx_lm.convert
 --dtype float32` does), quantizes it with `quantize_model` (mlx-lm's layer choice, MLX's
 `mx.quantize`) and saves it with `save_model` / `save_config` into OUT_DIR/<name> (default: the
-fixtures directory, crates/models/tests/fixtures/tiny, which holds the sources). Then, on
+fixtures directory, crates/models/tests/fixtures/tiny, which holds the sources); NAMEs, when
+given, pick entries (default: all). Then, on
 the CPU in f32, it records in `reference.safetensors`: `input_ids` (the source fixture's 72-token
 prompt), `logits` (full prefill), `greedy_ids` (prompt + 16 greedy tokens through mlx-lm's KV
 cache) and `decode_logits`; `reference.json` records the settings and margins. The parity tests
@@ -53,6 +54,15 @@ FIXTURES = {
     # MoE: stacked switch_mlp experts through gather_qmm
     "lfm2_moe_q4": ("lfm2_moe", "affine", 32, 4, None, None),
     "qwen3_5_moe_vl_q8": ("qwen3_5_moe_vl", "affine", 32, 8, None, None),
+    # Gemma 4 MoE (fused `experts.gate_up_proj` split into `experts.switch_glu.{gate,up,down}_proj`
+    # by mlx-lm's sanitize; its predicate puts `router.proj` at 8 bits in groups of 64).
+    # mlx_lm.convert -q's defaults (affine 4/64): the experts' down_proj (32 wide) stays float.
+    "gemma4_text_moe_q4": ("gemma4_text_moe", "affine", None, None, None, None),
+    # mxfp4 (groups of 32): every expert projection packed, the router affine 8-bit.
+    "gemma4_text_moe_mxfp4": ("gemma4_text_moe", "mxfp4", None, None, None, None),
+    # Gemma 4 dense with per-layer input embeddings (a quantized embed_tokens_per_layer) and
+    # KV-shared layers, affine 4-bit in groups of 32
+    "gemma4_text_q4g32": ("gemma4_text", "affine", 32, 4, None, None),
 }
 
 
@@ -114,7 +124,12 @@ def build(root, name, src, mode, group_size, bits, recipe, overrides):
 
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else str(SOURCES)
-    for name, spec in FIXTURES.items():
+    names = sys.argv[2:] or list(FIXTURES)
+    unknown = [n for n in names if n not in FIXTURES]
+    if unknown:
+        sys.exit(f"unknown fixture(s) {unknown}; known: {list(FIXTURES)}")
+    for name in names:
+        spec = FIXTURES[name]
         m = build(root, name, *spec)
         print(name, m["greedy_new_ids"], "min decode margin", round(m["decode_top1_top2_margin_min"], 4))
 

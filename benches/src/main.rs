@@ -156,6 +156,8 @@ struct TensorInfo {
     name: String,
     numel: usize,
     bytes: usize,
+    /// safetensors dtype (`BF16`, `U32`, ...).
+    dtype: String,
 }
 
 /// Every tensor of `dir/model*.safetensors` (the files both loaders read), from the headers only.
@@ -184,30 +186,52 @@ fn checkpoint_tensors(dir: &Path) -> Res<Vec<TensorInfo>> {
             let numel = t["shape"].as_array().ok_or("bad safetensors header")?.iter().map(|d| d.as_u64().unwrap_or(0) as usize).product();
             let off = t["data_offsets"].as_array().ok_or("bad safetensors header")?;
             let bytes = (off[1].as_u64().unwrap_or(0) - off[0].as_u64().unwrap_or(0)) as usize;
-            out.push(TensorInfo { name: name.clone(), numel, bytes });
+            let dtype = t["dtype"].as_str().unwrap_or("").to_string();
+            out.push(TensorInfo { name: name.clone(), numel, bytes, dtype });
         }
     }
     Ok(out)
 }
 
-/// Parameters (all tensors) and the parameters read per decoded token: everything but the
-/// embedding tables (a row gather; the table counts when it is also the tied head) and the MTP
-/// head, with routed-expert tensors scaled by top_k / experts (a batch-1 token reads k experts).
-fn param_counts(tensors: &[TensorInfo], text_cfg: &Value) -> (usize, f64) {
-    let total = tensors.iter().map(|t| t.numel).sum();
+/// Parameters (all tensors; an MLX-quantized weight counts its unpacked elements, its scales
+/// and biases none), the parameters read per decoded token, and the bytes read per decoded token
+/// with float tensors at `b` bytes an element (the compute dtype) and quantized layers' packed
+/// weights, scales and biases as stored. Read per token: everything but the embedding tables (a
+/// row gather; the table counts when it is also the tied head) and the MTP head, with
+/// routed-expert tensors scaled by top_k / experts (a batch-1 token reads k experts).
+/// `quant`: config.json's `quantization` (default `bits` and per-layer entries).
+fn param_counts(tensors: &[TensorInfo], text_cfg: &Value, quant: Option<&Value>, b: usize) -> (usize, f64, f64) {
+    let names: std::collections::HashSet<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+    // (layer of a quantized tensor, whether it is the packed weight)
+    let quantized = |n: &str| -> Option<(String, bool)> {
+        let (layer, part) = n.rsplit_once('.')?;
+        (matches!(part, "weight" | "scales" | "biases") && names.contains(format!("{layer}.scales").as_str())).then(|| (layer.to_string(), part == "weight"))
+    };
+    let bits_of = |layer: &str| -> usize {
+        let q = quant.and_then(|q| q.get(layer)).filter(|v| v.is_object()).or(quant);
+        q.and_then(|q| q["bits"].as_u64()).unwrap_or(4).max(1) as usize
+    };
     let untied = tensors.iter().any(|t| t.name.ends_with("lm_head.weight"));
     let n_exp = text_cfg["num_experts"].as_u64().unwrap_or(0) as f64;
     let top_k = text_cfg.get("num_experts_per_tok").or_else(|| text_cfg.get("top_k_experts")).and_then(|v| v.as_u64()).unwrap_or(0) as f64;
-    let mut per_token = 0.0;
+    let (mut total, mut per_token, mut bytes) = (0usize, 0.0, 0.0);
     for t in tensors {
         let n = &t.name;
-        if n.contains("embed_tokens_per_layer") || n.starts_with("mtp.") || (n.ends_with("embed_tokens.weight") && untied) {
+        let q = quantized(n);
+        let params = match &q {
+            Some((layer, true)) if t.dtype == "U32" => t.numel * 32 / bits_of(layer),
+            Some(_) => 0,
+            None => t.numel,
+        };
+        total += params;
+        if n.contains("embed_tokens_per_layer") || n.starts_with("mtp.") || (n.contains("embed_tokens.") && untied) {
             continue;
         }
         let frac = if n.contains(".experts.") && n_exp > 0.0 && top_k > 0.0 { top_k / n_exp } else { 1.0 };
-        per_token += t.numel as f64 * frac;
+        per_token += params as f64 * frac;
+        bytes += if q.is_some() { t.bytes as f64 } else { (t.numel * b) as f64 } * frac;
     }
-    (total, per_token)
+    (total, per_token, bytes)
 }
 
 fn cache_root() -> PathBuf {
@@ -247,7 +271,7 @@ fn create(a: &Args, name: &str) -> Res<()> {
     }
     let tensors = checkpoint_tensors(&dir)?;
     let raw: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let (n, per_tok) = param_counts(&tensors, &mlx_models::config::text_config(&raw));
+    let (n, per_tok, _) = param_counts(&tensors, &mlx_models::config::text_config(&raw), raw.get("quantization"), dtype_bytes(dtype));
     let bytes: usize = tensors.iter().map(|t| t.bytes).sum();
     eprintln!(
         "created in {:.1} s: {} ({:.3} B params, {:.3} B read per decoded token; {:.2} GB of {dt} tensors)",
@@ -471,7 +495,6 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     let raw: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
     let text_cfg = mlx_models::config::text_config(&raw);
     let tensors = checkpoint_tensors(dir)?;
-    let (n_params, per_token_params) = param_counts(&tensors, &text_cfg);
     let ckpt_dtype = match raw.get("torch_dtype").or_else(|| raw.get("dtype")).and_then(|v| v.as_str()) {
         Some("bfloat16") => "bf16",
         Some("float16") => "f16",
@@ -479,6 +502,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     };
     let dt = a.dtype.clone().unwrap_or_else(|| ckpt_dtype.to_string());
     let dtype = parse_dtype(&dt);
+    let (n_params, _, per_token_bytes) = param_counts(&tensors, &text_cfg, raw.get("quantization"), dtype_bytes(dtype));
     let dev = device_name();
     eprintln!("device {dev}; checkpoint {} ({ckpt_dtype}), compute dtype {dt}", dir.display());
     for k in ["OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH"] {
@@ -629,13 +653,14 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
         out += &format!("\ngreedy tokens identical for the first {same} of {n} (run 1, prompt {})\n", reqs[0].0);
     }
     if let Some(bw) = bw {
-        // bytes read per decoded token: every weight once (embedding tables only as the tied
+        // bytes read per decoded token: every weight once (quantized layers as stored: packed
+        // weights, scales and biases; embedding tables only as the tied
         // head, their row gathers are negligible; routed experts k of E), plus K and V of the mean
         // context (sliding layers at most their window; KV-shared layers read their anchor's
         // again), plus recurrent state (Qwen3.5's f32 delta-rule state read and written, the conv
         // windows).
         let b = dtype_bytes(dtype);
-        let wbytes = (per_token_params * b as f64) as usize;
+        let wbytes = per_token_bytes as usize;
         let ctx = reqs[0].0 + a.gen / 2;
         let kv_of = |k: &LayerKind| match *k {
             LayerKind::Attention { kv_heads, head_dim } => 2 * kv_heads * head_dim * ctx * b,
@@ -689,5 +714,37 @@ fn main() {
     if let Err(e) = r {
         eprintln!("error: {e}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, numel: usize, bytes: usize, dtype: &str) -> TensorInfo {
+        TensorInfo { name: name.into(), numel, bytes, dtype: dtype.into() }
+    }
+
+    /// A quantized layer counts its unpacked weights as parameters and its stored bytes (packed
+    /// weight, scales, biases) as read per token; float tensors count at the compute dtype; an
+    /// untied embedding table is not read per token.
+    #[test]
+    fn quantized_layers_count_their_stored_bytes() {
+        // 4-bit in groups of 64 by default, one 8-bit layer; [128, 256] weights, bf16 scales
+        let q4 = [t("model.layers.0.mlp.up_proj.weight", 128 * 32, 128 * 32 * 4, "U32"), t("model.layers.0.mlp.up_proj.scales", 128 * 4, 128 * 4 * 2, "BF16"), t("model.layers.0.mlp.up_proj.biases", 128 * 4, 128 * 4 * 2, "BF16")];
+        let q8 = [t("model.layers.0.mlp.down_proj.weight", 128 * 64, 128 * 64 * 4, "U32"), t("model.layers.0.mlp.down_proj.scales", 128 * 4, 1024, "BF16"), t("model.layers.0.mlp.down_proj.biases", 128 * 4, 1024, "BF16")];
+        let emb = [t("model.embed_tokens.weight", 1000 * 32, 1000 * 32 * 4, "U32"), t("model.embed_tokens.scales", 1000 * 4, 8000, "BF16"), t("model.embed_tokens.biases", 1000 * 4, 8000, "BF16")];
+        let mut all: Vec<TensorInfo> = q4.into_iter().chain(q8).chain(emb).collect();
+        all.push(t("model.norm.weight", 256, 512, "BF16"));
+        all.push(t("lm_head.weight", 1000 * 256, 1000 * 256 * 2, "BF16"));
+        let quant = json!({"group_size": 64, "bits": 4, "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8}});
+        let (n, per_tok, bytes) = param_counts(&all, &json!({}), Some(&quant), 2);
+        assert_eq!(n, 128 * 256 * 2 + 1000 * 256 + 256 + 1000 * 256);
+        assert_eq!(per_tok, (128 * 256 * 2 + 256 + 1000 * 256) as f64);
+        let q_bytes = 128 * 32 * 4 + 2 * 1024 + 128 * 64 * 4 + 2 * 1024;
+        assert_eq!(bytes, (q_bytes + 512 + 1000 * 256 * 2) as f64);
+        // computed in f32, float tensors read 4 bytes an element; quantized ones stay as stored
+        let (_, _, bytes32) = param_counts(&all, &json!({}), Some(&quant), 4);
+        assert_eq!(bytes32, (q_bytes + 1024 + 1000 * 256 * 4) as f64);
     }
 }

@@ -42,6 +42,8 @@ pub enum ConvertError {
     AlreadyQuantized(PathBuf),
     #[error("{0}")]
     BadOption(String),
+    #[error("tensor {name}: {msg}")]
+    BadTensor { name: String, msg: String },
     #[error("internal error: {0}")]
     Internal(String),
 }

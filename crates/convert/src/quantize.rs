@@ -10,6 +10,12 @@
 //! `shared_expert_gate`) get 8 bits in groups of 64 as mlx-lm's MoE models ask. Mixed recipes
 //! (`mixed_2_6`, `mixed_3_4`, `mixed_3_6`, `mixed_4_6`) follow mlx-lm's
 //! `mixed_quant_predicate_builder`. The packed tensors are MLX's own `quantize` output.
+//!
+//! Families whose mlx-lm model stores tensors differently from transformers are written in
+//! mlx-lm's layout, as its `sanitize` leaves them ([`MlxLmLayout`]): Gemma 4 (`gemma4_text`, and
+//! `gemma4`'s language model) splits the fused `experts.gate_up_proj` into
+//! `experts.switch_glu.{gate,up}_proj.weight`, renames `experts.down_proj`, quantizes
+//! `router.proj` at 8 bits in groups of 64, and drops what mlx-lm drops.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -139,6 +145,94 @@ fn is_router(layer: &str) -> bool {
     layer.ends_with("mlp.gate") || layer.ends_with("shared_expert_gate") || layer.ends_with("feed_forward.gate")
 }
 
+/// The tensor layout mlx-lm's model of a family saves, where it differs from transformers'.
+#[derive(Debug, Clone, PartialEq)]
+enum MlxLmLayout {
+    /// Tensors keep their names.
+    AsStored,
+    /// mlx-lm's `gemma4_text` (`sanitize`, `quant_predicate`), and `gemma4`'s (also
+    /// `gemma4_unified`'s), which first renames `model.language_model.` to
+    /// `language_model.model.` and drops the vision and audio towers.
+    Gemma4 {
+        /// Layers from here on are KV-shared: mlx-lm drops their k/v projections and k norm.
+        first_kv_shared: usize,
+        multimodal: bool,
+    },
+}
+
+impl MlxLmLayout {
+    fn of(config: &serde_json::Map<String, Value>) -> Self {
+        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("");
+        // mlx-lm reads `gemma4_unified` with its `gemma4` model
+        let multimodal = match model_type {
+            "gemma4" | "gemma4_unified" => true,
+            "gemma4_text" => false,
+            _ => return MlxLmLayout::AsStored,
+        };
+        let text = config.get("text_config").and_then(Value::as_object).unwrap_or(config);
+        let num = |k: &str| text.get(k).and_then(Value::as_u64).unwrap_or(0) as usize;
+        let layers = num("num_hidden_layers");
+        MlxLmLayout::Gemma4 { first_kv_shared: layers - num("num_kv_shared_layers").min(layers), multimodal }
+    }
+
+    /// The tensors mlx-lm saves for the stored tensor `name` (none: dropped), lazily.
+    fn tensors(&self, name: &str, a: Array) -> Result<Vec<(String, Array)>, ConvertError> {
+        let MlxLmLayout::Gemma4 { first_kv_shared, multimodal } = self else {
+            return Ok(vec![(name.to_string(), a)]);
+        };
+        let mut name = name.to_string();
+        if *multimodal {
+            let (had_model, rest) = match name.strip_prefix("model.") {
+                Some(r) => (true, r),
+                None => (false, name.as_str()),
+            };
+            const TOWERS: [&str; 6] = ["vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder"];
+            if TOWERS.iter().any(|t| rest.starts_with(t)) {
+                return Ok(vec![]);
+            }
+            if had_model {
+                name = match rest.strip_prefix("language_model.") {
+                    Some(r) => format!("language_model.model.{r}"),
+                    None => rest.to_string(),
+                };
+            }
+        }
+        let dropped = ["self_attn.rotary_emb", "input_max", "input_min", "output_max", "output_min"];
+        if dropped.iter().any(|d| name.contains(d)) {
+            return Ok(vec![]);
+        }
+        if [".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm"].iter().any(|p| name.contains(p)) {
+            let layer = name.split("layers.").nth(1).and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+            if layer.is_some_and(|i| i >= *first_kv_shared) {
+                return Ok(vec![]);
+            }
+        }
+        if let Some(base) = name.strip_suffix(".experts.gate_up_proj") {
+            // [E, 2I, H]: gate rows first, then up
+            let shape = a.shape();
+            if shape.len() < 2 || shape[shape.len() - 2] % 2 != 0 {
+                return Err(ConvertError::BadTensor { name, msg: format!("fused gate_up_proj of shape {shape:?} has no even [.., 2I, H] split") });
+            }
+            let half = shape[shape.len() - 2] / 2;
+            let axis = shape.len() as i32 - 2;
+            let (gate, up) = (a.slice_axis(axis, 0, half)?, a.slice_axis(axis, half, 2 * half)?);
+            return Ok(vec![(format!("{base}.experts.switch_glu.gate_proj.weight"), gate), (format!("{base}.experts.switch_glu.up_proj.weight"), up)]);
+        }
+        if let Some(base) = name.strip_suffix(".experts.down_proj") {
+            return Ok(vec![(format!("{base}.experts.switch_glu.down_proj.weight"), a)]);
+        }
+        Ok(vec![(name, a)])
+    }
+
+    /// mlx-lm's `quant_predicate` asks 8 bits in groups of 64 for this layer.
+    fn is_router(&self, layer: &str) -> bool {
+        match self {
+            MlxLmLayout::Gemma4 { .. } => layer.ends_with("router.proj"),
+            MlxLmLayout::AsStored => is_router(layer),
+        }
+    }
+}
+
 /// Quantize the checkpoint in `input` into `output` (staged and renamed into place).
 pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut progress: impl FnMut(QuantizeProgress<'_>)) -> Result<QuantizeSummary, ConvertError> {
     let t0 = Instant::now();
@@ -182,43 +276,45 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
     let mut out: Vec<(String, Array)> = Vec::with_capacity(infos.len() * 2);
     let (mut quantized, mut kept, mut weight_elems) = (0usize, 0usize, 0u64);
     let total = infos.len();
+    let layout = MlxLmLayout::of(obj);
     for (index, (file, info)) in infos.iter().enumerate() {
-        let a = ckpts[*file].load(&info.name, float_dtype)?;
+        let stored = ckpts[*file].load(&info.name, float_dtype)?;
         weight_elems += info.shape.iter().product::<usize>() as u64;
-        let layer = if a.dtype().is_float() { quantizable_layer(&info.name, &info.shape, group_size) } else { None };
-        match layer {
-            Some(layer) => {
-                let mode = if is_router(layer) {
-                    QuantMode::Affine { bits: 8, group_size: 64 }
-                } else if let Some(r) = opts.recipe {
-                    QuantMode::Affine { bits: mixed_bits(r, layer, layer_location, num_layers), group_size }
-                } else {
-                    opts.mode
-                };
-                // The router's own group may not divide its width: then it stays unquantized.
-                if info.shape.last().is_some_and(|&d| d % mode.group_size() as usize != 0) {
-                    out.push((info.name.clone(), a));
-                    kept += 1;
-                } else {
-                    if is_router(layer) {
-                        // as mlx-lm's predicates write them: no mode key
-                        qcfg.insert(layer.to_string(), json!({"group_size": 64, "bits": 8}));
-                    } else if mode != opts.mode || opts.recipe.is_some() {
-                        qcfg.insert(layer.to_string(), mode_json(mode));
-                    }
-                    let q = a.quantize(mode)?;
-                    out.push((info.name.clone(), q.weight));
-                    out.push((format!("{layer}.scales"), q.scales));
-                    if let Some(b) = q.biases {
-                        out.push((format!("{layer}.biases"), b));
-                    }
-                    quantized += 1;
-                }
-            }
-            None => {
-                out.push((info.name.clone(), a));
+        for (name, a) in layout.tensors(&info.name, stored)? {
+            let shape = a.shape();
+            let layer = if a.dtype().is_float() { quantizable_layer(&name, &shape, group_size) } else { None };
+            let Some(layer) = layer.map(str::to_string) else {
+                out.push((name, a));
                 kept += 1;
+                continue;
+            };
+            let router = layout.is_router(&layer);
+            let mode = if router {
+                QuantMode::Affine { bits: 8, group_size: 64 }
+            } else if let Some(r) = opts.recipe {
+                QuantMode::Affine { bits: mixed_bits(r, &layer, layer_location, num_layers), group_size }
+            } else {
+                opts.mode
+            };
+            // The router's own group may not divide its width: then it stays unquantized.
+            if shape.last().is_some_and(|&d| d % mode.group_size() as usize != 0) {
+                out.push((name, a));
+                kept += 1;
+                continue;
             }
+            if router {
+                // as mlx-lm's predicates write them: no mode key
+                qcfg.insert(layer.clone(), json!({"group_size": 64, "bits": 8}));
+            } else if mode != opts.mode || opts.recipe.is_some() {
+                qcfg.insert(layer.clone(), mode_json(mode));
+            }
+            let q = a.quantize(mode)?;
+            out.push((name, q.weight));
+            out.push((format!("{layer}.scales"), q.scales));
+            if let Some(b) = q.biases {
+                out.push((format!("{layer}.biases"), b));
+            }
+            quantized += 1;
         }
         progress(QuantizeProgress { index, total, tensor: &info.name });
     }
@@ -326,6 +422,39 @@ mod tests {
         assert_eq!(quantizable_layer("model.layers.0.conv.conv.weight", &[64, 1, 3], 64), None);
         assert_eq!(quantizable_layer("model.layers.0.mlp.switch_mlp.up_proj.weight", &[4, 64, 64], 64), Some("model.layers.0.mlp.switch_mlp.up_proj"));
         assert_eq!(quantizable_layer("model.vision_tower.blocks.0.attn.qkv.weight", &[64, 64], 64), None);
+    }
+
+    fn names(layout: &MlxLmLayout, name: &str, shape: &[usize]) -> Result<Vec<(String, Vec<usize>)>, ConvertError> {
+        let a = Array::zeros(shape, DType::F32).unwrap();
+        Ok(layout.tensors(name, a)?.into_iter().map(|(n, a)| (n, a.shape())).collect())
+    }
+
+    /// Gemma 4 tensors as mlx-lm's `sanitize` leaves them: fused experts split, towers and
+    /// KV-shared layers' k/v projections dropped, `model.language_model.` moved to
+    /// `language_model.model.`; other families keep their names.
+    #[test]
+    fn gemma4_tensors_in_mlx_lm_layout() {
+        let cfg = |t: &str| json!({"model_type": t, "text_config": {"num_hidden_layers": 6, "num_kv_shared_layers": 2}}).as_object().unwrap().clone();
+        let text = MlxLmLayout::of(&cfg("gemma4_text"));
+        assert_eq!(text, MlxLmLayout::Gemma4 { first_kv_shared: 4, multimodal: false });
+        assert_eq!(MlxLmLayout::of(&cfg("qwen3_moe")), MlxLmLayout::AsStored);
+        assert_eq!(
+            names(&text, "model.layers.0.experts.gate_up_proj", &[4, 64, 32]).unwrap(),
+            vec![("model.layers.0.experts.switch_glu.gate_proj.weight".into(), vec![4, 32, 32]), ("model.layers.0.experts.switch_glu.up_proj.weight".into(), vec![4, 32, 32])]
+        );
+        assert_eq!(names(&text, "model.layers.0.experts.down_proj", &[4, 32, 16]).unwrap(), vec![("model.layers.0.experts.switch_glu.down_proj.weight".into(), vec![4, 32, 16])]);
+        assert!(names(&text, "model.layers.4.self_attn.k_proj.weight", &[8, 8]).unwrap().is_empty());
+        assert_eq!(names(&text, "model.layers.3.self_attn.k_proj.weight", &[8, 8]).unwrap().len(), 1);
+        assert!(names(&text, "model.layers.0.self_attn.rotary_emb.inv_freq", &[8]).unwrap().is_empty());
+        assert!(matches!(names(&text, "model.layers.0.experts.gate_up_proj", &[4, 3, 8]), Err(ConvertError::BadTensor { .. })));
+        assert!(matches!(names(&text, "model.layers.0.experts.gate_up_proj", &[4]), Err(ConvertError::BadTensor { .. })));
+        let mm = MlxLmLayout::of(&cfg("gemma4"));
+        assert_eq!(MlxLmLayout::of(&cfg("gemma4_unified")), mm);
+        assert_eq!(names(&mm, "model.language_model.norm.weight", &[8]).unwrap(), vec![("language_model.model.norm.weight".into(), vec![8])]);
+        assert!(names(&mm, "model.vision_tower.x.weight", &[8, 8]).unwrap().is_empty());
+        assert!(names(&mm, "model.embed_vision.embedding_projection.weight", &[8, 8]).unwrap().is_empty());
+        assert!(text.is_router("model.layers.0.router.proj") && !text.is_router("model.layers.0.mlp.gate"));
+        assert!(MlxLmLayout::AsStored.is_router("model.layers.0.mlp.gate"));
     }
 
     #[test]

@@ -3,20 +3,26 @@
 //! affine 4-bit with a quantized tied embedding (Llama), affine 8-bit in groups of 32 with an
 //! untied quantized head (Qwen3), mxfp4 (Gemma 3) and mlx-lm's mixed_3_6 recipe with per-layer
 //! bits (Llama 3), and MoE with stacked `switch_mlp` experts through `gather_qmm` and 8-bit routers
-//! (LFM2-MoE 4-bit; Qwen3.5-MoE 8-bit in mlx-lm's `language_model.` layout). Logits within 1e-4 relative, 16 greedy tokens identical through the cache, with
+//! (LFM2-MoE 4-bit; Qwen3.5-MoE 8-bit in mlx-lm's `language_model.` layout; Gemma 4 MoE's
+//! `experts.switch_glu` at mlx_lm.convert -q's affine 4/64, where the 32-wide expert down_proj
+//! stays float, and in mxfp4; dense Gemma 4 with a quantized per-layer embedding table and
+//! KV-shared layers). Logits within 1e-4 relative, 16 greedy tokens identical through the cache, with
 //! the packed weights kept (`quantized_matmul`) and dequantized at load. And our `quantize`
 //! writes exactly mlx-lm's tensors and config for the same source.
 mod common;
 use common::*;
 use mlx_models::{load_model, LoadOptions, QuantizedWeights};
 
-const FIXTURES: [(&str, &str); 6] = [
+const FIXTURES: [(&str, &str); 9] = [
     ("llama_q4", "llama"),
     ("qwen3_untied_q8g32", "qwen3"),
     ("gemma3_text_mxfp4", "gemma3"),
     ("llama_mixed_3_6", "llama"),
     ("lfm2_moe_q4", "lfm2_moe"),
     ("qwen3_5_moe_vl_q8", "qwen3_5_moe"),
+    ("gemma4_text_moe_q4", "gemma4"),
+    ("gemma4_text_moe_mxfp4", "gemma4"),
+    ("gemma4_text_q4g32", "gemma4"),
 ];
 
 fn check(name: &str, model_type: &str, quantized: QuantizedWeights) {
@@ -49,18 +55,23 @@ fn quantized_checkpoints_match_mlx_lm_dequantized_at_load() {
     }
 }
 
-/// Our `quantize` of each fixture's source equals mlx-lm's output tensor for tensor, bit for bit,
-/// and writes the same `quantization` entries.
+/// Our `quantize` of each fixture's source equals mlx-lm's output tensor for tensor, bit for bit
+/// (in mlx-lm's layout where its model stores tensors differently, as Gemma 4's experts), and
+/// writes the same `quantization` entries.
 #[test]
 fn our_quantize_writes_mlx_lm_tensors() {
     use mlx_convert::{quantize_dir, QuantizeOptions, Recipe};
     use mlx_array::QuantMode;
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, &str, QuantMode, Option<Recipe>); 4] = [
+    let cases: [(&str, &str, QuantMode, Option<Recipe>); 7] = [
         ("llama_q4", "llama", QuantMode::Affine { bits: 4, group_size: 64 }, None),
         ("qwen3_untied_q8g32", "qwen3_untied", QuantMode::Affine { bits: 8, group_size: 32 }, None),
         ("gemma3_text_mxfp4", "gemma3_text", QuantMode::Mxfp4, None),
         ("llama_mixed_3_6", "llama_scaled", QuantMode::Affine { bits: 4, group_size: 32 }, Some(Recipe::Mixed3_6)),
+        // Gemma 4 MoE: HF's fused experts written as mlx-lm's switch_glu, router at 8/64
+        ("gemma4_text_moe_q4", "gemma4_text_moe", QuantMode::Affine { bits: 4, group_size: 64 }, None),
+        ("gemma4_text_moe_mxfp4", "gemma4_text_moe", QuantMode::Mxfp4, None),
+        ("gemma4_text_q4g32", "gemma4_text", QuantMode::Affine { bits: 4, group_size: 32 }, None),
     ];
     for (name, src, mode, recipe) in cases {
         let out = dir.path().join(name);

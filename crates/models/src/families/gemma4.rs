@@ -17,7 +17,9 @@
 //! - `use_double_wide_mlp`: KV-shared layers have a 2x wide MLP.
 //! - MoE layers (`enable_moe_block`): a dense MLP plus a top-k routed expert block
 //!   (`router.{proj,scale,per_expert_scale}`, fused `experts.gate_up_proj [E, 2I, H]`,
-//!   `experts.down_proj [E, H, I]`), dispatched with `gather_mm`.
+//!   `experts.down_proj [E, H, I]`; mlx-lm's `experts.switch_glu.{gate,up,down}_proj`, float or
+//!   MLX-quantized, e.g. `mlx_lm.convert -q` output with its 8-bit `router.proj`), dispatched with
+//!   `gather_mm` (`gather_qmm` for packed experts).
 //!
 //! Caches: flat (rotating for sliding layers) or the kv-paged block pool (`KvCacheMode`; Auto
 //! follows `use_block_paged_cache`), both through [`Cache::begin_forward_with`]. KV-shared layers have
@@ -382,7 +384,13 @@ impl Experts {
             proj: Linear::load(&r.pp("proj"), h, e, false)?,
             router_norm,
             per_expert_scale: r.get_init("per_expert_scale", &[e], Init::normal(1.0, 0.1))?,
-            experts: SwitchGlu::load(&ex, e, h, i, ["gate_proj", "up_proj", "down_proj"], act)?,
+            // HF's fused `experts.{gate_up,down}_proj`, or mlx-lm's split (and possibly
+            // quantized) `experts.switch_glu.{gate,up,down}_proj`.
+            experts: if ex.contains("switch_glu.gate_proj.weight") {
+                SwitchGlu::load_switch_mlp(&ex.pp("switch_glu"), e, h, i, act)?
+            } else {
+                SwitchGlu::load(&ex, e, h, i, ["gate_proj", "up_proj", "down_proj"], act)?
+            },
             top_k: k,
             n_experts: e,
             eps: cfg.rms_norm_eps,

@@ -54,43 +54,85 @@ pub struct SwitchGlu {
 enum ExpertWeights {
     /// `gate_up: [E, H, 2I]` (transposed for `x @ w`; gate columns first, then up), `down: [E, I, H]`.
     Dense { gate_up: Array, down: Array },
-    /// MLX-quantized (mlx-lm's `switch_mlp` layout kept packed): products run `gather_qmm`.
-    Quantized(Box<QuantizedExperts>),
+    /// mlx-lm's `switch_mlp` layout with at least one projection MLX-quantized and kept packed:
+    /// packed products run `gather_qmm`, float ones `gather_mm`.
+    Split(Box<SplitExperts>),
 }
 
-/// `gate_proj`, `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]`, quantized along their last axis.
+/// `gate_proj`, `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]` as mlx-lm stacks them, each
+/// packed or float: mlx-lm leaves a projection float when its input width is not a multiple of
+/// the group size (e.g. a 32-wide `down_proj` in groups of 64).
 #[derive(Clone)]
-struct QuantizedExperts {
-    gate: Quantized,
-    up: Quantized,
-    down: Quantized,
+struct SplitExperts {
+    gate: ExpertProj,
+    up: ExpertProj,
+    down: ExpertProj,
+}
+
+/// One stacked expert projection.
+#[derive(Clone)]
+enum ExpertProj {
+    /// Quantized `[E, out, in]` rows (quantized along `in`), as stored.
+    Packed(Quantized),
+    /// Float `[E, in, out]` (a transposed view of the stored `[E, out, in]`).
+    Dense(Array),
+}
+
+impl ExpertProj {
+    /// `xs @ W[ids]` for the rows `xs` (`[.., 1, in]`) and their experts `ids`.
+    fn apply(&self, xs: &Array, ids: &Array, sorted: bool) -> Result<Array> {
+        Ok(match self {
+            ExpertProj::Packed(q) => ops::gather_qmm(xs, q, None, Some(ids), true, sorted)?,
+            ExpertProj::Dense(w) => ops::gather_mm(xs, w, None, Some(ids), sorted)?,
+        })
+    }
+
+    fn num_experts(&self) -> usize {
+        match self {
+            ExpertProj::Packed(q) => q.weight.shape()[0],
+            ExpertProj::Dense(w) => w.shape()[0],
+        }
+    }
 }
 
 impl SwitchGlu {
-    /// `vb` at `…switch_mlp` (mlx-lm's layout): stacked `gate_proj`, `up_proj` `[E, I, H]` and
-    /// `down_proj` `[E, H, I]`, float or MLX-quantized (kept packed, or dequantized at load as
-    /// the load options ask).
+    /// `vb` at `…switch_mlp` (mlx-lm's layout; Gemma 4's `…switch_glu`): stacked `gate_proj`,
+    /// `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]`, each float or MLX-quantized (kept packed,
+    /// or dequantized at load as the load options ask).
     pub fn load_switch_mlp(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, act: Activation) -> Result<Self> {
         let (e, h, i) = (n_experts, hidden, inter);
-        let parts = [("gate_proj", [e, i, h]), ("up_proj", [e, i, h]), ("down_proj", [e, h, i])];
-        if parts.iter().any(|(n, _)| vb.pp(n).is_quantized()) {
-            let mut q = parts.iter().map(|(n, s)| vb.pp(n).quantized(s)).collect::<Result<Vec<_>>>()?.into_iter();
-            let (gate, up, down) = (q.next().unwrap(), q.next().unwrap(), q.next().unwrap());
-            if let Some(dt) = vb.weights().dequantize_to {
-                let g = gate.dequantize(Some(dt))?;
-                let u = up.dequantize(Some(dt))?;
-                return Self::from_fused(ops::concatenate(&[&g, &u], 1)?, down.dequantize(Some(dt))?, act);
+        let dequantize_to = vb.weights().dequantize_to;
+        // Each projection as stored (`[E, out, in]`): float, or packed when kept.
+        let load = |name: &str, shape: [usize; 3]| -> Result<ExpertProj> {
+            let pv = vb.pp(name);
+            if !pv.is_quantized() {
+                return Ok(ExpertProj::Dense(pv.get("weight", &shape)?));
             }
-            return Ok(SwitchGlu { w: ExpertWeights::Quantized(Box::new(QuantizedExperts { gate, up, down })), inter, act });
+            let q = pv.quantized(&shape)?;
+            Ok(match dequantize_to {
+                Some(dt) => ExpertProj::Dense(q.dequantize(Some(dt))?),
+                None => ExpertProj::Packed(q),
+            })
+        };
+        let (gate, up, down) = (load("gate_proj", [e, i, h])?, load("up_proj", [e, i, h])?, load("down_proj", [e, h, i])?);
+        match (gate, up, down) {
+            (ExpertProj::Dense(g), ExpertProj::Dense(u), ExpertProj::Dense(d)) => Self::from_fused(ops::concatenate(&[&g, &u], 1)?, d, act),
+            (gate, up, down) => {
+                // float projections run `x @ w`: `[E, in, out]`
+                let t = |p: ExpertProj| -> Result<ExpertProj> {
+                    Ok(match p {
+                        ExpertProj::Dense(w) => ExpertProj::Dense(w.swap_axes(1, 2)?),
+                        packed => packed,
+                    })
+                };
+                Ok(SwitchGlu { w: ExpertWeights::Split(Box::new(SplitExperts { gate: t(gate)?, up: t(up)?, down: t(down)? })), inter, act })
+            }
         }
-        let g = vb.get("gate_proj.weight", &[e, i, h])?;
-        let u = vb.get("up_proj.weight", &[e, i, h])?;
-        Self::from_fused(ops::concatenate(&[&g, &u], 1)?, vb.get("down_proj.weight", &[e, h, i])?, act)
     }
 
-    /// Whether the experts run `gather_qmm` over packed weights.
+    /// Whether some expert projection runs `gather_qmm` over packed weights.
     pub fn is_quantized(&self) -> bool {
-        matches!(self.w, ExpertWeights::Quantized(_))
+        matches!(self.w, ExpertWeights::Split(_))
     }
 
     /// Build from `gate_up: [E, 2I, H]` (gate rows first) and `down: [E, H, I]` as stored.
@@ -124,10 +166,22 @@ impl SwitchGlu {
         Self::from_fused(ops::stack(&gr, 0)?, ops::stack(&dr, 0)?, act)
     }
 
+    /// Bytes of the resident expert weights (packed weights, scales and biases when quantized).
+    pub fn weight_bytes(&self) -> usize {
+        let proj = |p: &ExpertProj| match p {
+            ExpertProj::Packed(q) => q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes()),
+            ExpertProj::Dense(w) => w.nbytes(),
+        };
+        match &self.w {
+            ExpertWeights::Dense { gate_up, down } => gate_up.nbytes() + down.nbytes(),
+            ExpertWeights::Split(s) => proj(&s.gate) + proj(&s.up) + proj(&s.down),
+        }
+    }
+
     pub fn num_experts(&self) -> usize {
         match &self.w {
             ExpertWeights::Dense { gate_up, .. } => gate_up.shape()[0],
-            ExpertWeights::Quantized(q) => q.gate.weight.shape()[0],
+            ExpertWeights::Split(s) => s.gate.num_experts(),
         }
     }
 
@@ -148,17 +202,17 @@ impl SwitchGlu {
     }
 
     /// The expert MLPs of rows `xs` (`[.., 1, H]`) picked by `ids`, with `GatherMM` (float) or
-    /// `gather_qmm` (quantized, as mlx-lm's `QuantizedSwitchLinear`): `[.., 1, H]`.
+    /// `gather_qmm` (packed, as mlx-lm's `QuantizedSwitchLinear`): `[.., 1, H]`.
     fn gathered(&self, xs: &Array, ids: &Array, sorted: bool) -> Result<Array> {
         match &self.w {
             ExpertWeights::Dense { gate_up, down } => {
                 let hgu = ops::gather_mm(xs, gate_up, None, Some(ids), sorted)?;
                 Ok(ops::gather_mm(&self.glu(&hgu)?, down, None, Some(ids), sorted)?)
             }
-            ExpertWeights::Quantized(q) => {
-                let g = ops::gather_qmm(xs, &q.gate, None, Some(ids), true, sorted)?;
-                let u = ops::gather_qmm(xs, &q.up, None, Some(ids), true, sorted)?;
-                Ok(ops::gather_qmm(&self.act.gated(&g, &u)?, &q.down, None, Some(ids), true, sorted)?)
+            ExpertWeights::Split(s) => {
+                let g = s.gate.apply(xs, ids, sorted)?;
+                let u = s.up.apply(xs, ids, sorted)?;
+                s.down.apply(&self.act.gated(&g, &u)?, ids, sorted)
             }
         }
     }
@@ -363,6 +417,45 @@ mod tests {
             }
         }
         assert!(d_gather < 1e-4 && d_ref < 1e-4, "vs gather {d_gather}, vs reference {d_ref}");
+    }
+
+    /// mlx-lm's stacked experts from its quantized Gemma 4 MoE fixtures: kept packed they run
+    /// `gather_qmm` over about bits/32 of the f32 bytes (a projection mlx-lm left float, the
+    /// 32-wide `down_proj` in groups of 64, runs `gather_mm`), with the products of the
+    /// experts dequantized at load.
+    #[test]
+    fn quantized_switch_experts_stay_packed_unless_asked() {
+        use crate::weights::{QuantSpec, Weights};
+        let (e, h, i) = (4usize, 64usize, 32usize);
+        let f32_bytes = e * 3 * h * i * 4;
+        // (fixture, resident bytes kept packed): affine 4/64 packs gate and up (4 bits + f32 scale
+        // and bias per 64) and keeps down f32; mxfp4 packs all three (4 bits + a u8 scale per 32).
+        for (name, packed_bytes) in [("gemma4_text_moe_q4", e * 2 * h * i * 5 / 8 + e * h * i * 4), ("gemma4_text_moe_mxfp4", e * 3 * h * i * 17 / 32)] {
+            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name);
+            let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+            let mut w = Weights::load(&dir, Some(DType::F32)).unwrap();
+            w.quant = QuantSpec::from_config(&cfg).unwrap();
+            let load = |w: &Weights| SwitchGlu::load_switch_mlp(&w.root().pp("model.layers.1.experts.switch_glu"), e, h, i, Activation::GeluTanh).unwrap();
+            let q = load(&w);
+            assert!(q.is_quantized(), "{name}");
+            assert_eq!(q.weight_bytes(), packed_bytes, "{name}");
+            w.dequantize_to = Some(DType::F32);
+            let d = load(&w);
+            assert!(!d.is_quantized(), "{name}");
+            assert_eq!(d.weight_bytes(), f32_bytes, "{name}");
+            let ks = random::Key::new(3).unwrap().split_n(2).unwrap();
+            let x = random::normal(&[40, h], DType::F32, &ks[0]).unwrap();
+            let idx = random::randint(&[40, 2], 0, e as i32, DType::U32, &ks[1]).unwrap();
+            let wts = Array::full(&[40, 2], 0.5, DType::F32).unwrap();
+            // 80 rows: the sorted gather path; 2 rows: the unsorted one
+            for t in [40, 1] {
+                let (xs, ids, ws) = (x.slice_axis(0, 0, t).unwrap(), idx.slice_axis(0, 0, t).unwrap(), wts.slice_axis(0, 0, t).unwrap());
+                let a = q.forward(&xs, &ids, &ws).unwrap().to_vec::<f32>().unwrap();
+                let b = d.forward(&xs, &ids, &ws).unwrap().to_vec::<f32>().unwrap();
+                let err = a.iter().zip(&b).map(|(p, r)| (p - r).abs() / (1.0 + r.abs())).fold(0f32, f32::max);
+                assert!(err < 1e-5, "{name} {t} tokens: gather_qmm vs dequantized experts {err}");
+            }
+        }
     }
 
     #[test]
