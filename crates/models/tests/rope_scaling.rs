@@ -1,6 +1,7 @@
 //! Every family reads `rope_scaling`: the hybrid families (Qwen3.5, LFM2) too. A scaled rope
 //! changes the logits, `mrope` (text positions) and `default` leave them as they are, both the
-//! `rope_type` and the older `type` key are read, and an unknown type is a typed error.
+//! `rope_type` and the older `type` key are read, and an unknown type is a typed error (Gemma 4's
+//! per-type `rope_parameters` too).
 mod common;
 
 use common::{fixture, full_logits, test_load_options};
@@ -55,5 +56,24 @@ fn hybrid_families_read_rope_scaling() {
                 Ok(_) => panic!("{name}: {s} must be refused"),
             }
         }
+    }
+}
+
+/// Gemma 4 reads its per-layer-type `rope_parameters` itself: a type other than `default` and
+/// `proportional` is refused, not run as plain rope.
+#[test]
+fn gemma4_refuses_unknown_rope_types() {
+    let dir = tempfile::tempdir().unwrap();
+    with_scaling("gemma4_text", Value::Null, dir.path());
+    let path = dir.path().join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let text = if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg };
+    assert!(text["rope_parameters"]["full_attention"].is_object(), "the fixture has per-type rope parameters");
+    text["rope_parameters"]["full_attention"]["rope_type"] = json!("yarn");
+    std::fs::write(&path, serde_json::to_string(&cfg).unwrap()).unwrap();
+    match load_model(dir.path(), &test_load_options()) {
+        Err(ModelError::MalformedConfig { reason, .. }) => assert!(reason.contains("\"yarn\""), "{reason}"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a yarn rope_type must be refused"),
     }
 }

@@ -206,6 +206,12 @@ impl Gemma4Config {
         }
         let types = self.layer_types();
         self.check_layer_types(&types)?;
+        for key in ["sliding_attention", "full_attention"] {
+            let t = self.rope_parameters.as_ref().and_then(|r| r.get(key)).and_then(|p| p.get("rope_type")).and_then(|t| t.as_str());
+            if let Some(t) = t.filter(|t| !matches!(*t, "default" | "proportional")) {
+                return Err(format!("rope_parameters.{key}.rope_type {t:?} is not supported (default and proportional are)"));
+            }
+        }
         if self.sliding_window == 0 {
             return Err("sliding_window must be positive".into());
         }
