@@ -196,3 +196,27 @@ pub fn gather_qmm(x: &Array, w: &Quantized, lhs_indices: Option<&Array>, rhs_ind
         mlx_sys::mlx_gather_qmm(res, x.inner.as_ptr(), w.weight.inner.as_ptr(), w.scales.inner.as_ptr(), w.biases_ptr(), ptr(lhs_indices), ptr(rhs_indices), transpose, opt_int(gs), opt_int(bits), name.as_ptr(), sorted_indices, s.as_ptr())
     })
 }
+
+impl Array {
+    /// Round a float array to OCP FP8 E4M3 (MLX's `to_fp8`): one `u8` code per element, no
+    /// scale. Pair with [`Array::from_fp8`] for a quantize-dequantize round trip.
+    pub fn to_fp8(&self) -> Result<Array> {
+        if !self.dtype().is_float() {
+            return Err(Error::DType { op: "to_fp8", expected: "a float array".into(), got: self.dtype().to_string() });
+        }
+        let s = stream();
+        ffi("to_fp8", |res| unsafe { mlx_sys::mlx_to_fp8(res, self.inner.as_ptr(), s.as_ptr()) })
+    }
+
+    /// E4M3 codes (`u8`, from [`Array::to_fp8`]) back to floats of `dtype` (MLX's `from_fp8`).
+    pub fn from_fp8(&self, dtype: DType) -> Result<Array> {
+        if self.dtype() != DType::U8 {
+            return Err(Error::DType { op: "from_fp8", expected: "u8 E4M3 codes".into(), got: self.dtype().to_string() });
+        }
+        if !dtype.is_float() {
+            return Err(Error::DType { op: "from_fp8", expected: "a float output dtype".into(), got: dtype.to_string() });
+        }
+        let s = stream();
+        ffi("from_fp8", |res| unsafe { mlx_sys::mlx_from_fp8(res, self.inner.as_ptr(), dtype.to_mlx() as mlx_sys::mlx_dtype, s.as_ptr()) })
+    }
+}
