@@ -51,9 +51,10 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
-    /// Static activation-amax calibration (modelopt's MaxCalibrator) of a checkpoint with mxfp8
-    /// attention projections: prefill of each text, max |x| at each projection's input, written
-    /// into DIR/config.json as `input_amax` (atomically; unchanged on any error).
+    /// Static activation-amax calibration (modelopt's MaxCalibrator) of a checkpoint with
+    /// activation-quantised projections (mxfp8 attention projections, nvfp4 linear layers):
+    /// prefill of each text, max |x| at each projection's input, written into DIR/config.json as
+    /// `input_amax` (atomically; unchanged on any error).
     Calibrate {
         dir: PathBuf,
         /// Calibration texts: a UTF-8 file, one text per line (empty lines are skipped).

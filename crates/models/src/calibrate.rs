@@ -1,34 +1,39 @@
 //! Static activation-amax calibration (NVIDIA modelopt's `MaxCalibrator`: per tensor,
 //! `amax = max over every calibration sample of max |x|`) and the forward that reads it.
 //!
-//! **Sites.** A projection is activation-quantised when the checkpoint stores it in MLX's `mxfp8`
-//! mode and it is an attention projection (`self_attn.{q,k,v,o}_proj`, or a gated-delta layer's
-//! `linear_attn.{in_proj_qkv,in_proj_z,in_proj_qkvz,out_proj}`): the layout of NVIDIA's
-//! mxfp8-attention recipe (W8A8 attention, weight-only elsewhere). Every other layer, quantized
-//! or not, keeps its activations as they are.
+//! **Sites.** The projections whose input activations are quantised, by the mode the checkpoint
+//! stores them in (MLX's modes; modelopt's recipes):
+//! - `mxfp8` attention projections (`self_attn.{q,k,v,o}_proj`, or a gated-delta layer's
+//!   `linear_attn.{in_proj_qkv,in_proj_z,in_proj_qkvz,out_proj}`): NVIDIA's mxfp8-attention
+//!   recipe (W8A8 attention, weight-only elsewhere); activations in E4M3 with one scale per
+//!   tensor, `x_q = from_fp8(to_fp8(x * 448/amax)) * amax/448` in f32 (MLX's `to_fp8` saturates
+//!   at +-448);
+//! - `nvfp4` linear layers other than `lm_head` (modelopt's NVFP4 W4A4): activations in NVFP4,
+//!   E2M1 values with an E4M3 scale per 16 and the calibrated maximum as the tensor scale
+//!   (MLX's `quantize(x, "nvfp4", global_scale = amax)` and back, in f32; MLX's global scale is
+//!   the tensor maximum, modelopt's `input_scale` is the same number over 6 * 448).
+//!
+//! Every other layer keeps its activations as they are. MLX has no product of two quantized
+//! operands on the CPU, so the quantised activation is dequantized before the product: the
+//! numerics of W8A8 / W4A4, not their speed. It applies on both weight paths (packed
+//! `quantized_matmul`, or dequantized at load).
 //!
 //! **Calibration.** [`calibrate_activation_amax`] loads the checkpoint, encodes each text with the
 //! tokenizer's own special tokens and no chat template, keeps at most `seq_len` tokens, and runs a
-//! prefill (no generation) per text with a fresh cache, recording the input `max |x|` of every
-//! site. The result goes into config.json as `input_amax` of each site's per-layer entry, under
-//! `quantization` and `quantization_config` alike (an entry is created from the layer's mode
-//! where the config has only the default); the file is replaced atomically (temporary file,
-//! fsync, rename). One calibration runs at a time in a process: a second one fails at once with
-//! [`CalibrateError::Busy`]. Any error (no text gave a token, no site in the model, a
-//! non-finite maximum, I/O) leaves config.json byte for byte as it was.
+//! prefill (no generation, every position through every layer) per text with a fresh cache,
+//! recording the input `max |x|` of every site. The result goes into config.json as `input_amax`
+//! of each site's per-layer entry, under `quantization` and `quantization_config` alike (an
+//! entry is created from the layer's mode where the config has only the default); the file is
+//! replaced atomically (temporary file, fsync, rename). One calibration runs at a time in a
+//! process: a second one fails at once with [`CalibrateError::Busy`]. Any error (no text gave a
+//! token, no site in the model, a non-finite maximum, I/O) leaves config.json byte for byte as it
+//! was. While calibrating, the activation quantisation is off, so a calibrated checkpoint
+//! re-calibrates on its raw activations.
 //!
-//! **Forward.** A site with an `input_amax` fake-quantises its input to E4M3 with one scale per
-//! tensor before the product, as modelopt's static FP8 quantizer does:
-//! `x_q = from_fp8(to_fp8(x * 448/amax)) * amax/448` in f32, then back to the input's dtype
-//! (MLX's `to_fp8` saturates at +-448). This runs on both weight paths (packed
-//! `quantized_matmul`, or dequantized at load), since it changes only the activation. MLX has no
-//! fp8-by-fp8 product, so this reproduces W8A8 numerics rather than speed. An `input_amax` on a
-//! layer that is not an mxfp8 site is a load error: the activation format of other modes is not
-//! implemented, and it is never dropped silently. While calibrating, the fake-quantisation is
-//! off, so a calibrated checkpoint re-calibrates on its raw activations.
-//!
-//! mlx-lm passes per-layer entries to `to_quantized` as keyword arguments, so a config with
-//! `input_amax` does not load in mlx-lm 0.32 as it is.
+//! **Loading.** An `input_amax` on a layer that is not a site (affine, mxfp4, an mxfp8 MLP, an
+//! unquantized layer, `lm_head`) is a load error: it is never dropped silently. mlx-lm passes
+//! per-layer entries to `to_quantized` as keyword arguments, so a config with `input_amax` does
+//! not load in mlx-lm 0.32 as it is.
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -45,7 +50,7 @@ use crate::{load_model, LoadOptions, Logits, ModelError};
 const E4M3_MAX: f32 = 448.0;
 
 /// The attention projections of the mxfp8-attention recipe.
-const SITES: [&str; 8] = [
+const MXFP8_SITES: [&str; 8] = [
     ".self_attn.q_proj",
     ".self_attn.k_proj",
     ".self_attn.v_proj",
@@ -65,7 +70,7 @@ pub enum CalibrateError {
     ZeroSeqLen,
     #[error("no calibration rows: none of the {texts} texts encoded to a token")]
     NoRows { texts: usize },
-    #[error("{}: the model has no activation-quantised projection (mxfp8 attention projections); nothing to calibrate", .0.display())]
+    #[error("{}: the model has no activation-quantised projection (mxfp8 attention projections, nvfp4 linear layers); nothing to calibrate", .0.display())]
     NoSites(PathBuf),
     #[error("non-finite activation maximum {value} at {layer}: the prefill overflowed")]
     NonFinite { layer: String, value: f32 },
@@ -108,8 +113,8 @@ static CALIBRATION: Mutex<()> = Mutex::new(());
 thread_local! {
     /// Whether this thread is running a calibration prefill.
     static ARMED: Cell<bool> = const { Cell::new(false) };
-    /// Running maxima (lazy arrays, evaluated after each row), by layer.
-    static AMAX: RefCell<HashMap<String, Array>> = RefCell::new(HashMap::new());
+    /// Running maxima (lazy arrays, evaluated after each row) and modes, by layer.
+    static AMAX: RefCell<HashMap<String, (Array, QuantMode)>> = RefCell::new(HashMap::new());
 }
 
 /// Arms this thread for the life of the guard; dropping it (any exit path) disarms it and drops
@@ -126,13 +131,13 @@ impl Armed {
     fn eval(&self) -> Result<(), CalibrateError> {
         AMAX.with(|m| {
             let m = m.borrow();
-            let all: Vec<&Array> = m.values().collect();
+            let all: Vec<&Array> = m.values().map(|(a, _)| a).collect();
             mlx_array::eval(&all).map_err(CalibrateError::from)
         })
     }
-    fn take(&self) -> Result<BTreeMap<String, f32>, CalibrateError> {
+    fn take(&self) -> Result<BTreeMap<String, (f32, QuantMode)>, CalibrateError> {
         let m = AMAX.with(|m| std::mem::take(&mut *m.borrow_mut()));
-        m.into_iter().map(|(k, a)| Ok((k, a.item_f32()?))).collect()
+        m.into_iter().map(|(k, (a, mode))| Ok((k, (a.item_f32()?, mode)))).collect()
     }
 }
 
@@ -143,22 +148,31 @@ impl Drop for Armed {
     }
 }
 
-/// Whether `layer` in `mode` is an activation-quantised site; the error says why an
-/// `input_amax` cannot apply to it.
+/// Whether `layer`, stored in `mode`, is an activation-quantised site.
+fn is_site(layer: &str, mode: QuantMode) -> bool {
+    match mode {
+        QuantMode::Mxfp8 => MXFP8_SITES.iter().any(|s| layer.ends_with(s)),
+        QuantMode::Nvfp4 => layer != "lm_head" && !layer.ends_with(".lm_head"),
+        _ => false,
+    }
+}
+
+/// The error for an `input_amax` on `layer` in `mode` when it is not a site.
 pub(crate) fn check_site(layer: &str, mode: QuantMode) -> Result<(), String> {
-    if mode != QuantMode::Mxfp8 || !SITES.iter().any(|s| layer.ends_with(s)) {
+    if !is_site(layer, mode) {
         return Err(format!(
-            "quantization.{layer} has input_amax but is a {} layer that is not an attention projection: activation quantisation is implemented for mxfp8 attention projections only",
+            "quantization.{layer} has input_amax but is a {} layer that quantises no activation: activation quantisation is implemented for mxfp8 attention projections and nvfp4 linear layers",
             mode.name()
         ));
     }
     Ok(())
 }
 
-/// An activation-quantised projection: its layer path and calibrated maximum, if any.
+/// An activation-quantised projection: its layer path, mode and calibrated maximum, if any.
 #[derive(Clone, Debug)]
 pub(crate) struct ActSite {
     key: String,
+    mode: QuantMode,
     input_amax: Option<f32>,
 }
 
@@ -177,40 +191,49 @@ impl ActSite {
         } else {
             None
         };
-        let site = mode == Some(QuantMode::Mxfp8) && SITES.iter().any(|s| key.ends_with(s));
-        if let (Some(a), false) = (amax, site) {
+        let site = mode.filter(|&m| is_site(key, m));
+        if let (Some(a), None) = (amax, site) {
             let what = match mode {
-                Some(m) => format!("a {} layer", m.name()),
+                Some(m) => format!("a {} layer that quantises no activation", m.name()),
                 None => "an unquantized layer".to_string(),
             };
             return Err(ModelError::UnsupportedOption(format!(
-                "{key} has input_amax {a} but is {what}: activation quantisation is implemented for mxfp8 attention projections only"
+                "{key} has input_amax {a} but is {what}: activation quantisation is implemented for mxfp8 attention projections and nvfp4 linear layers"
             )));
         }
-        Ok(site.then(|| ActSite { key: key.to_string(), input_amax: amax }))
+        Ok(site.map(|mode| ActSite { key: key.to_string(), mode, input_amax: amax }))
     }
 
     /// The input the product sees: recorded while calibrating (and left as it is), else
-    /// fake-quantised to E4M3 when calibrated.
+    /// quantised and dequantised when calibrated.
     pub(crate) fn input(&self, x: &Array) -> crate::Result<Option<Array>> {
         if ARMED.with(Cell::get) {
             let m = x.abs()?.max(&[], false)?.astype(DType::F32)?;
             AMAX.with(|map| -> crate::Result<()> {
                 let mut map = map.borrow_mut();
                 let next = match map.remove(&self.key) {
-                    Some(prev) => prev.maximum(&m)?,
+                    Some((prev, _)) => prev.maximum(&m)?,
                     None => m,
                 };
-                map.insert(self.key.clone(), next);
+                map.insert(self.key.clone(), (next, self.mode));
                 Ok(())
             })?;
             return Ok(None);
         }
-        match self.input_amax {
-            Some(amax) => Ok(Some(fp8_fake_quant(x, amax)?)),
-            None => Ok(None),
+        match (self.input_amax, self.mode) {
+            (Some(amax), QuantMode::Mxfp8) => Ok(Some(fp8_fake_quant(x, amax)?)),
+            (Some(amax), QuantMode::Nvfp4) => Ok(Some(nvfp4_fake_quant(x, amax)?)),
+            _ => Ok(None),
         }
     }
+}
+
+/// NVFP4 quantize-dequantize of `x` (`[.., k]`, `k` a multiple of 16) with the calibrated
+/// maximum `amax` (> 0) as MLX's global scale, in f32, returned in `x`'s dtype.
+pub fn nvfp4_fake_quant(x: &Array, amax: f32) -> mlx_array::Result<Array> {
+    let g = Array::scalar(amax);
+    let q = x.astype(DType::F32)?.quantize_scaled(QuantMode::Nvfp4, Some(&g))?;
+    q.dequantize_scaled(Some(DType::F32), Some(&g))?.astype(x.dtype())
 }
 
 /// Per-tensor E4M3 quantize-dequantize of `x` with maximum `amax` (> 0), in f32, returned in
@@ -282,17 +305,18 @@ pub fn calibrate_activation_amax_with(
     if amax.is_empty() {
         return Err(CalibrateError::NoSites(dir.to_path_buf()));
     }
-    if let Some((layer, &value)) = amax.iter().find(|(_, v)| !v.is_finite()) {
+    if let Some((layer, &(value, _))) = amax.iter().find(|(_, (v, _))| !v.is_finite()) {
         return Err(CalibrateError::NonFinite { layer: layer.clone(), value });
     }
     let updated = with_amax(&cfg_path, &original, &amax)?;
     write_atomic(&cfg_path, &updated)?;
+    let amax: BTreeMap<String, f32> = amax.into_iter().map(|(k, (a, _))| (k, a)).collect();
     Ok(CalibrationSummary { projections: amax.len(), rows: rows.len(), tokens, amax, seconds: t0.elapsed().as_secs_f64() })
 }
 
 /// config.json's bytes with `input_amax` set in each site's per-layer entry of every
 /// quantization alias present.
-fn with_amax(path: &Path, original: &[u8], amax: &BTreeMap<String, f32>) -> Result<Vec<u8>, CalibrateError> {
+fn with_amax(path: &Path, original: &[u8], amax: &BTreeMap<String, (f32, QuantMode)>) -> Result<Vec<u8>, CalibrateError> {
     let bad = |msg: String| CalibrateError::BadConfig { path: path.to_path_buf(), msg };
     let mut config: Value = serde_json::from_slice(original).map_err(|e| bad(e.to_string()))?;
     let root = config.as_object_mut().ok_or_else(|| bad("root is not an object".into()))?;
@@ -300,10 +324,10 @@ fn with_amax(path: &Path, original: &[u8], amax: &BTreeMap<String, f32>) -> Resu
     for alias in ["quantization", "quantization_config"] {
         let Some(block) = root.get_mut(alias).and_then(Value::as_object_mut) else { continue };
         aliases += 1;
-        // every site is mxfp8: a layer that had no entry of its own gets its mode spelled out
-        let default = json!({"group_size": 32, "bits": 8, "mode": "mxfp8"});
-        for (layer, &a) in amax {
-            match block.entry(layer.clone()).or_insert_with(|| default.clone()) {
+        for (layer, &(a, mode)) in amax {
+            // a layer that had no entry of its own gets its mode spelled out
+            let own = || json!({"group_size": mode.group_size(), "bits": mode.bits(), "mode": mode.name()});
+            match block.entry(layer.clone()).or_insert_with(own) {
                 Value::Object(obj) => {
                     obj.insert("input_amax".into(), json!(a));
                 }

@@ -1,11 +1,11 @@
 //! Activation-amax calibration against mlx-lm: `scripts/make_amax_fixture.py` quantizes the tiny
-//! Qwen3 with mxfp8 attention projections (mlx-lm's `quantize_model`), and records the running
-//! max |x| at each mxfp8 projection's input over the texts of `calibration.txt` (prefill of each
-//! text cut to 24 tokens, through a wrapper around mlx-lm's `QuantizedLinear`), then mlx-lm's
-//! logits with those inputs fake-quantized to E4M3. Our maxima agree within 1e-5 relative (f32
-//! on the CPU on both sides), the forward that reads them gives mlx-lm's fake-quantized logits
-//! within 1e-4 relative (packed and dequantized weights), and failures leave config.json as it
-//! was, byte for byte.
+//! Qwen3 with mxfp8 attention projections, and all in nvfp4 (mlx-lm's `quantize_model`), and
+//! records the running max |x| at each site's input over the texts of `calibration.txt` (prefill
+//! of each text cut to 24 tokens, through a wrapper around mlx-lm's `QuantizedLinear`), then
+//! mlx-lm's logits with those inputs quantized and dequantized (E4M3 per tensor; NVFP4 with the
+//! maximum as MLX's global scale). Our maxima agree within 1e-5 relative (f32 on the CPU on both
+//! sides), the forward that reads them gives mlx-lm's logits within 1e-4 relative (packed and
+//! dequantized weights), and failures leave config.json as it was, byte for byte.
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
@@ -46,14 +46,23 @@ fn json(p: &Path) -> Value {
 }
 
 #[test]
-fn amax_matches_mlx_lm_and_the_forward_reads_it() {
+fn mxfp8_attention_amax_matches_mlx_lm_and_the_forward_reads_it() {
+    check_fixture("qwen3_mxfp8_attn", 12);
+}
+
+#[test]
+fn nvfp4_amax_matches_mlx_lm_and_the_forward_reads_it() {
+    check_fixture("qwen3_nvfp4", 21);
+}
+
+fn check_fixture(name: &str, sites: usize) {
     let _s = serial();
-    let (_tmp, dir) = copy_of("qwen3_mxfp8_attn", &[]);
+    let (_tmp, dir) = copy_of(name, &[]);
     let before = json(&dir.join("config.json"));
-    let r = json(&fixture("qwen3_mxfp8_attn").join("reference.json"));
+    let r = json(&fixture(name).join("reference.json"));
     let s = calibrate_activation_amax(&dir, &texts(), 24).unwrap();
     let ref_amax = r["amax"].as_object().unwrap();
-    assert_eq!(s.projections, 12);
+    assert_eq!(s.projections, sites);
     assert_eq!(s.rows, r["ids"].as_array().unwrap().len());
     assert_eq!(s.tokens, r["ids"].as_array().unwrap().iter().map(|ids| ids.as_array().unwrap().len()).sum::<usize>());
     assert_eq!(s.amax.keys().collect::<Vec<_>>(), ref_amax.keys().collect::<Vec<_>>());
@@ -66,21 +75,27 @@ fn amax_matches_mlx_lm_and_the_forward_reads_it() {
             worst = worst.max((got - want).abs() / want);
         }
     }
-    eprintln!("amax: worst relative difference to mlx-lm {worst:.2e} over {} projections", ref_amax.len());
+    eprintln!("{name} amax: worst relative difference to mlx-lm {worst:.2e} over {} projections", ref_amax.len());
     assert!(worst <= 1e-5, "amax rel diff {worst}");
-    // nothing else changed
+    // nothing else changed; a site without an entry of its own got one spelling out its mode
     let mut stripped = after.clone();
     for alias in ["quantization", "quantization_config"] {
-        for (_, e) in stripped[alias].as_object_mut().unwrap().iter_mut() {
+        let block = stripped[alias].as_object_mut().unwrap();
+        let default = serde_json::json!({"group_size": block["group_size"], "bits": block["bits"], "mode": block["mode"]});
+        for (layer, e) in block.iter_mut() {
             if let Some(o) = e.as_object_mut() {
                 o.remove("input_amax");
+                if before[alias].get(layer).is_none() {
+                    assert_eq!(*e, default, "{alias}.{layer}");
+                }
             }
         }
+        block.retain(|layer, _| before[alias].get(layer).is_some());
     }
     assert_eq!(stripped, before);
 
     // the forward fake-quantizes the calibrated inputs as mlx-lm's reference does
-    let reference = mlx_array::io::load_safetensors(fixture("qwen3_mxfp8_attn").join("reference.safetensors"), Some(mlx_array::DType::F32)).unwrap();
+    let reference = mlx_array::io::load_safetensors(fixture(name).join("reference.safetensors"), Some(mlx_array::DType::F32)).unwrap();
     let prompt = ids(&reference["input_ids"]);
     let fq = reference["logits_fakequant"].to_vec::<f32>().unwrap();
     let plain = reference["logits_plain"].to_vec::<f32>().unwrap();
@@ -88,14 +103,14 @@ fn amax_matches_mlx_lm_and_the_forward_reads_it() {
         let m = load_model(&dir, &LoadOptions { quantized, ..Default::default() }).unwrap().into_lm().unwrap();
         let got = full_logits(&m, &prompt).concat();
         let e = rel_err(&got, &fq);
-        eprintln!("{quantized:?}: fake-quantized logits rel err {e:.2e}, against the plain logits {:.2e}", rel_err(&got, &plain));
-        assert!(e < 1e-4, "{quantized:?}: fake-quantized logits rel err {e}");
-        assert!(rel_err(&got, &plain) > 1e-2, "{quantized:?}: the activations were not quantized");
+        eprintln!("{name} {quantized:?}: quantized-activation logits rel err {e:.2e}, against the plain logits {:.2e}", rel_err(&got, &plain));
+        assert!(e < 1e-4, "{name} {quantized:?}: quantized-activation logits rel err {e}");
+        assert!(rel_err(&got, &plain) > 1e-2, "{name} {quantized:?}: the activations were not quantized");
     }
     // without calibration the same checkpoint gives the plain logits
-    let m = load_model(fixture("qwen3_mxfp8_attn"), &LoadOptions::default()).unwrap().into_lm().unwrap();
+    let m = load_model(fixture(name), &LoadOptions::default()).unwrap().into_lm().unwrap();
     let e = rel_err(&full_logits(&m, &prompt).concat(), &plain);
-    assert!(e < 1e-4, "uncalibrated logits rel err {e}");
+    assert!(e < 1e-4, "{name}: uncalibrated logits rel err {e}");
 
     // a calibrated checkpoint re-calibrates on its raw activations: the same maxima
     let again = calibrate_activation_amax(&dir, &texts(), 24).unwrap();
@@ -193,6 +208,11 @@ fn input_amax_outside_mxfp8_attention_is_a_load_error() {
     c["quantization"]["model.layers.0.mlp.down_proj"] = serde_json::json!({"group_size": 64, "bits": 4, "input_amax": 3.0});
     let e = load(&c).unwrap_err().to_string();
     assert!(e.contains("input_amax") && e.contains("mxfp8"), "{e}");
+    // an mxfp8 layer outside attention
+    let mut c = original.clone();
+    c["quantization"]["model.layers.0.mlp.down_proj"] = serde_json::json!({"group_size": 32, "bits": 8, "mode": "mxfp8", "input_amax": 3.0});
+    let e = load(&c).unwrap_err().to_string();
+    assert!(e.contains("input_amax"), "{e}");
     // a maximum that is not a positive number
     for bad in [serde_json::json!(0.0), serde_json::json!(-1.0), serde_json::json!("3")] {
         let mut c = original.clone();
