@@ -13,7 +13,9 @@
 //!   (MLX's `quantize(x, "nvfp4", global_scale = amax)` and back, in f32; MLX's global scale is
 //!   the tensor maximum, modelopt's `input_scale` is the same number over 6 * 448).
 //!
-//! Every other layer keeps its activations as they are. MLX has no product of two quantized
+//! Every other layer keeps its activations as they are, stacked MoE experts (`gather_qmm`)
+//! included: their inputs are not recorded, and an `input_amax` on them is a load error like any
+//! other non-site. MLX has no product of two quantized
 //! operands on the CPU, so the quantised activation is dequantized before the product: the
 //! numerics of W8A8 / W4A4, not their speed. It applies on both weight paths (packed
 //! `quantized_matmul`, or dequantized at load).
