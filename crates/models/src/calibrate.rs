@@ -13,9 +13,9 @@
 //!   (MLX's `quantize(x, "nvfp4", global_scale = amax)` and back, in f32; MLX's global scale is
 //!   the tensor maximum, modelopt's `input_scale` is the same number over 6 * 448).
 //!
-//! Every other layer keeps its activations as they are, stacked MoE experts (`gather_qmm`)
-//! included: their inputs are not recorded, and an `input_amax` on them is a load error like any
-//! other non-site. MLX has no product of two quantized
+//! Every other layer keeps its activations as they are, stacked MoE experts (`gather_qmm`) and
+//! embeddings included: their inputs are not recorded, and an `input_amax` that no projection of
+//! the loaded model reads is a load error. MLX has no product of two quantized
 //! operands on the CPU, so the quantised activation is dequantized before the product: the
 //! numerics of W8A8 / W4A4, not their speed. It applies on both weight paths (packed
 //! `quantized_matmul`, or dequantized at load).
@@ -202,6 +202,9 @@ impl ActSite {
             return Err(ModelError::UnsupportedOption(format!(
                 "{key} has input_amax {a} but is {what}: activation quantisation is implemented for mxfp8 attention projections and nvfp4 linear layers"
             )));
+        }
+        if let (Some(_), Some(_)) = (amax, site) {
+            spec.amax_read.lock().unwrap_or_else(|e| e.into_inner()).insert(key.to_string());
         }
         Ok(site.map(|mode| ActSite { key: key.to_string(), mode, input_amax: amax }))
     }

@@ -101,6 +101,9 @@ pub struct QuantSpec {
     /// Calibrated per-tensor activation maxima (`input_amax` of a per-layer entry, written by
     /// [`crate::calibrate::calibrate_activation_amax`]).
     pub input_amax: HashMap<String, f32>,
+    /// The layers whose `input_amax` a projection took at load ([`Weights::check_all_used`]
+    /// refuses the others).
+    pub(crate) amax_read: std::sync::Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl QuantSpec {
@@ -148,7 +151,7 @@ impl QuantSpec {
                 _ => {}
             }
         }
-        Ok(Some(QuantSpec { default, layers, input_amax }))
+        Ok(Some(QuantSpec { default, layers, input_amax, amax_read: Default::default() }))
     }
 }
 
@@ -208,6 +211,17 @@ impl Weights {
     /// Strict loading: every tensor of the checkpoint was consumed by the model or set aside.
     /// Unexpected tensors (a mistyped layout, a newer checkpoint format) are an error naming them.
     pub fn check_all_used(&self) -> Result<()> {
+        if let Some(q) = &self.quant {
+            let read = q.amax_read.lock().unwrap_or_else(|e| e.into_inner());
+            let mut unread: Vec<&str> = q.input_amax.keys().filter(|k| !read.contains(*k)).map(String::as_str).collect();
+            if !unread.is_empty() {
+                unread.sort();
+                return Err(self.err(format!(
+                    "input_amax of {} is read by no activation-quantised projection of the model (mxfp8 attention projections, nvfp4 linear layers; not embeddings or stacked experts)",
+                    unread.join(", ")
+                )));
+            }
+        }
         let unused = self.unused();
         if unused.is_empty() {
             return Ok(());

@@ -224,6 +224,13 @@ fn input_amax_outside_mxfp8_attention_is_a_load_error() {
     let mut c = original.clone();
     c["quantization"]["input_amax"] = serde_json::json!(3.0);
     assert!(load(&c).unwrap_err().to_string().contains("input_amax"));
+    // an nvfp4 layer that is no projection (the embedding table): no layer reads it
+    let (_t2, nv) = copy_of("qwen3_nvfp4", &[]);
+    let mut c = json(&nv.join("config.json"));
+    c["quantization"]["model.embed_tokens"] = serde_json::json!({"group_size": 16, "bits": 4, "mode": "nvfp4", "input_amax": 3.0});
+    std::fs::write(nv.join("config.json"), serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+    let e = load_model(&nv, &LoadOptions::default()).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("input_amax of model.embed_tokens"), "{e}");
     // a positive maximum on an mxfp8 attention projection loads
     let mut c = original;
     c["quantization"]["model.layers.0.self_attn.q_proj"]["input_amax"] = serde_json::json!(3.0);
