@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! cargo run --release -p mlx-convert --example convert -- gguf IN.gguf OUT_DIR [--dtype f32|bf16|f16] [--config-from HF_DIR] [--json]
-//! cargo run --release -p mlx-convert --example convert -- quantize IN_DIR OUT_DIR [--bits 4] [--group-size 64] [--mode affine|mxfp4|mxfp8|nvfp4] [--recipe mixed_4_6] [--dtype f32|bf16|f16] [--json]
+//! cargo run --release -p mlx-convert --example convert -- quantize IN_DIR OUT_DIR [--bits 4] [--group-size 64] [--mode affine|mxfp4|mxfp8|nvfp4] [--recipe mixed_4_6] [--dtype f32|bf16|f16] [--max-shard-size 5G] [--json]
 //! cargo run --release -p mlx-convert --example convert -- random FAMILY OUT_DIR [--preset tiny] [--dtype bf16] [--seed 0]
+//! cargo run --release -p mlx-convert --example convert -- calibrate DIR --texts FILE [--seq-len 512] [--json]
 //! ```
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -50,6 +51,22 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Static activation-amax calibration (modelopt's MaxCalibrator) of a checkpoint with
+    /// activation-quantised projections (mxfp8 attention projections, nvfp4 linear layers):
+    /// prefill of each text, max |x| at each projection's input, written into DIR/config.json as
+    /// `input_amax` (atomically; unchanged on any error).
+    Calibrate {
+        dir: PathBuf,
+        /// Calibration texts: a UTF-8 file, one text per line (empty lines are skipped).
+        #[arg(long)]
+        texts: PathBuf,
+        /// Tokens kept from the start of each text.
+        #[arg(long, default_value_t = 512)]
+        seq_len: usize,
+        /// Print a JSON summary instead of the summary line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Hugging Face directory -> MLX-quantized directory in mlx-lm's layout.
     Quantize {
         input: PathBuf,
@@ -69,10 +86,30 @@ enum Command {
         /// dtype of the unquantized tensors (default: as stored).
         #[arg(long)]
         dtype: Option<OutDtype>,
+        /// Largest weight shard: bytes, or a number with K, M, G (powers of 1024; mlx-lm's default 5G).
+        #[arg(long, default_value = "5G", value_parser = parse_size)]
+        max_shard_size: u64,
         /// Print a JSON summary instead of the summary line.
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `123`, `64K`, `500M`, `5G` (powers of 1024, as mlx-lm's `5 << 30`); zero is refused.
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    let n: u64 = num.trim().parse().map_err(|_| format!("{s:?} is not a size (bytes, or a number with K, M or G)"))?;
+    let v = n.checked_mul(1u64 << shift).ok_or_else(|| format!("{s:?} is too large"))?;
+    if v == 0 {
+        return Err("the shard size must be positive".into());
+    }
+    Ok(v)
 }
 
 /// A bar over the tensors of a conversion (hidden when stderr is not a terminal).
@@ -125,7 +162,45 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Quantize { input, output, mode, bits, group_size, recipe, dtype, json } => {
+        Command::Calibrate { dir, texts, seq_len, json } => {
+            let texts: Vec<String> = match std::fs::read_to_string(&texts) {
+                Ok(t) => t.lines().filter(|l| !l.trim().is_empty()).map(String::from).collect(),
+                Err(e) => {
+                    eprintln!("error: {}: {e}", texts.display());
+                    return ExitCode::FAILURE;
+                }
+            };
+            let bar = ProgressBar::new(0);
+            bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} texts {msg}").expect("valid template"));
+            let result = mlx_models::calibrate::calibrate_activation_amax_with(&dir, &texts, seq_len, |p| {
+                bar.set_length(p.rows as u64);
+                bar.set_position(p.row as u64 + 1);
+                bar.set_message(format!("{} tokens", p.tokens));
+            });
+            bar.finish_and_clear();
+            match result {
+                Ok(s) if json => {
+                    println!("{}", serde_json::to_string(&s).expect("summary serializes"));
+                    ExitCode::SUCCESS
+                }
+                Ok(s) => {
+                    println!(
+                        "{}: {} projections calibrated over {} texts ({} tokens, at most {seq_len} each), input_amax written to config.json, {:.1} s",
+                        dir.display(),
+                        s.projections,
+                        s.rows,
+                        s.tokens,
+                        s.seconds
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Quantize { input, output, mode, bits, group_size, recipe, dtype, max_shard_size, json } => {
             let mode = match quant_mode(&mode, bits, group_size, recipe) {
                 Ok(m) => m,
                 Err(e) => {
@@ -134,7 +209,7 @@ fn main() -> ExitCode {
                 }
             };
             let bar = tensor_bar();
-            let opts = QuantizeOptions { mode, recipe, dtype };
+            let opts = QuantizeOptions { mode, recipe, dtype, max_shard_bytes: max_shard_size };
             let result = quantize_dir(&input, &output, &opts, |p| show(&bar, p.index, p.total, p.tensor));
             bar.finish_and_clear();
             match result {
@@ -145,7 +220,7 @@ fn main() -> ExitCode {
                 Ok(s) => {
                     let recipe = s.recipe.map(|r| format!(", recipe {r:?}")).unwrap_or_default();
                     println!(
-                        "{} -> {}: {} layers quantized ({} {} bits, groups of {}{recipe}), {} tensors kept, {:.3} bits per weight, {:.1} MB, {:.1} s",
+                        "{} -> {}: {} layers quantized ({} {} bits, groups of {}{recipe}), {} tensors kept, {:.3} bits per weight, {:.1} MB in {} shard(s), {:.1} s",
                         input.display(),
                         s.output.display(),
                         s.quantized,
@@ -155,6 +230,7 @@ fn main() -> ExitCode {
                         s.kept,
                         s.bits_per_weight,
                         s.bytes_written as f64 / 1e6,
+                        s.shards.len(),
                         s.seconds
                     );
                     ExitCode::SUCCESS

@@ -1,7 +1,10 @@
 //! Writing checkpoints: an output directory that appears whole or not at all, and a streaming
-//! safetensors writer (the header is known up front, tensors are written one at a time).
+//! safetensors writer (the header is known up front, tensors are written one at a time), weights
+//! sharded as mlx-lm shards them ([`ShardedWriter`]), and small files replaced atomically
+//! ([`write_atomic`]).
 use std::fs::{self, File};
 use std::io::{BufWriter, Write};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -195,4 +198,141 @@ impl SafetensorsWriter {
         self.w.get_ref().sync_all().map_err(io(&self.path))?;
         Ok(())
     }
+}
+
+/// mlx-lm's default shard limit (`MAX_FILE_SIZE_GB = 5`, as `5 << 30` bytes).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5 << 30;
+
+/// Weights written shard by shard as mlx-lm's `save_model` writes them: tensors are added in
+/// order, and a shard is written (and its tensors released) as soon as the next tensor would
+/// take it past `max_shard_bytes`; a tensor larger than the limit gets a shard of its own.
+/// [`ShardedWriter::finish`] names the shards `model-0000k-of-0000n.safetensors` (a single shard
+/// is `model.safetensors`) and writes `model.safetensors.index.json` with `metadata.total_size`,
+/// `metadata.total_parameters` and the sorted `weight_map`. Peak memory is one shard plus the
+/// tensor being added.
+pub struct ShardedWriter {
+    dir: PathBuf,
+    max_shard_bytes: u64,
+    pending: Vec<(String, mlx_array::Array)>,
+    pending_bytes: u64,
+    /// (temporary file name, tensor names) of each written shard
+    written: Vec<(String, Vec<String>)>,
+    total_bytes: u64,
+    names: std::collections::HashSet<String>,
+}
+
+/// What [`ShardedWriter::finish`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardsWritten {
+    /// Shard file names in order.
+    pub files: Vec<String>,
+    /// Sum of the tensors' bytes (the index's `metadata.total_size`).
+    pub total_size: u64,
+}
+
+impl ShardedWriter {
+    /// Shards go into `dir` (a staged directory); `max_shard_bytes` must be positive.
+    pub fn new(dir: &Path, max_shard_bytes: u64) -> Result<Self, ConvertError> {
+        if max_shard_bytes == 0 {
+            return Err(ConvertError::BadOption("the shard size limit must be positive".into()));
+        }
+        Ok(ShardedWriter {
+            dir: dir.to_path_buf(),
+            max_shard_bytes,
+            pending: Vec::new(),
+            pending_bytes: 0,
+            written: Vec::new(),
+            total_bytes: 0,
+            names: Default::default(),
+        })
+    }
+
+    /// Add one tensor. It is evaluated now, so that whatever it was computed from can be freed.
+    pub fn add(&mut self, name: String, a: mlx_array::Array) -> Result<(), ConvertError> {
+        if !self.names.insert(name.clone()) {
+            return Err(ConvertError::Internal(format!("tensor {name:?} written twice")));
+        }
+        a.eval()?;
+        let n = a.nbytes() as u64;
+        if !self.pending.is_empty() && self.pending_bytes + n > self.max_shard_bytes {
+            self.flush()?;
+        }
+        self.pending.push((name, a));
+        self.pending_bytes += n;
+        self.total_bytes += n;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), ConvertError> {
+        let tmp_name = format!(".shard-{:05}.safetensors.partial", self.written.len() + 1);
+        let refs: Vec<(&str, &mlx_array::Array)> = self.pending.iter().map(|(n, a)| (n.as_str(), a)).collect();
+        let meta: std::collections::HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
+        mlx_array::io::save_safetensors(self.dir.join(&tmp_name), &refs, Some(&meta))?;
+        let names = self.pending.drain(..).map(|(n, _)| n).collect();
+        self.pending_bytes = 0;
+        self.written.push((tmp_name, names));
+        Ok(())
+    }
+
+    /// Bytes of the tensors added so far.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Write the last shard, name the shards and write the index. `total_parameters` is the
+    /// index's `metadata.total_parameters`.
+    pub fn finish(mut self, total_parameters: u64) -> Result<ShardsWritten, ConvertError> {
+        if !self.pending.is_empty() || self.written.is_empty() {
+            self.flush()?;
+        }
+        let n = self.written.len();
+        let mut weight_map = BTreeMap::new();
+        let mut files = Vec::with_capacity(n);
+        for (i, (tmp, names)) in self.written.iter().enumerate() {
+            let name = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+            let (from, to) = (self.dir.join(tmp), self.dir.join(&name));
+            fs::rename(&from, &to).map_err(io(&to))?;
+            for t in names {
+                weight_map.insert(t.clone(), name.clone());
+            }
+            files.push(name);
+        }
+        let index = serde_json::json!({
+            "metadata": {"total_size": self.total_bytes, "total_parameters": total_parameters},
+            "weight_map": weight_map,
+        });
+        // json.dump(..., indent=4) as mlx-lm writes it
+        let mut bytes = Vec::new();
+        let mut ser = serde_json::Serializer::with_formatter(&mut bytes, serde_json::ser::PrettyFormatter::with_indent(b"    "));
+        index.serialize(&mut ser)?;
+        write_atomic(&self.dir.join(mlx_array::io::INDEX_FILE), &bytes)?;
+        Ok(ShardsWritten { files, total_size: self.total_bytes })
+    }
+}
+
+/// Write `bytes` to `path` through a temporary file in the same directory, fsynced and renamed
+/// over `path`: a reader sees the old file or the new one, never a partial one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ConvertError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path.file_name().ok_or_else(|| ConvertError::BadOutput(path.to_path_buf()))?.to_string_lossy().into_owned();
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let result = (|| {
+        let mut f = fs::OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?;
+        f.write_all(bytes).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        drop(f);
+        fs::rename(&tmp, path).map_err(io(path))?;
+        if let Ok(d) = File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
 }

@@ -16,6 +16,12 @@
 //! `gemma4`'s language model) splits the fused `experts.gate_up_proj` into
 //! `experts.switch_glu.{gate,up}_proj.weight`, renames `experts.down_proj`, quantizes
 //! `router.proj` at 8 bits in groups of 64, and drops what mlx-lm drops.
+//!
+//! The output is streamed: one tensor is read, quantized and evaluated at a time, and the weights
+//! are written in shards as mlx-lm's `save_model` writes them (`model-0000k-of-0000n.safetensors`
+//! up to [`QuantizeOptions::max_shard_bytes`] each, `model.safetensors` when one shard holds
+//! everything, and `model.safetensors.index.json` in both cases), so peak memory is about one
+//! shard.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -25,7 +31,7 @@ use mlx_array::{Array, DType, QuantMode};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::output::{io, OutDtype, StagedDir};
+use crate::output::{io, OutDtype, ShardedWriter, StagedDir, DEFAULT_MAX_SHARD_BYTES};
 use crate::ConvertError;
 
 /// A mixed-precision recipe of mlx-lm (`--quant-predicate`).
@@ -72,11 +78,14 @@ pub struct QuantizeOptions {
     pub recipe: Option<Recipe>,
     /// dtype of the tensors left unquantized, and of the tensors quantized from (`None`: as stored).
     pub dtype: Option<OutDtype>,
+    /// Largest shard in bytes (mlx-lm's default: 5 GiB); a tensor larger than this gets a shard
+    /// of its own. Peak memory is about one shard.
+    pub max_shard_bytes: u64,
 }
 
 impl Default for QuantizeOptions {
     fn default() -> Self {
-        QuantizeOptions { mode: QuantMode::Affine { bits: 4, group_size: 64 }, recipe: None, dtype: None }
+        QuantizeOptions { mode: QuantMode::Affine { bits: 4, group_size: 64 }, recipe: None, dtype: None, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES }
     }
 }
 
@@ -95,6 +104,8 @@ pub struct QuantizeSummary {
     /// mlx-lm reports it.
     pub bits_per_weight: f64,
     pub bytes_written: u64,
+    /// The weight files written (`model.safetensors`, or `model-0000k-of-0000n.safetensors`).
+    pub shards: Vec<String>,
     pub seconds: f64,
 }
 
@@ -273,18 +284,21 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
     }
 
     let staged = StagedDir::new(output)?;
-    let mut out: Vec<(String, Array)> = Vec::with_capacity(infos.len() * 2);
+    // Each tensor is quantized, evaluated and handed to the shard writer before the next is
+    // read: what is resident is the shard being filled, not the model.
+    let mut out = ShardedWriter::new(staged.path(), opts.max_shard_bytes)?;
     let (mut quantized, mut kept, mut weight_elems) = (0usize, 0usize, 0u64);
     let total = infos.len();
     let layout = MlxLmLayout::of(obj);
     for (index, (file, info)) in infos.iter().enumerate() {
         let stored = ckpts[*file].load(&info.name, float_dtype)?;
-        weight_elems += info.shape.iter().product::<usize>() as u64;
         for (name, a) in layout.tensors(&info.name, stored)? {
             let shape = a.shape();
+            // what is written, quantized layers counted unpacked (tensors the layout drops are not)
+            weight_elems += a.size() as u64;
             let layer = if a.dtype().is_float() { quantizable_layer(&name, &shape, group_size) } else { None };
             let Some(layer) = layer.map(str::to_string) else {
-                out.push((name, a));
+                out.add(name, a)?;
                 kept += 1;
                 continue;
             };
@@ -298,7 +312,7 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
             };
             // The router's own group may not divide its width: then it stays unquantized.
             if shape.last().is_some_and(|&d| d % mode.group_size() as usize != 0) {
-                out.push((name, a));
+                out.add(name, a)?;
                 kept += 1;
                 continue;
             }
@@ -309,10 +323,10 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
                 qcfg.insert(layer.clone(), mode_json(mode));
             }
             let q = a.quantize(mode)?;
-            out.push((name, q.weight));
-            out.push((format!("{layer}.scales"), q.scales));
+            out.add(name, q.weight)?;
+            out.add(format!("{layer}.scales"), q.scales)?;
             if let Some(b) = q.biases {
-                out.push((format!("{layer}.biases"), b));
+                out.add(format!("{layer}.biases"), b)?;
             }
             quantized += 1;
         }
@@ -328,12 +342,12 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
         obj.insert("torch_dtype".into(), json!(d.torch_name()));
     }
 
-    let refs: Vec<(&str, &Array)> = out.iter().map(|(n, a)| (n.as_str(), a)).collect();
-    let meta: std::collections::HashMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
-    mlx_array::io::save_safetensors(staged.path().join("model.safetensors"), &refs, Some(&meta))?;
+    // mlx-lm's `total_parameters` counts a quantized layer's weight as its unpacked size: the
+    // input's element count.
+    let written = out.finish(weight_elems)?;
     staged.write("config.json", &serde_json::to_vec_pretty(&config)?)?;
     copy_side_files(input, &staged)?;
-    let bytes_written: u64 = out.iter().map(|(_, a)| a.nbytes() as u64).sum();
+    let bytes_written = written.total_size;
     let bits_per_weight = if weight_elems > 0 { bytes_written as f64 * 8.0 / weight_elems as f64 } else { 0.0 };
     let output = staged.commit()?;
     let (bits, group_size) = match opts.recipe {
@@ -350,6 +364,7 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
         kept,
         bits_per_weight,
         bytes_written,
+        shards: written.files,
         seconds: t0.elapsed().as_secs_f64(),
     })
 }

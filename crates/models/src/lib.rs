@@ -26,6 +26,7 @@
 pub struct ReadmeDoctests;
 
 pub mod cache;
+pub mod calibrate;
 pub mod chat;
 pub mod config;
 mod error;

@@ -104,6 +104,12 @@ fn e4m3fn_table() -> [f32; 256] {
 pub struct QuantSpec {
     pub default: QuantMode,
     pub layers: HashMap<String, Option<QuantMode>>,
+    /// Calibrated per-tensor activation maxima (`input_amax` of a per-layer entry, written by
+    /// [`crate::calibrate::calibrate_activation_amax`]).
+    pub input_amax: HashMap<String, f32>,
+    /// The layers whose `input_amax` a projection took at load ([`Weights::check_all_used`]
+    /// refuses the others).
+    pub(crate) amax_read: std::sync::Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl QuantSpec {
@@ -130,11 +136,20 @@ impl QuantSpec {
             QuantMode::from_parts(m, num("bits")?, num("group_size")?).map_err(|e| e.to_string())
         };
         let default = mode(q)?;
+        if obj.contains_key("input_amax") {
+            return Err("quantization.input_amax: activation maxima belong to per-layer entries".into());
+        }
         let mut layers = HashMap::new();
+        let mut input_amax = HashMap::new();
         for (k, v) in obj {
             match v {
                 serde_json::Value::Object(_) => {
                     layers.insert(k.clone(), Some(mode(v)?));
+                    if let Some(a) = v.get("input_amax") {
+                        let a = a.as_f64().map(|a| a as f32).filter(|a| a.is_finite() && *a > 0.0).ok_or(format!("quantization.{k}.input_amax must be a positive finite number, got {a}"))?;
+                        crate::calibrate::check_site(k, mode(v)?)?;
+                        input_amax.insert(k.clone(), a);
+                    }
                 }
                 serde_json::Value::Bool(false) => {
                     layers.insert(k.clone(), None);
@@ -142,7 +157,7 @@ impl QuantSpec {
                 _ => {}
             }
         }
-        Ok(Some(QuantSpec { default, layers }))
+        Ok(Some(QuantSpec { default, layers, input_amax, amax_read: Default::default() }))
     }
 }
 
@@ -216,6 +231,17 @@ impl Weights {
     /// Strict loading: every tensor of the checkpoint was consumed by the model or set aside.
     /// Unexpected tensors (a mistyped layout, a newer checkpoint format) are an error naming them.
     pub fn check_all_used(&self) -> Result<()> {
+        if let Some(q) = &self.quant {
+            let read = q.amax_read.lock().unwrap_or_else(|e| e.into_inner());
+            let mut unread: Vec<&str> = q.input_amax.keys().filter(|k| !read.contains(*k)).map(String::as_str).collect();
+            if !unread.is_empty() {
+                unread.sort();
+                return Err(self.err(format!(
+                    "input_amax of {} is read by no activation-quantised projection of the model (mxfp8 attention projections, nvfp4 linear layers; not embeddings or stacked experts)",
+                    unread.join(", ")
+                )));
+            }
+        }
         let unused = self.unused();
         if unused.is_empty() {
             return Ok(());
@@ -322,6 +348,10 @@ pub struct Vb<'a> {
 }
 
 impl<'a> Vb<'a> {
+    /// The dotted path of this view (`model.layers.0.self_attn.q_proj`).
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
     /// The checkpoint this view reads.
     pub(crate) fn weights(&self) -> &'a Weights {
         self.w

@@ -75,7 +75,7 @@ fn our_quantize_writes_mlx_lm_tensors() {
     ];
     for (name, src, mode, recipe) in cases {
         let out = dir.path().join(name);
-        let opts = QuantizeOptions { mode, recipe, dtype: Some(mlx_convert::OutDtype::F32) };
+        let opts = QuantizeOptions { mode, recipe, dtype: Some(mlx_convert::OutDtype::F32), ..Default::default() };
         quantize_dir(&fixture(src), &out, &opts, |_| {}).unwrap();
         let ours = mlx_array::io::load_dir(&out, None).unwrap();
         let theirs = mlx_array::io::load_dir(&fixture(name), None).unwrap();

@@ -103,7 +103,14 @@ fn null_array() -> mlx_sys::mlx_array {
 impl Array {
     /// Quantize a float matrix `[.., out, in]` along its last axis.
     pub fn quantize(&self, mode: QuantMode) -> Result<Quantized> {
+        self.quantize_scaled(mode, None)
+    }
+
+    /// [`Array::quantize`] with nvfp4's per-tensor scale: MLX's `global_scale`, the tensor's
+    /// max |x| (a f32 scalar), by which the E4M3 group scales are expressed. Only nvfp4 takes one.
+    pub fn quantize_scaled(&self, mode: QuantMode, global_scale: Option<&Array>) -> Result<Quantized> {
         mode.validate("quantize")?;
+        check_global_scale("quantize", mode, global_scale)?;
         let (bits, gs, name) = mode.parts();
         if self.ndim() < 2 || !self.dtype().is_float() {
             return Err(Error::shape("quantize", format!("need a float matrix, got {:?} {}", self.shape(), self.dtype())));
@@ -115,7 +122,7 @@ impl Array {
         let s = stream();
         let mut vec = unsafe { mlx_sys::mlx_vector_array_new() };
         let st = crate::ffi::status("quantize", || unsafe {
-            mlx_sys::mlx_quantize(&mut vec, self.inner.as_ptr(), opt_int(gs), opt_int(bits), name.as_ptr(), null_array(), s.as_ptr())
+            mlx_sys::mlx_quantize(&mut vec, self.inner.as_ptr(), opt_int(gs), opt_int(bits), name.as_ptr(), global_scale.map(|g| g.inner.as_ptr()).unwrap_or_else(null_array), s.as_ptr())
         });
         let mut parts = Vec::new();
         if st.is_ok() {
@@ -159,7 +166,14 @@ impl Quantized {
 
     /// Back to a float matrix (`dtype` of the scales for affine, f32 otherwise unless given).
     pub fn dequantize(&self, dtype: Option<DType>) -> Result<Array> {
+        self.dequantize_scaled(dtype, None)
+    }
+
+    /// [`Quantized::dequantize`] of nvfp4 quantized with a `global_scale`
+    /// ([`Array::quantize_scaled`]).
+    pub fn dequantize_scaled(&self, dtype: Option<DType>, global_scale: Option<&Array>) -> Result<Array> {
         self.check("dequantize")?;
+        check_global_scale("dequantize", self.mode, global_scale)?;
         let (bits, gs, name) = self.mode.parts();
         let dt = mlx_sys::mlx_optional_dtype {
             value: dtype.map(|d| d.to_mlx() as mlx_sys::mlx_dtype).unwrap_or(0),
@@ -167,7 +181,7 @@ impl Quantized {
         };
         let s = stream();
         ffi("dequantize", |res| unsafe {
-            mlx_sys::mlx_dequantize(res, self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), self.biases_ptr(), opt_int(gs), opt_int(bits), name.as_ptr(), null_array(), dt, s.as_ptr())
+            mlx_sys::mlx_dequantize(res, self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), self.biases_ptr(), opt_int(gs), opt_int(bits), name.as_ptr(), global_scale.map(|g| g.inner.as_ptr()).unwrap_or_else(null_array), dt, s.as_ptr())
         })
     }
 
@@ -195,4 +209,40 @@ pub fn gather_qmm(x: &Array, w: &Quantized, lhs_indices: Option<&Array>, rhs_ind
     ffi("gather_qmm", |res| unsafe {
         mlx_sys::mlx_gather_qmm(res, x.inner.as_ptr(), w.weight.inner.as_ptr(), w.scales.inner.as_ptr(), w.biases_ptr(), ptr(lhs_indices), ptr(rhs_indices), transpose, opt_int(gs), opt_int(bits), name.as_ptr(), sorted_indices, s.as_ptr())
     })
+}
+
+/// A global scale is a f32 scalar, and nvfp4's alone.
+fn check_global_scale(op: &'static str, mode: QuantMode, g: Option<&Array>) -> Result<()> {
+    let Some(g) = g else { return Ok(()) };
+    if mode != QuantMode::Nvfp4 {
+        return Err(Error::arg(op, format!("a global scale applies to nvfp4, not {}", mode.name())));
+    }
+    if g.dtype() != DType::F32 || g.size() != 1 {
+        return Err(Error::arg(op, format!("the global scale must be one f32, got {} {:?}", g.dtype(), g.shape())));
+    }
+    Ok(())
+}
+
+impl Array {
+    /// Round a float array to OCP FP8 E4M3 (MLX's `to_fp8`): one `u8` code per element, no
+    /// scale. Pair with [`Array::from_fp8`] for a quantize-dequantize round trip.
+    pub fn to_fp8(&self) -> Result<Array> {
+        if !self.dtype().is_float() {
+            return Err(Error::DType { op: "to_fp8", expected: "a float array".into(), got: self.dtype().to_string() });
+        }
+        let s = stream();
+        ffi("to_fp8", |res| unsafe { mlx_sys::mlx_to_fp8(res, self.inner.as_ptr(), s.as_ptr()) })
+    }
+
+    /// E4M3 codes (`u8`, from [`Array::to_fp8`]) back to floats of `dtype` (MLX's `from_fp8`).
+    pub fn from_fp8(&self, dtype: DType) -> Result<Array> {
+        if self.dtype() != DType::U8 {
+            return Err(Error::DType { op: "from_fp8", expected: "u8 E4M3 codes".into(), got: self.dtype().to_string() });
+        }
+        if !dtype.is_float() {
+            return Err(Error::DType { op: "from_fp8", expected: "a float output dtype".into(), got: dtype.to_string() });
+        }
+        let s = stream();
+        ffi("from_fp8", |res| unsafe { mlx_sys::mlx_from_fp8(res, self.inner.as_ptr(), dtype.to_mlx() as mlx_sys::mlx_dtype, s.as_ptr()) })
+    }
 }

@@ -1,3 +1,4 @@
+use crate::calibrate::ActSite;
 use crate::weights::Vb;
 use crate::{ModelError, Result};
 use mlx_array::{Array, Quantized};
@@ -16,15 +17,17 @@ enum LinearWeight {
 pub struct Linear {
     w: LinearWeight,
     bias: Option<Array>,
+    /// An activation-quantised projection ([`crate::calibrate`]).
+    act: Option<ActSite>,
 }
 
 impl Linear {
     pub fn new(weight: Array, bias: Option<Array>) -> Result<Self> {
-        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias })
+        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias, act: None })
     }
     /// A quantized `[out, in]` weight.
     pub fn quantized(q: Quantized, bias: Option<Array>) -> Self {
-        Linear { w: LinearWeight::Quantized(q), bias }
+        Linear { w: LinearWeight::Quantized(q), bias, act: None }
     }
     /// `prefix.weight` of shape `[out, in]` (or its quantized form, dequantized at load when the
     /// load options ask) and, if `bias`, `prefix.bias`.
@@ -38,16 +41,24 @@ impl Linear {
             };
             return Self::new(w, b);
         }
+        let act = ActSite::for_layer(vb)?;
         if vb.is_quantized() {
             let q = vb.quantized(&[out_dim, in_dim])?;
-            return match vb.weights().dequantize_to {
-                Some(dt) => Self::new(q.dequantize(Some(dt))?, b),
-                None => Ok(Self::quantized(q, b)),
+            let mut l = match vb.weights().dequantize_to {
+                Some(dt) => Self::new(q.dequantize(Some(dt))?, b)?,
+                None => Self::quantized(q, b),
             };
+            l.act = act;
+            return Ok(l);
         }
         Self::new(vb.get("weight", &[out_dim, in_dim])?, b)
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        let xq = match &self.act {
+            Some(site) => site.input(x)?,
+            None => None,
+        };
+        let x = xq.as_ref().unwrap_or(x);
         let y = match &self.w {
             LinearWeight::Dense(wt) => x.matmul(wt)?,
             LinearWeight::Quantized(q) => q.matmul(x, true)?,
@@ -126,6 +137,12 @@ impl FusedLinear {
         // Quantized projections stay separate (each is its own quantized product).
         let quantized = names.iter().any(|n| vb.pp(n).is_quantized() || vb.pp(n).is_fp8());
         let fuse = names.len() > 1 && !quantized && vb.weights().fuse_projections()?;
+        if fuse {
+            // float projections: an input_amax on one of them is an error, as in Linear::load
+            for n in names {
+                ActSite::for_layer(&vb.pp(n))?;
+            }
+        }
         if !fuse {
             let parts = names.iter().zip(outs).map(|(n, &o)| Linear::load(&vb.pp(n), in_dim, o, bias)).collect::<Result<Vec<_>>>()?;
             return Ok(FusedLinear::Separate(parts));
