@@ -142,6 +142,21 @@ fn quant_mode(mode: &str, bits: Option<u32>, group_size: Option<u32>, recipe: Op
     QuantMode::from_parts(mode, bits.unwrap_or(db), group_size.unwrap_or(dg)).map_err(|e| e.to_string())
 }
 
+/// Print a verb's outcome: its summary as one JSON line with `--json`, else the `human` line;
+/// an error on stderr.
+fn report<S: serde::Serialize, E: std::fmt::Display>(result: Result<S, E>, json: bool, human: impl FnOnce(&S) -> String) -> ExitCode {
+    match result {
+        Ok(s) => {
+            println!("{}", if json { serde_json::to_string(&s).expect("summary serializes") } else { human(&s) });
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -178,27 +193,16 @@ fn main() -> ExitCode {
                 bar.set_message(format!("{} tokens", p.tokens));
             });
             bar.finish_and_clear();
-            match result {
-                Ok(s) if json => {
-                    println!("{}", serde_json::to_string(&s).expect("summary serializes"));
-                    ExitCode::SUCCESS
-                }
-                Ok(s) => {
-                    println!(
-                        "{}: {} projections calibrated over {} texts ({} tokens, at most {seq_len} each), input_amax written to config.json, {:.1} s",
-                        dir.display(),
-                        s.projections,
-                        s.rows,
-                        s.tokens,
-                        s.seconds
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+            report(result, json, |s| {
+                format!(
+                    "{}: {} projections calibrated over {} texts ({} tokens, at most {seq_len} each), input_amax written to config.json, {:.1} s",
+                    dir.display(),
+                    s.projections,
+                    s.rows,
+                    s.tokens,
+                    s.seconds
+                )
+            })
         }
         Command::Quantize { input, output, mode, bits, group_size, recipe, dtype, max_shard_size, json } => {
             let mode = match quant_mode(&mode, bits, group_size, recipe) {
@@ -212,66 +216,45 @@ fn main() -> ExitCode {
             let opts = QuantizeOptions { mode, recipe, dtype, max_shard_bytes: max_shard_size };
             let result = quantize_dir(&input, &output, &opts, |p| show(&bar, p.index, p.total, p.tensor));
             bar.finish_and_clear();
-            match result {
-                Ok(s) if json => {
-                    println!("{}", serde_json::to_string(&s).expect("summary serializes"));
-                    ExitCode::SUCCESS
-                }
-                Ok(s) => {
-                    let recipe = s.recipe.map(|r| format!(", recipe {r:?}")).unwrap_or_default();
-                    println!(
-                        "{} -> {}: {} layers quantized ({} {} bits, groups of {}{recipe}), {} tensors kept, {:.3} bits per weight, {:.1} MB in {} shard(s), {:.1} s",
-                        input.display(),
-                        s.output.display(),
-                        s.quantized,
-                        s.mode,
-                        s.bits,
-                        s.group_size,
-                        s.kept,
-                        s.bits_per_weight,
-                        s.bytes_written as f64 / 1e6,
-                        s.shards.len(),
-                        s.seconds
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+            report(result, json, |s| {
+                let recipe = s.recipe.map(|r| format!(", recipe {r:?}")).unwrap_or_default();
+                format!(
+                    "{} -> {}: {} layers quantized ({} {} bits, groups of {}{recipe}), {} tensors kept, {:.3} bits per weight, {:.1} MB in {} shard(s), {:.1} s",
+                    input.display(),
+                    s.output.display(),
+                    s.quantized,
+                    s.mode,
+                    s.bits,
+                    s.group_size,
+                    s.kept,
+                    s.bits_per_weight,
+                    s.bytes_written as f64 / 1e6,
+                    s.shards.len(),
+                    s.seconds
+                )
+            })
         }
         Command::Gguf { input, output, dtype, config_from, json } => {
             let bar = tensor_bar();
             let opts = GgufToHfOptions { dtype, config_from };
             let result = gguf_to_hf(&input, &output, &opts, |p| show(&bar, p.index, p.total, p.tensor));
             bar.finish_and_clear();
-            match result {
-                Ok(s) => {
-                    if json {
-                        println!("{}", serde_json::to_string(&s).expect("summary serializes"));
-                    } else {
-                        println!(
-                            "{} ({}) -> {}: {} tensors, {:.1} MB {}, {:.1} s",
-                            input.display(),
-                            s.architecture,
-                            s.output.display(),
-                            s.tensors,
-                            s.bytes_written as f64 / 1e6,
-                            s.dtype.torch_name(),
-                            s.seconds
-                        );
-                        if s.chat_template == Some(mlx_convert::gguf::ChatTemplateSource::Builtin) {
-                            println!("the GGUF has no chat template: wrote the built-in {} turn format", s.architecture);
-                        }
-                    }
-                    ExitCode::SUCCESS
+            report(result, json, |s| {
+                let mut line = format!(
+                    "{} ({}) -> {}: {} tensors, {:.1} MB {}, {:.1} s",
+                    input.display(),
+                    s.architecture,
+                    s.output.display(),
+                    s.tensors,
+                    s.bytes_written as f64 / 1e6,
+                    s.dtype.torch_name(),
+                    s.seconds
+                );
+                if s.chat_template == Some(mlx_convert::gguf::ChatTemplateSource::Builtin) {
+                    line.push_str(&format!("\nthe GGUF has no chat template: wrote the built-in {} turn format", s.architecture));
                 }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+                line
+            })
         }
     }
 }

@@ -23,6 +23,14 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// A writable copy of a fixture directory (plus `extra` files from other fixtures).
+/// A copy of the mxfp8 fixture, its config.json path and bytes.
+fn mxfp8_copy() -> (tempfile::TempDir, PathBuf, PathBuf, Vec<u8>) {
+    let (t, dir) = copy_of("qwen3_mxfp8_attn", &[]);
+    let cfg = dir.join("config.json");
+    let before = std::fs::read(&cfg).unwrap();
+    (t, dir, cfg, before)
+}
+
 fn copy_of(name: &str, extra: &[(&str, &str)]) -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join(name);
@@ -140,9 +148,7 @@ fn a_second_concurrent_calibration_is_refused() {
 #[test]
 fn failures_leave_config_json_byte_identical() {
     let _s = serial();
-    let (_t, dir) = copy_of("qwen3_mxfp8_attn", &[]);
-    let cfg = dir.join("config.json");
-    let before = std::fs::read(&cfg).unwrap();
+    let (_t, dir, cfg, before) = mxfp8_copy();
     let listing = |d: &Path| {
         let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         v.sort();
@@ -161,17 +167,21 @@ fn failures_leave_config_json_byte_identical() {
 
     // a quantized checkpoint without mxfp8 attention: zero projections is an error too
     let (_t2, affine) = copy_of("qwen3_untied_q8g32", &[("qwen3_untied", "tokenizer.json"), ("qwen3_untied", "tokenizer_config.json")]);
-    let before = std::fs::read(affine.join("config.json")).unwrap();
-    let e = calibrate_activation_amax(&affine, &texts(), 24).unwrap_err();
+    let e = failed_calibration(&affine);
     assert!(matches!(e, CalibrateError::NoSites(_)), "{e}");
-    assert_eq!(std::fs::read(affine.join("config.json")).unwrap(), before);
 
     // an unreadable checkpoint: the load fails, config.json stays
     let (_t3, broken) = copy_of("qwen3_mxfp8_attn", &[]);
     std::fs::remove_file(broken.join("tokenizer.json")).unwrap();
-    let before = std::fs::read(broken.join("config.json")).unwrap();
-    assert!(calibrate_activation_amax(&broken, &texts(), 24).is_err());
-    assert_eq!(std::fs::read(broken.join("config.json")).unwrap(), before);
+    failed_calibration(&broken);
+}
+
+/// Calibrate `dir`, which must fail and leave its config.json as it was; the error.
+fn failed_calibration(dir: &Path) -> CalibrateError {
+    let before = std::fs::read(dir.join("config.json")).unwrap();
+    let e = calibrate_activation_amax(dir, &texts(), 24).unwrap_err();
+    assert_eq!(std::fs::read(dir.join("config.json")).unwrap(), before, "{}: config.json changed", dir.display());
+    e
 }
 
 /// config.json is replaced by a rename, not rewritten in place: a handle opened before still
@@ -180,9 +190,7 @@ fn failures_leave_config_json_byte_identical() {
 fn config_json_is_replaced_atomically() {
     use std::io::Read;
     let _s = serial();
-    let (_t, dir) = copy_of("qwen3_mxfp8_attn", &[]);
-    let cfg = dir.join("config.json");
-    let before = std::fs::read(&cfg).unwrap();
+    let (_t, dir, cfg, before) = mxfp8_copy();
     let mut old = std::fs::File::open(&cfg).unwrap();
     calibrate_activation_amax(&dir, &texts(), 24).unwrap();
     let mut seen = Vec::new();
