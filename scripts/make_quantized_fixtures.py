@@ -4,8 +4,8 @@
     python3 scripts/make_quantized_fixtures.py [OUT_DIR [NAME...]]    (needs mlx-lm 0.32.2 and mlx[cpu] 0.32.4: mlx-lm
     0.32.2 passes gather_qmm a global_scale that MLX 0.32.2 lacks)
 
-For each entry below: mlx-lm loads the bf16 fixture, casts it to f32 (as `mlx_lm.convert
---dtype float32` does), quantizes it with `quantize_model` (mlx-lm's layer choice, MLX's
+For each entry below: mlx-lm loads the bf16 fixture, casts it to f32 as `mlx_lm.convert
+--dtype float32` does (the model's `cast_predicate` keeps some tensors in their dtype), quantizes it with `quantize_model` (mlx-lm's layer choice, MLX's
 `mx.quantize`) and saves it with `save_model` / `save_config` into OUT_DIR/<name> (default: the
 fixtures directory, crates/models/tests/fixtures/tiny, which holds the sources); NAMEs, when
 given, pick entries (default: all). Then, on
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_map_with_path
 import numpy as np
 from mlx_lm.convert import mixed_quant_predicate_builder
 from mlx_lm.models.cache import make_prompt_cache
@@ -85,8 +85,11 @@ def build(root, name, src, mode, group_size, bits, recipe, overrides):
             flat["rope_scaling"] = rp
         overrides = {**flat, **(overrides or {})}
     model, config = load_model(SOURCES / src, model_config=overrides or {})
-    model.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
-                                   model.parameters()))
+    # as mlx_lm.convert --dtype float32: floats cast unless the model's cast_predicate keeps them
+    # (Qwen3.5's A_log, LFM2-MoE's expert_bias)
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    model.update(tree_map_with_path(lambda p, v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) and keep(p) else v,
+                                    model.parameters()))
     pred = mixed_quant_predicate_builder(recipe, model, group_size) if recipe else None
     model, config = quantize_model(model, config, group_size, bits, mode=mode, quant_predicate=pred)
     out = Path(root) / name

@@ -124,7 +124,10 @@ fn mode_json(m: QuantMode) -> Value {
 pub fn quantizable_layer<'a>(name: &'a str, shape: &[usize], group_size: u32) -> Option<&'a str> {
     let layer = name.strip_suffix(".weight")?;
     let tower = ["vision_tower", "vision_model", "visual", "multi_modal_projector", "audio_tower", "embed_vision", "embed_audio"];
-    if tower.iter().any(|t| layer.split('.').any(|p| p == *t)) || layer.contains("norm") || layer.contains("conv") {
+    // convolutions (LFM2's `conv.conv`, Qwen3.5's `conv1d`) are not linear layers; the linear
+    // projections around them (`conv.in_proj`) are
+    let conv = layer.rsplit('.').next().is_some_and(|last| last.contains("conv"));
+    if tower.iter().any(|t| layer.split('.').any(|p| p == *t)) || layer.contains("norm") || conv {
         return None;
     }
     let experts = layer.contains("experts") || layer.contains("switch_mlp");
@@ -158,7 +161,7 @@ fn is_router(layer: &str) -> bool {
 
 /// The tensor layout mlx-lm's model of a family saves, where it differs from transformers'.
 #[derive(Debug, Clone, PartialEq)]
-enum MlxLmLayout {
+enum LayoutKind {
     /// Tensors keep their names.
     AsStored,
     /// mlx-lm's `gemma4_text` (`sanitize`, `quant_predicate`), and `gemma4`'s (also
@@ -169,79 +172,193 @@ enum MlxLmLayout {
         first_kv_shared: usize,
         multimodal: bool,
     },
+    /// mlx-lm's `lfm2_moe`: `w1`/`w2`/`w3` named `gate_proj`/`down_proj`/`up_proj`, each MoE
+    /// layer's experts stacked into `feed_forward.switch_mlp.*`, conv weights as `[C, K, 1]`;
+    /// `expert_bias` keeps its stored dtype.
+    Lfm2Moe { num_experts: usize },
+    /// mlx-lm's `qwen3_5` and `qwen3_5_moe` (the `...ForConditionalGeneration` checkpoints):
+    /// everything under `language_model.`, vision tower and `mtp.*` dropped, fused experts split
+    /// into `mlp.switch_mlp.*`, conv1d weights as `[C, K, 1]`, and, when the checkpoint's conv
+    /// weights are transformers' `[C, 1, K]`, the (1+w) norms stored as `w + 1`. `A_log` keeps
+    /// its stored dtype (mlx-lm's `cast_predicate`).
+    Qwen35 { norms_as_deltas: bool },
 }
 
+/// A family's mlx-lm layout applied tensor by tensor; tensors mlx-lm stacks (LFM2-MoE's
+/// experts) are held until their group is complete.
+struct MlxLmLayout {
+    kind: LayoutKind,
+    /// Stacked tensor name -> its parts so far.
+    pending: BTreeMap<String, Vec<Option<Array>>>,
+}
+
+const QWEN35_NORMS: [&str; 5] = [".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight", ".k_norm.weight"];
+
 impl MlxLmLayout {
-    fn of(config: &serde_json::Map<String, Value>) -> Self {
+    /// The layout of the checkpoint whose config is `config` and whose tensors are `infos`.
+    fn of(config: &serde_json::Map<String, Value>, infos: &[(usize, mlx_array::io::TensorInfo)]) -> Self {
         let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("");
-        // mlx-lm reads `gemma4_unified` with its `gemma4` model
-        let multimodal = match model_type {
-            "gemma4" | "gemma4_unified" => true,
-            "gemma4_text" => false,
-            _ => return MlxLmLayout::AsStored,
-        };
         let text = config.get("text_config").and_then(Value::as_object).unwrap_or(config);
         let num = |k: &str| text.get(k).and_then(Value::as_u64).unwrap_or(0) as usize;
-        let layers = num("num_hidden_layers");
-        MlxLmLayout::Gemma4 { first_kv_shared: layers - num("num_kv_shared_layers").min(layers), multimodal }
+        let kind = match model_type {
+            // mlx-lm reads `gemma4_unified` with its `gemma4` model
+            "gemma4" | "gemma4_unified" | "gemma4_text" => {
+                let layers = num("num_hidden_layers");
+                LayoutKind::Gemma4 { first_kv_shared: layers - num("num_kv_shared_layers").min(layers), multimodal: model_type != "gemma4_text" }
+            }
+            "lfm2_moe" => LayoutKind::Lfm2Moe { num_experts: num("num_experts") },
+            "qwen3_5" | "qwen3_5_moe" => LayoutKind::Qwen35 {
+                norms_as_deltas: infos.iter().any(|(_, t)| t.name.contains("conv1d.weight") && t.shape.last() != Some(&1)),
+            },
+            _ => LayoutKind::AsStored,
+        };
+        MlxLmLayout { kind, pending: BTreeMap::new() }
     }
 
-    /// The tensors mlx-lm saves for the stored tensor `name` (none: dropped), lazily.
-    fn tensors(&self, name: &str, a: Array) -> Result<Vec<(String, Array)>, ConvertError> {
-        let MlxLmLayout::Gemma4 { first_kv_shared, multimodal } = self else {
-            return Ok(vec![(name.to_string(), a)]);
-        };
-        let mut name = name.to_string();
-        if *multimodal {
-            let (had_model, rest) = match name.strip_prefix("model.") {
-                Some(r) => (true, r),
-                None => (false, name.as_str()),
-            };
-            const TOWERS: [&str; 6] = ["vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder"];
-            if TOWERS.iter().any(|t| rest.starts_with(t)) {
+    /// Whether the stored tensor `name` keeps its stored dtype in mlx-lm's output (the model's
+    /// `cast_predicate`).
+    fn keeps_dtype(&self, name: &str) -> bool {
+        match self.kind {
+            LayoutKind::Qwen35 { .. } => name.ends_with("A_log"),
+            LayoutKind::Lfm2Moe { .. } => name.contains("expert_bias"),
+            _ => false,
+        }
+    }
+
+    /// The tensors mlx-lm saves for the stored tensor `name` (none: dropped, or held until its
+    /// stack is complete), lazily.
+    fn tensors(&mut self, name: &str, a: Array) -> Result<Vec<(String, Array)>, ConvertError> {
+        match self.kind.clone() {
+            LayoutKind::AsStored => Ok(vec![(name.to_string(), a)]),
+            LayoutKind::Gemma4 { first_kv_shared, multimodal } => gemma4_tensors(name, a, first_kv_shared, multimodal),
+            LayoutKind::Lfm2Moe { num_experts } => self.lfm2_moe_tensors(name, a, num_experts),
+            LayoutKind::Qwen35 { norms_as_deltas } => qwen35_tensors(name, a, norms_as_deltas),
+        }
+    }
+
+    fn lfm2_moe_tensors(&mut self, name: &str, mut a: Array, num_experts: usize) -> Result<Vec<(String, Array)>, ConvertError> {
+        let mut name = name.replace("w1.weight", "gate_proj.weight").replace("w2.weight", "down_proj.weight").replace("w3.weight", "up_proj.weight");
+        let shape = a.shape();
+        if name.contains("conv.weight") && shape.len() == 3 && shape[2] > shape[1] {
+            a = a.transpose(&[0, 2, 1])?;
+        }
+        // model.layers.L.feed_forward.experts.E.PROJ.weight -> model.layers.L.feed_forward.switch_mlp.PROJ.weight
+        if let Some((base, rest)) = name.split_once(".feed_forward.experts.") {
+            let (e, proj) = rest.split_once('.').ok_or_else(|| ConvertError::BadTensor { name: name.clone(), msg: "expert tensor without a projection".into() })?;
+            let e: usize = e.parse().map_err(|_| ConvertError::BadTensor { name: name.clone(), msg: format!("expert index {e:?}") })?;
+            if e >= num_experts {
+                return Err(ConvertError::BadTensor { name, msg: format!("expert {e} of a config with {num_experts} experts") });
+            }
+            let stacked = format!("{base}.feed_forward.switch_mlp.{proj}");
+            let parts = self.pending.entry(stacked.clone()).or_insert_with(|| vec![None; num_experts]);
+            if parts[e].replace(a).is_some() {
+                return Err(ConvertError::BadTensor { name, msg: "expert stored twice".into() });
+            }
+            if parts.iter().any(Option::is_none) {
                 return Ok(vec![]);
             }
-            if had_model {
-                name = match rest.strip_prefix("language_model.") {
-                    Some(r) => format!("language_model.model.{r}"),
-                    None => rest.to_string(),
-                };
-            }
-        }
-        let dropped = ["self_attn.rotary_emb", "input_max", "input_min", "output_max", "output_min"];
-        if dropped.iter().any(|d| name.contains(d)) {
-            return Ok(vec![]);
-        }
-        if [".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm"].iter().any(|p| name.contains(p)) {
-            let layer = name.split("layers.").nth(1).and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
-            if layer.is_some_and(|i| i >= *first_kv_shared) {
-                return Ok(vec![]);
-            }
-        }
-        if let Some(base) = name.strip_suffix(".experts.gate_up_proj") {
-            // [E, 2I, H]: gate rows first, then up
-            let shape = a.shape();
-            if shape.len() < 2 || shape[shape.len() - 2] % 2 != 0 {
-                return Err(ConvertError::BadTensor { name, msg: format!("fused gate_up_proj of shape {shape:?} has no even [.., 2I, H] split") });
-            }
-            let half = shape[shape.len() - 2] / 2;
-            let axis = shape.len() as i32 - 2;
-            let (gate, up) = (a.slice_axis(axis, 0, half)?, a.slice_axis(axis, half, 2 * half)?);
-            return Ok(vec![(format!("{base}.experts.switch_glu.gate_proj.weight"), gate), (format!("{base}.experts.switch_glu.up_proj.weight"), up)]);
-        }
-        if let Some(base) = name.strip_suffix(".experts.down_proj") {
-            return Ok(vec![(format!("{base}.experts.switch_glu.down_proj.weight"), a)]);
+            let parts: Vec<Array> = self.pending.remove(&stacked).unwrap_or_default().into_iter().flatten().collect();
+            let refs: Vec<&Array> = parts.iter().collect();
+            name = stacked;
+            return Ok(vec![(name, mlx_array::ops::stack(&refs, 0)?)]);
         }
         Ok(vec![(name, a)])
     }
 
-    /// mlx-lm's `quant_predicate` asks 8 bits in groups of 64 for this layer.
-    fn is_router(&self, layer: &str) -> bool {
-        match self {
-            MlxLmLayout::Gemma4 { .. } => layer.ends_with("router.proj"),
-            MlxLmLayout::AsStored => is_router(layer),
+    /// Tensors held for a stack that never completed: an error naming the first.
+    fn finish(&self) -> Result<(), ConvertError> {
+        match self.pending.iter().next() {
+            None => Ok(()),
+            Some((name, parts)) => {
+                let have = parts.iter().filter(|p| p.is_some()).count();
+                Err(ConvertError::BadTensor { name: name.clone(), msg: format!("{have} of {} experts stored", parts.len()) })
+            }
         }
     }
+
+    /// mlx-lm's `quant_predicate` asks 8 bits in groups of 64 for this layer.
+    fn is_router(&self, layer: &str) -> bool {
+        match self.kind {
+            LayoutKind::Gemma4 { .. } => layer.ends_with("router.proj"),
+            _ => is_router(layer),
+        }
+    }
+}
+
+fn gemma4_tensors(name: &str, a: Array, first_kv_shared: usize, multimodal: bool) -> Result<Vec<(String, Array)>, ConvertError> {
+    let mut name = name.to_string();
+    if multimodal {
+        let (had_model, rest) = match name.strip_prefix("model.") {
+            Some(r) => (true, r),
+            None => (false, name.as_str()),
+        };
+        const TOWERS: [&str; 6] = ["vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder"];
+        if TOWERS.iter().any(|t| rest.starts_with(t)) {
+            return Ok(vec![]);
+        }
+        if had_model {
+            name = match rest.strip_prefix("language_model.") {
+                Some(r) => format!("language_model.model.{r}"),
+                None => rest.to_string(),
+            };
+        }
+    }
+    let dropped = ["self_attn.rotary_emb", "input_max", "input_min", "output_max", "output_min"];
+    if dropped.iter().any(|d| name.contains(d)) {
+        return Ok(vec![]);
+    }
+    if [".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm"].iter().any(|p| name.contains(p)) {
+        let layer = name.split("layers.").nth(1).and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+        if layer.is_some_and(|i| i >= first_kv_shared) {
+            return Ok(vec![]);
+        }
+    }
+    if let Some(base) = name.strip_suffix(".experts.gate_up_proj") {
+        let (gate, up) = split_gate_up(&name, &a)?;
+        return Ok(vec![(format!("{base}.experts.switch_glu.gate_proj.weight"), gate), (format!("{base}.experts.switch_glu.up_proj.weight"), up)]);
+    }
+    if let Some(base) = name.strip_suffix(".experts.down_proj") {
+        return Ok(vec![(format!("{base}.experts.switch_glu.down_proj.weight"), a)]);
+    }
+    Ok(vec![(name, a)])
+}
+
+fn qwen35_tensors(name: &str, mut a: Array, norms_as_deltas: bool) -> Result<Vec<(String, Array)>, ConvertError> {
+    if name.starts_with("vision_tower") || name.starts_with("model.visual") || name.contains("mtp.") {
+        return Ok(vec![]);
+    }
+    let name = match name.strip_prefix("model.language_model") {
+        Some(rest) => format!("language_model.model{rest}"),
+        None if name.starts_with("language_model.") => name.to_string(),
+        None => format!("language_model.{name}"),
+    };
+    if let Some(base) = name.strip_suffix(".mlp.experts.gate_up_proj") {
+        let (gate, up) = split_gate_up(&name, &a)?;
+        return Ok(vec![(format!("{base}.mlp.switch_mlp.gate_proj.weight"), gate), (format!("{base}.mlp.switch_mlp.up_proj.weight"), up)]);
+    }
+    if let Some(base) = name.strip_suffix(".mlp.experts.down_proj") {
+        return Ok(vec![(format!("{base}.mlp.switch_mlp.down_proj.weight"), a)]);
+    }
+    let shape = a.shape();
+    if name.contains("conv1d.weight") && shape.len() == 3 && shape[2] != 1 {
+        a = a.transpose(&[0, 2, 1])?;
+    }
+    if norms_as_deltas && shape.len() == 1 && QWEN35_NORMS.iter().any(|n| name.ends_with(n)) {
+        // in the stored dtype, as mlx-lm adds it before casting
+        a = a.add_scalar(1.0)?;
+    }
+    Ok(vec![(name, a)])
+}
+
+/// A fused `[.., 2I, H]` expert projection split into its gate rows and its up rows.
+fn split_gate_up(name: &str, a: &Array) -> Result<(Array, Array), ConvertError> {
+    let shape = a.shape();
+    if shape.len() < 2 || shape[shape.len() - 2] % 2 != 0 {
+        return Err(ConvertError::BadTensor { name: name.to_string(), msg: format!("fused gate_up_proj of shape {shape:?} has no even [.., 2I, H] split") });
+    }
+    let half = shape[shape.len() - 2] / 2;
+    let axis = shape.len() as i32 - 2;
+    Ok((a.slice_axis(axis, 0, half)?, a.slice_axis(axis, half, 2 * half)?))
 }
 
 /// Quantize the checkpoint in `input` into `output` (staged and renamed into place).
@@ -289,10 +406,17 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
     let mut out = ShardedWriter::new(staged.path(), opts.max_shard_bytes)?;
     let (mut quantized, mut kept, mut weight_elems) = (0usize, 0usize, 0u64);
     let total = infos.len();
-    let layout = MlxLmLayout::of(obj);
+    let mut layout = MlxLmLayout::of(obj, &infos);
     for (index, (file, info)) in infos.iter().enumerate() {
-        let stored = ckpts[*file].load(&info.name, float_dtype)?;
+        // in the stored dtype: the layout's arithmetic (Qwen3.5's norms) runs there, as mlx-lm's
+        // sanitize does, before the cast
+        let stored = ckpts[*file].load(&info.name, None)?;
+        let keep_dtype = layout.keeps_dtype(&info.name);
         for (name, a) in layout.tensors(&info.name, stored)? {
+            let a = match float_dtype {
+                Some(d) if a.dtype().is_float() && a.dtype() != d && !keep_dtype => a.astype(d)?,
+                _ => a,
+            };
             let shape = a.shape();
             // what is written, quantized layers counted unpacked (tensors the layout drops are not)
             weight_elems += a.size() as u64;
@@ -332,6 +456,7 @@ pub fn quantize_dir(input: &Path, output: &Path, opts: &QuantizeOptions, mut pro
         }
         progress(QuantizeProgress { index, total, tensor: &info.name });
     }
+    layout.finish()?;
     if quantized == 0 {
         return Err(ConvertError::BadOption(format!("no layer of {} can be quantized in groups of {group_size}", input.display())));
     }
@@ -435,13 +560,18 @@ mod tests {
         assert_eq!(quantizable_layer("model.layers.0.self_attn.q_proj.bias", &[64], 64), None);
         assert_eq!(quantizable_layer("model.layers.0.mlp.down_proj.weight", &[64, 96], 64), None);
         assert_eq!(quantizable_layer("model.layers.0.conv.conv.weight", &[64, 1, 3], 64), None);
+        assert_eq!(quantizable_layer("model.layers.0.conv.in_proj.weight", &[192, 64], 64), Some("model.layers.0.conv.in_proj"));
         assert_eq!(quantizable_layer("model.layers.0.mlp.switch_mlp.up_proj.weight", &[4, 64, 64], 64), Some("model.layers.0.mlp.switch_mlp.up_proj"));
         assert_eq!(quantizable_layer("model.vision_tower.blocks.0.attn.qkv.weight", &[64, 64], 64), None);
     }
 
-    fn names(layout: &MlxLmLayout, name: &str, shape: &[usize]) -> Result<Vec<(String, Vec<usize>)>, ConvertError> {
+    fn names(layout: &mut MlxLmLayout, name: &str, shape: &[usize]) -> Result<Vec<(String, Vec<usize>)>, ConvertError> {
         let a = Array::zeros(shape, DType::F32).unwrap();
         Ok(layout.tensors(name, a)?.into_iter().map(|(n, a)| (n, a.shape())).collect())
+    }
+
+    fn layout(cfg: Value) -> MlxLmLayout {
+        MlxLmLayout::of(cfg.as_object().unwrap(), &[])
     }
 
     /// Gemma 4 tensors as mlx-lm's `sanitize` leaves them: fused experts split, towers and
@@ -449,27 +579,58 @@ mod tests {
     /// `language_model.model.`; other families keep their names.
     #[test]
     fn gemma4_tensors_in_mlx_lm_layout() {
-        let cfg = |t: &str| json!({"model_type": t, "text_config": {"num_hidden_layers": 6, "num_kv_shared_layers": 2}}).as_object().unwrap().clone();
-        let text = MlxLmLayout::of(&cfg("gemma4_text"));
-        assert_eq!(text, MlxLmLayout::Gemma4 { first_kv_shared: 4, multimodal: false });
-        assert_eq!(MlxLmLayout::of(&cfg("qwen3_moe")), MlxLmLayout::AsStored);
+        let cfg = |t: &str| json!({"model_type": t, "text_config": {"num_hidden_layers": 6, "num_kv_shared_layers": 2}});
+        let mut text = layout(cfg("gemma4_text"));
+        assert_eq!(text.kind, LayoutKind::Gemma4 { first_kv_shared: 4, multimodal: false });
+        assert_eq!(layout(cfg("qwen3_moe")).kind, LayoutKind::AsStored);
         assert_eq!(
-            names(&text, "model.layers.0.experts.gate_up_proj", &[4, 64, 32]).unwrap(),
+            names(&mut text, "model.layers.0.experts.gate_up_proj", &[4, 64, 32]).unwrap(),
             vec![("model.layers.0.experts.switch_glu.gate_proj.weight".into(), vec![4, 32, 32]), ("model.layers.0.experts.switch_glu.up_proj.weight".into(), vec![4, 32, 32])]
         );
-        assert_eq!(names(&text, "model.layers.0.experts.down_proj", &[4, 32, 16]).unwrap(), vec![("model.layers.0.experts.switch_glu.down_proj.weight".into(), vec![4, 32, 16])]);
-        assert!(names(&text, "model.layers.4.self_attn.k_proj.weight", &[8, 8]).unwrap().is_empty());
-        assert_eq!(names(&text, "model.layers.3.self_attn.k_proj.weight", &[8, 8]).unwrap().len(), 1);
-        assert!(names(&text, "model.layers.0.self_attn.rotary_emb.inv_freq", &[8]).unwrap().is_empty());
-        assert!(matches!(names(&text, "model.layers.0.experts.gate_up_proj", &[4, 3, 8]), Err(ConvertError::BadTensor { .. })));
-        assert!(matches!(names(&text, "model.layers.0.experts.gate_up_proj", &[4]), Err(ConvertError::BadTensor { .. })));
-        let mm = MlxLmLayout::of(&cfg("gemma4"));
-        assert_eq!(MlxLmLayout::of(&cfg("gemma4_unified")), mm);
-        assert_eq!(names(&mm, "model.language_model.norm.weight", &[8]).unwrap(), vec![("language_model.model.norm.weight".into(), vec![8])]);
-        assert!(names(&mm, "model.vision_tower.x.weight", &[8, 8]).unwrap().is_empty());
-        assert!(names(&mm, "model.embed_vision.embedding_projection.weight", &[8, 8]).unwrap().is_empty());
+        assert_eq!(names(&mut text, "model.layers.0.experts.down_proj", &[4, 32, 16]).unwrap(), vec![("model.layers.0.experts.switch_glu.down_proj.weight".into(), vec![4, 32, 16])]);
+        assert!(names(&mut text, "model.layers.4.self_attn.k_proj.weight", &[8, 8]).unwrap().is_empty());
+        assert_eq!(names(&mut text, "model.layers.3.self_attn.k_proj.weight", &[8, 8]).unwrap().len(), 1);
+        assert!(names(&mut text, "model.layers.0.self_attn.rotary_emb.inv_freq", &[8]).unwrap().is_empty());
+        assert!(matches!(names(&mut text, "model.layers.0.experts.gate_up_proj", &[4, 3, 8]), Err(ConvertError::BadTensor { .. })));
+        assert!(matches!(names(&mut text, "model.layers.0.experts.gate_up_proj", &[4]), Err(ConvertError::BadTensor { .. })));
+        let mut mm = layout(cfg("gemma4"));
+        assert_eq!(layout(cfg("gemma4_unified")).kind, mm.kind);
+        assert_eq!(names(&mut mm, "model.language_model.norm.weight", &[8]).unwrap(), vec![("language_model.model.norm.weight".into(), vec![8])]);
+        assert!(names(&mut mm, "model.vision_tower.x.weight", &[8, 8]).unwrap().is_empty());
+        assert!(names(&mut mm, "model.embed_vision.embedding_projection.weight", &[8, 8]).unwrap().is_empty());
         assert!(text.is_router("model.layers.0.router.proj") && !text.is_router("model.layers.0.mlp.gate"));
-        assert!(MlxLmLayout::AsStored.is_router("model.layers.0.mlp.gate"));
+        assert!(layout(cfg("qwen3_moe")).is_router("model.layers.0.mlp.gate"));
+    }
+
+    /// LFM2-MoE: experts stacked into `switch_mlp` once all are stored (a missing one is an
+    /// error at the end), `w1`/`w2`/`w3` renamed, conv weights `[C, K, 1]`.
+    #[test]
+    fn lfm2_moe_experts_are_stacked() {
+        let mut l = layout(json!({"model_type": "lfm2_moe", "num_experts": 3}));
+        for e in 0..2 {
+            assert!(names(&mut l, &format!("model.layers.1.feed_forward.experts.{e}.w1.weight"), &[8, 16]).unwrap().is_empty());
+        }
+        assert!(matches!(l.finish(), Err(ConvertError::BadTensor { .. })), "an incomplete stack");
+        assert_eq!(names(&mut l, "model.layers.1.feed_forward.experts.2.w1.weight", &[8, 16]).unwrap(), vec![("model.layers.1.feed_forward.switch_mlp.gate_proj.weight".into(), vec![3, 8, 16])]);
+        l.finish().unwrap();
+        assert_eq!(names(&mut l, "model.layers.0.feed_forward.w2.weight", &[16, 8]).unwrap(), vec![("model.layers.0.feed_forward.down_proj.weight".into(), vec![16, 8])]);
+        assert_eq!(names(&mut l, "model.layers.0.conv.conv.weight", &[16, 1, 3]).unwrap(), vec![("model.layers.0.conv.conv.weight".into(), vec![16, 3, 1])]);
+        assert!(matches!(names(&mut l, "model.layers.1.feed_forward.experts.3.w1.weight", &[8, 16]), Err(ConvertError::BadTensor { .. })));
+    }
+
+    /// Qwen3.5: everything under `language_model.`, tower and MTP dropped, experts split, and
+    /// with transformers' conv layout the (1+w) norms stored as `w + 1`.
+    #[test]
+    fn qwen35_tensors_in_mlx_lm_layout() {
+        let mut q = MlxLmLayout { kind: LayoutKind::Qwen35 { norms_as_deltas: true }, pending: BTreeMap::new() };
+        assert_eq!(names(&mut q, "model.language_model.layers.0.mlp.experts.down_proj", &[4, 8, 16]).unwrap(), vec![("language_model.model.layers.0.mlp.switch_mlp.down_proj.weight".into(), vec![4, 8, 16])]);
+        assert_eq!(names(&mut q, "lm_head.weight", &[8, 8]).unwrap()[0].0, "language_model.lm_head.weight");
+        assert!(names(&mut q, "model.visual.blocks.0.attn.qkv.weight", &[8, 8]).unwrap().is_empty());
+        assert!(names(&mut q, "mtp.fc.weight", &[8, 16]).unwrap().is_empty());
+        assert_eq!(names(&mut q, "model.language_model.layers.0.linear_attn.conv1d.weight", &[16, 1, 4]).unwrap()[0].1, vec![16, 4, 1]);
+        let norm = q.tensors("model.language_model.norm.weight", Array::from_slice(&[0.5f32, -1.0], &[2]).unwrap()).unwrap();
+        assert_eq!(norm[0].1.to_vec::<f32>().unwrap(), vec![1.5, 0.0]);
+        assert!(q.keeps_dtype("model.language_model.layers.0.linear_attn.A_log"));
     }
 
     #[test]

@@ -63,7 +63,7 @@ fn our_quantize_writes_mlx_lm_tensors() {
     use mlx_convert::{quantize_dir, QuantizeOptions, Recipe};
     use mlx_array::QuantMode;
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, &str, QuantMode, Option<Recipe>); 7] = [
+    let cases: [(&str, &str, QuantMode, Option<Recipe>); 9] = [
         ("llama_q4", "llama", QuantMode::Affine { bits: 4, group_size: 64 }, None),
         ("qwen3_untied_q8g32", "qwen3_untied", QuantMode::Affine { bits: 8, group_size: 32 }, None),
         ("gemma3_text_mxfp4", "gemma3_text", QuantMode::Mxfp4, None),
@@ -72,6 +72,10 @@ fn our_quantize_writes_mlx_lm_tensors() {
         ("gemma4_text_moe_q4", "gemma4_text_moe", QuantMode::Affine { bits: 4, group_size: 64 }, None),
         ("gemma4_text_moe_mxfp4", "gemma4_text_moe", QuantMode::Mxfp4, None),
         ("gemma4_text_q4g32", "gemma4_text", QuantMode::Affine { bits: 4, group_size: 32 }, None),
+        // LFM2-MoE: experts stacked into switch_mlp; Qwen3.5-MoE (ConditionalGeneration):
+        // language_model.*, experts split into switch_mlp, norms stored as w + 1
+        ("lfm2_moe_q4", "lfm2_moe", QuantMode::Affine { bits: 4, group_size: 32 }, None),
+        ("qwen3_5_moe_vl_q8", "qwen3_5_moe_vl", QuantMode::Affine { bits: 8, group_size: 32 }, None),
     ];
     for (name, src, mode, recipe) in cases {
         let out = dir.path().join(name);
