@@ -2,9 +2,12 @@
 //! batches.
 //!
 //! * `{"messages": [{"role": ..., "content": ...}, ...]}`: the checkpoint's chat template renders
-//!   the conversation; the loss covers the assistant turns only. Each assistant turn's span is
-//!   the text the template adds between rendering the messages before it (with the generation
-//!   prompt) and rendering it included; every span is tokenised on its own, in order.
+//!   the conversation; the loss covers the assistant turns only. An assistant turn starts where
+//!   the rendering of the messages before it (with the generation prompt) ends, and ends with
+//!   the template's turn-end marker (`<|im_end|>`, included), or, for templates without one,
+//!   where the rendering through it ends. Whatever the template writes inside the turn is
+//!   trained (Qwen3's empty think block before an answer after the last user query). The spans
+//!   are tokenised one by one, in order.
 //! * `{"prompt": "...", "completion": "..."}`: `prompt` tokenised with the tokenizer's special
 //!   tokens, then `completion` without, then the first end-of-sequence id; the loss covers the
 //!   completion and that end id.
@@ -105,13 +108,27 @@ fn encode_messages(messages: &[ChatMessage], enc: &TextEncoder) -> std::result::
             continue;
         }
         let before = if i == 0 { String::new() } else { render(&messages[..i], true)? };
-        let through = render(&messages[..=i], false)?;
-        if !full.starts_with(&before) || !full.starts_with(&through) || before.len() > through.len() || before.len() < at {
-            return Err(format!("the chat template does not render message {i} as a prefix of the conversation; the assistant turn cannot be located"));
+        let unlocated = || format!("the chat template does not render the messages before message {i} as a prefix of the conversation; the assistant turn cannot be located");
+        if !full.starts_with(&before) || before.len() < at {
+            return Err(unlocated());
         }
-        spans.push((at, before.len(), false));
-        spans.push((before.len(), through.len(), true));
-        at = through.len();
+        let start = before.len();
+        // The turn ends at the template's turn-end marker (included); for templates without
+        // one, where rendering through it ends.
+        let marker_end = format.turn_end().and_then(|(marker, _)| full[start..].find(marker).map(|k| start + k + marker.len()));
+        let end = match marker_end {
+            Some(e) => e,
+            None => {
+                let through = render(&messages[..=i], false)?;
+                if !full.starts_with(&through) || through.len() <= start {
+                    return Err(unlocated());
+                }
+                through.len()
+            }
+        };
+        spans.push((at, start, false));
+        spans.push((start, end, true));
+        at = end;
     }
     if spans.is_empty() {
         return Err("no assistant message to train on".into());
