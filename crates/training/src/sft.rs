@@ -4,8 +4,10 @@
 //! Loss: the mean cross-entropy (with optional label smoothing, as torch's
 //! `cross_entropy(label_smoothing=ε)`: `(1 - ε) nll + ε (logsumexp - mean logits)`) over all
 //! loss tokens of the batch. The output head runs only on the loss positions, in chunks of
-//! [`SftConfig::head_chunk`] rows, so the forward pass never holds `[B, L, V]` logits at once.
-//! The chunked head multiplies the final hidden states by the head matrix (`lm_head.weight`, or
+//! [`SftConfig::head_chunk`] rows, each evaluated before the next, with the head's gradient
+//! computed in closed form per chunk (see `chunked_gradients`): neither the forward nor the
+//! backward pass holds more than `head_chunk x V` logits, at the cost of a second forward pass
+//! through the model body. The chunked head multiplies the final hidden states by the head matrix (`lm_head.weight`, or
 //! the embeddings when they are tied, with the config's `final_logit_softcapping`); it is used
 //! when it reproduces the model's own logits on a probe sequence at construction, otherwise the
 //! model's full logits are computed and the loss positions taken from them.
@@ -224,7 +226,7 @@ impl SftTrainer {
         let mut cache = model.new_cache();
         let out = model.forward(&tokens, &mut cache, Logits::All, true)?;
         let (Some(want), Some(h)) = (out.logits, out.hidden) else { return Ok(Head::Model) };
-        let got = self.head_logits(&head, &self.tree.trainable_arrays(), &h.reshape(&[probe.len() as i32, -1])?)?;
+        let got = self.head_logits(&head, &h.reshape(&[probe.len() as i32, -1])?)?;
         let want = want.reshape(&[probe.len() as i32, -1])?.astype(DType::F32)?;
         let scale = want.abs()?.max(&[], false)?.item::<f32>()?.max(1e-6);
         let err = got.sub(&want)?.abs()?.max(&[], false)?.item::<f32>()? / scale;
@@ -237,9 +239,9 @@ impl SftTrainer {
     }
 
     /// Logits of hidden rows `h` (`[N, H]`) through the chunked head.
-    fn head_logits(&self, head: &Head, params: &[Array], h: &Array) -> mlx_array::Result<Array> {
+    fn head_logits(&self, head: &Head, h: &Array) -> mlx_array::Result<Array> {
         let Head::Chunked { weight, softcap } = head else { return Err(model_err("not a chunked head")) };
-        let w = self.param(weight, params)?.astype(DType::F32)?;
+        let w = self.tree.get(weight).ok_or_else(|| model_err(format!("no parameter {weight}")))?.array.astype(DType::F32)?;
         let logits = h.astype(DType::F32)?.matmul(&w.transpose(&[1, 0])?)?;
         match softcap {
             Some(c) => logits.softcap(*c),
@@ -247,57 +249,111 @@ impl SftTrainer {
         }
     }
 
-    /// Parameter `name`: from `params` when trainable, else from the tree.
-    fn param(&self, name: &str, params: &[Array]) -> mlx_array::Result<Array> {
-        match self.tree.trainable_names().iter().position(|n| *n == name) {
-            Some(i) => Ok(params[i].clone()),
-            None => self.tree.get(name).map(|p| p.array.clone()).ok_or_else(|| model_err(format!("no parameter {name}"))),
-        }
+    /// Hidden rows `[N, H]` of the batch's loss positions (final-normed hidden states).
+    fn hidden_rows(model: &Model, batch: &Batch) -> mlx_array::Result<Array> {
+        let mut cache = model.new_cache();
+        let out = model.forward(&batch.inputs, &mut cache, Logits::None, true).map_err(model_err)?;
+        let h = out.hidden.ok_or_else(|| model_err("the model returned no hidden states"))?;
+        let pos = Array::from_slice(&batch.positions, &[batch.positions.len()])?;
+        h.reshape(&[(batch.rows * batch.width) as i32, -1])?.take(&pos, 0)
     }
 
-    /// The batch's loss as a function of the trainable parameters (for `value_and_grad`).
-    fn batch_loss(&self, params: &[Array], batch: &Batch) -> mlx_array::Result<Array> {
+    /// Per-row loss terms of `logits` (`[n, V]` f32) for `targets`: `(1 - ε) nll + ε (lse - mean)`,
+    /// summed, with the row-wise `lse` (`[n, 1]`).
+    fn loss_sum(&self, logits: &Array, targets: &[u32]) -> mlx_array::Result<(Array, Array)> {
+        let eps = self.config.label_smoothing as f32;
+        let t = Array::from_slice(targets, &[targets.len(), 1])?.astype(DType::I32)?;
+        let lse = logits.logsumexp(&[-1], true)?;
+        let nll = lse.sub(&logits.take_along_axis(&t, -1)?)?;
+        let per = if eps > 0.0 {
+            let smooth = lse.sub(&logits.mean(&[-1], true)?)?;
+            nll.mul_scalar(1.0 - eps)?.add(&smooth.mul_scalar(eps)?)?
+        } else {
+            nll
+        };
+        Ok((per.sum(&[], false)?, lse))
+    }
+
+    /// The batch's loss through the model's own full logits, as a function of the trainable
+    /// parameters (for `value_and_grad`).
+    fn full_logits_loss(&self, params: &[Array], batch: &Batch) -> mlx_array::Result<Array> {
         let model: Model = self.tree.with_trainable(params).and_then(|t| t.build(&self.opts)).and_then(|m| m.into_lm()).map_err(model_err)?;
         let mut cache = model.new_cache();
         let n = batch.positions.len();
         let pos = Array::from_slice(&batch.positions, &[n])?;
-        let flat_rows = (batch.rows * batch.width) as i32;
-        let (rows, chunked) = match &self.head {
-            Head::Chunked { .. } => {
-                let out = model.forward(&batch.inputs, &mut cache, Logits::None, true).map_err(model_err)?;
-                let h = out.hidden.ok_or_else(|| model_err("the model returned no hidden states"))?;
-                (h.reshape(&[flat_rows, -1])?.take(&pos, 0)?, true)
-            }
-            Head::Model => {
-                let out = model.forward(&batch.inputs, &mut cache, Logits::All, false).map_err(model_err)?;
-                let l = out.logits.ok_or_else(|| model_err("the model returned no logits"))?;
-                (l.reshape(&[flat_rows, -1])?.take(&pos, 0)?.astype(DType::F32)?, false)
-            }
-        };
+        let out = model.forward(&batch.inputs, &mut cache, Logits::All, false).map_err(model_err)?;
+        let l = out.logits.ok_or_else(|| model_err("the model returned no logits"))?;
+        let rows = l.reshape(&[(batch.rows * batch.width) as i32, -1])?.take(&pos, 0)?.astype(DType::F32)?;
+        let (total, _) = self.loss_sum(&rows, &batch.targets)?;
+        total.mul_scalar(1.0 / n as f32)
+    }
+
+    /// Loss and gradients with the chunked head, never holding more than `head_chunk` rows of
+    /// logits: (1) the hidden rows `h` of the loss positions are computed; (2) chunk by chunk, the
+    /// loss, `dL/dlogits = ((1 - ε)(softmax - onehot) + ε (softmax - 1/V)) / N` (times the
+    /// softcap's derivative), `dL/dh = dlogits W` and the head's `dL/dW += dlogitsᵀ h` are
+    /// computed and evaluated; (3) the model body's gradients are those of `sum(h(θ) · dL/dh)`
+    /// (the vector-Jacobian product through the body, one more forward pass); the head's
+    /// `dL/dW` is added to its parameter's gradient when it is trained.
+    fn chunked_gradients(&self, batch: &Batch, weight: &str, softcap: Option<f32>) -> Result<(f32, Vec<Array>)> {
+        let model = self.tree.build(&self.opts)?.into_lm()?;
+        let h = Self::hidden_rows(&model, batch)?.astype(DType::F32)?;
+        h.eval()?;
+        let w = self.tree.get(weight).ok_or_else(|| TrainError::InvalidInput(format!("no parameter {weight}")))?.array.astype(DType::F32)?;
+        let (n, vocab) = (batch.positions.len(), w.dim(0)?);
         let eps = self.config.label_smoothing as f32;
-        let mut total: Option<Array> = None;
+        let inv_n = 1.0 / n as f32;
+        let classes = Array::arange(0, vocab as i64, DType::I32)?.reshape(&[1, -1])?;
+        let (mut loss, mut dh_parts, mut dw): (f64, Vec<Array>, Option<Array>) = (0.0, Vec::new(), None);
         let mut start = 0;
         while start < n {
             let end = (start + self.config.head_chunk).min(n);
-            let part = rows.slice_axis(0, start, end)?;
-            let logits = if chunked { self.head_logits(&self.head, params, &part)? } else { part };
-            let t = Array::from_slice(&batch.targets[start..end], &[end - start, 1])?.astype(DType::I32)?;
-            let lse = logits.logsumexp(&[-1], true)?;
-            let nll = lse.sub(&logits.take_along_axis(&t, -1)?)?;
-            let per = if eps > 0.0 {
-                let smooth = lse.sub(&logits.mean(&[-1], true)?)?;
-                nll.mul_scalar(1.0 - eps)?.add(&smooth.mul_scalar(eps)?)?
-            } else {
-                nll
+            let hc = h.slice_axis(0, start, end)?;
+            let raw = hc.matmul(&w.transpose(&[1, 0])?)?;
+            let z = match softcap {
+                Some(c) => raw.softcap(c)?,
+                None => raw,
             };
-            let s = per.sum(&[], false)?;
-            total = Some(match total {
-                Some(a) => a.add(&s)?,
-                None => s,
-            });
+            let targets = &batch.targets[start..end];
+            let (sum, lse) = self.loss_sum(&z, targets)?;
+            let p = z.sub(&lse)?.exp()?;
+            let t = Array::from_slice(targets, &[end - start, 1])?.astype(DType::I32)?;
+            let onehot = classes.eq(&t)?.astype(DType::F32)?;
+            let mut dz = p.sub(&onehot.mul_scalar(1.0 - eps)?)?;
+            if eps > 0.0 {
+                dz = dz.add_scalar(-eps / vocab as f32)?;
+            }
+            let mut draw = dz.mul_scalar(inv_n)?;
+            if let Some(c) = softcap {
+                // d(c tanh(x / c))/dx = 1 - (z / c)^2
+                draw = draw.mul(&z.mul_scalar(1.0 / c)?.square()?.mul_scalar(-1.0)?.add_scalar(1.0)?)?;
+            }
+            let dhc = draw.matmul(&w)?;
+            let dwc = draw.transpose(&[1, 0])?.matmul(&hc)?;
+            let dw_new = match dw.take() {
+                Some(acc) => acc.add(&dwc)?,
+                None => dwc,
+            };
+            mlx_array::eval(&[&sum, &dhc, &dw_new])?;
+            loss += sum.item::<f32>()? as f64;
+            dh_parts.push(dhc);
+            dw = Some(dw_new);
             start = end;
         }
-        total.ok_or_else(|| model_err("empty batch"))?.mul_scalar(1.0 / n as f32)
+        let dh = mlx_array::ops::concatenate(&dh_parts.iter().collect::<Vec<_>>(), 0)?;
+        let params = self.tree.trainable_arrays();
+        let (_, mut grads) = value_and_grad(
+            |p| {
+                let m: Model = self.tree.with_trainable(p).and_then(|t| t.build(&self.opts)).and_then(|m| m.into_lm()).map_err(model_err)?;
+                Self::hidden_rows(&m, batch)?.astype(DType::F32)?.mul(&dh)?.sum(&[], false)
+            },
+            &params,
+        )?;
+        if let (Some(i), Some(dw)) = (self.tree.trainable_names().iter().position(|n| *n == weight), dw) {
+            grads[i] = grads[i].add(&dw.astype(grads[i].dtype())?)?;
+        }
+        mlx_array::eval(&grads.iter().collect::<Vec<_>>())?;
+        Ok(((loss / n as f64) as f32, grads))
     }
 
     /// Loss and gradients (of the trainable parameters, in [`ParameterTree::trainable_names`]
@@ -308,8 +364,11 @@ impl SftTrainer {
     }
 
     fn batch_gradients(&self, batch: &Batch) -> Result<(f32, Vec<Array>)> {
+        if let Head::Chunked { weight, softcap } = &self.head {
+            return self.chunked_gradients(batch, weight, *softcap);
+        }
         let params = self.tree.trainable_arrays();
-        let (loss, grads) = value_and_grad(|p| self.batch_loss(p, batch), &params)?;
+        let (loss, grads) = value_and_grad(|p| self.full_logits_loss(p, batch), &params)?;
         let mut all: Vec<&Array> = grads.iter().collect();
         all.push(&loss);
         mlx_array::eval(&all)?;
