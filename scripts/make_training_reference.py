@@ -13,7 +13,13 @@ pre-tokenised batches (right-padded, loss on completion tokens only):
 
 Writes crates/training/tests/fixtures/reference.safetensors and reference.json.
 Run: python3 scripts/make_training_reference.py   (torch, transformers and safetensors installed)
+
+`--check-state OUT_DIR` instead reads a checkpoint the `sft` example wrote with Python's
+safetensors reader and checks mlx-node's optimizer state layout: `{param}.m` and `{param}.v`
+(AdamW) or `{param}.momentum` (SGD) for every trained parameter, shaped like it, and metadata
+`step` and `format`, consistent with trainer_state.json.
 """
+import sys
 import json
 import os
 
@@ -146,5 +152,30 @@ def main():
         f.write("\n")
 
 
+def check_state(out_dir):
+    from safetensors import safe_open
+
+    with open(os.path.join(out_dir, "trainer_state.json")) as f:
+        trainer = json.load(f)
+    with safe_open(os.path.join(out_dir, "optimizer.safetensors"), "pt") as opt:
+        meta = opt.metadata()
+        names = set(opt.keys())
+        fmt = {"adamw": "adamw_optimizer_state", "sgd": "sgd_momentum_optimizer_state"}[trainer["optimizer"]]
+        assert meta["format"] == fmt, meta
+        assert int(meta["step"]) == trainer["step"], (meta, trainer["step"])
+        suffixes = ["m", "v"] if trainer["optimizer"] == "adamw" else ["momentum"]
+        want = {f"{p}.{s}" for p in trainer["trainable"] for s in suffixes}
+        assert names == want, sorted(names ^ want)[:5]
+        with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as model:
+            for p in trainer["trainable"]:
+                for s in suffixes:
+                    t = opt.get_tensor(f"{p}.{s}")
+                    assert t.dtype == torch.float32 and list(t.shape) == list(model.get_slice(p).get_shape()), p
+    print(f"{out_dir}: {len(names)} tensors, format {meta['format']}, step {meta['step']}: layout ok")
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--check-state":
+        check_state(sys.argv[2])
+    else:
+        main()
