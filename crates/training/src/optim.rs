@@ -58,12 +58,12 @@ impl OptimizerConfig {
                 if !(0.0..1.0).contains(&c.beta1) || !(0.0..1.0).contains(&c.beta2) {
                     return bad(format!("AdamW betas must lie in [0, 1), got {} and {}", c.beta1, c.beta2));
                 }
-                if !(c.eps > 0.0) || !(c.weight_decay >= 0.0) {
+                if c.eps.is_nan() || c.eps <= 0.0 || c.weight_decay.is_nan() || c.weight_decay < 0.0 {
                     return bad(format!("AdamW needs eps > 0 and weight_decay >= 0, got {} and {}", c.eps, c.weight_decay));
                 }
             }
             OptimizerConfig::Sgd(c) => {
-                if !(c.momentum >= 0.0) || !(0.0..=1.0).contains(&c.dampening) || !(c.weight_decay >= 0.0) {
+                if c.momentum.is_nan() || c.momentum < 0.0 || !(0.0..=1.0).contains(&c.dampening) || c.weight_decay.is_nan() || c.weight_decay < 0.0 {
                     return bad(format!("SGD needs momentum >= 0, dampening in [0, 1], weight_decay >= 0; got {}, {}, {}", c.momentum, c.dampening, c.weight_decay));
                 }
             }
@@ -211,14 +211,14 @@ pub fn global_norm(grads: &[Array]) -> Result<Array> {
 /// before norm clipping (after value clipping, as torch measures when both run in that order).
 pub fn clip_gradients(grads: Vec<Array>, config: &ClipConfig) -> Result<(Vec<Array>, f32)> {
     let grads = match config.max_value {
-        Some(v) if !(v > 0.0) => return Err(TrainError::Config(format!("clip value {v} must be > 0"))),
+        Some(v) if v.is_nan() || v <= 0.0 => return Err(TrainError::Config(format!("clip value {v} must be > 0"))),
         Some(v) => grads.iter().map(|g| g.clip(-v as f32, v as f32)).collect::<mlx_array::Result<Vec<_>>>()?,
         None => grads,
     };
     let norm = global_norm(&grads)?;
     let norm_value = norm.item::<f32>()?;
     let grads = match config.max_norm {
-        Some(m) if !(m > 0.0) => return Err(TrainError::Config(format!("max grad norm {m} must be > 0 (None turns clipping off)"))),
+        Some(m) if m.is_nan() || m <= 0.0 => return Err(TrainError::Config(format!("max grad norm {m} must be > 0 (None turns clipping off)"))),
         Some(m) => {
             // torch: coef = max_norm / (norm + 1e-6), clamped to 1, always applied
             let coef = Array::scalar(m as f32).div(&norm.add_scalar(1e-6)?)?.minimum(&Array::scalar(1f32))?;
@@ -260,7 +260,7 @@ impl Default for Schedule {
 
 impl Schedule {
     pub fn validate(&self) -> Result<()> {
-        if !(self.lr >= 0.0) || !self.lr.is_finite() {
+        if !self.lr.is_finite() || self.lr < 0.0 {
             return Err(TrainError::Config(format!("learning rate {} must be finite and >= 0", self.lr)));
         }
         if let ScheduleKind::Cosine { min_lr } = self.kind {

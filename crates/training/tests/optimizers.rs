@@ -40,9 +40,9 @@ fn update_rejects_mismatched_inputs() {
     let mut opt = Optimizer::new(OptimizerConfig::default()).unwrap();
     let p = Array::zeros(&[2, 2], mlx_array::DType::F32).unwrap();
     let g = Array::zeros(&[4], mlx_array::DType::F32).unwrap();
-    assert!(matches!(opt.update(&["w"], &[p.clone()], &[g], 0.1), Err(TrainError::InvalidInput(_))));
-    assert!(matches!(opt.update(&["w", "x"], &[p.clone()], &[p.clone()], 0.1), Err(TrainError::InvalidInput(_))));
-    assert!(matches!(opt.update(&["w"], &[p.clone()], &[p.clone()], f64::NAN), Err(TrainError::Config(_))));
+    assert!(matches!(opt.update(&["w"], std::slice::from_ref(&p), &[g], 0.1), Err(TrainError::InvalidInput(_))));
+    assert!(matches!(opt.update(&["w", "x"], std::slice::from_ref(&p), std::slice::from_ref(&p), 0.1), Err(TrainError::InvalidInput(_))));
+    assert!(matches!(opt.update(&["w"], std::slice::from_ref(&p), std::slice::from_ref(&p), f64::NAN), Err(TrainError::Config(_))));
     assert_eq!(opt.step(), 0, "nothing applied");
     assert!(matches!(Optimizer::new(OptimizerConfig::AdamW(AdamWConfig { beta1: 1.0, ..Default::default() })), Err(TrainError::Config(_))));
     assert!(matches!(Optimizer::new(OptimizerConfig::Sgd(SgdConfig { momentum: -0.1, ..Default::default() })), Err(TrainError::Config(_))));
