@@ -72,3 +72,39 @@ fn json_steps_and_resume_in_a_new_process() {
         assert!(!ok && stdout.is_empty() && !stderr.is_empty(), "{bad:?} must fail with a message");
     }
 }
+
+/// The example killed (SIGKILL) at various moments of a run that saves after every update:
+/// whatever it leaves is a checkpoint that resumes, never a half-written one.
+#[test]
+fn killed_during_saves_leaves_a_loadable_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d.jsonl");
+    std::fs::write(&data, (0..4u32).map(|i| format!("{{\"prompt_ids\": [{}, 5], \"completion_ids\": [{}, {}]}}\n", 3 + i, 40 + i, 7 * i)).collect::<String>()).unwrap();
+    let model = model_fixture("qwen3");
+    let bin = sft_binary();
+    let mut resumed = 0;
+    for (i, delay_ms) in [150u64, 300, 450, 600, 900].into_iter().enumerate() {
+        let out = format!("run{i}");
+        let mut child = Command::new(&bin)
+            .args(["--model", model.to_str().unwrap(), "--data", "d.jsonl", "--out", &out, "--steps", "100000", "--batch-size", "2", "--save-every", "1", "--json"])
+            .current_dir(tmp.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let dir = tmp.path().join(&out);
+        match mlx_training::state::resolve_checkpoint(&dir) {
+            Ok(found) => {
+                let cfg = mlx_training::SftConfig { batch_size: 2, max_steps: Some(100000), ..Default::default() };
+                let examples = mlx_training::load_jsonl(&data, &mlx_training::TextEncoder::none(), None).unwrap();
+                let t = mlx_training::SftTrainer::resume(&found, &common::f32_options(), examples, cfg).unwrap();
+                assert!(t.steps_done() >= 1);
+                resumed += 1;
+            }
+            Err(_) => assert!(!dir.exists() && !tmp.path().join(format!("{out}.previous")).exists(), "killed before its first save: nothing in place"),
+        }
+    }
+    assert!(resumed > 0, "at least one run got to a save");
+}
