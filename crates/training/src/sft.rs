@@ -492,6 +492,9 @@ impl SftTrainer {
                 OptimizerConfig::AdamW(_) => "adamw".into(),
                 OptimizerConfig::Sgd(_) => "sgd".into(),
             },
+            batch_size: self.config.batch_size,
+            grad_accumulation: self.config.grad_accumulation,
+            shuffle: self.config.shuffle,
         }
     }
 
@@ -523,6 +526,12 @@ impl SftTrainer {
         };
         if saved.optimizer != kind {
             return Err(bad(format!("saved with optimizer {}, given {kind}", saved.optimizer)));
+        }
+        if (saved.batch_size, saved.grad_accumulation, saved.shuffle) != (config.batch_size, config.grad_accumulation, config.shuffle) {
+            return Err(bad(format!(
+                "saved with batch size {}, accumulation {}, shuffle {}; given {}, {}, {}",
+                saved.batch_size, saved.grad_accumulation, saved.shuffle, config.batch_size, config.grad_accumulation, config.shuffle
+            )));
         }
         let mut tree = ParameterTree::load(&dir, opts)?;
         tree.freeze(|_| true);

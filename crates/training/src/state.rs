@@ -79,11 +79,9 @@ pub fn load_optimizer_state(opt: &mut Optimizer, path: &Path, names: &[&str], sh
             }
             got.push(a);
         }
-        let slot = if got.len() == 2 {
-            let v = got.pop().expect("two");
-            Slot::Adam { m: got.pop().expect("two"), v }
-        } else {
-            Slot::Momentum(got.pop().expect("one"))
+        let slot = match <[Array; 2]>::try_from(got) {
+            Ok([m, v]) => Slot::Adam { m, v },
+            Err(mut one) => Slot::Momentum(one.remove(0)),
         };
         slots.insert(name.to_string(), slot);
     }
@@ -115,6 +113,11 @@ pub struct TrainerState {
     pub trainable: Vec<String>,
     /// `"adamw"` or `"sgd"`.
     pub optimizer: String,
+    /// Examples per micro-batch, micro-batches per update and whether epochs are shuffled: a
+    /// resumed run must use the same to see the same batches.
+    pub batch_size: usize,
+    pub grad_accumulation: usize,
+    pub shuffle: bool,
 }
 
 /// `dir`, or, when a save was interrupted between its two renames, `<dir>.previous`.
@@ -200,14 +203,16 @@ pub fn save_checkpoint(dir: &Path, c: &CheckpointContents) -> Result<()> {
                     }
                 }
                 let out = tmp.join(f);
-                std::fs::write(&out, serde_json::to_string_pretty(&cfg).expect("json") + "\n").map_err(io_err(&out))?;
+                let text = serde_json::to_string_pretty(&cfg).map_err(|e| TrainError::State { path: out.clone(), msg: e.to_string() })?;
+                std::fs::write(&out, text + "\n").map_err(io_err(&out))?;
             } else {
                 std::fs::copy(&src, tmp.join(f)).map_err(io_err(&src))?;
             }
         }
         save_optimizer_state(c.optimizer, &tmp.join(OPTIMIZER_FILE))?;
         let state = tmp.join(TRAINER_STATE_FILE);
-        std::fs::write(&state, serde_json::to_string_pretty(c.trainer).expect("json") + "\n").map_err(io_err(&state))?;
+        let text = serde_json::to_string_pretty(c.trainer).map_err(|e| TrainError::State { path: state.clone(), msg: e.to_string() })?;
+        std::fs::write(&state, text + "\n").map_err(io_err(&state))?;
         if let Ok(d) = std::fs::File::open(&tmp) {
             let _ = d.sync_all();
         }

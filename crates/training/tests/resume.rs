@@ -138,6 +138,7 @@ fn interrupted_save_and_mismatched_resume() {
     assert!(SftTrainer::resume(&ckpt, &f32_options(), examples()[..4].to_vec(), SftConfig { batch_size: 2, ..Default::default() }).is_err());
     let sgd = SftConfig { batch_size: 2, optimizer: OptimizerConfig::Sgd(SgdConfig::default()), ..Default::default() };
     assert!(SftTrainer::resume(&ckpt, &f32_options(), examples(), sgd).is_err());
+    assert!(SftTrainer::resume(&ckpt, &f32_options(), examples(), SftConfig { batch_size: 3, ..Default::default() }).is_err(), "other batch size");
     assert!(SftTrainer::resume(&dir.path().join("nothing"), &f32_options(), examples(), SftConfig::default()).is_err());
 }
 
