@@ -40,23 +40,34 @@ impl Example {
 }
 
 /// How text lines are tokenised: the checkpoint's tokenizer and, for `messages` lines, its chat
-/// template.
+/// template. A directory without them can still train on pre-tokenised lines; why they could not
+/// be loaded is reported when a line needs them.
 pub struct TextEncoder {
-    pub format: Option<ChatFormat>,
-    pub tokenizer: Option<Tokenizer>,
+    tokenizer: std::result::Result<Tokenizer, String>,
+    format: std::result::Result<ChatFormat, String>,
 }
 
 impl TextEncoder {
-    /// Tokenizer and chat template of a checkpoint directory, when it has them (a directory
-    /// without a tokenizer can still train on pre-tokenised lines).
+    /// Tokenizer and chat template of a checkpoint directory.
     pub fn from_dir(dir: &Path) -> Self {
-        let tokenizer = Tokenizer::from_dir(dir).ok();
-        let format = ChatFormat::from_dir(dir).ok();
-        TextEncoder { format, tokenizer }
+        let why = |e: mlx_models::chat::ChatError| format!("{}: {e}", dir.display());
+        TextEncoder { tokenizer: Tokenizer::from_dir(dir).map_err(why), format: ChatFormat::from_dir(dir).map_err(why) }
     }
 
+    /// No tokenizer: only pre-tokenised lines.
     pub fn none() -> Self {
-        TextEncoder { format: None, tokenizer: None }
+        let why = || "no tokenizer given (pre-tokenised lines only)".to_string();
+        TextEncoder { tokenizer: Err(why()), format: Err(why()) }
+    }
+
+    /// The tokenizer, or why there is none.
+    pub fn tokenizer(&self) -> std::result::Result<&Tokenizer, &str> {
+        self.tokenizer.as_ref().map_err(String::as_str)
+    }
+
+    /// The chat format (tokenizer + template), or why there is none.
+    pub fn chat_format(&self) -> std::result::Result<&ChatFormat, &str> {
+        self.format.as_ref().map_err(String::as_str)
     }
 }
 
@@ -75,7 +86,7 @@ pub fn parse_line(line: &str, enc: &TextEncoder, max_len: Option<usize>) -> std:
         Example::prompt_completion(&ids("prompt_ids")?, &ids("completion_ids")?)
     } else if obj.contains_key("prompt") || obj.contains_key("completion") {
         let text = |k: &str| obj.get(k).and_then(|x| x.as_str()).ok_or(format!("{k} must be a string"));
-        let tok = enc.tokenizer.as_ref().ok_or("text lines need a tokenizer (tokenizer.json in the model directory)")?;
+        let tok = enc.tokenizer().map_err(|e| format!("text lines need the model's tokenizer: {e}"))?;
         let prompt = tok.encode(text("prompt")?, true).map_err(|e| e.to_string())?;
         let mut completion = tok.encode(text("completion")?, false).map_err(|e| e.to_string())?;
         completion.extend(tok.eos_token_ids().first());
@@ -94,7 +105,7 @@ pub fn parse_line(line: &str, enc: &TextEncoder, max_len: Option<usize>) -> std:
 }
 
 fn encode_messages(messages: &[ChatMessage], enc: &TextEncoder) -> std::result::Result<Example, String> {
-    let format = enc.format.as_ref().ok_or("\"messages\" lines need a chat template and tokenizer in the model directory")?;
+    let format = enc.chat_format().map_err(|e| format!("\"messages\" lines need the model's tokenizer and chat template: {e}"))?;
     let render = |msgs: &[ChatMessage], gen: bool| -> std::result::Result<String, String> {
         let opts = RenderOptions { add_generation_prompt: gen, ..Default::default() };
         format.render(msgs, &opts).map(|p| p.text).map_err(|e| e.to_string())

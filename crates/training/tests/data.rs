@@ -23,7 +23,7 @@ fn pre_tokenised_lines() {
 fn prompt_completion_lines() {
     let dir = model_fixture("qwen3");
     let enc = TextEncoder::from_dir(&dir);
-    let tok = enc.tokenizer.as_ref().unwrap();
+    let tok = enc.tokenizer().unwrap();
     let ex = parse_line(r#"{"prompt": "Hello there", "completion": " general Kenobi"}"#, &enc, None).unwrap();
     let p = tok.encode("Hello there", true).unwrap();
     let mut c = tok.encode(" general Kenobi", false).unwrap();
@@ -63,6 +63,9 @@ fn messages_lines_train_on_assistant_turns_only() {
     assert_eq!(spans[0], "Hello!<|im_end|>");
     assert_eq!(spans[1], "<think>\n\n</think>\n\nSee you.<|im_end|>");
     assert!(parse_line(r#"{"messages": [{"role": "user", "content": "Hi"}]}"#, &enc, None).is_err(), "no assistant turn");
+    // the llama fixture has no tokenizer: the error says why
+    let e = parse_line(line, &TextEncoder::from_dir(&model_fixture("llama")), None).unwrap_err();
+    assert!(e.contains("chat template") && e.contains("llama"), "{e}");
 }
 
 #[test]
