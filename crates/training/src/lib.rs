@@ -1,0 +1,33 @@
+//! Training LLMs on MLX over [`mlx_models::ParameterTree`]: optimizers over named parameters
+//! ([`optim`]), optimizer and checkpoint state in mlx-node's layout ([`state`]), SFT datasets
+//! ([`data`]) and the supervised fine-tuning loop ([`SftTrainer`]).
+//!
+//! The library never prints: [`SftTrainer::step`] returns each update's [`StepMetrics`].
+//!
+//! ```no_run
+//! use mlx_models::{LoadOptions, ParameterTree};
+//! use mlx_training::{load_jsonl, SftConfig, SftTrainer, TextEncoder};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = std::path::Path::new("path/to/Qwen3-0.6B");
+//! let opts = LoadOptions { dtype: Some(mlx_array::DType::F32), ..Default::default() };
+//! let examples = load_jsonl("train.jsonl".as_ref(), &TextEncoder::from_dir(dir), Some(1024))?;
+//! let mut tree = ParameterTree::load(dir, &opts)?;
+//! tree.freeze(|name| name.contains("embed_tokens"));
+//! let mut trainer = SftTrainer::new(tree, &opts, examples, SftConfig { max_steps: Some(100), ..Default::default() })?;
+//! while let Some(m) = trainer.step()? {
+//!     eprintln!("step {} loss {:.4} grad norm {:.3}", m.step, m.loss, m.grad_norm);
+//! }
+//! trainer.save("out".as_ref(), None)?; // model, optimizer and trainer state, atomically
+//! # Ok(()) }
+//! ```
+pub mod data;
+pub mod error;
+pub mod optim;
+pub mod sft;
+pub mod state;
+
+pub use data::{load_jsonl, make_batch, Example, TextEncoder};
+pub use error::{Result, TrainError};
+pub use optim::{clip_gradients, global_norm, AdamWConfig, ClipConfig, Optimizer, OptimizerConfig, Schedule, ScheduleKind, SgdConfig};
+pub use sft::{SftConfig, SftTrainer, StepMetrics};
+pub use state::{load_optimizer_state, save_optimizer_state, TrainerState};

@@ -1,0 +1,565 @@
+//! Supervised fine-tuning: [`SftTrainer`] runs optimizer updates over a dataset of
+//! [`Example`]s and returns per-step metrics.
+//!
+//! Loss: the mean cross-entropy (with optional label smoothing, as torch's
+//! `cross_entropy(label_smoothing=ε)`: `(1 - ε) nll + ε (logsumexp - mean logits)`) over all
+//! loss tokens of the batch. The output head runs only on the loss positions, in chunks of
+//! [`SftConfig::head_chunk`] rows, each evaluated before the next, with the head's gradient
+//! computed in closed form per chunk (see `chunked_gradients`): neither the forward nor the
+//! backward pass holds more than `head_chunk x V` logits, at the cost of a second forward pass
+//! through the model body. The chunked head multiplies the final hidden states by the head matrix (`lm_head.weight`, or
+//! the embeddings when they are tied, with the config's `final_logit_softcapping`); it is used
+//! when it reproduces the model's own logits on a probe sequence at construction, otherwise the
+//! model's full logits are computed and the loss positions taken from them.
+//!
+//! Batches are right-padded (causal attention: the padding does not change earlier positions).
+//! Gradient accumulation sums the gradients of `grad_accumulation` micro-batches and applies
+//! their mean; the last micro-batches of an epoch, when fewer, are applied averaged over how many
+//! there were. The data order of each epoch is a seeded shuffle; the checkpoint records the
+//! generator state and the position, so a resumed run sees exactly the batches it would have.
+use crate::data::{make_batch, Batch, Example};
+use crate::error::{Result, TrainError};
+use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
+use crate::state::{self, CheckpointContents, TrainerState};
+use mlx_array::grad::value_and_grad;
+use mlx_array::{Array, DType};
+use mlx_models::{KvCacheMode, LoadOptions, Logits, Model, ParameterTree};
+use std::path::Path;
+use std::time::Instant;
+
+/// SFT settings. Defaults: batch 4, no accumulation, one epoch, shuffled with seed 0, AdamW,
+/// constant learning rate 1e-5, gradient norm clipped to 1.0, no label smoothing, 1024 loss
+/// positions per head chunk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SftConfig {
+    pub batch_size: usize,
+    pub grad_accumulation: usize,
+    pub epochs: u64,
+    /// Number of optimizer updates; when set it wins over `epochs` (the data repeats as needed).
+    pub max_steps: Option<u64>,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub label_smoothing: f64,
+    pub schedule: Schedule,
+    pub optimizer: OptimizerConfig,
+    pub clip: ClipConfig,
+    pub head_chunk: usize,
+    /// Use the chunked head when it reproduces the model's logits (default true); `false`
+    /// always computes the model's full logits.
+    pub chunked_head: bool,
+    /// Padding id (`None`: the config's `pad_token_id`, else 0).
+    pub pad_id: Option<u32>,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        SftConfig {
+            batch_size: 4,
+            grad_accumulation: 1,
+            epochs: 1,
+            max_steps: None,
+            shuffle: true,
+            seed: 0,
+            label_smoothing: 0.0,
+            schedule: Schedule::default(),
+            optimizer: OptimizerConfig::default(),
+            clip: ClipConfig { max_norm: Some(1.0), max_value: None },
+            head_chunk: 1024,
+            chunked_head: true,
+            pad_id: None,
+        }
+    }
+}
+
+impl SftConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(TrainError::Config(m.into()));
+        if self.batch_size == 0 {
+            return bad("batch_size must be >= 1");
+        }
+        if self.grad_accumulation == 0 {
+            return bad("grad_accumulation must be >= 1");
+        }
+        if self.max_steps.is_none() && self.epochs == 0 {
+            return bad("epochs must be >= 1 (or set max_steps)");
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            return bad("label_smoothing must lie in [0, 1)");
+        }
+        if self.head_chunk == 0 {
+            return bad("head_chunk must be >= 1");
+        }
+        self.schedule.validate()
+    }
+}
+
+/// What one optimizer update did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StepMetrics {
+    /// Updates applied, this one included.
+    pub step: u64,
+    /// Epoch (0-based) of the update's last micro-batch.
+    pub epoch: u64,
+    /// Mean of the micro-batches' losses.
+    pub loss: f32,
+    /// Tokens the loss counted.
+    pub loss_tokens: usize,
+    /// Positions with a real next token (padding excluded).
+    pub tokens: usize,
+    pub micro_batches: usize,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Head {
+    /// Hidden states times this parameter (transposed), optionally soft-capped.
+    Chunked { weight: String, softcap: Option<f32> },
+    /// The model's own logits over every position.
+    Model,
+}
+
+/// Progress through the data.
+#[derive(Debug, Clone)]
+struct Progress {
+    step: u64,
+    epoch: u64,
+    position: usize,
+    epoch_rng: u64,
+    order: Vec<usize>,
+}
+
+/// SplitMix64: the shuffle generator (its whole state is one u64, saved with checkpoints).
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The order of an epoch whose generator starts at `rng`, and the generator state after it.
+fn epoch_order(n: usize, shuffle: bool, mut rng: u64) -> (Vec<usize>, u64) {
+    let mut order: Vec<usize> = (0..n).collect();
+    if shuffle {
+        for i in (1..n).rev() {
+            let j = (splitmix(&mut rng) % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+    }
+    (order, rng)
+}
+
+/// Supervised fine-tuning over a parameter tree (its trainable subset is trained; frozen
+/// parameters never change).
+pub struct SftTrainer {
+    tree: ParameterTree,
+    opts: LoadOptions,
+    config: SftConfig,
+    examples: Vec<Example>,
+    optimizer: Optimizer,
+    progress: Progress,
+    head: Head,
+    pad_id: u32,
+}
+
+fn model_err(e: impl std::fmt::Display) -> mlx_array::Error {
+    mlx_array::Error::InvalidArgument { op: "sft loss", msg: e.to_string() }
+}
+
+impl SftTrainer {
+    /// A trainer over `tree` (loaded with `opts`; models are built with a flat KV cache, which a
+    /// gradient transform needs) and `examples`.
+    pub fn new(tree: ParameterTree, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig) -> Result<Self> {
+        config.validate()?;
+        if examples.is_empty() {
+            return Err(TrainError::InvalidInput("no training examples".into()));
+        }
+        if tree.trainable_names().is_empty() {
+            return Err(TrainError::InvalidInput("no trainable parameter".into()));
+        }
+        let optimizer = Optimizer::new(config.optimizer)?;
+        let rng0 = config.seed ^ 0x5EED_5EED_5EED_5EED;
+        let (order, _) = epoch_order(examples.len(), config.shuffle, rng0);
+        let progress = Progress { step: 0, epoch: 0, position: 0, epoch_rng: rng0, order };
+        Self::assemble(tree, opts, examples, config, optimizer, progress)
+    }
+
+    fn assemble(tree: ParameterTree, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig, optimizer: Optimizer, progress: Progress) -> Result<Self> {
+        let opts = LoadOptions { kv_cache: KvCacheMode::Flat, ..opts.clone() };
+        let cfg: serde_json::Value = {
+            let p = tree.dir().join("config.json");
+            serde_json::from_str(&std::fs::read_to_string(&p).map_err(crate::error::io_err(&p))?).map_err(|e| TrainError::State { path: p, msg: e.to_string() })?
+        };
+        let pad_id = config.pad_id.or_else(|| cfg.get("pad_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok())).unwrap_or(0);
+        let mut t = SftTrainer { tree, opts, config, examples, optimizer, progress, head: Head::Model, pad_id };
+        t.head = t.pick_head(&cfg)?;
+        Ok(t)
+    }
+
+    /// The chunked head when it reproduces the model's logits on a probe sequence.
+    fn pick_head(&self, cfg: &serde_json::Value) -> Result<Head> {
+        if !self.config.chunked_head {
+            return Ok(Head::Model);
+        }
+        let text = cfg.get("text_config").unwrap_or(cfg);
+        let tied = text.get("tie_word_embeddings").or_else(|| cfg.get("tie_word_embeddings")).and_then(|v| v.as_bool()).unwrap_or(false);
+        let names: Vec<&str> = self.tree.iter().map(|(n, _)| n).collect();
+        let weight = if let Some(n) = names.iter().find(|n| n.ends_with("lm_head.weight")) {
+            n.to_string()
+        } else if let (true, Some(n)) = (tied, names.iter().find(|n| n.ends_with("embed_tokens.weight"))) {
+            n.to_string()
+        } else {
+            return Ok(Head::Model);
+        };
+        if self.tree.get(&weight).is_none_or(|p| p.packed || p.array.ndim() != 2) {
+            return Ok(Head::Model);
+        }
+        let softcap = text.get("final_logit_softcapping").and_then(|v| v.as_f64()).map(|v| v as f32);
+        let head = Head::Chunked { weight, softcap };
+        let model = self.tree.build(&self.opts)?.into_lm()?;
+        let vocab = model.info().vocab_size;
+        let probe: Vec<u32> = (0..8u32).map(|i| (i * 7 + 1) % vocab as u32).collect();
+        let tokens = Array::from_slice(&probe, &[1, probe.len()])?;
+        let mut cache = model.new_cache();
+        let out = model.forward(&tokens, &mut cache, Logits::All, true)?;
+        let (Some(want), Some(h)) = (out.logits, out.hidden) else { return Ok(Head::Model) };
+        let got = self.head_logits(&head, &h.reshape(&[probe.len() as i32, -1])?)?;
+        let want = want.reshape(&[probe.len() as i32, -1])?.astype(DType::F32)?;
+        let scale = want.abs()?.max(&[], false)?.item::<f32>()?.max(1e-6);
+        let err = got.sub(&want)?.abs()?.max(&[], false)?.item::<f32>()? / scale;
+        Ok(if err < 1e-4 { head } else { Head::Model })
+    }
+
+    /// Whether the chunked head is in use (see the module docs).
+    pub fn uses_chunked_head(&self) -> bool {
+        matches!(self.head, Head::Chunked { .. })
+    }
+
+    /// Logits of hidden rows `h` (`[N, H]`) through the chunked head.
+    fn head_logits(&self, head: &Head, h: &Array) -> mlx_array::Result<Array> {
+        let Head::Chunked { weight, softcap } = head else { return Err(model_err("not a chunked head")) };
+        let w = self.tree.get(weight).ok_or_else(|| model_err(format!("no parameter {weight}")))?.array.astype(DType::F32)?;
+        let logits = h.astype(DType::F32)?.matmul(&w.transpose(&[1, 0])?)?;
+        match softcap {
+            Some(c) => logits.softcap(*c),
+            None => Ok(logits),
+        }
+    }
+
+    /// Hidden rows `[N, H]` of the batch's loss positions (final-normed hidden states).
+    fn hidden_rows(model: &Model, batch: &Batch) -> mlx_array::Result<Array> {
+        let mut cache = model.new_cache();
+        let out = model.forward(&batch.inputs, &mut cache, Logits::None, true).map_err(model_err)?;
+        let h = out.hidden.ok_or_else(|| model_err("the model returned no hidden states"))?;
+        let pos = Array::from_slice(&batch.positions, &[batch.positions.len()])?;
+        h.reshape(&[(batch.rows * batch.width) as i32, -1])?.take(&pos, 0)
+    }
+
+    /// Per-row loss terms of `logits` (`[n, V]` f32) for `targets`: `(1 - ε) nll + ε (lse - mean)`,
+    /// summed, with the row-wise `lse` (`[n, 1]`).
+    fn loss_sum(&self, logits: &Array, targets: &[u32]) -> mlx_array::Result<(Array, Array)> {
+        let eps = self.config.label_smoothing as f32;
+        let t = Array::from_slice(targets, &[targets.len(), 1])?.astype(DType::I32)?;
+        let lse = logits.logsumexp(&[-1], true)?;
+        let nll = lse.sub(&logits.take_along_axis(&t, -1)?)?;
+        let per = if eps > 0.0 {
+            let smooth = lse.sub(&logits.mean(&[-1], true)?)?;
+            nll.mul_scalar(1.0 - eps)?.add(&smooth.mul_scalar(eps)?)?
+        } else {
+            nll
+        };
+        Ok((per.sum(&[], false)?, lse))
+    }
+
+    /// The batch's loss through the model's own full logits, as a function of the trainable
+    /// parameters (for `value_and_grad`).
+    fn full_logits_loss(&self, params: &[Array], batch: &Batch) -> mlx_array::Result<Array> {
+        let model: Model = self.tree.with_trainable(params).and_then(|t| t.build(&self.opts)).and_then(|m| m.into_lm()).map_err(model_err)?;
+        let mut cache = model.new_cache();
+        let n = batch.positions.len();
+        let pos = Array::from_slice(&batch.positions, &[n])?;
+        let out = model.forward(&batch.inputs, &mut cache, Logits::All, false).map_err(model_err)?;
+        let l = out.logits.ok_or_else(|| model_err("the model returned no logits"))?;
+        let rows = l.reshape(&[(batch.rows * batch.width) as i32, -1])?.take(&pos, 0)?.astype(DType::F32)?;
+        let (total, _) = self.loss_sum(&rows, &batch.targets)?;
+        total.mul_scalar(1.0 / n as f32)
+    }
+
+    /// Loss and gradients with the chunked head, never holding more than `head_chunk` rows of
+    /// logits: (1) the hidden rows `h` of the loss positions are computed; (2) chunk by chunk, the
+    /// loss, `dL/dlogits = ((1 - ε)(softmax - onehot) + ε (softmax - 1/V)) / N` (times the
+    /// softcap's derivative), `dL/dh = dlogits W` and the head's `dL/dW += dlogitsᵀ h` are
+    /// computed and evaluated; (3) the model body's gradients are those of `sum(h(θ) · dL/dh)`
+    /// (the vector-Jacobian product through the body, one more forward pass); the head's
+    /// `dL/dW` is added to its parameter's gradient when it is trained.
+    fn chunked_gradients(&self, batch: &Batch, weight: &str, softcap: Option<f32>) -> Result<(f32, Vec<Array>)> {
+        let model = self.tree.build(&self.opts)?.into_lm()?;
+        let h = Self::hidden_rows(&model, batch)?.astype(DType::F32)?;
+        h.eval()?;
+        let w = self.tree.get(weight).ok_or_else(|| TrainError::InvalidInput(format!("no parameter {weight}")))?.array.astype(DType::F32)?;
+        let (n, vocab) = (batch.positions.len(), w.dim(0)?);
+        let eps = self.config.label_smoothing as f32;
+        let inv_n = 1.0 / n as f32;
+        let classes = Array::arange(0, vocab as i64, DType::I32)?.reshape(&[1, -1])?;
+        let (mut loss, mut dh_parts, mut dw): (f64, Vec<Array>, Option<Array>) = (0.0, Vec::new(), None);
+        let mut start = 0;
+        while start < n {
+            let end = (start + self.config.head_chunk).min(n);
+            let hc = h.slice_axis(0, start, end)?;
+            let raw = hc.matmul(&w.transpose(&[1, 0])?)?;
+            let z = match softcap {
+                Some(c) => raw.softcap(c)?,
+                None => raw,
+            };
+            let targets = &batch.targets[start..end];
+            let (sum, lse) = self.loss_sum(&z, targets)?;
+            let p = z.sub(&lse)?.exp()?;
+            let t = Array::from_slice(targets, &[end - start, 1])?.astype(DType::I32)?;
+            let onehot = classes.eq(&t)?.astype(DType::F32)?;
+            let mut dz = p.sub(&onehot.mul_scalar(1.0 - eps)?)?;
+            if eps > 0.0 {
+                dz = dz.add_scalar(-eps / vocab as f32)?;
+            }
+            let mut draw = dz.mul_scalar(inv_n)?;
+            if let Some(c) = softcap {
+                // d(c tanh(x / c))/dx = 1 - (z / c)^2
+                draw = draw.mul(&z.mul_scalar(1.0 / c)?.square()?.mul_scalar(-1.0)?.add_scalar(1.0)?)?;
+            }
+            let dhc = draw.matmul(&w)?;
+            let dwc = draw.transpose(&[1, 0])?.matmul(&hc)?;
+            let dw_new = match dw.take() {
+                Some(acc) => acc.add(&dwc)?,
+                None => dwc,
+            };
+            mlx_array::eval(&[&sum, &dhc, &dw_new])?;
+            loss += sum.item::<f32>()? as f64;
+            dh_parts.push(dhc);
+            dw = Some(dw_new);
+            start = end;
+        }
+        let dh = mlx_array::ops::concatenate(&dh_parts.iter().collect::<Vec<_>>(), 0)?;
+        let params = self.tree.trainable_arrays();
+        let (_, mut grads) = value_and_grad(
+            |p| {
+                let m: Model = self.tree.with_trainable(p).and_then(|t| t.build(&self.opts)).and_then(|m| m.into_lm()).map_err(model_err)?;
+                Self::hidden_rows(&m, batch)?.astype(DType::F32)?.mul(&dh)?.sum(&[], false)
+            },
+            &params,
+        )?;
+        if let (Some(i), Some(dw)) = (self.tree.trainable_names().iter().position(|n| *n == weight), dw) {
+            grads[i] = grads[i].add(&dw.astype(grads[i].dtype())?)?;
+        }
+        mlx_array::eval(&grads.iter().collect::<Vec<_>>())?;
+        Ok(((loss / n as f64) as f32, grads))
+    }
+
+    /// Loss and gradients (of the trainable parameters, in [`ParameterTree::trainable_names`]
+    /// order) of one batch of examples, without updating anything.
+    pub fn loss_and_gradients(&self, examples: &[&Example]) -> Result<(f32, Vec<Array>)> {
+        let batch = make_batch(examples, self.pad_id)?;
+        self.batch_gradients(&batch)
+    }
+
+    fn batch_gradients(&self, batch: &Batch) -> Result<(f32, Vec<Array>)> {
+        if let Head::Chunked { weight, softcap } = &self.head {
+            return self.chunked_gradients(batch, weight, *softcap);
+        }
+        let params = self.tree.trainable_arrays();
+        let (loss, grads) = value_and_grad(|p| self.full_logits_loss(p, batch), &params)?;
+        let mut all: Vec<&Array> = grads.iter().collect();
+        all.push(&loss);
+        mlx_array::eval(&all)?;
+        Ok((loss.item::<f32>()?, grads))
+    }
+
+    /// Whether the run is over (`max_steps` updates applied, or the last epoch's data used).
+    pub fn is_done(&self) -> bool {
+        let p = &self.progress;
+        match self.config.max_steps {
+            Some(n) => p.step >= n,
+            None => p.position >= p.order.len() && p.epoch + 1 >= self.config.epochs,
+        }
+    }
+
+    /// One optimizer update; `None` when the run is over.
+    pub fn step(&mut self) -> Result<Option<StepMetrics>> {
+        if self.is_done() {
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let mut acc: Option<Vec<Array>> = None;
+        let (mut count, mut loss_sum, mut loss_tokens, mut tokens) = (0usize, 0f64, 0usize, 0usize);
+        while count < self.config.grad_accumulation {
+            let p = &mut self.progress;
+            if p.position >= p.order.len() {
+                if count > 0 {
+                    break; // the epoch's leftover micro-batches
+                }
+                if self.config.max_steps.is_none() && p.epoch + 1 >= self.config.epochs {
+                    return Ok(None);
+                }
+                let (_, next_rng) = epoch_order(p.order.len(), self.config.shuffle, p.epoch_rng);
+                let (order, _) = epoch_order(p.order.len(), self.config.shuffle, next_rng);
+                p.epoch += 1;
+                p.epoch_rng = next_rng;
+                p.order = order;
+                p.position = 0;
+            }
+            let end = (p.position + self.config.batch_size).min(p.order.len());
+            let picked: Vec<&Example> = p.order[p.position..end].iter().map(|&i| &self.examples[i]).collect();
+            p.position = end;
+            let batch = make_batch(&picked, self.pad_id)?;
+            let (loss, grads) = self.batch_gradients(&batch)?;
+            loss_sum += loss as f64;
+            loss_tokens += batch.positions.len();
+            tokens += batch.tokens;
+            count += 1;
+            acc = Some(match acc {
+                None => grads,
+                Some(a) => {
+                    let s: Vec<Array> = a.iter().zip(&grads).map(|(x, g)| x.add(g)).collect::<mlx_array::Result<_>>()?;
+                    mlx_array::eval(&s.iter().collect::<Vec<_>>())?;
+                    s
+                }
+            });
+        }
+        let mut grads = acc.ok_or_else(|| TrainError::InvalidInput("no micro-batch".into()))?;
+        if count > 1 {
+            let inv = 1.0 / count as f32;
+            grads = grads.iter().map(|g| g.mul_scalar(inv)).collect::<mlx_array::Result<_>>()?;
+        }
+        let (grads, grad_norm) = clip_gradients(grads, &self.config.clip)?;
+        let lr = self.config.schedule.lr_at(self.progress.step);
+        let names: Vec<String> = self.tree.trainable_names().iter().map(|s| s.to_string()).collect();
+        let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let new = self.optimizer.update(&name_refs, &self.tree.trainable_arrays(), &grads, lr)?;
+        self.tree = self.tree.with_trainable(&new)?;
+        self.progress.step += 1;
+        Ok(Some(StepMetrics {
+            step: self.progress.step,
+            epoch: self.progress.epoch,
+            loss: (loss_sum / count as f64) as f32,
+            loss_tokens,
+            tokens,
+            micro_batches: count,
+            lr,
+            grad_norm,
+            seconds: started.elapsed().as_secs_f64(),
+        }))
+    }
+
+    /// Updates applied so far.
+    pub fn steps_done(&self) -> u64 {
+        self.progress.step
+    }
+
+    /// The number of updates the run makes in all (`max_steps`, or what the epochs give).
+    pub fn total_steps(&self) -> u64 {
+        if let Some(n) = self.config.max_steps {
+            return n;
+        }
+        let batches = self.examples.len().div_ceil(self.config.batch_size);
+        (batches.div_ceil(self.config.grad_accumulation) as u64) * self.config.epochs
+    }
+
+    pub fn tree(&self) -> &ParameterTree {
+        &self.tree
+    }
+
+    pub fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    pub fn config(&self) -> &SftConfig {
+        &self.config
+    }
+
+    /// The progress a checkpoint records.
+    pub fn trainer_state(&self) -> TrainerState {
+        let p = &self.progress;
+        TrainerState {
+            step: p.step,
+            epoch: p.epoch,
+            position: p.position,
+            epoch_rng: p.epoch_rng,
+            seed: self.config.seed,
+            dataset_len: self.examples.len(),
+            trainable: self.tree.trainable_names().iter().map(|s| s.to_string()).collect(),
+            optimizer: match self.config.optimizer {
+                OptimizerConfig::AdamW(_) => "adamw".into(),
+                OptimizerConfig::Sgd(_) => "sgd".into(),
+            },
+            batch_size: self.config.batch_size,
+            grad_accumulation: self.config.grad_accumulation,
+            shuffle: self.config.shuffle,
+        }
+    }
+
+    /// Save model, optimizer and trainer state to `dir` atomically (weights in `save_dtype`,
+    /// or as trained when `None`).
+    pub fn save(&self, dir: &Path, save_dtype: Option<DType>) -> Result<()> {
+        let arrays: Vec<(String, Array)> = self.tree.iter().map(|(n, p)| (n.to_string(), p.array.clone())).collect();
+        let params: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
+        let trainer = self.trainer_state();
+        state::save_checkpoint(dir, &CheckpointContents { params, save_dtype, source_dir: self.tree.dir(), optimizer: &self.optimizer, trainer: &trainer })
+    }
+
+    /// Continue the run saved in `dir` (model, optimizer and progress), with the same
+    /// `examples` and `config` as the run that saved it.
+    pub fn resume(dir: &Path, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig) -> Result<Self> {
+        config.validate()?;
+        let dir = state::resolve_checkpoint(dir)?;
+        let saved = state::read_trainer_state(&dir)?;
+        let bad = |msg: String| TrainError::State { path: dir.join(state::TRAINER_STATE_FILE), msg };
+        if saved.dataset_len != examples.len() {
+            return Err(bad(format!("saved for {} examples, given {}", saved.dataset_len, examples.len())));
+        }
+        if saved.seed != config.seed {
+            return Err(bad(format!("saved with seed {}, given {}", saved.seed, config.seed)));
+        }
+        let kind = match config.optimizer {
+            OptimizerConfig::AdamW(_) => "adamw",
+            OptimizerConfig::Sgd(_) => "sgd",
+        };
+        if saved.optimizer != kind {
+            return Err(bad(format!("saved with optimizer {}, given {kind}", saved.optimizer)));
+        }
+        if (saved.batch_size, saved.grad_accumulation, saved.shuffle) != (config.batch_size, config.grad_accumulation, config.shuffle) {
+            return Err(bad(format!(
+                "saved with batch size {}, accumulation {}, shuffle {}; given {}, {}, {}",
+                saved.batch_size, saved.grad_accumulation, saved.shuffle, config.batch_size, config.grad_accumulation, config.shuffle
+            )));
+        }
+        let mut tree = ParameterTree::load(&dir, opts)?;
+        tree.freeze(|_| true);
+        let names: Vec<String> = saved.trainable.clone();
+        for n in &names {
+            if tree.unfreeze(|k| k == n) != 1 {
+                return Err(bad(format!("trainable parameter {n} is not in the saved model (or cannot be trained)")));
+            }
+        }
+        let mut optimizer = Optimizer::new(config.optimizer)?;
+        let opt_file = dir.join(state::OPTIMIZER_FILE);
+        if opt_file.is_file() {
+            let refs: Vec<&str> = tree.trainable_names();
+            let shapes: Vec<Vec<usize>> = tree.trainable_arrays().iter().map(|a| a.shape()).collect();
+            state::load_optimizer_state(&mut optimizer, &opt_file, &refs, &shapes)?;
+        } else if optimizer.has_state() && saved.step > 0 {
+            return Err(bad(format!("{} updates done but no {}", saved.step, state::OPTIMIZER_FILE)));
+        } else {
+            optimizer.set_step(saved.step);
+        }
+        if optimizer.step() != saved.step {
+            return Err(bad(format!("trainer step {} but optimizer step {}", saved.step, optimizer.step())));
+        }
+        let (order, _) = epoch_order(examples.len(), config.shuffle, saved.epoch_rng);
+        if saved.position > order.len() {
+            return Err(bad(format!("position {} past the {} examples", saved.position, order.len())));
+        }
+        let progress = Progress { step: saved.step, epoch: saved.epoch, position: saved.position, epoch_rng: saved.epoch_rng, order };
+        Self::assemble(tree, opts, examples, config, optimizer, progress)
+    }
+}

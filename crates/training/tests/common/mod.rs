@@ -1,0 +1,58 @@
+//! Shared by the training tests: fixture paths, load options, references.
+#![allow(dead_code)]
+use mlx_array::{Array, DType};
+use mlx_models::{KvCacheMode, LoadOptions, ParameterTree};
+use mlx_training::Example;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+pub fn model_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny").join(name)
+}
+
+/// f32 weights, flat cache, separate projections: what the torch references compute.
+pub fn f32_options() -> LoadOptions {
+    LoadOptions { dtype: Some(DType::F32), kv_cache: KvCacheMode::Flat, fuse_projections: Some(false), ..Default::default() }
+}
+
+pub fn qwen3_tree() -> ParameterTree {
+    ParameterTree::load(model_fixture("qwen3"), &f32_options()).unwrap()
+}
+
+pub fn reference() -> (serde_json::Value, HashMap<String, Array>) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tensors = mlx_array::io::load_safetensors(dir.join("reference.safetensors"), Some(DType::F32)).unwrap();
+    (meta, tensors)
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// The reference's batches as examples, batch by batch.
+pub fn reference_batches(meta: &serde_json::Value) -> Vec<Vec<Example>> {
+    meta["batches"].as_array().unwrap().iter().map(|b| b.as_array().unwrap().iter().map(|pc| Example::prompt_completion(&ids(&pc[0]), &ids(&pc[1]))).collect()).collect()
+}
+
+pub fn f32s(a: &Array) -> Vec<f32> {
+    a.astype(DType::F32).unwrap().reshape(&[-1]).unwrap().to_vec::<f32>().unwrap()
+}
+
+/// ||a - b|| / ||b||.
+pub fn norm_rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+    d / n.max(1e-12)
+}
+
+pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// The parameter subset the reference's optimizer runs train.
+pub fn ref_trainable(name: &str) -> bool {
+    name.contains("self_attn") || name.contains("norm")
+}
