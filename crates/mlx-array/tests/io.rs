@@ -232,3 +232,23 @@ fn save_is_atomic_and_validated() {
     let ck = Checkpoint::open(&p).unwrap();
     assert!(!ck.contains("a") && ck.contains("b"));
 }
+
+/// The same tensors and metadata give the same bytes, whatever order the metadata map iterates
+/// in (each `HashMap` has its own random order): resumable training compares files byte for byte.
+#[test]
+fn writes_are_deterministic() {
+    let dir = tempfile::tempdir().unwrap();
+    let tensors = all_dtypes();
+    let refs: Vec<(&str, &Array)> = tensors.iter().map(|(n, a)| (*n, a)).collect();
+    let files: Vec<Vec<u8>> = (0..6)
+        .map(|i| {
+            let meta: HashMap<String, String> = (0..12).map(|k| (format!("key{k}"), format!("value{k}"))).collect();
+            let p = dir.path().join(format!("f{i}.safetensors"));
+            io::save_safetensors(&p, &refs, Some(&meta)).unwrap();
+            std::fs::read(&p).unwrap()
+        })
+        .collect();
+    assert!(files.iter().all(|f| f == &files[0]), "the same content written six times gave different bytes");
+    let back = SafetensorsFile::open(dir.path().join("f0.safetensors")).unwrap();
+    assert_eq!(back.metadata().len(), 12);
+}

@@ -2,7 +2,6 @@
 use super::to_st_dtype;
 use crate::error::{Error, OpExt, Result};
 use crate::{Array, DType};
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,22 +36,38 @@ impl Flat {
     }
 }
 
-impl safetensors::View for &Flat {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(self.raw().expect("checked in Flat::new"))
-    }
-    fn data_len(&self) -> usize {
-        self.flat.nbytes()
-    }
-}
-
 static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The safetensors bytes of `flats` into `tmp`, deterministically: the header's keys sorted
+/// (`__metadata__` included, so the same tensors and metadata always give the same bytes), the
+/// data ordered by element size, largest first, then by name (every tensor aligned to its
+/// element size), the header padded with spaces to a multiple of 8 bytes.
+fn write_file(tmp: &Path, flats: &[(&str, Flat)], metadata: Option<&HashMap<String, String>>) -> Result<()> {
+    use std::io::Write;
+    let mut order: Vec<&(&str, Flat)> = flats.iter().collect();
+    order.sort_by(|a, b| b.1.dtype.bitsize().cmp(&a.1.dtype.bitsize()).then(a.0.cmp(b.0)));
+    let mut header = std::collections::BTreeMap::<String, serde_json::Value>::new();
+    if let Some(m) = metadata {
+        let sorted: std::collections::BTreeMap<&String, &String> = m.iter().collect();
+        header.insert("__metadata__".into(), serde_json::json!(sorted));
+    }
+    let mut offset = 0usize;
+    for (name, f) in &order {
+        let end = offset + f.flat.nbytes();
+        header.insert((*name).to_string(), serde_json::json!({"dtype": f.dtype, "shape": f.shape, "data_offsets": [offset, end]}));
+        offset = end;
+    }
+    let mut json = serde_json::to_vec(&header).map_err(|e| Error::arg("save_safetensors", e.to_string()))?;
+    json.resize(json.len().div_ceil(8) * 8, b' ');
+    let io = |source| Error::Io { path: tmp.to_path_buf(), source };
+    let mut out = std::io::BufWriter::new(std::fs::OpenOptions::new().write(true).truncate(true).open(tmp).map_err(io)?);
+    out.write_all(&(json.len() as u64).to_le_bytes()).map_err(io)?;
+    out.write_all(&json).map_err(io)?;
+    for (_, f) in &order {
+        out.write_all(f.raw()?).map_err(io)?;
+    }
+    out.flush().map_err(io)
+}
 
 /// Write `tensors` (and string `metadata`) to `path` atomically: the data goes to a temporary
 /// file in the same directory, is fsynced, and is renamed over `path`. A crash or an error leaves
@@ -82,10 +97,7 @@ pub fn save_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Array)], meta
     let result = (|| {
         // Claim the name first (never clobber a file we did not create), then stream into it.
         drop(std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?);
-        safetensors::serialize_to_file(flats.iter().map(|(n, f)| (*n, f)), metadata.cloned(), &tmp).map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(source) => Error::Io { path: tmp.clone(), source },
-            e => Error::Safetensors { path: path.to_path_buf(), msg: e.to_string() },
-        })?;
+        write_file(&tmp, &flats, metadata)?;
         // fsync applies to the file, whichever descriptor asks.
         std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp))?;
         std::fs::rename(&tmp, path).map_err(io(path))?;
