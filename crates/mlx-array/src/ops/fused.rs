@@ -3,10 +3,9 @@
 //! helpers (`swiglu`, `gelu_approx`, the gated-delta step).
 //!
 //! On the GPU MLX generates the fused kernels itself. On the CPU it writes C++ and builds it
-//! with `g++` at run time, which only pays where the chain is long and the arrays large; whether
-//! the CPU backend fuses is the process-wide [`CpuFusion`] setting ([`set_cpu_fusion`]), off
-//! by default. With it off [`fused`] runs the plain ops, so results are the same either way (up
-//! to the rounding of fused arithmetic).
+//! with `g++` at run time; whether the CPU backend fuses is the process-wide [`CpuFusion`]
+//! setting ([`set_cpu_fusion`]), off by default. With it off [`fused`] runs the plain ops, so
+//! results are the same either way (up to the rounding of fused arithmetic).
 use crate::error::{OpExt, Result};
 use crate::Array;
 use mlx_rs::error::Exception;
@@ -28,8 +27,8 @@ thread_local! {
 ///
 /// `Off` (the default) runs their ops one by one. `On` compiles them through MLX, which on the
 /// CPU needs a C++ compiler (`g++`) on the `PATH` when a kernel is first built: without one the
-/// first fused call returns MLX's compile error. Measured on the 2-core x86 CPU the
-/// project benchmarks on, fusion does not speed up decode (BENCHMARKS.md, "CPU kernel fusion").
+/// first fused call returns MLX's compile error. Off by default, so that running needs no C++
+/// compiler; `llm_bench --cpu-fusion on|off` measures the difference on a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CpuFusion {
     #[default]
