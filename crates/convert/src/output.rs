@@ -1,7 +1,6 @@
 //! Writing checkpoints: an output directory that appears whole or not at all, and a streaming
 //! safetensors writer (the header is known up front, tensors are written one at a time), weights
-//! sharded as mlx-lm shards them ([`ShardedWriter`]), and small files replaced atomically
-//! ([`write_atomic`]).
+//! sharded as mlx-lm shards them ([`ShardedWriter`]).
 use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::collections::BTreeMap;
@@ -305,34 +304,8 @@ impl ShardedWriter {
         let mut bytes = Vec::new();
         let mut ser = serde_json::Serializer::with_formatter(&mut bytes, serde_json::ser::PrettyFormatter::with_indent(b"    "));
         index.serialize(&mut ser)?;
-        write_atomic(&self.dir.join(mlx_array::io::INDEX_FILE), &bytes)?;
+        mlx_array::io::write_atomic(self.dir.join(mlx_array::io::INDEX_FILE), &bytes)?;
         Ok(ShardsWritten { files, total_size: self.total_bytes })
     }
 }
 
-/// Write `bytes` to `path` through a temporary file in the same directory, fsynced and renamed
-/// over `path`: a reader sees the old file or the new one, never a partial one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ConvertError> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path.file_name().ok_or_else(|| ConvertError::BadOutput(path.to_path_buf()))?.to_string_lossy().into_owned();
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let tmp = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
-    let result = (|| {
-        let mut f = fs::OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?;
-        f.write_all(bytes).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        drop(f);
-        fs::rename(&tmp, path).map_err(io(path))?;
-        if let Ok(d) = File::open(&dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
-}

@@ -33,6 +33,25 @@ impl DType {
             DType::U8 | DType::I8 | DType::Bool => 1,
         }
     }
+    /// The name torch and transformers' config.json (`torch_dtype`, `dtype`) give this dtype.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            DType::I32 => "int32",
+            DType::U32 => "uint32",
+            DType::I64 => "int64",
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::Bool => "bool",
+            DType::U16 => "uint16",
+            DType::U64 => "uint64",
+            DType::I16 => "int16",
+            DType::Complex64 => "complex64",
+        }
+    }
     /// f32, f16 or bf16.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64)

@@ -314,7 +314,7 @@ pub fn calibrate_activation_amax_with(
         return Err(CalibrateError::NonFinite { layer: layer.clone(), value });
     }
     let updated = with_amax(&cfg_path, &original, &amax)?;
-    write_atomic(&cfg_path, &updated)?;
+    mlx_array::io::write_atomic(&cfg_path, &updated)?;
     let amax: BTreeMap<String, f32> = amax.into_iter().map(|(k, (a, _))| (k, a)).collect();
     Ok(CalibrationSummary { projections: amax.len(), rows: rows.len(), tokens, amax, seconds: t0.elapsed().as_secs_f64() })
 }
@@ -348,29 +348,3 @@ fn with_amax(path: &Path, original: &[u8], amax: &BTreeMap<String, (f32, QuantMo
     Ok(out)
 }
 
-/// Replace `path` with `bytes`: temporary file in the same directory, fsync, rename.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CalibrateError> {
-    use std::io::Write;
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |source| CalibrateError::Io { path: p, source }
-    };
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.calibrate-{}.tmp", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-        f.write_all(bytes).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(io(path))?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}

@@ -110,7 +110,7 @@ impl ParameterTree {
     /// Mark the parameters whose names match `pred` trainable; returns how many changed. Packed
     /// ones ([`Parameter::packed`]) stay frozen.
     pub fn unfreeze(&mut self, pred: impl Fn(&str) -> bool) -> usize {
-        self.mark(|n| pred(n), true)
+        self.mark(pred, true)
     }
 
     fn mark(&mut self, pred: impl Fn(&str) -> bool, trainable: bool) -> usize {

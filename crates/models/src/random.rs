@@ -18,13 +18,6 @@ use std::path::Path;
 const TOKENIZER_JSON: &str = include_str!("../assets/qwen3-tokenizer/tokenizer.json");
 const TOKENIZER_CONFIG: &str = include_str!("../assets/qwen3-tokenizer/tokenizer_config.json");
 
-/// Write `bytes` to `path` through a temporary file and a rename.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(|e| ModelError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
-}
-
 /// The config.json of a family's preset (`tiny`, `small`, or a named size such as `0.6b`).
 pub fn preset_config(model_type: &str, preset: &str) -> Result<Value> {
     let family = registry::family(model_type).ok_or_else(|| ModelError::InvalidInput(format!("unknown model family {model_type:?}")))?;
@@ -68,23 +61,15 @@ pub fn create_random_checkpoint(config: &Value, dir: &Path, dtype: DType, seed: 
     mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None)?;
     let mut config = config.clone();
     let obj = config.as_object_mut().ok_or_else(|| ModelError::InvalidInput("checkpoint config must be a JSON object".into()))?;
-    obj.insert("torch_dtype".into(), dtype_name(dtype).into());
+    obj.insert("torch_dtype".into(), dtype.torch_name().into());
     obj.retain(|_, v| !v.is_null());
-    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&config).expect("JSON value").as_bytes())?;
-    write_atomic(&dir.join("tokenizer.json"), TOKENIZER_JSON.as_bytes())?;
-    write_atomic(&dir.join("tokenizer_config.json"), TOKENIZER_CONFIG.as_bytes())?;
+    mlx_array::io::write_atomic(dir.join("config.json"), serde_json::to_string_pretty(&config).expect("JSON value").as_bytes())?;
+    mlx_array::io::write_atomic(dir.join("tokenizer.json"), TOKENIZER_JSON.as_bytes())?;
+    mlx_array::io::write_atomic(dir.join("tokenizer_config.json"), TOKENIZER_CONFIG.as_bytes())?;
     Ok(())
 }
 
 /// [`create_random_checkpoint`] of a family's preset.
 pub fn create_random_preset(model_type: &str, preset: &str, dir: &Path, dtype: DType, seed: u64) -> Result<()> {
     create_random_checkpoint(&preset_config(model_type, preset)?, dir, dtype, seed)
-}
-
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        _ => "float32",
-    }
 }

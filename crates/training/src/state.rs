@@ -189,16 +189,11 @@ pub fn save_checkpoint(dir: &Path, c: &CheckpointContents) -> Result<()> {
             if *f == "config.json" {
                 let text = std::fs::read_to_string(&src).map_err(io_err(&src))?;
                 let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::State { path: src.clone(), msg: e.to_string() })?;
-                if let (Some(obj), Some(d)) = (cfg.as_object_mut(), c.params.first().map(|(_, a)| c.save_dtype.unwrap_or(a.dtype()))) {
-                    let name = match d {
-                        DType::F32 => "float32",
-                        DType::BF16 => "bfloat16",
-                        DType::F16 => "float16",
-                        _ => "",
-                    };
+                let float = c.params.first().map(|(_, a)| c.save_dtype.unwrap_or(a.dtype())).filter(|d| d.is_float());
+                if let (Some(obj), Some(d)) = (cfg.as_object_mut(), float) {
                     for key in ["torch_dtype", "dtype"] {
-                        if obj.contains_key(key) && !name.is_empty() {
-                            obj.insert(key.into(), name.into());
+                        if obj.contains_key(key) {
+                            obj.insert(key.into(), d.torch_name().into());
                         }
                     }
                 }

@@ -20,7 +20,7 @@ mod read;
 mod write;
 
 pub use read::{list_tensors, load_dir, load_safetensors, Checkpoint, SafetensorsFile, TensorInfo, INDEX_FILE};
-pub use write::save_safetensors;
+pub use write::{save_safetensors, write_atomic, write_atomic_with};
 
 use crate::DType;
 

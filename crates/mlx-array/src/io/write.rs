@@ -3,6 +3,7 @@ use super::to_st_dtype;
 use crate::error::{Error, OpExt, Result};
 use crate::{Array, DType};
 use std::collections::{HashMap, HashSet};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -43,7 +44,6 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 /// data ordered by element size, largest first, then by name (every tensor aligned to its
 /// element size), the header padded with spaces to a multiple of 8 bytes.
 fn write_file(tmp: &Path, flats: &[(&str, Flat)], metadata: Option<&HashMap<String, String>>) -> Result<()> {
-    use std::io::Write;
     let mut order: Vec<&(&str, Flat)> = flats.iter().collect();
     order.sort_by(|a, b| b.1.dtype.bitsize().cmp(&a.1.dtype.bitsize()).then(a.0.cmp(b.0)));
     let mut header = std::collections::BTreeMap::<String, serde_json::Value>::new();
@@ -84,20 +84,35 @@ pub fn save_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Array)], meta
         }
     }
     let flats: Vec<(&str, Flat)> = tensors.iter().map(|(n, a)| Ok((*n, Flat::new(a)?))).collect::<Result<_>>()?;
+    write_atomic_with(path, |tmp| write_file(tmp, &flats, metadata))
+}
+
+/// Write `bytes` to `path` atomically (see [`write_atomic_with`]).
+pub fn write_atomic(path: impl AsRef<Path>, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path.as_ref(), |tmp| {
+        let io = |source| Error::Io { path: tmp.to_path_buf(), source };
+        std::fs::OpenOptions::new().write(true).truncate(true).open(tmp).and_then(|mut f| f.write_all(bytes)).map_err(io)
+    })
+}
+
+/// Make `path`'s new contents with `write`, given a temporary file in the same directory (created
+/// empty, a name no other writer uses), then fsync it and rename it over `path`. A crash or an
+/// error leaves any previous file at `path` as it was, and no temporary file behind.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let fname = path.file_name().ok_or_else(|| Error::arg("save_safetensors", format!("{} is not a file path", path.display())))?;
+    let fname = path.file_name().ok_or_else(|| Error::arg("write_atomic", format!("{} is not a file path", path.display())))?;
     let tmp = dir.join(format!(".{}.{}.{}.tmp", fname.to_string_lossy(), std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
     let io = |p: &Path| {
         let p = p.to_path_buf();
         move |source| Error::Io { path: p, source }
     };
     let result = (|| {
-        // Claim the name first (never clobber a file we did not create), then stream into it.
+        // Claim the name first (never clobber a file we did not create), then write into it.
         drop(std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?);
-        write_file(&tmp, &flats, metadata)?;
+        write(&tmp)?;
         // fsync applies to the file, whichever descriptor asks.
         std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp))?;
         std::fs::rename(&tmp, path).map_err(io(path))?;

@@ -14,6 +14,7 @@
 //! Everything runs in f32, as transformers runs the router and experts.
 use super::PrivacyError;
 use crate::layers::{Embedding, Linear, Rope, RopeScaling, RmsNorm};
+use crate::config::{default_true, default_usize};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, DType};
@@ -40,7 +41,7 @@ pub struct PrivacyFilterConfig {
     pub num_local_experts: usize,
     pub num_experts_per_tok: usize,
     pub sliding_window: usize,
-    #[serde(default = "default_max_positions")]
+    #[serde(default = "default_usize::<131072>")]
     pub max_position_embeddings: usize,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f32,
@@ -63,14 +64,9 @@ pub struct PrivacyFilterConfig {
     pub num_labels: Option<usize>,
 }
 
-fn default_max_positions() -> usize {
-    131072
-}
+/// 1e-5, the `rms_norm_eps` default of transformers' privacy-filter config.
 fn default_eps() -> f32 {
     1e-5
-}
-fn default_true() -> bool {
-    true
 }
 
 /// transformers' default rope when config.json has none: YaRN, factor 32 over 4096 positions.
