@@ -24,6 +24,7 @@ pub mod data;
 pub mod error;
 pub mod grpo;
 pub mod optim;
+pub mod rewards;
 pub mod sft;
 pub mod state;
 
