@@ -24,6 +24,9 @@ pub enum TrainError {
     /// Inputs that do not fit together (parameter and gradient counts or shapes, empty batches).
     #[error("{0}")]
     InvalidInput(String),
+    /// The GRPO output store (SQLite, XLSX export).
+    #[error("output store: {0}")]
+    Store(String),
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;

@@ -905,3 +905,87 @@ impl GrpoTrainer {
         )
     }
 }
+
+/// One line of a rollouts file: `{"group": g, "prompt_ids": [...], "completion_ids": [...],
+/// "reward": r}` (`g` a number or a string; `reward` null: unscorable). Other keys (as the
+/// output store's JSONL export writes) are ignored.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+pub struct Rollout {
+    pub group: serde_json::Value,
+    pub prompt_ids: Vec<u32>,
+    pub completion_ids: Vec<u32>,
+    pub reward: Option<f64>,
+}
+
+/// The groups of a rollouts file, in the order their first line appears; every group must hold
+/// `group_size` completions of one prompt.
+pub fn load_rollouts(path: &Path, group_size: usize) -> Result<Vec<Vec<Rollout>>> {
+    let text = std::fs::read_to_string(path).map_err(crate::error::io_err(path))?;
+    let bad = |line: usize, msg: String| TrainError::Data {
+        path: path.to_path_buf(),
+        line,
+        msg,
+    };
+    let mut groups: Vec<(String, Vec<Rollout>)> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r: Rollout = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
+        let key = match &r.group {
+            serde_json::Value::Number(n) => n.to_string(),
+            serde_json::Value::String(s) => format!("{s:?}"),
+            other => {
+                return Err(bad(
+                    i + 1,
+                    format!("\"group\" must be a number or a string, got {other}"),
+                ))
+            }
+        };
+        if r.prompt_ids.is_empty() {
+            return Err(bad(i + 1, "empty prompt_ids".into()));
+        }
+        if r.reward.is_some_and(|x| !x.is_finite()) {
+            return Err(bad(i + 1, "reward must be finite (or null)".into()));
+        }
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, g)) => {
+                if g[0].prompt_ids != r.prompt_ids {
+                    return Err(bad(
+                        i + 1,
+                        format!("group {key}: prompt_ids differ from the group's first line"),
+                    ));
+                }
+                g.push(r);
+            }
+            None => groups.push((key, vec![r])),
+        }
+    }
+    if groups.is_empty() {
+        return Err(bad(0, "no rollouts".into()));
+    }
+    for (k, g) in &groups {
+        if g.len() != group_size {
+            return Err(bad(
+                0,
+                format!(
+                    "group {k} has {} completions, the group size is {group_size}",
+                    g.len()
+                ),
+            ));
+        }
+    }
+    Ok(groups.into_iter().map(|(_, g)| g).collect())
+}
+
+/// A batch of recorded groups (single reward function `reward`).
+pub fn rollout_batch(groups: &[Vec<Rollout>]) -> Result<GrpoBatch> {
+    let rows: Vec<&Rollout> = groups.iter().flatten().collect();
+    let rewards: Vec<f64> = rows.iter().map(|r| r.reward.unwrap_or(f64::NAN)).collect();
+    GrpoBatch::single_reward(
+        rows.iter()
+            .map(|r| (r.prompt_ids.clone(), r.completion_ids.clone()))
+            .collect(),
+        &rewards,
+    )
+}
