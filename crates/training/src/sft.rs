@@ -19,11 +19,12 @@
 //! generator state and the position, so a resumed run sees exactly the batches it would have.
 use crate::data::{make_batch, Batch, Example};
 use crate::error::{Result, TrainError};
+use crate::lora::LoraConfig;
 use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
 use crate::state::{self, CheckpointContents, TrainerState};
 use mlx_array::grad::value_and_grad;
 use mlx_array::{Array, DType};
-use mlx_models::{KvCacheMode, LoadOptions, Logits, Model, ParameterTree};
+use mlx_models::{KvCacheMode, LoadOptions, Logits, LoraSettings, Model, ParameterTree};
 use std::path::Path;
 use std::time::Instant;
 
@@ -49,6 +50,10 @@ pub struct SftConfig {
     pub chunked_head: bool,
     /// Padding id (`None`: the config's `pad_token_id`, else 0).
     pub pad_id: Option<u32>,
+    /// The LoRA settings the tree's adapters were made with ([`crate::lora::apply_lora`],
+    /// [`crate::lora::load_adapters`]); required when the tree has adapters. Checkpoints then
+    /// hold the adapters (`adapters.safetensors`, `adapter_config.json`), not the base model.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for SftConfig {
@@ -67,6 +72,7 @@ impl Default for SftConfig {
             head_chunk: 1024,
             chunked_head: true,
             pad_id: None,
+            lora: None,
         }
     }
 }
@@ -131,6 +137,21 @@ struct Progress {
     order: Vec<usize>,
 }
 
+/// The seed of the LoRA dropout masks of micro-batch `micro` of update `step`.
+fn lora_dropout_seed(seed: u64, step: u64, micro: usize) -> u64 {
+    let mut s = seed ^ 0xD50F_0D50_F0D5_0F0D ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (micro as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    splitmix(&mut s)
+}
+
+/// A tree with adapters needs its LoRA config (what checkpoints record), and only then.
+fn check_lora(tree: &ParameterTree, config: &SftConfig) -> Result<()> {
+    match (tree.lora().is_some(), &config.lora) {
+        (true, None) => Err(TrainError::Config("the tree has LoRA adapters: set SftConfig::lora to the LoRA config they were made with".into())),
+        (false, Some(_)) => Err(TrainError::Config("SftConfig::lora is set but the tree has no LoRA adapters (apply_lora)".into())),
+        _ => Ok(()),
+    }
+}
+
 /// SplitMix64: the shuffle generator (its whole state is one u64, saved with checkpoints).
 fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -180,6 +201,7 @@ impl SftTrainer {
         if tree.trainable_names().is_empty() {
             return Err(TrainError::InvalidInput("no trainable parameter".into()));
         }
+        check_lora(&tree, &config)?;
         let optimizer = Optimizer::new(config.optimizer)?;
         let rng0 = config.seed ^ 0x5EED_5EED_5EED_5EED;
         let (order, _) = epoch_order(examples.len(), config.shuffle, rng0);
@@ -214,7 +236,8 @@ impl SftTrainer {
         } else {
             return Ok(Head::Model);
         };
-        if self.tree.get(&weight).is_none_or(|p| p.packed || p.array.ndim() != 2) {
+        let adapted = weight.strip_suffix(".weight").is_some_and(|p| self.tree.get(&format!("{p}.lora_a")).is_some());
+        if adapted || self.tree.get(&weight).is_none_or(|p| p.packed || p.array.ndim() != 2) {
             return Ok(Head::Model);
         }
         let softcap = text.get("final_logit_softcapping").and_then(|v| v.as_f64()).map(|v| v as f32);
@@ -412,7 +435,11 @@ impl SftTrainer {
             let picked: Vec<&Example> = p.order[p.position..end].iter().map(|&i| &self.examples[i]).collect();
             p.position = end;
             let batch = make_batch(&picked, self.pad_id)?;
-            let (loss, grads) = self.batch_gradients(&batch)?;
+            let dropout_seed = lora_dropout_seed(self.config.seed, self.progress.step, count);
+            self.set_lora_dropout(Some(dropout_seed));
+            let result = self.batch_gradients(&batch);
+            self.set_lora_dropout(None);
+            let (loss, grads) = result?;
             loss_sum += loss as f64;
             loss_tokens += batch.positions.len();
             tokens += batch.tokens;
@@ -498,9 +525,25 @@ impl SftTrainer {
         }
     }
 
+    /// LoRA dropout masks of the next gradient computations drawn from `seed` (`None`: no dropout).
+    fn set_lora_dropout(&mut self, seed: Option<u64>) {
+        if let Some(s) = self.tree.lora().filter(|s| s.dropout > 0.0) {
+            let s = LoraSettings { dropout_seed: seed, ..s.clone() };
+            self.tree.set_lora(Some(s));
+        }
+    }
+
     /// Save model, optimizer and trainer state to `dir` atomically (weights in `save_dtype`,
-    /// or as trained when `None`).
+    /// or as trained when `None`). With LoRA, the adapters (`adapters.safetensors`,
+    /// `adapter_config.json`, in their f32) take the model's place.
     pub fn save(&self, dir: &Path, save_dtype: Option<DType>) -> Result<()> {
+        if let Some(lora) = &self.config.lora {
+            let trainer = self.trainer_state();
+            return state::write_dir_atomically(dir, |tmp| {
+                crate::lora::write_adapter_files(tmp, &self.tree, lora)?;
+                state::write_training_state(tmp, &self.optimizer, &trainer)
+            });
+        }
         let arrays: Vec<(String, Array)> = self.tree.iter().map(|(n, p)| (n.to_string(), p.array.clone())).collect();
         let params: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
         let trainer = self.trainer_state();
@@ -510,6 +553,13 @@ impl SftTrainer {
     /// Continue the run saved in `dir` (model, optimizer and progress), with the same
     /// `examples` and `config` as the run that saved it.
     pub fn resume(dir: &Path, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig) -> Result<Self> {
+        Self::resume_with_base(dir, None, opts, examples, config)
+    }
+
+    /// [`SftTrainer::resume`] for a checkpoint of either kind: a LoRA checkpoint (adapters, no
+    /// model) is continued over `base` (the model it was trained from), whose adapters are
+    /// those saved; `config.lora` is then taken from the checkpoint's `adapter_config.json`.
+    pub fn resume_with_base(dir: &Path, base: Option<ParameterTree>, opts: &LoadOptions, examples: Vec<Example>, mut config: SftConfig) -> Result<Self> {
         config.validate()?;
         let dir = state::resolve_checkpoint(dir)?;
         let saved = state::read_trainer_state(&dir)?;
@@ -533,7 +583,13 @@ impl SftTrainer {
                 saved.batch_size, saved.grad_accumulation, saved.shuffle, config.batch_size, config.grad_accumulation, config.shuffle
             )));
         }
-        let mut tree = ParameterTree::load(&dir, opts)?;
+        let mut tree = if dir.join(crate::lora::ADAPTERS_FILE).is_file() {
+            let mut tree = base.ok_or_else(|| bad(format!("a LoRA checkpoint ({}) continues over its base model, which was not given", crate::lora::ADAPTERS_FILE)))?;
+            config.lora = Some(crate::lora::load_adapters(&mut tree, &dir)?);
+            tree
+        } else {
+            ParameterTree::load(&dir, opts)?
+        };
         tree.freeze(|_| true);
         let names: Vec<String> = saved.trainable.clone();
         for n in &names {
