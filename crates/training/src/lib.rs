@@ -22,6 +22,7 @@
 //! ```
 pub mod data;
 pub mod error;
+pub mod guard;
 pub mod lora;
 pub mod optim;
 pub mod sft;

@@ -19,6 +19,7 @@
 //! generator state and the position, so a resumed run sees exactly the batches it would have.
 use crate::data::{make_batch, Batch, Example};
 use crate::error::{Result, TrainError};
+use crate::guard::{NanGuard, Verdict};
 use crate::lora::LoraConfig;
 use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
 use crate::state::{self, CheckpointContents, TrainerState};
@@ -54,6 +55,9 @@ pub struct SftConfig {
     /// [`crate::lora::load_adapters`]); required when the tree has adapters. Checkpoints then
     /// hold the adapters (`adapters.safetensors`, `adapter_config.json`), not the base model.
     pub lora: Option<LoraConfig>,
+    /// Updates with non-finite gradients are skipped; once more than this many were, the run
+    /// stops with [`TrainError::NanGradients`] ([`crate::guard`]; default 100).
+    pub max_nan_gradients: u64,
 }
 
 impl Default for SftConfig {
@@ -73,6 +77,7 @@ impl Default for SftConfig {
             chunked_head: true,
             pad_id: None,
             lora: None,
+            max_nan_gradients: crate::guard::DEFAULT_MAX_NAN_GRADIENTS,
         }
     }
 }
@@ -117,6 +122,8 @@ pub struct StepMetrics {
     /// Global gradient norm before clipping.
     pub grad_norm: f32,
     pub seconds: f64,
+    /// The gradients were not finite and the update was skipped (`step` did not advance).
+    pub skipped: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -184,6 +191,7 @@ pub struct SftTrainer {
     progress: Progress,
     head: Head,
     pad_id: u32,
+    guard: NanGuard,
 }
 
 fn model_err(e: impl std::fmt::Display) -> mlx_array::Error {
@@ -216,7 +224,8 @@ impl SftTrainer {
             serde_json::from_str(&std::fs::read_to_string(&p).map_err(crate::error::io_err(&p))?).map_err(|e| TrainError::State { path: p, msg: e.to_string() })?
         };
         let pad_id = config.pad_id.or_else(|| cfg.get("pad_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok())).unwrap_or(0);
-        let mut t = SftTrainer { tree, opts, config, examples, optimizer, progress, head: Head::Model, pad_id };
+        let guard = NanGuard::new(config.max_nan_gradients);
+        let mut t = SftTrainer { tree, opts, config, examples, optimizer, progress, head: Head::Model, pad_id, guard };
         t.head = t.pick_head(&cfg)?;
         Ok(t)
     }
@@ -458,24 +467,47 @@ impl SftTrainer {
             let inv = 1.0 / count as f32;
             grads = grads.iter().map(|g| g.mul_scalar(inv)).collect::<mlx_array::Result<_>>()?;
         }
+        // clipping by value would hide infinities: judge the unclipped gradients then
+        let unclipped_norm = match self.config.clip.max_value {
+            Some(_) => Some(crate::optim::global_norm(&grads)?.item::<f32>()?),
+            None => None,
+        };
         let (grads, grad_norm) = clip_gradients(grads, &self.config.clip)?;
         let lr = self.config.schedule.lr_at(self.progress.step);
-        let names: Vec<String> = self.tree.trainable_names().iter().map(|s| s.to_string()).collect();
-        let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let new = self.optimizer.update(&name_refs, &self.tree.trainable_arrays(), &grads, lr)?;
-        self.tree = self.tree.with_trainable(&new)?;
-        self.progress.step += 1;
-        Ok(Some(StepMetrics {
+        let loss = (loss_sum / count as f64) as f32;
+        let mut metrics = StepMetrics {
             step: self.progress.step,
             epoch: self.progress.epoch,
-            loss: (loss_sum / count as f64) as f32,
+            loss,
             loss_tokens,
             tokens,
             micro_batches: count,
             lr,
             grad_norm,
-            seconds: started.elapsed().as_secs_f64(),
-        }))
+            seconds: 0.0,
+            skipped: true,
+        };
+        match self.guard.check(loss, unclipped_norm.unwrap_or(grad_norm)) {
+            Verdict::Apply => metrics.skipped = false,
+            Verdict::Skip { .. } => {
+                metrics.seconds = started.elapsed().as_secs_f64();
+                return Ok(Some(metrics));
+            }
+            Verdict::Stop { skipped } => return Err(TrainError::NanGradients { skipped, max: self.guard.max_nan_gradients() }),
+        }
+        let names: Vec<String> = self.tree.trainable_names().iter().map(|s| s.to_string()).collect();
+        let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let new = self.optimizer.update(&name_refs, &self.tree.trainable_arrays(), &grads, lr)?;
+        self.tree = self.tree.with_trainable(&new)?;
+        self.progress.step += 1;
+        metrics.step = self.progress.step;
+        metrics.seconds = started.elapsed().as_secs_f64();
+        Ok(Some(metrics))
+    }
+
+    /// Updates skipped so far for non-finite gradients ([`crate::guard`]).
+    pub fn nan_skipped(&self) -> u64 {
+        self.guard.skipped()
     }
 
     /// Updates applied so far.
@@ -522,6 +554,7 @@ impl SftTrainer {
             batch_size: self.config.batch_size,
             grad_accumulation: self.config.grad_accumulation,
             shuffle: self.config.shuffle,
+            nan_skipped: self.guard.skipped(),
         }
     }
 
@@ -616,6 +649,8 @@ impl SftTrainer {
             return Err(bad(format!("position {} past the {} examples", saved.position, order.len())));
         }
         let progress = Progress { step: saved.step, epoch: saved.epoch, position: saved.position, epoch_rng: saved.epoch_rng, order };
-        Self::assemble(tree, opts, examples, config, optimizer, progress)
+        let mut t = Self::assemble(tree, opts, examples, config, optimizer, progress)?;
+        t.guard = t.guard.clone().with_skipped(saved.nan_skipped);
+        Ok(t)
     }
 }

@@ -118,6 +118,9 @@ pub struct TrainerState {
     pub batch_size: usize,
     pub grad_accumulation: usize,
     pub shuffle: bool,
+    /// Updates skipped for non-finite gradients so far ([`crate::guard::NanGuard`]).
+    #[serde(default)]
+    pub nan_skipped: u64,
 }
 
 /// `dir`, or, when a save was interrupted between its two renames, `<dir>.previous`.
