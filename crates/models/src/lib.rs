@@ -50,6 +50,7 @@ pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generat
 pub use model::{load_model, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights};
 pub use paged::PagedConfig;
 pub use params::{Parameter, ParameterTree};
+pub use layers::LoraSettings;
 pub use session::{load_session, ChatConfig, ChatResult, ChatSession, ChatStream, StreamEvent};
 pub use random::{create_random_checkpoint, create_random_preset, expected_tensors, preset_config};
 pub use runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};

@@ -21,6 +21,10 @@ pub enum TrainError {
     /// A saved optimizer or trainer state that does not fit the run it is loaded into.
     #[error("{path}: {msg}")]
     State { path: PathBuf, msg: String },
+    /// More updates with non-finite gradients than allowed ([`crate::guard::NanGuard`]): the
+    /// run stops; the parameters are those of the last finite update.
+    #[error("{skipped} updates had non-finite gradients (at most {max} allowed): training stopped")]
+    NanGradients { skipped: u64, max: u64 },
     /// Inputs that do not fit together (parameter and gradient counts or shapes, empty batches).
     #[error("{0}")]
     InvalidInput(String),

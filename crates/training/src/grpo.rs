@@ -31,8 +31,13 @@
 //! through `logp`: the loss is differentiated with respect to the `[N, T]` log-probs (`g`), then
 //! the model with respect to `sum(logp(θ) · g)`.
 //!
-//! Each update clips the global gradient norm and applies the optimizer.
+//! Each update clips the global gradient norm and applies the optimizer. An update whose loss
+//! or gradients are not finite is skipped (parameters and optimizer state unchanged) and counted
+//! by the NaN guard ([`crate::guard`]); past `max_nan_gradients` skipped updates the step fails
+//! with [`TrainError::NanGradients`], the trainer still holding the last finite parameters (the
+//! caller saves them as an emergency checkpoint).
 use crate::error::{Result, TrainError};
+use crate::guard::{NanGuard, Verdict};
 use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
 use crate::state::{self, CheckpointContents, TrainerState};
 use mlx_array::grad::value_and_grad;
@@ -72,7 +77,8 @@ pub enum ImportanceSampling {
     Sequence,
 }
 
-/// GRPO settings. Defaults: group size 4, learning rate 1e-6 constant (mlx-node's); loss `dapo`, `beta` 0, `epsilon` 0.2, `epsilon_high` = `epsilon`, `token`
+/// GRPO settings. Defaults: group size 4, learning rate 1e-6 constant and
+/// at most 100 skipped non-finite updates (mlx-node's); loss `dapo`, `beta` 0, `epsilon` 0.2, `epsilon_high` = `epsilon`, `token`
 /// importance sampling, `group` reward scaling, `max_completion_length` 512 (TRL's); AdamW with
 /// the global gradient norm clipped to 1.0; the whole step in one micro-batch.
 #[derive(Debug, Clone, PartialEq)]
@@ -93,6 +99,8 @@ pub struct GrpoConfig {
     pub schedule: Schedule,
     pub optimizer: OptimizerConfig,
     pub clip: ClipConfig,
+    /// Skipped non-finite updates allowed before the run stops ([`crate::guard`]).
+    pub max_nan_gradients: u64,
     /// Padding id (`None`: the config's `pad_token_id`, else 0).
     pub pad_id: Option<u32>,
 }
@@ -118,6 +126,7 @@ impl Default for GrpoConfig {
                 max_norm: Some(1.0),
                 max_value: None,
             },
+            max_nan_gradients: crate::guard::DEFAULT_MAX_NAN_GRADIENTS,
             pad_id: None,
         }
     }
@@ -377,9 +386,9 @@ pub struct GrpoStepMetrics {
     /// Prompt and completion tokens processed per second by the step (forward and backward).
     pub tokens_per_second: f64,
     pub lr: f64,
-    /// Global gradient norm before clipping (NaN for a skipped step).
+    /// Global gradient norm before clipping.
     pub grad_norm: f32,
-    /// The gradients were not finite: no update was applied.
+    /// The loss or the gradients were not finite: no update was applied.
     pub skipped: bool,
     pub seconds: f64,
 }
@@ -562,6 +571,7 @@ pub struct GrpoTrainer {
     config: GrpoConfig,
     optimizer: Optimizer,
     step: u64,
+    guard: NanGuard,
     pad_id: u32,
 }
 
@@ -616,6 +626,7 @@ impl GrpoTrainer {
                     .and_then(|v| u32::try_from(v).ok())
             })
             .unwrap_or(0);
+        let guard = NanGuard::new(config.max_nan_gradients);
         Ok(GrpoTrainer {
             tree,
             reference,
@@ -623,6 +634,7 @@ impl GrpoTrainer {
             config,
             optimizer,
             step: 0,
+            guard,
             pad_id,
         })
     }
@@ -779,26 +791,43 @@ impl GrpoTrainer {
         Ok((out, grads))
     }
 
-    /// One GRPO update on `batch`.
+    /// One GRPO update on `batch` (skipped when not finite; see the module docs).
     pub fn step(&mut self, batch: &GrpoBatch) -> Result<GrpoStepMetrics> {
         let started = Instant::now();
         let (out, grads) = self.loss_and_gradients(batch)?;
         let lr = self.config.schedule.lr_at(self.step);
-        let (skipped, grad_norm) = {
-            let (grads, norm) = clip_gradients(grads, &self.config.clip)?;
-            let names: Vec<String> = self
-                .tree
-                .trainable_names()
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-            let new = self
-                .optimizer
-                .update(&refs, &self.tree.trainable_arrays(), &grads, lr)?;
-            self.tree = self.tree.with_trainable(&new)?;
-            self.step += 1;
-            (false, norm)
+        // clipping by value would hide infinities: judge the unclipped gradients then
+        let unclipped_norm = match self.config.clip.max_value {
+            Some(_) => Some(crate::optim::global_norm(&grads)?.item::<f32>()?),
+            None => None,
+        };
+        let (grads, grad_norm) = clip_gradients(grads, &self.config.clip)?;
+        let skipped = match self
+            .guard
+            .check(out.loss, unclipped_norm.unwrap_or(grad_norm))
+        {
+            Verdict::Apply => {
+                let names: Vec<String> = self
+                    .tree
+                    .trainable_names()
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect();
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                let new =
+                    self.optimizer
+                        .update(&refs, &self.tree.trainable_arrays(), &grads, lr)?;
+                self.tree = self.tree.with_trainable(&new)?;
+                self.step += 1;
+                false
+            }
+            Verdict::Skip { .. } => true,
+            Verdict::Stop { skipped } => {
+                return Err(TrainError::NanGradients {
+                    skipped,
+                    max: self.guard.max_nan_gradients(),
+                })
+            }
         };
         let totals = batch.total_rewards();
         let (reward_mean, reward_std) = stats(totals.iter().copied());
@@ -844,6 +873,11 @@ impl GrpoTrainer {
     /// Updates applied so far.
     pub fn steps_done(&self) -> u64 {
         self.step
+    }
+
+    /// Updates skipped so far for non-finite loss or gradients.
+    pub fn nan_skipped(&self) -> u64 {
+        self.guard.skipped()
     }
 
     pub fn tree(&self) -> &ParameterTree {
@@ -892,6 +926,7 @@ impl GrpoTrainer {
             batch_size: 0,
             grad_accumulation: 1,
             shuffle: false,
+            nan_skipped: self.guard.skipped(),
         };
         state::save_checkpoint(
             dir,

@@ -23,6 +23,8 @@
 pub mod data;
 pub mod error;
 pub mod grpo;
+pub mod guard;
+pub mod lora;
 pub mod optim;
 pub mod output_store;
 pub mod rewards;
@@ -32,6 +34,7 @@ pub mod state;
 pub use data::{load_jsonl, make_batch, Example, TextEncoder};
 pub use error::{Result, TrainError};
 pub use grpo::{compute_advantages, load_rollouts, rollout_batch, Completion, Rollout, GrpoBatch, GrpoConfig, GrpoLoss, GrpoStepMetrics, GrpoTrainer, ImportanceSampling, LossType, RewardStats, ScaleRewards};
+pub use lora::{apply_lora, fuse_lora, load_adapters, save_adapters, save_model, LoraConfig};
 pub use optim::{clip_gradients, global_norm, AdamWConfig, ClipConfig, Optimizer, OptimizerConfig, Schedule, ScheduleKind, SgdConfig};
 pub use sft::{SftConfig, SftTrainer, StepMetrics};
 pub use state::{load_optimizer_state, save_optimizer_state, TrainerState};
