@@ -25,6 +25,8 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
+pub mod batch;
+mod batch_generate;
 pub mod cache;
 pub mod calibrate;
 pub mod chat;
@@ -44,6 +46,7 @@ mod session;
 mod runtime;
 pub mod weights;
 
+pub use batch_generate::{generate_batch, BatchGenerationResult, BatchSequence};
 pub use cache::{Cache, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};

@@ -33,7 +33,10 @@ pub(crate) trait DecoderLayer {
 /// short convolution, a linear-attention recurrence).
 pub(crate) trait RecurrentMixer {
     /// The output for the normed `x` (`[B, L, H]`), reading and updating `slots` (layer `i`'s).
-    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize) -> Result<Array>;
+    /// `valid` (`[B, L, 1]` booleans, batch caches only): the positions that are tokens; the
+    /// mixer zeroes its recurrent inputs at the others (left padding), leaving the state as it
+    /// was ([`crate::batch`]).
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>) -> Result<Array>;
 }
 
 /// A routed expert block: `[B, L, H]` to `[B, L, H]`.
@@ -69,7 +72,10 @@ impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
         match &self.mixer {
             Mixer::Attention(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
             Mixer::Attention(a) => a.forward_kv(&n, &mut kv.layer(i)?, *mask),
-            Mixer::Recurrent(r) => r.forward_slots(&n, kv.recurrent(i)?, i),
+            Mixer::Recurrent(r) => {
+                let valid = kv.batch().map(|b| b.step_valid()).transpose()?.flatten();
+                r.forward_slots(&n, kv.recurrent(i)?, i, valid.as_ref())
+            }
         }
     }
     fn can_query_last_only(&self) -> bool {
