@@ -418,21 +418,20 @@ fn model_err(e: impl std::fmt::Display) -> mlx_array::Error {
 
 fn pack(completions: &[&Completion], pad_id: u32) -> Result<Packed> {
     let n = completions.len();
+    // at least one column (and one input position): a micro-batch of empty completions has a
+    // zero loss
     let t = completions
         .iter()
         .map(|c| c.completion_ids.len())
         .max()
-        .unwrap_or(0);
-    if t == 0 {
-        return Err(TrainError::InvalidInput(
-            "a micro-batch whose completions are all empty".into(),
-        ));
-    }
+        .unwrap_or(0)
+        .max(1);
     let w = completions
         .iter()
         .map(|c| c.prompt_ids.len() + c.completion_ids.len() - 1)
         .max()
-        .unwrap_or(1);
+        .unwrap_or(1)
+        .max(1);
     let (mut inputs, mut pos, mut targets, mut mask) = (
         Vec::with_capacity(n * w),
         Vec::with_capacity(n * t),
@@ -1023,4 +1022,183 @@ pub fn rollout_batch(groups: &[Vec<Rollout>]) -> Result<GrpoBatch> {
             .collect(),
         &rewards,
     )
+}
+
+/// A prompt to sample completions for: its text (recorded and given to reward functions) and
+/// its token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpoPrompt {
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
+/// The prompts of a JSONL file, one object a line: `{"prompt": "text"}` (tokenised as it is,
+/// without special tokens, as TRL does for plain prompts), `{"messages": [...]}` (rendered by the
+/// checkpoint's chat template with the generation prompt) or `{"prompt_ids": [...]}` (with an
+/// optional `"prompt"` text).
+pub fn load_prompts(path: &Path, enc: &crate::data::TextEncoder) -> Result<Vec<GrpoPrompt>> {
+    let text = std::fs::read_to_string(path).map_err(crate::error::io_err(path))?;
+    let bad = |line: usize, msg: String| TrainError::Data {
+        path: path.to_path_buf(),
+        line,
+        msg,
+    };
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
+        let text_of =
+            |v: &serde_json::Value| v.get("prompt").and_then(|p| p.as_str()).map(str::to_string);
+        let prompt = if let Some(ids) = v.get("prompt_ids") {
+            let ids: Vec<u32> = serde_json::from_value(ids.clone())
+                .map_err(|e| bad(i + 1, format!("prompt_ids: {e}")))?;
+            GrpoPrompt {
+                text: text_of(&v).unwrap_or_default(),
+                ids,
+            }
+        } else if let Some(m) = v.get("messages") {
+            let messages: Vec<mlx_models::chat::ChatMessage> = serde_json::from_value(m.clone())
+                .map_err(|e| bad(i + 1, format!("messages: {e}")))?;
+            let fmt = enc.chat_format().map_err(|e| bad(i + 1, e.to_string()))?;
+            let p = fmt
+                .render(&messages, &Default::default())
+                .map_err(|e| bad(i + 1, e.to_string()))?;
+            GrpoPrompt {
+                text: p.text,
+                ids: p.ids,
+            }
+        } else if let Some(t) = text_of(&v) {
+            let tok = enc.tokenizer().map_err(|e| bad(i + 1, e.to_string()))?;
+            GrpoPrompt {
+                ids: tok
+                    .encode(&t, false)
+                    .map_err(|e| bad(i + 1, e.to_string()))?,
+                text: t,
+            }
+        } else {
+            return Err(bad(
+                i + 1,
+                "expected \"prompt\", \"messages\" or \"prompt_ids\"".into(),
+            ));
+        };
+        if prompt.ids.is_empty() {
+            return Err(bad(i + 1, "the prompt has no tokens".into()));
+        }
+        out.push(prompt);
+    }
+    if out.is_empty() {
+        return Err(bad(0, "no prompts".into()));
+    }
+    Ok(out)
+}
+
+/// Sampling settings of GRPO rollouts: temperature 0.8, top-p 0.95, repetition penalty 1.1
+/// (mlx-node's GRPO defaults), the sampling crate's defaults otherwise.
+pub fn default_rollout_sampling() -> sampling::SamplingConfig {
+    sampling::SamplingConfig {
+        temperature: 0.8,
+        top_p: 0.95,
+        repetition_penalty: 1.1,
+        ..Default::default()
+    }
+}
+
+/// Completions sampled and scored for one step.
+#[derive(Debug, Clone)]
+pub struct SampledGroups {
+    /// What [`GrpoTrainer::step`] takes (reward functions as in the [`crate::rewards::RewardSet`]).
+    pub batch: GrpoBatch,
+    /// Per completion: its prompt's text, its text and why sampling stopped.
+    pub prompt_texts: Vec<String>,
+    pub completion_texts: Vec<String>,
+    pub finish_reasons: Vec<String>,
+    /// Generated tokens per second of the batched decode.
+    pub decode_tokens_per_sec: f64,
+    pub seconds: f64,
+}
+
+impl GrpoTrainer {
+    /// Sample `group_size` completions of every prompt with the current policy, all in one
+    /// batched generation ([`mlx_models::generate_batch`]: at most `max_completion_length` new
+    /// tokens, `sampling`, `stop_tokens` or the model's eos ids), decode them with `decode` and
+    /// score them with `rewards`.
+    ///
+    /// As in TRL, the stop token that ended a completion is part of the trained completion (so
+    /// the policy learns when to stop) when the stop set has a single id; with several,
+    /// `generate_batch` does not say which one ended it and the completion is trained without it.
+    /// Rewards see the decoded text without it.
+    pub fn sample(
+        &self,
+        prompts: &[GrpoPrompt],
+        rewards: &crate::rewards::RewardSet,
+        sampling: &sampling::SamplingConfig,
+        stop_tokens: Option<Vec<u32>>,
+        decode: &dyn Fn(&[u32]) -> std::result::Result<String, String>,
+    ) -> Result<SampledGroups> {
+        if rewards.is_empty() {
+            return Err(TrainError::Config("no reward function".into()));
+        }
+        if prompts.is_empty() {
+            return Err(TrainError::InvalidInput("no prompts to sample".into()));
+        }
+        let started = Instant::now();
+        let model = self.policy()?;
+        let ids: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
+        let stop = stop_tokens.unwrap_or_else(|| model.info().eos_token_ids.clone());
+        let single_stop = (stop.len() == 1).then(|| stop[0]);
+        let gen_cfg = mlx_models::GenerateConfig {
+            max_new_tokens: self.config.max_completion_length,
+            sampling: sampling.clone(),
+            stop_tokens: Some(stop),
+            ..Default::default()
+        };
+        let out = mlx_models::generate_batch(&model, &ids, self.config.group_size, &gen_cfg)?;
+        let n = out.sequences.len();
+        let (mut completions, mut prompt_texts, mut completion_texts, mut finish_reasons) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for s in &out.sequences {
+            let p = prompts.get(s.prompt_index).ok_or_else(|| {
+                TrainError::InvalidInput(format!(
+                    "generated sequence for prompt {} of {}",
+                    s.prompt_index,
+                    prompts.len()
+                ))
+            })?;
+            let text = decode(&s.tokens)
+                .map_err(|e| TrainError::InvalidInput(format!("decoding a completion: {e}")))?;
+            let mut ids = s.tokens.clone();
+            if let (mlx_models::FinishReason::Stop, Some(t)) = (s.finish_reason, single_stop) {
+                ids.push(t);
+            }
+            completions.push(Completion {
+                prompt_ids: p.ids.clone(),
+                completion_ids: ids,
+                rewards: rewards.score(&p.text, &text),
+            });
+            prompt_texts.push(p.text.clone());
+            completion_texts.push(text);
+            finish_reasons.push(s.finish_reason.as_str().to_string());
+        }
+        let batch = GrpoBatch {
+            completions,
+            reward_names: rewards.names(),
+            reward_weights: rewards.weights(),
+            old_logprobs: None,
+        };
+        Ok(SampledGroups {
+            batch,
+            prompt_texts,
+            completion_texts,
+            finish_reasons,
+            decode_tokens_per_sec: out.decode_tokens_per_sec,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
 }
