@@ -77,7 +77,7 @@ impl RewardFunction for ToolUseReward {
                 Err(_) => return Some(INVALID_TOOL_CALL),
             }
         };
-        if !self.allowed_tools.iter().any(|t| *t == name) {
+        if !self.allowed_tools.contains(&name) {
             return Some(INVALID_TOOL_CALL);
         }
         Some(if has_args { 1.0 } else { 0.7 })
@@ -227,10 +227,13 @@ impl RewardFunction for JsonSchemaReward {
     }
 }
 
+/// A user reward closure: `f(prompt, completion)`, `None` when it does not apply.
+pub type RewardFn = Box<dyn Fn(&str, &str) -> Option<f64> + Send>;
+
 /// A user reward: a named closure.
 pub struct FnReward {
     name: String,
-    f: Box<dyn Fn(&str, &str) -> Option<f64> + Send>,
+    f: RewardFn,
 }
 
 impl FnReward {
