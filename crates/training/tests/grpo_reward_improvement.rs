@@ -6,6 +6,10 @@
 //! Length reward 64..1000 characters (so a 16-token completion scores below 1), loss `dapo`,
 //! beta 0, AdamW at learning rate 1e-3 (constant), global norm clipped to 1.0, 50 steps,
 //! sampling seeds `1000 * seed + step`, seeds 0, 1, 2.
+//!
+//! Ignored in the default run: 150 sampled steps take 55 s on an idle 2-core machine and 93 s on
+//! a loaded one (debug build), above the 60 s a default test may take. Run with
+//! `cargo test -p mlx-training --test grpo_reward_improvement -- --ignored --nocapture`.
 mod common;
 
 use common::*;
@@ -18,6 +22,7 @@ const STEPS: u64 = 50;
 const LR: f64 = 1e-3;
 
 #[test]
+#[ignore]
 fn length_reward_rises_for_three_seeds() {
     let dir = model_fixture("qwen3");
     let tok = Tokenizer::from_dir(&dir).unwrap();
