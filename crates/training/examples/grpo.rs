@@ -145,6 +145,12 @@ struct Args {
     /// Clip the global gradient norm (0 = off).
     #[arg(long, default_value_t = 1.0)]
     max_grad_norm: f64,
+    /// Always run the model's full logits (default: the chunked head where it applies).
+    #[arg(long)]
+    full_logits: bool,
+    /// Completion positions per head chunk.
+    #[arg(long, default_value_t = 1024)]
+    head_chunk: usize,
     /// Skipped non-finite steps allowed before the run stops.
     #[arg(long, default_value_t = 100)]
     max_nan_gradients: u64,
@@ -343,6 +349,8 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             max_value: None,
         },
         max_nan_gradients: args.max_nan_gradients,
+        chunked_head: !args.full_logits,
+        head_chunk: args.head_chunk,
         pad_id: None,
     };
     let sampling = default_rollout_sampling();

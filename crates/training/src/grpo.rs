@@ -29,7 +29,13 @@
 //!
 //! Gradients come in two passes, so that the loss's dependence on the parameters runs only
 //! through `logp`: the loss is differentiated with respect to the `[N, T]` log-probs (`g`), then
-//! the model with respect to `sum(logp(θ) · g)`.
+//! the model with respect to `sum(logp(θ) · g)`. With the chunked head (the default, used when
+//! the head is `lm_head.weight` or tied embeddings, optionally soft-capped, and reproduces the
+//! model's logits on a probe sequence at construction, as [`crate::SftTrainer`] does) the
+//! logits exist only for `head_chunk` completion positions at a time: `logp` from the final
+//! hidden rows chunk by chunk; `dL/dz = g (onehot - softmax(z))` (times the softcap's
+//! derivative), `dL/dh = dz W` and the head's `dL/dW += dzᵀ h` per chunk; the body's gradients
+//! are those of `sum(h(θ) · dL/dh)`. Otherwise the model's full `[N, L, V]` logits are used.
 //!
 //! Each update clips the global gradient norm and applies the optimizer. An update whose loss
 //! or gradients are not finite is skipped (parameters and optimizer state unchanged) and counted
@@ -101,6 +107,11 @@ pub struct GrpoConfig {
     pub clip: ClipConfig,
     /// Skipped non-finite updates allowed before the run stops ([`crate::guard`]).
     pub max_nan_gradients: u64,
+    /// Use the chunked head when it reproduces the model's logits (default true; see the module
+    /// docs); `false` always computes the model's full logits.
+    pub chunked_head: bool,
+    /// Completion positions per head chunk (default 1024).
+    pub head_chunk: usize,
     /// Padding id (`None`: the config's `pad_token_id`, else 0).
     pub pad_id: Option<u32>,
 }
@@ -127,6 +138,8 @@ impl Default for GrpoConfig {
                 max_value: None,
             },
             max_nan_gradients: crate::guard::DEFAULT_MAX_NAN_GRADIENTS,
+            chunked_head: true,
+            head_chunk: 1024,
             pad_id: None,
         }
     }
@@ -154,6 +167,9 @@ impl GrpoConfig {
         }
         if self.max_completion_length == 0 {
             return bad("max_completion_length must be >= 1".into());
+        }
+        if self.head_chunk == 0 {
+            return bad("head_chunk must be >= 1".into());
         }
         if self.micro_batch_size == Some(0) {
             return bad("micro_batch_size must be >= 1".into());
@@ -406,6 +422,8 @@ struct Packed {
     targets: Array,
     /// `[n, t]` 1 on completion tokens, 0 on padding.
     mask: Vec<f32>,
+    /// The targets on the host.
+    target_ids: Vec<i32>,
     tokens: usize,
 }
 
@@ -469,6 +487,7 @@ fn pack(completions: &[&Completion], pad_id: u32) -> Result<Packed> {
         t,
         pos: Array::from_slice(&pos, &[n * t])?,
         targets: Array::from_slice(&targets, &[n * t, 1])?,
+        target_ids: targets,
         mask,
         tokens,
     })
@@ -493,6 +512,178 @@ fn token_logprobs(model: &Model, p: &Packed) -> mlx_array::Result<Array> {
         .take_along_axis(&p.targets, -1)?
         .sub(&rows.logsumexp(&[-1], true)?)?;
     lp.reshape(&[p.n as i32, p.t as i32])
+}
+
+/// The output head the gradients run through.
+#[derive(Debug, Clone, PartialEq)]
+enum Head {
+    /// Final hidden rows times this parameter (transposed), optionally soft-capped.
+    Chunked {
+        weight: String,
+        softcap: Option<f32>,
+    },
+    /// The model's own logits.
+    Model,
+}
+
+/// `[M, H]` f32 final hidden rows of the positions predicting the completion tokens.
+fn hidden_rows(model: &Model, p: &Packed) -> mlx_array::Result<Array> {
+    let mut cache = model.new_cache();
+    let out = model
+        .forward(&p.inputs, &mut cache, Logits::None, true)
+        .map_err(model_err)?;
+    let h = out
+        .hidden
+        .ok_or_else(|| model_err("the model returned no hidden states"))?;
+    let w = p.inputs.dim(1)?;
+    h.reshape(&[(p.n * w) as i32, -1])?
+        .take(&p.pos, 0)?
+        .astype(DType::F32)
+}
+
+fn head_weight(tree: &ParameterTree, name: &str) -> mlx_array::Result<Array> {
+    tree.get(name)
+        .ok_or_else(|| model_err(format!("no parameter {name}")))?
+        .array
+        .astype(DType::F32)
+}
+
+fn head_logits(h: &Array, w: &Array, softcap: Option<f32>) -> mlx_array::Result<Array> {
+    let z = h.matmul(&w.transpose(&[1, 0])?)?;
+    match softcap {
+        Some(c) => z.softcap(c),
+        None => Ok(z),
+    }
+}
+
+/// `[n, t]` log-probs from hidden rows `h` through the head `w`, `chunk` rows at a time.
+fn chunked_logprobs(
+    h: &Array,
+    w: &Array,
+    softcap: Option<f32>,
+    p: &Packed,
+    chunk: usize,
+) -> mlx_array::Result<Array> {
+    let m = p.n * p.t;
+    let mut parts = Vec::new();
+    let mut start = 0;
+    while start < m {
+        let end = (start + chunk).min(m);
+        let z = head_logits(&h.slice_axis(0, start, end)?, w, softcap)?;
+        let t = Array::from_slice(&p.target_ids[start..end], &[end - start, 1])?;
+        let lp = z.take_along_axis(&t, -1)?.sub(&z.logsumexp(&[-1], true)?)?;
+        lp.eval()?;
+        parts.push(lp);
+        start = end;
+    }
+    mlx_array::ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?
+        .reshape(&[p.n as i32, p.t as i32])
+}
+
+/// `dL/dh` (`[M, H]`) and the head's `dL/dW` given `g = dL/dlogp` (`[n, t]`), chunk by chunk.
+fn chunked_backward(
+    h: &Array,
+    w: &Array,
+    softcap: Option<f32>,
+    p: &Packed,
+    g: &Array,
+    chunk: usize,
+) -> mlx_array::Result<(Array, Array)> {
+    let m = p.n * p.t;
+    let vocab = w.dim(0)?;
+    let g = g.reshape(&[m as i32, 1])?;
+    let classes = Array::arange(0, vocab as i64, DType::I32)?.reshape(&[1, -1])?;
+    let (mut dh_parts, mut dw): (Vec<Array>, Option<Array>) = (Vec::new(), None);
+    let mut start = 0;
+    while start < m {
+        let end = (start + chunk).min(m);
+        let hc = h.slice_axis(0, start, end)?;
+        let z = head_logits(&hc, w, softcap)?;
+        let t = Array::from_slice(&p.target_ids[start..end], &[end - start, 1])?;
+        let onehot = classes.eq(&t)?.astype(DType::F32)?;
+        let probs = z.sub(&z.logsumexp(&[-1], true)?)?.exp()?;
+        let mut dz = onehot.sub(&probs)?.mul(&g.slice_axis(0, start, end)?)?;
+        if let Some(c) = softcap {
+            // d(c tanh(x / c))/dx = 1 - (z / c)^2
+            dz = dz.mul(
+                &z.mul_scalar(1.0 / c)?
+                    .square()?
+                    .mul_scalar(-1.0)?
+                    .add_scalar(1.0)?,
+            )?;
+        }
+        let dhc = dz.matmul(w)?;
+        let dwc = dz.transpose(&[1, 0])?.matmul(&hc)?;
+        let acc = match dw.take() {
+            Some(a) => a.add(&dwc)?,
+            None => dwc,
+        };
+        mlx_array::eval(&[&dhc, &acc])?;
+        dh_parts.push(dhc);
+        dw = Some(acc);
+        start = end;
+    }
+    let dh = mlx_array::ops::concatenate(&dh_parts.iter().collect::<Vec<_>>(), 0)?;
+    Ok((dh, dw.ok_or_else(|| model_err("no completion position"))?))
+}
+
+/// The chunked head when it reproduces the model's logits on a probe sequence.
+fn pick_head(tree: &ParameterTree, opts: &LoadOptions, cfg: &serde_json::Value) -> Result<Head> {
+    let text = cfg.get("text_config").unwrap_or(cfg);
+    let tied = text
+        .get("tie_word_embeddings")
+        .or_else(|| cfg.get("tie_word_embeddings"))
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+    let names: Vec<&str> = tree.iter().map(|(n, _)| n).collect();
+    let weight = if let Some(n) = names.iter().find(|n| n.ends_with("lm_head.weight")) {
+        n.to_string()
+    } else if let (true, Some(n)) = (
+        tied,
+        names.iter().find(|n| n.ends_with("embed_tokens.weight")),
+    ) {
+        n.to_string()
+    } else {
+        return Ok(Head::Model);
+    };
+    if tree
+        .get(&weight)
+        .is_none_or(|p| p.packed || p.array.ndim() != 2)
+    {
+        return Ok(Head::Model);
+    }
+    let softcap = text
+        .get("final_logit_softcapping")
+        .and_then(|v| v.as_f64())
+        .map(|v| v as f32);
+    let model = tree.build(opts)?.into_lm()?;
+    let vocab = model.info().vocab_size;
+    let probe: Vec<u32> = (0..8u32).map(|i| (i * 7 + 1) % vocab as u32).collect();
+    let mut cache = model.new_cache();
+    let out = model.forward(
+        &Array::from_slice(&probe, &[1, probe.len()])?,
+        &mut cache,
+        Logits::All,
+        true,
+    )?;
+    let (Some(want), Some(h)) = (out.logits, out.hidden) else {
+        return Ok(Head::Model);
+    };
+    let got = head_logits(
+        &h.reshape(&[probe.len() as i32, -1])?.astype(DType::F32)?,
+        &head_weight(tree, &weight)?,
+        softcap,
+    )?;
+    let want = want
+        .reshape(&[probe.len() as i32, -1])?
+        .astype(DType::F32)?;
+    let scale = want.abs()?.max(&[], false)?.item::<f32>()?.max(1e-6);
+    let err = got.sub(&want)?.abs()?.max(&[], false)?.item::<f32>()? / scale;
+    Ok(if err < 1e-4 {
+        Head::Chunked { weight, softcap }
+    } else {
+        Head::Model
+    })
 }
 
 /// Constants of one micro-batch's loss.
@@ -571,6 +762,7 @@ pub struct GrpoTrainer {
     optimizer: Optimizer,
     step: u64,
     guard: NanGuard,
+    head: Head,
     pad_id: u32,
 }
 
@@ -626,6 +818,11 @@ impl GrpoTrainer {
             })
             .unwrap_or(0);
         let guard = NanGuard::new(config.max_nan_gradients);
+        let head = if config.chunked_head {
+            pick_head(&tree, &opts, &cfg)?
+        } else {
+            Head::Model
+        };
         Ok(GrpoTrainer {
             tree,
             reference,
@@ -634,6 +831,7 @@ impl GrpoTrainer {
             optimizer,
             step: 0,
             guard,
+            head,
             pad_id,
         })
     }
@@ -676,7 +874,17 @@ impl GrpoTrainer {
             let rows: Vec<&Completion> = batch.completions[s..e].iter().collect();
             let p = pack(&rows, self.pad_id)?;
             tokens += p.tokens;
-            let lp0 = token_logprobs(&policy, &p)?;
+            let chunk = cfg.head_chunk;
+            // the policy's hidden rows and head weight, kept for the chunked backward pass
+            let (lp0, hidden) = match &self.head {
+                Head::Chunked { weight, softcap } => {
+                    let h = hidden_rows(&policy, &p)?;
+                    h.eval()?;
+                    let w = head_weight(&self.tree, weight)?;
+                    (chunked_logprobs(&h, &w, *softcap, &p, chunk)?, Some((h, w)))
+                }
+                Head::Model => (token_logprobs(&policy, &p)?, None),
+            };
             lp0.eval()?;
             let old = match &batch.old_logprobs {
                 Some(o) => {
@@ -688,13 +896,24 @@ impl GrpoTrainer {
                 }
                 None => lp0.clone(),
             };
-            let ref_lp = match &reference {
-                Some(m) => {
+            let ref_lp = match (&reference, &self.reference, &self.head) {
+                (Some(m), Some(rt), Head::Chunked { weight, softcap }) => {
+                    let h = hidden_rows(m, &p)?;
+                    h.eval()?;
+                    Some(chunked_logprobs(
+                        &h,
+                        &head_weight(rt, weight)?,
+                        *softcap,
+                        &p,
+                        chunk,
+                    )?)
+                }
+                (Some(m), _, _) => {
                     let r = token_logprobs(m, &p)?;
                     r.eval()?;
                     Some(r)
                 }
-                None => None,
+                _ => None,
             };
             let mask = Array::from_slice(&p.mask, &[p.n, p.t])?;
             let micro_tokens: f32 = p.mask.iter().sum();
@@ -721,15 +940,36 @@ impl GrpoTrainer {
                 .ok_or_else(|| TrainError::InvalidInput("no log-prob gradient".into()))?;
             mlx_array::eval(&[&l, &g_lp])?;
             loss += l.item::<f32>()? as f64;
-            let (_, gk) = value_and_grad(
-                |ps| {
-                    let tree = self.tree.with_trainable(ps).map_err(model_err)?;
-                    token_logprobs(&self.build(&tree)?, &p)?
-                        .mul(&g_lp)?
-                        .sum(&[], false)
-                },
-                &params,
-            )?;
+            let gk = match (&hidden, &self.head) {
+                (Some((h, w)), Head::Chunked { weight, softcap }) => {
+                    let (dh, dw) = chunked_backward(h, w, *softcap, &p, &g_lp, chunk)?;
+                    let (_, mut gk) = value_and_grad(
+                        |ps| {
+                            let tree = self.tree.with_trainable(ps).map_err(model_err)?;
+                            hidden_rows(&self.build(&tree)?, &p)?
+                                .mul(&dh)?
+                                .sum(&[], false)
+                        },
+                        &params,
+                    )?;
+                    if let Some(i) = self.tree.trainable_names().iter().position(|n| n == weight) {
+                        gk[i] = gk[i].add(&dw.astype(gk[i].dtype())?)?;
+                    }
+                    gk
+                }
+                _ => {
+                    value_and_grad(
+                        |ps| {
+                            let tree = self.tree.with_trainable(ps).map_err(model_err)?;
+                            token_logprobs(&self.build(&tree)?, &p)?
+                                .mul(&g_lp)?
+                                .sum(&[], false)
+                        },
+                        &params,
+                    )?
+                    .1
+                }
+            };
             let acc = match grads.take() {
                 None => gk,
                 Some(a) => a
@@ -881,6 +1121,11 @@ impl GrpoTrainer {
 
     pub fn tree(&self) -> &ParameterTree {
         &self.tree
+    }
+
+    /// Whether the chunked head is in use (see the module docs).
+    pub fn uses_chunked_head(&self) -> bool {
+        matches!(self.head, Head::Chunked { .. })
     }
 
     pub fn optimizer(&self) -> &Optimizer {

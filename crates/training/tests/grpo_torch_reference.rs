@@ -164,7 +164,12 @@ fn one_grpo_step_matches_trl() {
                     .collect(),
             );
         }
+        // the chunked head in chunks of 5 positions, except in one case: the full logits
+        let full = name == "dapo_token";
+        cfg.chunked_head = !full;
+        cfg.head_chunk = 5;
         let mut t = GrpoTrainer::new(tree, reference, &f32_options(), cfg).unwrap();
+        assert_eq!(t.uses_chunked_head(), !full);
         let (out, grads) = t.loss_and_gradients(&batch).unwrap();
         let want = case["loss"].as_f64().unwrap();
         assert!(
@@ -242,10 +247,69 @@ fn one_grpo_step_matches_trl() {
                 );
             }
         }
-        eprintln!("{name}: loss relative error {:.2e}, worst gradient {worst:.2e}, parameters {pworst:.2e}, clip fraction {:.3}, kl {:?}", rel(out.loss as f64, want), out.clip_fraction, out.kl);
+        eprintln!("{name} ({}): loss relative error {:.2e}, worst gradient {worst:.2e}, parameters {pworst:.2e}, clip fraction {:.3}, kl {:?}", if full { "full logits" } else { "chunked head" }, rel(out.loss as f64, want), out.clip_fraction, out.kl);
     }
     assert_eq!(seen.len(), 8, "every loss type at both levels: {seen:?}");
     let _ = (LossType::Grpo, ScaleRewards::None);
+}
+
+/// The chunked head (chunks of 3 positions) gives the gradients of the full-logits path for
+/// every parameter, the tied embedding (the head's weight) included, with and without a
+/// reference model.
+#[test]
+fn chunked_head_matches_full_logits() {
+    let rows = vec![
+        (vec![3, 17, 99], vec![250, 8, 61, 7]),
+        (vec![3, 17, 99], vec![300, 301]),
+        (vec![3, 17, 99], vec![5, 6, 7, 8, 9]),
+        (vec![3, 17, 99], vec![11]),
+    ];
+    let batch = GrpoBatch::single_reward(rows, &[0.5, 1.0, 0.0, 0.25]).unwrap();
+    for beta in [0.0, 0.1] {
+        let run = |chunked: bool| {
+            let cfg = GrpoConfig {
+                chunked_head: chunked,
+                head_chunk: 3,
+                beta,
+                loss: LossType::Grpo,
+                ..Default::default()
+            };
+            let mut reference = qwen3_tree();
+            let n = "model.norm.weight";
+            let scaled = reference.get(n).unwrap().array.mul_scalar(1.1).unwrap();
+            reference.set(n, scaled).unwrap();
+            let t = GrpoTrainer::new(qwen3_tree(), Some(reference), &f32_options(), cfg).unwrap();
+            assert_eq!(t.uses_chunked_head(), chunked);
+            let names: Vec<String> = t
+                .tree()
+                .trainable_names()
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            let (out, grads) = t.loss_and_gradients(&batch).unwrap();
+            (out, names, grads)
+        };
+        let (a, names, ga) = run(true);
+        let (b, _, gb) = run(false);
+        assert!(
+            names.iter().any(|n| n.ends_with("embed_tokens.weight")),
+            "the tied head is trained"
+        );
+        assert!(
+            rel(a.loss as f64, b.loss as f64) < 1e-5,
+            "beta {beta}: loss {} vs {}",
+            a.loss,
+            b.loss
+        );
+        assert_eq!(a.kl.is_some(), beta > 0.0);
+        for ((n, x), y) in names.iter().zip(&ga).zip(&gb) {
+            let e = norm_rel(&f32s(x), &f32s(y));
+            assert!(
+                e < 1e-5,
+                "beta {beta}: gradient of {n}: chunked vs full {e:e}"
+            );
+        }
+    }
 }
 
 /// Advantages by hand: group scaling, batch scaling, none; an unscorable completion gets 0 and
