@@ -1,6 +1,7 @@
 //! Training LLMs on MLX over [`mlx_models::ParameterTree`]: optimizers over named parameters
 //! ([`optim`]), optimizer and checkpoint state in mlx-node's layout ([`state`]), SFT datasets
-//! ([`data`]) and the supervised fine-tuning loop ([`SftTrainer`]).
+//! ([`data`]) and the supervised fine-tuning loop ([`SftTrainer`]); GRPO ([`GrpoTrainer`], with
+//! [`rewards`] and the SQLite [`output_store`]).
 //!
 //! The library never prints: [`SftTrainer::step`] returns each update's [`StepMetrics`].
 //!

@@ -7,8 +7,8 @@
 //! beta 0, AdamW at learning rate 1e-3 (constant), global norm clipped to 1.0, 50 steps,
 //! sampling seeds `1000 * seed + step`, seeds 0, 1, 2.
 //!
-//! Ignored in the default run: 150 sampled steps take 55 s on an idle 2-core machine and 93 s on
-//! a loaded one (debug build), above the 60 s a default test may take. Run with
+//! Ignored in the default run: its 150 sampled steps took 55 s, 63 s and 93 s in three debug-build
+//! runs on a shared 2-core machine (load average 12-15), about the 60 s a default test may take. Run with
 //! `cargo test -p mlx-training --test grpo_reward_improvement -- --ignored --nocapture`.
 mod common;
 
