@@ -32,10 +32,18 @@ use std::thread::ThreadId;
 pub struct PagedConfig {
     /// Tokens per block (seed default 16).
     pub block_size: usize,
-    /// Most memory for all K/V, in MB; `None`: enough for `max_position_embeddings` tokens of
-    /// every attention layer, capped at 2048 MB. Storage is allocated as blocks are needed (see
-    /// `initial_blocks`), so this is a ceiling, not what a load costs.
+    /// Most memory for all K/V, in MB; `None`: the automatic budget, enough for
+    /// `max_position_embeddings` tokens of every attention layer (the model's context), at most
+    /// `memory_limit_mb` and at least `memory_floor_mb`. Storage is allocated as blocks are
+    /// needed (see `initial_blocks`), so this is a ceiling, not what a load costs.
     pub memory_mb: Option<f64>,
+    /// The most memory the automatic budget may take, in MB (default 2048). Ignored when
+    /// `memory_mb` is set.
+    pub memory_limit_mb: f64,
+    /// The least memory the automatic budget takes, in MB, above `memory_limit_mb` if need be;
+    /// `None`: the family's floor (16384 MB for Qwen3.5, as mlx-node; none for the others).
+    /// Ignored when `memory_mb` is set.
+    pub memory_floor_mb: Option<f64>,
     /// Concurrent sequences sliding-window groups are sized for.
     pub max_seqs: usize,
     /// Attention layers also keep each live sequence's K/V in a contiguous per-sequence buffer
@@ -59,7 +67,7 @@ pub struct PagedConfig {
 
 impl Default for PagedConfig {
     fn default() -> Self {
-        PagedConfig { block_size: 16, memory_mb: None, max_seqs: 8, contiguous_reads: true, initial_blocks: Some(32) }
+        PagedConfig { block_size: 16, memory_mb: None, memory_limit_mb: 2048.0, memory_floor_mb: None, max_seqs: 8, contiguous_reads: true, initial_blocks: Some(32) }
     }
 }
 
@@ -131,8 +139,9 @@ impl PagedKv {
                 kv_paged::KvLayerKind::Shared { .. } => {}
             }
         }
-        let auto_full = ((full * max_positions.max(bs)) as f64 / 1e6 * 1.1).min(2048.0);
-        let budget_mb = cfg.memory_mb.unwrap_or(auto_full + sliding as f64 / 1e6 * 1.1 + 1.0);
+        let auto_full = ((full * max_positions.max(bs)) as f64 / 1e6 * 1.1).min(cfg.memory_limit_mb.max(0.0));
+        let auto = (auto_full + sliding as f64 / 1e6 * 1.1 + 1.0).max(cfg.memory_floor_mb.unwrap_or(0.0));
+        let budget_mb = cfg.memory_mb.unwrap_or(auto);
         let kcfg = KvConfig { budget_mb, ..kcfg };
         let layout = KvLayout::new(specs, kcfg).map_err(err)?;
         let mut pool = KvPool::new(&layout, dtype).map_err(err)?;
