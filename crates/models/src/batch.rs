@@ -7,7 +7,9 @@
 //! follow from that: column `c` of row `b` holds position `c - pad[b]`, so rope runs with one
 //! offset per row ([`crate::layers::Rope::forward_rows`]) and attention takes a boolean mask
 //! ([`BatchRows::mask`]) that hides every padding key (and keeps the causal order and sliding
-//! windows). A padding query sees only its own key, so no softmax row is empty.
+//! windows). A padding query sees only its own key, so no softmax row is empty. A batch with no
+//! padding at all ([`BatchRows::uniform`]: prompts of one length, or rows left after the padded
+//! ones) runs attention exactly as a single-sequence cache does.
 //!
 //! Recurrent mixers (GatedDeltaNet, LFM2's short convolution) see the step's validity
 //! ([`BatchRows::step_valid`]) and zero their inputs at padding positions: a padding position
@@ -63,6 +65,12 @@ impl BatchRows {
     /// Left padding of each row, in columns.
     pub fn padding(&self) -> &[usize] {
         &self.pad
+    }
+
+    /// Whether no row has padding: every row then sits at the same positions, and attention
+    /// runs as over a single-sequence cache (scalar rope offset, the family's own mask).
+    pub fn uniform(&self) -> bool {
+        self.pad.iter().all(|&p| p == 0)
     }
 
     /// Columns stored (the longest row's positions, padding included for the others).

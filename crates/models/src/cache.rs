@@ -106,14 +106,24 @@ impl ForwardKv<'_> {
             },
         }
     }
-    /// End the forward pass. In paged mode this writes the kept decode rows when the step filled
+    /// End the forward pass. A paged step of a model with recurrent layers that ends a prefill
+    /// piece on a block boundary keeps their state as a snapshot for that prefix
+    /// ([`crate::PagedConfig::recurrent_snapshots`]). In paged mode this writes the kept decode rows when the step filled
     /// a block, then queues the pool writes without waiting for them, or, with
     /// [`Cache::set_queue_with_outputs`], leaves them for the caller's queueing call (see
     /// [`PagedStep::finish`]). A forward pass dropped without `finish` (an error) still queues
     /// what it wrote.
     pub fn finish(mut self) -> Result<()> {
         match self.paged.take() {
-            Some(step) => step.finish(mirror_of(self.layers)),
+            Some(mut step) => {
+                if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
+                    let layers = &*self.layers;
+                    step.keep_snapshot(|| {
+                        layers.iter().enumerate().filter_map(|(i, l)| if let LayerCache::Recurrent(s) = l { Some((i, s.clone())) } else { None }).collect()
+                    })?;
+                }
+                step.finish(mirror_of(self.layers))
+            }
             None => Ok(()),
         }
     }
@@ -155,6 +165,22 @@ impl Cache {
         self.last_skipped
     }
 
+    /// Paged caches of models with recurrent layers: the positions between recurrent-state
+    /// snapshots, and how many leading tokens of `ids` (not the last) a snapshot covers when they
+    /// start a new sequence (0 otherwise). `None` for other caches.
+    pub(crate) fn snapshot_plan(&self, ids: Option<&[u32]>) -> Option<(usize, usize)> {
+        let p = self.paged.as_ref()?;
+        if !self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
+            return None;
+        }
+        Some(p.snapshot_plan(ids))
+    }
+
+    /// Set what [`Cache::last_skipped`] reports (a forward run in several pieces).
+    pub(crate) fn set_last_skipped(&mut self, n: usize) {
+        self.last_skipped = n;
+    }
+
     /// Whether attention K/V live in a paged block pool.
     pub fn is_paged(&self) -> bool {
         self.paged.is_some()
@@ -183,7 +209,14 @@ impl Cache {
                 if tokens.ndim() != 2 || tokens.dims()[0] != 1 {
                     return Err(ModelError::InvalidInput(format!("paged caches take one sequence ([1, L] tokens), got {:?}", tokens.shape())));
                 }
-                let (step, skipped) = p.begin(tokens, allow_prefix_skip, mirror_of(layers))?;
+                let recurrent = layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_)));
+                let (step, skipped, snapshot) = p.begin(tokens, allow_prefix_skip, recurrent, mirror_of(layers))?;
+                // A skipped prefix of a model with recurrent layers starts from their state there.
+                for (i, slots) in snapshot.into_iter().flatten() {
+                    if let Some(l) = layers.get_mut(i) {
+                        *l = LayerCache::Recurrent(slots);
+                    }
+                }
                 *last_skipped = skipped;
                 Ok((ForwardKv { layers, paged: Some(step), batch }, skipped))
             }

@@ -136,7 +136,8 @@ fn check_family(name: &str) {
         }
     }
     assert_eq!(r.rows_per_forward[0], 3);
-    assert_eq!(r.rows_per_forward[1], 6, "{name}: {:?}", r.rows_per_forward);
+    // decode steps carry the rows still going: never more than 6, fewer once rows stopped
+    assert!(r.rows_per_forward[1..].windows(2).all(|w| w[1] <= w[0]) && r.rows_per_forward[1] <= 6, "{name}: {:?}", r.rows_per_forward);
     assert!(
         r.rows_per_forward[1..].iter().any(|&n| n < 6),
         "{name}: rows that stopped must leave the batch: {:?}",

@@ -633,7 +633,7 @@ impl Gemma4Model {
         }
         // Paged caches may serve a prefix of `tokens` from the block pool: compute the rest.
         let (mut kvs, skipped) = cache.begin_forward_with(tokens, allow_prefix_skip)?;
-        let batch = kvs.batch();
+        let batch = kvs.batch().filter(|r| !r.uniform());
         let total = tokens.dims()[1] as usize;
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, total)? } else { tokens.clone() };
         let tokens = &tokens;

@@ -127,7 +127,7 @@ impl Attention {
         }
         let off = cache.offset();
         let q_off = if last { off + l as usize - 1 } else { off };
-        let batch = cache.batch();
+        let batch = cache.batch().filter(|r| !r.uniform());
         let (q, k) = (q.transpose(&[0, 2, 1, 3])?, k.transpose(&[0, 2, 1, 3])?);
         let (q, k) = match batch {
             Some(r) => (self.rope.forward_rows(&q, &r.positions(q_off)?, r.longest())?, self.rope.forward_rows(&k, &r.positions(off)?, r.longest())?),
