@@ -21,7 +21,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mlx_array::DType;
 use mlx_models::{LoadOptions, ParameterTree};
 use mlx_training::lora::{self, LoraConfig};
-use mlx_training::{load_jsonl, AdamWConfig, ClipConfig, OptimizerConfig, Schedule, ScheduleKind, SftConfig, SftTrainer, SgdConfig, TextEncoder, TrainError};
+use mlx_training::{AdamWConfig, ClipConfig, OptimizerConfig, Schedule, ScheduleKind, SftConfig, SftTrainer, SgdConfig, TextEncoder, TrainError};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
@@ -50,7 +50,8 @@ struct Args {
     /// Checkpoint directory to start from (not needed with --resume).
     #[arg(long, required_unless_present = "resume")]
     model: Option<PathBuf>,
-    /// JSONL: {"messages": [...]}, {"prompt", "completion"} or {"prompt_ids", "completion_ids"}.
+    /// JSONL: {"messages": [...]}, {"prompt", "completion"} or {"prompt_ids", "completion_ids"};
+    /// or a .parquet file with those columns (each row read as a JSON line).
     #[arg(long)]
     data: PathBuf,
     /// Output directory (the trained model, optimizer and trainer state).
@@ -186,7 +187,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                 seed: args.seed,
             }
         });
-    let examples = load_jsonl(&args.data, &TextEncoder::from_dir(&source), args.max_seq_len)?;
+    let examples = mlx_training::load_dataset(&args.data, &TextEncoder::from_dir(&source), args.max_seq_len)?;
     let optimizer = match args.optimizer {
         Opt::Adamw => {
             if args.momentum != 0.0 {

@@ -25,12 +25,14 @@ pub mod error;
 pub mod guard;
 pub mod lora;
 pub mod optim;
+pub mod parquet_data;
 pub mod sft;
 pub mod state;
 
 pub use data::{load_jsonl, make_batch, Example, TextEncoder};
 pub use error::{Result, TrainError};
 pub use lora::{apply_lora, fuse_lora, load_adapters, save_adapters, save_model, LoraConfig};
+pub use parquet_data::{convert_parquet_to_jsonl, load_dataset, ConversionResult};
 pub use optim::{clip_gradients, global_norm, AdamWConfig, ClipConfig, Optimizer, OptimizerConfig, Schedule, ScheduleKind, SgdConfig};
 pub use sft::{SftConfig, SftTrainer, StepMetrics};
 pub use state::{load_optimizer_state, save_optimizer_state, TrainerState};
