@@ -1,6 +1,7 @@
 //! Training LLMs on MLX over [`mlx_models::ParameterTree`]: optimizers over named parameters
 //! ([`optim`]), optimizer and checkpoint state in mlx-node's layout ([`state`]), SFT datasets
-//! ([`data`]) and the supervised fine-tuning loop ([`SftTrainer`]).
+//! ([`data`], Parquet: [`parquet_data`]), the supervised fine-tuning loop ([`SftTrainer`]),
+//! LoRA adapters in mlx-lm's layout ([`lora`]) and the NaN-gradient guard ([`guard`]).
 //!
 //! The library never prints: [`SftTrainer::step`] returns each update's [`StepMetrics`].
 //!
