@@ -583,6 +583,23 @@ impl SftTrainer {
         state::save_checkpoint(dir, &CheckpointContents { params, save_dtype, source_dir: self.tree.dir(), optimizer: &self.optimizer, trainer: &trainer })
     }
 
+    /// [`SftTrainer::save`] of a LoRA run, with the model with its adapters fused
+    /// ([`crate::lora::fuse_lora`]) written next to them in Hugging Face's layout
+    /// (`model.safetensors` in `dtype` when given, config and tokenizer files), in one atomic
+    /// directory write.
+    pub fn save_fused(&self, dir: &Path, dtype: Option<DType>) -> Result<()> {
+        let lora = self.config.lora.as_ref().ok_or_else(|| TrainError::InvalidInput("save_fused: not a LoRA run".into()))?;
+        let fused = crate::lora::fuse_lora(&self.tree)?;
+        let arrays: Vec<(String, Array)> = fused.iter().map(|(n, p)| (n.to_string(), p.array.clone())).collect();
+        let params: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
+        let trainer = self.trainer_state();
+        state::write_dir_atomically(dir, |tmp| {
+            crate::lora::write_adapter_files(tmp, &self.tree, lora)?;
+            state::write_training_state(tmp, &self.optimizer, &trainer)?;
+            state::write_model_files(tmp, state::MODEL_FILE, &params, dtype, self.tree.dir())
+        })
+    }
+
     /// Continue the run saved in `dir` (model, optimizer and progress), with the same
     /// `examples` and `config` as the run that saved it.
     pub fn resume(dir: &Path, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig) -> Result<Self> {
