@@ -123,7 +123,7 @@ struct Args {
     scale_rewards: Scale,
     #[arg(long, value_enum, default_value_t = Level::Token)]
     importance_sampling: Level,
-    /// New tokens per completion (and dr_grpo's normaliser).
+    /// New tokens per completion (a longer recorded completion is an error; dr_grpo divides by it).
     #[arg(long, default_value_t = 512)]
     max_completion_length: usize,
     /// Completions per micro-batch (default: all of a step's).

@@ -98,7 +98,8 @@ pub struct GrpoConfig {
     pub epsilon_high: Option<f64>,
     pub scale_rewards: ScaleRewards,
     pub importance_sampling: ImportanceSampling,
-    /// Longest completion; `dr_grpo` divides by it.
+    /// Longest completion: sampling stops there, a longer recorded completion is an error, and
+    /// `dr_grpo` divides by it.
     pub max_completion_length: usize,
     /// Completions per micro-batch (`None`: all of the step's at once).
     pub micro_batch_size: Option<usize>,
@@ -250,9 +251,17 @@ impl GrpoBatch {
             .collect()
     }
 
-    fn validate(&self, group_size: usize) -> Result<()> {
+    fn validate(&self, group_size: usize, max_completion_length: usize) -> Result<()> {
         let bad = |m: String| Err(TrainError::InvalidInput(m));
         let n = self.completions.len();
+        if let Some((i, c)) = self
+            .completions
+            .iter()
+            .enumerate()
+            .find(|(_, c)| c.completion_ids.len() > max_completion_length)
+        {
+            return bad(format!("completion {i} has {} tokens, more than max_completion_length {max_completion_length}", c.completion_ids.len()));
+        }
         if n == 0 || n % group_size != 0 {
             return bad(format!(
                 "{n} completions do not make whole groups of {group_size}"
@@ -846,7 +855,7 @@ impl GrpoTrainer {
     /// [`ParameterTree::trainable_names`] order), without updating anything.
     pub fn loss_and_gradients(&self, batch: &GrpoBatch) -> Result<(GrpoLoss, Vec<Array>)> {
         let cfg = &self.config;
-        batch.validate(cfg.group_size)?;
+        batch.validate(cfg.group_size, cfg.max_completion_length)?;
         let advantages =
             compute_advantages(&batch.total_rewards(), cfg.group_size, cfg.scale_rewards)?;
         let n = batch.completions.len();

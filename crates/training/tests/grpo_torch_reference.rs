@@ -348,6 +348,21 @@ fn invalid_inputs_are_errors() {
     // three completions for a group of four
     let b = GrpoBatch::single_reward(vec![c(vec![1], vec![2]); 3], &[0.0; 3]).unwrap();
     assert!(t.loss_and_gradients(&b).is_err());
+    // a completion longer than max_completion_length
+    let short = GrpoTrainer::new(
+        qwen3_tree(),
+        None,
+        &f32_options(),
+        GrpoConfig {
+            max_completion_length: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let b = GrpoBatch::single_reward(vec![c(vec![1], vec![2, 3, 4]); 4], &[0.0, 1.0, 0.0, 1.0])
+        .unwrap();
+    assert!(short.loss_and_gradients(&b).is_err());
+    assert!(t.loss_and_gradients(&b).is_ok());
     // a group mixing two prompts
     let b = GrpoBatch::single_reward(
         vec![
