@@ -11,7 +11,13 @@ pre-tokenised batches (right-padded, loss on completion tokens only):
   after three SGD steps with momentum 0.9 and clipping by value (clip_grad_value_), training the
   attention projections and norms only (embeddings and MLPs frozen).
 
-Writes crates/training/tests/fixtures/reference.safetensors and reference.json.
+LoRA (lora_reference.*): adapters as mlx-lm's LoRALinear computes them, `y = W x + scale (x A) B`
+(A `[in, r]`, B `[r, out]`), on LORA["keys"] of the last LORA["num_layers"] layers, from fixed
+initial A and B (B non-zero so that both get gradients), base weights frozen: the loss and the
+adapters' gradients on the first batch, and the adapters after three AdamW steps with clipping.
+
+Writes crates/training/tests/fixtures/reference.safetensors and reference.json, and
+lora_reference.safetensors and lora_reference.json.
 Run: python3 scripts/make_training_reference.py   (torch, transformers and safetensors installed)
 
 `--check-state OUT_DIR` instead reads a checkpoint the `sft` example wrote with Python's
@@ -40,6 +46,8 @@ BATCHES = [
 LABEL_SMOOTHING = 0.1
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_grad_norm=30.0, steps=3)
 SGD = dict(lr=0.5, momentum=0.9, clip_value=0.02, steps=3)
+LORA = dict(rank=4, scale=2.0, num_layers=2, keys=["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"],
+            lr=1e-2, max_grad_norm=1.0, steps=3)
 
 
 def trainable(name):
@@ -148,6 +156,76 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     save_file(tensors, os.path.join(OUT, "reference.safetensors"))
     with open(os.path.join(OUT, "reference.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.write("\n")
+    lora_reference()
+
+
+class LoRALinear(torch.nn.Module):
+    """mlx-lm's LoRALinear (no dropout): base(x) + scale * (x @ lora_a) @ lora_b."""
+
+    def __init__(self, base, a, b, scale):
+        super().__init__()
+        self.base, self.scale = base, scale
+        self.lora_a = torch.nn.Parameter(a.clone())
+        self.lora_b = torch.nn.Parameter(b.clone())
+
+    def forward(self, x):
+        return self.base(x) + self.scale * ((x @ self.lora_a) @ self.lora_b)
+
+
+def lora_model(init):
+    model = load()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layers = model.model.layers
+    for i in range(len(layers) - LORA["num_layers"], len(layers)):
+        for key in LORA["keys"]:
+            parent, leaf = key.split(".")
+            prefix = f"model.layers.{i}.{key}"
+            holder = getattr(layers[i], parent)
+            setattr(holder, leaf, LoRALinear(getattr(holder, leaf), init[f"{prefix}.lora_a"], init[f"{prefix}.lora_b"], LORA["scale"]))
+    # checkpoint names: model.layers.i.<key>.lora_a (the LoRALinear's base is "base")
+    return model, {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def lora_reference():
+    g = torch.Generator().manual_seed(21)
+    model = load()
+    init = {}
+    layers = model.model.layers
+    for i in range(len(layers) - LORA["num_layers"], len(layers)):
+        for key in LORA["keys"]:
+            lin = layers[i].get_submodule(key)
+            out_dim, in_dim = lin.weight.shape
+            bound = 1 / in_dim ** 0.5
+            init[f"model.layers.{i}.{key}.lora_a"] = (torch.rand(in_dim, LORA["rank"], generator=g) * 2 - 1) * bound
+            init[f"model.layers.{i}.{key}.lora_b"] = torch.randn(LORA["rank"], out_dim, generator=g) * 0.05
+    tensors = {f"init.{n}": t.contiguous() for n, t in init.items()}
+    meta = {"lora": LORA}
+
+    model, ps = lora_model(init)
+    assert sorted(ps) == sorted(init), (sorted(ps), sorted(init))
+    loss = loss_of(model, BATCHES[0])
+    loss.backward()
+    meta["loss"] = loss.item()
+    meta["grad_global_norm"] = torch.sqrt(sum(p.grad.pow(2).sum() for p in ps.values())).item()
+    for n, p in ps.items():
+        tensors[f"grad.{n}"] = p.grad.detach().clone().contiguous()
+
+    model, ps = lora_model(init)
+    opt = torch.optim.AdamW(ps.values(), lr=LORA["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+    norms = []
+    for s in range(LORA["steps"]):
+        opt.zero_grad()
+        loss_of(model, BATCHES[s % len(BATCHES)]).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ps.values(), LORA["max_grad_norm"]).item())
+        opt.step()
+    meta["adamw_grad_norms"] = norms
+    for n, p in ps.items():
+        tensors[f"adamw.{n}"] = p.detach().clone().contiguous()
+    save_file(tensors, os.path.join(OUT, "lora_reference.safetensors"))
+    with open(os.path.join(OUT, "lora_reference.json"), "w") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
         f.write("\n")
 

@@ -25,7 +25,10 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
+pub mod batch;
+mod batch_generate;
 pub mod cache;
+pub mod engine;
 pub mod calibrate;
 pub mod chat;
 pub mod config;
@@ -44,12 +47,15 @@ mod session;
 mod runtime;
 pub mod weights;
 
+pub use batch_generate::{generate_batch, BatchGenerationResult, BatchSequence};
+pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, Event, RequestHandle, Usage};
 pub use cache::{Cache, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};
 pub use model::{load_model, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights};
 pub use paged::PagedConfig;
 pub use params::{Parameter, ParameterTree};
+pub use layers::LoraSettings;
 pub use session::{load_session, ChatConfig, ChatResult, ChatSession, ChatStream, StreamEvent};
 pub use random::{create_random_checkpoint, create_random_preset, expected_tensors, preset_config};
 pub use runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};

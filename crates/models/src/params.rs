@@ -20,6 +20,7 @@
 use crate::model::{build_over, default_dtype, LoadOptions, LoadedModel};
 use crate::registry::{self, Family};
 use crate::weights::Weights;
+use crate::layers::LoraSettings;
 use crate::{config, ModelError, Result};
 use mlx_array::{Array, DType};
 use std::collections::{BTreeMap, HashMap};
@@ -42,6 +43,8 @@ pub struct ParameterTree {
     config: serde_json::Value,
     family: &'static Family,
     params: BTreeMap<String, Parameter>,
+    /// How the LoRA adapters among the parameters run ([`ParameterTree::set_lora`]).
+    lora: Option<LoraSettings>,
 }
 
 impl ParameterTree {
@@ -67,7 +70,7 @@ impl ParameterTree {
                 (name, Parameter { array, trainable: !packed, packed })
             })
             .collect();
-        Ok(ParameterTree { dir: dir.to_path_buf(), config, family, params })
+        Ok(ParameterTree { dir: dir.to_path_buf(), config, family, params, lora: None })
     }
 
     /// The model these parameters make (config.json from the checkpoint directory), with the
@@ -76,6 +79,7 @@ impl ParameterTree {
         let map: HashMap<String, Array> = self.params.iter().map(|(k, p)| (k.clone(), p.array.clone())).collect();
         let mut weights = Weights::from_map(map, &self.dir);
         weights.sources_held = true;
+        weights.lora = self.lora.clone();
         build_over(&self.dir, &self.config, &mut weights, self.family, opts)
     }
 
@@ -165,6 +169,37 @@ impl ParameterTree {
     /// Total elements of the trainable parameters.
     pub fn trainable_count(&self) -> usize {
         self.params.values().filter(|p| p.trainable).map(|p| p.array.size()).sum()
+    }
+
+    /// The checkpoint's config.json.
+    pub fn config(&self) -> &serde_json::Value {
+        &self.config
+    }
+
+    /// Add parameter `name` (a LoRA adapter's `lora_a`/`lora_b`; [`ParameterTree::build`]
+    /// refuses tensors the model does not read). An existing one of that name is an error.
+    pub fn insert(&mut self, name: &str, array: Array, trainable: bool) -> Result<()> {
+        if self.params.contains_key(name) {
+            return Err(ModelError::InvalidInput(format!("parameter {name} exists already")));
+        }
+        let packed = !array.dtype().is_float();
+        self.params.insert(name.to_string(), Parameter { array, trainable: trainable && !packed, packed });
+        Ok(())
+    }
+
+    /// Remove parameter `name`, returning it.
+    pub fn remove(&mut self, name: &str) -> Option<Parameter> {
+        self.params.remove(name)
+    }
+
+    /// How projections with LoRA tensors (`prefix.lora_a`, `prefix.lora_b`) run them when the
+    /// model is built; `None` (the default) refuses such tensors.
+    pub fn set_lora(&mut self, settings: Option<LoraSettings>) {
+        self.lora = settings;
+    }
+
+    pub fn lora(&self) -> Option<&LoraSettings> {
+        self.lora.as_ref()
     }
 
     /// The dtype of the first floating-point parameter (the checkpoint's compute dtype).

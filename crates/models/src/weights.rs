@@ -60,6 +60,8 @@ pub struct Weights {
     /// Block-scaled FP8 checkpoints (`quantization_config.quant_method = "fp8"`): the
     /// `weight_block_size` `[rows, cols]` of `weight_scale_inv`.
     pub(crate) fp8_block: Option<[usize; 2]>,
+    /// How projections with `lora_a`/`lora_b` tensors run their adapters.
+    pub(crate) lora: Option<crate::layers::LoraSettings>,
 }
 
 /// `quantization_config` of a block-scaled FP8 checkpoint (Qwen3's and DeepSeek's FP8 releases):
@@ -176,6 +178,7 @@ impl Weights {
             quant: None,
             dequantize_to: None,
             fp8_block: None,
+            lora: None,
         }
     }
 

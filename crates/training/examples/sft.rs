@@ -3,18 +3,25 @@
 //! ```text
 //! cargo run --release -p mlx-training --example sft -- --model DIR --data F.jsonl --out OUT_DIR
 //!     [--steps N] [--epochs E] [--batch-size B] [--lr X] [--weight-decay W] [--optimizer adamw|sgd]
-//!     [--max-grad-norm G (0 = off)] [--seed S] [--resume OUT_DIR] [--json]
+//!     [--max-grad-norm G (0 = off)] [--lora-rank R] [--seed S] [--resume OUT_DIR] [--json]
 //! ```
 //!
 //! Writes OUT_DIR/model.safetensors (f32 unless `--save-dtype`), the config and tokenizer files,
 //! OUT_DIR/optimizer.safetensors (AdamW moments, or SGD momentum buffers) and
-//! OUT_DIR/trainer_state.json. `--json` prints one JSON object per step on stdout and nothing
-//! else; otherwise a progress bar runs on a terminal (stderr).
+//! OUT_DIR/trainer_state.json. With `--lora-rank`, only adapters are trained (mlx-lm's
+//! LoRALinear; `--lora-scale`/`--lora-alpha`, `--lora-dropout`, `--lora-layers`,
+//! `--lora-targets`) and OUT_DIR holds adapters.safetensors + adapter_config.json (mlx-lm's
+//! layout) in place of the model, plus, with `--fuse`, the fused model (model.safetensors,
+//! config and tokenizer files). A run whose updates had non-finite gradients more than
+//! `--max-nan-gradients` times stops with an error after saving its last finite state to
+//! OUT_DIR (an emergency checkpoint, resumable). `--json` prints one JSON object per step on
+//! stdout and nothing else; otherwise a progress bar runs on a terminal (stderr).
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mlx_array::DType;
 use mlx_models::{LoadOptions, ParameterTree};
-use mlx_training::{load_jsonl, AdamWConfig, ClipConfig, OptimizerConfig, Schedule, ScheduleKind, SftConfig, SftTrainer, SgdConfig, TextEncoder};
+use mlx_training::lora::{self, LoraConfig};
+use mlx_training::{AdamWConfig, ClipConfig, OptimizerConfig, Schedule, ScheduleKind, SftConfig, SftTrainer, SgdConfig, TextEncoder, TrainError};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
@@ -43,7 +50,8 @@ struct Args {
     /// Checkpoint directory to start from (not needed with --resume).
     #[arg(long, required_unless_present = "resume")]
     model: Option<PathBuf>,
-    /// JSONL: {"messages": [...]}, {"prompt", "completion"} or {"prompt_ids", "completion_ids"}.
+    /// JSONL: {"messages": [...]}, {"prompt", "completion"} or {"prompt_ids", "completion_ids"};
+    /// or a .parquet file with those columns (each row read as a JSON line).
     #[arg(long)]
     data: PathBuf,
     /// Output directory (the trained model, optimizer and trainer state).
@@ -105,6 +113,30 @@ struct Args {
     save_every: Option<u64>,
     #[arg(long, value_enum, default_value_t = SaveDtype::F32)]
     save_dtype: SaveDtype,
+    /// Train LoRA adapters of this rank instead of the model's weights.
+    #[arg(long)]
+    lora_rank: Option<usize>,
+    /// Multiplier of the adapters' product (mlx-lm's scale; default 20).
+    #[arg(long, requires = "lora_rank", conflicts_with = "lora_alpha")]
+    lora_scale: Option<f32>,
+    /// PEFT's alpha: the scale is alpha / rank.
+    #[arg(long, requires = "lora_rank")]
+    lora_alpha: Option<f32>,
+    #[arg(long, requires = "lora_rank")]
+    lora_dropout: Option<f32>,
+    /// Adapt the last N decoder layers (-1: all; default 16, as mlx-lm).
+    #[arg(long, requires = "lora_rank", allow_hyphen_values = true)]
+    lora_layers: Option<i64>,
+    /// Projections to adapt, by path inside a layer (self_attn.q_proj,mlp.down_proj) or full
+    /// name (lm_head); default: every linear projection of the layer.
+    #[arg(long, requires = "lora_rank", value_delimiter = ',')]
+    lora_targets: Vec<String>,
+    /// With --lora-rank: also write the model with the adapters fused into its weights.
+    #[arg(long, requires = "lora_rank")]
+    fuse: bool,
+    /// Stop (after an emergency checkpoint) once more than N updates had non-finite gradients.
+    #[arg(long, default_value_t = mlx_training::guard::DEFAULT_MAX_NAN_GRADIENTS)]
+    max_nan_gradients: u64,
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     json: bool,
@@ -120,12 +152,42 @@ fn main() {
 
 fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let opts = LoadOptions { dtype: Some(DType::F32), ..Default::default() };
-    let source = match (&args.resume, &args.model) {
-        (Some(r), _) => mlx_training::state::resolve_checkpoint(r)?,
+    let resumed = args.resume.as_deref().map(mlx_training::state::resolve_checkpoint).transpose()?;
+    let lora_checkpoint = resumed.as_ref().is_some_and(|r| r.join(lora::ADAPTERS_FILE).is_file());
+    let source = match (&resumed, &args.model) {
+        // a LoRA checkpoint holds adapters only: the model comes from --model, else from
+        // adapter_config.json's "model"
+        (Some(_), Some(m)) if lora_checkpoint => m.clone(),
+        (Some(r), None) if lora_checkpoint => {
+            let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(r.join(lora::ADAPTER_CONFIG_FILE))?)?;
+            cfg.get("model").and_then(|m| m.as_str()).map(PathBuf::from).ok_or("the LoRA checkpoint names no base model: pass --model")?
+        }
+        (Some(r), _) => r.clone(),
         (None, Some(m)) => m.clone(),
         (None, None) => return Err("--model or --resume is required".into()),
     };
-    let examples = load_jsonl(&args.data, &TextEncoder::from_dir(&source), args.max_seq_len)?;
+    if resumed.is_some() && args.lora_rank.is_some() {
+        return Err("--lora-* settings are taken from the checkpoint when resuming".into());
+    }
+    let lora_config = args
+        .lora_rank
+        .map(|rank| {
+            let d = LoraConfig::default();
+            let scale = match (args.lora_scale, args.lora_alpha) {
+                (Some(s), _) => s,
+                (None, Some(a)) => a / rank as f32,
+                (None, None) => d.scale,
+            };
+            LoraConfig {
+                rank,
+                scale,
+                dropout: args.lora_dropout.unwrap_or(d.dropout),
+                num_layers: args.lora_layers.unwrap_or(d.num_layers),
+                keys: (!args.lora_targets.is_empty()).then(|| args.lora_targets.clone()),
+                seed: args.seed,
+            }
+        });
+    let examples = mlx_training::load_dataset(&args.data, &TextEncoder::from_dir(&source), args.max_seq_len)?;
     let optimizer = match args.optimizer {
         Opt::Adamw => {
             if args.momentum != 0.0 {
@@ -152,6 +214,8 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         schedule: Schedule { lr: args.lr, warmup_steps: args.warmup_steps, kind, total_steps: total },
         optimizer,
         clip: ClipConfig { max_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm), max_value: args.clip_value },
+        lora: lora_config.clone(),
+        max_nan_gradients: args.max_nan_gradients,
         ..Default::default()
     };
     let mut trainer = match &args.resume {
@@ -159,10 +223,17 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             if !args.freeze.is_empty() {
                 return Err("--freeze is taken from the checkpoint when resuming".into());
             }
-            SftTrainer::resume(r, &opts, examples, config)?
+            let base = if lora_checkpoint { Some(ParameterTree::load(&source, &opts)?) } else { None };
+            SftTrainer::resume_with_base(r, base, &opts, examples, config)?
         }
         None => {
             let mut tree = ParameterTree::load(&source, &opts)?;
+            if let Some(l) = &lora_config {
+                if !args.freeze.is_empty() {
+                    return Err("--freeze does not apply with --lora-rank (the base model is frozen)".into());
+                }
+                lora::apply_lora(&mut tree, l)?;
+            }
             for pat in &args.freeze {
                 if tree.freeze(|n| n.contains(pat.as_str())) == 0 {
                     return Err(format!("--freeze {pat:?} matches no trainable parameter").into());
@@ -171,6 +242,9 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             SftTrainer::new(tree, &opts, examples, config)?
         }
     };
+    if args.fuse && trainer.config().lora.is_none() {
+        return Err("--fuse applies to LoRA runs".into());
+    }
     let save_dtype = match args.save_dtype {
         SaveDtype::F32 => DType::F32,
         SaveDtype::Bf16 => DType::BF16,
@@ -184,7 +258,16 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     });
     let mut stdout = std::io::stdout().lock();
     let (mut tokens, mut seconds) = (0usize, 0f64);
-    while let Some(m) = trainer.step()? {
+    loop {
+        let m = match trainer.step() {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(e @ TrainError::NanGradients { .. }) => {
+                trainer.save(&args.out, Some(save_dtype))?;
+                return Err(format!("{e}; the last finite state is saved in {}", args.out.display()).into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         tokens += m.tokens;
         seconds += m.seconds;
         if args.json {
@@ -203,7 +286,11 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(b) = &bar {
         b.finish();
     }
-    trainer.save(&args.out, Some(save_dtype))?;
+    if args.fuse {
+        trainer.save_fused(&args.out, Some(save_dtype))?;
+    } else {
+        trainer.save(&args.out, Some(save_dtype))?;
+    }
     if !args.json {
         eprintln!("{} updates; saved to {}", trainer.steps_done(), args.out.display());
     }

@@ -21,9 +21,16 @@ pub enum TrainError {
     /// A saved optimizer or trainer state that does not fit the run it is loaded into.
     #[error("{path}: {msg}")]
     State { path: PathBuf, msg: String },
+    /// More updates with non-finite gradients than allowed ([`crate::guard::NanGuard`]): the
+    /// run stops; the parameters are those of the last finite update.
+    #[error("{skipped} updates had non-finite gradients (at most {max} allowed): training stopped")]
+    NanGradients { skipped: u64, max: u64 },
     /// Inputs that do not fit together (parameter and gradient counts or shapes, empty batches).
     #[error("{0}")]
     InvalidInput(String),
+    /// The GRPO output store (SQLite, XLSX export).
+    #[error("output store: {0}")]
+    Store(String),
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;

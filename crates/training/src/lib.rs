@@ -1,6 +1,8 @@
 //! Training LLMs on MLX over [`mlx_models::ParameterTree`]: optimizers over named parameters
 //! ([`optim`]), optimizer and checkpoint state in mlx-node's layout ([`state`]), SFT datasets
-//! ([`data`]) and the supervised fine-tuning loop ([`SftTrainer`]).
+//! ([`data`], Parquet: [`parquet_data`]), the supervised fine-tuning loop ([`SftTrainer`]),
+//! LoRA adapters in mlx-lm's layout ([`lora`]) and the NaN-gradient guard ([`guard`]); GRPO
+//! ([`GrpoTrainer`], with [`rewards`] and the SQLite [`output_store`]).
 //!
 //! The library never prints: [`SftTrainer::step`] returns each update's [`StepMetrics`].
 //!
@@ -22,12 +24,21 @@
 //! ```
 pub mod data;
 pub mod error;
+pub mod grpo;
+pub mod guard;
+pub mod lora;
 pub mod optim;
+pub mod output_store;
+pub mod rewards;
+pub mod parquet_data;
 pub mod sft;
 pub mod state;
 
 pub use data::{load_jsonl, make_batch, Example, TextEncoder};
 pub use error::{Result, TrainError};
+pub use grpo::{compute_advantages, default_rollout_sampling, load_prompts, load_rollouts, rollout_batch, GrpoPrompt, SampledGroups, Completion, Rollout, GrpoBatch, GrpoConfig, GrpoLoss, GrpoStepMetrics, GrpoTrainer, ImportanceSampling, LossType, RewardStats, ScaleRewards};
+pub use lora::{apply_lora, fuse_lora, load_adapters, save_adapters, save_model, LoraConfig};
+pub use parquet_data::{convert_parquet_to_jsonl, load_dataset, ConversionResult};
 pub use optim::{clip_gradients, global_norm, AdamWConfig, ClipConfig, Optimizer, OptimizerConfig, Schedule, ScheduleKind, SgdConfig};
 pub use sft::{SftConfig, SftTrainer, StepMetrics};
 pub use state::{load_optimizer_state, save_optimizer_state, TrainerState};

@@ -19,11 +19,13 @@
 //! generator state and the position, so a resumed run sees exactly the batches it would have.
 use crate::data::{make_batch, Batch, Example};
 use crate::error::{Result, TrainError};
+use crate::guard::{NanGuard, Verdict};
+use crate::lora::LoraConfig;
 use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
 use crate::state::{self, CheckpointContents, TrainerState};
 use mlx_array::grad::value_and_grad;
 use mlx_array::{Array, DType};
-use mlx_models::{KvCacheMode, LoadOptions, Logits, Model, ParameterTree};
+use mlx_models::{KvCacheMode, LoadOptions, Logits, LoraSettings, Model, ParameterTree};
 use std::path::Path;
 use std::time::Instant;
 
@@ -49,6 +51,13 @@ pub struct SftConfig {
     pub chunked_head: bool,
     /// Padding id (`None`: the config's `pad_token_id`, else 0).
     pub pad_id: Option<u32>,
+    /// The LoRA settings the tree's adapters were made with ([`crate::lora::apply_lora`],
+    /// [`crate::lora::load_adapters`]); required when the tree has adapters. Checkpoints then
+    /// hold the adapters (`adapters.safetensors`, `adapter_config.json`), not the base model.
+    pub lora: Option<LoraConfig>,
+    /// Updates with non-finite gradients are skipped; once more than this many were, the run
+    /// stops with [`TrainError::NanGradients`] ([`crate::guard`]; default 100).
+    pub max_nan_gradients: u64,
 }
 
 impl Default for SftConfig {
@@ -67,6 +76,8 @@ impl Default for SftConfig {
             head_chunk: 1024,
             chunked_head: true,
             pad_id: None,
+            lora: None,
+            max_nan_gradients: crate::guard::DEFAULT_MAX_NAN_GRADIENTS,
         }
     }
 }
@@ -111,6 +122,8 @@ pub struct StepMetrics {
     /// Global gradient norm before clipping.
     pub grad_norm: f32,
     pub seconds: f64,
+    /// The gradients were not finite and the update was skipped (`step` did not advance).
+    pub skipped: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -129,6 +142,21 @@ struct Progress {
     position: usize,
     epoch_rng: u64,
     order: Vec<usize>,
+}
+
+/// The seed of the LoRA dropout masks of micro-batch `micro` of update `step`.
+fn lora_dropout_seed(seed: u64, step: u64, micro: usize) -> u64 {
+    let mut s = seed ^ 0xD50F_0D50_F0D5_0F0D ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (micro as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    splitmix(&mut s)
+}
+
+/// A tree with adapters needs its LoRA config (what checkpoints record), and only then.
+fn check_lora(tree: &ParameterTree, config: &SftConfig) -> Result<()> {
+    match (tree.lora().is_some(), &config.lora) {
+        (true, None) => Err(TrainError::Config("the tree has LoRA adapters: set SftConfig::lora to the LoRA config they were made with".into())),
+        (false, Some(_)) => Err(TrainError::Config("SftConfig::lora is set but the tree has no LoRA adapters (apply_lora)".into())),
+        _ => Ok(()),
+    }
 }
 
 /// SplitMix64: the shuffle generator (its whole state is one u64, saved with checkpoints).
@@ -163,6 +191,7 @@ pub struct SftTrainer {
     progress: Progress,
     head: Head,
     pad_id: u32,
+    guard: NanGuard,
 }
 
 fn model_err(e: impl std::fmt::Display) -> mlx_array::Error {
@@ -180,6 +209,7 @@ impl SftTrainer {
         if tree.trainable_names().is_empty() {
             return Err(TrainError::InvalidInput("no trainable parameter".into()));
         }
+        check_lora(&tree, &config)?;
         let optimizer = Optimizer::new(config.optimizer)?;
         let rng0 = config.seed ^ 0x5EED_5EED_5EED_5EED;
         let (order, _) = epoch_order(examples.len(), config.shuffle, rng0);
@@ -194,7 +224,8 @@ impl SftTrainer {
             serde_json::from_str(&std::fs::read_to_string(&p).map_err(crate::error::io_err(&p))?).map_err(|e| TrainError::State { path: p, msg: e.to_string() })?
         };
         let pad_id = config.pad_id.or_else(|| cfg.get("pad_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok())).unwrap_or(0);
-        let mut t = SftTrainer { tree, opts, config, examples, optimizer, progress, head: Head::Model, pad_id };
+        let guard = NanGuard::new(config.max_nan_gradients);
+        let mut t = SftTrainer { tree, opts, config, examples, optimizer, progress, head: Head::Model, pad_id, guard };
         t.head = t.pick_head(&cfg)?;
         Ok(t)
     }
@@ -214,7 +245,8 @@ impl SftTrainer {
         } else {
             return Ok(Head::Model);
         };
-        if self.tree.get(&weight).is_none_or(|p| p.packed || p.array.ndim() != 2) {
+        let adapted = weight.strip_suffix(".weight").is_some_and(|p| self.tree.get(&format!("{p}.lora_a")).is_some());
+        if adapted || self.tree.get(&weight).is_none_or(|p| p.packed || p.array.ndim() != 2) {
             return Ok(Head::Model);
         }
         let softcap = text.get("final_logit_softcapping").and_then(|v| v.as_f64()).map(|v| v as f32);
@@ -412,7 +444,11 @@ impl SftTrainer {
             let picked: Vec<&Example> = p.order[p.position..end].iter().map(|&i| &self.examples[i]).collect();
             p.position = end;
             let batch = make_batch(&picked, self.pad_id)?;
-            let (loss, grads) = self.batch_gradients(&batch)?;
+            let dropout_seed = lora_dropout_seed(self.config.seed, self.progress.step, count);
+            self.set_lora_dropout(Some(dropout_seed));
+            let result = self.batch_gradients(&batch);
+            self.set_lora_dropout(None);
+            let (loss, grads) = result?;
             loss_sum += loss as f64;
             loss_tokens += batch.positions.len();
             tokens += batch.tokens;
@@ -431,24 +467,47 @@ impl SftTrainer {
             let inv = 1.0 / count as f32;
             grads = grads.iter().map(|g| g.mul_scalar(inv)).collect::<mlx_array::Result<_>>()?;
         }
+        // clipping by value would hide infinities: judge the unclipped gradients then
+        let unclipped_norm = match self.config.clip.max_value {
+            Some(_) => Some(crate::optim::global_norm(&grads)?.item::<f32>()?),
+            None => None,
+        };
         let (grads, grad_norm) = clip_gradients(grads, &self.config.clip)?;
         let lr = self.config.schedule.lr_at(self.progress.step);
-        let names: Vec<String> = self.tree.trainable_names().iter().map(|s| s.to_string()).collect();
-        let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let new = self.optimizer.update(&name_refs, &self.tree.trainable_arrays(), &grads, lr)?;
-        self.tree = self.tree.with_trainable(&new)?;
-        self.progress.step += 1;
-        Ok(Some(StepMetrics {
+        let loss = (loss_sum / count as f64) as f32;
+        let mut metrics = StepMetrics {
             step: self.progress.step,
             epoch: self.progress.epoch,
-            loss: (loss_sum / count as f64) as f32,
+            loss,
             loss_tokens,
             tokens,
             micro_batches: count,
             lr,
             grad_norm,
-            seconds: started.elapsed().as_secs_f64(),
-        }))
+            seconds: 0.0,
+            skipped: true,
+        };
+        match self.guard.check(loss, unclipped_norm.unwrap_or(grad_norm)) {
+            Verdict::Apply => metrics.skipped = false,
+            Verdict::Skip { .. } => {
+                metrics.seconds = started.elapsed().as_secs_f64();
+                return Ok(Some(metrics));
+            }
+            Verdict::Stop { skipped } => return Err(TrainError::NanGradients { skipped, max: self.guard.max_nan_gradients() }),
+        }
+        let names: Vec<String> = self.tree.trainable_names().iter().map(|s| s.to_string()).collect();
+        let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let new = self.optimizer.update(&name_refs, &self.tree.trainable_arrays(), &grads, lr)?;
+        self.tree = self.tree.with_trainable(&new)?;
+        self.progress.step += 1;
+        metrics.step = self.progress.step;
+        metrics.seconds = started.elapsed().as_secs_f64();
+        Ok(Some(metrics))
+    }
+
+    /// Updates skipped so far for non-finite gradients ([`crate::guard`]).
+    pub fn nan_skipped(&self) -> u64 {
+        self.guard.skipped()
     }
 
     /// Updates applied so far.
@@ -495,21 +554,62 @@ impl SftTrainer {
             batch_size: self.config.batch_size,
             grad_accumulation: self.config.grad_accumulation,
             shuffle: self.config.shuffle,
+            nan_skipped: self.guard.skipped(),
+        }
+    }
+
+    /// LoRA dropout masks of the next gradient computations drawn from `seed` (`None`: no dropout).
+    fn set_lora_dropout(&mut self, seed: Option<u64>) {
+        if let Some(s) = self.tree.lora().filter(|s| s.dropout > 0.0) {
+            let s = LoraSettings { dropout_seed: seed, ..s.clone() };
+            self.tree.set_lora(Some(s));
         }
     }
 
     /// Save model, optimizer and trainer state to `dir` atomically (weights in `save_dtype`,
-    /// or as trained when `None`).
+    /// or as trained when `None`). With LoRA, the adapters (`adapters.safetensors`,
+    /// `adapter_config.json`, in their f32) take the model's place.
     pub fn save(&self, dir: &Path, save_dtype: Option<DType>) -> Result<()> {
+        if let Some(lora) = &self.config.lora {
+            let trainer = self.trainer_state();
+            return state::write_dir_atomically(dir, |tmp| {
+                crate::lora::write_adapter_files(tmp, &self.tree, lora)?;
+                state::write_training_state(tmp, &self.optimizer, &trainer)
+            });
+        }
         let arrays: Vec<(String, Array)> = self.tree.iter().map(|(n, p)| (n.to_string(), p.array.clone())).collect();
         let params: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
         let trainer = self.trainer_state();
         state::save_checkpoint(dir, &CheckpointContents { params, save_dtype, source_dir: self.tree.dir(), optimizer: &self.optimizer, trainer: &trainer })
     }
 
+    /// [`SftTrainer::save`] of a LoRA run, with the model with its adapters fused
+    /// ([`crate::lora::fuse_lora`]) written next to them in Hugging Face's layout
+    /// (`model.safetensors` in `dtype` when given, config and tokenizer files), in one atomic
+    /// directory write.
+    pub fn save_fused(&self, dir: &Path, dtype: Option<DType>) -> Result<()> {
+        let lora = self.config.lora.as_ref().ok_or_else(|| TrainError::InvalidInput("save_fused: not a LoRA run".into()))?;
+        let fused = crate::lora::fuse_lora(&self.tree)?;
+        let arrays: Vec<(String, Array)> = fused.iter().map(|(n, p)| (n.to_string(), p.array.clone())).collect();
+        let params: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
+        let trainer = self.trainer_state();
+        state::write_dir_atomically(dir, |tmp| {
+            crate::lora::write_adapter_files(tmp, &self.tree, lora)?;
+            state::write_training_state(tmp, &self.optimizer, &trainer)?;
+            state::write_model_files(tmp, state::MODEL_FILE, &params, dtype, self.tree.dir())
+        })
+    }
+
     /// Continue the run saved in `dir` (model, optimizer and progress), with the same
     /// `examples` and `config` as the run that saved it.
     pub fn resume(dir: &Path, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig) -> Result<Self> {
+        Self::resume_with_base(dir, None, opts, examples, config)
+    }
+
+    /// [`SftTrainer::resume`] for a checkpoint of either kind: a LoRA checkpoint (adapters, no
+    /// model) is continued over `base` (the model it was trained from), whose adapters are
+    /// those saved; `config.lora` is then taken from the checkpoint's `adapter_config.json`.
+    pub fn resume_with_base(dir: &Path, base: Option<ParameterTree>, opts: &LoadOptions, examples: Vec<Example>, mut config: SftConfig) -> Result<Self> {
         config.validate()?;
         let dir = state::resolve_checkpoint(dir)?;
         let saved = state::read_trainer_state(&dir)?;
@@ -533,7 +633,13 @@ impl SftTrainer {
                 saved.batch_size, saved.grad_accumulation, saved.shuffle, config.batch_size, config.grad_accumulation, config.shuffle
             )));
         }
-        let mut tree = ParameterTree::load(&dir, opts)?;
+        let mut tree = if dir.join(crate::lora::ADAPTERS_FILE).is_file() {
+            let mut tree = base.ok_or_else(|| bad(format!("a LoRA checkpoint ({}) continues over its base model, which was not given", crate::lora::ADAPTERS_FILE)))?;
+            config.lora = Some(crate::lora::load_adapters(&mut tree, &dir)?);
+            tree
+        } else {
+            ParameterTree::load(&dir, opts)?
+        };
         tree.freeze(|_| true);
         let names: Vec<String> = saved.trainable.clone();
         for n in &names {
@@ -560,6 +666,8 @@ impl SftTrainer {
             return Err(bad(format!("position {} past the {} examples", saved.position, order.len())));
         }
         let progress = Progress { step: saved.step, epoch: saved.epoch, position: saved.position, epoch_rng: saved.epoch_rng, order };
-        Self::assemble(tree, opts, examples, config, optimizer, progress)
+        let mut t = Self::assemble(tree, opts, examples, config, optimizer, progress)?;
+        t.guard = t.guard.clone().with_skipped(saved.nan_skipped);
+        Ok(t)
     }
 }

@@ -118,6 +118,9 @@ pub struct TrainerState {
     pub batch_size: usize,
     pub grad_accumulation: usize,
     pub shuffle: bool,
+    /// Updates skipped for non-finite gradients so far ([`crate::guard::NanGuard`]).
+    #[serde(default)]
+    pub nan_skipped: u64,
 }
 
 /// `dir`, or, when a save was interrupted between its two renames, `<dir>.previous`.
@@ -165,6 +168,69 @@ pub struct CheckpointContents<'a> {
 
 /// Write a checkpoint to `dir` atomically (see the module docs).
 pub fn save_checkpoint(dir: &Path, c: &CheckpointContents) -> Result<()> {
+    write_dir_atomically(dir, |tmp| {
+        write_model_files(tmp, MODEL_FILE, &c.params, c.save_dtype, c.source_dir)?;
+        write_training_state(tmp, c.optimizer, c.trainer)
+    })
+}
+
+/// `optimizer.safetensors` (when the optimizer has state) and `trainer_state.json` in `dir`.
+pub(crate) fn write_training_state(dir: &Path, optimizer: &Optimizer, trainer: &TrainerState) -> Result<()> {
+    save_optimizer_state(optimizer, &dir.join(OPTIMIZER_FILE))?;
+    let state = dir.join(TRAINER_STATE_FILE);
+    let text = serde_json::to_string_pretty(trainer).map_err(|e| TrainError::State { path: state.clone(), msg: e.to_string() })?;
+    std::fs::write(&state, text + "\n").map_err(io_err(&state))
+}
+
+/// `params` as `dir/<model_file>` (in `save_dtype` when given) with the config (its dtype
+/// entries set to what was written) and tokenizer files of `source_dir`: a model directory in
+/// Hugging Face's layout.
+pub(crate) fn write_model_files(dir: &Path, model_file: &str, params: &[(&str, &Array)], save_dtype: Option<DType>, source_dir: &Path) -> Result<()> {
+    let cast: Vec<(&str, Array)> = params
+        .iter()
+        .map(|(n, a)| {
+            Ok((
+                *n,
+                match save_dtype {
+                    Some(d) if a.dtype().is_float() && a.dtype() != d => a.astype(d)?,
+                    _ => (*a).clone(),
+                },
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let refs: Vec<(&str, &Array)> = cast.iter().map(|(n, a)| (*n, a)).collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    mlx_array::io::save_safetensors(dir.join(model_file), &refs, Some(&meta))?;
+    for f in SIDE_FILES {
+        let src = source_dir.join(f);
+        if !src.is_file() {
+            continue;
+        }
+        if *f == "config.json" {
+            let text = std::fs::read_to_string(&src).map_err(io_err(&src))?;
+            let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::State { path: src.clone(), msg: e.to_string() })?;
+            let float = params.iter().map(|(_, a)| save_dtype.unwrap_or(a.dtype())).find(|d| d.is_float());
+            if let (Some(obj), Some(d)) = (cfg.as_object_mut(), float) {
+                for key in ["torch_dtype", "dtype"] {
+                    if obj.contains_key(key) {
+                        obj.insert(key.into(), d.torch_name().into());
+                    }
+                }
+            }
+            let out = dir.join(f);
+            let text = serde_json::to_string_pretty(&cfg).map_err(|e| TrainError::State { path: out.clone(), msg: e.to_string() })?;
+            std::fs::write(&out, text + "\n").map_err(io_err(&out))?;
+        } else {
+            std::fs::copy(&src, dir.join(f)).map_err(io_err(&src))?;
+        }
+    }
+    Ok(())
+}
+
+/// Fill a temporary sibling of `dir` with `fill` and rename it into place: a directory already
+/// there is first renamed to `<dir>.previous` and removed after, so an interruption leaves
+/// either the old or the new directory complete ([`resolve_checkpoint`] finds it).
+pub(crate) fn write_dir_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = sibling(dir, &format!("tmp-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
@@ -174,40 +240,7 @@ pub fn save_checkpoint(dir: &Path, c: &CheckpointContents) -> Result<()> {
     }
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
     let result = (|| {
-        let cast: Vec<(&str, Array)> = c.params.iter().map(|(n, a)| Ok((*n, match c.save_dtype {
-            Some(d) if a.dtype().is_float() && a.dtype() != d => a.astype(d)?,
-            _ => (*a).clone(),
-        }))).collect::<Result<_>>()?;
-        let refs: Vec<(&str, &Array)> = cast.iter().map(|(n, a)| (*n, a)).collect();
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        mlx_array::io::save_safetensors(tmp.join(MODEL_FILE), &refs, Some(&meta))?;
-        for f in SIDE_FILES {
-            let src = c.source_dir.join(f);
-            if !src.is_file() {
-                continue;
-            }
-            if *f == "config.json" {
-                let text = std::fs::read_to_string(&src).map_err(io_err(&src))?;
-                let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| TrainError::State { path: src.clone(), msg: e.to_string() })?;
-                let float = c.params.first().map(|(_, a)| c.save_dtype.unwrap_or(a.dtype())).filter(|d| d.is_float());
-                if let (Some(obj), Some(d)) = (cfg.as_object_mut(), float) {
-                    for key in ["torch_dtype", "dtype"] {
-                        if obj.contains_key(key) {
-                            obj.insert(key.into(), d.torch_name().into());
-                        }
-                    }
-                }
-                let out = tmp.join(f);
-                let text = serde_json::to_string_pretty(&cfg).map_err(|e| TrainError::State { path: out.clone(), msg: e.to_string() })?;
-                std::fs::write(&out, text + "\n").map_err(io_err(&out))?;
-            } else {
-                std::fs::copy(&src, tmp.join(f)).map_err(io_err(&src))?;
-            }
-        }
-        save_optimizer_state(c.optimizer, &tmp.join(OPTIMIZER_FILE))?;
-        let state = tmp.join(TRAINER_STATE_FILE);
-        let text = serde_json::to_string_pretty(c.trainer).map_err(|e| TrainError::State { path: state.clone(), msg: e.to_string() })?;
-        std::fs::write(&state, text + "\n").map_err(io_err(&state))?;
+        fill(&tmp)?;
         if let Ok(d) = std::fs::File::open(&tmp) {
             let _ = d.sync_all();
         }

@@ -108,3 +108,54 @@ fn killed_during_saves_leaves_a_loadable_checkpoint() {
     }
     assert!(resumed > 0, "at least one run got to a save");
 }
+
+/// LoRA from the command line: 4 updates with dropout in one run write the same adapter and
+/// optimizer files, byte for byte, as 2 updates then `--resume` (base model from
+/// adapter_config.json) for 2 more; `--fuse` adds the fused model, which loads; LoRA flags
+/// that do not fit fail cleanly.
+#[test]
+fn lora_run_resume_and_fuse() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d.jsonl");
+    let lines: Vec<String> = (0..6u32).map(|i| format!("{{\"prompt_ids\": [{}, 5], \"completion_ids\": [{}, {}, {}]}}", 3 + i, 40 + i, 200 + i, 7 * i)).collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let model = model_fixture("qwen3");
+    let m = model.to_str().unwrap();
+    let lora = ["--data", "d.jsonl", "--batch-size", "2", "--lr", "1e-3", "--seed", "5", "--json", "--lora-rank", "4", "--lora-dropout", "0.1", "--lora-layers", "-1", "--lora-targets", "self_attn.q_proj,mlp.down_proj"];
+    let with = |extra: &[&str]| -> Vec<String> { lora.iter().chain(extra.iter()).map(|s| s.to_string()).collect() };
+    fn args(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let whole = with(&["--model", m, "--out", "whole", "--steps", "4", "--fuse"]);
+    let (ok, stdout, stderr) = run(&args(&whole), tmp.path());
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.lines().count(), 4);
+    let half = with(&["--model", m, "--out", "half", "--steps", "2"]);
+    let (ok, _, stderr) = run(&args(&half), tmp.path());
+    assert!(ok, "{stderr}");
+    let half_dir = tmp.path().join("half");
+    assert!(half_dir.join("adapters.safetensors").is_file() && half_dir.join("adapter_config.json").is_file());
+    assert!(!half_dir.join("model.safetensors").exists(), "adapters only without --fuse");
+    let resume: Vec<&str> = ["--data", "d.jsonl", "--batch-size", "2", "--lr", "1e-3", "--seed", "5", "--json", "--resume", "half", "--out", "resumed", "--steps", "4"].to_vec();
+    let (ok, _, stderr) = run(&resume, tmp.path());
+    assert!(ok, "{stderr}");
+    for f in ["adapters.safetensors", "optimizer.safetensors"] {
+        let (a, b) = (std::fs::read(tmp.path().join("whole").join(f)).unwrap(), std::fs::read(tmp.path().join("resumed").join(f)).unwrap());
+        assert!(a == b, "{f}: the resumed LoRA run's file differs from the uninterrupted run's");
+    }
+    let fused = mlx_models::ParameterTree::load(tmp.path().join("whole"), &common::f32_options()).unwrap();
+    assert!(fused.iter().all(|(n, _)| !n.contains("lora")));
+    let base = mlx_models::ParameterTree::load(&model, &common::f32_options()).unwrap();
+    let changed = fused.iter().filter(|(n, p)| common::f32s(&p.array) != common::f32s(&base.get(n).unwrap().array)).count();
+    assert_eq!(changed, 6, "q_proj and down_proj of 3 layers fused");
+    for bad in [
+        vec!["--model", m, "--data", "d.jsonl", "--out", "x", "--lora-scale", "2"],
+        vec!["--model", m, "--data", "d.jsonl", "--out", "x", "--fuse"],
+        vec!["--model", m, "--data", "d.jsonl", "--out", "x", "--lora-rank", "4", "--lora-targets", "self_attn.nope"],
+        vec!["--model", m, "--data", "d.jsonl", "--out", "x", "--lora-rank", "0"],
+        vec!["--model", m, "--data", "d.jsonl", "--out", "x", "--lora-rank", "4", "--lora-dropout", "1.5"],
+    ] {
+        let (ok, stdout, stderr) = run(&bad, tmp.path());
+        assert!(!ok && stdout.is_empty() && !stderr.is_empty(), "{bad:?} must fail with a message");
+    }
+}

@@ -19,19 +19,91 @@ pub struct Linear {
     bias: Option<Array>,
     /// An activation-quantised projection ([`crate::calibrate`]).
     act: Option<ActSite>,
+    /// A low-rank adapter added to the output ([`LoraSettings`]).
+    lora: Option<LoraAdapter>,
+}
+
+/// How a model built over tensors that include LoRA adapters runs them: a projection
+/// `prefix` with `prefix.lora_a` (`[in, r]`) and `prefix.lora_b` (`[r, out]`) computes
+/// `y = base(x) + scale * ((dropout(x) A) B)` (mlx-lm's `LoRALinear`; the adapter's product is
+/// cast to the input's dtype before the sum).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSettings {
+    pub scale: f32,
+    /// Probability of zeroing an input element before `A` (inverted dropout), in `[0, 1)`.
+    pub dropout: f32,
+    /// Dropout is applied only when this is set: each projection draws its mask from a key made
+    /// of this seed and its name, so two models built with the same seed draw the same masks.
+    pub dropout_seed: Option<u64>,
+}
+
+#[derive(Clone)]
+struct LoraAdapter {
+    a: Array,
+    b: Array,
+    scale: f32,
+    dropout: Option<(f32, mlx_array::random::Key)>,
+}
+
+impl LoraAdapter {
+    /// The adapter under `vb` (`lora_a`, `lora_b`), if the tensors are there.
+    fn load(vb: &Vb, in_dim: usize, out_dim: usize) -> Result<Option<Self>> {
+        if !vb.contains("lora_a") && !vb.contains("lora_b") {
+            return Ok(None);
+        }
+        let name = vb.prefix().to_string();
+        let s = vb.weights().lora.clone().ok_or_else(|| ModelError::InvalidInput(format!("{name} has LoRA tensors but the model is built without LoRA settings")))?;
+        let a = vb.get_any("lora_a")?;
+        let r = match a.shape().as_slice() {
+            [i, r] if *i == in_dim && *r > 0 => *r,
+            sh => return Err(ModelError::InvalidInput(format!("{name}.lora_a has shape {sh:?}, expected [{in_dim}, rank]"))),
+        };
+        let b = vb.get("lora_b", &[r, out_dim])?;
+        if !(0.0..1.0).contains(&s.dropout) {
+            return Err(ModelError::InvalidInput(format!("LoRA dropout {} is not in [0, 1)", s.dropout)));
+        }
+        let dropout = match s.dropout_seed {
+            Some(seed) if s.dropout > 0.0 => {
+                // FNV-1a of the projection's name, mixed with the seed
+                let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+                Some((s.dropout, mlx_array::random::Key::new(seed ^ h)?))
+            }
+            _ => None,
+        };
+        Ok(Some(LoraAdapter { a, b, scale: s.scale, dropout }))
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let xd = match &self.dropout {
+            Some((p, key)) => {
+                let keep = Array::from_slice(&[1.0 - *p], &[])?;
+                let mask = mlx_array::random::bernoulli(&keep, &x.shape(), key)?.astype(x.dtype())?;
+                x.mul(&mask)?.mul_scalar(1.0 / (1.0 - *p))?
+            }
+            None => x.clone(),
+        };
+        Ok(xd.matmul(&self.a)?.matmul(&self.b)?.mul_scalar(self.scale)?.astype(x.dtype())?)
+    }
 }
 
 impl Linear {
     pub fn new(weight: Array, bias: Option<Array>) -> Result<Self> {
-        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias, act: None })
+        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias, act: None, lora: None })
     }
     /// A quantized `[out, in]` weight.
     pub fn quantized(q: Quantized, bias: Option<Array>) -> Self {
-        Linear { w: LinearWeight::Quantized(q), bias, act: None }
+        Linear { w: LinearWeight::Quantized(q), bias, act: None, lora: None }
     }
     /// `prefix.weight` of shape `[out, in]` (or its quantized form, dequantized at load when the
-    /// load options ask) and, if `bias`, `prefix.bias`.
+    /// load options ask) and, if `bias`, `prefix.bias`; with `prefix.lora_a`/`prefix.lora_b`
+    /// when present (see [`LoraSettings`]).
     pub fn load(vb: &Vb, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
+        let lora = LoraAdapter::load(vb, in_dim, out_dim)?;
+        let mut l = Self::load_base(vb, in_dim, out_dim, bias)?;
+        l.lora = lora;
+        Ok(l)
+    }
+    fn load_base(vb: &Vb, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
         let b = if bias { Some(vb.get("bias", &[out_dim])?) } else { None };
         if vb.is_fp8() {
             let w = vb.fp8_dequantized(out_dim, in_dim)?;
@@ -63,8 +135,12 @@ impl Linear {
             LinearWeight::Dense(wt) => x.matmul(wt)?,
             LinearWeight::Quantized(q) => q.matmul(x, true)?,
         };
-        Ok(match &self.bias {
+        let y = match &self.bias {
             Some(b) => y.add(b)?,
+            None => y,
+        };
+        Ok(match &self.lora {
+            Some(l) => y.add(&l.forward(x)?)?,
             None => y,
         })
     }
@@ -135,7 +211,8 @@ impl FusedLinear {
     pub fn load(vb: &Vb, names: &[&str], in_dim: usize, outs: &[usize], bias: bool) -> Result<Self> {
         assert_eq!(names.len(), outs.len(), "one output size per projection");
         // Quantized projections stay separate (each is its own quantized product).
-        let quantized = names.iter().any(|n| vb.pp(n).is_quantized() || vb.pp(n).is_fp8());
+        // So do projections with LoRA adapters (each adds its own low-rank product).
+        let quantized = names.iter().any(|n| vb.pp(n).is_quantized() || vb.pp(n).is_fp8() || vb.pp(n).contains("lora_a"));
         let fuse = names.len() > 1 && !quantized && vb.weights().fuse_projections()?;
         if fuse {
             // float projections: an input_amax on one of them is an error, as in Linear::load

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Training tokens/s and peak memory: mlx-models' SftTrainer against mlx-lm's trainer
+(mlx_lm.tuner.trainer.train, what `mlx_lm.lora` runs) on the same model, batch and sequence
+length, full fine-tune and LoRA, each configuration in its own process, printing ours/mlx-lm.
+
+Both sides: batches of --batch-size random sequences of --seq-len tokens (loss on every
+position), AdamW (lr 1e-5, weight decay 0.01), no gradient clipping, --warmup updates then
+--steps measured; LoRA rank 8, scale 20, the last 16 layers, every linear projection (mlx-lm's
+defaults). The model is first written as float32 (--dtype f32) so both load the same weights.
+Peak memory: MLX's peak since the process started, as mlx-lm's trainer reports it.
+
+  python3 benches/train_bench.py --model ~/.cache/mlx-models/SmolLM2-135M-Instruct \
+      [--batch-size 4] [--seq-len 128] [--steps 10] [--warmup 3] [--bin PATH]
+(python with mlx-lm 0.32.2, e.g. /work/venvs/mlxlm/bin/python; --bin: the train_bench example,
+default target/release/examples/train_bench, built with
+`cargo build --release -p mlx-training --example train_bench`)
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def mlx_lm_run(a):
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    import numpy as np
+    from mlx_lm.tuner.trainer import TrainingArgs, TrainingCallback, train
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(a.model_f32)
+    if a.mode == "lora":
+        model.freeze()
+        linear_to_lora_layers(model, 16, {"rank": 8, "scale": 20.0, "dropout": 0.0})
+    vocab = model.args.vocab_size
+    rng = np.random.default_rng(0)
+    n = a.batch_size * (a.steps + a.warmup)
+    data = [(rng.integers(0, vocab, a.seq_len).tolist(), 0) for _ in range(n)]
+
+    class Cb(TrainingCallback):
+        reports = []
+
+        def on_train_loss_report(self, info):
+            self.reports.append(info)
+
+    cb = Cb()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArgs(batch_size=a.batch_size, iters=a.warmup + a.steps, val_batches=0, steps_per_report=a.warmup,
+                            steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=a.seq_len,
+                            adapter_file=os.path.join(tmp, "a.safetensors"))
+        opt = optim.AdamW(learning_rate=1e-5, weight_decay=0.01)
+        train(model, opt, data, val_dataset=None, args=args, training_callback=cb)
+    trainable = sum(v.size for _, v in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.trainable_parameters()))
+    # the reports after the warm-up window cover the measured steps
+    after = [r for r in cb.reports if r["iteration"] > a.warmup]
+    tok = sum(r["tokens_per_second"] * 1 for r in after) / len(after)
+    print(json.dumps({"impl": "mlx-lm", "mode": a.mode, "trainable_params": int(trainable), "tokens_per_second": tok,
+                      "peak_memory_gb": mx.get_peak_memory() / 1e9, "last_loss": after[-1]["train_loss"]}))
+
+
+def write_f32(src, dst):
+    import mlx.core as mx
+    import shutil
+    os.makedirs(dst, exist_ok=True)
+    w = mx.load(os.path.join(src, "model.safetensors"))
+    mx.save_safetensors(os.path.join(dst, "model.safetensors"), {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in w.items()}, metadata={"format": "pt"})
+    for f in os.listdir(src):
+        if f != "model.safetensors" and not os.path.isdir(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    for k in ("torch_dtype", "dtype"):
+        if k in cfg:
+            cfg[k] = "float32"
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "target/release/examples/train_bench"))
+    p.add_argument("--mlx-lm-run", dest="mode", choices=["full", "lora"])
+    p.add_argument("--model-f32")
+    a = p.parse_args()
+    if a.mode:
+        return mlx_lm_run(a)
+    tmp = tempfile.mkdtemp()
+    f32 = os.path.join(tmp, "model-f32")
+    write_f32(os.path.expanduser(a.model), f32)
+    common = ["--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    rows = []
+    for mode in ["full", "lora"]:
+        theirs = json.loads(subprocess.run([sys.executable, __file__, "--mlx-lm-run", mode, "--model-f32", f32] + common, env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        variants = [[], ["--full-logits"]] if mode == "full" else [[]]
+        for extra in variants:
+            lora = ["--lora-rank", "8"] if mode == "lora" else []
+            ours = json.loads(subprocess.run([a.bin, "--model", f32] + common + lora + extra, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            rows.append((mode, ours, theirs))
+    print(f"batch {a.batch_size} x {a.seq_len} tokens, {a.steps} measured steps after {a.warmup}, f32, CPU")
+    print(f"{'mode':6} {'our head':12} {'ours tok/s':>10} {'mlx-lm tok/s':>12} {'ratio':>6} {'ours peak GB':>12} {'mlx-lm peak GB':>14} {'ratio':>6}")
+    for mode, o, t in rows:
+        print(f"{mode:6} {o['head']:12} {o['tokens_per_second']:10.1f} {t['tokens_per_second']:12.1f} {o['tokens_per_second'] / t['tokens_per_second']:6.2f} "
+              f"{o['peak_memory_gb']:12.3f} {t['peak_memory_gb']:14.3f} {o['peak_memory_gb'] / t['peak_memory_gb']:6.2f}")
+        if o["trainable_params"] != t["trainable_params"]:
+            print(f"  note: trainable parameters differ: ours {o['trainable_params']}, mlx-lm {t['trainable_params']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,529 @@
+//! GRPO from the command line, sampling completions or replaying recorded ones.
+//!
+//! ```text
+//! cargo run --release -p mlx-training --example grpo -- --model DIR --prompts F.jsonl --reward length|xml|json|tool
+//!     --out OUT_DIR [--group-size G] [--loss grpo|dapo|dr_grpo|bnpo] [--beta B] [--epsilon E]
+//!     [--scale-rewards group|batch|none] [--max-completion-length N] [--steps N] [--lr X]
+//!     [--optimizer adamw|sgd] [--json]
+//! cargo run --release -p mlx-training --example grpo -- --model DIR --rollouts R.jsonl --out OUT_DIR [...]
+//! ```
+//!
+//! `--prompts`: each step samples `--group-size` completions of `--prompts-per-step` prompts
+//! (taken in file order, cycling) in one batched generation and scores them with the `--reward`
+//! functions (comma-separated, weight 1 each). `--rollouts`: each step trains on
+//! `--prompts-per-step` recorded groups (`{"group", "prompt_ids", "completion_ids", "reward"}`
+//! lines, as the output store's JSONL export writes them), so a step is deterministic.
+//!
+//! Every step's prompts, completions and rewards go to the SQLite output store (`--store`,
+//! default `OUT_DIR.outputs.sqlite` next to OUT_DIR), exportable with `--export-jsonl` and
+//! `--export-xlsx`. OUT_DIR receives model.safetensors (f32 unless `--save-dtype`), the config
+//! and tokenizer files, optimizer.safetensors and trainer_state.json. When more than
+//! `--max-nan-gradients` steps had non-finite gradients, the last finite parameters are saved
+//! to OUT_DIR as an emergency checkpoint and the run fails. `--json` prints one JSON object per
+//! step on stdout and nothing else; otherwise a progress bar runs on a terminal (stderr).
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use mlx_array::DType;
+use mlx_models::chat::Tokenizer;
+use mlx_models::{LoadOptions, ParameterTree};
+use mlx_training::output_store::{GenerationRecord, OutputStore};
+use mlx_training::rewards::{
+    JsonSchemaReward, LengthReward, RewardSet, ToolUseReward, XmlFormatReward,
+};
+use mlx_training::{
+    compute_advantages, default_rollout_sampling, load_prompts, load_rollouts, rollout_batch,
+    AdamWConfig, ClipConfig, GrpoBatch, GrpoConfig, GrpoTrainer, ImportanceSampling, LossType,
+    OptimizerConfig, ScaleRewards, Schedule, SgdConfig, TextEncoder, TrainError,
+};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Opt {
+    Adamw,
+    Sgd,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum RewardKind {
+    Length,
+    Xml,
+    Json,
+    Tool,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Loss {
+    Grpo,
+    Dapo,
+    #[value(name = "dr_grpo")]
+    DrGrpo,
+    Bnpo,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Scale {
+    Group,
+    Batch,
+    None,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Level {
+    Token,
+    Sequence,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum SaveDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "GRPO training on sampled or recorded groups of completions")]
+struct Args {
+    /// Checkpoint directory to train.
+    #[arg(long)]
+    model: PathBuf,
+    /// JSONL prompts ({"prompt"}, {"messages"} or {"prompt_ids"}) to sample completions for.
+    #[arg(
+        long,
+        required_unless_present = "rollouts",
+        conflicts_with = "rollouts",
+        requires = "reward"
+    )]
+    prompts: Option<PathBuf>,
+    /// Reward functions for --prompts (comma-separated, weight 1 each).
+    #[arg(long, value_enum, value_delimiter = ',', requires = "prompts")]
+    reward: Vec<RewardKind>,
+    /// JSONL of recorded groups: {"group", "prompt_ids", "completion_ids", "reward"} per line.
+    #[arg(long)]
+    rollouts: Option<PathBuf>,
+    /// Output directory (trained model, optimizer and trainer state).
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    group_size: usize,
+    /// Prompts (with --rollouts: recorded groups) per step.
+    #[arg(long, default_value_t = 1)]
+    prompts_per_step: usize,
+    #[arg(long, value_enum, default_value_t = Loss::Dapo)]
+    loss: Loss,
+    /// KL coefficient to the frozen initial model (k3 estimator).
+    #[arg(long, default_value_t = 0.0)]
+    beta: f64,
+    #[arg(long, default_value_t = 0.2)]
+    epsilon: f64,
+    /// Upper clipping epsilon (default: --epsilon).
+    #[arg(long)]
+    epsilon_high: Option<f64>,
+    #[arg(long, value_enum, default_value_t = Scale::Group)]
+    scale_rewards: Scale,
+    #[arg(long, value_enum, default_value_t = Level::Token)]
+    importance_sampling: Level,
+    /// New tokens per completion (a longer recorded completion is an error; dr_grpo divides by it).
+    #[arg(long, default_value_t = 512)]
+    max_completion_length: usize,
+    /// Completions per micro-batch (default: all of a step's).
+    #[arg(long)]
+    micro_batch_size: Option<usize>,
+    /// Steps (default: one pass over the prompts or recorded groups).
+    #[arg(long)]
+    steps: Option<u64>,
+    #[arg(long, default_value_t = 1e-6)]
+    lr: f64,
+    #[arg(long, value_enum, default_value_t = Opt::Adamw)]
+    optimizer: Opt,
+    /// Weight decay (AdamW: decoupled, default 0.01; SGD: L2 on the gradient, default 0).
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// SGD momentum (0 = none).
+    #[arg(long, default_value_t = 0.0)]
+    momentum: f64,
+    /// Clip the global gradient norm (0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    max_grad_norm: f64,
+    /// Always run the model's full logits (default: the chunked head where it applies).
+    #[arg(long)]
+    full_logits: bool,
+    /// Completion positions per head chunk.
+    #[arg(long, default_value_t = 1024)]
+    head_chunk: usize,
+    /// Skipped non-finite steps allowed before the run stops.
+    #[arg(long, default_value_t = 100)]
+    max_nan_gradients: u64,
+    /// Sampling temperature (--prompts).
+    #[arg(long, default_value_t = 0.8, conflicts_with = "rollouts")]
+    temperature: f32,
+    #[arg(long, default_value_t = 0.95, conflicts_with = "rollouts")]
+    top_p: f32,
+    #[arg(long, default_value_t = 1.1, conflicts_with = "rollouts")]
+    repetition_penalty: f32,
+    /// Sampling seed of step s is seed + s (--prompts).
+    #[arg(long, default_value_t = 0, conflicts_with = "rollouts")]
+    seed: u64,
+    /// Length reward: target range in characters (default 50..500).
+    #[arg(long, conflicts_with = "rollouts")]
+    min_length: Option<usize>,
+    #[arg(long, conflicts_with = "rollouts")]
+    max_length: Option<usize>,
+    /// XML reward: required tags (default thinking,answer).
+    #[arg(long, value_delimiter = ',', conflicts_with = "rollouts")]
+    xml_tags: Option<Vec<String>>,
+    /// JSON reward: required top-level fields (default none).
+    #[arg(long, value_delimiter = ',', conflicts_with = "rollouts")]
+    json_fields: Option<Vec<String>>,
+    /// Tool reward: allowed tool names (default search,calculate,code).
+    #[arg(long, value_delimiter = ',', conflicts_with = "rollouts")]
+    tools: Option<Vec<String>>,
+    /// SQLite output store (default: OUT_DIR.outputs.sqlite).
+    #[arg(long)]
+    store: Option<PathBuf>,
+    /// After training, export this run's completions as JSONL (replayable with --rollouts).
+    #[arg(long)]
+    export_jsonl: Option<PathBuf>,
+    /// After training, export this run's completions as XLSX.
+    #[arg(long)]
+    export_xlsx: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = SaveDtype::F32)]
+    save_dtype: SaveDtype,
+    /// One JSON object per step on stdout, nothing else.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = run(&args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn rewards_of(args: &Args) -> Result<RewardSet, Box<dyn std::error::Error>> {
+    let uses = |k: RewardKind| args.reward.contains(&k);
+    for (given, kind, flag) in [
+        (
+            args.min_length.is_some() || args.max_length.is_some(),
+            RewardKind::Length,
+            "--min-length/--max-length",
+        ),
+        (args.xml_tags.is_some(), RewardKind::Xml, "--xml-tags"),
+        (
+            args.json_fields.is_some(),
+            RewardKind::Json,
+            "--json-fields",
+        ),
+        (args.tools.is_some(), RewardKind::Tool, "--tools"),
+    ] {
+        if given && !uses(kind) {
+            return Err(format!("{flag} needs --reward {kind:?}")
+                .to_lowercase()
+                .into());
+        }
+    }
+    let (length, xml, json, tool) = (
+        LengthReward::default(),
+        XmlFormatReward::default(),
+        JsonSchemaReward::default(),
+        ToolUseReward::default(),
+    );
+    let mut set = RewardSet::new();
+    for kind in &args.reward {
+        match kind {
+            RewardKind::Length => set.add(
+                LengthReward::new(
+                    args.min_length.unwrap_or(length.min_length),
+                    args.max_length.unwrap_or(length.max_length),
+                    true,
+                )?,
+                1.0,
+            )?,
+            RewardKind::Xml => set.add(
+                XmlFormatReward {
+                    required_tags: args.xml_tags.clone().unwrap_or(xml.required_tags.clone()),
+                },
+                1.0,
+            )?,
+            RewardKind::Json => set.add(
+                JsonSchemaReward {
+                    required_fields: args
+                        .json_fields
+                        .clone()
+                        .unwrap_or(json.required_fields.clone()),
+                },
+                1.0,
+            )?,
+            RewardKind::Tool => set.add(
+                ToolUseReward {
+                    allowed_tools: args.tools.clone().unwrap_or(tool.allowed_tools.clone()),
+                    required: true,
+                },
+                1.0,
+            )?,
+        };
+    }
+    Ok(set)
+}
+
+/// Where each step's completions come from.
+enum Source {
+    Sampled {
+        prompts: Vec<mlx_training::GrpoPrompt>,
+        rewards: RewardSet,
+    },
+    Recorded(Vec<Vec<mlx_training::Rollout>>),
+}
+
+fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let opts = LoadOptions {
+        dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    if args.prompts_per_step == 0 {
+        return Err("--prompts-per-step must be >= 1".into());
+    }
+    let tokenizer = Tokenizer::from_dir(&args.model);
+    let source = match (&args.prompts, &args.rollouts) {
+        (Some(p), None) => Source::Sampled {
+            prompts: load_prompts(p, &TextEncoder::from_dir(&args.model))?,
+            rewards: rewards_of(args)?,
+        },
+        (None, Some(r)) => Source::Recorded(load_rollouts(r, args.group_size)?),
+        _ => return Err("give exactly one of --prompts and --rollouts".into()),
+    };
+    let available = match &source {
+        Source::Sampled { prompts, .. } => prompts.len(),
+        Source::Recorded(groups) => groups.len(),
+    };
+    let steps = args
+        .steps
+        .unwrap_or(available.div_ceil(args.prompts_per_step) as u64);
+    let optimizer = match args.optimizer {
+        Opt::Adamw => {
+            if args.momentum != 0.0 {
+                return Err("--momentum applies to --optimizer sgd".into());
+            }
+            OptimizerConfig::AdamW(AdamWConfig {
+                weight_decay: args.weight_decay.unwrap_or(0.01),
+                ..Default::default()
+            })
+        }
+        Opt::Sgd => OptimizerConfig::Sgd(SgdConfig {
+            momentum: args.momentum,
+            weight_decay: args.weight_decay.unwrap_or(0.0),
+            ..Default::default()
+        }),
+    };
+    let config = GrpoConfig {
+        group_size: args.group_size,
+        loss: match args.loss {
+            Loss::Grpo => LossType::Grpo,
+            Loss::Dapo => LossType::Dapo,
+            Loss::DrGrpo => LossType::DrGrpo,
+            Loss::Bnpo => LossType::Bnpo,
+        },
+        beta: args.beta,
+        epsilon: args.epsilon,
+        epsilon_high: args.epsilon_high,
+        scale_rewards: match args.scale_rewards {
+            Scale::Group => ScaleRewards::Group,
+            Scale::Batch => ScaleRewards::Batch,
+            Scale::None => ScaleRewards::None,
+        },
+        importance_sampling: match args.importance_sampling {
+            Level::Token => ImportanceSampling::Token,
+            Level::Sequence => ImportanceSampling::Sequence,
+        },
+        max_completion_length: args.max_completion_length,
+        micro_batch_size: args.micro_batch_size,
+        schedule: Schedule {
+            lr: args.lr,
+            ..Default::default()
+        },
+        optimizer,
+        clip: ClipConfig {
+            max_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
+            max_value: None,
+        },
+        max_nan_gradients: args.max_nan_gradients,
+        chunked_head: !args.full_logits,
+        head_chunk: args.head_chunk,
+        pad_id: None,
+    };
+    let sampling = default_rollout_sampling();
+    let sampling = sampling::SamplingConfig {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+        ..sampling
+    };
+    sampling.validate()?;
+    let mut trainer = GrpoTrainer::new(
+        ParameterTree::load(&args.model, &opts)?,
+        None,
+        &opts,
+        config.clone(),
+    )?;
+    let save_dtype = match args.save_dtype {
+        SaveDtype::F32 => DType::F32,
+        SaveDtype::Bf16 => DType::BF16,
+        SaveDtype::F16 => DType::F16,
+    };
+    let store_path = args.store.clone().unwrap_or_else(|| {
+        let name = args
+            .out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "grpo".into());
+        args.out.with_file_name(format!("{name}.outputs.sqlite"))
+    });
+    if let Some(parent) = store_path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    let mut store = OutputStore::open(&store_path)?;
+    let run_config = serde_json::json!({
+        "group_size": args.group_size, "loss": format!("{:?}", config.loss), "beta": args.beta, "epsilon": args.epsilon,
+        "epsilon_high": args.epsilon_high, "scale_rewards": format!("{:?}", config.scale_rewards),
+        "importance_sampling": format!("{:?}", config.importance_sampling), "lr": args.lr, "steps": steps,
+        "source": if args.prompts.is_some() { "prompts" } else { "rollouts" },
+    });
+    let run_id = store.start_run(
+        &args.out.display().to_string(),
+        &args.model.display().to_string(),
+        &run_config,
+    )?;
+    let decode = |ids: &[u32]| -> Result<String, String> {
+        match &tokenizer {
+            Ok(t) => t.decode(ids, true).map_err(|e| e.to_string()),
+            Err(e) => Err(format!("no tokenizer: {e}")),
+        }
+    };
+    let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
+        let b = ProgressBar::new(steps);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
+                .expect("valid template"),
+        );
+        b
+    });
+    let mut stdout = std::io::stdout().lock();
+    for s in 0..steps {
+        let first = (s as usize * args.prompts_per_step) % available;
+        let picks: Vec<usize> = (0..args.prompts_per_step.min(available))
+            .map(|k| (first + k) % available)
+            .collect();
+        let (batch, prompt_texts, completion_texts, finish): (
+            GrpoBatch,
+            Vec<String>,
+            Vec<String>,
+            Vec<String>,
+        ) = match &source {
+            Source::Sampled { prompts, rewards } => {
+                let chosen: Vec<_> = picks.iter().map(|&i| prompts[i].clone()).collect();
+                let sampled = trainer.sample(
+                    &chosen,
+                    rewards,
+                    &sampling.clone().with_seed(args.seed.wrapping_add(s)),
+                    None,
+                    &decode,
+                )?;
+                (
+                    sampled.batch,
+                    sampled.prompt_texts,
+                    sampled.completion_texts,
+                    sampled.finish_reasons,
+                )
+            }
+            Source::Recorded(groups) => {
+                let chosen: Vec<Vec<mlx_training::Rollout>> =
+                    picks.iter().map(|&i| groups[i].clone()).collect();
+                let batch = rollout_batch(&chosen)?;
+                let texts = |ids: &[u32]| decode(ids).unwrap_or_default();
+                let p: Vec<String> = batch
+                    .completions
+                    .iter()
+                    .map(|c| texts(&c.prompt_ids))
+                    .collect();
+                let c: Vec<String> = batch
+                    .completions
+                    .iter()
+                    .map(|c| texts(&c.completion_ids))
+                    .collect();
+                let n = batch.completions.len();
+                (batch, p, c, vec!["recorded".to_string(); n])
+            }
+        };
+        let metrics = match trainer.step(&batch) {
+            Ok(m) => m,
+            Err(e @ TrainError::NanGradients { .. }) => {
+                trainer.save(&args.out, Some(save_dtype))?;
+                return Err(format!(
+                    "{e}; emergency checkpoint of the last finite parameters in {}",
+                    args.out.display()
+                )
+                .into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let totals = batch.total_rewards();
+        let advantages = compute_advantages(&totals, args.group_size, config.scale_rewards)?;
+        let group0 = store.next_group_id(run_id)?;
+        let records: Vec<GenerationRecord> = batch
+            .completions
+            .iter()
+            .enumerate()
+            .map(|(i, c)| GenerationRecord {
+                group_id: group0 + (i / args.group_size) as i64,
+                prompt: prompt_texts[i].clone(),
+                completion: completion_texts[i].clone(),
+                prompt_ids: c.prompt_ids.clone(),
+                completion_ids: c.completion_ids.clone(),
+                reward: totals[i],
+                rewards: batch
+                    .reward_names
+                    .iter()
+                    .cloned()
+                    .zip(c.rewards.iter().copied())
+                    .collect(),
+                advantage: advantages[i],
+                finish_reason: finish[i].clone(),
+            })
+            .collect();
+        store.record_step(run_id, s + 1, &metrics, &records)?;
+        if args.json {
+            serde_json::to_writer(&mut stdout, &metrics)?;
+            writeln!(stdout)?;
+            stdout.flush()?;
+        }
+        if let Some(b) = &bar {
+            b.set_position(s + 1);
+            b.set_message(format!(
+                "loss {:.4} reward {:.3} {:.0} tok/s",
+                metrics.loss, metrics.reward_mean, metrics.tokens_per_second
+            ));
+        }
+    }
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    trainer.save(&args.out, Some(save_dtype))?;
+    if let Some(p) = &args.export_jsonl {
+        store.export_jsonl(Some(run_id), p)?;
+    }
+    if let Some(p) = &args.export_xlsx {
+        store.export_xlsx(Some(run_id), p)?;
+    }
+    if !args.json {
+        eprintln!(
+            "{} updates ({} skipped steps); saved to {}; outputs in {}",
+            trainer.steps_done(),
+            trainer.nan_skipped(),
+            args.out.display(),
+            store_path.display()
+        );
+    }
+    Ok(())
+}
