@@ -6,6 +6,7 @@
 //!     [--scale-rewards group|batch|none] [--max-completion-length N] [--steps N] [--lr X]
 //!     [--optimizer adamw|sgd] [--json]
 //! cargo run --release -p mlx-training --example grpo -- --model DIR --rollouts R.jsonl --out OUT_DIR [...]
+//! cargo run --release -p mlx-training --example grpo -- --resume CKPT_DIR --prompts F.jsonl|--rollouts R.jsonl --out OUT_DIR [...]
 //! ```
 //!
 //! `--prompts`: each step samples `--group-size` completions of `--prompts-per-step` prompts
@@ -21,6 +22,14 @@
 //! `--max-nan-gradients` steps had non-finite gradients, the last finite parameters are saved
 //! to OUT_DIR as an emergency checkpoint and the run fails. `--json` prints one JSON object per
 //! step on stdout and nothing else; otherwise a progress bar runs on a terminal (stderr).
+//!
+//! `--save-every N` also saves to OUT_DIR after every N steps. `--resume DIR` continues the run
+//! saved in DIR (model, optimizer state, step, data position, sampling seed, NaN count, and with
+//! `--beta` > 0 the original reference model) and writes to `--out`; it needs the same data
+//! file, `--prompts-per-step`, `--seed` and training flags as the saved run, and `--steps`
+//! counts from the start of the run. It records into the saved run of the output store (by
+//! default the store the saved run used), replacing that run's steps recorded after the
+//! checkpoint; with another `--store` it starts a new run there.
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mlx_array::DType;
@@ -32,8 +41,9 @@ use mlx_training::rewards::{
 };
 use mlx_training::{
     compute_advantages, default_rollout_sampling, load_prompts, load_rollouts, rollout_batch,
-    AdamWConfig, ClipConfig, GrpoBatch, GrpoConfig, GrpoTrainer, ImportanceSampling, LossType,
-    OptimizerConfig, ScaleRewards, Schedule, SgdConfig, TextEncoder, TrainError,
+    AdamWConfig, ClipConfig, GrpoBatch, GrpoConfig, GrpoData, GrpoTrainer, ImportanceSampling,
+    LossType, OptimizerConfig, OutputRun, ScaleRewards, Schedule, SgdConfig, TextEncoder,
+    TrainError,
 };
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -84,9 +94,15 @@ enum SaveDtype {
 #[derive(Parser, Debug)]
 #[command(about = "GRPO training on sampled or recorded groups of completions")]
 struct Args {
-    /// Checkpoint directory to train.
+    /// Checkpoint directory to train (not needed with --resume).
+    #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
+    model: Option<PathBuf>,
+    /// Continue the run saved in this directory (see the module docs).
     #[arg(long)]
-    model: PathBuf,
+    resume: Option<PathBuf>,
+    /// Also save to --out after every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    save_every: u64,
     /// JSONL prompts ({"prompt"}, {"messages"} or {"prompt_ids"}) to sample completions for.
     #[arg(
         long,
@@ -285,10 +301,20 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     if args.prompts_per_step == 0 {
         return Err("--prompts-per-step must be >= 1".into());
     }
-    let tokenizer = Tokenizer::from_dir(&args.model);
+    let resumed = args
+        .resume
+        .as_deref()
+        .map(mlx_training::state::resolve_checkpoint)
+        .transpose()?;
+    let model_dir: PathBuf = match (&resumed, &args.model) {
+        (Some(r), _) => r.clone(),
+        (None, Some(m)) => m.clone(),
+        (None, None) => return Err("--model or --resume is required".into()),
+    };
+    let tokenizer = Tokenizer::from_dir(&model_dir);
     let source = match (&args.prompts, &args.rollouts) {
         (Some(p), None) => Source::Sampled {
-            prompts: load_prompts(p, &TextEncoder::from_dir(&args.model))?,
+            prompts: load_prompts(p, &TextEncoder::from_dir(&model_dir))?,
             rewards: rewards_of(args)?,
         },
         (None, Some(r)) => Source::Recorded(load_rollouts(r, args.group_size)?),
@@ -361,25 +387,39 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         ..sampling
     };
     sampling.validate()?;
-    let mut trainer = GrpoTrainer::new(
-        ParameterTree::load(&args.model, &opts)?,
-        None,
-        &opts,
-        config.clone(),
-    )?;
+    let data = GrpoData {
+        items: available,
+        per_step: args.prompts_per_step,
+        seed: args.seed,
+    };
+    let mut trainer = match &resumed {
+        Some(r) => GrpoTrainer::resume(r, &opts, config.clone(), Some(data))?,
+        None => GrpoTrainer::new(
+            ParameterTree::load(&model_dir, &opts)?,
+            None,
+            &opts,
+            config.clone(),
+        )?
+        .with_data(data)?,
+    };
     let save_dtype = match args.save_dtype {
         SaveDtype::F32 => DType::F32,
         SaveDtype::Bf16 => DType::BF16,
         SaveDtype::F16 => DType::F16,
     };
-    let store_path = args.store.clone().unwrap_or_else(|| {
-        let name = args
-            .out
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "grpo".into());
-        args.out.with_file_name(format!("{name}.outputs.sqlite"))
-    });
+    let saved_run = trainer.output_run().cloned();
+    let store_path = args
+        .store
+        .clone()
+        .or_else(|| saved_run.as_ref().map(|o| o.store.clone()))
+        .unwrap_or_else(|| {
+            let name = args
+                .out
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "grpo".into());
+            args.out.with_file_name(format!("{name}.outputs.sqlite"))
+        });
     if let Some(parent) = store_path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)?;
     }
@@ -390,11 +430,26 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         "importance_sampling": format!("{:?}", config.importance_sampling), "lr": args.lr, "steps": steps,
         "source": if args.prompts.is_some() { "prompts" } else { "rollouts" },
     });
-    let run_id = store.start_run(
-        &args.out.display().to_string(),
-        &args.model.display().to_string(),
-        &run_config,
-    )?;
+    let same_store =
+        |a: &std::path::Path, b: &std::path::Path| match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+    let run_id = match &saved_run {
+        Some(o) if same_store(&o.store, &store_path) && store.has_run(o.run_id)? => {
+            store.truncate_run(o.run_id, trainer.batches_done())?;
+            o.run_id
+        }
+        _ => store.start_run(
+            &args.out.display().to_string(),
+            &model_dir.display().to_string(),
+            &run_config,
+        )?,
+    };
+    trainer.set_output_run(Some(OutputRun {
+        store: store_path.canonicalize()?,
+        run_id,
+    }));
     let decode = |ids: &[u32]| -> Result<String, String> {
         match &tokenizer {
             Ok(t) => t.decode(ids, true).map_err(|e| e.to_string()),
@@ -409,12 +464,18 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         );
         b
     });
+    if let Some(b) = &bar {
+        b.set_position(trainer.batches_done().min(steps));
+    }
     let mut stdout = std::io::stdout().lock();
-    for s in 0..steps {
-        let first = (s as usize * args.prompts_per_step) % available;
-        let picks: Vec<usize> = (0..args.prompts_per_step.min(available))
-            .map(|k| (first + k) % available)
-            .collect();
+    while trainer.batches_done() < steps {
+        let s = trainer.batches_done();
+        let picks = trainer
+            .next_items()
+            .ok_or("the trainer has no data layout")?;
+        let seed = trainer
+            .sampling_seed()
+            .ok_or("the trainer has no data layout")?;
         let (batch, prompt_texts, completion_texts, finish): (
             GrpoBatch,
             Vec<String>,
@@ -426,7 +487,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                 let sampled = trainer.sample(
                     &chosen,
                     rewards,
-                    &sampling.clone().with_seed(args.seed.wrapping_add(s)),
+                    &sampling.clone().with_seed(seed),
                     None,
                     &decode,
                 )?;
@@ -493,6 +554,9 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             })
             .collect();
         store.record_step(run_id, s + 1, &metrics, &records)?;
+        if args.save_every > 0 && (s + 1) % args.save_every == 0 {
+            trainer.save(&args.out, Some(save_dtype))?;
+        }
         if args.json {
             serde_json::to_writer(&mut stdout, &metrics)?;
             writeln!(stdout)?;

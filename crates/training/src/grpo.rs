@@ -45,7 +45,7 @@
 use crate::error::{Result, TrainError};
 use crate::guard::{NanGuard, Verdict};
 use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
-use crate::state::{self, CheckpointContents, TrainerState};
+use crate::state::{self, TrainerState};
 use mlx_array::grad::value_and_grad;
 use mlx_array::{Array, DType};
 use mlx_models::{KvCacheMode, LoadOptions, Logits, Model, ParameterTree};
@@ -773,7 +773,50 @@ pub struct GrpoTrainer {
     guard: NanGuard,
     head: Head,
     pad_id: u32,
+    /// Batches taken so far (skipped updates included): the data position.
+    batches: u64,
+    data: Option<GrpoData>,
+    output: Option<OutputRun>,
 }
+
+/// The prompts (or recorded groups) a run cycles through, in order, `per_step` a step, and the
+/// sampling seed: step `s` (0-based, skipped updates included) takes items `s * per_step`,
+/// `s * per_step + 1`, ... (mod `items`) and samples with seed `seed + s`
+/// ([`GrpoTrainer::next_items`], [`GrpoTrainer::sampling_seed`]). Checkpoints record it with the
+/// data position, and a resumed run must be given the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GrpoData {
+    pub items: usize,
+    pub per_step: usize,
+    pub seed: u64,
+}
+
+/// The output-store run a trainer's steps are recorded in: saved with checkpoints so that a
+/// resumed run records into the same run ([`crate::output_store::OutputStore`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OutputRun {
+    /// The store's file.
+    pub store: std::path::PathBuf,
+    pub run_id: i64,
+}
+
+/// What a GRPO checkpoint holds besides `trainer_state.json`'s common fields
+/// (`grpo_state.json`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct GrpoSaved {
+    /// Batches taken (the data position; `trainer_state.json`'s `position` says the same).
+    batches: u64,
+    data: Option<GrpoData>,
+    output: Option<OutputRun>,
+    /// Whether `reference.safetensors` holds the frozen reference model of the KL term.
+    reference: bool,
+}
+
+/// `grpo_state.json` of a GRPO checkpoint.
+pub const GRPO_STATE_FILE: &str = "grpo_state.json";
+/// The frozen reference model of a run with `beta > 0`, every parameter by checkpoint name, in
+/// the dtype it runs in.
+pub const REFERENCE_FILE: &str = "reference.safetensors";
 
 /// What [`GrpoTrainer::loss_and_gradients`] returns besides the gradients.
 #[derive(Debug, Clone, PartialEq)]
@@ -806,6 +849,16 @@ impl GrpoTrainer {
             None
         };
         let optimizer = Optimizer::new(config.optimizer)?;
+        Self::assemble(tree, reference, opts, config, optimizer)
+    }
+
+    fn assemble(
+        tree: ParameterTree,
+        reference: Option<ParameterTree>,
+        opts: &LoadOptions,
+        config: GrpoConfig,
+        optimizer: Optimizer,
+    ) -> Result<Self> {
         let opts = LoadOptions {
             kv_cache: KvCacheMode::Flat,
             ..opts.clone()
@@ -842,7 +895,65 @@ impl GrpoTrainer {
             guard,
             head,
             pad_id,
+            batches: 0,
+            data: None,
+            output: None,
         })
+    }
+
+    /// The trainer with the run's data layout and sampling seed ([`GrpoData`]), recorded in
+    /// checkpoints.
+    pub fn with_data(mut self, data: GrpoData) -> Result<Self> {
+        if data.items == 0 || data.per_step == 0 {
+            return Err(TrainError::Config(format!(
+                "GrpoData needs at least one item and one per step, got {} and {}",
+                data.items, data.per_step
+            )));
+        }
+        self.data = Some(data);
+        Ok(self)
+    }
+
+    /// The run's data layout, if set ([`GrpoTrainer::with_data`]).
+    pub fn data(&self) -> Option<&GrpoData> {
+        self.data.as_ref()
+    }
+
+    /// Batches taken so far by [`GrpoTrainer::step`] (skipped updates included).
+    pub fn batches_done(&self) -> u64 {
+        self.batches
+    }
+
+    /// Indices of the items the next step takes ([`GrpoData`]); `None` without a data layout.
+    pub fn next_items(&self) -> Option<Vec<usize>> {
+        let d = self.data?;
+        let first = ((self.batches as u128 * d.per_step as u128) % d.items as u128) as usize;
+        Some(
+            (0..d.per_step.min(d.items))
+                .map(|k| (first + k) % d.items)
+                .collect(),
+        )
+    }
+
+    /// The sampling seed of the next step, `seed + batches_done` ([`GrpoData`]); `None` without
+    /// a data layout.
+    pub fn sampling_seed(&self) -> Option<u64> {
+        self.data.map(|d| d.seed.wrapping_add(self.batches))
+    }
+
+    /// Record the output-store run the steps go to, so that checkpoints carry it.
+    pub fn set_output_run(&mut self, output: Option<OutputRun>) {
+        self.output = output;
+    }
+
+    /// The output-store run recorded with [`GrpoTrainer::set_output_run`] (or resumed).
+    pub fn output_run(&self) -> Option<&OutputRun> {
+        self.output.as_ref()
+    }
+
+    /// The frozen reference model of the KL term (`None` when `beta` is 0).
+    pub fn reference(&self) -> Option<&ParameterTree> {
+        self.reference.as_ref()
     }
 
     fn build(&self, tree: &ParameterTree) -> mlx_array::Result<Model> {
@@ -1067,14 +1178,19 @@ impl GrpoTrainer {
                         .update(&refs, &self.tree.trainable_arrays(), &grads, lr)?;
                 self.tree = self.tree.with_trainable(&new)?;
                 self.step += 1;
+                self.batches += 1;
                 false
             }
-            Verdict::Skip { .. } => true,
+            Verdict::Skip { .. } => {
+                self.batches += 1;
+                true
+            }
             Verdict::Stop { skipped } => {
+                self.batches += 1;
                 return Err(TrainError::NanGradients {
                     skipped,
                     max: self.guard.max_nan_gradients(),
-                })
+                });
             }
         };
         let totals = batch.total_rewards();
@@ -1150,8 +1266,45 @@ impl GrpoTrainer {
         Ok(self.build(&self.tree)?)
     }
 
+    /// The progress a checkpoint records: `step` the updates applied, `position` the batches
+    /// taken, `epoch` the completed passes over the data, `seed`, `dataset_len` and `batch_size`
+    /// the [`GrpoData`] (0 without one).
+    pub fn trainer_state(&self) -> TrainerState {
+        let d = self.data.unwrap_or(GrpoData {
+            items: 0,
+            per_step: 0,
+            seed: 0,
+        });
+        TrainerState {
+            step: self.step,
+            epoch: if d.items == 0 {
+                0
+            } else {
+                ((self.batches as u128 * d.per_step as u128) / d.items as u128) as u64
+            },
+            position: self.batches as usize,
+            epoch_rng: 0,
+            seed: d.seed,
+            dataset_len: d.items,
+            trainable: self
+                .tree
+                .trainable_names()
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            optimizer: optimizer_kind(&self.config.optimizer).into(),
+            batch_size: d.per_step,
+            grad_accumulation: 1,
+            shuffle: false,
+            nan_skipped: self.guard.skipped(),
+        }
+    }
+
     /// Save model, optimizer and progress to `dir` atomically (weights in `save_dtype`, or as
-    /// trained when `None`); `trainer_state.json` records the step and the trained parameters.
+    /// trained when `None`): the files of [`state::save_checkpoint`] (`trainer_state.json` as
+    /// [`GrpoTrainer::trainer_state`] says), `grpo_state.json` (data position and layout,
+    /// output-store run) and, when `beta > 0`, `reference.safetensors`, the frozen reference
+    /// model as it runs (not cast), so that a resumed run keeps the original reference.
     pub fn save(&self, dir: &Path, save_dtype: Option<DType>) -> Result<()> {
         let arrays: Vec<(String, Array)> = self
             .tree
@@ -1159,38 +1312,163 @@ impl GrpoTrainer {
             .map(|(n, p)| (n.to_string(), p.array.clone()))
             .collect();
         let params: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
-        let trainer = TrainerState {
-            step: self.step,
-            epoch: 0,
-            position: 0,
-            epoch_rng: 0,
-            seed: 0,
-            dataset_len: 0,
-            trainable: self
-                .tree
-                .trainable_names()
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
-            optimizer: match self.config.optimizer {
-                OptimizerConfig::AdamW(_) => "adamw".into(),
-                OptimizerConfig::Sgd(_) => "sgd".into(),
-            },
-            batch_size: 0,
-            grad_accumulation: 1,
-            shuffle: false,
-            nan_skipped: self.guard.skipped(),
+        let trainer = self.trainer_state();
+        let saved = GrpoSaved {
+            batches: self.batches,
+            data: self.data,
+            output: self.output.clone(),
+            reference: self.reference.is_some(),
         };
-        state::save_checkpoint(
-            dir,
-            &CheckpointContents {
-                params,
-                save_dtype,
-                source_dir: self.tree.dir(),
-                optimizer: &self.optimizer,
-                trainer: &trainer,
-            },
-        )
+        state::write_dir_atomically(dir, |tmp| {
+            state::write_model_files(tmp, state::MODEL_FILE, &params, save_dtype, self.tree.dir())?;
+            state::write_training_state(tmp, &self.optimizer, &trainer)?;
+            if let Some(r) = &self.reference {
+                let refs: Vec<(&str, &Array)> = r.iter().map(|(n, p)| (n, &p.array)).collect();
+                mlx_array::io::save_safetensors(tmp.join(REFERENCE_FILE), &refs, None)?;
+            }
+            let p = tmp.join(GRPO_STATE_FILE);
+            let text = serde_json::to_string_pretty(&saved).map_err(|e| TrainError::State {
+                path: p.clone(),
+                msg: e.to_string(),
+            })?;
+            std::fs::write(&p, text + "\n").map_err(crate::error::io_err(&p))
+        })
+    }
+
+    /// Continue the run saved in `dir` by [`GrpoTrainer::save`]: its model (trainable marks as
+    /// saved), optimizer state, step, NaN-guard count, data position, output-store run and,
+    /// when `config.beta > 0`, its frozen reference model. `config` and `data` must be the
+    /// saving run's (the optimizer kind and the data layout are checked); a checkpoint written
+    /// with weights cast to a narrower dtype continues from the cast weights.
+    pub fn resume(
+        dir: &Path,
+        opts: &LoadOptions,
+        config: GrpoConfig,
+        data: Option<GrpoData>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let dir = state::resolve_checkpoint(dir)?;
+        let saved = state::read_trainer_state(&dir)?;
+        let grpo_path = dir.join(GRPO_STATE_FILE);
+        let bad = |path: &Path, msg: String| TrainError::State {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let text = std::fs::read_to_string(&grpo_path).map_err(crate::error::io_err(&grpo_path))?;
+        let grpo: GrpoSaved =
+            serde_json::from_str(&text).map_err(|e| bad(&grpo_path, e.to_string()))?;
+        if grpo.data != data {
+            return Err(bad(
+                &grpo_path,
+                format!("saved with data layout {:?}, given {data:?}", grpo.data),
+            ));
+        }
+        if grpo.batches != saved.position as u64 {
+            return Err(bad(
+                &grpo_path,
+                format!(
+                    "{} batches but trainer_state.json's position is {}",
+                    grpo.batches, saved.position
+                ),
+            ));
+        }
+        let state_path = dir.join(state::TRAINER_STATE_FILE);
+        let kind = optimizer_kind(&config.optimizer);
+        if saved.optimizer != kind {
+            return Err(bad(
+                &state_path,
+                format!("saved with optimizer {}, given {kind}", saved.optimizer),
+            ));
+        }
+        let mut tree = ParameterTree::load(&dir, opts)?;
+        tree.freeze(|_| true);
+        for n in &saved.trainable {
+            if tree.unfreeze(|k| k == n) != 1 {
+                return Err(bad(
+                    &state_path,
+                    format!(
+                        "trainable parameter {n} is not in the saved model (or cannot be trained)"
+                    ),
+                ));
+            }
+        }
+        let reference = if config.beta > 0.0 {
+            let file = dir.join(REFERENCE_FILE);
+            if !grpo.reference || !file.is_file() {
+                return Err(bad(
+                    &grpo_path,
+                    format!("beta {} needs the run's reference model, but the checkpoint has no {REFERENCE_FILE} (saved with beta 0)", config.beta),
+                ));
+            }
+            let tensors = mlx_array::io::load_safetensors(&file, None)?;
+            if tensors.len() != tree.len() {
+                return Err(bad(
+                    &file,
+                    format!(
+                        "{} tensors, the model has {} parameters",
+                        tensors.len(),
+                        tree.len()
+                    ),
+                ));
+            }
+            let mut r = tree.clone();
+            for (name, a) in tensors {
+                if r.get(&name).is_none() {
+                    return Err(bad(
+                        &file,
+                        format!("{name} is not a parameter of the model"),
+                    ));
+                }
+                r.set(&name, a)?;
+            }
+            r.freeze(|_| true);
+            Some(r)
+        } else {
+            None
+        };
+        let mut optimizer = Optimizer::new(config.optimizer)?;
+        let opt_file = dir.join(state::OPTIMIZER_FILE);
+        if opt_file.is_file() {
+            let names: Vec<&str> = tree.trainable_names();
+            let shapes: Vec<Vec<usize>> =
+                tree.trainable_arrays().iter().map(|a| a.shape()).collect();
+            state::load_optimizer_state(&mut optimizer, &opt_file, &names, &shapes)?;
+        } else if optimizer.has_state() && saved.step > 0 {
+            return Err(bad(
+                &state_path,
+                format!(
+                    "{} updates done but no {}",
+                    saved.step,
+                    state::OPTIMIZER_FILE
+                ),
+            ));
+        } else {
+            optimizer.set_step(saved.step);
+        }
+        if optimizer.step() != saved.step {
+            return Err(bad(
+                &state_path,
+                format!(
+                    "trainer step {} but optimizer step {}",
+                    saved.step,
+                    optimizer.step()
+                ),
+            ));
+        }
+        let mut t = Self::assemble(tree, reference, opts, config, optimizer)?;
+        t.step = saved.step;
+        t.batches = grpo.batches;
+        t.data = grpo.data;
+        t.output = grpo.output;
+        t.guard = t.guard.clone().with_skipped(saved.nan_skipped);
+        Ok(t)
+    }
+}
+
+fn optimizer_kind(c: &OptimizerConfig) -> &'static str {
+    match c {
+        OptimizerConfig::AdamW(_) => "adamw",
+        OptimizerConfig::Sgd(_) => "sgd",
     }
 }
 

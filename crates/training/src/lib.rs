@@ -36,7 +36,7 @@ pub mod state;
 
 pub use data::{load_jsonl, make_batch, Example, TextEncoder};
 pub use error::{Result, TrainError};
-pub use grpo::{compute_advantages, default_rollout_sampling, load_prompts, load_rollouts, rollout_batch, GrpoPrompt, SampledGroups, Completion, Rollout, GrpoBatch, GrpoConfig, GrpoLoss, GrpoStepMetrics, GrpoTrainer, ImportanceSampling, LossType, RewardStats, ScaleRewards};
+pub use grpo::{compute_advantages, default_rollout_sampling, load_prompts, load_rollouts, rollout_batch, GrpoPrompt, SampledGroups, Completion, Rollout, GrpoBatch, GrpoConfig, GrpoData, GrpoLoss, GrpoStepMetrics, GrpoTrainer, ImportanceSampling, LossType, RewardStats, OutputRun, ScaleRewards};
 pub use lora::{apply_lora, fuse_lora, load_adapters, save_adapters, save_model, LoraConfig};
 pub use parquet_data::{convert_parquet_to_jsonl, load_dataset, ConversionResult};
 pub use optim::{clip_gradients, global_norm, AdamWConfig, ClipConfig, Optimizer, OptimizerConfig, Schedule, ScheduleKind, SgdConfig};

@@ -107,6 +107,35 @@ impl OutputStore {
             .map_err(db_err)
     }
 
+    /// Whether the store holds run `run`.
+    pub fn has_run(&self, run: i64) -> Result<bool> {
+        self.conn
+            .query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", [run], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map(|n| n > 0)
+            .map_err(db_err)
+    }
+
+    /// Delete the steps of `run` after `step` and their generations (what a run resumed from
+    /// an earlier checkpoint redoes); returns the number of generations deleted.
+    pub fn truncate_run(&mut self, run: i64, step: u64) -> Result<usize> {
+        let tx = self.conn.transaction().map_err(db_err)?;
+        tx.execute(
+            "DELETE FROM steps WHERE run_id = ?1 AND step > ?2",
+            params![run, step as i64],
+        )
+        .map_err(db_err)?;
+        let n = tx
+            .execute(
+                "DELETE FROM generations WHERE run_id = ?1 AND step > ?2",
+                params![run, step as i64],
+            )
+            .map_err(db_err)?;
+        tx.commit().map_err(db_err)?;
+        Ok(n)
+    }
+
     /// The next unused group id of `run` (0 for a new run).
     pub fn next_group_id(&self, run: i64) -> Result<i64> {
         self.conn

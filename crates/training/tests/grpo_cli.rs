@@ -1,7 +1,9 @@
 //! The `grpo` example end to end in separate processes: `--rollouts` and `--prompts` with
 //! `--json` print one object per step (`step`, `loss`, `reward_mean`) and nothing else; recorded
 //! rollouts give the same steps twice (deterministic); the output store's JSONL export replays
-//! through `--rollouts`; bad flag combinations fail cleanly.
+//! through `--rollouts`; bad flag combinations fail cleanly; `--resume` in a new process
+//! continues exactly (rollouts and seeded sampling) and a run killed while saving leaves a
+//! loadable checkpoint.
 mod common;
 
 use common::model_fixture;
@@ -300,4 +302,247 @@ fn bad_flags_fail_cleanly() {
             "{args:?}: {stderr}"
         );
     }
+}
+
+fn bytes_equal(tmp: &Path, a: &str, b: &str, files: &[&str]) {
+    for f in files {
+        let (x, y) = (
+            std::fs::read(tmp.join(a).join(f)).unwrap(),
+            std::fs::read(tmp.join(b).join(f)).unwrap(),
+        );
+        assert!(x == y, "{f}: {a} and {b} differ");
+    }
+}
+
+/// Recorded groups, 3 groups of 4 completions.
+fn write_rollouts(dir: &Path) {
+    let mut lines = Vec::new();
+    for g in 0..3u32 {
+        for k in 0..4u32 {
+            lines.push(format!("{{\"group\": {g}, \"prompt_ids\": [{}, 17, 99], \"completion_ids\": [{}, {}, 7], \"reward\": {}}}", 3 + g, 40 + k, 200 + g * 4 + k, (k as f64) * 0.5 - g as f64));
+        }
+    }
+    std::fs::write(dir.join("r.jsonl"), lines.join("\n")).unwrap();
+}
+
+/// `--resume` in a new process: 4 steps in one run write the same model, optimizer, reference
+/// and trainer-state files, byte for byte, as 2 steps then `--resume` for 2 more, and report the
+/// same steps; with recorded rollouts (KL term on, 2 groups a step cycling over 3) and with
+/// seeded sampling (`--prompts`). The resumed run records into the saved run of its store,
+/// replacing steps recorded after the checkpoint, so that the store's export equals the
+/// uninterrupted run's.
+#[test]
+fn resume_in_a_new_process_is_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    write_rollouts(t);
+    std::fs::write(
+        t.join("p.jsonl"),
+        "{\"prompt_ids\": [3, 17, 99, 4], \"prompt\": \"p0\"}\n{\"prompt\": \"hello world\"}\n",
+    )
+    .unwrap();
+    let model = model_fixture("qwen3");
+    let m = model.to_str().unwrap();
+    let rollouts: &[&str] = &[
+        "--rollouts",
+        "r.jsonl",
+        "--prompts-per-step",
+        "2",
+        "--lr",
+        "1e-2",
+        "--beta",
+        "0.04",
+        "--loss",
+        "grpo",
+        "--json",
+    ];
+    let sampled: &[&str] = &[
+        "--prompts",
+        "p.jsonl",
+        "--reward",
+        "length",
+        "--min-length",
+        "20",
+        "--group-size",
+        "3",
+        "--max-completion-length",
+        "6",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "5",
+        "--json",
+    ];
+    for (tag, flags, files) in [
+        (
+            "r",
+            rollouts,
+            &[
+                "model.safetensors",
+                "optimizer.safetensors",
+                "reference.safetensors",
+                "trainer_state.json",
+            ][..],
+        ),
+        (
+            "s",
+            sampled,
+            &[
+                "model.safetensors",
+                "optimizer.safetensors",
+                "trainer_state.json",
+            ][..],
+        ),
+    ] {
+        let name = |s: &str| format!("{tag}-{s}");
+        let (whole, half, half_copy, ahead, resumed) = (
+            name("whole"),
+            name("half"),
+            name("half-copy"),
+            name("ahead"),
+            name("resumed"),
+        );
+        let go = |extra: &[&str]| {
+            let (ok, stdout, stderr) = run(&[flags, extra].concat(), t);
+            assert!(ok, "{tag} {extra:?}: {stderr}");
+            steps_of(&stdout)
+        };
+        let all = go(&[
+            "--model",
+            m,
+            "--out",
+            &whole,
+            "--steps",
+            "4",
+            "--export-jsonl",
+            &format!("{whole}.jsonl"),
+        ]);
+        assert_eq!(all.len(), 4);
+        go(&["--model", m, "--out", &half, "--steps", "2"]);
+        // a run resumed from the 2-step checkpoint records step 3 in the store, then is lost
+        copy_dir(&t.join(&half), &t.join(&half_copy));
+        let third = go(&["--resume", &half, "--out", &ahead, "--steps", "3"]);
+        assert_eq!(without_time(&third), without_time(&all[2..3]));
+        let rest = go(&[
+            "--resume",
+            &half_copy,
+            "--out",
+            &resumed,
+            "--steps",
+            "4",
+            "--export-jsonl",
+            &format!("{resumed}.jsonl"),
+        ]);
+        assert_eq!(
+            without_time(&rest),
+            without_time(&all[2..]),
+            "{tag}: the resumed steps report what the uninterrupted run's did"
+        );
+        bytes_equal(t, &whole, &resumed, files);
+        let (a, b) = (
+            std::fs::read_to_string(t.join(format!("{whole}.jsonl"))).unwrap(),
+            std::fs::read_to_string(t.join(format!("{resumed}.jsonl"))).unwrap(),
+        );
+        assert!(
+            !a.is_empty() && a == b,
+            "{tag}: the resumed run's store holds the uninterrupted run's records"
+        );
+    }
+    // resuming with another data layout fails cleanly
+    let (ok, stdout, stderr) = run(
+        &[
+            "--rollouts",
+            "r.jsonl",
+            "--prompts-per-step",
+            "1",
+            "--lr",
+            "1e-2",
+            "--beta",
+            "0.04",
+            "--json",
+            "--resume",
+            "r-half",
+            "--out",
+            "x",
+        ],
+        t,
+    );
+    assert!(
+        !ok && stdout.is_empty() && stderr.contains("data layout"),
+        "{stderr}"
+    );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// The example killed (SIGKILL) at various moments of a run that saves after every step:
+/// whatever it leaves is a checkpoint that resumes (with its reference model), never a
+/// half-written one.
+#[test]
+fn killed_during_saves_leaves_a_loadable_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_rollouts(tmp.path());
+    let model = model_fixture("qwen3");
+    let bin = grpo_binary();
+    let mut resumed = 0;
+    for (i, delay_ms) in [200u64, 400, 600, 900, 1300].into_iter().enumerate() {
+        let out = format!("run{i}");
+        let mut child = Command::new(&bin)
+            .args([
+                "--model",
+                model.to_str().unwrap(),
+                "--rollouts",
+                "r.jsonl",
+                "--out",
+                &out,
+                "--steps",
+                "100000",
+                "--beta",
+                "0.04",
+                "--save-every",
+                "1",
+                "--json",
+            ])
+            .current_dir(tmp.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let dir = tmp.path().join(&out);
+        match mlx_training::state::resolve_checkpoint(&dir) {
+            Ok(found) => {
+                let cfg = mlx_training::GrpoConfig {
+                    beta: 0.04,
+                    ..Default::default()
+                };
+                let data = mlx_training::GrpoData {
+                    items: 3,
+                    per_step: 1,
+                    seed: 0,
+                };
+                let t = mlx_training::GrpoTrainer::resume(
+                    &found,
+                    &common::f32_options(),
+                    cfg,
+                    Some(data),
+                )
+                .unwrap();
+                assert!(t.steps_done() >= 1 && t.reference().is_some());
+                resumed += 1;
+            }
+            Err(_) => assert!(
+                !dir.exists() && !tmp.path().join(format!("{out}.previous")).exists(),
+                "killed before its first save: nothing in place"
+            ),
+        }
+    }
+    assert!(resumed > 0, "at least one run got to a save");
 }
