@@ -44,6 +44,7 @@
 //! caller saves them as an emergency checkpoint).
 use crate::error::{Result, TrainError};
 use crate::guard::{NanGuard, Verdict};
+use crate::lora::LoraConfig;
 use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
 use crate::state::{self, TrainerState};
 use mlx_array::grad::value_and_grad;
@@ -777,6 +778,7 @@ pub struct GrpoTrainer {
     batches: u64,
     data: Option<GrpoData>,
     output: Option<OutputRun>,
+    lora: Option<LoraConfig>,
 }
 
 /// The prompts (or recorded groups) a run cycles through, in order, `per_step` a step, and the
@@ -808,14 +810,16 @@ struct GrpoSaved {
     batches: u64,
     data: Option<GrpoData>,
     output: Option<OutputRun>,
-    /// Whether `reference.safetensors` holds the frozen reference model of the KL term.
+    /// Whether the run has a reference model (`beta > 0`): the policy's parameters with those
+    /// of `reference.safetensors` in their place.
     reference: bool,
 }
 
 /// `grpo_state.json` of a GRPO checkpoint.
 pub const GRPO_STATE_FILE: &str = "grpo_state.json";
-/// The frozen reference model of a run with `beta > 0`, every parameter by checkpoint name, in
-/// the dtype it runs in.
+/// The frozen reference model of a run with `beta > 0`: its parameters (by checkpoint name, in
+/// the dtype they run in) that differ from the saved policy's; the others are the policy's. With
+/// every parameter trained that is the whole initial model; with LoRA, the initial adapters.
 pub const REFERENCE_FILE: &str = "reference.safetensors";
 
 /// What [`GrpoTrainer::loss_and_gradients`] returns besides the gradients.
@@ -898,7 +902,27 @@ impl GrpoTrainer {
             batches: 0,
             data: None,
             output: None,
+            lora: None,
         })
+    }
+
+    /// The LoRA settings the tree's adapters were made with ([`crate::lora::apply_lora`]):
+    /// needed to save a tree with adapters, whose checkpoints then hold the adapters
+    /// (`adapters.safetensors`, `adapter_config.json`) instead of the model.
+    pub fn with_lora(mut self, lora: LoraConfig) -> Result<Self> {
+        if self.tree.lora().is_none() {
+            return Err(TrainError::Config(
+                "with_lora: the tree has no LoRA adapters (apply_lora)".into(),
+            ));
+        }
+        lora.validate()?;
+        if lora.dropout > 0.0 || self.tree.lora().is_some_and(|l| l.dropout > 0.0) {
+            return Err(TrainError::Config(
+                "GrpoTrainer does not apply LoRA dropout: make the adapters with dropout 0".into(),
+            ));
+        }
+        self.lora = Some(lora);
+        Ok(self)
     }
 
     /// The trainer with the run's data layout and sampling seed ([`GrpoData`]), recorded in
@@ -1302,16 +1326,27 @@ impl GrpoTrainer {
 
     /// Save model, optimizer and progress to `dir` atomically (weights in `save_dtype`, or as
     /// trained when `None`): the files of [`state::save_checkpoint`] (`trainer_state.json` as
-    /// [`GrpoTrainer::trainer_state`] says), `grpo_state.json` (data position and layout,
-    /// output-store run) and, when `beta > 0`, `reference.safetensors`, the frozen reference
-    /// model as it runs (not cast), so that a resumed run keeps the original reference.
+    /// [`GrpoTrainer::trainer_state`] says; with LoRA, the adapters in place of the model, as
+    /// [`crate::SftTrainer::save`] writes them), `grpo_state.json` (data position and layout,
+    /// output-store run) and, when `beta > 0`, `reference.safetensors` ([`REFERENCE_FILE`]), so
+    /// that a resumed run keeps the original reference model.
     pub fn save(&self, dir: &Path, save_dtype: Option<DType>) -> Result<()> {
+        if self.tree.lora().is_some() && self.lora.is_none() {
+            return Err(TrainError::Config(
+                "the tree has LoRA adapters: give their config with GrpoTrainer::with_lora to save"
+                    .into(),
+            ));
+        }
         let arrays: Vec<(String, Array)> = self
             .tree
             .iter()
             .map(|(n, p)| (n.to_string(), p.array.clone()))
             .collect();
         let params: Vec<(&str, &Array)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
+        let reference = match &self.reference {
+            Some(r) => Some(self.reference_delta(r, save_dtype)?),
+            None => None,
+        };
         let trainer = self.trainer_state();
         let saved = GrpoSaved {
             batches: self.batches,
@@ -1320,10 +1355,20 @@ impl GrpoTrainer {
             reference: self.reference.is_some(),
         };
         state::write_dir_atomically(dir, |tmp| {
-            state::write_model_files(tmp, state::MODEL_FILE, &params, save_dtype, self.tree.dir())?;
+            match &self.lora {
+                Some(lora) => crate::lora::write_adapter_files(tmp, &self.tree, lora)?,
+                None => state::write_model_files(
+                    tmp,
+                    state::MODEL_FILE,
+                    &params,
+                    save_dtype,
+                    self.tree.dir(),
+                )?,
+            }
             state::write_training_state(tmp, &self.optimizer, &trainer)?;
-            if let Some(r) = &self.reference {
-                let refs: Vec<(&str, &Array)> = r.iter().map(|(n, p)| (n, &p.array)).collect();
+            if let Some(delta) = &reference {
+                let refs: Vec<(&str, &Array)> =
+                    delta.iter().map(|(n, a)| (n.as_str(), a)).collect();
                 mlx_array::io::save_safetensors(tmp.join(REFERENCE_FILE), &refs, None)?;
             }
             let p = tmp.join(GRPO_STATE_FILE);
@@ -1335,6 +1380,50 @@ impl GrpoTrainer {
         })
     }
 
+    /// The reference's parameters that differ (in dtype, shape or value) from the policy's as a
+    /// checkpoint writes them (a policy parameter cast by `save_dtype` counts as different; with
+    /// LoRA the base model is not written, so only the adapters can differ); the two must have
+    /// the same parameter names.
+    fn reference_delta(
+        &self,
+        r: &ParameterTree,
+        save_dtype: Option<DType>,
+    ) -> Result<Vec<(String, Array)>> {
+        let mismatch = || {
+            TrainError::InvalidInput(
+                "saving the reference model needs it to have the policy's parameters (same names)"
+                    .into(),
+            )
+        };
+        if r.len() != self.tree.len() {
+            return Err(mismatch());
+        }
+        let mut out = Vec::new();
+        for (name, p) in r.iter() {
+            let mine = self.tree.get(name).ok_or_else(mismatch)?;
+            let cast = match save_dtype {
+                Some(d) if self.lora.is_none() => {
+                    mine.array.dtype().is_float() && mine.array.dtype() != d
+                }
+                _ => false,
+            };
+            let same = !cast
+                && p.array.dtype() == mine.array.dtype()
+                && p.array.shape() == mine.array.shape()
+                && (p.array.size() == 0 || {
+                    let d = p
+                        .array
+                        .astype(DType::F32)?
+                        .sub(&mine.array.astype(DType::F32)?)?;
+                    d.abs()?.max(&[], false)?.item::<f32>()? == 0.0
+                });
+            if !same {
+                out.push((name.to_string(), p.array.clone()));
+            }
+        }
+        Ok(out)
+    }
+
     /// Continue the run saved in `dir` by [`GrpoTrainer::save`]: its model (trainable marks as
     /// saved), optimizer state, step, NaN-guard count, data position, output-store run and,
     /// when `config.beta > 0`, its frozen reference model. `config` and `data` must be the
@@ -1342,6 +1431,19 @@ impl GrpoTrainer {
     /// with weights cast to a narrower dtype continues from the cast weights.
     pub fn resume(
         dir: &Path,
+        opts: &LoadOptions,
+        config: GrpoConfig,
+        data: Option<GrpoData>,
+    ) -> Result<Self> {
+        Self::resume_with_base(dir, None, opts, config, data)
+    }
+
+    /// [`GrpoTrainer::resume`] for a checkpoint of either kind: a LoRA checkpoint (adapters, no
+    /// model) is continued over `base` (the model it was trained from, without adapters), whose
+    /// adapters and LoRA config are those saved.
+    pub fn resume_with_base(
+        dir: &Path,
+        base: Option<ParameterTree>,
         opts: &LoadOptions,
         config: GrpoConfig,
         data: Option<GrpoData>,
@@ -1380,7 +1482,21 @@ impl GrpoTrainer {
                 format!("saved with optimizer {}, given {kind}", saved.optimizer),
             ));
         }
-        let mut tree = ParameterTree::load(&dir, opts)?;
+        let (mut tree, lora) = if dir.join(crate::lora::ADAPTERS_FILE).is_file() {
+            let mut tree = base.ok_or_else(|| {
+                bad(
+                    &dir,
+                    format!(
+                        "a LoRA checkpoint ({}) continues over its base model, which was not given",
+                        crate::lora::ADAPTERS_FILE
+                    ),
+                )
+            })?;
+            let lora = crate::lora::load_adapters(&mut tree, &dir)?;
+            (tree, Some(lora))
+        } else {
+            (ParameterTree::load(&dir, opts)?, None)
+        };
         tree.freeze(|_| true);
         for n in &saved.trainable {
             if tree.unfreeze(|k| k == n) != 1 {
@@ -1401,16 +1517,6 @@ impl GrpoTrainer {
                 ));
             }
             let tensors = mlx_array::io::load_safetensors(&file, None)?;
-            if tensors.len() != tree.len() {
-                return Err(bad(
-                    &file,
-                    format!(
-                        "{} tensors, the model has {} parameters",
-                        tensors.len(),
-                        tree.len()
-                    ),
-                ));
-            }
             let mut r = tree.clone();
             for (name, a) in tensors {
                 if r.get(&name).is_none() {
@@ -1460,6 +1566,7 @@ impl GrpoTrainer {
         t.batches = grpo.batches;
         t.data = grpo.data;
         t.output = grpo.output;
+        t.lora = lora;
         t.guard = t.guard.clone().with_skipped(saved.nan_skipped);
         Ok(t)
     }

@@ -256,3 +256,133 @@ fn grpo_resume_refuses_another_run() {
     let r = GrpoTrainer::resume(&ckpt, &f32_options(), cfg, Some(DATA)).unwrap();
     assert_eq!(r.steps_done(), 1);
 }
+
+/// LoRA: the checkpoint holds the adapters (not the model) and, with the KL term, a reference
+/// file of only (changed) initial adapters; resuming over the base model continues bit-exactly.
+#[test]
+fn grpo_lora_resume_is_bit_exact() {
+    let lora = mlx_training::LoraConfig {
+        rank: 2,
+        num_layers: 0,
+        seed: 3,
+        ..Default::default()
+    };
+    let cfg = config(OptimizerConfig::default(), 0.05);
+    let mut tree = qwen3_tree();
+    mlx_training::apply_lora(&mut tree, &lora).unwrap();
+    let initial_adapters: Vec<(String, Vec<u32>)> = bits(&tree)
+        .into_iter()
+        .filter(|(n, _)| n.contains(".lora_"))
+        .collect();
+    let make = |t: &mlx_models::ParameterTree| {
+        GrpoTrainer::new(t.clone(), None, &f32_options(), cfg.clone())
+            .unwrap()
+            .with_data(DATA)
+            .unwrap()
+            .with_lora(lora.clone())
+            .unwrap()
+    };
+    let mut whole = make(&tree);
+    for _ in 0..5 {
+        let b = batch_of(&whole);
+        whole.step(&b).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("run");
+    let mut first = make(&tree);
+    for _ in 0..3 {
+        let b = batch_of(&first);
+        first.step(&b).unwrap();
+    }
+    first.save(&ckpt, None).unwrap();
+    assert!(
+        ckpt.join("adapters.safetensors").is_file() && !ckpt.join("model.safetensors").exists()
+    );
+    let reference =
+        mlx_array::io::load_safetensors(ckpt.join("reference.safetensors"), None).unwrap();
+    assert!(
+        !reference.is_empty() && reference.keys().all(|n| n.contains(".lora_")),
+        "the reference file holds initial adapters only"
+    );
+    assert!(
+        GrpoTrainer::resume(&ckpt, &f32_options(), cfg.clone(), Some(DATA)).is_err(),
+        "a LoRA checkpoint needs its base model"
+    );
+    let mut second = GrpoTrainer::resume_with_base(
+        &ckpt,
+        Some(qwen3_tree()),
+        &f32_options(),
+        cfg.clone(),
+        Some(DATA),
+    )
+    .unwrap();
+    let ref_adapters: Vec<(String, Vec<u32>)> = bits(second.reference().unwrap())
+        .into_iter()
+        .filter(|(n, _)| n.contains(".lora_"))
+        .collect();
+    assert_eq!(
+        ref_adapters, initial_adapters,
+        "the reference keeps the initial adapters"
+    );
+    for _ in 3..5 {
+        let b = batch_of(&second);
+        second.step(&b).unwrap();
+    }
+    assert_eq!(
+        bits(second.tree()),
+        bits(whole.tree()),
+        "parameters bit-identical"
+    );
+    // adapters with dropout are refused (GRPO does not draw dropout masks)
+    let mut dropped = qwen3_tree();
+    let with_dropout = mlx_training::LoraConfig {
+        dropout: 0.1,
+        ..lora.clone()
+    };
+    mlx_training::apply_lora(&mut dropped, &with_dropout).unwrap();
+    assert!(GrpoTrainer::new(dropped, None, &f32_options(), cfg.clone())
+        .unwrap()
+        .with_lora(with_dropout)
+        .is_err());
+    // a LoRA tree saves only with its config
+    assert!(GrpoTrainer::new(tree, None, &f32_options(), cfg)
+        .unwrap()
+        .save(&dir.path().join("x"), None)
+        .is_err());
+}
+
+/// A checkpoint with the weights cast to bf16 still resumes with the original (f32) reference
+/// model, frozen parameters included.
+#[test]
+fn grpo_reference_survives_a_cast_save() {
+    let cfg = config(OptimizerConfig::default(), 0.05);
+    let mut tree = qwen3_tree();
+    // weights that bf16 does not represent exactly
+    let e = tree
+        .get("model.embed_tokens.weight")
+        .unwrap()
+        .array
+        .mul_scalar(1.0 + 1.0 / 3000.0)
+        .unwrap();
+    tree.set("model.embed_tokens.weight", e).unwrap();
+    tree.freeze(|n| n.contains("embed_tokens"));
+    let initial = bits(&tree);
+    let mut t = GrpoTrainer::new(tree, None, &f32_options(), cfg.clone())
+        .unwrap()
+        .with_data(DATA)
+        .unwrap();
+    for _ in 0..3 {
+        let b = batch_of(&t);
+        t.step(&b).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    t.save(&dir.path().join("c"), Some(mlx_array::DType::BF16))
+        .unwrap();
+    let r = GrpoTrainer::resume(&dir.path().join("c"), &f32_options(), cfg, Some(DATA)).unwrap();
+    assert_eq!(bits(r.reference().unwrap()), initial);
+    assert_ne!(
+        bits(r.tree()),
+        bits(t.tree()),
+        "the policy continues from the cast weights"
+    );
+}
