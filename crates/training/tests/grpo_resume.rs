@@ -333,6 +333,21 @@ fn grpo_lora_resume_is_bit_exact() {
         bits(whole.tree()),
         "parameters bit-identical"
     );
+    // the resumed run saves as a LoRA run, the same files as the uninterrupted one
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    second.save(&a, None).unwrap();
+    whole.save(&b, None).unwrap();
+    for f in [
+        "adapters.safetensors",
+        "optimizer.safetensors",
+        "reference.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(
+            std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
+            "{f} differs"
+        );
+    }
     // adapters with dropout are refused (GRPO does not draw dropout masks)
     let mut dropped = qwen3_tree();
     let with_dropout = mlx_training::LoraConfig {
