@@ -145,7 +145,8 @@ struct Args {
     /// Completions per micro-batch (default: all of a step's).
     #[arg(long)]
     micro_batch_size: Option<usize>,
-    /// Steps (default: one pass over the prompts or recorded groups).
+    /// Steps (default: one pass over the prompts or recorded groups); with --resume, counted
+    /// from the start of the run.
     #[arg(long)]
     steps: Option<u64>,
     #[arg(long, default_value_t = 1e-6)]
