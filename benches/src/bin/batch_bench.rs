@@ -7,7 +7,8 @@
 //! ```sh
 //! cargo run --release -p mlx-models-bench --bin batch_bench -- --model DIR [--batches 1,8,32,64] [--prompt 128] [--gen 64]
 //! ```
-//! Greedy decoding, no stop tokens (every sequence generates `--gen` tokens). Our decode tok/s
+//! On the CPU mlx-lm runs with the BLAS llm_bench gives it (our BLAS router and the system
+//! OpenBLAS preloaded). Greedy decoding, no stop tokens (every sequence generates `--gen` tokens). Our decode tok/s
 //! is the tokens generated after each sequence's first over the time from the last first token to
 //! the end (the prefill excluded), mlx-lm's its `BatchStats.generation_tps` (generated tokens over
 //! the generation time, prompt processing excluded).
@@ -55,7 +56,18 @@ fn prompts(b: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
 
 fn theirs(a: &Args, b: usize, dtype: &str) -> Res<f64> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("mlx_lm_batch_bench.py");
-    let out = Command::new(&a.python)
+    let mut cmd = Command::new(&a.python);
+    // The BLAS llm_bench gives mlx-lm on the CPU (its `--peer-blas same`): our BLAS router and
+    // the system OpenBLAS preloaded, instead of the wheel's bundled reference BLAS.
+    let openblas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0";
+    if mlx_array::default_device().ok() == Some(mlx_array::Device::Cpu) && std::path::Path::new(openblas).exists() {
+        let preload = match mlx_sys::blas_router_path() {
+            Some(r) => format!("{} {openblas}", r.display()),
+            None => openblas.to_string(),
+        };
+        cmd.env("LD_PRELOAD", preload);
+    }
+    let out = cmd
         .arg(&script)
         .arg(&a.model)
         .args(["--batch", &b.to_string(), "--prompt", &a.prompt.to_string(), "--gen", &a.gen.to_string(), "--dtype", dtype, "--seed", &a.seed.to_string()])

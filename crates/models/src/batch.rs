@@ -25,6 +25,9 @@ use crate::{ModelError, Result};
 use mlx_array::{ops, Array, DType};
 use std::cell::RefCell;
 
+/// (queries, keys, sliding window) of a batch mask.
+type MaskKey = (usize, usize, Option<usize>);
+
 /// Where each row of a batch cache stands: its left padding and the current step's columns.
 pub struct BatchRows {
     /// Padding columns before each row's first token.
@@ -36,7 +39,7 @@ pub struct BatchRows {
     /// First column of the current step and its length.
     step: (usize, usize),
     /// Masks built during the current step, by (queries, keys, window).
-    masks: RefCell<Vec<((usize, usize, Option<usize>), Array)>>,
+    masks: RefCell<Vec<(MaskKey, Array)>>,
 }
 
 impl BatchRows {

@@ -547,7 +547,7 @@ impl PagedStep<'_> {
         let (st, bs) = (&*self.state, g.manager.block_size());
         let len = st.offset.saturating_sub(self.offset);
         let Some(seq) = st.seq else { return Ok(()) };
-        if g.snapshots.cap == 0 || !st.shared || len < 2 || st.offset == 0 || !st.offset.is_multiple_of(bs) || g.manager.num_known(seq).map_err(err)? < st.offset {
+        if g.snapshots.cap == 0 || !st.shared || len < 2 || st.offset == 0 || st.offset % bs != 0 || g.manager.num_known(seq).map_err(err)? < st.offset {
             return Ok(());
         }
         let ids = g.manager.tokens(seq).map_err(err)?;
