@@ -33,6 +33,12 @@ fn greedy_identity_over_caches_drafts_and_depths() {
         ("qwen3_5", KvCacheMode::Flat, vec!["qwen3_5", "qwen3", "lfm2"]),
         ("lfm2", KvCacheMode::Flat, vec!["qwen3_untied", "lfm2"]),
         ("gemma3_text", KvCacheMode::Flat, vec!["gemma3_text", "llama"]),
+        // quantized drafts of hybrid and sliding-window targets: partial acceptance, so both
+        // sides roll back part of a cycle through recurrent state and rotating windows
+        ("lfm2_moe", KvCacheMode::Flat, vec!["lfm2_moe_q4"]),
+        ("lfm2_moe_q4", KvCacheMode::Flat, vec!["lfm2_moe"]),
+        ("gemma4_text", KvCacheMode::Flat, vec!["gemma4_text_q4g32"]),
+        ("gemma4_text_moe_q4", KvCacheMode::Flat, vec!["gemma4_text_moe"]),
     ];
     let mut rejected_cycles = 0;
     for (t, kv, drafts) in cases {
@@ -69,6 +75,62 @@ fn paged_rollbacks_across_block_boundaries() {
             let (got, stats, _) = speculative(&target, load("qwen3_untied_q8g32", KvCacheMode::Flat), &prompt, 40, depth);
             assert_eq!(got, want, "block size {bs}, depth {depth}");
             eprintln!("paged {bs} depth {depth}: {stats:?}");
+        }
+    }
+}
+
+/// A drafter that knows the plain greedy continuation and proposes it with every third token
+/// wrong: cycles end part-way at every depth, on every cache kind (MoE and hybrid targets
+/// included), so the target rolls back part of each cycle.
+struct Oracle {
+    prompt_len: usize,
+    truth: Vec<u32>,
+    vocab: usize,
+}
+
+impl mlx_speculative::Drafter for Oracle {
+    fn propose(&mut self, history: &[u32], k: usize, _: &sampling::SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
+        let at = history.len() - self.prompt_len;
+        let tokens = (at..at + k).map(|i| self.truth.get(i).map_or(0, |&t| if i % 3 == 2 { (t + 1) % self.vocab as u32 } else { t })).collect();
+        Ok(mlx_speculative::Draft { tokens, logprobs: None })
+    }
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn default_depth(&self) -> usize {
+        3
+    }
+}
+
+#[test]
+fn partial_acceptance_rolls_back_every_cache_kind() {
+    let mut rng = Rng(5);
+    for (t, kv) in [
+        ("qwen3", paged(4)),
+        ("qwen3_5", KvCacheMode::Flat),
+        ("qwen3_5_moe", KvCacheMode::Flat),
+        ("lfm2", KvCacheMode::Flat),
+        ("gemma3_text", KvCacheMode::Flat),
+        ("gemma4_text", KvCacheMode::Flat),
+    ] {
+        let target = load(t, kv.clone());
+        let prompt = gapped_prompt(&target, &mut rng, 20, 30);
+        // the truth continues past the comparison so the last cycle's drafts are right too
+        let truth = plain_greedy(&target, &prompt, 40);
+        for depth in [1, 2, 4] {
+            let oracle = Oracle { prompt_len: prompt.len() + 1, truth: truth[1..].to_vec(), vocab: target.info().vocab_size };
+            let mut spec = SpeculativeDecoder::new(Box::new(oracle), Some(depth));
+            let mut cache = target.new_cache();
+            let cfg = GenerateConfig { max_new_tokens: 30, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() };
+            let mut gen = generate(&target, &mut cache, &prompt, cfg).unwrap().with_speculator(&mut spec);
+            let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+            let st = gen.performance().speculative.unwrap();
+            drop(gen);
+            assert_eq!(got, truth[..30], "target {t} {kv:?}, depth {depth}");
+            if depth > 2 {
+                assert!(st.accepted_mean > 0.0 && st.accepted_mean < st.depth_mean, "{t} depth {depth}: partial acceptance expected, {st:?}");
+            }
+            assert_eq!(cache.offset(), prompt.len() + 30);
         }
     }
 }
