@@ -28,9 +28,11 @@
 //! ```
 mod decoder;
 mod drafter;
+mod load;
 mod tracked;
 pub mod verify;
 
 pub use decoder::{Depth, SpeculativeDecoder};
 pub use drafter::{Draft, DraftModel, Drafter, Feedback};
+pub use load::{draft_kind, embedded_draft_dir, load_drafter, DraftKind};
 pub use verify::Verdict;
