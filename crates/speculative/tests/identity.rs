@@ -112,6 +112,8 @@ fn partial_acceptance_rolls_back_every_cache_kind() {
         ("lfm2", KvCacheMode::Flat),
         ("gemma3_text", KvCacheMode::Flat),
         ("gemma4_text", KvCacheMode::Flat),
+        ("gemma4_text", paged(4)),
+        ("qwen3_5", paged(4)),
     ] {
         let target = load(t, kv.clone());
         let prompt = gapped_prompt(&target, &mut rng, 20, 30);
