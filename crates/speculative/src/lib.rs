@@ -29,10 +29,12 @@
 mod decoder;
 mod drafter;
 mod load;
+mod mtp;
 mod tracked;
 pub mod verify;
 
 pub use decoder::{Depth, SpeculativeDecoder};
 pub use drafter::{Draft, DraftModel, Drafter, Feedback};
+pub use mtp::MtpDrafter;
 pub use load::{draft_kind, embedded_draft_dir, load_drafter, DraftKind};
 pub use verify::Verdict;
