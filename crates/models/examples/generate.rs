@@ -7,7 +7,8 @@
 //! ```
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
 //! `--draft-model DIR [--draft-tokens K]` decodes speculatively (mlx-speculative; the draft's
-//! kind is read from its config.json) and the JSON object gains `"speculative": {"cycles",
+//! kind is read from its config.json), `--mtp [--mtp-depth D]` with the model's own MTP head
+//! (Qwen3.5; depth 3 unless given), and the JSON object gains `"speculative": {"cycles",
 //! "accepted_mean", "acceptance_by_position", "depth_mean"}` (`accepted_mean`: accepted draft
 //! tokens per cycle, the target's own token not counted).
 use clap::Parser;
@@ -57,6 +58,13 @@ struct Cli {
     /// Draft tokens per cycle (default: the drafter's; 3 for a draft model).
     #[arg(long, requires = "draft_model", value_parser = clap::value_parser!(u64).range(1..=64))]
     draft_tokens: Option<u64>,
+    /// Decode speculatively with the model's multi-token-prediction head (Qwen3.5 checkpoints
+    /// with MTP weights).
+    #[arg(long, conflicts_with = "draft_model")]
+    mtp: bool,
+    /// MTP drafts per cycle (default 3).
+    #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
+    mtp_depth: Option<u64>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -88,9 +96,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let opts = LoadOptions { quantized, kv_cache, ..Default::default() };
     let model = load_model(dir, &opts)?.into_lm()?;
-    let mut spec = match &cli.draft_model {
-        Some(d) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter(d, &opts)?, cli.draft_tokens.map(|k| k as usize))),
-        None => None,
+    let mut spec = match (&cli.draft_model, cli.mtp) {
+        (Some(d), _) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter(d, &opts)?, cli.draft_tokens.map(|k| k as usize))),
+        (None, true) => Some(mlx_speculative::SpeculativeDecoder::new(Box::new(mlx_speculative::MtpDrafter::new(model.clone())?), cli.mtp_depth.map(|k| k as usize))),
+        (None, false) => None,
     };
     // The chat template only for --chat; a plain --prompt needs just the tokenizer.
     let format = if cli.chat { Some(ChatFormat::from_dir(dir)?) } else { None };
