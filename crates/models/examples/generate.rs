@@ -8,7 +8,7 @@
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
 //! `--draft-model DIR [--draft-tokens K]` decodes speculatively (mlx-speculative; the draft's
 //! kind is read from its config.json), `--mtp [--mtp-depth D]` with the model's own MTP head
-//! (Qwen3.5; depth 3 unless given), and the JSON object gains `"speculative": {"cycles",
+//! (Qwen3.5; a fixed depth when given, else adaptive up to 5), and the JSON object gains `"speculative": {"cycles",
 //! "accepted_mean", "acceptance_by_position", "depth_mean"}` (`accepted_mean`: accepted draft
 //! tokens per cycle, the target's own token not counted).
 use clap::Parser;
@@ -62,7 +62,7 @@ struct Cli {
     /// with MTP weights).
     #[arg(long, conflicts_with = "draft_model")]
     mtp: bool,
-    /// MTP drafts per cycle (default 3).
+    /// MTP drafts per cycle (default: adaptive, up to 5).
     #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
     mtp_depth: Option<u64>,
 }
@@ -98,7 +98,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let model = load_model(dir, &opts)?.into_lm()?;
     let mut spec = match (&cli.draft_model, cli.mtp) {
         (Some(d), _) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter(d, &opts)?, cli.draft_tokens.map(|k| k as usize))),
-        (None, true) => Some(mlx_speculative::SpeculativeDecoder::new(Box::new(mlx_speculative::MtpDrafter::new(model.clone())?), cli.mtp_depth.map(|k| k as usize))),
+        (None, true) => {
+            let d = Box::new(mlx_speculative::MtpDrafter::new(model.clone())?);
+            Some(match cli.mtp_depth {
+                Some(k) => mlx_speculative::SpeculativeDecoder::new(d, Some(k as usize)),
+                None => mlx_speculative::SpeculativeDecoder::adaptive(d, Some(5)),
+            })
+        }
         (None, false) => None,
     };
     // The chat template only for --chat; a plain --prompt needs just the tokenizer.

@@ -89,7 +89,8 @@ pub struct Performance {
 /// Counters of speculative decoding over one generation.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct SpeculativeStats {
-    /// Draft-and-verify cycles (one target forward call each).
+    /// Cycles: one target forward call each (drafts verified, or a plain step when none were
+    /// drafted, which counts as depth 0).
     pub cycles: usize,
     /// Accepted draft tokens per cycle (the target's own token of each cycle not counted).
     pub accepted_mean: f64,

@@ -7,6 +7,7 @@ Greedy (temperature 0) decoding of the same prompt ids:
   * mlx-lm: `generate_step` and `speculative_generate_step` (`num_draft_tokens` = K), timed over
     the decode after the first token; acceptance from the `from_draft` flags.
 
+Timings are wall-clock on whatever else the machine is running: run it on an idle machine.
 Usage (the SmolLM2 pair: the f32 checkpoint the chat example converts, and its 4-bit
 quantization by `convert quantize`):
   python3 crates/speculative/benches/draft_pair.py --target ~/.cache/mlx-models/SmolLM2-135M-Instruct \
@@ -69,11 +70,17 @@ def main():
     ap.add_argument("--draft", required=True)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, default=3)
-    ap.add_argument("--prompt-ids", default="1,504,3458,282,4649,314,2052,30,198,504,3458,282,4649,314")
+    ap.add_argument("--prompt", default="Write a short story about a robot who learns to paint. Once upon a time,")
+    ap.add_argument("--prompt-ids", help="comma-separated ids instead of --prompt (needed with --no-mlx-lm)")
     ap.add_argument("--exe", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "examples", "generate"))
     ap.add_argument("--no-mlx-lm", action="store_true")
     a = ap.parse_args()
-    prompt = [int(x) for x in a.prompt_ids.split(",")]
+    if a.prompt_ids:
+        prompt = [int(x) for x in a.prompt_ids.split(",")]
+    else:
+        from mlx_lm import load
+        _, tok = load(a.target)
+        prompt = tok.encode(a.prompt)
     plain = ours(a.exe, a.target, None, prompt, a.tokens, a.draft_tokens)
     spec = ours(a.exe, a.target, a.draft, prompt, a.tokens, a.draft_tokens)
     report = {

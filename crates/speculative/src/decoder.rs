@@ -17,6 +17,7 @@ struct Counters {
 }
 
 impl Counters {
+    /// One cycle: `drafted` proposals (0: a plain step), `accepted` of them kept.
     fn record(&mut self, drafted: usize, accepted: usize) {
         self.cycles += 1;
         self.drafted += drafted;
@@ -46,6 +47,8 @@ impl Counters {
 pub enum Depth {
     /// The same number every cycle (0: plain decoding through the verifier).
     Fixed(usize),
+    /// Chosen each cycle by [`crate::Adaptive`], from 0 (plain decoding) to the given maximum.
+    Adaptive(usize),
 }
 
 /// Speculative decoding with one drafter; give it to [`mlx_models::Generator::with_speculator`]
@@ -53,6 +56,7 @@ pub enum Depth {
 pub struct SpeculativeDecoder {
     drafter: Box<dyn Drafter>,
     depth: Depth,
+    policy: Option<crate::Adaptive>,
     target: Option<Tracked>,
     key: Option<(Option<u64>, Key)>,
     counters: Counters,
@@ -62,7 +66,14 @@ impl SpeculativeDecoder {
     /// `depth`: proposals per cycle; `None` = the drafter's default.
     pub fn new(drafter: Box<dyn Drafter>, depth: Option<usize>) -> Self {
         let depth = Depth::Fixed(depth.unwrap_or_else(|| drafter.default_depth()));
-        SpeculativeDecoder { drafter, depth, target: None, key: None, counters: Counters::default() }
+        SpeculativeDecoder { drafter, depth, policy: None, target: None, key: None, counters: Counters::default() }
+    }
+
+    /// Adaptive depth ([`crate::Adaptive`]) up to `max` drafts per cycle (`None`: the drafter's
+    /// default depth).
+    pub fn adaptive(drafter: Box<dyn Drafter>, max: Option<usize>) -> Self {
+        let max = max.unwrap_or_else(|| drafter.default_depth()).max(1);
+        SpeculativeDecoder { drafter, depth: Depth::Adaptive(max), policy: None, target: None, key: None, counters: Counters::default() }
     }
 
     pub fn depth(&self) -> Depth {
@@ -96,6 +107,10 @@ impl SpeculativeDecoder {
 impl Speculator for SpeculativeDecoder {
     fn start(&mut self) {
         self.target = None;
+        self.policy = match self.depth {
+            Depth::Adaptive(max) => Some(crate::Adaptive::new(max)),
+            Depth::Fixed(_) => None,
+        };
         self.counters = Counters::default();
     }
 
@@ -117,11 +132,21 @@ impl Speculator for SpeculativeDecoder {
         // The cache holds `before` (the generator's invariant when this tracking starts).
         let tracked = self.target.get_or_insert_with(|| Tracked::new(before.to_vec()));
         tracked.sync(model, cache, before, None)?;
-        let Depth::Fixed(depth) = self.depth;
+        let clock = std::time::Instant::now();
+        let depth = match (&mut self.policy, self.depth) {
+            (Some(p), _) => p.next_depth(),
+            (None, Depth::Fixed(d)) => d,
+            (None, Depth::Adaptive(d)) => d,
+        };
         let k = depth.min(max - 1);
         let draft = if k == 0 { None } else { Some(self.drafter.propose(history, k, &cfg)?) };
         let Some(draft) = draft.filter(|d| !d.tokens.is_empty()) else {
-            return self.plain_step(model, cache, history, sampler);
+            let out = self.plain_step(model, cache, history, sampler)?;
+            self.counters.record(0, 0);
+            if let Some(p) = &mut self.policy {
+                p.observe(0, 0, clock.elapsed().as_secs_f64());
+            }
+            return Ok(out);
         };
         let drafts = &draft.tokens;
         let k = drafts.len();
@@ -129,6 +154,7 @@ impl Speculator for SpeculativeDecoder {
         let valid = drafts.iter().take_while(|&&d| (d as usize) < vocab).count();
         let drafts = &drafts[..valid];
         if drafts.is_empty() {
+            self.counters.record(0, 0);
             return self.plain_step(model, cache, history, sampler);
         }
         let tracked = self.target.as_mut().expect("set above");
@@ -164,6 +190,9 @@ impl Speculator for SpeculativeDecoder {
         let next = verdict.tokens[n].id;
         self.drafter.feedback(&Feedback { history, drafts, accepted: n, next, hidden: out.hidden.as_ref() })?;
         self.counters.record(k, n);
+        if let Some(p) = &mut self.policy {
+            p.observe(k, n, clock.elapsed().as_secs_f64());
+        }
         Ok(verdict.tokens)
     }
 

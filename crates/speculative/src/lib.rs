@@ -26,6 +26,7 @@
 //! println!("{:?}", gen.performance().speculative);
 //! # Ok(()) }
 //! ```
+mod adaptive;
 mod decoder;
 mod drafter;
 mod load;
@@ -33,6 +34,7 @@ mod mtp;
 mod tracked;
 pub mod verify;
 
+pub use adaptive::Adaptive;
 pub use decoder::{Depth, SpeculativeDecoder};
 pub use drafter::{Draft, DraftModel, Drafter, Feedback};
 pub use mtp::MtpDrafter;

@@ -121,3 +121,23 @@ fn drafter_kinds_from_config() {
     assert!(load_drafter(&fixture("qwen3"), &LoadOptions::default()).is_ok());
     assert!(draft_kind(&fixture("does-not-exist")).is_err());
 }
+
+/// Adaptive depth: with a draft that never agrees the policy falls back to plain steps (depth
+/// 0) after exploring; the output stays the plain greedy output.
+#[test]
+fn adaptive_depth_turns_a_useless_draft_off() {
+    let target = load("qwen3", KvCacheMode::Flat);
+    let mut rng = Rng(8);
+    let prompt = gapped_prompt(&target, &mut rng, 10, 48);
+    let want = plain_greedy(&target, &prompt, 48);
+    let mut spec = SpeculativeDecoder::adaptive(Box::new(DraftModel::new(load("qwen3_untied", KvCacheMode::Flat))), Some(6));
+    let mut cache = target.new_cache();
+    let mut gen = generate(&target, &mut cache, &prompt, cfg(48, vec![])).unwrap().with_speculator(&mut spec);
+    let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+    let st = gen.performance().speculative.unwrap();
+    drop(gen);
+    assert_eq!(got, want);
+    eprintln!("adaptive, useless draft: {st:?}");
+    assert_eq!(st.accepted_mean, 0.0);
+    assert!(st.depth_mean < 1.5, "mean depth {} (max 6)", st.depth_mean);
+}
