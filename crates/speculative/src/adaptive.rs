@@ -37,7 +37,14 @@ impl Adaptive {
 
     pub fn new(max: usize) -> Self {
         let max = max.max(1);
-        Adaptive { max, depth: max, time: vec![None; max + 1], accept: vec![0.5; max], cycles: 0, probe_up: false }
+        Adaptive {
+            max,
+            depth: max,
+            time: vec![None; max + 1],
+            accept: vec![0.5; max],
+            cycles: 0,
+            probe_up: false,
+        }
     }
 
     /// The depth the policy currently settles on (probes aside).
@@ -57,12 +64,20 @@ impl Adaptive {
 
     /// Expected tokens per second at depth `d`, once measured.
     pub fn rate(&self, d: usize) -> Option<f64> {
-        self.time.get(d).copied().flatten().map(|t| (1.0 + self.expected_accepted(d)) / t.max(1e-9))
+        self.time
+            .get(d)
+            .copied()
+            .flatten()
+            .map(|t| (1.0 + self.expected_accepted(d)) / t.max(1e-9))
     }
 
     fn score(&self, d: usize) -> f64 {
         let r = self.rate(d).unwrap_or(0.0);
-        if d == 0 { r * Self::MARGIN } else { r }
+        if d == 0 {
+            r * Self::MARGIN
+        } else {
+            r
+        }
     }
 
     /// The depth of the next cycle.
@@ -77,13 +92,25 @@ impl Adaptive {
         let (lo, hi) = (self.depth.saturating_sub(1), (self.depth + 1).min(self.max));
         if self.cycles.is_multiple_of(Self::PROBE) {
             self.probe_up = !self.probe_up;
-            let n = if (self.probe_up && hi != self.depth) || lo == self.depth { hi } else { lo };
+            let n = if (self.probe_up && hi != self.depth) || lo == self.depth {
+                hi
+            } else {
+                lo
+            };
             return n;
         }
         if let Some(d) = [lo, hi].into_iter().find(|&d| self.time[d].is_none()) {
             return d;
         }
-        self.depth = [lo, self.depth, hi].into_iter().fold(self.depth, |best, d| if self.score(d) > self.score(best) { d } else { best });
+        self.depth = [lo, self.depth, hi]
+            .into_iter()
+            .fold(self.depth, |best, d| {
+                if self.score(d) > self.score(best) {
+                    d
+                } else {
+                    best
+                }
+            });
         self.depth
     }
 
@@ -113,7 +140,11 @@ mod tests {
         for _ in 0..n {
             let d = a.next_depth();
             total_depth += d;
-            let t = if d == 0 { plain } else { base + d as f64 * per_draft };
+            let t = if d == 0 {
+                plain
+            } else {
+                base + d as f64 * per_draft
+            };
             // expected accepted count rounded: p^1 + ... as the run length of a geometric draw
             let accepted = (0..d).take_while(|i| p.powi(*i as i32 + 1) >= 0.5).count();
             a.observe(d, accepted, t);

@@ -32,11 +32,21 @@ impl Counters {
     }
 
     fn stats(&self) -> SpeculativeStats {
-        let per = |x: usize| if self.cycles == 0 { 0.0 } else { x as f64 / self.cycles as f64 };
+        let per = |x: usize| {
+            if self.cycles == 0 {
+                0.0
+            } else {
+                x as f64 / self.cycles as f64
+            }
+        };
         SpeculativeStats {
             cycles: self.cycles,
             accepted_mean: per(self.accepted),
-            acceptance_by_position: self.by_position.iter().map(|&(d, a)| a as f64 / d.max(1) as f64).collect(),
+            acceptance_by_position: self
+                .by_position
+                .iter()
+                .map(|&(d, a)| a as f64 / d.max(1) as f64)
+                .collect(),
             depth_mean: per(self.drafted),
         }
     }
@@ -66,14 +76,28 @@ impl SpeculativeDecoder {
     /// `depth`: proposals per cycle; `None` = the drafter's default.
     pub fn new(drafter: Box<dyn Drafter>, depth: Option<usize>) -> Self {
         let depth = Depth::Fixed(depth.unwrap_or_else(|| drafter.default_depth()));
-        SpeculativeDecoder { drafter, depth, policy: None, target: None, key: None, counters: Counters::default() }
+        SpeculativeDecoder {
+            drafter,
+            depth,
+            policy: None,
+            target: None,
+            key: None,
+            counters: Counters::default(),
+        }
     }
 
     /// Adaptive depth ([`crate::Adaptive`]) up to `max` drafts per cycle (`None`: the drafter's
     /// default depth).
     pub fn adaptive(drafter: Box<dyn Drafter>, max: Option<usize>) -> Self {
         let max = max.unwrap_or_else(|| drafter.default_depth()).max(1);
-        SpeculativeDecoder { drafter, depth: Depth::Adaptive(max), policy: None, target: None, key: None, counters: Counters::default() }
+        SpeculativeDecoder {
+            drafter,
+            depth: Depth::Adaptive(max),
+            policy: None,
+            target: None,
+            key: None,
+            counters: Counters::default(),
+        }
     }
 
     pub fn depth(&self) -> Depth {
@@ -88,18 +112,33 @@ impl SpeculativeDecoder {
     }
 
     /// No drafts this cycle: one plain step through the target.
-    fn plain_step(&mut self, model: &Model, cache: &mut Cache, history: &[u32], sampler: &Sampler) -> Result<Vec<Token>> {
+    fn plain_step(
+        &mut self,
+        model: &Model,
+        cache: &mut Cache,
+        history: &[u32],
+        sampler: &Sampler,
+    ) -> Result<Vec<Token>> {
         let last = history[history.len() - 1];
         let out = forward(model, cache, &row(&[last])?, Logits::Last, false)?;
-        let logits = out.logits.ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?.reshape(&[1, -1])?;
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?
+            .reshape(&[1, -1])?;
         cache.async_eval_with(&[&logits])?;
         if let Some(t) = self.target.as_mut() {
             t.tokens.push(last);
         }
         let rows: [&[u32]; 1] = [history];
-        let lp = sampler.distribution(&logits, &rows).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let lp = sampler
+            .distribution(&logits, &rows)
+            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
         let cfg = sampler.config().clone();
-        let v = if cfg.is_greedy() { verify_greedy(&lp, &[])? } else { verify_sampled(&lp, &lp.slice_axis(0, 0, 0)?, &[], self.key(&cfg)?)? };
+        let v = if cfg.is_greedy() {
+            verify_greedy(&lp, &[])?
+        } else {
+            verify_sampled(&lp, &lp.slice_axis(0, 0, 0)?, &[], self.key(&cfg)?)?
+        };
         Ok(v.tokens)
     }
 }
@@ -114,12 +153,23 @@ impl Speculator for SpeculativeDecoder {
         self.counters = Counters::default();
     }
 
-    fn cycle(&mut self, model: &Model, cache: &mut Cache, history: &[u32], sampler: &mut Sampler, max: usize) -> Result<Vec<Token>> {
+    fn cycle(
+        &mut self,
+        model: &Model,
+        cache: &mut Cache,
+        history: &[u32],
+        sampler: &mut Sampler,
+        max: usize,
+    ) -> Result<Vec<Token>> {
         let Some((&last, before)) = history.split_last() else {
-            return Err(ModelError::InvalidInput("a speculative cycle needs a non-empty history".into()));
+            return Err(ModelError::InvalidInput(
+                "a speculative cycle needs a non-empty history".into(),
+            ));
         };
         if max == 0 {
-            return Err(ModelError::InvalidInput("a speculative cycle must produce at least one token".into()));
+            return Err(ModelError::InvalidInput(
+                "a speculative cycle must produce at least one token".into(),
+            ));
         }
         let cfg = sampler.config().clone();
         let vocab = model.info().vocab_size;
@@ -130,7 +180,9 @@ impl Speculator for SpeculativeDecoder {
             )));
         }
         // The cache holds `before` (the generator's invariant when this tracking starts).
-        let tracked = self.target.get_or_insert_with(|| Tracked::new(before.to_vec()));
+        let tracked = self
+            .target
+            .get_or_insert_with(|| Tracked::new(before.to_vec()));
         tracked.sync(model, cache, before, None)?;
         let clock = std::time::Instant::now();
         let depth = match (&mut self.policy, self.depth) {
@@ -139,7 +191,11 @@ impl Speculator for SpeculativeDecoder {
             (None, Depth::Adaptive(d)) => d,
         };
         let k = depth.min(max - 1);
-        let draft = if k == 0 { None } else { Some(self.drafter.propose(history, k, &cfg)?) };
+        let draft = if k == 0 {
+            None
+        } else {
+            Some(self.drafter.propose(history, k, &cfg)?)
+        };
         let Some(draft) = draft.filter(|d| !d.tokens.is_empty()) else {
             let out = self.plain_step(model, cache, history, sampler)?;
             self.counters.record(0, 0);
@@ -164,22 +220,32 @@ impl Speculator for SpeculativeDecoder {
         seq.extend_from_slice(drafts);
         let hidden = self.drafter.wants_target_hidden();
         let out = forward(model, cache, &row(&seq)?, Logits::All, hidden)?;
-        let logits = out.logits.ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?;
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?;
         let logits = logits.reshape(&[seq.len() as i32, -1])?;
         cache.async_eval_with(&[&logits])?;
         tracked.tokens.extend_from_slice(&seq);
         // row i: the history plus the first i drafts (the penalties see them)
         let hists: Vec<Vec<u32>> = if reads_history(&cfg) {
-            (0..seq.len()).map(|i| history.iter().chain(&drafts[..i]).copied().collect()).collect()
+            (0..seq.len())
+                .map(|i| history.iter().chain(&drafts[..i]).copied().collect())
+                .collect()
         } else {
             Vec::new()
         };
         let rows: Vec<&[u32]> = hists.iter().map(Vec::as_slice).collect();
-        let lp = sampler.distribution(&logits, &rows).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let lp = sampler
+            .distribution(&logits, &rows)
+            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
         let verdict: Verdict = if cfg.is_greedy() {
             verify_greedy(&lp, drafts)?
         } else {
-            let q = draft.logprobs.as_ref().ok_or_else(|| ModelError::InvalidInput("the drafter gave no draft distribution at temperature > 0".into()))?;
+            let q = draft.logprobs.as_ref().ok_or_else(|| {
+                ModelError::InvalidInput(
+                    "the drafter gave no draft distribution at temperature > 0".into(),
+                )
+            })?;
             let q = q.slice_axis(0, 0, drafts.len())?;
             verify_sampled(&lp, &q, drafts, self.key(&cfg)?)?
         };
@@ -188,7 +254,13 @@ impl Speculator for SpeculativeDecoder {
         let keep: Vec<u32> = history.iter().chain(&drafts[..n]).copied().collect();
         tracked.sync(model, cache, &keep, None)?;
         let next = verdict.tokens[n].id;
-        self.drafter.feedback(&Feedback { history, drafts, accepted: n, next, hidden: out.hidden.as_ref() })?;
+        self.drafter.feedback(&Feedback {
+            history,
+            drafts,
+            accepted: n,
+            next,
+            hidden: out.hidden.as_ref(),
+        })?;
         self.counters.record(k, n);
         if let Some(p) = &mut self.policy {
             p.observe(k, n, clock.elapsed().as_secs_f64());
@@ -197,8 +269,12 @@ impl Speculator for SpeculativeDecoder {
     }
 
     fn settle(&mut self, model: &Model, cache: &mut Cache, history: &[u32]) -> Result<()> {
-        let Some((_, before)) = history.split_last() else { return Ok(()) };
-        let tracked = self.target.get_or_insert_with(|| Tracked::new(before.to_vec()));
+        let Some((_, before)) = history.split_last() else {
+            return Ok(());
+        };
+        let tracked = self
+            .target
+            .get_or_insert_with(|| Tracked::new(before.to_vec()));
         tracked.sync(model, cache, history, None)?;
         cache.eval_with(&[])
     }
@@ -207,4 +283,3 @@ impl Speculator for SpeculativeDecoder {
         self.counters.stats()
     }
 }
-

@@ -56,12 +56,20 @@ pub(crate) fn reads_history(cfg: &SamplingConfig) -> bool {
 
 /// A sampler for `cfg` (its seed only matters for [`Sampler::sample`], unused here).
 pub(crate) fn sampler_for(cfg: &SamplingConfig) -> Result<Sampler> {
-    Sampler::new(SamplingConfig { seed: Some(0), ..cfg.clone() }).map_err(|e| ModelError::InvalidInput(e.to_string()))
+    Sampler::new(SamplingConfig {
+        seed: Some(0),
+        ..cfg.clone()
+    })
+    .map_err(|e| ModelError::InvalidInput(e.to_string()))
 }
 
 /// A key seeded from `cfg.seed` mixed with `salt` (the clock when unseeded).
 pub(crate) fn key_for(cfg: &SamplingConfig, salt: u64) -> Result<Key> {
-    let seed = cfg.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+    let seed = cfg.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
     Ok(Key::new(seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))?)
 }
 
@@ -81,7 +89,13 @@ impl DraftModel {
 
     pub fn new(model: Model) -> Self {
         let cache = model.new_cache();
-        DraftModel { model, cache, tracked: Tracked::new(Vec::new()), key: None, depth: Self::DEFAULT_DEPTH }
+        DraftModel {
+            model,
+            cache,
+            tracked: Tracked::new(Vec::new()),
+            key: None,
+            depth: Self::DEFAULT_DEPTH,
+        }
     }
 
     pub fn model(&self) -> &Model {
@@ -99,18 +113,26 @@ impl DraftModel {
 impl Drafter for DraftModel {
     fn propose(&mut self, history: &[u32], k: usize, cfg: &SamplingConfig) -> Result<Draft> {
         let Some((&last, before)) = history.split_last() else {
-            return Err(ModelError::InvalidInput("drafting needs a non-empty history".into()));
+            return Err(ModelError::InvalidInput(
+                "drafting needs a non-empty history".into(),
+            ));
         };
         if k == 0 {
-            return Ok(Draft { tokens: Vec::new(), logprobs: None });
+            return Ok(Draft {
+                tokens: Vec::new(),
+                logprobs: None,
+            });
         }
         let vocab = self.model.info().vocab_size;
         if let Some(&t) = history.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::InvalidInput(format!("token {t} is outside the draft model's vocabulary of {vocab}")));
+            return Err(ModelError::InvalidInput(format!(
+                "token {t} is outside the draft model's vocabulary of {vocab}"
+            )));
         }
         let model = self.model.clone();
         let fresh = || model.new_cache();
-        self.tracked.sync(&self.model, &mut self.cache, before, Some(&fresh))?;
+        self.tracked
+            .sync(&self.model, &mut self.cache, before, Some(&fresh))?;
         self.tracked.snapshot(&self.cache);
         let sampler = sampler_for(cfg)?;
         let greedy = cfg.is_greedy();
@@ -121,10 +143,20 @@ impl Drafter for DraftModel {
         let mut cur = Array::from_slice(&[last], &[1, 1])?;
         for i in 0..k {
             let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
-            let logits = out.logits.ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?.reshape(&[1, -1])?;
+            let logits = out
+                .logits
+                .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
+                .reshape(&[1, -1])?;
             let rows: [&[u32]; 1] = [&hist];
-            let lp = sampler.distribution(&logits, if host { &rows } else { &[] }).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-            let t = if greedy { lp.argmax(-1, false)? } else { categorical(&lp, -1, &split(self.key(cfg)?)?)? }.astype(DType::U32)?;
+            let lp = sampler
+                .distribution(&logits, if host { &rows } else { &[] })
+                .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+            let t = if greedy {
+                lp.argmax(-1, false)?
+            } else {
+                categorical(&lp, -1, &split(self.key(cfg)?)?)?
+            }
+            .astype(DType::U32)?;
             if host {
                 hist.push(t.to_vec::<u32>()?[0]);
             }
@@ -139,7 +171,11 @@ impl Drafter for DraftModel {
             }
         }
         let tokens = concatenate(&toks.iter().collect::<Vec<_>>(), 0)?;
-        let logprobs = if greedy { None } else { Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?) };
+        let logprobs = if greedy {
+            None
+        } else {
+            Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?)
+        };
         let mut outs = vec![&tokens];
         outs.extend(logprobs.iter());
         mlx_array::eval(&outs)?;

@@ -37,6 +37,6 @@ pub mod verify;
 pub use adaptive::Adaptive;
 pub use decoder::{Depth, SpeculativeDecoder};
 pub use drafter::{Draft, DraftModel, Drafter, Feedback};
-pub use mtp::MtpDrafter;
 pub use load::{draft_kind, embedded_draft_dir, load_drafter, DraftKind};
+pub use mtp::MtpDrafter;
 pub use verify::Verdict;

@@ -30,18 +30,29 @@ impl DraftKind {
 /// The kind of the draft checkpoint in `dir`.
 pub fn draft_kind(dir: &Path) -> Result<DraftKind> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|_| ModelError::ConfigNotFound(dir.to_path_buf()))?;
-    let raw: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::MalformedConfig { path: dir.to_path_buf(), reason: e.to_string() })?;
-    let archs: Vec<&str> = raw.get("architectures").and_then(|a| a.as_array()).map(|a| a.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
-    Ok(if raw.get("model_type").and_then(|m| m.as_str()) == Some("gemma4_assistant") {
-        DraftKind::Gemma4Assistant
-    } else if archs.iter().any(|a| a.contains("DSpark")) {
-        DraftKind::DSpark
-    } else if archs.iter().any(|a| a.contains("DFlash")) || raw.get("dflash_config").is_some() {
-        DraftKind::DFlash
-    } else {
-        DraftKind::Model
-    })
+    let text = std::fs::read_to_string(&path)
+        .map_err(|_| ModelError::ConfigNotFound(dir.to_path_buf()))?;
+    let raw: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::MalformedConfig {
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    let archs: Vec<&str> = raw
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    Ok(
+        if raw.get("model_type").and_then(|m| m.as_str()) == Some("gemma4_assistant") {
+            DraftKind::Gemma4Assistant
+        } else if archs.iter().any(|a| a.contains("DSpark")) {
+            DraftKind::DSpark
+        } else if archs.iter().any(|a| a.contains("DFlash")) || raw.get("dflash_config").is_some() {
+            DraftKind::DFlash
+        } else {
+            DraftKind::Model
+        },
+    )
 }
 
 /// `<target>/draft/` when it holds a checkpoint (a draft shipped inside the target's directory).
@@ -55,9 +66,18 @@ pub fn embedded_draft_dir(target: &Path) -> Option<PathBuf> {
 pub fn load_drafter(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Drafter>> {
     match draft_kind(dir)? {
         DraftKind::Model => {
-            let opts = LoadOptions { kv_cache: KvCacheMode::Flat, ..opts.clone() };
-            Ok(Box::new(DraftModel::new(load_model(dir, &opts)?.into_lm()?)))
+            let opts = LoadOptions {
+                kv_cache: KvCacheMode::Flat,
+                ..opts.clone()
+            };
+            Ok(Box::new(DraftModel::new(
+                load_model(dir, &opts)?.into_lm()?,
+            )))
         }
-        k => Err(ModelError::UnsupportedOption(format!("{}: {} drafts are not implemented (plain draft models are)", dir.display(), k.as_str()))),
+        k => Err(ModelError::UnsupportedOption(format!(
+            "{}: {} drafts are not implemented (plain draft models are)",
+            dir.display(),
+            k.as_str()
+        ))),
     }
 }

@@ -39,23 +39,43 @@ impl MtpDrafter {
             return Err(ModelError::UnsupportedOption(format!(
                 "MTP drafting needs a model with one MTP layer; {} has {layers}{}",
                 target.dir().display(),
-                if target.has_mtp_weights() { " usable (its MTP tensors did not build: see the load notes)" } else { "" }
+                if target.has_mtp_weights() {
+                    " usable (its MTP tensors did not build: see the load notes)"
+                } else {
+                    ""
+                }
             )));
         }
-        let spec = target.with_runtime(|rt| rt.mtp_cache_spec()).ok_or_else(|| ModelError::UnsupportedOption("no MTP cache layout".into()))?;
-        Ok(MtpDrafter { cache: Cache::new(&spec), target, known: Vec::new(), verified: 0, pending: None, drafted: 0, key: None, depth: Self::DEFAULT_DEPTH })
+        let spec = target
+            .with_runtime(|rt| rt.mtp_cache_spec())
+            .ok_or_else(|| ModelError::UnsupportedOption("no MTP cache layout".into()))?;
+        Ok(MtpDrafter {
+            cache: Cache::new(&spec),
+            target,
+            known: Vec::new(),
+            verified: 0,
+            pending: None,
+            drafted: 0,
+            key: None,
+            depth: Self::DEFAULT_DEPTH,
+        })
     }
 
     /// Start over on `history`: the target's hidden states over all of it but the last token.
     fn resync(&mut self, history: &[u32]) -> Result<()> {
-        let spec = self.target.with_runtime(|rt| rt.mtp_cache_spec()).ok_or_else(|| ModelError::UnsupportedOption("no MTP cache layout".into()))?;
+        let spec = self
+            .target
+            .with_runtime(|rt| rt.mtp_cache_spec())
+            .ok_or_else(|| ModelError::UnsupportedOption("no MTP cache layout".into()))?;
         self.cache = Cache::new(&spec);
         (self.verified, self.drafted, self.pending) = (0, 0, None);
         self.known = history.to_vec();
         if history.len() > 1 {
             let mut c = Cache::new(&self.target.with_runtime(|rt| rt.cache_spec()));
             let before = &history[..history.len() - 1];
-            let out = self.target.with_runtime(|rt| rt.forward(&row(before)?, &mut c, Logits::None, true))?;
+            let out = self
+                .target
+                .with_runtime(|rt| rt.forward(&row(before)?, &mut c, Logits::None, true))?;
             self.pending = out.hidden;
         }
         Ok(())
@@ -69,16 +89,24 @@ impl MtpDrafter {
     }
 
     fn step(&mut self, tokens: &Array, hidden: &Array) -> Result<(Array, Array)> {
-        let (logits, h) = self.target.with_runtime(|rt| rt.mtp_forward(tokens, hidden, &mut self.cache, 0))?;
+        let (logits, h) = self
+            .target
+            .with_runtime(|rt| rt.mtp_forward(tokens, hidden, &mut self.cache, 0))?;
         let l = logits.dim(1)?;
-        Ok((logits.slice_axis(1, l - 1, l)?.reshape(&[1, -1])?, h.slice_axis(1, l - 1, l)?))
+        Ok((
+            logits.slice_axis(1, l - 1, l)?.reshape(&[1, -1])?,
+            h.slice_axis(1, l - 1, l)?,
+        ))
     }
 }
 
 impl Drafter for MtpDrafter {
     fn propose(&mut self, history: &[u32], k: usize, cfg: &SamplingConfig) -> Result<Draft> {
         if k == 0 || history.len() < 2 {
-            return Ok(Draft { tokens: Vec::new(), logprobs: None });
+            return Ok(Draft {
+                tokens: Vec::new(),
+                logprobs: None,
+            });
         }
         if self.known != history {
             self.resync(history)?;
@@ -88,12 +116,17 @@ impl Drafter for MtpDrafter {
             self.drafted = 0;
         }
         let Some(pending) = self.pending.take() else {
-            return Err(ModelError::Cache("MTP drafter has no target hidden states to draft from (internal error)".into()));
+            return Err(ModelError::Cache(
+                "MTP drafter has no target hidden states to draft from (internal error)".into(),
+            ));
         };
         let m = pending.dim(1)?;
         let n = history.len();
         if self.verified + m + 1 != n {
-            return Err(ModelError::Cache(format!("MTP drafter out of step: {} verified + {m} pending for a history of {n}", self.verified)));
+            return Err(ModelError::Cache(format!(
+                "MTP drafter out of step: {} verified + {m} pending for a history of {n}",
+                self.verified
+            )));
         }
         let toks = &history[self.verified + 1..];
         let (mut logits, mut h) = self.step(&row(toks)?, &pending)?;
@@ -104,8 +137,15 @@ impl Drafter for MtpDrafter {
         let (mut out, mut lps) = (Vec::with_capacity(k), Vec::with_capacity(k));
         for i in 0..k {
             let rows: [&[u32]; 1] = [&hist];
-            let lp = sampler.distribution(&logits, if host { &rows } else { &[] }).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-            let t = if greedy { lp.argmax(-1, false)? } else { categorical(&lp, -1, &split(self.key(cfg)?)?)? }.astype(DType::U32)?;
+            let lp = sampler
+                .distribution(&logits, if host { &rows } else { &[] })
+                .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+            let t = if greedy {
+                lp.argmax(-1, false)?
+            } else {
+                categorical(&lp, -1, &split(self.key(cfg)?)?)?
+            }
+            .astype(DType::U32)?;
             if host {
                 hist.push(t.to_vec::<u32>()?[0]);
             }
@@ -119,21 +159,36 @@ impl Drafter for MtpDrafter {
             out.push(t);
         }
         let tokens = concatenate(&out.iter().collect::<Vec<_>>(), 0)?;
-        let logprobs = if greedy { None } else { Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?) };
+        let logprobs = if greedy {
+            None
+        } else {
+            Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?)
+        };
         let mut outs = vec![&tokens];
         outs.extend(logprobs.iter());
         mlx_array::eval(&outs)?;
-        Ok(Draft { tokens: tokens.to_vec::<u32>()?, logprobs })
+        Ok(Draft {
+            tokens: tokens.to_vec::<u32>()?,
+            logprobs,
+        })
     }
 
     fn feedback(&mut self, f: &Feedback<'_>) -> Result<()> {
         let Some(hidden) = f.hidden else {
-            return Err(ModelError::Cache("MTP drafting needs the target's hidden states (internal error)".into()));
+            return Err(ModelError::Cache(
+                "MTP drafting needs the target's hidden states (internal error)".into(),
+            ));
         };
         // the target's hidden states at `last` and the accepted drafts pair with the accepted
         // drafts and the target's own token
         self.pending = Some(hidden.slice_axis(1, 0, f.accepted + 1)?);
-        self.known = f.history.iter().chain(&f.drafts[..f.accepted]).copied().chain(std::iter::once(f.next)).collect();
+        self.known = f
+            .history
+            .iter()
+            .chain(&f.drafts[..f.accepted])
+            .copied()
+            .chain(std::iter::once(f.next))
+            .collect();
         Ok(())
     }
 

@@ -10,7 +10,13 @@ pub(crate) struct Tracked {
 }
 
 /// One forward call without the host-side id range check (ids are checked by the callers).
-pub(crate) fn forward(model: &Model, cache: &mut Cache, toks: &Array, logits: Logits, hidden: bool) -> Result<mlx_models::ForwardOutput> {
+pub(crate) fn forward(
+    model: &Model,
+    cache: &mut Cache,
+    toks: &Array,
+    logits: Logits,
+    hidden: bool,
+) -> Result<mlx_models::ForwardOutput> {
     model.with_runtime(|rt| rt.forward(toks, cache, logits, hidden))
 }
 
@@ -31,8 +37,19 @@ impl Tracked {
     /// Make `cache` hold exactly `want`: roll back to the longest common prefix (trim when every
     /// layer can, else restore the snapshot and re-run; with `fresh`, start over when neither
     /// reaches), then feed the rest. The cache's pending writes are queued before returning.
-    pub(crate) fn sync(&mut self, model: &Model, cache: &mut Cache, want: &[u32], fresh: Option<&dyn Fn() -> Cache>) -> Result<()> {
-        let common = self.tokens.iter().zip(want).take_while(|(a, b)| a == b).count();
+    pub(crate) fn sync(
+        &mut self,
+        model: &Model,
+        cache: &mut Cache,
+        want: &[u32],
+        fresh: Option<&dyn Fn() -> Cache>,
+    ) -> Result<()> {
+        let common = self
+            .tokens
+            .iter()
+            .zip(want)
+            .take_while(|(a, b)| a == b)
+            .count();
         if common < self.tokens.len() {
             let drop = self.tokens.len() - common;
             if cache.can_trim(drop) {
@@ -47,7 +64,11 @@ impl Tracked {
             } else {
                 return Err(ModelError::Cache(format!("cannot roll back {drop} positions: the cache cannot be trimmed and no snapshot reaches back that far")));
             }
-            if self.snap.as_ref().is_some_and(|(_, at)| *at > self.tokens.len()) {
+            if self
+                .snap
+                .as_ref()
+                .is_some_and(|(_, at)| *at > self.tokens.len())
+            {
                 self.snap = None;
             }
         }

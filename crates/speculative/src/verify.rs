@@ -28,10 +28,16 @@ pub struct Verdict {
 fn check(target: &Array, drafts: &[u32]) -> Result<usize> {
     let s = target.shape();
     if s.len() != 2 || s[0] != drafts.len() + 1 {
-        return Err(ModelError::InvalidInput(format!("target distributions {s:?} for {} drafts (want [k + 1, V])", drafts.len())));
+        return Err(ModelError::InvalidInput(format!(
+            "target distributions {s:?} for {} drafts (want [k + 1, V])",
+            drafts.len()
+        )));
     }
     if let Some(d) = drafts.iter().find(|&&d| d as usize >= s[1]) {
-        return Err(ModelError::InvalidInput(format!("draft token {d} outside the target's vocabulary of {}", s[1])));
+        return Err(ModelError::InvalidInput(format!(
+            "draft token {d} outside the target's vocabulary of {}",
+            s[1]
+        )));
     }
     Ok(s[1])
 }
@@ -46,22 +52,40 @@ fn pick(x: &Array, ids: &[u32]) -> Result<Array> {
 pub fn verify_greedy(target: &Array, drafts: &[u32]) -> Result<Verdict> {
     let k = drafts.len();
     check(target, drafts)?;
-    let best = target.argmax(-1, false)?.astype(DType::U32)?.to_vec::<u32>()?;
+    let best = target
+        .argmax(-1, false)?
+        .astype(DType::U32)?
+        .to_vec::<u32>()?;
     let n = drafts.iter().zip(&best).take_while(|(d, b)| d == b).count();
     let mut ids = drafts[..n].to_vec();
     ids.push(best[n]);
     let lp = pick(&target.slice_axis(0, 0, n + 1)?, &ids)?.to_vec::<f32>()?;
     debug_assert!(n <= k);
-    Ok(Verdict { accepted: n, tokens: ids.into_iter().zip(lp).map(|(id, logprob)| Token { id, logprob }).collect() })
+    Ok(Verdict {
+        accepted: n,
+        tokens: ids
+            .into_iter()
+            .zip(lp)
+            .map(|(id, logprob)| Token { id, logprob })
+            .collect(),
+    })
 }
 
 /// Temperature > 0: rejection sampling against the draft distributions `draft` (`[k, V]`
 /// normalised log-probs each draft was drawn from). `key` is split for every draw.
-pub fn verify_sampled(target: &Array, draft: &Array, drafts: &[u32], key: &mut Key) -> Result<Verdict> {
+pub fn verify_sampled(
+    target: &Array,
+    draft: &Array,
+    drafts: &[u32],
+    key: &mut Key,
+) -> Result<Verdict> {
     let k = drafts.len();
     let v = check(target, drafts)?;
     if draft.shape() != [k, v] {
-        return Err(ModelError::InvalidInput(format!("draft distributions {:?} for {k} drafts over {v} tokens", draft.shape())));
+        return Err(ModelError::InvalidInput(format!(
+            "draft distributions {:?} for {k} drafts over {v} tokens",
+            draft.shape()
+        )));
     }
     let mut draw = || -> Result<Key> {
         let (next, d) = key.split()?;
@@ -85,17 +109,29 @@ pub fn verify_sampled(target: &Array, draft: &Array, drafts: &[u32], key: &mut K
     let from = if n < k {
         // residual max(p - q, 0), renormalised by the draw; p itself if it is all zero
         // (p == q: a rejection then has probability 0, so this only guards rounding)
-        let res = row.exp()?.sub(&draft.slice_axis(0, n, n + 1)?.exp()?)?.maximum(&Array::scalar(0.0f32))?;
+        let res = row
+            .exp()?
+            .sub(&draft.slice_axis(0, n, n + 1)?.exp()?)?
+            .maximum(&Array::scalar(0.0f32))?;
         let total = res.sum(&[-1], true)?;
         where_(&total.gt(&Array::scalar(0.0f32))?, &res.log()?, &row)?
     } else {
         row.clone()
     };
-    let next = categorical(&from, -1, &draw()?)?.astype(DType::U32)?.reshape(&[1])?;
+    let next = categorical(&from, -1, &draw()?)?
+        .astype(DType::U32)?
+        .reshape(&[1])?;
     let lp = row.reshape(&[-1])?.take(&next, 0)?;
     mlx_array::eval(&[&next, &lp])?;
     let (id, logprob) = (next.to_vec::<u32>()?[0], lp.to_vec::<f32>()?[0]);
-    let mut tokens: Vec<Token> = drafts[..n].iter().zip(&p_d).map(|(&id, &logprob)| Token { id, logprob }).collect();
+    let mut tokens: Vec<Token> = drafts[..n]
+        .iter()
+        .zip(&p_d)
+        .map(|(&id, &logprob)| Token { id, logprob })
+        .collect();
     tokens.push(Token { id, logprob });
-    Ok(Verdict { accepted: n, tokens })
+    Ok(Verdict {
+        accepted: n,
+        tokens,
+    })
 }

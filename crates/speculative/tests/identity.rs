@@ -11,11 +11,24 @@ use mlx_speculative::{DraftModel, SpeculativeDecoder};
 
 const NEW: usize = 24;
 
-fn speculative(target: &Model, draft: Model, prompt: &[u32], n: usize, depth: usize) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
+fn speculative(
+    target: &Model,
+    draft: Model,
+    prompt: &[u32],
+    n: usize,
+    depth: usize,
+) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
     let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth));
     let mut cache = target.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() };
-    let mut gen = generate(target, &mut cache, prompt, cfg).unwrap().with_speculator(&mut spec);
+    let cfg = GenerateConfig {
+        max_new_tokens: n,
+        sampling: sampling::SamplingConfig::greedy(),
+        stop_tokens: Some(vec![]),
+        ..Default::default()
+    };
+    let mut gen = generate(target, &mut cache, prompt, cfg)
+        .unwrap()
+        .with_speculator(&mut spec);
     let toks: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
     let stats = gen.performance().speculative.unwrap();
     drop(gen);
@@ -27,18 +40,38 @@ fn greedy_identity_over_caches_drafts_and_depths() {
     let mut rng = Rng(22);
     // (target, its cache, drafts)
     let cases: Vec<(&str, KvCacheMode, Vec<&str>)> = vec![
-        ("qwen3", KvCacheMode::Flat, vec!["qwen3", "qwen3_untied", "lfm2"]),
+        (
+            "qwen3",
+            KvCacheMode::Flat,
+            vec!["qwen3", "qwen3_untied", "lfm2"],
+        ),
         ("qwen3", paged(4), vec!["qwen3_untied", "qwen3_5"]),
-        ("qwen3_untied", KvCacheMode::Flat, vec!["qwen3_untied_q8g32", "gemma3_text"]),
-        ("qwen3_5", KvCacheMode::Flat, vec!["qwen3_5", "qwen3", "lfm2"]),
+        (
+            "qwen3_untied",
+            KvCacheMode::Flat,
+            vec!["qwen3_untied_q8g32", "gemma3_text"],
+        ),
+        (
+            "qwen3_5",
+            KvCacheMode::Flat,
+            vec!["qwen3_5", "qwen3", "lfm2"],
+        ),
         ("lfm2", KvCacheMode::Flat, vec!["qwen3_untied", "lfm2"]),
-        ("gemma3_text", KvCacheMode::Flat, vec!["gemma3_text", "llama"]),
+        (
+            "gemma3_text",
+            KvCacheMode::Flat,
+            vec!["gemma3_text", "llama"],
+        ),
         // quantized drafts of hybrid and sliding-window targets: partial acceptance, so both
         // sides roll back part of a cycle through recurrent state and rotating windows
         ("lfm2_moe", KvCacheMode::Flat, vec!["lfm2_moe_q4"]),
         ("lfm2_moe_q4", KvCacheMode::Flat, vec!["lfm2_moe"]),
         ("gemma4_text", KvCacheMode::Flat, vec!["gemma4_text_q4g32"]),
-        ("gemma4_text_moe_q4", KvCacheMode::Flat, vec!["gemma4_text_moe"]),
+        (
+            "gemma4_text_moe_q4",
+            KvCacheMode::Flat,
+            vec!["gemma4_text_moe"],
+        ),
     ];
     let mut rejected_cycles = 0;
     for (t, kv, drafts) in cases {
@@ -48,18 +81,33 @@ fn greedy_identity_over_caches_drafts_and_depths() {
         let want = plain_greedy(&target, &prompt, NEW);
         for d in drafts {
             let depth = rng.range(1, 6);
-            let (got, stats, offset) = speculative(&target, load(d, KvCacheMode::Flat), &prompt, NEW, depth);
+            let (got, stats, offset) =
+                speculative(&target, load(d, KvCacheMode::Flat), &prompt, NEW, depth);
             assert_eq!(got, want, "target {t} {kv:?}, draft {d}, depth {depth}");
-            assert_eq!(offset, prompt.len() + NEW, "the cache holds the prompt and every token");
+            assert_eq!(
+                offset,
+                prompt.len() + NEW,
+                "the cache holds the prompt and every token"
+            );
             assert!(stats.cycles > 0 && stats.depth_mean <= depth as f64);
             if d == t {
-                assert!(stats.acceptance_by_position.iter().all(|&a| a == 1.0), "the target drafting for itself: {stats:?}");
+                assert!(
+                    stats.acceptance_by_position.iter().all(|&a| a == 1.0),
+                    "the target drafting for itself: {stats:?}"
+                );
             }
-            rejected_cycles += stats.acceptance_by_position.iter().filter(|&&a| a < 1.0).count();
+            rejected_cycles += stats
+                .acceptance_by_position
+                .iter()
+                .filter(|&&a| a < 1.0)
+                .count();
             eprintln!("{t} {kv:?} <- {d} depth {depth}: {stats:?}");
         }
     }
-    assert!(rejected_cycles > 0, "some pairs must disagree, or rollback was never exercised");
+    assert!(
+        rejected_cycles > 0,
+        "some pairs must disagree, or rollback was never exercised"
+    );
 }
 
 /// A prompt longer than a paged block and depths that make every cycle's rollback end at a
@@ -72,7 +120,13 @@ fn paged_rollbacks_across_block_boundaries() {
         let prompt = gapped_prompt(&target, &mut rng, 13, 40);
         let want = plain_greedy(&target, &prompt, 40);
         for depth in [2, 3, 5] {
-            let (got, stats, _) = speculative(&target, load("qwen3_untied_q8g32", KvCacheMode::Flat), &prompt, 40, depth);
+            let (got, stats, _) = speculative(
+                &target,
+                load("qwen3_untied_q8g32", KvCacheMode::Flat),
+                &prompt,
+                40,
+                depth,
+            );
             assert_eq!(got, want, "block size {bs}, depth {depth}");
             eprintln!("paged {bs} depth {depth}: {stats:?}");
         }
@@ -89,10 +143,28 @@ struct Oracle {
 }
 
 impl mlx_speculative::Drafter for Oracle {
-    fn propose(&mut self, history: &[u32], k: usize, _: &sampling::SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
+    fn propose(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        _: &sampling::SamplingConfig,
+    ) -> mlx_models::Result<mlx_speculative::Draft> {
         let at = history.len() - self.prompt_len;
-        let tokens = (at..at + k).map(|i| self.truth.get(i).map_or(0, |&t| if i % 3 == 2 { (t + 1) % self.vocab as u32 } else { t })).collect();
-        Ok(mlx_speculative::Draft { tokens, logprobs: None })
+        let tokens = (at..at + k)
+            .map(|i| {
+                self.truth.get(i).map_or(0, |&t| {
+                    if i % 3 == 2 {
+                        (t + 1) % self.vocab as u32
+                    } else {
+                        t
+                    }
+                })
+            })
+            .collect();
+        Ok(mlx_speculative::Draft {
+            tokens,
+            logprobs: None,
+        })
     }
     fn vocab_size(&self) -> usize {
         self.vocab
@@ -120,17 +192,31 @@ fn partial_acceptance_rolls_back_every_cache_kind() {
         // the truth continues past the comparison so the last cycle's drafts are right too
         let truth = plain_greedy(&target, &prompt, 40);
         for depth in [1, 2, 4] {
-            let oracle = Oracle { prompt_len: prompt.len() + 1, truth: truth[1..].to_vec(), vocab: target.info().vocab_size };
+            let oracle = Oracle {
+                prompt_len: prompt.len() + 1,
+                truth: truth[1..].to_vec(),
+                vocab: target.info().vocab_size,
+            };
             let mut spec = SpeculativeDecoder::new(Box::new(oracle), Some(depth));
             let mut cache = target.new_cache();
-            let cfg = GenerateConfig { max_new_tokens: 30, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() };
-            let mut gen = generate(&target, &mut cache, &prompt, cfg).unwrap().with_speculator(&mut spec);
+            let cfg = GenerateConfig {
+                max_new_tokens: 30,
+                sampling: sampling::SamplingConfig::greedy(),
+                stop_tokens: Some(vec![]),
+                ..Default::default()
+            };
+            let mut gen = generate(&target, &mut cache, &prompt, cfg)
+                .unwrap()
+                .with_speculator(&mut spec);
             let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
             let st = gen.performance().speculative.unwrap();
             drop(gen);
             assert_eq!(got, truth[..30], "target {t} {kv:?}, depth {depth}");
             if depth > 2 {
-                assert!(st.accepted_mean > 0.0 && st.accepted_mean < st.depth_mean, "{t} depth {depth}: partial acceptance expected, {st:?}");
+                assert!(
+                    st.accepted_mean > 0.0 && st.accepted_mean < st.depth_mean,
+                    "{t} depth {depth}: partial acceptance expected, {st:?}"
+                );
             }
             assert_eq!(cache.offset(), prompt.len() + 30);
         }

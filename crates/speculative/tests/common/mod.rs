@@ -1,26 +1,50 @@
 //! Fixtures and references shared by the speculative tests.
 #![allow(dead_code)]
 use mlx_array::Array;
-use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, Logits, Model, PagedConfig};
+use mlx_models::{
+    generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, Logits, Model, PagedConfig,
+};
 use std::path::PathBuf;
 
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/tests/fixtures/tiny")
+        .join(name)
 }
 
 pub fn load(name: &str, kv: KvCacheMode) -> Model {
-    load_model(fixture(name), &LoadOptions { kv_cache: kv, ..Default::default() }).unwrap().into_lm().unwrap()
+    load_model(
+        fixture(name),
+        &LoadOptions {
+            kv_cache: kv,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .into_lm()
+    .unwrap()
 }
 
 pub fn paged(block_size: usize) -> KvCacheMode {
-    KvCacheMode::Paged(PagedConfig { block_size, ..Default::default() })
+    KvCacheMode::Paged(PagedConfig {
+        block_size,
+        ..Default::default()
+    })
 }
 
 /// Plain greedy decoding through `generate` (no stop tokens).
 pub fn plain_greedy(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = m.new_cache();
-    let cfg = GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() };
-    generate(m, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect()
+    let cfg = GenerateConfig {
+        max_new_tokens: n,
+        sampling: sampling::SamplingConfig::greedy(),
+        stop_tokens: Some(vec![]),
+        ..Default::default()
+    };
+    generate(m, &mut cache, prompt, cfg)
+        .unwrap()
+        .map(|t| t.unwrap().id)
+        .collect()
 }
 
 /// The smallest top-1/top-2 logit gap over `n` greedy steps after `prompt` (one token at a time).
@@ -30,7 +54,15 @@ pub fn min_gap(m: &Model, prompt: &[u32], n: usize) -> f32 {
     let mut gap = f32::INFINITY;
     for _ in 0..n {
         let t = Array::from_slice(&input, &[1, input.len()]).unwrap();
-        let l = m.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().reshape(&[-1]).unwrap().to_vec::<f32>().unwrap();
+        let l = m
+            .forward(&t, &mut cache, Logits::Last, false)
+            .unwrap()
+            .logits
+            .unwrap()
+            .reshape(&[-1])
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
         let mut idx: Vec<usize> = (0..l.len()).collect();
         idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
         gap = gap.min(l[idx[0]] - l[idx[1]]);
