@@ -90,7 +90,7 @@ impl Adaptive {
             return 0;
         }
         let (lo, hi) = (self.depth.saturating_sub(1), (self.depth + 1).min(self.max));
-        if self.cycles.is_multiple_of(Self::PROBE) {
+        if self.cycles % Self::PROBE == 0 {
             self.probe_up = !self.probe_up;
             let n = if (self.probe_up && hi != self.depth) || lo == self.depth {
                 hi

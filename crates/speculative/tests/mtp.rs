@@ -137,7 +137,7 @@ fn mtp_logits_match_the_torch_reference() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
     // a model without an MTP head says so
-    let plain = load(&"qwen3", KvCacheMode::Flat);
+    let plain = load("qwen3", KvCacheMode::Flat);
     let mut c = plain.new_cache();
     let t = Array::from_slice(&[1u32], &[1, 1]).unwrap();
     let h = Array::zeros(&[1, 1, 64], mlx_array::DType::F32).unwrap();
