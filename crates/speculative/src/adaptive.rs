@@ -8,9 +8,10 @@
 //!
 //! States, in order: **explore** (the first cycles draft at the maximum depth, to measure
 //! acceptance at every position), **calibrate** (one plain step: the break-even reference),
-//! then **climb**: each cycle moves to the best of `depth - 1`, `depth`, `depth + 1` (a neighbour
-//! never measured is tried once), where speculating must beat plain decoding by
-//! [`Adaptive::MARGIN`] (the expected-value gate); every [`Adaptive::PROBE`] cycles a
+//! then **climb**: each cycle moves to the best of plain decoding, `depth - 1`, `depth` and
+//! `depth + 1` (a neighbour never measured is tried once while speculation is ahead), where
+//! speculating must beat plain decoding by [`Adaptive::MARGIN`] (the expected-value gate; a
+//! cycle's time is taken as at least a plain step's); every [`Adaptive::PROBE`] cycles a
 //! neighbour is **probed** again so that stale estimates (plain decoding's included) are
 //! refreshed. Depth 0 with a useless draft therefore costs one probe cycle in `PROBE`.
 
@@ -62,13 +63,17 @@ impl Adaptive {
         e
     }
 
-    /// Expected tokens per second at depth `d`, once measured.
+    /// Expected tokens per second at depth `d`, once measured. A speculative cycle runs the
+    /// target at least once, so its time is taken as at least a plain step's (timing noise never
+    /// makes a draft that gives nothing look faster than plain decoding).
     pub fn rate(&self, d: usize) -> Option<f64> {
-        self.time
-            .get(d)
-            .copied()
-            .flatten()
-            .map(|t| (1.0 + self.expected_accepted(d)) / t.max(1e-9))
+        let t = self.time.get(d).copied().flatten()?;
+        let floor = if d > 0 {
+            self.time[0].unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        Some((1.0 + self.expected_accepted(d)) / t.max(floor).max(1e-9))
     }
 
     fn score(&self, d: usize) -> f64 {
@@ -99,19 +104,20 @@ impl Adaptive {
             };
             return n;
         }
+        // the best measured of plain decoding and the neighbourhood; plain wins: stay plain
+        let best = [0, lo, self.depth, hi]
+            .into_iter()
+            .filter(|&d| self.time[d].is_some())
+            .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b });
+        if best == 0 {
+            self.depth = 0;
+            return 0;
+        }
         if let Some(d) = [lo, hi].into_iter().find(|&d| self.time[d].is_none()) {
             return d;
         }
-        self.depth = [lo, self.depth, hi]
-            .into_iter()
-            .fold(self.depth, |best, d| {
-                if self.score(d) > self.score(best) {
-                    d
-                } else {
-                    best
-                }
-            });
-        self.depth
+        self.depth = best;
+        best
     }
 
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
