@@ -6,6 +6,11 @@
 //! cargo run --release -p mlx-models --example generate -- --model DIR --prompt "Hello" [--chat]
 //! ```
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
+//! `--draft-model DIR [--draft-tokens K]` decodes speculatively (mlx-speculative; the draft's
+//! kind is read from its config.json), `--mtp [--mtp-depth D]` with the model's own MTP head
+//! (Qwen3.5; a fixed depth when given, else adaptive up to 5), and the JSON object gains `"speculative": {"cycles",
+//! "accepted_mean", "acceptance_by_position", "depth_mean"}` (`accepted_mean`: accepted draft
+//! tokens per cycle, the target's own token not counted).
 use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
 use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, PagedConfig, QuantizedWeights};
@@ -47,6 +52,19 @@ struct Cli {
     /// KV cache: the family's default (auto), flat, or the paged block pool.
     #[arg(long, value_enum, default_value = "auto")]
     kv: Kv,
+    /// Decode speculatively with this draft checkpoint (a causal LM sharing the vocabulary).
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Draft tokens per cycle (default: the drafter's; 3 for a draft model).
+    #[arg(long, requires = "draft_model", value_parser = clap::value_parser!(u64).range(1..=64))]
+    draft_tokens: Option<u64>,
+    /// Decode speculatively with the model's multi-token-prediction head (Qwen3.5 checkpoints
+    /// with MTP weights).
+    #[arg(long, conflicts_with = "draft_model")]
+    mtp: bool,
+    /// MTP drafts per cycle (default: adaptive, up to 5).
+    #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
+    mtp_depth: Option<u64>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -76,7 +94,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Kv::Flat => KvCacheMode::Flat,
         Kv::Paged => KvCacheMode::Paged(PagedConfig::default()),
     };
-    let model = load_model(dir, &LoadOptions { quantized, kv_cache, ..Default::default() })?.into_lm()?;
+    let opts = LoadOptions { quantized, kv_cache, ..Default::default() };
+    let model = load_model(dir, &opts)?.into_lm()?;
+    let mut spec = match (&cli.draft_model, cli.mtp) {
+        (Some(d), _) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter(d, &opts)?, cli.draft_tokens.map(|k| k as usize))),
+        (None, true) => {
+            let d = Box::new(mlx_speculative::MtpDrafter::new(model.clone())?);
+            Some(match cli.mtp_depth {
+                Some(k) => mlx_speculative::SpeculativeDecoder::new(d, Some(k as usize)),
+                None => mlx_speculative::SpeculativeDecoder::adaptive(d, Some(5)),
+            })
+        }
+        (None, false) => None,
+    };
     // The chat template only for --chat; a plain --prompt needs just the tokenizer.
     let format = if cli.chat { Some(ChatFormat::from_dir(dir)?) } else { None };
     let tokenizer = match (&format, cli.prompt.is_some()) {
@@ -106,6 +136,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut cache = model.new_cache();
     let mut gen = generate(&model, &mut cache, &prompt, cfg)?;
+    if let Some(s) = spec.as_mut() {
+        gen = gen.with_speculator(s);
+    }
     let mut ids = Vec::new();
     let mut decoder = tokenizer.as_ref().map(|t| t.stream_decoder(true));
     let out = std::io::stdout();
@@ -126,7 +159,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             Some(t) => Some(t.decode(&ids, true)?),
             None => None,
         };
-        println!("{}", serde_json::json!({ "prompt_token_ids": prompt, "token_ids": ids, "finish_reason": reason, "text": text, "performance": perf }));
+        let mut line = serde_json::json!({ "prompt_token_ids": prompt, "token_ids": ids, "finish_reason": reason, "text": text, "performance": perf });
+        if let Some(s) = &perf.speculative {
+            line["speculative"] = serde_json::to_value(s)?;
+        }
+        println!("{line}");
     } else if decoder.is_none() {
         println!("{}", ids.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","));
     } else {
@@ -134,6 +171,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     if !cli.json {
         eprintln!("[{reason}] {} tokens, prefill {:.1} tok/s, decode {:.1} tok/s", ids.len(), perf.prefill_tokens_per_sec, perf.decode_tokens_per_sec);
+        if let Some(s) = &perf.speculative {
+            eprintln!("speculative: {} cycles, {:.2} drafts accepted per cycle of {:.2}, by position {:?}", s.cycles, s.accepted_mean, s.depth_mean, s.acceptance_by_position);
+        }
     }
     Ok(())
 }

@@ -31,6 +31,21 @@ pub struct Cache {
     pub(crate) batch: Option<crate::batch::BatchRows>,
 }
 
+/// A cache's state at one position, from [`Cache::snapshot`].
+#[derive(Clone)]
+pub struct CacheSnapshot {
+    layers: Vec<LayerCache>,
+    offset: usize,
+    paged: bool,
+}
+
+impl CacheSnapshot {
+    /// The position the snapshot was taken at.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+}
+
 /// The K/V access of one attention layer during a forward pass: flat storage or the paged pool.
 pub enum LayerKv<'a> {
     Flat(&'a mut KvCache),
@@ -254,6 +269,44 @@ impl Cache {
         for l in &mut self.layers {
             if let LayerCache::Kv(c) = l {
                 c.trim(n)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether [`Cache::trim`] of `n` positions would succeed: no recurrent layer, and every
+    /// sliding-window layer still holds what the next position needs after it.
+    pub fn can_trim(&self, n: usize) -> bool {
+        if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) || n > self.offset() {
+            return false;
+        }
+        self.paged.is_some() || self.layers.iter().all(|l| !matches!(l, LayerCache::Kv(c) if !c.can_trim(n)))
+    }
+
+    /// A snapshot of this sequence's state for [`Cache::restore`]. Arrays are immutable, so it
+    /// keeps the current arrays (no copy): flat and rotating K/V, recurrent state. A paged cache
+    /// keeps its recurrent state and position; its K/V in the pool are rolled back by trimming.
+    pub fn snapshot(&self) -> CacheSnapshot {
+        CacheSnapshot { layers: self.layers.clone(), offset: self.offset(), paged: self.paged.is_some() }
+    }
+
+    /// Return to `snap`, taken from this cache at an earlier (or the same) position, dropping the
+    /// positions processed since: speculative decoding's rollback for caches [`Cache::trim`]
+    /// cannot rewind (recurrent state, rotating windows).
+    pub fn restore(&mut self, snap: &CacheSnapshot) -> Result<()> {
+        let now = self.offset();
+        if snap.offset > now || snap.paged != self.paged.is_some() || snap.layers.len() != self.layers.len() {
+            return Err(ModelError::Cache(format!("snapshot at position {} does not belong to this cache (at {now})", snap.offset)));
+        }
+        match &mut self.paged {
+            None => self.layers = snap.layers.clone(),
+            Some(p) => {
+                p.trim(now - snap.offset, mirror_of(&self.layers))?;
+                for (l, s) in self.layers.iter_mut().zip(&snap.layers) {
+                    if let (LayerCache::Recurrent(cur), LayerCache::Recurrent(old)) = (l, s) {
+                        cur.clone_from(old);
+                    }
+                }
             }
         }
         Ok(())

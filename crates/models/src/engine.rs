@@ -216,6 +216,7 @@ impl Seq {
             ttft_ms: first.as_secs_f64() * 1e3,
             prefill_tokens_per_sec: self.prompt.len() as f64 / self.prefill_time.as_secs_f64().max(1e-9),
             decode_tokens_per_sec: if k > 1 { (k - 1) as f64 / self.finished_at.saturating_sub(first).as_secs_f64().max(1e-9) } else { 0.0 },
+            speculative: None,
         }
     }
 

@@ -81,6 +81,41 @@ pub struct Performance {
     pub ttft_ms: f64,
     pub prefill_tokens_per_sec: f64,
     pub decode_tokens_per_sec: f64,
+    /// Speculative decoding's counters, when a [`Speculator`] ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeStats>,
+}
+
+/// Counters of speculative decoding over one generation.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct SpeculativeStats {
+    /// Cycles: one target forward call each (drafts verified, or a plain step when none were
+    /// drafted, which counts as depth 0).
+    pub cycles: usize,
+    /// Accepted draft tokens per cycle (the target's own token of each cycle not counted).
+    pub accepted_mean: f64,
+    /// Per draft position `i`: accepted / drafted at that position.
+    pub acceptance_by_position: Vec<f64>,
+    /// Draft tokens proposed per cycle.
+    pub depth_mean: f64,
+}
+
+/// A speculative decoder for [`Generator::with_speculator`] (the `mlx-speculative` crate has
+/// the drafters and the verifier). The generator prefills the prompt and samples the first token
+/// as usual; from then on the cache holds every token but the newest, and each
+/// [`Speculator::cycle`] returns the next tokens.
+pub trait Speculator: Send {
+    /// A new generation starts (per-generation state and counters reset).
+    fn start(&mut self);
+    /// Produce 1..=`max` tokens after `history` (context, prompt and generated tokens; the cache
+    /// holds all of them but the last), each with its log-prob under the target's processed
+    /// distribution. Afterwards the cache holds `history` and every returned token but the last.
+    fn cycle(&mut self, model: &Model, cache: &mut Cache, history: &[u32], sampler: &mut Sampler, max: usize) -> Result<Vec<Token>>;
+    /// Make the cache hold exactly `history`: a prefix of what the last cycle left in it, or that
+    /// and the cycle's last token (generation ended part-way through the returned tokens).
+    fn settle(&mut self, model: &Model, cache: &mut Cache, history: &[u32]) -> Result<()>;
+    /// Counters since [`Speculator::start`].
+    fn stats(&self) -> SpeculativeStats;
 }
 
 /// One generated token.
@@ -115,6 +150,17 @@ pub struct Generator<'a> {
     started: Instant,
     first_token: Option<Duration>,
     prefill_time: Duration,
+    spec: Option<SpecState<'a>>,
+}
+
+/// A generator's speculative decoding: the speculator and the tokens of its last cycle not yet
+/// handed out.
+struct SpecState<'a> {
+    speculator: &'a mut dyn Speculator,
+    queue: std::collections::VecDeque<Token>,
+    /// The cache does not hold `history` exactly (tokens handed out but not fed, or rolled-back
+    /// tokens still in it).
+    unsettled: bool,
 }
 
 /// Start generating after `prompt` (appended to `cache`; pass only the tokens not yet in it).
@@ -156,10 +202,11 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cfg:
         started: Instant::now(),
         first_token: None,
         prefill_time: Duration::ZERO,
+        spec: None,
     })
 }
 
-impl Generator<'_> {
+impl<'a> Generator<'a> {
     /// A handle that stops this generation (checked before each token).
     pub fn cancel_handle(&self) -> CancelHandle {
         self.cancel.clone()
@@ -169,7 +216,18 @@ impl Generator<'_> {
         self.cancel = handle;
         self
     }
-    /// Make the next token `id` whatever the model prefers (thinking budgets).
+    /// Decode speculatively with `speculator` (call before the first token). Output is
+    /// distributed as plain sampling's (token for token the same at temperature 0); streaming,
+    /// stop tokens, guards and cancellation work as without it. [`Generator::force_next`] is
+    /// refused while speculating.
+    pub fn with_speculator(mut self, speculator: &'a mut dyn Speculator) -> Self {
+        speculator.start();
+        self.lazy_feed = false;
+        self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false });
+        self
+    }
+    /// Make the next token `id` whatever the model prefers (thinking budgets). While decoding
+    /// speculatively the next token is an [`ModelError::UnsupportedOption`] error instead.
     pub fn force_next(&mut self, id: u32) {
         self.forced = Some(id);
         self.pending = None;
@@ -190,6 +248,7 @@ impl Generator<'_> {
             ttft_ms: self.first_token.unwrap_or_default().as_secs_f64() * 1e3,
             prefill_tokens_per_sec: self.prompt.len() as f64 / self.prefill_time.as_secs_f64().max(1e-9),
             decode_tokens_per_sec: if n > 1 { (n - 1) as f64 / decode.as_secs_f64().max(1e-9) } else { 0.0 },
+            speculative: self.spec.as_ref().map(|s| s.speculator.stats()),
         }
     }
 
@@ -238,11 +297,16 @@ impl Generator<'_> {
         }
         if self.cancel.is_cancelled() {
             self.finish = Some(FinishReason::Cancelled);
+            self.settle_speculation()?;
             return Ok(None);
         }
         if self.produced >= self.cfg.max_new_tokens {
             self.finish = Some(FinishReason::Length);
+            self.settle_speculation()?;
             return Ok(None);
+        }
+        if self.spec.is_some() && self.first_token.is_some() {
+            return self.next_speculative();
         }
         let (id, logprob) = match self.forced.take() {
             Some(id) => (id, 0.0),
@@ -290,6 +354,12 @@ impl Generator<'_> {
                 self.pending = None;
                 self.cache.eval_with(&[])?;
             }
+        } else if let Some(spec) = &mut self.spec {
+            // Speculation: the newest token stays out of the cache until the next cycle.
+            spec.unsettled = true;
+            if is_stop || guard.is_some() || self.produced + 1 >= self.cfg.max_new_tokens {
+                self.settle_speculation()?;
+            }
         } else if self.forced.is_none() {
             let t = Array::from_slice(&[id], &[1, 1])?;
             if is_stop {
@@ -311,6 +381,58 @@ impl Generator<'_> {
         Ok(Some(Token { id, logprob }))
     }
 
+    /// The next token of a speculative generation: from the last cycle's tokens, or a new cycle.
+    fn next_speculative(&mut self) -> Result<Option<Token>> {
+        if self.forced.is_some() {
+            self.finish = Some(FinishReason::Cancelled);
+            return Err(ModelError::UnsupportedOption("forcing a token is not supported while decoding speculatively".into()));
+        }
+        let spec = self.spec.as_mut().ok_or_else(|| ModelError::Cache("no speculator (internal error)".into()))?;
+        if spec.queue.is_empty() {
+            let max = self.cfg.max_new_tokens - self.produced;
+            let toks = spec.speculator.cycle(self.model, self.cache, &self.history, &mut self.sampler, max)?;
+            if toks.is_empty() || toks.len() > max {
+                return Err(ModelError::Cache(format!("speculator returned {} tokens for at most {max} (internal error)", toks.len())));
+            }
+            spec.queue.extend(toks);
+            spec.unsettled = true;
+        }
+        let tok = spec.queue.pop_front().ok_or_else(|| ModelError::Cache("empty speculative queue (internal error)".into()))?;
+        if tok.logprob.is_nan() || tok.logprob == f32::INFINITY {
+            self.finish = Some(FinishReason::Cancelled);
+            return Err(ModelError::NonFiniteLogits { step: self.produced, logprob: tok.logprob });
+        }
+        self.history.push(tok.id);
+        let is_stop = self.stop.contains(&tok.id);
+        let guard = self.guard.push(tok.id);
+        if is_stop || guard.is_some() || self.produced + 1 >= self.cfg.max_new_tokens {
+            self.settle_speculation()?;
+        }
+        if is_stop {
+            self.finish = Some(FinishReason::Stop);
+            self.stop_token = Some(tok.id);
+            return Ok(None);
+        }
+        self.produced += 1;
+        if guard.is_some() {
+            self.finish = Some(FinishReason::Repetition);
+        }
+        Ok(Some(tok))
+    }
+
+    /// Speculation ending: drop the tokens not handed out and make the cache hold the history
+    /// (every handed-out token, and a stop token), as plain decoding leaves it.
+    fn settle_speculation(&mut self) -> Result<()> {
+        if let Some(spec) = &mut self.spec {
+            spec.queue.clear();
+            if spec.unsettled {
+                spec.unsettled = false;
+                spec.speculator.settle(self.model, self.cache, &self.history)?;
+            }
+        }
+        Ok(())
+    }
+
     fn prefill_forced(&mut self) -> Result<()> {
         let t0 = Instant::now();
         let p = self.prompt.clone();
@@ -330,6 +452,10 @@ impl Drop for Generator<'_> {
         // generation is still running on MLX's stream once the generator is gone (a program
         // that returns from `main` right after must not exit under a computing stream thread).
         let pending = self.pending.take();
+        // A speculative generation dropped part-way: leave the cache holding what was handed out.
+        if self.spec.as_ref().is_some_and(|s| s.unsettled) {
+            let _ = self.settle_speculation();
+        }
         let outs: Vec<&Array> = pending.as_ref().map(|(t, l)| vec![t, l]).unwrap_or_default();
         let _ = self.cache.eval_with(&outs);
         self.cache.set_queue_with_outputs(false);

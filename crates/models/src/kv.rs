@@ -200,6 +200,20 @@ impl KvCache {
         }
     }
 
+    /// Whether [`KvCache::trim`] of `n` positions would succeed (it changes nothing when not).
+    pub fn can_trim(&self, n: usize) -> bool {
+        if n > self.offset {
+            return false;
+        }
+        match self.window {
+            None => true,
+            Some(w) => {
+                let held = self.stored();
+                n <= held && held - n >= (w - 1).min(self.offset - n)
+            }
+        }
+    }
+
     /// Forget the last `n` positions (rollback, prefix reuse). A rotating cache refuses (and is
     /// left as it was) when what would remain is less than the next position's window needs:
     /// it keeps only the last `window` positions, so a deep rollback must re-prefill instead.

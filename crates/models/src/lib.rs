@@ -49,9 +49,9 @@ pub mod weights;
 
 pub use batch_generate::{generate_batch, BatchGenerationResult, BatchSequence};
 pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, Event, RequestHandle, Usage};
-pub use cache::{Cache, CacheSpec, LayerKind};
+pub use cache::{Cache, CacheSnapshot, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
-pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};
+pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, SpeculativeStats, Speculator, Token};
 pub use model::{load_model, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights};
 pub use paged::PagedConfig;
 pub use params::{Parameter, ParameterTree};

@@ -16,10 +16,6 @@ pub struct LoadOptions {
     /// Compute dtype of float weights. Default: f32 on the CPU (MLX-CPU's bf16 matmul is 10-20x
     /// slower than f32 with a real BLAS), the checkpoint's dtype on the GPU.
     pub dtype: Option<DType>,
-    /// A speculative-decoding draft checkpoint (gemma4 only). Accepted and recorded on the model
-    /// ([`crate::families::gemma4::Gemma4Model::draft_model_path`]); not used yet: drafting
-    /// comes with the speculative crate.
-    pub draft_model_path: Option<PathBuf>,
     /// Flat or paged KV cache for attention layers.
     pub kv_cache: KvCacheMode,
     /// Run projections of the same input (q/k/v, gate/up, GatedDeltaNet's inputs) as one
@@ -220,19 +216,11 @@ fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Resu
 /// Build `family`'s model over `weights` (a checkpoint's tensors, or a parameter tree's): the
 /// load options applied to the weights, sanitize, construction, the strict check, the cache.
 pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
-    if opts.draft_model_path.is_some() && !family.accepts_draft_model {
-        return Err(ModelError::UnsupportedOption(format!(
-            "draft_model_path (speculative-decoding draft) is only supported by gemma4 models; {} has model_type \"{}\"",
-            dir.display(),
-            family.model_type
-        )));
-    }
     configure(dir, raw, weights, opts)?;
     let text = config::text_config(raw);
     let paged_default = match family.kv_default {
         KvDefault::Paged => true,
         KvDefault::Flat => false,
-        KvDefault::PagedWithoutDraft => opts.draft_model_path.is_none(),
     };
     if let Some(bad) = opts.force_paged.keys().find(|k| registry::family(k).is_none()) {
         let known: Vec<&str> = registry::FAMILIES.iter().map(|f| f.model_type).collect();
@@ -244,7 +232,7 @@ pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weig
     }
     let dtype = default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32);
     (family.sanitize)(weights, raw);
-    let built = construct(dir, raw, weights, family, opts.draft_model_path.as_deref())?;
+    let built = construct(dir, raw, weights, family)?;
     weights.check_all_used()?;
     Ok(match built {
         Built::Lm(rt) => {
@@ -277,9 +265,9 @@ fn configure(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, opts: &
 }
 
 /// Run `family`'s constructor over `weights` (a checkpoint's, or [`Weights::expecting`]).
-pub(crate) fn construct(dir: &Path, raw: &serde_json::Value, weights: &Weights, family: &'static Family, draft: Option<&Path>) -> Result<Built> {
+pub(crate) fn construct(dir: &Path, raw: &serde_json::Value, weights: &Weights, family: &'static Family) -> Result<Built> {
     let text = config::text_config(raw);
     let eos = config::eos_ids(dir, &text);
-    let ctx = LoadContext { dir, config: raw, text, weights, eos, family, draft_model_path: draft };
+    let ctx = LoadContext { dir, config: raw, text, weights, eos, family };
     (family.load)(&ctx)
 }

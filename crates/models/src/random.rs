@@ -37,7 +37,7 @@ pub fn expected_tensors(config: &Value) -> Result<Vec<ExpectedTensor>> {
 
 fn expected_for(family: &'static Family, dir: &Path, config: &Value) -> Result<Vec<ExpectedTensor>> {
     let weights = Weights::expecting(dir);
-    match crate::model::construct(dir, config, &weights, family, None)? {
+    match crate::model::construct(dir, config, &weights, family)? {
         Built::Lm(m) => drop(m),
         Built::Embedding(m) => drop(m),
     }

@@ -25,8 +25,6 @@ pub struct LoadContext<'a> {
     /// End-of-sequence ids from config.json and generation_config.json.
     pub eos: Vec<u32>,
     pub family: &'static Family,
-    /// A speculative-decoding draft checkpoint (families that accept one).
-    pub draft_model_path: Option<&'a Path>,
 }
 
 impl LoadContext<'_> {
@@ -52,8 +50,6 @@ pub enum Built {
 pub enum KvDefault {
     Paged,
     Flat,
-    /// Paged, unless a draft model is given (drafting needs flat caches).
-    PagedWithoutDraft,
 }
 
 /// A named random-checkpoint shape of a family: its hub-style config.json.
@@ -84,7 +80,6 @@ pub struct Family {
     pub kind: FamilyKind,
     pub raw_model_types: &'static [&'static str],
     pub architecture_probe: Option<fn(&ProbeContext) -> bool>,
-    pub accepts_draft_model: bool,
     pub default_for_nullish_model_type: bool,
     /// Build the model from a checkpoint (or, over [`Weights::expecting`], from a config alone).
     pub load: fn(&LoadContext) -> Result<Built>,
@@ -101,7 +96,7 @@ pub struct Family {
 
 impl Family {
     /// A row with the usual settings, which a row overrides where it differs (`..Family::new(..)`):
-    /// loadable, the type names given, no architecture probe, no draft model, not the default for a
+    /// loadable, the type names given, no architecture probe, not the default for a
     /// config without `model_type`, the common sanitize hook, paged caches.
     const fn new(model_type: &'static str, raw_model_types: &'static [&'static str], load: fn(&LoadContext) -> Result<Built>, presets: &'static [Preset]) -> Family {
         Family {
@@ -109,7 +104,6 @@ impl Family {
             kind: FamilyKind::Loadable,
             raw_model_types,
             architecture_probe: None,
-            accepts_draft_model: false,
             default_for_nullish_model_type: false,
             load,
             sanitize: sanitize_common,
@@ -147,13 +141,13 @@ fn sanitize_towers(w: &mut Weights, c: &Value) {
 
 /// The table, in probe order.
 pub static FAMILIES: &[Family] = &[
-    // First in probe order: the unified architecture is authoritative (as in mlx-node's loader). The draft
-    // option is accepted and recorded; speculative decoding comes with the speculative crate.
+    // First in probe order: the unified architecture is authoritative (as in mlx-node's loader).
+    // Speculative decoding (any family, with a plain draft model of the same vocabulary, flat or
+    // paged caches) is the mlx-speculative crate's.
     Family {
         architecture_probe: Some(|c| c.architectures.contains("Gemma4UnifiedForConditionalGeneration")),
-        accepts_draft_model: true,
         sanitize: sanitize_towers,
-        kv_default: KvDefault::PagedWithoutDraft,
+        kv_default: KvDefault::Paged,
         ..Family::new("gemma4", &["gemma4", "gemma4_text", "gemma4_unified"], crate::families::gemma4::load, crate::families::gemma4::PRESETS)
     },
     Family {

@@ -147,4 +147,19 @@ pub trait ModelRuntime: Send {
     fn has_mtp_weights(&self) -> bool {
         false
     }
+    /// Layers of the multi-token-prediction head [`ModelRuntime::mtp_forward`] runs (0: none).
+    fn mtp_layers(&self) -> usize {
+        0
+    }
+    /// The cache layout of one MTP layer, when the model has an MTP head.
+    fn mtp_cache_spec(&self) -> Option<CacheSpec> {
+        None
+    }
+    /// MTP layer `layer` over `tokens` (`[1, L]`: the token after each position of `hidden`) and
+    /// `hidden` (`[1, L, H]`: the target's final-normed hidden states, or the head's own output
+    /// for deeper drafts), appended to `cache` (from [`ModelRuntime::mtp_cache_spec`]). Returns
+    /// f32 logits `[1, L, V]` and the head's final-normed hidden states `[1, L, H]`.
+    fn mtp_forward(&self, _tokens: &Array, _hidden: &Array, _cache: &mut Cache, _layer: usize) -> Result<(Array, Array)> {
+        Err(ModelError::UnsupportedOption(format!("{} has no multi-token-prediction head", self.info().model_type)))
+    }
 }

@@ -14,7 +14,7 @@ use crate::chat::{
     common_prefix_len, ChatEvent, ChatFormat, ChatMessage, OutputParser, ParsedOutput, ParsedToolCall, PromptPlan, ReasoningEffort,
     RenderOptions, StreamDecoder, ThinkingBudget, ToolDefinition,
 };
-use crate::generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance};
+use crate::generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Speculator};
 use crate::model::{load_family, LoadOptions, Model};
 use crate::registry::{self, FamilyKind};
 use crate::{ModelError, Result};
@@ -114,6 +114,8 @@ pub struct ChatSession {
     /// (by the random nonce) across sessions.
     call_nonce: String,
     turns: usize,
+    /// Speculative decoding for every turn ([`ChatSession::set_speculator`]).
+    speculator: Option<Box<dyn Speculator>>,
 }
 
 /// 48 random bits, as hex (std's randomly keyed hasher over a process-wide counter and the clock).
@@ -142,7 +144,7 @@ impl ChatSession {
             .map(|v| SamplingOverrides::from_generation_config(&v))
             .unwrap_or_default();
         let cache = model.new_cache();
-        Ok(ChatSession { model, format, defaults, cache, cached_ids: Vec::new(), history: Vec::new(), call_nonce: session_nonce(), turns: 0 })
+        Ok(ChatSession { model, format, defaults, cache, cached_ids: Vec::new(), history: Vec::new(), call_nonce: session_nonce(), turns: 0, speculator: None })
     }
 
     pub fn format(&self) -> &Arc<ChatFormat> {
@@ -159,6 +161,17 @@ impl ChatSession {
     /// The model's default sampling settings (from generation_config.json).
     pub fn model_sampling_defaults(&self) -> &SamplingOverrides {
         &self.defaults
+    }
+
+    /// Decode every following turn speculatively with `speculator` (`None`: plain decoding).
+    /// Streaming and cancellation work as without it; a thinking token budget (which forces
+    /// tokens) is refused with it.
+    pub fn set_speculator(&mut self, speculator: Option<Box<dyn Speculator>>) {
+        self.speculator = speculator;
+    }
+    /// Counters of the last speculative turn.
+    pub fn speculator(&self) -> Option<&dyn Speculator> {
+        self.speculator.as_deref()
     }
 
     /// Forget the conversation and the cache.
@@ -274,13 +287,20 @@ impl<'a> ChatStream<'a> {
         let mut popts = s.format.parser_options(&opts, starts_in_thinking, cfg.include_reasoning);
         popts.call_id_prefix = format!("call_{}_{}_", s.call_nonce, s.turns);
         s.turns += 1;
-        let ChatSession { model, format, cache, cached_ids, history, .. } = s;
+        if s.speculator.is_some() && cfg.thinking_token_budget.is_some() {
+            return Err(ModelError::UnsupportedOption("a thinking token budget forces tokens, which speculative decoding does not support".into()));
+        }
+        let ChatSession { model, format, cache, cached_ids, history, speculator, .. } = s;
         let format: &'a ChatFormat = format;
         // The prompt delta joins the cached ids now; generated ids follow as they come.
         gcfg.context = cached_ids.clone();
         cached_ids.extend_from_slice(&delta);
         let budget = format.thinking_budget(cfg.thinking_token_budget, starts_in_thinking)?;
         let gen = generate(model, cache, &delta, gcfg)?;
+        let gen = match speculator.as_deref_mut() {
+            Some(sp) => gen.with_speculator(sp),
+            None => gen,
+        };
         let cancel = gen.cancel_handle();
         Ok(ChatStream {
             gen: Some(gen),

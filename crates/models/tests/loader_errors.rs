@@ -61,14 +61,6 @@ fn config_detection_rules() {
 }
 
 #[test]
-fn draft_model_only_for_gemma4() {
-    let opts = LoadOptions { draft_model_path: Some("/tmp/draft".into()), ..Default::default() };
-    let e = load_model(fixture("qwen3"), &opts).err().unwrap().to_string();
-    assert!(e.starts_with("draft_model_path (speculative-decoding draft) is only supported by gemma4 models;"), "{e}");
-    assert!(e.ends_with("has model_type \"qwen3\""), "{e}");
-}
-
-#[test]
 fn broken_weights() {
     // Truncated safetensors.
     let t = copy_fixture("qwen3");

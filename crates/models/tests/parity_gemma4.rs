@@ -9,7 +9,7 @@ use mlx_array::Array;
 use mlx_models::chat::ChatMessage;
 use mlx_models::families::gemma4::{Gemma4Config, Gemma4Model};
 use mlx_models::registry;
-use mlx_models::{load_model, load_session, FinishReason, LayerKind, LoadOptions, Logits, ModelError, ModelRuntime};
+use mlx_models::{load_model, load_session, FinishReason, LayerKind, LoadOptions, Logits, ModelRuntime};
 use sampling::SamplingOverrides;
 
 /// gemma4_text (PLE, KV sharing, double-wide MLP), gemma4_text_moe (k_eq_v, MoE) and the
@@ -74,7 +74,6 @@ fn registry_routes_gemma4_aliases_and_unified_probe() {
     for mt in ["gemma4", "gemma4_text", "gemma4_unified"] {
         let f = registry::detect_from_value(dir, &serde_json::json!({ "model_type": mt })).unwrap();
         assert_eq!(f.model_type, "gemma4");
-        assert!(f.accepts_draft_model);
     }
     // The unified architecture is authoritative, whatever model_type says.
     for mt in [serde_json::json!("qwen3"), serde_json::Value::Null] {
@@ -85,28 +84,6 @@ fn registry_routes_gemma4_aliases_and_unified_probe() {
     registry::validate_registry().unwrap();
     for name in ["gemma4_text", "gemma4_text_moe", "gemma4"] {
         assert_eq!(registry::detect_model_type(&fixture(name)).unwrap().model_type, "gemma4");
-    }
-}
-
-#[test]
-fn draft_model_option_is_accepted_for_gemma4_only() {
-    let opts = LoadOptions { draft_model_path: Some("/nonexistent/draft".into()), ..Default::default() };
-    // Accepted (recorded, not used yet) for gemma4 ...
-    let m = load_model(fixture("gemma4_text"), &opts).unwrap().into_lm().unwrap();
-    let t = Array::from_slice(&[2u32, 3, 4], &[1, 3]).unwrap();
-    let mut cache = m.new_cache();
-    assert!(m.forward(&t, &mut cache, Logits::Last, false).is_ok());
-    let dir = fixture("gemma4_text");
-    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let cfg = Gemma4Config::from_root(&dir, &raw).unwrap();
-    let w = mlx_models::weights::Weights::load(&dir, Some(mlx_array::DType::F32)).unwrap();
-    let gm = Gemma4Model::new(&w, cfg, vec![1], opts.draft_model_path.clone()).unwrap();
-    assert_eq!(gm.draft_model_path(), Some(std::path::Path::new("/nonexistent/draft")));
-    // ... and refused for the other families.
-    match load_model(fixture("qwen3"), &opts) {
-        Err(ModelError::UnsupportedOption(msg)) => assert!(msg.contains("only supported by gemma4"), "{msg}"),
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("qwen3 accepted a draft model"),
     }
 }
 

@@ -523,7 +523,6 @@ pub struct Gemma4Model {
     info: ModelInfo,
     kv_src: Vec<usize>,
     net: Option<Net>,
-    draft_model_path: Option<PathBuf>,
 }
 
 
@@ -533,12 +532,12 @@ impl Gemma4Model {
     pub fn from_config(cfg: Gemma4Config, eos: Vec<u32>) -> Result<Self> {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: PathBuf::from("<config>"), reason })?;
         let info = ModelInfo::decoder("gemma4", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
-        Ok(Gemma4Model { kv_src: cfg.kv_sources(), cfg, info, net: None, draft_model_path: None })
+        Ok(Gemma4Model { kv_src: cfg.kv_sources(), cfg, info, net: None })
     }
 
-    /// Build from loaded weights. `draft_model_path` is recorded for speculative decoding
-    /// (not used yet: that comes with the speculative crate).
-    pub fn new(weights: &Weights, cfg: Gemma4Config, eos: Vec<u32>, draft_model_path: Option<PathBuf>) -> Result<Self> {
+    /// Build from loaded weights (speculative decoding, with any draft, is the
+    /// `mlx-speculative` crate's).
+    pub fn new(weights: &Weights, cfg: Gemma4Config, eos: Vec<u32>) -> Result<Self> {
         let mut m = Self::from_config(cfg, eos).map_err(|e| match e {
             ModelError::MalformedConfig { reason, .. } => ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason },
             e => e,
@@ -569,7 +568,6 @@ impl Gemma4Model {
             layers,
             lm_head,
         });
-        m.draft_model_path = draft_model_path;
         Ok(m)
     }
 
@@ -579,11 +577,6 @@ impl Gemma4Model {
     /// Whether weights are loaded (false for [`Gemma4Model::from_config`]).
     pub fn is_initialized(&self) -> bool {
         self.net.is_some()
-    }
-    /// The speculative-decoding draft checkpoint given at load time. Recorded only: drafting
-    /// is not implemented yet (it comes with the speculative crate).
-    pub fn draft_model_path(&self) -> Option<&Path> {
-        self.draft_model_path.as_deref()
     }
 
     /// PLE inputs `[B, L, layers, P]` from the ids and the scaled embeddings.
@@ -717,7 +710,7 @@ impl ModelRuntime for Gemma4Model {
 /// The registry's constructor.
 pub(crate) fn load(c: &LoadContext) -> Result<Built> {
     let cfg = Gemma4Config::from_root(c.dir, c.config)?;
-    Ok(Built::Lm(Box::new(Gemma4Model::new(c.weights, cfg, c.eos.clone(), c.draft_model_path.map(Path::to_path_buf))?)))
+    Ok(Built::Lm(Box::new(Gemma4Model::new(c.weights, cfg, c.eos.clone())?)))
 }
 
 /// A Gemma 4 text config.json. Every setting whose default differs between transformers and

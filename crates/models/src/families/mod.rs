@@ -8,3 +8,4 @@ pub mod llama;
 pub mod moe;
 pub mod qwen3;
 pub mod qwen3_5;
+mod qwen3_5_mtp;

@@ -21,7 +21,10 @@
 //! - MTP head: `mtp.*` tensors in the checkpoint, or the sidecars mlx-node names (`mtp.safetensors`,
 //!   `mtp/weights.safetensors`, `mlx_lm_extra_tensors.mtp_file` for dense, and an mlx-vlm
 //!   `mtp-drafter/` directory whose bare keys are read as `mtp.*`), are loaded and kept as
-//!   [`Qwen35Model::mtp_weights`] (not used by the forward pass); a checkpoint without them loads.
+//!   [`Qwen35Model::mtp_weights`]; built into the head [`ModelRuntime::mtp_forward`] runs (for
+//!   speculative drafts; the plain forward pass does not use it). A checkpoint without them loads;
+//!   one whose MTP tensors do not build (missing or extra tensors) loads too, with the reason in
+//!   [`Qwen35Model::load_notes`] and returned by `mtp_forward`.
 //!
 //! ## Caches and chat sessions
 //! Full-attention layers use [`crate::cache::LayerCache::Kv`]; GatedDeltaNet layers a
@@ -177,6 +180,8 @@ pub struct Qwen35Model {
     stack: HybridStack<GatedDeltaNet, SparseMoe>,
     info: ModelInfo,
     mtp: HashMap<String, Array>,
+    /// The MTP head built from `mtp`, or why it could not be.
+    mtp_head: std::result::Result<Option<super::qwen3_5_mtp::Mtp>, String>,
     notes: Vec<String>,
 }
 
@@ -246,9 +251,18 @@ impl Qwen35Model {
             notes.push(format!("skipped {visual} vision-tower tensors (model.visual.*): text-only model"));
         }
         let mtp = load_mtp(weights, raw, family, embed.dtype(), &mut notes)?;
+        let mtp_head = if mtp.is_empty() {
+            Ok(None)
+        } else {
+            super::qwen3_5_mtp::Mtp::load(&mtp, &cfg, off, &path).map(Some).map_err(|e| {
+                let msg = format!("MTP head not built: {e}");
+                notes.push(msg.clone());
+                msg
+            })
+        };
         let info = ModelInfo::decoder(family, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         let norm = RmsNorm::load(&vb.pp("norm"), h, eps, off)?;
-        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, notes })
+        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, mtp_head, notes })
     }
 
     pub fn config(&self) -> &Qwen35Config {
@@ -325,6 +339,19 @@ fn load_mtp(weights: &Weights, raw: &serde_json::Value, family: &str, dtype: DTy
 impl ModelRuntime for Qwen35Model {
     fn has_mtp_weights(&self) -> bool {
         Qwen35Model::has_mtp_weights(self)
+    }
+    fn mtp_layers(&self) -> usize {
+        self.mtp_head.as_ref().ok().and_then(|m| m.as_ref()).map_or(0, |m| m.num_layers())
+    }
+    fn mtp_cache_spec(&self) -> Option<CacheSpec> {
+        self.mtp_head.as_ref().ok().and_then(|m| m.as_ref()).map(|m| m.cache_spec())
+    }
+    fn mtp_forward(&self, tokens: &Array, hidden: &Array, cache: &mut Cache, layer: usize) -> Result<(Array, Array)> {
+        match &self.mtp_head {
+            Ok(Some(m)) => m.forward(&self.stack.embed, &self.stack.lm_head, tokens, hidden, cache, layer),
+            Ok(None) => Err(ModelError::UnsupportedOption(format!("{} has no MTP head weights", self.info.model_type))),
+            Err(e) => Err(ModelError::UnsupportedOption(e.clone())),
+        }
     }
     fn info(&self) -> &ModelInfo {
         &self.info

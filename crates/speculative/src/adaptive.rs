@@ -1,0 +1,184 @@
+//! Adaptive draft depth: an EMA hill-climb over expected tokens per second, with plain decoding
+//! (depth 0) as one of the choices, so speculation turns itself off when it loses.
+//!
+//! Per depth `d` the policy keeps an EMA of the wall time of a cycle at that depth (`d = 0`: a
+//! plain target step), and per draft position `i` an EMA of the probability that draft `i` is
+//! accepted given that drafts `0..i` were. A cycle at depth `d` is then expected to give
+//! `1 + E(d)` tokens, `E(d) = sum_{i<d} prod_{j<=i} a_j`, at `(1 + E(d)) / t(d)` tokens per second.
+//!
+//! States, in order: **explore** (the first cycles draft at the maximum depth, to measure
+//! acceptance at every position), **calibrate** (one plain step: the break-even reference),
+//! then **climb**: each cycle moves to the best of plain decoding, `depth - 1`, `depth` and
+//! `depth + 1` (a neighbour never measured is tried once while speculation is ahead), where
+//! speculating must beat plain decoding by [`Adaptive::MARGIN`] (the expected-value gate; a
+//! cycle's time is taken as at least a plain step's); every [`Adaptive::PROBE`] cycles a
+//! neighbour is **probed** again so that stale estimates (plain decoding's included) are
+//! refreshed. Depth 0 with a useless draft therefore costs one probe cycle in `PROBE`.
+
+/// The adaptive depth policy of one generation.
+#[derive(Debug, Clone)]
+pub struct Adaptive {
+    max: usize,
+    depth: usize,
+    time: Vec<Option<f64>>,
+    accept: Vec<f64>,
+    cycles: usize,
+    probe_up: bool,
+}
+
+impl Adaptive {
+    /// EMA weight of a new observation.
+    pub const ALPHA: f64 = 0.25;
+    /// Speculation must promise this many times plain decoding's tokens per second.
+    pub const MARGIN: f64 = 1.05;
+    /// Cycles between probes of a neighbouring depth.
+    pub const PROBE: usize = 16;
+    /// Cycles drafting at the maximum depth first.
+    pub const EXPLORE: usize = 2;
+
+    pub fn new(max: usize) -> Self {
+        let max = max.max(1);
+        Adaptive {
+            max,
+            depth: max,
+            time: vec![None; max + 1],
+            accept: vec![0.5; max],
+            cycles: 0,
+            probe_up: false,
+        }
+    }
+
+    /// The depth the policy currently settles on (probes aside).
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// Expected accepted drafts of a cycle at depth `d`.
+    pub fn expected_accepted(&self, d: usize) -> f64 {
+        let (mut p, mut e) = (1.0, 0.0);
+        for a in self.accept.iter().take(d) {
+            p *= a;
+            e += p;
+        }
+        e
+    }
+
+    /// Expected tokens per second at depth `d`, once measured. A speculative cycle runs the
+    /// target at least once, so its time is taken as at least a plain step's (timing noise never
+    /// makes a draft that gives nothing look faster than plain decoding).
+    pub fn rate(&self, d: usize) -> Option<f64> {
+        let t = self.time.get(d).copied().flatten()?;
+        let floor = if d > 0 {
+            self.time[0].unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        Some((1.0 + self.expected_accepted(d)) / t.max(floor).max(1e-9))
+    }
+
+    fn score(&self, d: usize) -> f64 {
+        let r = self.rate(d).unwrap_or(0.0);
+        if d == 0 {
+            r * Self::MARGIN
+        } else {
+            r
+        }
+    }
+
+    /// The depth of the next cycle.
+    pub fn next_depth(&mut self) -> usize {
+        self.cycles += 1;
+        if self.cycles <= Self::EXPLORE {
+            return self.max;
+        }
+        if self.time[0].is_none() {
+            return 0;
+        }
+        let (lo, hi) = (self.depth.saturating_sub(1), (self.depth + 1).min(self.max));
+        if self.cycles % Self::PROBE == 0 {
+            self.probe_up = !self.probe_up;
+            let n = if (self.probe_up && hi != self.depth) || lo == self.depth {
+                hi
+            } else {
+                lo
+            };
+            return n;
+        }
+        // the best measured of plain decoding and the neighbourhood; plain wins: stay plain
+        let best = [0, lo, self.depth, hi]
+            .into_iter()
+            .filter(|&d| self.time[d].is_some())
+            .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b });
+        if best == 0 {
+            self.depth = 0;
+            return 0;
+        }
+        if let Some(d) = [lo, hi].into_iter().find(|&d| self.time[d].is_none()) {
+            return d;
+        }
+        self.depth = best;
+        best
+    }
+
+    /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
+    pub fn observe(&mut self, d: usize, accepted: usize, secs: f64) {
+        let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
+        if let Some(t) = self.time.get_mut(d) {
+            *t = ema(*t, secs);
+        }
+        for i in 0..d.min(accepted + 1).min(self.max) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            self.accept[i] += Self::ALPHA * (hit - self.accept[i]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A simulated pair: a cycle at depth d costs `base + d * per_draft`, each draft is accepted
+    /// with probability `p` (deterministically, as a fraction).
+    fn settle(p: f64, base: f64, per_draft: f64, plain: f64) -> (usize, f64) {
+        let mut a = Adaptive::new(6);
+        let mut total_depth = 0;
+        let n = 400;
+        for _ in 0..n {
+            let d = a.next_depth();
+            total_depth += d;
+            let t = if d == 0 {
+                plain
+            } else {
+                base + d as f64 * per_draft
+            };
+            // expected accepted count rounded: p^1 + ... as the run length of a geometric draw
+            let accepted = (0..d).take_while(|i| p.powi(*i as i32 + 1) >= 0.5).count();
+            a.observe(d, accepted, t);
+        }
+        (a.depth(), total_depth as f64 / n as f64)
+    }
+
+    #[test]
+    fn useless_drafts_turn_speculation_off() {
+        let (d, mean) = settle(0.0, 1.05, 0.1, 1.0);
+        assert_eq!(d, 0);
+        assert!(mean < 0.3, "mean depth {mean}");
+    }
+
+    #[test]
+    fn good_cheap_drafts_go_deep_and_costly_ones_stay_shallow() {
+        let (d, _) = settle(0.97, 1.05, 0.02, 1.0);
+        assert!(d >= 5, "depth {d}");
+        // every draft costs as much as a plain step: speculation cannot pay
+        let (d, _) = settle(0.97, 1.05, 1.0, 1.0);
+        assert!(d <= 1, "depth {d}");
+    }
+
+    #[test]
+    fn expected_accepted_is_the_prefix_product_sum() {
+        let mut a = Adaptive::new(3);
+        a.accept = vec![0.5, 0.5, 1.0];
+        assert!((a.expected_accepted(3) - (0.5 + 0.25 + 0.25)).abs() < 1e-12);
+        assert_eq!(a.expected_accepted(0), 0.0);
+    }
+}

@@ -1,0 +1,285 @@
+//! [`SpeculativeDecoder`]: a [`Drafter`] and the verifier, as an [`mlx_models::Speculator`].
+use crate::drafter::{key_for, reads_history, Drafter, Feedback};
+use crate::tracked::{forward, row, Tracked};
+use crate::verify::{verify_greedy, verify_sampled, Verdict};
+use mlx_array::random::Key;
+use mlx_models::{Cache, Logits, Model, ModelError, Result, SpeculativeStats, Speculator, Token};
+use sampling::Sampler;
+
+/// Running counters of a generation.
+#[derive(Debug, Clone, Default)]
+struct Counters {
+    cycles: usize,
+    drafted: usize,
+    accepted: usize,
+    /// Per draft position: (drafted, accepted).
+    by_position: Vec<(usize, usize)>,
+}
+
+impl Counters {
+    /// One cycle: `drafted` proposals (0: a plain step), `accepted` of them kept.
+    fn record(&mut self, drafted: usize, accepted: usize) {
+        self.cycles += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+        if self.by_position.len() < drafted {
+            self.by_position.resize(drafted, (0, 0));
+        }
+        for (i, p) in self.by_position.iter_mut().enumerate().take(drafted) {
+            p.0 += 1;
+            p.1 += usize::from(i < accepted);
+        }
+    }
+
+    fn stats(&self) -> SpeculativeStats {
+        let per = |x: usize| {
+            if self.cycles == 0 {
+                0.0
+            } else {
+                x as f64 / self.cycles as f64
+            }
+        };
+        SpeculativeStats {
+            cycles: self.cycles,
+            accepted_mean: per(self.accepted),
+            acceptance_by_position: self
+                .by_position
+                .iter()
+                .map(|&(d, a)| a as f64 / d.max(1) as f64)
+                .collect(),
+            depth_mean: per(self.drafted),
+        }
+    }
+}
+
+/// How many tokens to draft per cycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Depth {
+    /// The same number every cycle (0: plain decoding through the verifier).
+    Fixed(usize),
+    /// Chosen each cycle by [`crate::Adaptive`], from 0 (plain decoding) to the given maximum.
+    Adaptive(usize),
+}
+
+/// Speculative decoding with one drafter; give it to [`mlx_models::Generator::with_speculator`]
+/// or [`mlx_models::ChatSession::set_speculator`].
+pub struct SpeculativeDecoder {
+    drafter: Box<dyn Drafter>,
+    depth: Depth,
+    policy: Option<crate::Adaptive>,
+    target: Option<Tracked>,
+    key: Option<(Option<u64>, Key)>,
+    counters: Counters,
+}
+
+impl SpeculativeDecoder {
+    /// `depth`: proposals per cycle; `None` = the drafter's default.
+    pub fn new(drafter: Box<dyn Drafter>, depth: Option<usize>) -> Self {
+        let depth = Depth::Fixed(depth.unwrap_or_else(|| drafter.default_depth()));
+        SpeculativeDecoder {
+            drafter,
+            depth,
+            policy: None,
+            target: None,
+            key: None,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Adaptive depth ([`crate::Adaptive`]) up to `max` drafts per cycle (`None`: the drafter's
+    /// default depth).
+    pub fn adaptive(drafter: Box<dyn Drafter>, max: Option<usize>) -> Self {
+        let max = max.unwrap_or_else(|| drafter.default_depth()).max(1);
+        SpeculativeDecoder {
+            drafter,
+            depth: Depth::Adaptive(max),
+            policy: None,
+            target: None,
+            key: None,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn depth(&self) -> Depth {
+        self.depth
+    }
+
+    fn key(&mut self, cfg: &sampling::SamplingConfig) -> Result<&mut Key> {
+        if self.key.as_ref().is_none_or(|(s, _)| *s != cfg.seed) {
+            self.key = Some((cfg.seed, key_for(cfg, 2)?));
+        }
+        Ok(&mut self.key.as_mut().expect("set above").1)
+    }
+
+    /// No drafts this cycle: one plain step through the target.
+    fn plain_step(
+        &mut self,
+        model: &Model,
+        cache: &mut Cache,
+        history: &[u32],
+        sampler: &Sampler,
+    ) -> Result<Vec<Token>> {
+        let last = history[history.len() - 1];
+        let out = forward(model, cache, &row(&[last])?, Logits::Last, false)?;
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?
+            .reshape(&[1, -1])?;
+        cache.async_eval_with(&[&logits])?;
+        if let Some(t) = self.target.as_mut() {
+            t.tokens.push(last);
+        }
+        let rows: [&[u32]; 1] = [history];
+        let lp = sampler
+            .distribution(&logits, &rows)
+            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let cfg = sampler.config().clone();
+        let v = if cfg.is_greedy() {
+            verify_greedy(&lp, &[])?
+        } else {
+            verify_sampled(&lp, &lp.slice_axis(0, 0, 0)?, &[], self.key(&cfg)?)?
+        };
+        Ok(v.tokens)
+    }
+}
+
+impl Speculator for SpeculativeDecoder {
+    fn start(&mut self) {
+        self.target = None;
+        self.policy = match self.depth {
+            Depth::Adaptive(max) => Some(crate::Adaptive::new(max)),
+            Depth::Fixed(_) => None,
+        };
+        self.counters = Counters::default();
+    }
+
+    fn cycle(
+        &mut self,
+        model: &Model,
+        cache: &mut Cache,
+        history: &[u32],
+        sampler: &mut Sampler,
+        max: usize,
+    ) -> Result<Vec<Token>> {
+        let Some((&last, before)) = history.split_last() else {
+            return Err(ModelError::InvalidInput(
+                "a speculative cycle needs a non-empty history".into(),
+            ));
+        };
+        if max == 0 {
+            return Err(ModelError::InvalidInput(
+                "a speculative cycle must produce at least one token".into(),
+            ));
+        }
+        let cfg = sampler.config().clone();
+        let vocab = model.info().vocab_size;
+        if !cfg.is_greedy() && self.drafter.vocab_size() != vocab {
+            return Err(ModelError::UnsupportedOption(format!(
+                "sampling at temperature > 0 needs the draft's vocabulary ({}) to be the target's ({vocab})",
+                self.drafter.vocab_size()
+            )));
+        }
+        // The cache holds `before` (the generator's invariant when this tracking starts).
+        let tracked = self
+            .target
+            .get_or_insert_with(|| Tracked::new(before.to_vec()));
+        tracked.sync(model, cache, before, None)?;
+        let clock = std::time::Instant::now();
+        let depth = match (&mut self.policy, self.depth) {
+            (Some(p), _) => p.next_depth(),
+            (None, Depth::Fixed(d)) => d,
+            (None, Depth::Adaptive(d)) => d,
+        };
+        let k = depth.min(max - 1);
+        let draft = if k == 0 {
+            None
+        } else {
+            Some(self.drafter.propose(history, k, &cfg)?)
+        };
+        let Some(draft) = draft.filter(|d| !d.tokens.is_empty()) else {
+            let out = self.plain_step(model, cache, history, sampler)?;
+            self.counters.record(0, 0);
+            if let Some(p) = &mut self.policy {
+                p.observe(0, 0, clock.elapsed().as_secs_f64());
+            }
+            return Ok(out);
+        };
+        let drafts = &draft.tokens;
+        let k = drafts.len();
+        // greedy drafts beyond the target's vocabulary are simply rejected
+        let valid = drafts.iter().take_while(|&&d| (d as usize) < vocab).count();
+        let drafts = &drafts[..valid];
+        if drafts.is_empty() {
+            self.counters.record(0, 0);
+            return self.plain_step(model, cache, history, sampler);
+        }
+        let tracked = self.target.as_mut().expect("set above");
+        tracked.snapshot(cache);
+        let mut seq = Vec::with_capacity(drafts.len() + 1);
+        seq.push(last);
+        seq.extend_from_slice(drafts);
+        let hidden = self.drafter.wants_target_hidden();
+        let out = forward(model, cache, &row(&seq)?, Logits::All, hidden)?;
+        let logits = out
+            .logits
+            .ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?;
+        let logits = logits.reshape(&[seq.len() as i32, -1])?;
+        cache.async_eval_with(&[&logits])?;
+        tracked.tokens.extend_from_slice(&seq);
+        // row i: the history plus the first i drafts (the penalties see them)
+        let hists: Vec<Vec<u32>> = if reads_history(&cfg) {
+            (0..seq.len())
+                .map(|i| history.iter().chain(&drafts[..i]).copied().collect())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let rows: Vec<&[u32]> = hists.iter().map(Vec::as_slice).collect();
+        let lp = sampler
+            .distribution(&logits, &rows)
+            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let verdict: Verdict = if cfg.is_greedy() {
+            verify_greedy(&lp, drafts)?
+        } else {
+            let q = draft.logprobs.as_ref().ok_or_else(|| {
+                ModelError::InvalidInput(
+                    "the drafter gave no draft distribution at temperature > 0".into(),
+                )
+            })?;
+            let q = q.slice_axis(0, 0, drafts.len())?;
+            verify_sampled(&lp, &q, drafts, self.key(&cfg)?)?
+        };
+        let n = verdict.accepted;
+        let tracked = self.target.as_mut().expect("set above");
+        let keep: Vec<u32> = history.iter().chain(&drafts[..n]).copied().collect();
+        tracked.sync(model, cache, &keep, None)?;
+        let next = verdict.tokens[n].id;
+        self.drafter.feedback(&Feedback {
+            history,
+            drafts,
+            accepted: n,
+            next,
+            hidden: out.hidden.as_ref(),
+        })?;
+        self.counters.record(k, n);
+        if let Some(p) = &mut self.policy {
+            p.observe(k, n, clock.elapsed().as_secs_f64());
+        }
+        Ok(verdict.tokens)
+    }
+
+    fn settle(&mut self, model: &Model, cache: &mut Cache, history: &[u32]) -> Result<()> {
+        let Some((_, before)) = history.split_last() else {
+            return Ok(());
+        };
+        let tracked = self
+            .target
+            .get_or_insert_with(|| Tracked::new(before.to_vec()));
+        tracked.sync(model, cache, history, None)?;
+        cache.eval_with(&[])
+    }
+
+    fn stats(&self) -> SpeculativeStats {
+        self.counters.stats()
+    }
+}

@@ -1,0 +1,83 @@
+//! Drafters from checkpoints: the draft kind is read from the draft's config.json.
+use crate::drafter::{DraftModel, Drafter};
+use mlx_models::{load_model, KvCacheMode, LoadOptions, ModelError, Result};
+use std::path::{Path, PathBuf};
+
+/// What a draft checkpoint is, from its config.json.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftKind {
+    /// Any causal LM the registry loads (it must share the target's vocabulary).
+    Model,
+    /// Google's Gemma 4 assistant draft (`model_type` `gemma4_assistant`).
+    Gemma4Assistant,
+    /// A DSpark block draft (an architecture named `*DSpark*`, e.g. `Gemma4DSparkModel`).
+    DSpark,
+    /// A DFlash block draft (an architecture named `*DFlash*`, or a `dflash_config`).
+    DFlash,
+}
+
+impl DraftKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DraftKind::Model => "draft model",
+            DraftKind::Gemma4Assistant => "gemma4_assistant",
+            DraftKind::DSpark => "DSpark",
+            DraftKind::DFlash => "DFlash",
+        }
+    }
+}
+
+/// The kind of the draft checkpoint in `dir`.
+pub fn draft_kind(dir: &Path) -> Result<DraftKind> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|_| ModelError::ConfigNotFound(dir.to_path_buf()))?;
+    let raw: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::MalformedConfig {
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    let archs: Vec<&str> = raw
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    Ok(
+        if raw.get("model_type").and_then(|m| m.as_str()) == Some("gemma4_assistant") {
+            DraftKind::Gemma4Assistant
+        } else if archs.iter().any(|a| a.contains("DSpark")) {
+            DraftKind::DSpark
+        } else if archs.iter().any(|a| a.contains("DFlash")) || raw.get("dflash_config").is_some() {
+            DraftKind::DFlash
+        } else {
+            DraftKind::Model
+        },
+    )
+}
+
+/// `<target>/draft/` when it holds a checkpoint (a draft shipped inside the target's directory).
+pub fn embedded_draft_dir(target: &Path) -> Option<PathBuf> {
+    let d = target.join("draft");
+    d.join("config.json").is_file().then_some(d)
+}
+
+/// Load the drafter in `dir` with the target's load options (a flat cache of its own). Only
+/// plain draft models are implemented; the other kinds are refused by name.
+pub fn load_drafter(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Drafter>> {
+    match draft_kind(dir)? {
+        DraftKind::Model => {
+            let opts = LoadOptions {
+                kv_cache: KvCacheMode::Flat,
+                ..opts.clone()
+            };
+            Ok(Box::new(DraftModel::new(
+                load_model(dir, &opts)?.into_lm()?,
+            )))
+        }
+        k => Err(ModelError::UnsupportedOption(format!(
+            "{}: {} drafts are not implemented (plain draft models are)",
+            dir.display(),
+            k.as_str()
+        ))),
+    }
+}

@@ -1,0 +1,206 @@
+//! [`MtpDrafter`]: drafts from the target's own multi-token-prediction head (Qwen3.5).
+use crate::drafter::{key_for, reads_history, sampler_for, split, Draft, Drafter, Feedback};
+use crate::tracked::row;
+use mlx_array::random::{categorical, Key};
+use mlx_array::{ops::concatenate, Array, DType};
+use mlx_models::{Cache, Logits, Model, ModelError, Result};
+use sampling::SamplingConfig;
+
+/// Drafts with the target's MTP head ([`mlx_models::ModelRuntime::mtp_forward`]): the first
+/// draft from the target's hidden state at the newest verified position and the newest token,
+/// each deeper one from the head's own output and the previous draft (vLLM's MTP proposer).
+///
+/// The head's K/V cache holds one entry per target position, built from the target's hidden
+/// states: those of each verify step come with the verdict; those of a history the drafter has
+/// not followed (the prompt, a new chat turn) are computed by running the target over it once
+/// more. Draft entries beyond the verified positions are trimmed at the next cycle.
+pub struct MtpDrafter {
+    target: Model,
+    cache: Cache,
+    /// The history the drafter follows: pairs for positions `0..verified` are in the cache, the
+    /// target hidden states of positions `verified..known.len() - 1` are in `pending`.
+    known: Vec<u32>,
+    verified: usize,
+    pending: Option<Array>,
+    /// Draft entries after the verified ones (trimmed before the next cycle).
+    drafted: usize,
+    key: Option<(Option<u64>, Key)>,
+    depth: usize,
+}
+
+impl MtpDrafter {
+    /// Drafts per cycle by default.
+    pub const DEFAULT_DEPTH: usize = 3;
+
+    /// A drafter over `target`'s MTP head; refused when it has none (or not exactly one MTP layer).
+    pub fn new(target: Model) -> Result<Self> {
+        let layers = target.with_runtime(|rt| rt.mtp_layers());
+        if layers != 1 {
+            return Err(ModelError::UnsupportedOption(format!(
+                "MTP drafting needs a model with one MTP layer; {} has {layers}{}",
+                target.dir().display(),
+                if target.has_mtp_weights() {
+                    " usable (its MTP tensors did not build: see the load notes)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let spec = target
+            .with_runtime(|rt| rt.mtp_cache_spec())
+            .ok_or_else(|| ModelError::UnsupportedOption("no MTP cache layout".into()))?;
+        Ok(MtpDrafter {
+            cache: Cache::new(&spec),
+            target,
+            known: Vec::new(),
+            verified: 0,
+            pending: None,
+            drafted: 0,
+            key: None,
+            depth: Self::DEFAULT_DEPTH,
+        })
+    }
+
+    /// Start over on `history`: the target's hidden states over all of it but the last token.
+    fn resync(&mut self, history: &[u32]) -> Result<()> {
+        let spec = self
+            .target
+            .with_runtime(|rt| rt.mtp_cache_spec())
+            .ok_or_else(|| ModelError::UnsupportedOption("no MTP cache layout".into()))?;
+        self.cache = Cache::new(&spec);
+        (self.verified, self.drafted, self.pending) = (0, 0, None);
+        self.known = history.to_vec();
+        if history.len() > 1 {
+            let mut c = Cache::new(&self.target.with_runtime(|rt| rt.cache_spec()));
+            let before = &history[..history.len() - 1];
+            let out = self
+                .target
+                .with_runtime(|rt| rt.forward(&row(before)?, &mut c, Logits::None, true))?;
+            self.pending = out.hidden;
+        }
+        Ok(())
+    }
+
+    fn key(&mut self, cfg: &SamplingConfig) -> Result<&mut Key> {
+        if self.key.as_ref().is_none_or(|(s, _)| *s != cfg.seed) {
+            self.key = Some((cfg.seed, key_for(cfg, 3)?));
+        }
+        Ok(&mut self.key.as_mut().expect("set above").1)
+    }
+
+    fn step(&mut self, tokens: &Array, hidden: &Array) -> Result<(Array, Array)> {
+        let (logits, h) = self
+            .target
+            .with_runtime(|rt| rt.mtp_forward(tokens, hidden, &mut self.cache, 0))?;
+        let l = logits.dim(1)?;
+        Ok((
+            logits.slice_axis(1, l - 1, l)?.reshape(&[1, -1])?,
+            h.slice_axis(1, l - 1, l)?,
+        ))
+    }
+}
+
+impl Drafter for MtpDrafter {
+    fn propose(&mut self, history: &[u32], k: usize, cfg: &SamplingConfig) -> Result<Draft> {
+        if k == 0 || history.len() < 2 {
+            return Ok(Draft {
+                tokens: Vec::new(),
+                logprobs: None,
+            });
+        }
+        if self.known != history {
+            self.resync(history)?;
+        }
+        if self.drafted > 0 {
+            self.cache.trim(self.drafted)?;
+            self.drafted = 0;
+        }
+        let Some(pending) = self.pending.take() else {
+            return Err(ModelError::Cache(
+                "MTP drafter has no target hidden states to draft from (internal error)".into(),
+            ));
+        };
+        let m = pending.dim(1)?;
+        let n = history.len();
+        if self.verified + m + 1 != n {
+            return Err(ModelError::Cache(format!(
+                "MTP drafter out of step: {} verified + {m} pending for a history of {n}",
+                self.verified
+            )));
+        }
+        let toks = &history[self.verified + 1..];
+        let (mut logits, mut h) = self.step(&row(toks)?, &pending)?;
+        self.verified += m;
+        let sampler = sampler_for(cfg)?;
+        let (greedy, host) = (cfg.is_greedy(), reads_history(cfg));
+        let mut hist: Vec<u32> = if host { history.to_vec() } else { Vec::new() };
+        let (mut out, mut lps) = (Vec::with_capacity(k), Vec::with_capacity(k));
+        for i in 0..k {
+            let rows: [&[u32]; 1] = [&hist];
+            let lp = sampler
+                .distribution(&logits, if host { &rows } else { &[] })
+                .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+            let t = if greedy {
+                lp.argmax(-1, false)?
+            } else {
+                categorical(&lp, -1, &split(self.key(cfg)?)?)?
+            }
+            .astype(DType::U32)?;
+            if host {
+                hist.push(t.to_vec::<u32>()?[0]);
+            }
+            if !greedy {
+                lps.push(lp);
+            }
+            if i + 1 < k {
+                (logits, h) = self.step(&t.reshape(&[1, 1])?, &h)?;
+                self.drafted += 1;
+            }
+            out.push(t);
+        }
+        let tokens = concatenate(&out.iter().collect::<Vec<_>>(), 0)?;
+        let logprobs = if greedy {
+            None
+        } else {
+            Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?)
+        };
+        let mut outs = vec![&tokens];
+        outs.extend(logprobs.iter());
+        mlx_array::eval(&outs)?;
+        Ok(Draft {
+            tokens: tokens.to_vec::<u32>()?,
+            logprobs,
+        })
+    }
+
+    fn feedback(&mut self, f: &Feedback<'_>) -> Result<()> {
+        let Some(hidden) = f.hidden else {
+            return Err(ModelError::Cache(
+                "MTP drafting needs the target's hidden states (internal error)".into(),
+            ));
+        };
+        // the target's hidden states at `last` and the accepted drafts pair with the accepted
+        // drafts and the target's own token
+        self.pending = Some(hidden.slice_axis(1, 0, f.accepted + 1)?);
+        self.known = f
+            .history
+            .iter()
+            .chain(&f.drafts[..f.accepted])
+            .copied()
+            .chain(std::iter::once(f.next))
+            .collect();
+        Ok(())
+    }
+
+    fn wants_target_hidden(&self) -> bool {
+        true
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.target.info().vocab_size
+    }
+
+    fn default_depth(&self) -> usize {
+        self.depth
+    }
+}

@@ -1,0 +1,224 @@
+//! Identity at temperature 0: speculative output is token for token the target's plain greedy
+//! output, for random prompts, depths and draft/target pairs, over every cache kind: flat, paged
+//! (block size 4, so rollbacks cross block boundaries), rotating (Gemma 3's sliding window of
+//! 16, prompts longer than it), recurrent (Qwen3.5's GatedDeltaNet, LFM2's short conv) on the
+//! target and on the draft side. Prompts satisfy the 1e-4 top-1/top-2 gap rule over the whole
+//! comparison (see `common::gapped_prompt`).
+mod common;
+use common::*;
+use mlx_models::{generate, GenerateConfig, KvCacheMode, Model};
+use mlx_speculative::{DraftModel, SpeculativeDecoder};
+
+const NEW: usize = 24;
+
+fn speculative(
+    target: &Model,
+    draft: Model,
+    prompt: &[u32],
+    n: usize,
+    depth: usize,
+) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
+    let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth));
+    let mut cache = target.new_cache();
+    let cfg = GenerateConfig {
+        max_new_tokens: n,
+        sampling: sampling::SamplingConfig::greedy(),
+        stop_tokens: Some(vec![]),
+        ..Default::default()
+    };
+    let mut gen = generate(target, &mut cache, prompt, cfg)
+        .unwrap()
+        .with_speculator(&mut spec);
+    let toks: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+    let stats = gen.performance().speculative.unwrap();
+    drop(gen);
+    (toks, stats, cache.offset())
+}
+
+#[test]
+fn greedy_identity_over_caches_drafts_and_depths() {
+    let mut rng = Rng(22);
+    // (target, its cache, drafts)
+    let cases: Vec<(&str, KvCacheMode, Vec<&str>)> = vec![
+        (
+            "qwen3",
+            KvCacheMode::Flat,
+            vec!["qwen3", "qwen3_untied", "lfm2"],
+        ),
+        ("qwen3", paged(4), vec!["qwen3_untied", "qwen3_5"]),
+        (
+            "qwen3_untied",
+            KvCacheMode::Flat,
+            vec!["qwen3_untied_q8g32", "gemma3_text"],
+        ),
+        (
+            "qwen3_5",
+            KvCacheMode::Flat,
+            vec!["qwen3_5", "qwen3", "lfm2"],
+        ),
+        ("lfm2", KvCacheMode::Flat, vec!["qwen3_untied", "lfm2"]),
+        (
+            "gemma3_text",
+            KvCacheMode::Flat,
+            vec!["gemma3_text", "llama"],
+        ),
+        // quantized drafts of hybrid and sliding-window targets: partial acceptance, so both
+        // sides roll back part of a cycle through recurrent state and rotating windows
+        ("lfm2_moe", KvCacheMode::Flat, vec!["lfm2_moe_q4"]),
+        ("lfm2_moe_q4", KvCacheMode::Flat, vec!["lfm2_moe"]),
+        ("gemma4_text", KvCacheMode::Flat, vec!["gemma4_text_q4g32"]),
+        (
+            "gemma4_text_moe_q4",
+            KvCacheMode::Flat,
+            vec!["gemma4_text_moe"],
+        ),
+    ];
+    let mut rejected_cycles = 0;
+    for (t, kv, drafts) in cases {
+        let target = load(t, kv.clone());
+        let len = rng.range(18, 40);
+        let prompt = gapped_prompt(&target, &mut rng, len, NEW);
+        let want = plain_greedy(&target, &prompt, NEW);
+        for d in drafts {
+            let depth = rng.range(1, 6);
+            let (got, stats, offset) =
+                speculative(&target, load(d, KvCacheMode::Flat), &prompt, NEW, depth);
+            assert_eq!(got, want, "target {t} {kv:?}, draft {d}, depth {depth}");
+            assert_eq!(
+                offset,
+                prompt.len() + NEW,
+                "the cache holds the prompt and every token"
+            );
+            assert!(stats.cycles > 0 && stats.depth_mean <= depth as f64);
+            if d == t {
+                assert!(
+                    stats.acceptance_by_position.iter().all(|&a| a == 1.0),
+                    "the target drafting for itself: {stats:?}"
+                );
+            }
+            rejected_cycles += stats
+                .acceptance_by_position
+                .iter()
+                .filter(|&&a| a < 1.0)
+                .count();
+            eprintln!("{t} {kv:?} <- {d} depth {depth}: {stats:?}");
+        }
+    }
+    assert!(
+        rejected_cycles > 0,
+        "some pairs must disagree, or rollback was never exercised"
+    );
+}
+
+/// A prompt longer than a paged block and depths that make every cycle's rollback end at a
+/// different offset within the blocks; drafts from a disagreeing model.
+#[test]
+fn paged_rollbacks_across_block_boundaries() {
+    let mut rng = Rng(7);
+    for bs in [2, 4] {
+        let target = load("qwen3_untied", paged(bs));
+        let prompt = gapped_prompt(&target, &mut rng, 13, 40);
+        let want = plain_greedy(&target, &prompt, 40);
+        for depth in [2, 3, 5] {
+            let (got, stats, _) = speculative(
+                &target,
+                load("qwen3_untied_q8g32", KvCacheMode::Flat),
+                &prompt,
+                40,
+                depth,
+            );
+            assert_eq!(got, want, "block size {bs}, depth {depth}");
+            eprintln!("paged {bs} depth {depth}: {stats:?}");
+        }
+    }
+}
+
+/// A drafter that knows the plain greedy continuation and proposes it with every third token
+/// wrong: cycles end part-way at every depth, on every cache kind (MoE and hybrid targets
+/// included), so the target rolls back part of each cycle.
+struct Oracle {
+    prompt_len: usize,
+    truth: Vec<u32>,
+    vocab: usize,
+}
+
+impl mlx_speculative::Drafter for Oracle {
+    fn propose(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        _: &sampling::SamplingConfig,
+    ) -> mlx_models::Result<mlx_speculative::Draft> {
+        let at = history.len() - self.prompt_len;
+        let tokens = (at..at + k)
+            .map(|i| {
+                self.truth.get(i).map_or(0, |&t| {
+                    if i % 3 == 2 {
+                        (t + 1) % self.vocab as u32
+                    } else {
+                        t
+                    }
+                })
+            })
+            .collect();
+        Ok(mlx_speculative::Draft {
+            tokens,
+            logprobs: None,
+        })
+    }
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn default_depth(&self) -> usize {
+        3
+    }
+}
+
+#[test]
+fn partial_acceptance_rolls_back_every_cache_kind() {
+    let mut rng = Rng(5);
+    for (t, kv) in [
+        ("qwen3", paged(4)),
+        ("qwen3_5", KvCacheMode::Flat),
+        ("qwen3_5_moe", KvCacheMode::Flat),
+        ("lfm2", KvCacheMode::Flat),
+        ("gemma3_text", KvCacheMode::Flat),
+        ("gemma4_text", KvCacheMode::Flat),
+        ("gemma4_text", paged(4)),
+        ("qwen3_5", paged(4)),
+    ] {
+        let target = load(t, kv.clone());
+        let prompt = gapped_prompt(&target, &mut rng, 20, 30);
+        // the truth continues past the comparison so the last cycle's drafts are right too
+        let truth = plain_greedy(&target, &prompt, 40);
+        for depth in [1, 2, 4] {
+            let oracle = Oracle {
+                prompt_len: prompt.len() + 1,
+                truth: truth[1..].to_vec(),
+                vocab: target.info().vocab_size,
+            };
+            let mut spec = SpeculativeDecoder::new(Box::new(oracle), Some(depth));
+            let mut cache = target.new_cache();
+            let cfg = GenerateConfig {
+                max_new_tokens: 30,
+                sampling: sampling::SamplingConfig::greedy(),
+                stop_tokens: Some(vec![]),
+                ..Default::default()
+            };
+            let mut gen = generate(&target, &mut cache, &prompt, cfg)
+                .unwrap()
+                .with_speculator(&mut spec);
+            let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+            let st = gen.performance().speculative.unwrap();
+            drop(gen);
+            assert_eq!(got, truth[..30], "target {t} {kv:?}, depth {depth}");
+            if depth > 2 {
+                assert!(
+                    st.accepted_mean > 0.0 && st.accepted_mean < st.depth_mean,
+                    "{t} depth {depth}: partial acceptance expected, {st:?}"
+                );
+            }
+            assert_eq!(cache.offset(), prompt.len() + 30);
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! Speculative decoding inside `generate` and chat sessions: stop tokens, length, cancellation
+//! and the cache left behind (it must hold exactly what plain decoding leaves, so a following
+//! turn continues identically), the thinking-budget refusal, and drafter loading.
+mod common;
+use common::*;
+use mlx_models::chat::ChatMessage;
+use mlx_models::{
+    generate, ChatConfig, ChatSession, FinishReason, GenerateConfig, KvCacheMode, LoadOptions,
+    Model,
+};
+use mlx_speculative::{draft_kind, load_drafter, DraftKind, DraftModel, SpeculativeDecoder};
+use sampling::{SamplingConfig, SamplingOverrides};
+
+fn cfg(n: usize, stop: Vec<u32>) -> GenerateConfig {
+    GenerateConfig {
+        max_new_tokens: n,
+        sampling: SamplingConfig::greedy(),
+        stop_tokens: Some(stop),
+        ..Default::default()
+    }
+}
+
+/// Generate `n` tokens after `prompt`, then `m` more after `more`, on one cache; with or without
+/// speculation. Returns both outputs, the finish reasons and the cache offset at the end.
+fn two_calls(
+    target: &Model,
+    draft: Option<&Model>,
+    prompt: &[u32],
+    n: usize,
+    stop: Vec<u32>,
+    more: &[u32],
+) -> (Vec<u32>, Option<FinishReason>, Vec<u32>, usize) {
+    let mut spec =
+        draft.map(|d| SpeculativeDecoder::new(Box::new(DraftModel::new(d.clone())), Some(4)));
+    let mut cache = target.new_cache();
+    let mut gen = generate(target, &mut cache, prompt, cfg(n, stop)).unwrap();
+    if let Some(s) = spec.as_mut() {
+        gen = gen.with_speculator(s);
+    }
+    let a: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+    let reason = gen.finish_reason();
+    let stop_tok = gen.stop_token();
+    drop(gen);
+    let held = prompt.len() + a.len() + usize::from(stop_tok.is_some());
+    assert_eq!(
+        cache.offset(),
+        held,
+        "the cache holds the prompt, the output and the stop token"
+    );
+    let mut gen = generate(target, &mut cache, more, cfg(12, vec![])).unwrap();
+    if let Some(s) = spec.as_mut() {
+        gen = gen.with_speculator(s);
+    }
+    let b: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+    drop(gen);
+    (a, reason, b, cache.offset())
+}
+
+#[test]
+fn stop_length_and_continuation_match_plain_decoding() {
+    let mut rng = Rng(3);
+    for (t, d, kv) in [
+        ("qwen3_untied", "qwen3_untied_q8g32", KvCacheMode::Flat),
+        ("qwen3_untied", "qwen3_untied_q8g32", paged(4)),
+        ("lfm2_moe", "lfm2_moe_q4", KvCacheMode::Flat),
+    ] {
+        let target = load(t, kv.clone());
+        let draft = load(d, KvCacheMode::Flat);
+        let prompt = gapped_prompt(&target, &mut rng, 12, 50);
+        let plain = plain_greedy(&target, &prompt, 24);
+        let more = [7u32, 8, 9];
+        // a stop token in the middle of a cycle, at several places; and no stop (length)
+        for stop in [vec![plain[6]], vec![plain[11]], vec![plain[17]], vec![]] {
+            let want = two_calls(&target, None, &prompt, 24, stop.clone(), &more);
+            let got = two_calls(&target, Some(&draft), &prompt, 24, stop.clone(), &more);
+            assert_eq!(got, want, "{t} {kv:?}, stop {stop:?}");
+        }
+    }
+}
+
+#[test]
+fn cancellation_leaves_the_handed_out_tokens_in_the_cache() {
+    let target = load("qwen3_untied", KvCacheMode::Flat);
+    let draft = load("qwen3_untied_q8g32", KvCacheMode::Flat);
+    let prompt: Vec<u32> = (0..10).map(|i| 20 + i * 7).collect();
+    let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(5));
+    let mut cache = target.new_cache();
+    let mut gen = generate(&target, &mut cache, &prompt, cfg(30, vec![]))
+        .unwrap()
+        .with_speculator(&mut spec);
+    let cancel = gen.cancel_handle();
+    let mut got = Vec::new();
+    for t in &mut gen {
+        got.push(t.unwrap().id);
+        if got.len() == 3 {
+            cancel.cancel(); // mid-cycle: the cycle produced more than 3 tokens
+        }
+    }
+    assert_eq!(gen.finish_reason(), Some(FinishReason::Cancelled));
+    drop(gen);
+    assert_eq!(got.len(), 3);
+    assert_eq!(got, plain_greedy(&target, &prompt, 3));
+    assert_eq!(cache.offset(), prompt.len() + 3);
+}
+
+#[test]
+fn chat_sessions_decode_speculatively() {
+    let dir = fixture("qwen3");
+    let target = mlx_models::load_model(&dir, &LoadOptions::default())
+        .unwrap()
+        .into_lm()
+        .unwrap();
+    let ccfg = ChatConfig {
+        max_new_tokens: 20,
+        sampling: SamplingOverrides {
+            temperature: Some(0.0),
+            ..Default::default()
+        },
+        report_performance: true,
+        ..Default::default()
+    };
+    let run = |spec: bool| {
+        let mut s = ChatSession::new(target.clone()).unwrap();
+        if spec {
+            s.set_speculator(Some(Box::new(SpeculativeDecoder::new(
+                Box::new(DraftModel::new(load("qwen3", KvCacheMode::Flat))),
+                Some(3),
+            ))));
+        }
+        let a = s
+            .start(vec![ChatMessage::user("hello there")], &ccfg)
+            .unwrap();
+        let b = s.continue_with("and again", &ccfg).unwrap();
+        let perf = b.performance.clone().unwrap();
+        assert_eq!(perf.speculative.is_some(), spec);
+        if spec {
+            // a thinking budget forces tokens: refused while speculating
+            let with_budget = ChatConfig {
+                thinking_token_budget: Some(4),
+                ..ccfg.clone()
+            };
+            assert!(s.continue_with("more", &with_budget).is_err());
+        }
+        (a.text, b.text, s.cached_ids().to_vec())
+    };
+    assert_eq!(run(true), run(false));
+}
+
+#[test]
+fn drafter_kinds_from_config() {
+    let tmp = std::env::temp_dir().join(format!("spec-kinds-{}", std::process::id()));
+    for (name, json, kind) in [
+        (
+            "assistant",
+            r#"{"model_type": "gemma4_assistant"}"#,
+            DraftKind::Gemma4Assistant,
+        ),
+        (
+            "dspark",
+            r#"{"model_type": "gemma4", "architectures": ["Gemma4DSparkModel"]}"#,
+            DraftKind::DSpark,
+        ),
+        (
+            "dflash",
+            r#"{"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}"#,
+            DraftKind::DFlash,
+        ),
+    ] {
+        let d = tmp.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("config.json"), json).unwrap();
+        assert_eq!(draft_kind(&d).unwrap(), kind);
+        let e = load_drafter(&d, &LoadOptions::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("not implemented"), "{e}");
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+    assert_eq!(draft_kind(&fixture("qwen3")).unwrap(), DraftKind::Model);
+    assert!(load_drafter(&fixture("qwen3"), &LoadOptions::default()).is_ok());
+    assert!(draft_kind(&fixture("does-not-exist")).is_err());
+}
+
+/// Adaptive depth: with a draft that never agrees the policy falls back to plain steps (depth
+/// 0) after exploring; the output stays the plain greedy output.
+#[test]
+fn adaptive_depth_turns_a_useless_draft_off() {
+    let target = load("qwen3", KvCacheMode::Flat);
+    let mut rng = Rng(8);
+    let prompt = gapped_prompt(&target, &mut rng, 10, 48);
+    let want = plain_greedy(&target, &prompt, 48);
+    let mut spec = SpeculativeDecoder::adaptive(
+        Box::new(DraftModel::new(load("qwen3_untied", KvCacheMode::Flat))),
+        Some(6),
+    );
+    let mut cache = target.new_cache();
+    let mut gen = generate(&target, &mut cache, &prompt, cfg(48, vec![]))
+        .unwrap()
+        .with_speculator(&mut spec);
+    let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+    let st = gen.performance().speculative.unwrap();
+    drop(gen);
+    assert_eq!(got, want);
+    eprintln!("adaptive, useless draft: {st:?}");
+    assert_eq!(st.accepted_mean, 0.0);
+    // 2 exploring cycles of 6 drafts, then plain steps and a depth-1 probe every 16 cycles
+    assert!(st.depth_mean < 1.0, "mean depth {} (max 6)", st.depth_mean);
+}
