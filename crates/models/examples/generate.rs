@@ -6,9 +6,15 @@
 //! cargo run --release -p mlx-models --example generate -- --model DIR --prompt "Hello" [--chat]
 //! ```
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
+//!
+//! `--distributed ring` (what the `launch` example passes) runs it as one rank of a
+//! tensor-parallel group: the model is sharded over the ranks, and only rank 0 prints (the same
+//! output as one process, then a stderr line with every rank's resident weight bytes).
 use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
 use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, PagedConfig, QuantizedWeights};
+use mlx_array::distributed::{Backend, Group};
+use mlx_array::{memory, Array};
 use sampling::SamplingConfig;
 use std::io::Write;
 use std::path::PathBuf;
@@ -47,6 +53,18 @@ struct Cli {
     /// KV cache: the family's default (auto), flat, or the paged block pool.
     #[arg(long, value_enum, default_value = "auto")]
     kv: Kv,
+    /// Join an MLX distributed group over this backend (started by the `launch` example, or
+    /// by `mlx.launch`) and run tensor parallel over its ranks.
+    #[arg(long, value_enum)]
+    distributed: Option<Distributed>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Distributed {
+    Ring,
+    Mpi,
+    Nccl,
+    Any,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -76,7 +94,25 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Kv::Flat => KvCacheMode::Flat,
         Kv::Paged => KvCacheMode::Paged(PagedConfig::default()),
     };
-    let model = load_model(dir, &LoadOptions { quantized, kv_cache, ..Default::default() })?.into_lm()?;
+    let group = match cli.distributed {
+        Some(d) => Some(Group::init(match d {
+            Distributed::Ring => Backend::Ring,
+            Distributed::Mpi => Backend::Mpi,
+            Distributed::Nccl => Backend::Nccl,
+            Distributed::Any => Backend::Any,
+        })?),
+        None => None,
+    };
+    let before = memory::active()?;
+    let model = load_model(dir, &LoadOptions { quantized, kv_cache, tensor_parallel: group.clone(), ..Default::default() })?.into_lm()?;
+    // Resident weight bytes of each rank (MLX's active memory after the load), in KiB.
+    let kib = ((memory::active()?.saturating_sub(before)) / 1024) as u32;
+    let per_rank = match &group {
+        Some(g) => g.all_gather(&Array::from_slice(&[kib], &[1])?)?.to_vec::<u32>()?,
+        None => vec![kib],
+    };
+    // Only rank 0 prints.
+    let quiet = group.as_ref().is_some_and(|g| g.rank() != 0);
     // The chat template only for --chat; a plain --prompt needs just the tokenizer.
     let format = if cli.chat { Some(ChatFormat::from_dir(dir)?) } else { None };
     let tokenizer = match (&format, cli.prompt.is_some()) {
@@ -112,7 +148,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for t in gen.by_ref() {
         let t = t?;
         ids.push(t.id);
-        if let (Some(d), false) = (decoder.as_mut(), cli.json) {
+        if let (Some(d), false, false) = (decoder.as_mut(), cli.json, quiet) {
             if let Some(s) = d.step(t.id)? {
                 print!("{s}");
                 out.lock().flush()?;
@@ -121,6 +157,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let reason = gen.finish_reason().map(|r| r.as_str()).unwrap_or("stop");
     let perf = gen.performance();
+    if quiet {
+        return Ok(());
+    }
+    if let Some(g) = &group {
+        let total: u64 = per_rank.iter().map(|&k| k as u64).sum();
+        eprintln!("tensor parallel over {} ranks: resident weight KiB per rank {per_rank:?} (sum {total})", g.size());
+    }
     if cli.json {
         let text = match &tokenizer {
             Some(t) => Some(t.decode(&ids, true)?),

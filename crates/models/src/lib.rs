@@ -47,7 +47,7 @@ pub mod weights;
 pub use cache::{Cache, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};
-pub use model::{load_model, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights};
+pub use model::{load_model, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights, TENSOR_PARALLEL_FAMILIES};
 pub use paged::PagedConfig;
 pub use params::{Parameter, ParameterTree};
 pub use session::{load_session, ChatConfig, ChatResult, ChatSession, ChatStream, StreamEvent};

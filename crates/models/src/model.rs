@@ -28,7 +28,16 @@ pub struct LoadOptions {
     pub fuse_projections: Option<bool>,
     /// What to do with MLX-quantized layers (mlx-lm's layout).
     pub quantized: QuantizedWeights,
+    /// Tensor parallelism over this group's ranks (each rank runs the same load and the same
+    /// calls; [`crate::layers::parallel`]): every rank reads and holds only its slices of the
+    /// projections and of the vocabulary, and generation samples on rank 0 only. `None` (or a
+    /// group of one): the whole model. Families: [`TENSOR_PARALLEL_FAMILIES`].
+    pub tensor_parallel: Option<mlx_array::distributed::Group>,
 }
+
+/// The families whose layers load sharded under [`LoadOptions::tensor_parallel`]; the others
+/// refuse the option.
+pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["qwen3", "llama", "qwen2"];
 
 /// How a quantized checkpoint's layers run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -83,13 +92,20 @@ pub struct Model {
     paged: Option<Arc<Mutex<crate::paged::PagedKv>>>,
     info: Arc<ModelInfo>,
     dir: Arc<PathBuf>,
+    /// The tensor-parallel group the model was loaded over.
+    group: Option<mlx_array::distributed::Group>,
 }
 
 impl Model {
     /// Wrap any runtime (e.g. a model built in code).
     pub fn from_runtime(rt: Box<dyn ModelRuntime>, dir: impl Into<PathBuf>) -> Self {
         let info = Arc::new(rt.info().clone());
-        Model { inner: Arc::new(Mutex::new(rt)), paged: None, info, dir: Arc::new(dir.into()) }
+        Model { inner: Arc::new(Mutex::new(rt)), paged: None, info, dir: Arc::new(dir.into()), group: None }
+    }
+
+    /// The tensor-parallel group the model was loaded over ([`LoadOptions::tensor_parallel`]).
+    pub fn tensor_parallel(&self) -> Option<&mlx_array::distributed::Group> {
+        self.group.as_ref()
     }
 
     /// Give the model a shared paged KV pool: caches from [`Model::new_cache`] then live in it.
@@ -187,6 +203,11 @@ pub(crate) fn default_dtype(opts: &LoadOptions) -> Option<DType> {
     crate::layers::runs_on_cpu().then_some(DType::F32)
 }
 
+/// The group of a tensor-parallel load: [`LoadOptions::tensor_parallel`] unless it has one rank.
+fn tensor_parallel(opts: &LoadOptions) -> Option<&mlx_array::distributed::Group> {
+    opts.tensor_parallel.as_ref().filter(|g| g.size() > 1)
+}
+
 /// Load the checkpoint in `dir`, detecting its family from config.json (see [`registry`]).
 pub fn load_model(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     let dir = dir.as_ref();
@@ -206,7 +227,8 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
 
 fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
     let raw = config::read_config_json(dir)?;
-    let mut weights = Weights::load(dir, default_dtype(opts))?;
+    // Tensor parallel: each layer copies only its slices out of the memory-mapped files.
+    let mut weights = if tensor_parallel(opts).is_some() { Weights::open_mapped(dir, default_dtype(opts))? } else { Weights::load(dir, default_dtype(opts))? };
     build_over(dir, &raw, &mut weights, family, opts)
 }
 
@@ -219,6 +241,16 @@ pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weig
             dir.display(),
             family.model_type
         )));
+    }
+    if let Some(g) = tensor_parallel(opts) {
+        if !TENSOR_PARALLEL_FAMILIES.contains(&family.model_type) {
+            return Err(ModelError::UnsupportedOption(format!(
+                "tensor parallelism ({} ranks) is not supported for model_type \"{}\" (supported: {})",
+                g.size(),
+                family.model_type,
+                TENSOR_PARALLEL_FAMILIES.join(", ")
+            )));
+        }
     }
     configure(dir, raw, weights, opts)?;
     let text = config::text_config(raw);
@@ -234,7 +266,8 @@ pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weig
     weights.check_all_used()?;
     Ok(match built {
         Built::Lm(rt) => {
-            let m = Model::from_runtime(rt, dir);
+            let mut m = Model::from_runtime(rt, dir);
+            m.group = tensor_parallel(opts).cloned();
             LoadedModel::Lm(match paged {
                 Some(pc) => m.with_paged_cache(&pc, dtype)?,
                 None => m,
@@ -247,6 +280,7 @@ pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weig
 /// Apply the load options and config.json's quantization entries to `weights`.
 fn configure(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, opts: &LoadOptions) -> Result<()> {
     weights.fuse_projections = opts.fuse_projections;
+    weights.tensor_parallel = tensor_parallel(opts).cloned();
     weights.quant = crate::weights::QuantSpec::from_config(raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
     weights.fp8_block = crate::weights::fp8_block_size(raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
     if weights.quant.is_some() {
