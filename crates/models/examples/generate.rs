@@ -9,7 +9,7 @@
 //!
 //! `--distributed ring` (what the `launch` example passes) runs it as one rank of a
 //! tensor-parallel group: the model is sharded over the ranks, and only rank 0 prints (the same
-//! output as one process, then a stderr line with every rank's resident weight bytes).
+//! output as one process, then a stderr line with the KiB each rank holds after the load).
 use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
 use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, PagedConfig, QuantizedWeights};
@@ -105,7 +105,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let before = memory::active()?;
     let model = load_model(dir, &LoadOptions { quantized, kv_cache, tensor_parallel: group.clone(), ..Default::default() })?.into_lm()?;
-    // Resident weight bytes of each rank (MLX's active memory after the load), in KiB.
+    // What each rank holds after the load (MLX's active memory: the weights, and a paged
+    // cache's first pool blocks), in KiB.
     let kib = ((memory::active()?.saturating_sub(before)) / 1024) as u32;
     let per_rank = match &group {
         Some(g) => g.all_gather(&Array::from_slice(&[kib], &[1])?)?.to_vec::<u32>()?,
@@ -162,7 +163,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(g) = &group {
         let total: u64 = per_rank.iter().map(|&k| k as u64).sum();
-        eprintln!("tensor parallel over {} ranks: resident weight KiB per rank {per_rank:?} (sum {total})", g.size());
+        eprintln!("tensor parallel over {} ranks: KiB resident after load per rank {per_rank:?} (sum {total})", g.size());
     }
     if cli.json {
         let text = match &tokenizer {

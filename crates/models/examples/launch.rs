@@ -6,10 +6,13 @@
 //! cargo run --release -p mlx-models --example launch -- -n 2 path/to/program -- ARGS
 //! ```
 //!
-//! It writes a hostfile with one free port per rank (the JSON `mlx.launch` writes) and starts
-//! the program N times with `MLX_RANK` and `MLX_HOSTFILE` in its environment and
-//! `--distributed ring` appended to ARGS (the examples `generate` and `sft` take that flag and
-//! join the group with `mlx_array::distributed::Group::init`). `generate`, `chat` and `embed`
+//! With `--backend ring` (the default) it writes a hostfile with one free port per rank (the
+//! JSON `mlx.launch` writes) and starts the program N times with `MLX_RANK` and `MLX_HOSTFILE`
+//! in its environment and `--distributed ring` appended to ARGS (the examples `generate` and
+//! `sft` take that flag and join the group with `mlx_array::distributed::Group::init`). With
+//! `--backend nccl` (CUDA builds; one GPU per rank) each rank gets what `mlx.launch` gives an
+//! NCCL rank instead: `MLX_RANK`, `MLX_WORLD_SIZE`, `NCCL_HOST_IP=127.0.0.1`, `NCCL_PORT` (a
+//! free port), `CUDA_VISIBLE_DEVICES=<rank>`, and `--distributed nccl`. `generate`, `chat` and `embed`
 //! (package mlx-models) and `sft` (mlx-training) are built first with the launcher's own profile
 //! when it runs under `cargo run`; another program is a path.
 //!
@@ -28,11 +31,20 @@ struct Cli {
     /// Number of ranks (processes).
     #[arg(short = 'n', long = "ranks", value_parser = clap::value_parser!(u16).range(1..))]
     n: u16,
+    /// MLX distributed backend the ranks join.
+    #[arg(long, value_enum, default_value = "ring")]
+    backend: Backend,
     /// `generate`, `chat`, `embed`, `sft`, or a path to a program.
     program: String,
     /// The program's own arguments (after `--`).
     #[arg(last = true)]
     args: Vec<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Backend {
+    Ring,
+    Nccl,
 }
 
 /// The examples the launcher knows: name -> package.
@@ -49,7 +61,7 @@ fn resolve(program: &str) -> Result<PathBuf, String> {
     if let Some(cargo) = std::env::var_os("CARGO") {
         // Under `cargo run`: build the example with the launcher's profile (a no-op when fresh).
         let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", package, "--example", name]);
+        cmd.args(["build", "-q", "-p", package, "--example", name]);
         match profile_dir.file_name().and_then(|n| n.to_str()) {
             Some("release") => {
                 cmd.arg("--release");
@@ -88,9 +100,27 @@ struct Rank {
     status: Option<ExitStatus>,
 }
 
-fn spawn(exe: &Path, args: &[String], hostfile: &Path, rank: usize) -> Result<Rank, String> {
+/// How the ranks find each other.
+enum Rendezvous {
+    Ring { hostfile: PathBuf },
+    Nccl { port: u16, world: usize },
+}
+
+fn spawn(exe: &Path, args: &[String], how: &Rendezvous, rank: usize) -> Result<Rank, String> {
     let mut cmd = Command::new(exe);
-    cmd.args(args).args(["--distributed", "ring"]).env("MLX_RANK", rank.to_string()).env("MLX_HOSTFILE", hostfile);
+    cmd.args(args).env("MLX_RANK", rank.to_string());
+    match how {
+        Rendezvous::Ring { hostfile } => {
+            cmd.args(["--distributed", "ring"]).env("MLX_HOSTFILE", hostfile);
+        }
+        Rendezvous::Nccl { port, world } => {
+            cmd.args(["--distributed", "nccl"])
+                .env("MLX_WORLD_SIZE", world.to_string())
+                .env("NCCL_HOST_IP", "127.0.0.1")
+                .env("NCCL_PORT", port.to_string())
+                .env("CUDA_VISIBLE_DEVICES", rank.to_string());
+        }
+    }
     if rank != 0 {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     }
@@ -105,12 +135,22 @@ fn run() -> Result<i32, String> {
     let exe = resolve(&cli.program)?;
     let n = cli.n as usize;
     let dir = tempfile::tempdir().map_err(|e| format!("temporary directory: {e}"))?;
-    let hostfile = dir.path().join("hostfile.json");
-    let hosts = mlx_array::distributed::local_ring_hostfile(n).map_err(|e| e.to_string())?;
-    std::fs::write(&hostfile, hosts).map_err(|e| format!("{}: {e}", hostfile.display()))?;
+    let how = match cli.backend {
+        Backend::Ring => {
+            let hostfile = dir.path().join("hostfile.json");
+            let hosts = mlx_array::distributed::local_ring_hostfile(n).map_err(|e| e.to_string())?;
+            std::fs::write(&hostfile, hosts).map_err(|e| format!("{}: {e}", hostfile.display()))?;
+            Rendezvous::Ring { hostfile }
+        }
+        Backend::Nccl => {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("a free port: {e}"))?;
+            let port = l.local_addr().map_err(|e| format!("a free port: {e}"))?.port();
+            Rendezvous::Nccl { port, world: n }
+        }
+    };
     let mut ranks = Vec::with_capacity(n);
     for r in 0..n {
-        match spawn(&exe, &cli.args, &hostfile, r) {
+        match spawn(&exe, &cli.args, &how, r) {
             Ok(rank) => ranks.push(rank),
             Err(e) => {
                 for k in ranks.iter_mut() {

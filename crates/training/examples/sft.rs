@@ -108,6 +108,11 @@ struct Args {
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     json: bool,
+    /// Train data parallel over the ranks of an MLX distributed group, `ring` or `nccl` (what
+    /// the mlx-models `launch` example passes): each rank computes its share of every batch,
+    /// gradients are averaged, and only rank 0 prints and saves.
+    #[arg(long, value_parser = ["ring", "nccl"])]
+    distributed: Option<String>,
 }
 
 fn main() {
@@ -154,7 +159,13 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         clip: ClipConfig { max_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm), max_value: args.clip_value },
         ..Default::default()
     };
-    let mut trainer = match &args.resume {
+    let group = match args.distributed.as_deref() {
+        Some(name) => Some(mlx_array::distributed::Group::init(mlx_array::distributed::Backend::parse(name).ok_or("unknown backend")?)?),
+        None => None,
+    };
+    // Rank 0 prints and saves; the other ranks hold the same state.
+    let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
+    let trainer = match &args.resume {
         Some(r) => {
             if !args.freeze.is_empty() {
                 return Err("--freeze is taken from the checkpoint when resuming".into());
@@ -171,12 +182,16 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             SftTrainer::new(tree, &opts, examples, config)?
         }
     };
+    let mut trainer = match group {
+        Some(g) => trainer.with_data_parallel(g),
+        None => trainer,
+    };
     let save_dtype = match args.save_dtype {
         SaveDtype::F32 => DType::F32,
         SaveDtype::Bf16 => DType::BF16,
         SaveDtype::F16 => DType::F16,
     };
-    let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
+    let bar = (lead && !args.json && std::io::stderr().is_terminal()).then(|| {
         let b = ProgressBar::new(trainer.total_steps());
         b.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}").expect("valid template"));
         b.set_position(trainer.steps_done());
@@ -187,7 +202,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     while let Some(m) = trainer.step()? {
         tokens += m.tokens;
         seconds += m.seconds;
-        if args.json {
+        if args.json && lead {
             serde_json::to_writer(&mut stdout, &m)?;
             writeln!(stdout)?;
             stdout.flush()?;
@@ -196,12 +211,15 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             b.set_position(m.step);
             b.set_message(format!("loss {:.4} lr {:.2e} {:.0} tok/s", m.loss, m.lr, tokens as f64 / seconds.max(1e-9)));
         }
-        if args.save_every.is_some_and(|n| n > 0 && m.step % n == 0) {
+        if lead && args.save_every.is_some_and(|n| n > 0 && m.step % n == 0) {
             trainer.save(&args.out, Some(save_dtype))?;
         }
     }
     if let Some(b) = &bar {
         b.finish();
+    }
+    if !lead {
+        return Ok(());
     }
     trainer.save(&args.out, Some(save_dtype))?;
     if !args.json {

@@ -21,6 +21,7 @@
 //! # Ok(()) }
 //! ```
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod optim;
 pub mod sft;
