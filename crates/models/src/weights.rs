@@ -340,14 +340,14 @@ impl Weights {
     /// `name` copied out of the memory map (`None` when it is not there): whole, then held like
     /// an eagerly loaded tensor, or only `slice` (`axis`, `start..end`), left listed for
     /// [`Weights::shape_of`].
-    fn load_mapped(&self, name: &str, slice: Option<(usize, usize, usize)>) -> Result<Option<Array>> {
+    fn load_mapped(&self, name: &str, slice: Option<(&[usize], usize, usize, usize)>) -> Result<Option<Array>> {
         let Some(m) = &self.mapped else { return Ok(None) };
         let mut pending = m.pending.lock().unwrap_or_else(|e| e.into_inner());
         if !pending.contains_key(name) {
             return Ok(None);
         }
         Ok(Some(match slice {
-            Some((axis, start, end)) => m.ckpt.load_slice(name, axis, start, end, m.float_dtype)?,
+            Some((view, axis, start, end)) => m.ckpt.load_slice_as(name, Some(view), axis, start, end, m.float_dtype)?,
             None => {
                 pending.remove(name);
                 let a = m.ckpt.load(name, m.float_dtype)?;
@@ -524,7 +524,18 @@ impl<'a> Vb<'a> {
     /// ([`Weights::open_mapped`]) only the slice's bytes are copied; a tensor already in memory
     /// is sliced and copied. A random checkpoint records the whole tensor.
     pub fn get_shard(&self, name: &str, shape: &[usize], axis: usize, part: usize, parts: usize) -> Result<Array> {
+        self.get_shard_as(name, shape, shape, axis, part, parts)
+    }
+
+    /// [`Vb::get_shard`] of the tensor `shape` viewed as `view` (the same elements, e.g.
+    /// `[3, h, h]` for a `[3h, h]` projection of three parts, sharded along axis 1): the shard
+    /// comes back in the view's layout.
+    pub fn get_shard_as(&self, name: &str, shape: &[usize], view: &[usize], axis: usize, part: usize, parts: usize) -> Result<Array> {
         let full = self.full(name);
+        if shape.iter().product::<usize>() != view.iter().product::<usize>() {
+            return Err(self.w.err(format!("{full} {shape:?} cannot be viewed as {view:?}")));
+        }
+        let (stored, shape) = (shape, view);
         if axis >= shape.len() || parts == 0 || part >= parts || shape[axis] % parts != 0 {
             return Err(self.w.err(format!("{full} {shape:?}: axis {axis} does not split into {parts} equal parts")));
         }
@@ -533,25 +544,26 @@ impl<'a> Vb<'a> {
         let mut local = shape.to_vec();
         local[axis] = n;
         if let Some(rec) = &self.w.expected {
-            rec.lock().unwrap_or_else(|e| e.into_inner()).push(ExpectedTensor { name: full, shape: shape.to_vec(), init: Init::WEIGHT });
+            rec.lock().unwrap_or_else(|e| e.into_inner()).push(ExpectedTensor { name: full, shape: stored.to_vec(), init: Init::WEIGHT });
             return Ok(Array::zeros(&local, DType::F32)?);
         }
         let held = self.w.map().get(&full).cloned();
         let a = match held {
             Some(a) => {
-                if a.shape() != shape {
-                    return Err(self.w.err(format!("tensor {full} has shape {:?}, expected {shape:?}", a.shape())));
+                if a.shape() != stored {
+                    return Err(self.w.err(format!("tensor {full} has shape {:?}, expected {stored:?}", a.shape())));
                 }
                 // A product with one is a new buffer: the slice does not keep the whole alive.
-                let s = a.slice_axis(axis as i32, start, end)?;
+                let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+                let s = a.reshape(&dims)?.slice_axis(axis as i32, start, end)?;
                 s.mul(&Array::scalar_as(1.0, s.dtype())?)?
             }
             None => {
                 match self.w.shape_of(&full) {
-                    Some(s) if s != shape => return Err(self.w.err(format!("tensor {full} has shape {s:?}, expected {shape:?}"))),
+                    Some(s) if s != stored => return Err(self.w.err(format!("tensor {full} has shape {s:?}, expected {stored:?}"))),
                     _ => {}
                 }
-                self.w.load_mapped(&full, Some((axis, start, end)))?.ok_or_else(|| self.w.err(format!("missing tensor {full}")))?
+                self.w.load_mapped(&full, Some((shape, axis, start, end)))?.ok_or_else(|| self.w.err(format!("missing tensor {full}")))?
             }
         };
         self.w.taken.lock().unwrap_or_else(|e| e.into_inner()).insert(full);

@@ -37,6 +37,7 @@ fn main() {
         ("llama", &fixture("llama"), 2, "auto"),
         ("qwen2 (q/k/v bias)", &fixture("qwen2"), 2, "auto"),
         ("gemma3 (sliding window, logit softcap)", &fixture("gemma3_text"), 2, "auto"),
+        ("lfm2 (short convolutions)", &fixture("lfm2"), 2, "auto"),
         ("qwen3, KV heads repeated", &qwen3_kv4, 4, "auto"),
     ];
     for &(name, dir, n, kv) in cases {
@@ -49,9 +50,9 @@ fn main() {
     for (r, (ok, out)) in outs.iter().enumerate() {
         assert!(!ok && out.contains("2 KV heads, not a multiple of 4"), "rank {r}: {out}");
     }
-    let outs = run_ranks(2, &json!({"dir": fixture("lfm2"), "kv": "auto"}));
+    let outs = run_ranks(2, &json!({"dir": fixture("lfm2_moe"), "kv": "auto"}));
     for (r, (ok, out)) in outs.iter().enumerate() {
-        assert!(!ok && out.contains("tensor parallelism (2 ranks) is not supported for model_type \"lfm2\""), "rank {r}: {out}");
+        assert!(!ok && out.contains("tensor parallelism (2 ranks) is not supported for model_type \"lfm2_moe\""), "rank {r}: {out}");
     }
     println!("test tensor_parallel::refusals ... ok");
 }

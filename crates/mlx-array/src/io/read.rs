@@ -153,12 +153,22 @@ impl SafetensorsFile {
     /// map (a rank's shard of a tensor-parallel layer); floats are converted as in
     /// [`SafetensorsFile::load`].
     pub fn load_slice(&self, name: &str, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
+        self.load_slice_as(name, None, axis, start, end, float_dtype)
+    }
+
+    /// [`SafetensorsFile::load_slice`] of the tensor viewed as `view` (a shape with the same
+    /// number of elements, e.g. `[3, h, h]` for a `[3h, h]` projection of three parts): the
+    /// slice comes back in the view's layout.
+    pub fn load_slice_as(&self, name: &str, view: Option<&[usize]>, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
         check_float_dtype(float_dtype)?;
         let (info, range) = self
             .entries
             .get(name)
             .ok_or_else(|| Error::MissingTensor { name: name.to_string(), path: self.path.clone() })?;
-        let shape = &info.shape;
+        let shape = view.unwrap_or(&info.shape);
+        if shape.iter().product::<usize>() != info.shape.iter().product::<usize>() {
+            return Err(Error::arg("load_slice", format!("{name:?} {:?} viewed as {shape:?}", info.shape)));
+        }
         if axis >= shape.len() || start > end || end > shape[axis] {
             return Err(Error::arg("load_slice", format!("{start}..{end} along axis {axis} of {name:?} {shape:?}")));
         }
@@ -171,7 +181,7 @@ impl SafetensorsFile {
             let at = o * row + start * inner;
             bytes.extend_from_slice(&data[at..at + take]);
         }
-        let mut out_shape = shape.clone();
+        let mut out_shape = shape.to_vec();
         out_shape[axis] = end - start;
         let a = Array::from_raw_bytes(&bytes, &out_shape, info.dtype)?;
         match float_dtype {
@@ -335,8 +345,13 @@ impl Checkpoint {
 
     /// Load `start..end` along `axis` of one tensor (see [`SafetensorsFile::load_slice`]).
     pub fn load_slice(&self, name: &str, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
+        self.load_slice_as(name, None, axis, start, end, float_dtype)
+    }
+
+    /// See [`SafetensorsFile::load_slice_as`].
+    pub fn load_slice_as(&self, name: &str, view: Option<&[usize]>, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
         match self.owner.get(name) {
-            Some(&i) => self.files[i].load_slice(name, axis, start, end, float_dtype),
+            Some(&i) => self.files[i].load_slice_as(name, view, axis, start, end, float_dtype),
             None => Err(Error::MissingTensor { name: name.to_string(), path: self.path.clone() }),
         }
     }
