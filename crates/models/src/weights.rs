@@ -570,6 +570,20 @@ impl<'a> Vb<'a> {
         Ok(a)
     }
 
+    /// Mark `prefix.name` as read without loading it (a tensor another rank holds); an error
+    /// when the checkpoint does not have it.
+    pub fn skip(&self, name: &str) -> Result<()> {
+        let full = self.full(name);
+        if self.w.expected.is_some() {
+            return Err(self.w.err(format!("{full}: a skipped tensor cannot be recorded")));
+        }
+        if !self.w.contains(&full) {
+            return Err(self.w.err(format!("missing tensor {full}")));
+        }
+        self.w.taken.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
+        Ok(())
+    }
+
     /// Like [`Vb::get`], but removes the tensor from the checkpoint map, so its memory goes
     /// once the caller drops it (used when weights are rewritten at load, e.g. fused).
     pub fn take(&self, name: &str, shape: &[usize]) -> Result<Array> {
