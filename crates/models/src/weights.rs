@@ -535,14 +535,27 @@ impl<'a> Vb<'a> {
         if shape.iter().product::<usize>() != view.iter().product::<usize>() {
             return Err(self.w.err(format!("{full} {shape:?} cannot be viewed as {view:?}")));
         }
-        let (stored, shape) = (shape, view);
-        if axis >= shape.len() || parts == 0 || part >= parts || shape[axis] % parts != 0 {
-            return Err(self.w.err(format!("{full} {shape:?}: axis {axis} does not split into {parts} equal parts")));
+        if axis >= view.len() || parts == 0 || part >= parts || view[axis] % parts != 0 {
+            return Err(self.w.err(format!("{full} {view:?}: axis {axis} does not split into {parts} equal parts")));
         }
-        let n = shape[axis] / parts;
-        let (start, end) = (part * n, (part + 1) * n);
+        let n = view[axis] / parts;
+        self.get_range_as(name, shape, view, axis, part * n, (part + 1) * n)
+    }
+
+    /// Elements `start..end` along `axis` of the tensor `prefix.name` of shape `shape` (e.g. a
+    /// rank's heads of one part of a projection whose parts differ in size).
+    pub fn get_range(&self, name: &str, shape: &[usize], axis: usize, start: usize, end: usize) -> Result<Array> {
+        self.get_range_as(name, shape, shape, axis, start, end)
+    }
+
+    fn get_range_as(&self, name: &str, shape: &[usize], view: &[usize], axis: usize, start: usize, end: usize) -> Result<Array> {
+        let full = self.full(name);
+        if axis >= view.len() || start > end || end > view[axis] || shape.iter().product::<usize>() != view.iter().product::<usize>() {
+            return Err(self.w.err(format!("{full} {shape:?} viewed as {view:?}: no range {start}..{end} along axis {axis}")));
+        }
+        let (stored, shape) = (shape, view);
         let mut local = shape.to_vec();
-        local[axis] = n;
+        local[axis] = end - start;
         if let Some(rec) = &self.w.expected {
             rec.lock().unwrap_or_else(|e| e.into_inner()).push(ExpectedTensor { name: full, shape: stored.to_vec(), init: Init::WEIGHT });
             return Ok(Array::zeros(&local, DType::F32)?);

@@ -39,6 +39,8 @@ fn main() {
         ("gemma3 (sliding window, logit softcap)", &fixture("gemma3_text"), 2, "auto"),
         ("lfm2 (short convolutions)", &fixture("lfm2"), 2, "auto"),
         ("lfm2_moe (experts split)", &fixture("lfm2_moe"), 2, "auto"),
+        ("qwen3_5 (gated delta net, gated attention)", &fixture("qwen3_5"), 2, "auto"),
+        ("qwen3_5_moe (experts and shared expert split)", &fixture("qwen3_5_moe"), 2, "auto"),
         ("qwen3, KV heads repeated", &qwen3_kv4, 4, "auto"),
     ];
     for &(name, dir, n, kv) in cases {
@@ -51,9 +53,9 @@ fn main() {
     for (r, (ok, out)) in outs.iter().enumerate() {
         assert!(!ok && out.contains("2 KV heads, not a multiple of 4"), "rank {r}: {out}");
     }
-    let outs = run_ranks(2, &json!({"dir": fixture("qwen3_5"), "kv": "auto"}));
+    let outs = run_ranks(2, &json!({"dir": fixture("gemma4_text"), "kv": "auto"}));
     for (r, (ok, out)) in outs.iter().enumerate() {
-        assert!(!ok && out.contains("tensor parallelism (2 ranks) is not supported for model_type \"qwen3_5\""), "rank {r}: {out}");
+        assert!(!ok && out.contains("tensor parallelism (2 ranks) is not supported for model_type \"gemma4\""), "rank {r}: {out}");
     }
     println!("test tensor_parallel::refusals ... ok");
 }

@@ -178,6 +178,8 @@ pub struct Qwen35Model {
     info: ModelInfo,
     mtp: HashMap<String, Array>,
     notes: Vec<String>,
+    /// KV heads of this rank's cache (all of them unless the load is tensor parallel).
+    kv_heads: usize,
 }
 
 impl Qwen35Model {
@@ -248,7 +250,8 @@ impl Qwen35Model {
         let mtp = load_mtp(weights, raw, family, embed.dtype(), &mut notes)?;
         let info = ModelInfo::decoder(family, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         let norm = RmsNorm::load(&vb.pp("norm"), h, eps, off)?;
-        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, notes })
+        let kv_heads = crate::layers::parallel::per_rank(&vb, "KV heads", cfg.num_key_value_heads)?;
+        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, notes, kv_heads })
     }
 
     pub fn config(&self) -> &Qwen35Config {
@@ -330,7 +333,7 @@ impl ModelRuntime for Qwen35Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }, gated_delta::SLOTS)
+        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.kv_heads, head_dim: self.cfg.head_dim() }, gated_delta::SLOTS)
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         self.stack.forward(tokens, cache, logits, hidden)
