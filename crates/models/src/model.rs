@@ -37,7 +37,7 @@ pub struct LoadOptions {
 
 /// The families whose layers load sharded under [`LoadOptions::tensor_parallel`]; the others
 /// refuse the option.
-pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["qwen3", "llama", "qwen2", "gemma3", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe"];
+pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["qwen3", "llama", "qwen2", "gemma3", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "gemma4"];
 
 /// How a quantized checkpoint's layers run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -41,6 +41,7 @@ fn main() {
         ("lfm2_moe (experts split)", &fixture("lfm2_moe"), 2, "auto"),
         ("qwen3_5 (gated delta net, gated attention)", &fixture("qwen3_5"), 2, "auto"),
         ("qwen3_5_moe (experts and shared expert split)", &fixture("qwen3_5_moe"), 2, "auto"),
+        ("gemma4 (per-layer inputs, KV-shared layers)", &fixture("gemma4_text"), 2, "auto"),
         ("qwen3, KV heads repeated", &qwen3_kv4, 4, "auto"),
     ];
     for &(name, dir, n, kv) in cases {
@@ -53,9 +54,14 @@ fn main() {
     for (r, (ok, out)) in outs.iter().enumerate() {
         assert!(!ok && out.contains("2 KV heads, not a multiple of 4"), "rank {r}: {out}");
     }
-    let outs = run_ranks(2, &json!({"dir": fixture("gemma4_text"), "kv": "auto"}));
+    // One global KV head on Gemma 4's k_eq_v layers; an embedding model.
+    let outs = run_ranks(2, &json!({"dir": fixture("gemma4_text_moe"), "kv": "auto"}));
     for (r, (ok, out)) in outs.iter().enumerate() {
-        assert!(!ok && out.contains("tensor parallelism (2 ranks) is not supported for model_type \"gemma4\""), "rank {r}: {out}");
+        assert!(!ok && out.contains("1 KV heads, not a multiple of 2"), "rank {r}: {out}");
+    }
+    let outs = run_ranks(2, &json!({"dir": fixture("qwen3_embed"), "kv": "auto"}));
+    for (r, (ok, out)) in outs.iter().enumerate() {
+        assert!(!ok && out.contains("tensor parallelism (2 ranks) is not supported for model_type \"harrier\""), "rank {r}: {out}");
     }
     println!("test tensor_parallel::refusals ... ok");
 }
