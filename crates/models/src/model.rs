@@ -31,7 +31,7 @@ pub struct LoadOptions {
     /// Tensor parallelism over this group's ranks (each rank runs the same load and the same
     /// calls; [`crate::layers::parallel`]): every rank reads and holds only its slices of the
     /// projections and of the vocabulary, and generation samples on rank 0 only. `None` (or a
-    /// group of one): the whole model. Families: [`TENSOR_PARALLEL_FAMILIES`].
+    /// group of one): the whole model. Families: [`TENSOR_PARALLEL_FAMILIES`] (every causal LM).
     pub tensor_parallel: Option<mlx_array::distributed::Group>,
 }
 

@@ -10,6 +10,12 @@
 //!   them contributes zeros to an `all_sum`, so every rank gets the exact row) and computes that
 //!   slice of the logits, which an `all_gather` joins.
 //!
+//! - Families with other mixers split them by channel or head the same way: LFM2's short
+//!   convolution (channels of B, C and x), Qwen3.5's GatedDeltaNet (key and value heads).
+//! - Mixture-of-experts layers split the experts (expert parallelism): each rank holds `E / N`
+//!   experts, runs them for every token with the other ranks' experts weighted 0, and the
+//!   partial sums are added over the ranks; the router stays whole on every rank.
+//!
 //! A load shards when [`crate::LoadOptions::tensor_parallel`] gives a group; each rank reads
 //! only its slices from the memory-mapped safetensors ([`crate::weights::Vb::get_shard`]).
 use crate::weights::Vb;
