@@ -12,13 +12,14 @@
 //! `sft` take that flag and join the group with `mlx_array::distributed::Group::init`). With
 //! `--backend nccl` (CUDA builds; one GPU per rank) each rank gets what `mlx.launch` gives an
 //! NCCL rank instead: `MLX_RANK`, `MLX_WORLD_SIZE`, `NCCL_HOST_IP=127.0.0.1`, `NCCL_PORT` (a
-//! free port), `CUDA_VISIBLE_DEVICES=<rank>`, and `--distributed nccl`. `generate`, `chat` and `embed`
-//! (package mlx-models) and `sft` (mlx-training) are built first with the launcher's own profile
-//! when it runs under `cargo run`; another program is a path.
+//! free port), `CUDA_VISIBLE_DEVICES=<rank>`, and `--distributed nccl`. `generate` (package
+//! mlx-models) and `sft` (mlx-training) are built first with the launcher's own profile when it
+//! runs under `cargo run`; another program (one that takes `--distributed`) is a path.
 //!
 //! Rank 0's stdout and stderr pass through; the other ranks' output is kept and shown only if
 //! one of them fails. When a rank fails the others are stopped (they would wait for it in a
-//! collective), its captured stderr is printed and the launcher exits with status 1.
+//! collective), its captured stderr is printed and the launcher exits with status 1 (2 when it
+//! cannot start the ranks).
 use clap::Parser;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -34,7 +35,7 @@ struct Cli {
     /// MLX distributed backend the ranks join.
     #[arg(long, value_enum, default_value = "ring")]
     backend: Backend,
-    /// `generate`, `chat`, `embed`, `sft`, or a path to a program.
+    /// `generate`, `sft`, or a path to a program that takes `--distributed ring|nccl`.
     program: String,
     /// The program's own arguments (after `--`).
     #[arg(last = true)]
@@ -48,12 +49,12 @@ enum Backend {
 }
 
 /// The examples the launcher knows: name -> package.
-const KNOWN: &[(&str, &str)] = &[("generate", "mlx-models"), ("chat", "mlx-models"), ("embed", "mlx-models"), ("sft", "mlx-training")];
+const KNOWN: &[(&str, &str)] = &[("generate", "mlx-models"), ("sft", "mlx-training")];
 
 fn resolve(program: &str) -> Result<PathBuf, String> {
     let Some(&(name, package)) = KNOWN.iter().find(|(n, _)| *n == program) else {
         let p = PathBuf::from(program);
-        return if p.is_file() { Ok(p) } else { Err(format!("{program}: not one of generate, chat, embed, sft, and no such file")) };
+        return if p.is_file() { Ok(p) } else { Err(format!("{program}: neither generate nor sft, and no such file")) };
     };
     let me = std::env::current_exe().map_err(|e| format!("cannot find the launcher's own path: {e}"))?;
     let examples = me.parent().ok_or("the launcher has no directory")?;
