@@ -31,6 +31,10 @@ pub enum Error {
     /// A shard file that a `model.safetensors.index.json` names but that does not exist.
     #[error("shard {shard} named by {index} does not exist")]
     MissingShard { index: PathBuf, shard: PathBuf },
+    /// A multi-process (distributed) operation failed: a backend missing from this build of
+    /// MLX, an environment that describes no group, a collective MLX rejected.
+    #[error("distributed {op}: {msg}")]
+    Distributed { op: &'static str, msg: String },
     /// A tensor that a caller asked for is not in the checkpoint.
     #[error("tensor {name:?} not found in {path}")]
     MissingTensor { name: String, path: PathBuf },

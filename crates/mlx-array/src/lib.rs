@@ -5,7 +5,7 @@
 //! (never an abort), plus safetensors weights I/O.
 //!
 //! Modules: [`ops`] (free functions over several arrays; most ops are methods on [`Array`]),
-//! [`io`] (safetensors), [`random`] (seeded keys), [`grad`] (`value_and_grad`), [`memory`].
+//! [`io`] (safetensors), [`distributed`] (multi-process collectives), [`random`] (seeded keys), [`grad`] (`value_and_grad`), [`memory`].
 //!
 //! ```
 //! use mlx_array::{Array, DType};
@@ -22,6 +22,7 @@
 //! ```
 mod array;
 mod device;
+pub mod distributed;
 mod dtype;
 mod error;
 mod ffi;

@@ -11,9 +11,15 @@
 //! (Qwen3.5; a fixed depth when given, else adaptive up to 5), and the JSON object gains `"speculative": {"cycles",
 //! "accepted_mean", "acceptance_by_position", "depth_mean"}` (`accepted_mean`: accepted draft
 //! tokens per cycle, the target's own token not counted).
+//!
+//! `--distributed ring` (what the `launch` example passes) runs it as one rank of a
+//! tensor-parallel group: the model is sharded over the ranks, and only rank 0 prints (the same
+//! output as one process, then a stderr line with the KiB each rank holds after the load).
 use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
 use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, PagedConfig, QuantizedWeights};
+use mlx_array::distributed::{Backend, Group};
+use mlx_array::{memory, Array};
 use sampling::SamplingConfig;
 use std::io::Write;
 use std::path::PathBuf;
@@ -65,6 +71,18 @@ struct Cli {
     /// MTP drafts per cycle (default: adaptive, up to 5).
     #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
     mtp_depth: Option<u64>,
+    /// Join an MLX distributed group over this backend (started by the `launch` example, or
+    /// by `mlx.launch`) and run tensor parallel over its ranks.
+    #[arg(long, value_enum)]
+    distributed: Option<Distributed>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Distributed {
+    Ring,
+    Mpi,
+    Nccl,
+    Any,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -94,8 +112,30 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Kv::Flat => KvCacheMode::Flat,
         Kv::Paged => KvCacheMode::Paged(PagedConfig::default()),
     };
-    let opts = LoadOptions { quantized, kv_cache, ..Default::default() };
+    let group = match cli.distributed {
+        Some(d) => Some(Group::init(match d {
+            Distributed::Ring => Backend::Ring,
+            Distributed::Mpi => Backend::Mpi,
+            Distributed::Nccl => Backend::Nccl,
+            Distributed::Any => Backend::Any,
+        })?),
+        None => None,
+    };
+    let before = memory::active()?;
+    let opts = LoadOptions { quantized, kv_cache, tensor_parallel: group.clone(), ..Default::default() };
     let model = load_model(dir, &opts)?.into_lm()?;
+    // What each rank holds after the load (MLX's active memory: the weights, and a paged
+    // cache's first pool blocks), in KiB.
+    let kib = ((memory::active()?.saturating_sub(before)) / 1024) as u32;
+    let per_rank = match &group {
+        Some(g) => g.all_gather(&Array::from_slice(&[kib], &[1])?)?.to_vec::<u32>()?,
+        None => vec![kib],
+    };
+    // Only rank 0 prints.
+    let quiet = group.as_ref().is_some_and(|g| g.rank() != 0);
+    if group.is_some() && (cli.draft_model.is_some() || cli.mtp) {
+        return Err("speculative decoding (--draft-model, --mtp) does not run tensor parallel (--distributed)".into());
+    }
     let mut spec = match (&cli.draft_model, cli.mtp) {
         (Some(d), _) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter(d, &opts)?, cli.draft_tokens.map(|k| k as usize))),
         (None, true) => {
@@ -145,7 +185,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for t in gen.by_ref() {
         let t = t?;
         ids.push(t.id);
-        if let (Some(d), false) = (decoder.as_mut(), cli.json) {
+        if let (Some(d), false, false) = (decoder.as_mut(), cli.json, quiet) {
             if let Some(s) = d.step(t.id)? {
                 print!("{s}");
                 out.lock().flush()?;
@@ -154,6 +194,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let reason = gen.finish_reason().map(|r| r.as_str()).unwrap_or("stop");
     let perf = gen.performance();
+    if quiet {
+        return Ok(());
+    }
+    if let Some(g) = &group {
+        let total: u64 = per_rank.iter().map(|&k| k as u64).sum();
+        eprintln!("tensor parallel over {} ranks: KiB resident after load per rank {per_rank:?} (sum {total})", g.size());
+    }
     if cli.json {
         let text = match &tokenizer {
             Some(t) => Some(t.decode(&ids, true)?),

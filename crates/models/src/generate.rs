@@ -257,12 +257,16 @@ impl<'a> Generator<'a> {
         let out = self.model.with_runtime(|rt| rt.forward(input, self.cache, Logits::Last, false))?;
         let sampled = out.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into())).and_then(|l| {
             let logits = l.reshape(&[1, -1])?;
-            self.sampler.sample(&logits, &[&self.history]).map_err(|e| ModelError::InvalidInput(e.to_string()))
+            let mut sample = |lg: &Array| self.sampler.sample(lg, &[&self.history]).map(|s| (s.tokens, s.logprobs)).map_err(|e| ModelError::InvalidInput(e.to_string()));
+            match self.model.tensor_parallel() {
+                Some(g) => crate::layers::parallel::sample_on_root(g, &logits, self.model.info().vocab_size, sample),
+                None => sample(&logits),
+            }
         });
         match sampled {
-            Ok(s) => {
-                self.cache.async_eval_with(&[&s.tokens, &s.logprobs])?;
-                Ok((s.tokens, s.logprobs))
+            Ok((tokens, logprobs)) => {
+                self.cache.async_eval_with(&[&tokens, &logprobs])?;
+                Ok((tokens, logprobs))
             }
             Err(e) => {
                 self.cache.eval_with(&[])?; // the forward's pool writes must still be queued

@@ -52,7 +52,7 @@ pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, E
 pub use cache::{Cache, CacheSnapshot, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, SpeculativeStats, Speculator, Token};
-pub use model::{load_model, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights};
+pub use model::{load_model, KvCacheMode, LoadOptions, LoadedModel, Model, QuantizedWeights, TENSOR_PARALLEL_FAMILIES};
 pub use paged::PagedConfig;
 pub use params::{Parameter, ParameterTree};
 pub use layers::LoraSettings;

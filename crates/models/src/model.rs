@@ -29,7 +29,16 @@ pub struct LoadOptions {
     /// over config.json's `use_block_paged_cache` and the family's default. An unknown family
     /// name is an error.
     pub force_paged: std::collections::BTreeMap<String, bool>,
+    /// Tensor parallelism over this group's ranks (each rank runs the same load and the same
+    /// calls; [`crate::layers::parallel`]): every rank reads and holds only its slices of the
+    /// projections and of the vocabulary, and generation samples on rank 0 only. `None` (or a
+    /// group of one): the whole model. Families: [`TENSOR_PARALLEL_FAMILIES`] (every causal LM).
+    pub tensor_parallel: Option<mlx_array::distributed::Group>,
 }
+
+/// The families whose layers load sharded under [`LoadOptions::tensor_parallel`]; the others
+/// refuse the option.
+pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["qwen3", "llama", "qwen2", "gemma3", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "gemma4"];
 
 /// How a quantized checkpoint's layers run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -86,13 +95,20 @@ pub struct Model {
     paged: Option<Arc<Mutex<crate::paged::PagedKv>>>,
     info: Arc<ModelInfo>,
     dir: Arc<PathBuf>,
+    /// The tensor-parallel group the model was loaded over.
+    group: Option<mlx_array::distributed::Group>,
 }
 
 impl Model {
     /// Wrap any runtime (e.g. a model built in code).
     pub fn from_runtime(rt: Box<dyn ModelRuntime>, dir: impl Into<PathBuf>) -> Self {
         let info = Arc::new(rt.info().clone());
-        Model { inner: Arc::new(Mutex::new(rt)), paged: None, info, dir: Arc::new(dir.into()) }
+        Model { inner: Arc::new(Mutex::new(rt)), paged: None, info, dir: Arc::new(dir.into()), group: None }
+    }
+
+    /// The tensor-parallel group the model was loaded over ([`LoadOptions::tensor_parallel`]).
+    pub fn tensor_parallel(&self) -> Option<&mlx_array::distributed::Group> {
+        self.group.as_ref()
     }
 
     /// Give the model a shared paged KV pool: caches from [`Model::new_cache`] then live in it.
@@ -190,6 +206,11 @@ pub(crate) fn default_dtype(opts: &LoadOptions) -> Option<DType> {
     crate::layers::runs_on_cpu().then_some(DType::F32)
 }
 
+/// The group of a tensor-parallel load: [`LoadOptions::tensor_parallel`] unless it has one rank.
+fn tensor_parallel(opts: &LoadOptions) -> Option<&mlx_array::distributed::Group> {
+    opts.tensor_parallel.as_ref().filter(|g| g.size() > 1)
+}
+
 /// Load the checkpoint in `dir`, detecting its family from config.json (see [`registry`]).
 pub fn load_model(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     let dir = dir.as_ref();
@@ -209,13 +230,24 @@ pub(crate) fn load_family(dir: &Path, family: &'static Family, opts: &LoadOption
 
 fn build_family(dir: &Path, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
     let raw = config::read_config_json(dir)?;
-    let mut weights = Weights::load(dir, default_dtype(opts))?;
+    // Tensor parallel: each layer copies only its slices out of the memory-mapped files.
+    let mut weights = if tensor_parallel(opts).is_some() { Weights::open_mapped(dir, default_dtype(opts))? } else { Weights::load(dir, default_dtype(opts))? };
     build_over(dir, &raw, &mut weights, family, opts)
 }
 
 /// Build `family`'s model over `weights` (a checkpoint's tensors, or a parameter tree's): the
 /// load options applied to the weights, sanitize, construction, the strict check, the cache.
 pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, family: &'static Family, opts: &LoadOptions) -> Result<LoadedModel> {
+    if let Some(g) = tensor_parallel(opts) {
+        if !TENSOR_PARALLEL_FAMILIES.contains(&family.model_type) {
+            return Err(ModelError::UnsupportedOption(format!(
+                "tensor parallelism ({} ranks) is not supported for model_type \"{}\" (supported: {})",
+                g.size(),
+                family.model_type,
+                TENSOR_PARALLEL_FAMILIES.join(", ")
+            )));
+        }
+    }
     configure(dir, raw, weights, opts)?;
     let text = config::text_config(raw);
     let paged_default = match family.kv_default {
@@ -236,7 +268,8 @@ pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weig
     weights.check_all_used()?;
     Ok(match built {
         Built::Lm(rt) => {
-            let m = Model::from_runtime(rt, dir);
+            let mut m = Model::from_runtime(rt, dir);
+            m.group = tensor_parallel(opts).cloned();
             LoadedModel::Lm(match paged {
                 Some(pc) => m.with_paged_cache(&pc, dtype)?,
                 None => m,
@@ -249,6 +282,7 @@ pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weig
 /// Apply the load options and config.json's quantization entries to `weights`.
 fn configure(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, opts: &LoadOptions) -> Result<()> {
     weights.fuse_projections = opts.fuse_projections;
+    weights.tensor_parallel = tensor_parallel(opts).cloned();
     weights.quant = crate::weights::QuantSpec::from_config(raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
     weights.fp8_block = crate::weights::fp8_block_size(raw).map_err(|reason| ModelError::MalformedConfig { path: dir.to_path_buf(), reason })?;
     if weights.quant.is_some() {

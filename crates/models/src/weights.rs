@@ -62,6 +62,18 @@ pub struct Weights {
     pub(crate) fp8_block: Option<[usize; 2]>,
     /// How projections with `lora_a`/`lora_b` tensors run their adapters.
     pub(crate) lora: Option<crate::layers::LoraSettings>,
+    /// [`crate::LoadOptions::tensor_parallel`]: layers that shard load this rank's slices.
+    pub(crate) tensor_parallel: Option<mlx_array::distributed::Group>,
+    /// [`Weights::open_mapped`]: tensors not read yet stay in the memory-mapped files.
+    mapped: Option<Mapped>,
+}
+
+/// The memory-mapped checkpoint behind [`Weights::open_mapped`] and the tensors it still holds.
+struct Mapped {
+    ckpt: mlx_array::io::Checkpoint,
+    float_dtype: Option<DType>,
+    /// Not read (nor set aside) yet: name -> (dtype after conversion, shape).
+    pending: Mutex<HashMap<String, (DType, Vec<usize>)>>,
 }
 
 /// `quantization_config` of a block-scaled FP8 checkpoint (Qwen3's and DeepSeek's FP8 releases):
@@ -179,6 +191,8 @@ impl Weights {
             dequantize_to: None,
             fp8_block: None,
             lora: None,
+            tensor_parallel: None,
+            mapped: None,
         }
     }
 
@@ -215,9 +229,17 @@ impl Weights {
     /// an error for [`Weights::check_all_used`]); returns how many.
     pub fn set_aside(&mut self, pred: impl Fn(&str) -> bool) -> usize {
         let map = self.tensors.get_mut().unwrap_or_else(|e| e.into_inner());
-        let names: Vec<String> = map.keys().filter(|k| pred(k)).cloned().collect();
+        let mut names: Vec<String> = map.keys().filter(|k| pred(k)).cloned().collect();
         for n in &names {
             map.remove(n);
+        }
+        if let Some(m) = &mut self.mapped {
+            let pending = m.pending.get_mut().unwrap_or_else(|e| e.into_inner());
+            let more: Vec<String> = pending.keys().filter(|k| pred(k)).cloned().collect();
+            for n in &more {
+                pending.remove(n);
+            }
+            names.extend(more);
         }
         let n = names.len();
         self.set_aside.get_mut().unwrap_or_else(|e| e.into_inner()).extend(names);
@@ -280,6 +302,69 @@ impl Weights {
         Ok(Self::from_map(tensors, dir))
     }
 
+    /// The files [`Weights::load`] reads, memory-mapped, with nothing copied yet: each tensor is
+    /// copied out when a layer reads it, and a sharded layer ([`Vb::get_shard`]) copies only
+    /// its slice, so a tensor-parallel rank holds about its share of the model.
+    pub fn open_mapped(dir: &Path, float_dtype: Option<DType>) -> Result<Self> {
+        let ckpt = if dir.join("model.safetensors.index.json").exists() {
+            mlx_array::io::Checkpoint::open(dir)?
+        } else {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| ModelError::io(dir, e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                return Err(ModelError::Checkpoint { path: dir.to_path_buf(), msg: "no safetensors weights found".into() });
+            }
+            mlx_array::io::Checkpoint::open_files(dir, &files)?
+        };
+        let pending = ckpt
+            .tensors()
+            .into_iter()
+            .map(|t| {
+                let dt = match float_dtype {
+                    Some(f) if t.dtype.is_float() => f,
+                    _ => t.dtype,
+                };
+                (t.name, (dt, t.shape))
+            })
+            .collect();
+        let mut w = Self::from_map(HashMap::new(), dir);
+        w.mapped = Some(Mapped { ckpt, float_dtype, pending: Mutex::new(pending) });
+        Ok(w)
+    }
+
+    fn pending(&self) -> Option<std::sync::MutexGuard<'_, HashMap<String, (DType, Vec<usize>)>>> {
+        self.mapped.as_ref().map(|m| m.pending.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// `name` copied out of the memory map (`None` when it is not there): whole, then held like
+    /// an eagerly loaded tensor, or only `slice` (`axis`, `start..end`), left listed for
+    /// [`Weights::shape_of`].
+    fn load_mapped(&self, name: &str, slice: Option<(&[usize], usize, usize, usize)>) -> Result<Option<Array>> {
+        let Some(m) = &self.mapped else { return Ok(None) };
+        let mut pending = m.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if !pending.contains_key(name) {
+            return Ok(None);
+        }
+        Ok(Some(match slice {
+            Some((view, axis, start, end)) => m.ckpt.load_slice_as(name, Some(view), axis, start, end, m.float_dtype)?,
+            None => {
+                pending.remove(name);
+                let a = m.ckpt.load(name, m.float_dtype)?;
+                self.map().insert(name.to_string(), a.clone());
+                a
+            }
+        }))
+    }
+
+    /// The group a tensor-parallel load shards over (`None`: every layer whole).
+    pub fn tensor_parallel(&self) -> Option<&mlx_array::distributed::Group> {
+        self.tensor_parallel.as_ref()
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -300,7 +385,9 @@ impl Weights {
 
     /// Whether the checkpoint has `name` (also after a model has taken it with [`Vb::take`]).
     pub fn contains(&self, name: &str) -> bool {
-        self.map().contains_key(name) || self.taken.lock().unwrap_or_else(|e| e.into_inner()).contains(name)
+        self.map().contains_key(name)
+            || self.taken.lock().unwrap_or_else(|e| e.into_inner()).contains(name)
+            || self.pending().is_some_and(|p| p.contains_key(name))
     }
 
     /// Where a decoder's tensors live: `model.` (…ForCausalLM), `model.language_model.`
@@ -312,18 +399,22 @@ impl Weights {
 
     /// The shape of tensor `name` (without marking it read), `None` if absent.
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
-        self.map().get(name).map(|a| a.shape())
+        self.map().get(name).map(|a| a.shape()).or_else(|| self.pending().and_then(|p| p.get(name).map(|(_, s)| s.clone())))
     }
 
     /// The names of the tensors still held (taken ones excluded), unsorted.
     pub fn names(&self) -> Vec<String> {
-        self.map().keys().cloned().collect()
+        let mut v: Vec<String> = self.map().keys().cloned().collect();
+        if let Some(p) = self.pending() {
+            v.extend(p.keys().cloned());
+        }
+        v
     }
 
     /// The dtype of some floating-point tensor (the checkpoint's compute dtype), without
     /// marking anything as read.
     pub fn float_dtype(&self) -> Option<DType> {
-        self.map().values().map(|a| a.dtype()).find(|d| d.is_float())
+        self.map().values().map(|a| a.dtype()).find(|d| d.is_float()).or_else(|| self.pending().and_then(|p| p.values().map(|(d, _)| *d).find(|d| d.is_float())))
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Array>> {
@@ -334,6 +425,9 @@ impl Weights {
     pub fn unused(&self) -> Vec<String> {
         let taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
         let mut v: Vec<String> = self.map().keys().filter(|k| !taken.contains(*k)).cloned().collect();
+        if let Some(p) = self.pending() {
+            v.extend(p.keys().filter(|k| !taken.contains(*k)).cloned());
+        }
         v.sort();
         v
     }
@@ -412,7 +506,10 @@ impl<'a> Vb<'a> {
         if self.w.expected.is_some() {
             return Err(self.w.err(format!("{full}: a tensor of unknown shape cannot be recorded")));
         }
-        let found = self.w.map().get(&full).cloned();
+        let mut found = self.w.map().get(&full).cloned();
+        if found.is_none() {
+            found = self.w.load_mapped(&full, None)?;
+        }
         match found {
             Some(a) => {
                 if let Some(log) = &self.w.read_log {
@@ -423,6 +520,84 @@ impl<'a> Vb<'a> {
             }
             None => Err(self.w.err(format!("missing tensor {full}"))),
         }
+    }
+
+    /// Part `part` of `parts` equal slices along `axis` of the tensor `prefix.name`, whose whole
+    /// shape must be `shape` (a tensor-parallel rank's shard). From a memory-mapped checkpoint
+    /// ([`Weights::open_mapped`]) only the slice's bytes are copied; a tensor already in memory
+    /// is sliced and copied. A random checkpoint records the whole tensor.
+    pub fn get_shard(&self, name: &str, shape: &[usize], axis: usize, part: usize, parts: usize) -> Result<Array> {
+        self.get_shard_as(name, shape, shape, axis, part, parts)
+    }
+
+    /// [`Vb::get_shard`] of the tensor `shape` viewed as `view` (the same elements, e.g.
+    /// `[3, h, h]` for a `[3h, h]` projection of three parts, sharded along axis 1): the shard
+    /// comes back in the view's layout.
+    pub fn get_shard_as(&self, name: &str, shape: &[usize], view: &[usize], axis: usize, part: usize, parts: usize) -> Result<Array> {
+        let full = self.full(name);
+        if shape.iter().product::<usize>() != view.iter().product::<usize>() {
+            return Err(self.w.err(format!("{full} {shape:?} cannot be viewed as {view:?}")));
+        }
+        if axis >= view.len() || parts == 0 || part >= parts || view[axis] % parts != 0 {
+            return Err(self.w.err(format!("{full} {view:?}: axis {axis} does not split into {parts} equal parts")));
+        }
+        let n = view[axis] / parts;
+        self.get_range_as(name, shape, view, axis, part * n, (part + 1) * n)
+    }
+
+    /// Elements `start..end` along `axis` of the tensor `prefix.name` of shape `shape` (e.g. a
+    /// rank's heads of one part of a projection whose parts differ in size).
+    pub fn get_range(&self, name: &str, shape: &[usize], axis: usize, start: usize, end: usize) -> Result<Array> {
+        self.get_range_as(name, shape, shape, axis, start, end)
+    }
+
+    fn get_range_as(&self, name: &str, shape: &[usize], view: &[usize], axis: usize, start: usize, end: usize) -> Result<Array> {
+        let full = self.full(name);
+        if axis >= view.len() || start > end || end > view[axis] || shape.iter().product::<usize>() != view.iter().product::<usize>() {
+            return Err(self.w.err(format!("{full} {shape:?} viewed as {view:?}: no range {start}..{end} along axis {axis}")));
+        }
+        let (stored, shape) = (shape, view);
+        let mut local = shape.to_vec();
+        local[axis] = end - start;
+        if let Some(rec) = &self.w.expected {
+            rec.lock().unwrap_or_else(|e| e.into_inner()).push(ExpectedTensor { name: full, shape: stored.to_vec(), init: Init::WEIGHT });
+            return Ok(Array::zeros(&local, DType::F32)?);
+        }
+        let held = self.w.map().get(&full).cloned();
+        let a = match held {
+            Some(a) => {
+                if a.shape() != stored {
+                    return Err(self.w.err(format!("tensor {full} has shape {:?}, expected {stored:?}", a.shape())));
+                }
+                // A product with one is a new buffer: the slice does not keep the whole alive.
+                let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+                let s = a.reshape(&dims)?.slice_axis(axis as i32, start, end)?;
+                s.mul(&Array::scalar_as(1.0, s.dtype())?)?
+            }
+            None => {
+                match self.w.shape_of(&full) {
+                    Some(s) if s != stored => return Err(self.w.err(format!("tensor {full} has shape {s:?}, expected {stored:?}"))),
+                    _ => {}
+                }
+                self.w.load_mapped(&full, Some((shape, axis, start, end)))?.ok_or_else(|| self.w.err(format!("missing tensor {full}")))?
+            }
+        };
+        self.w.taken.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
+        Ok(a)
+    }
+
+    /// Mark `prefix.name` as read without loading it (a tensor another rank holds); an error
+    /// when the checkpoint does not have it.
+    pub fn skip(&self, name: &str) -> Result<()> {
+        let full = self.full(name);
+        if self.w.expected.is_some() {
+            return Err(self.w.err(format!("{full}: a skipped tensor cannot be recorded")));
+        }
+        if !self.w.contains(&full) {
+            return Err(self.w.err(format!("missing tensor {full}")));
+        }
+        self.w.taken.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
+        Ok(())
     }
 
     /// Like [`Vb::get`], but removes the tensor from the checkpoint map, so its memory goes

@@ -140,6 +140,11 @@ struct Args {
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     json: bool,
+    /// Train data parallel over the ranks of an MLX distributed group, `ring` or `nccl` (what
+    /// the mlx-models `launch` example passes): each rank computes its share of every batch,
+    /// gradients are averaged, and only rank 0 prints and saves.
+    #[arg(long, value_parser = ["ring", "nccl"])]
+    distributed: Option<String>,
 }
 
 fn main() {
@@ -218,7 +223,13 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         max_nan_gradients: args.max_nan_gradients,
         ..Default::default()
     };
-    let mut trainer = match &args.resume {
+    let group = match args.distributed.as_deref() {
+        Some(name) => Some(mlx_array::distributed::Group::init(mlx_array::distributed::Backend::parse(name).ok_or("unknown backend")?)?),
+        None => None,
+    };
+    // Rank 0 prints and saves; the other ranks hold the same state.
+    let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
+    let trainer = match &args.resume {
         Some(r) => {
             if !args.freeze.is_empty() {
                 return Err("--freeze is taken from the checkpoint when resuming".into());
@@ -245,12 +256,16 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     if args.fuse && trainer.config().lora.is_none() {
         return Err("--fuse applies to LoRA runs".into());
     }
+    let mut trainer = match group {
+        Some(g) => trainer.with_data_parallel(g),
+        None => trainer,
+    };
     let save_dtype = match args.save_dtype {
         SaveDtype::F32 => DType::F32,
         SaveDtype::Bf16 => DType::BF16,
         SaveDtype::F16 => DType::F16,
     };
-    let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
+    let bar = (lead && !args.json && std::io::stderr().is_terminal()).then(|| {
         let b = ProgressBar::new(trainer.total_steps());
         b.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}").expect("valid template"));
         b.set_position(trainer.steps_done());
@@ -263,14 +278,16 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             Ok(Some(m)) => m,
             Ok(None) => break,
             Err(e @ TrainError::NanGradients { .. }) => {
-                trainer.save(&args.out, Some(save_dtype))?;
+                if lead {
+                    trainer.save(&args.out, Some(save_dtype))?;
+                }
                 return Err(format!("{e}; the last finite state is saved in {}", args.out.display()).into());
             }
             Err(e) => return Err(e.into()),
         };
         tokens += m.tokens;
         seconds += m.seconds;
-        if args.json {
+        if args.json && lead {
             serde_json::to_writer(&mut stdout, &m)?;
             writeln!(stdout)?;
             stdout.flush()?;
@@ -279,12 +296,15 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             b.set_position(m.step);
             b.set_message(format!("loss {:.4} lr {:.2e} {:.0} tok/s", m.loss, m.lr, tokens as f64 / seconds.max(1e-9)));
         }
-        if args.save_every.is_some_and(|n| n > 0 && m.step % n == 0) {
+        if lead && args.save_every.is_some_and(|n| n > 0 && m.step % n == 0) {
             trainer.save(&args.out, Some(save_dtype))?;
         }
     }
     if let Some(b) = &bar {
         b.finish();
+    }
+    if !lead {
+        return Ok(());
     }
     if args.fuse {
         trainer.save_fused(&args.out, Some(save_dtype))?;

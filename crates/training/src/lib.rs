@@ -23,6 +23,7 @@
 //! # Ok(()) }
 //! ```
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod grpo;
 pub mod guard;

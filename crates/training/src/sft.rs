@@ -192,6 +192,8 @@ pub struct SftTrainer {
     head: Head,
     pad_id: u32,
     guard: NanGuard,
+    /// Data-parallel group ([`SftTrainer::with_data_parallel`]).
+    data_parallel: Option<mlx_array::distributed::Group>,
 }
 
 fn model_err(e: impl std::fmt::Display) -> mlx_array::Error {
@@ -225,7 +227,7 @@ impl SftTrainer {
         };
         let pad_id = config.pad_id.or_else(|| cfg.get("pad_token_id").and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok())).unwrap_or(0);
         let guard = NanGuard::new(config.max_nan_gradients);
-        let mut t = SftTrainer { tree, opts, config, examples, optimizer, progress, head: Head::Model, pad_id, guard };
+        let mut t = SftTrainer { tree, opts, config, examples, optimizer, progress, head: Head::Model, pad_id, guard, data_parallel: None };
         t.head = t.pick_head(&cfg)?;
         Ok(t)
     }
@@ -443,15 +445,27 @@ impl SftTrainer {
             let end = (p.position + self.config.batch_size).min(p.order.len());
             let picked: Vec<&Example> = p.order[p.position..end].iter().map(|&i| &self.examples[i]).collect();
             p.position = end;
+            // Data parallel: this rank's share of the batch, gradients averaged over the ranks.
+            let picked = match &self.data_parallel {
+                Some(g) => picked[crate::distributed::rank_share(picked.len(), g.rank(), g.size())?].to_vec(),
+                None => picked,
+            };
             let batch = make_batch(&picked, self.pad_id)?;
             let dropout_seed = lora_dropout_seed(self.config.seed, self.progress.step, count);
             self.set_lora_dropout(Some(dropout_seed));
             let result = self.batch_gradients(&batch);
             self.set_lora_dropout(None);
             let (loss, grads) = result?;
+            let (loss, grads, positions, batch_tokens) = match &self.data_parallel {
+                Some(g) => {
+                    let r = crate::distributed::reduce_gradients(g, loss, batch.positions.len(), batch.tokens, &grads)?;
+                    (r.loss, r.grads, r.positions, r.tokens)
+                }
+                None => (loss, grads, batch.positions.len(), batch.tokens),
+            };
             loss_sum += loss as f64;
-            loss_tokens += batch.positions.len();
-            tokens += batch.tokens;
+            loss_tokens += positions;
+            tokens += batch_tokens;
             count += 1;
             acc = Some(match acc {
                 None => grads,
@@ -508,6 +522,18 @@ impl SftTrainer {
     /// Updates skipped so far for non-finite gradients ([`crate::guard`]).
     pub fn nan_skipped(&self) -> u64 {
         self.guard.skipped()
+    }
+
+    /// Train data parallel over `group`'s ranks ([`crate::distributed`]): every rank runs the
+    /// same trainer (same model, data, config and seed); each computes the gradients of its
+    /// share of every batch ([`crate::distributed::rank_share`]) and the ranks average them
+    /// before the update, so the parameters, optimizer state and metrics stay the same on every
+    /// rank and equal a single process's on the whole batch (up to f32 summation order). Every
+    /// batch needs at least one example per rank. A group of one changes nothing. Saving is
+    /// the caller's choice: one rank (rank 0) is enough, every rank holding the same state.
+    pub fn with_data_parallel(mut self, group: mlx_array::distributed::Group) -> Self {
+        self.data_parallel = Some(group).filter(|g| g.size() > 1);
+        self
     }
 
     /// Updates applied so far.

@@ -149,6 +149,51 @@ impl SafetensorsFile {
         }
     }
 
+    /// Load only `start..end` along `axis` of one tensor, copying just those bytes out of the
+    /// map (a rank's shard of a tensor-parallel layer); floats are converted as in
+    /// [`SafetensorsFile::load`].
+    pub fn load_slice(&self, name: &str, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
+        self.load_slice_as(name, None, axis, start, end, float_dtype)
+    }
+
+    /// [`SafetensorsFile::load_slice`] of the tensor viewed as `view` (a shape with the same
+    /// number of elements, e.g. `[3, h, h]` for a `[3h, h]` projection of three parts): the
+    /// slice comes back in the view's layout.
+    pub fn load_slice_as(&self, name: &str, view: Option<&[usize]>, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
+        check_float_dtype(float_dtype)?;
+        let (info, range) = self
+            .entries
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { name: name.to_string(), path: self.path.clone() })?;
+        let shape = view.unwrap_or(&info.shape);
+        if shape.iter().product::<usize>() != info.shape.iter().product::<usize>() {
+            return Err(Error::arg("load_slice", format!("{name:?} {:?} viewed as {shape:?}", info.shape)));
+        }
+        if axis >= shape.len() || start > end || end > shape[axis] {
+            return Err(Error::arg("load_slice", format!("{start}..{end} along axis {axis} of {name:?} {shape:?}")));
+        }
+        let inner: usize = shape[axis + 1..].iter().product::<usize>() * info.dtype.size();
+        let outer: usize = shape[..axis].iter().product();
+        let (row, take) = (shape[axis] * inner, (end - start) * inner);
+        let data = &self.mmap[range.clone()];
+        let mut bytes = Vec::with_capacity(outer * take);
+        for o in 0..outer {
+            let at = o * row + start * inner;
+            bytes.extend_from_slice(&data[at..at + take]);
+        }
+        let mut out_shape = shape.to_vec();
+        out_shape[axis] = end - start;
+        let a = Array::from_raw_bytes(&bytes, &out_shape, info.dtype)?;
+        match float_dtype {
+            Some(d) if info.dtype.is_float() && info.dtype != d => {
+                let c = a.astype(d)?;
+                c.eval()?;
+                Ok(c)
+            }
+            _ => Ok(a),
+        }
+    }
+
     /// Load every tensor.
     pub fn load_all(&self, float_dtype: Option<DType>) -> Result<HashMap<String, Array>> {
         self.entries.keys().map(|n| Ok((n.clone(), self.load(n, float_dtype)?))).collect()
@@ -296,6 +341,25 @@ impl Checkpoint {
             Some(&i) => self.files[i].load(name, float_dtype),
             None => Err(Error::MissingTensor { name: name.to_string(), path: self.path.clone() }),
         }
+    }
+
+    /// Load `start..end` along `axis` of one tensor (see [`SafetensorsFile::load_slice`]).
+    pub fn load_slice(&self, name: &str, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
+        self.load_slice_as(name, None, axis, start, end, float_dtype)
+    }
+
+    /// See [`SafetensorsFile::load_slice_as`].
+    pub fn load_slice_as(&self, name: &str, view: Option<&[usize]>, axis: usize, start: usize, end: usize, float_dtype: Option<DType>) -> Result<Array> {
+        match self.owner.get(name) {
+            Some(&i) => self.files[i].load_slice_as(name, view, axis, start, end, float_dtype),
+            None => Err(Error::MissingTensor { name: name.to_string(), path: self.path.clone() }),
+        }
+    }
+
+    /// The given `.safetensors` files as one checkpoint (`path` names it in errors); a tensor
+    /// in two of them is an error.
+    pub fn open_files(path: impl AsRef<Path>, files: &[PathBuf]) -> Result<Self> {
+        Self::from_files(path.as_ref(), files.iter().map(SafetensorsFile::open).collect::<Result<_>>()?)
     }
 
     /// Load the named tensors; any missing name is an error.

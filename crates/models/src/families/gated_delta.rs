@@ -79,6 +79,9 @@ impl GatedDeltaNet {
         if cfg.num_k_heads == 0 || hv % cfg.num_k_heads != 0 {
             return Err(ModelError::InvalidInput(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {}", cfg.num_k_heads)));
         }
+        if let Some(g) = crate::layers::parallel::group(vb) {
+            return Self::load_sharded(vb, cfg, g.rank(), g.size());
+        }
         // transformers stores `[C, 1, K]`, mlx-lm `[C, K, 1]` (the layout the conv runs in)
         let k = cfg.conv_kernel;
         let conv = vb.get_either("conv1d.weight", &[&[c, 1, k], &[c, k, 1]], Init::normal(0.0, 0.2))?;
@@ -92,6 +95,48 @@ impl GatedDeltaNet {
             norm_w: f32(&vb.pp("norm").get_init("weight", &[cfg.head_v_dim], Init::normal(1.0, 0.1))?)?,
             out: Linear::load(&vb.pp("out_proj"), cfg.value_dim(), h, false)?,
             cfg,
+        })
+    }
+
+    /// Tensor parallel: this rank's `1/N` of the key and value heads (their q, k and v rows of
+    /// `in_proj_qkv` and conv channels, z, b, a, A_log and dt_bias), and the matching inputs of
+    /// `out_proj` (summed over the ranks). The recurrence runs on the local heads unchanged.
+    fn load_sharded(vb: &Vb, cfg: GatedDeltaConfig, r: usize, n: usize) -> Result<Self> {
+        use crate::layers::parallel::{per_rank, Shard};
+        let (h, c, hv) = (cfg.hidden, cfg.conv_dim(), cfg.num_v_heads);
+        if cfg.num_k_heads == 0 || hv % cfg.num_k_heads != 0 {
+            return Err(ModelError::InvalidInput(format!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {}", cfg.num_k_heads)));
+        }
+        if ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"].iter().any(|p| vb.pp(p).is_quantized() || vb.pp(p).is_fp8()) {
+            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over quantized or FP8 layers ({}) is not supported", vb.prefix())));
+        }
+        let local = GatedDeltaConfig { num_k_heads: per_rank(vb, "linear-attention key heads", cfg.num_k_heads)?, num_v_heads: per_rank(vb, "linear-attention value heads", hv)?, ..cfg };
+        let (kd, vd, lk, lv) = (cfg.key_dim(), cfg.value_dim(), local.key_dim(), local.value_dim());
+        // q, k and v rows of this rank, in that order (the channel order the conv and the split use).
+        let ranges = [(r * lk, (r + 1) * lk), (kd + r * lk, kd + (r + 1) * lk), (2 * kd + r * lv, 2 * kd + (r + 1) * lv)];
+        let rows = |t: &Vb, name: &str, shape: &[usize]| -> Result<Array> {
+            let parts = ranges.iter().map(|&(s, e)| t.get_range(name, shape, 0, s, e)).collect::<Result<Vec<_>>>()?;
+            Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?)
+        };
+        let k = cfg.conv_kernel;
+        let hf_layout = vb.weights().shape_of(&format!("{}.conv1d.weight", vb.prefix())).is_none_or(|s| s == [c, 1, k]);
+        let conv_w = if hf_layout {
+            let w = rows(vb, "conv1d.weight", &[c, 1, k])?;
+            if k > 1 { w.swap_axes(1, 2)? } else { w }
+        } else {
+            rows(vb, "conv1d.weight", &[c, k, 1])?
+        };
+        let qkv = Linear::new(rows(&vb.pp("in_proj_qkv"), "weight", &[c, h])?, None)?;
+        let part = |name: &str, out: usize| Linear::load_parallel(&vb.pp(name), h, out, false, Shard::Output);
+        let a_log = f32(&vb.get_shard("A_log", &[hv], 0, r, n)?)?;
+        Ok(GatedDeltaNet {
+            in_proj: FusedLinear::Separate(vec![qkv, part("in_proj_z", vd)?, part("in_proj_b", hv)?, part("in_proj_a", hv)?]),
+            conv_w,
+            neg_a: a_log.exp()?.neg()?,
+            dt_bias: f32(&vb.get_shard("dt_bias", &[hv], 0, r, n)?)?,
+            norm_w: f32(&vb.pp("norm").get("weight", &[cfg.head_v_dim])?)?,
+            out: Linear::load_parallel(&vb.pp("out_proj"), vd, h, false, Shard::Input)?,
+            cfg: local,
         })
     }
 

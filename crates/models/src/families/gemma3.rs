@@ -227,6 +227,8 @@ pub struct Gemma3Model {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: LmHead,
+    /// KV heads of this rank's cache (all of them unless the load is tensor parallel).
+    kv_heads: usize,
 }
 
 impl Gemma3Model {
@@ -249,7 +251,8 @@ impl Gemma3Model {
         let lm_head = LmHead::load(&root, prefix, &embed, cfg.tie_word_embeddings, h, cfg.vocab_size)?.with_softcap(cfg.final_logit_softcapping);
         let info = ModelInfo::decoder("gemma3", cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         let embed_scale = mlx_array::bf16::from_f32((h as f32).sqrt()).to_f32();
-        Ok(Gemma3Model { norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 1.0)?, cfg, info, embed, embed_scale, layers, lm_head })
+        let kv_heads = crate::layers::parallel::per_rank(&vb, "KV heads", cfg.num_key_value_heads)?;
+        Ok(Gemma3Model { norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 1.0)?, cfg, info, embed, embed_scale, layers, lm_head, kv_heads })
     }
 
     pub fn config(&self) -> &Gemma3Config {
@@ -262,7 +265,7 @@ impl ModelRuntime for Gemma3Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        let (kv_heads, head_dim) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let (kv_heads, head_dim) = (self.kv_heads, self.cfg.head_dim);
         let layers = self
             .layers
             .iter()

@@ -303,15 +303,16 @@ impl Attn {
             }
         }
         Ok(Attn {
-            proj: FusedLinear::load(vb, &names, h, &outs, false)?,
+            proj: FusedLinear::load_sharded(vb, &names, h, &outs, false)?,
             k_norm: if own { Some(RmsNorm::load(&vb.pp("k_norm"), d, eps, 0.0)?) } else { None },
             k_eq_v,
-            o: Linear::load(&vb.pp("o_proj"), nh * d, h, false)?,
+            o: Linear::load_parallel(&vb.pp("o_proj"), nh * d, h, false, crate::layers::parallel::Shard::Input)?,
             q_norm: RmsNorm::load(&vb.pp("q_norm"), d, eps, 0.0)?,
             v_norm: RmsNorm::unit(eps),
             rope: cfg.rope(i)?,
-            n_heads: nh,
-            n_kv: nkv,
+            // Tensor parallel: this rank's heads.
+            n_heads: crate::layers::parallel::per_rank(vb, "attention heads", nh)?,
+            n_kv: crate::layers::parallel::per_rank(vb, "KV heads", nkv)?,
             head_dim: d,
         })
     }
@@ -523,6 +524,8 @@ pub struct Gemma4Model {
     info: ModelInfo,
     kv_src: Vec<usize>,
     net: Option<Net>,
+    /// Tensor-parallel ranks (1 without a group): each rank's cache holds `1 / N` of the KV heads.
+    tp_size: usize,
 }
 
 
@@ -532,7 +535,7 @@ impl Gemma4Model {
     pub fn from_config(cfg: Gemma4Config, eos: Vec<u32>) -> Result<Self> {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: PathBuf::from("<config>"), reason })?;
         let info = ModelInfo::decoder("gemma4", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
-        Ok(Gemma4Model { kv_src: cfg.kv_sources(), cfg, info, net: None })
+        Ok(Gemma4Model { kv_src: cfg.kv_sources(), cfg, info, net: None, tp_size: 1 })
     }
 
     /// Build from loaded weights (speculative decoding, with any draft, is the
@@ -542,6 +545,7 @@ impl Gemma4Model {
             ModelError::MalformedConfig { reason, .. } => ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason },
             e => e,
         })?;
+        m.tp_size = weights.tensor_parallel().map_or(1, |g| g.size());
         let cfg = &m.cfg;
         let root = weights.root();
         let vb = root.pp(weights.decoder_prefix());
@@ -684,7 +688,7 @@ impl ModelRuntime for Gemma4Model {
     fn cache_spec(&self) -> CacheSpec {
         let layers = (0..self.cfg.num_hidden_layers)
             .map(|i| {
-                let (kv_heads, head_dim) = (self.cfg.layer_kv_heads(i), self.cfg.layer_head_dim(i));
+                let (kv_heads, head_dim) = (self.cfg.layer_kv_heads(i) / self.tp_size, self.cfg.layer_head_dim(i));
                 if self.cfg.is_kv_shared(i) {
                     LayerKind::SharedKv { anchor: self.kv_src[i] }
                 } else if self.cfg.is_sliding(i) {

@@ -211,6 +211,9 @@ struct ShortConv {
 impl ShortConv {
     fn load(vb: &Vb, cfg: &Lfm2Config) -> Result<Self> {
         let (h, k) = (cfg.hidden_size, cfg.conv_l_cache);
+        if let Some(g) = crate::layers::parallel::group(vb) {
+            return Self::load_sharded(vb, cfg, g.rank(), g.size());
+        }
         // HF stores [H, 1, K]; mlx-lm's converted checkpoints [H, K, 1].
         let w = vb.get_either("conv.weight", &[&[h, 1, k], &[h, k, 1]], crate::weights::Init::WEIGHT)?;
         let weight = if w.shape() == [h, 1, k] && k > 1 { w.transpose(&[0, 2, 1])? } else { w };
@@ -221,6 +224,34 @@ impl ShortConv {
             weight,
             bias,
             hidden: h,
+            k,
+        })
+    }
+
+    /// Tensor parallel: this rank's `H / N` channels of B, C and x (rows of each third of
+    /// `in_proj`), of the depthwise conv, and the matching inputs of `out_proj` (summed over the
+    /// ranks).
+    fn load_sharded(vb: &Vb, cfg: &Lfm2Config, r: usize, n: usize) -> Result<Self> {
+        let (h, k) = (cfg.hidden_size, cfg.conv_l_cache);
+        let local = crate::layers::parallel::per_rank(vb, "conv channels", h)?;
+        let ip = vb.pp("in_proj");
+        let w = ip.get_shard_as("weight", &[3 * h, h], &[3, h, h], 1, r, n)?.reshape(&[(3 * local) as i32, h as i32])?;
+        let b = if cfg.conv_bias { Some(ip.get_shard_as("bias", &[3 * h], &[3, h], 1, r, n)?.reshape(&[(3 * local) as i32])?) } else { None };
+        let cv = vb.pp("conv");
+        let hf_layout = vb.weights().shape_of(&format!("{}.conv.weight", vb.prefix())).is_none_or(|s| s == [h, 1, k]);
+        let weight = if hf_layout {
+            let w = cv.get_shard("weight", &[h, 1, k], 0, r, n)?;
+            if k > 1 { w.transpose(&[0, 2, 1])? } else { w }
+        } else {
+            cv.get_shard("weight", &[h, k, 1], 0, r, n)?
+        };
+        let bias = if cfg.conv_bias { Some(cv.get_shard("bias", &[h], 0, r, n)?) } else { None };
+        Ok(ShortConv {
+            in_proj: Linear::new(w, b)?,
+            out_proj: Linear::load_parallel(&vb.pp("out_proj"), h, h, cfg.conv_bias, crate::layers::parallel::Shard::Input)?,
+            weight,
+            bias,
+            hidden: local,
             k,
         })
     }
@@ -325,6 +356,8 @@ pub struct Lfm2Model {
     cfg: Lfm2Config,
     stack: HybridStack<ShortConv, MoeBlock>,
     info: ModelInfo,
+    /// KV heads of this rank's cache (all of them unless the load is tensor parallel).
+    kv_heads: usize,
 }
 
 fn dense_names(vb: &Vb) -> [&'static str; 3] {
@@ -370,7 +403,8 @@ impl Lfm2Model {
         let lm_head = LmHead::load(&root, "model", &embed, cfg.tied(), h, cfg.vocab_size)?;
         let info = ModelInfo::decoder(if moe { "lfm2_moe" } else { "lfm2" }, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         let norm = RmsNorm::load(&mv.pp("embedding_norm"), h, eps, 0.0)?;
-        Ok(Lfm2Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info })
+        let kv_heads = crate::layers::parallel::per_rank(&mv, "KV heads", cfg.kv_heads())?;
+        Ok(Lfm2Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, kv_heads })
     }
 
 }
@@ -380,7 +414,7 @@ impl ModelRuntime for Lfm2Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.cfg.kv_heads(), head_dim: self.cfg.head_dim() }, 1)
+        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.kv_heads, head_dim: self.cfg.head_dim() }, 1)
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         self.stack.forward(tokens, cache, logits, hidden)

@@ -48,6 +48,9 @@ pub struct SwitchGlu {
     w: ExpertWeights,
     inter: usize,
     act: Activation,
+    /// Expert parallel (a tensor-parallel load): this rank holds experts `start..end` and the
+    /// ranks' partial sums are added over the group.
+    ep: Option<(mlx_array::distributed::Group, usize, usize)>,
 }
 
 #[derive(Clone)]
@@ -100,6 +103,9 @@ impl SwitchGlu {
     /// `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]`, each float or MLX-quantized (kept packed,
     /// or dequantized at load as the load options ask).
     pub fn load_switch_mlp(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, act: Activation) -> Result<Self> {
+        if crate::layers::parallel::group(vb).is_some() {
+            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over mlx-lm's stacked switch_mlp experts ({}) is not supported", vb.prefix())));
+        }
         let (e, h, i) = (n_experts, hidden, inter);
         let dequantize_to = vb.weights().dequantize_to;
         // Each projection as stored (`[E, out, in]`): float, or packed when kept.
@@ -125,7 +131,7 @@ impl SwitchGlu {
                         packed => packed,
                     })
                 };
-                Ok(SwitchGlu { w: ExpertWeights::Split(Box::new(SplitExperts { gate: t(gate)?, up: t(up)?, down: t(down)? })), inter, act })
+                Ok(SwitchGlu { w: ExpertWeights::Split(Box::new(SplitExperts { gate: t(gate)?, up: t(up)?, down: t(down)? })), inter, act, ep: None })
             }
         }
     }
@@ -142,12 +148,15 @@ impl SwitchGlu {
             return Err(ModelError::InvalidInput(format!("expert shapes gate_up {gs:?} / down {ds:?} do not match [E,2I,H] / [E,H,I]")));
         }
         let w = ExpertWeights::Dense { gate_up: gate_up.swap_axes(1, 2)?, down: down.swap_axes(1, 2)? };
-        Ok(SwitchGlu { inter: ds[2], w, act })
+        Ok(SwitchGlu { inter: ds[2], w, act, ep: None })
     }
 
     /// `vb` at `…mlp.experts`: the fused layout (`gate_up_proj`, `down_proj`, optionally with a
     /// `.weight` suffix) or, failing that, per-expert `N.{names}` `.weight` tensors.
     pub fn load(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, names: [&str; 3], act: Activation) -> Result<Self> {
+        if let Some(g) = crate::layers::parallel::group(vb) {
+            return Self::load_expert_parallel(vb, n_experts, hidden, inter, names, act, g);
+        }
         for suffix in ["", ".weight"] {
             let (gu, dn) = (format!("gate_up_proj{suffix}"), format!("down_proj{suffix}"));
             if vb.contains(&gu) {
@@ -164,6 +173,46 @@ impl SwitchGlu {
         }
         let (gr, dr): (Vec<&Array>, Vec<&Array>) = (gu.iter().collect(), dn.iter().collect());
         Self::from_fused(ops::stack(&gr, 0)?, ops::stack(&dr, 0)?, act)
+    }
+
+    /// [`SwitchGlu::load`] of this rank's `E / N` experts (expert parallelism): the fused
+    /// layout's slices, or only this rank's per-expert tensors (the others are marked read
+    /// without being loaded).
+    fn load_expert_parallel(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, names: [&str; 3], act: Activation, g: mlx_array::distributed::Group) -> Result<Self> {
+        let local = crate::layers::parallel::per_rank(vb, "experts", n_experts)?;
+        let (r, n) = (g.rank(), g.size());
+        let (start, end) = (r * local, (r + 1) * local);
+        let mut glu = None;
+        for suffix in ["", ".weight"] {
+            let (gu, dn) = (format!("gate_up_proj{suffix}"), format!("down_proj{suffix}"));
+            if vb.contains(&gu) {
+                glu = Some(Self::from_fused(vb.get_shard(&gu, &[n_experts, 2 * inter, hidden], 0, r, n)?, vb.get_shard(&dn, &[n_experts, hidden, inter], 0, r, n)?, act)?);
+                break;
+            }
+        }
+        let mut glu = match glu {
+            Some(glu) => glu,
+            None => {
+                let (mut gu, mut dn) = (Vec::with_capacity(local), Vec::with_capacity(local));
+                for e in 0..n_experts {
+                    let ev = vb.pp(e);
+                    if !(start..end).contains(&e) {
+                        for nm in names {
+                            ev.pp(nm).skip("weight")?;
+                        }
+                        continue;
+                    }
+                    let gt = ev.pp(names[0]).get("weight", &[inter, hidden])?;
+                    let u = ev.pp(names[1]).get("weight", &[inter, hidden])?;
+                    gu.push(ops::concatenate(&[&gt, &u], 0)?);
+                    dn.push(ev.pp(names[2]).get("weight", &[hidden, inter])?);
+                }
+                let (gr, dr): (Vec<&Array>, Vec<&Array>) = (gu.iter().collect(), dn.iter().collect());
+                Self::from_fused(ops::stack(&gr, 0)?, ops::stack(&dr, 0)?, act)?
+            }
+        };
+        glu.ep = Some((g, start, end));
+        Ok(glu)
     }
 
     /// Bytes of the resident expert weights (packed weights, scales and biases when quantized).
@@ -187,6 +236,20 @@ impl SwitchGlu {
 
     /// `x: [T, H]`, `idx: [T, k]` expert ids, `weights: [T, k]` → `Σ_k w · expert_k(x)`: `[T, H]`.
     pub fn forward(&self, x: &Array, idx: &Array, weights: &Array) -> Result<Array> {
+        if let Some((g, start, end)) = &self.ep {
+            // This rank's experts only: other experts' slots get weight 0 (computed with local
+            // expert 0 and dropped), and the ranks' partial sums add up to the whole.
+            let idx = idx.astype(DType::I32)?;
+            let lo = Array::scalar(*start as i32);
+            let mine = idx.ge(&lo)?.logical_and(&idx.lt(&Array::scalar(*end as i32))?)?;
+            let local = ops::where_(&mine, &idx.sub(&lo)?, &Array::scalar(0i32))?.astype(DType::U32)?;
+            let w = ops::where_(&mine, weights, &Array::scalar_as(0.0, weights.dtype())?)?;
+            return Ok(g.all_sum(&self.forward_local(x, &local, &w)?)?);
+        }
+        self.forward_local(x, idx, weights)
+    }
+
+    fn forward_local(&self, x: &Array, idx: &Array, weights: &Array) -> Result<Array> {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;

@@ -85,6 +85,8 @@ pub struct Qwen3Backbone {
     embed: Embedding,
     layers: Vec<Block>,
     norm: RmsNorm,
+    /// KV heads of this rank's cache (all of them unless the load is tensor parallel).
+    kv_heads: usize,
 }
 
 impl Qwen3Backbone {
@@ -119,11 +121,12 @@ impl Qwen3Backbone {
             embed: Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?,
             layers,
             norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 0.0)?,
+            kv_heads: crate::layers::parallel::per_rank(vb, "KV heads", cfg.num_key_value_heads)?,
         })
     }
 
     pub fn cache_spec(&self) -> CacheSpec {
-        let k = LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() };
+        let k = LayerKind::Attention { kv_heads: self.kv_heads, head_dim: self.cfg.head_dim() };
         CacheSpec { layers: vec![k; self.layers.len()] }
     }
 

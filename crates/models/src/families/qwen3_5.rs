@@ -183,6 +183,8 @@ pub struct Qwen35Model {
     /// The MTP head built from `mtp`, or why it could not be.
     mtp_head: std::result::Result<Option<super::qwen3_5_mtp::Mtp>, String>,
     notes: Vec<String>,
+    /// KV heads of this rank's cache (all of them unless the load is tensor parallel).
+    kv_heads: usize,
 }
 
 impl Qwen35Model {
@@ -262,7 +264,8 @@ impl Qwen35Model {
         };
         let info = ModelInfo::decoder(family, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         let norm = RmsNorm::load(&vb.pp("norm"), h, eps, off)?;
-        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, mtp_head, notes })
+        let kv_heads = crate::layers::parallel::per_rank(&vb, "KV heads", cfg.num_key_value_heads)?;
+        Ok(Qwen35Model { stack: HybridStack { embed, layers, norm, lm_head }, cfg, info, mtp, mtp_head, notes, kv_heads })
     }
 
     pub fn config(&self) -> &Qwen35Config {
@@ -357,7 +360,7 @@ impl ModelRuntime for Qwen35Model {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }, gated_delta::SLOTS)
+        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.kv_heads, head_dim: self.cfg.head_dim() }, gated_delta::SLOTS)
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         self.stack.forward(tokens, cache, logits, hidden)

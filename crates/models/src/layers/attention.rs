@@ -1,3 +1,4 @@
+use super::parallel::{per_rank, Shard};
 use super::{FusedLinear, Linear, RmsNorm, Rope};
 use crate::cache::{KvCache, LayerKv};
 use crate::weights::Vb;
@@ -55,13 +56,15 @@ impl Attention {
         let norm = |n: &str| -> Result<Option<RmsNorm>> {
             cfg.qk_norm.map(|eps| RmsNorm::load(&vb.pp(n), d, eps, cfg.norm_offset)).transpose()
         };
+        // Tensor parallel: this rank's heads (whole heads per rank, q with its KV group).
+        let local = AttentionConfig { n_heads: per_rank(vb, "attention heads", cfg.n_heads)?, n_kv_heads: per_rank(vb, "KV heads", cfg.n_kv_heads)?, ..cfg.clone() };
         Ok(Attention {
-            qkv: FusedLinear::load(vb, &["q_proj", "k_proj", "v_proj"], h, &[q_out, cfg.n_kv_heads * d, cfg.n_kv_heads * d], cfg.bias)?,
-            o: Linear::load(&vb.pp(cfg.o_name), cfg.n_heads * d, h, cfg.o_bias)?,
+            qkv: FusedLinear::load_sharded(vb, &["q_proj", "k_proj", "v_proj"], h, &[q_out, cfg.n_kv_heads * d, cfg.n_kv_heads * d], cfg.bias)?,
+            o: Linear::load_parallel(&vb.pp(cfg.o_name), cfg.n_heads * d, h, cfg.o_bias, Shard::Input)?,
             q_norm: norm(qn)?,
             k_norm: norm(kn)?,
             rope,
-            cfg,
+            cfg: local,
         })
     }
 

@@ -226,6 +226,8 @@ impl<L: DecoderLayer> Stack<'_, L> {
 pub struct LmHead {
     linear: Linear,
     softcap: Option<f32>,
+    /// Tensor parallel: `linear` computes this rank's vocabulary slice, joined over the group.
+    gather: Option<mlx_array::distributed::Group>,
 }
 
 impl LmHead {
@@ -239,14 +241,14 @@ impl LmHead {
         } else {
             let candidates = [head_prefix(decoder_prefix).to_string(), format!("{decoder_prefix}.lm_head")];
             let at = candidates.iter().find(|c| root.contains(&format!("{c}.weight"))).unwrap_or(&candidates[0]);
-            Linear::load(&root.pp(at), hidden, vocab, false).map_err(|e| match e {
+            Linear::load_parallel(&root.pp(at), hidden, vocab, false, super::parallel::Shard::Output).map_err(|e| match e {
                 ModelError::Checkpoint { path, msg } if msg.starts_with("missing tensor") => {
                     ModelError::Checkpoint { path, msg: format!("{msg} (tie_word_embeddings is false)") }
                 }
                 e => e,
             })?
         };
-        Ok(LmHead { linear, softcap: None })
+        Ok(LmHead { linear, softcap: None, gather: super::parallel::group(root) })
     }
 
     /// Soft-cap the logits: `c * tanh(logits / c)` (no cap for `None` or `c <= 0`).
@@ -257,7 +259,12 @@ impl LmHead {
 
     /// f32 logits of hidden states `h`.
     pub fn forward(&self, h: &Array) -> Result<Array> {
-        let y = self.linear.forward(h)?.astype(DType::F32)?;
+        let y = self.linear.forward(h)?;
+        let y = match &self.gather {
+            Some(g) => super::parallel::gather_last_axis(g, &y)?,
+            None => y,
+        };
+        let y = y.astype(DType::F32)?;
         Ok(match self.softcap {
             Some(c) => y.softcap(c)?,
             None => y,

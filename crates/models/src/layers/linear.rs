@@ -1,4 +1,5 @@
 use crate::calibrate::ActSite;
+use super::parallel::Shard;
 use crate::weights::Vb;
 use crate::{ModelError, Result};
 use mlx_array::{Array, Quantized};
@@ -21,6 +22,9 @@ pub struct Linear {
     act: Option<ActSite>,
     /// A low-rank adapter added to the output ([`LoraSettings`]).
     lora: Option<LoraAdapter>,
+    /// An input-sharded tensor-parallel projection: the partial products are summed over this
+    /// group before the bias is added ([`super::parallel`]).
+    reduce: Option<mlx_array::distributed::Group>,
 }
 
 /// How a model built over tensors that include LoRA adapters runs them: a projection
@@ -88,11 +92,11 @@ impl LoraAdapter {
 
 impl Linear {
     pub fn new(weight: Array, bias: Option<Array>) -> Result<Self> {
-        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias, act: None, lora: None })
+        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias, act: None, lora: None, reduce: None })
     }
     /// A quantized `[out, in]` weight.
     pub fn quantized(q: Quantized, bias: Option<Array>) -> Self {
-        Linear { w: LinearWeight::Quantized(q), bias, act: None, lora: None }
+        Linear { w: LinearWeight::Quantized(q), bias, act: None, lora: None, reduce: None }
     }
     /// `prefix.weight` of shape `[out, in]` (or its quantized form, dequantized at load when the
     /// load options ask) and, if `bias`, `prefix.bias`; with `prefix.lora_a`/`prefix.lora_b`
@@ -125,6 +129,30 @@ impl Linear {
         }
         Self::new(vb.get("weight", &[out_dim, in_dim])?, b)
     }
+    /// [`Linear::load`], holding only this rank's `shard` of the weight when the load is tensor
+    /// parallel ([`super::parallel`]): output-sharded, it computes `out_dim / N` outputs;
+    /// input-sharded, it takes `in_dim / N` inputs and sums its product over the ranks. The
+    /// whole layer without a tensor-parallel group.
+    pub fn load_parallel(vb: &Vb, in_dim: usize, out_dim: usize, bias: bool, shard: Shard) -> Result<Self> {
+        let Some(g) = super::parallel::group(vb) else { return Self::load(vb, in_dim, out_dim, bias) };
+        if vb.is_quantized() || vb.is_fp8() {
+            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over quantized or FP8 layers ({}) is not supported", vb.prefix())));
+        }
+        ActSite::for_layer(vb)?; // an input_amax on a float layer is an error, as in Linear::load
+        let (r, n) = (g.rank(), g.size());
+        match shard {
+            Shard::Output => {
+                let b = if bias { Some(vb.get_shard("bias", &[out_dim], 0, r, n)?) } else { None };
+                Self::new(vb.get_shard("weight", &[out_dim, in_dim], 0, r, n)?, b)
+            }
+            Shard::Input => {
+                let b = if bias { Some(vb.get("bias", &[out_dim])?) } else { None };
+                let mut l = Self::new(vb.get_shard("weight", &[out_dim, in_dim], 1, r, n)?, b)?;
+                l.reduce = Some(g);
+                Ok(l)
+            }
+        }
+    }
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let xq = match &self.act {
             Some(site) => site.input(x)?,
@@ -134,6 +162,10 @@ impl Linear {
         let y = match &self.w {
             LinearWeight::Dense(wt) => x.matmul(wt)?,
             LinearWeight::Quantized(q) => q.matmul(x, true)?,
+        };
+        let y = match &self.reduce {
+            Some(g) => g.all_sum(&y)?,
+            None => y,
         };
         let y = match &self.bias {
             Some(b) => y.add(b)?,
@@ -253,6 +285,41 @@ impl FusedLinear {
         Ok(FusedLinear::Fused { lin: Linear::new(w, b)?, splits })
     }
 
+    /// [`FusedLinear::load`] with every part output-sharded over a tensor-parallel load's ranks
+    /// (`outs` are the whole layer's sizes; this rank computes `outs[i] / N` of each). The same
+    /// as [`FusedLinear::load`] without a tensor-parallel group.
+    pub fn load_sharded(vb: &Vb, names: &[&str], in_dim: usize, outs: &[usize], bias: bool) -> Result<Self> {
+        if super::parallel::group(vb).is_none() {
+            return Self::load(vb, names, in_dim, outs, bias);
+        }
+        let parts = names.iter().zip(outs).map(|(n, &o)| Linear::load_parallel(&vb.pp(n), in_dim, o, bias, Shard::Output)).collect::<Result<Vec<_>>>()?;
+        if parts.len() < 2 || !vb.weights().fuse_projections()? {
+            return Ok(FusedLinear::Separate(parts));
+        }
+        // W^T parts are [in, out_i / N]: join them along the output axis.
+        let wts: Vec<&Array> = parts.iter().filter_map(|p| match &p.w {
+            LinearWeight::Dense(wt) => Some(wt),
+            LinearWeight::Quantized(_) => None,
+        }).collect();
+        let wt = mlx_array::ops::concatenate(&wts, 1)?;
+        let bias = if bias {
+            let bs: Vec<&Array> = parts.iter().filter_map(|p| p.bias.as_ref()).collect();
+            Some(mlx_array::ops::concatenate(&bs, 0)?)
+        } else {
+            None
+        };
+        if !vb.weights().sources_held {
+            mlx_array::eval(&[&wt])?;
+        }
+        let mut splits = Vec::with_capacity(parts.len() - 1);
+        let mut acc = 0;
+        for p in &parts[..parts.len() - 1] {
+            acc += p.out_dim();
+            splits.push(acc);
+        }
+        Ok(FusedLinear::Fused { lin: Linear { w: LinearWeight::Dense(wt), bias, act: None, reduce: None }, splits })
+    }
+
     /// Part `i` of the output only (`x W_i^T`): the other parts' columns are not computed.
     pub fn part(&self, i: usize, x: &Array) -> Result<Array> {
         match self {
@@ -291,6 +358,8 @@ impl FusedLinear {
 pub struct Embedding {
     table: EmbeddingTable,
     rows: usize,
+    /// Tensor parallel: this rank holds rows `start..end` of the table ([`super::parallel`]).
+    shard: Option<(mlx_array::distributed::Group, usize, usize)>,
 }
 
 #[derive(Clone)]
@@ -302,6 +371,15 @@ enum EmbeddingTable {
 
 impl Embedding {
     pub fn load(vb: &Vb, vocab: usize, hidden: usize) -> Result<Self> {
+        if let Some(g) = super::parallel::group(vb) {
+            if vb.is_quantized() {
+                return Err(ModelError::UnsupportedOption(format!("tensor parallelism over a quantized embedding ({}) is not supported", vb.prefix())));
+            }
+            let (r, n) = (g.rank(), g.size());
+            let local = super::parallel::per_rank(vb, "vocabulary rows", vocab)?;
+            let table = EmbeddingTable::Dense(vb.get_shard("weight", &[vocab, hidden], 0, r, n)?);
+            return Ok(Embedding { table, rows: vocab, shard: Some((g, r * local, (r + 1) * local)) });
+        }
         let table = if vb.is_quantized() {
             let q = vb.quantized(&[vocab, hidden])?;
             match vb.weights().dequantize_to {
@@ -315,12 +393,12 @@ impl Embedding {
         } else {
             EmbeddingTable::Dense(vb.get("weight", &[vocab, hidden])?)
         };
-        Ok(Embedding { table, rows: vocab })
+        Ok(Embedding { table, rows: vocab, shard: None })
     }
     /// A float table.
     pub fn from_weight(weight: Array) -> Self {
         let rows = weight.shape().first().copied().unwrap_or(0);
-        Embedding { table: EmbeddingTable::Dense(weight), rows }
+        Embedding { table: EmbeddingTable::Dense(weight), rows, shard: None }
     }
     /// Vocabulary rows.
     pub fn rows(&self) -> usize {
@@ -342,6 +420,17 @@ impl Embedding {
     }
     /// `[B, L]` integer ids to `[B, L, hidden]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
+        if let (Some((g, start, end)), EmbeddingTable::Dense(w)) = (&self.shard, &self.table) {
+            // This rank's rows; ids outside them look up row 0 and are zeroed, and the sum over
+            // the ranks (one non-zero term per id) is the whole table's row, exactly.
+            let ids = ids.astype(mlx_array::DType::I32)?;
+            let lo = Array::scalar(*start as i32);
+            let mine = ids.ge(&lo)?.logical_and(&ids.lt(&Array::scalar(*end as i32))?)?;
+            let local = mlx_array::ops::where_(&mine, &ids.sub(&lo)?, &Array::scalar(0i32))?;
+            let zero = Array::scalar_as(0.0, w.dtype())?;
+            let rows = mlx_array::ops::where_(&mine.expand_dims(-1)?, &w.take(&local, 0)?, &zero)?;
+            return Ok(g.all_sum(&rows)?);
+        }
         match &self.table {
             EmbeddingTable::Dense(w) => Ok(w.take(ids, 0)?),
             EmbeddingTable::Quantized(q, dt) => {

@@ -1,3 +1,4 @@
+use super::parallel::Shard;
 use super::{FusedLinear, Linear};
 use crate::weights::Vb;
 use crate::Result;
@@ -54,8 +55,8 @@ impl GatedMlp {
     /// [`GatedMlp::load_named`], with biases on all three projections when `bias` (Llama `mlp_bias`).
     pub fn load_biased(vb: &Vb, names: [&str; 3], hidden: usize, inter: usize, act: Activation, bias: bool) -> Result<Self> {
         Ok(GatedMlp {
-            gate_up: FusedLinear::load(vb, &names[..2], hidden, &[inter, inter], bias)?,
-            down: Linear::load(&vb.pp(names[2]), inter, hidden, bias)?,
+            gate_up: FusedLinear::load_sharded(vb, &names[..2], hidden, &[inter, inter], bias)?,
+            down: Linear::load_parallel(&vb.pp(names[2]), inter, hidden, bias, Shard::Input)?,
             act,
         })
     }

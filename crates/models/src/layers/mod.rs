@@ -4,6 +4,7 @@ pub(crate) mod decoder;
 mod linear;
 mod mlp;
 mod norm;
+pub mod parallel;
 mod rope;
 
 pub use decoder::LmHead;
