@@ -127,6 +127,7 @@ def main():
             lora = ["--lora-rank", "8"] if mode == "lora" else []
             ours = json.loads(subprocess.run([a.bin, "--model", f32, "--dtype", a.dtype] + common + lora + extra, env=ours_env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
             rows.append((mode, ours, theirs))
+            print(json.dumps({"mode": mode, "ours": ours, "mlx_lm": theirs}), flush=True)
     import mlx.core as mx
     print(f"batch {a.batch_size} x {a.seq_len} tokens, {a.steps} measured steps after {a.warmup}, {a.dtype}, {mx.default_device()}")
     print(f"{'mode':6} {'our head':12} {'ours tok/s':>10} {'mlx-lm tok/s':>12} {'ratio':>6} {'ours peak GB':>12} {'mlx-lm peak GB':>14} {'ratio':>6}")
