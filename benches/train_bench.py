@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 
 
@@ -57,6 +58,10 @@ def mlx_lm_run(a):
                             steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=a.seq_len,
                             adapter_file=os.path.join(tmp, "a.safetensors"))
         opt = optim.AdamW(learning_rate=1e-5, weight_decay=0.01)
+        # the trainer saves the trained weights when it ends (all of them for a full fine-tune):
+        # not part of the measurement, and skipped
+        import mlx_lm.tuner.trainer as trainer_module
+        trainer_module.mx = type("NoSave", (), {"__getattr__": lambda _, k: getattr(mx, k), "save_safetensors": staticmethod(lambda *a, **k: None)})()
         train(model, opt, data, val_dataset=None, args=args, training_callback=cb)
     trainable = sum(v.size for _, v in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.trainable_parameters()))
     # the reports after the warm-up window cover the measured steps
@@ -107,6 +112,7 @@ def main():
     p.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "target/release/examples/train_bench"))
     p.add_argument("--lib-dir", default=os.path.expanduser("~/.cache/mlx-sys/mlx-cpu-0.32.2/mlx/lib"),
                    help="where our binary finds libmlx.so (prepended to LD_LIBRARY_PATH for it)")
+    p.add_argument("--tmp", help="where the converted model is written (default: the system's temporary folder)")
     p.add_argument("--mlx-lm-run", dest="mode", choices=["full", "lora"])
     p.add_argument("--model-f32")
     a = p.parse_args()
@@ -114,14 +120,23 @@ def main():
         return mlx_lm_run(a)
     if not (a.model or a.random):
         p.error("--model or --random is required")
-    tmp = tempfile.mkdtemp()
+    tmp = tempfile.mkdtemp(dir=a.tmp)
     f32 = os.path.join(tmp, "model-" + a.dtype)
     write_model(os.path.expanduser(a.model or ""), f32, a.dtype, a.random)
     common = ["--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--warmup", str(a.warmup)]
     ours_env = dict(os.environ, LD_LIBRARY_PATH=a.lib_dir + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else ""))
+    # The PyPI mlx-cpu wheel bundles reference BLAS; our libmlx runs OpenBLAS behind mlx-sys's BLAS
+    # router: on the CPU, give mlx-lm the same by preloading both, as llm_bench does
+    # (MLX_LM_PRELOAD overrides; "" for none).
+    import glob
+    blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+    router = sorted(glob.glob(os.path.join(a.lib_dir, "..", "..", "mlx_cpu.libs", "libmlx-models-blas-route-*.so")))
+    preload = os.environ.get("MLX_LM_PRELOAD", " ".join(router[:1] + [blas]) if a.dtype == "f32" and os.path.exists(blas) else "")
+    peer_env = dict(os.environ, LD_PRELOAD=preload) if preload else dict(os.environ)
+    print(f"mlx-lm LD_PRELOAD={preload or '(none)'}", flush=True)
     rows = []
     for mode in ["full", "lora"]:
-        theirs = json.loads(subprocess.run([sys.executable, __file__, "--mlx-lm-run", mode, "--model-f32", f32] + common, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        theirs = json.loads(subprocess.run([sys.executable, __file__, "--mlx-lm-run", mode, "--model-f32", f32] + common, env=peer_env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
         variants = [[], ["--full-logits"]] if mode == "full" else [[]]
         for extra in variants:
             lora = ["--lora-rank", "8"] if mode == "lora" else []
@@ -136,6 +151,7 @@ def main():
               f"{o['peak_memory_gb']:12.3f} {t['peak_memory_gb']:14.3f} {o['peak_memory_gb'] / t['peak_memory_gb']:6.2f}")
         if o["trainable_params"] != t["trainable_params"]:
             print(f"  note: trainable parameters differ: ours {o['trainable_params']}, mlx-lm {t['trainable_params']}")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
