@@ -145,7 +145,7 @@ pub fn lora_targets(tree: &ParameterTree, config: &LoraConfig) -> Result<Vec<Lin
         .into_iter()
         .filter(|t| match (split_layer(&t.prefix), &config.keys) {
             (Some((_, n, tail)), keys) => n >= first && keys.as_ref().is_none_or(|k| k.iter().any(|k| k == tail)),
-            (None, Some(keys)) => keys.iter().any(|k| *k == t.prefix),
+            (None, Some(keys)) => keys.contains(&t.prefix),
             (None, None) => false,
         })
         .collect();

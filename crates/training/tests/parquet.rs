@@ -90,11 +90,9 @@ fn damaged_files_never_panic() {
             check(&good[..len]);
         }
         for i in 0..good.len() {
-            for x in [0xFFu8] {
-                let mut b = good.clone();
-                b[i] ^= x;
-                check(&b);
-            }
+            let mut b = good.clone();
+            b[i] ^= 0xFF;
+            check(&b);
         }
     }
     let mut state = 0x1234_5678_9abc_def0u64;
