@@ -45,6 +45,8 @@ pub struct GenSummary {
     /// prefix cache).
     pub cached_tokens: usize,
     pub generated_tokens: usize,
+    /// The stop token that ended generation (in the KV cache, not reported as a token).
+    pub stop_token: Option<u32>,
     /// Time the request waited in the queue.
     pub queue_time: Duration,
     /// Prefill plus first token, from the start of the run.
@@ -113,29 +115,48 @@ struct Kept {
 impl SequentialEngine {
     /// Start the worker thread. `queue_capacity`: requests that may wait (more are refused);
     /// `kept_sequences`: finished sequences whose caches are kept for prefix reuse.
-    pub fn start(model: Model, queue_capacity: usize, kept_sequences: usize) -> std::io::Result<Self> {
+    pub fn start(
+        model: Model,
+        queue_capacity: usize,
+        kept_sequences: usize,
+    ) -> std::io::Result<Self> {
         let (tx, rx) = sync_channel::<Job>(queue_capacity);
-        let shared = Arc::new(Shared { queued: AtomicUsize::new(0), running: AtomicUsize::new(0), steps_max: AtomicU64::new(0) });
+        let shared = Arc::new(Shared {
+            queued: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
+            steps_max: AtomicU64::new(0),
+        });
         let (m, sh) = (model.clone(), shared.clone());
-        std::thread::Builder::new().name("mlx-engine".into()).spawn(move || {
-            let mut kept: Vec<Kept> = Vec::new();
-            while let Ok(job) = rx.recv() {
-                sh.queued.fetch_sub(1, Ordering::SeqCst);
-                if job.tx.is_closed() {
-                    continue;
+        std::thread::Builder::new()
+            .name("mlx-engine".into())
+            .spawn(move || {
+                let mut kept: Vec<Kept> = Vec::new();
+                while let Ok(job) = rx.recv() {
+                    sh.queued.fetch_sub(1, Ordering::SeqCst);
+                    if job.tx.is_closed() {
+                        continue;
+                    }
+                    sh.running.store(1, Ordering::SeqCst);
+                    sh.steps_max.store(1, Ordering::SeqCst);
+                    let tx = job.tx.clone();
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run_job(&m, &mut kept, kept_sequences, job)
+                    }));
+                    if r.is_err() {
+                        kept.clear();
+                        let _ = tx.send(GenEvent::Error(
+                            "the generation engine failed on this request (internal error)".into(),
+                        ));
+                    }
+                    sh.running.store(0, Ordering::SeqCst);
                 }
-                sh.running.store(1, Ordering::SeqCst);
-                sh.steps_max.store(1, Ordering::SeqCst);
-                let tx = job.tx.clone();
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_job(&m, &mut kept, kept_sequences, job)));
-                if r.is_err() {
-                    kept.clear();
-                    let _ = tx.send(GenEvent::Error("the generation engine failed on this request (internal error)".into()));
-                }
-                sh.running.store(0, Ordering::SeqCst);
-            }
-        })?;
-        Ok(SequentialEngine { tx, model, capacity: queue_capacity, shared })
+            })?;
+        Ok(SequentialEngine {
+            tx,
+            model,
+            capacity: queue_capacity,
+            shared,
+        })
     }
 }
 
@@ -143,12 +164,18 @@ impl Engine for SequentialEngine {
     fn submit(&self, req: GenRequest) -> Result<UnboundedReceiver<GenEvent>, SubmitError> {
         let (tx, rx) = unbounded_channel();
         self.shared.queued.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(Job { req, tx, enqueued: Instant::now() }) {
+        match self.tx.try_send(Job {
+            req,
+            tx,
+            enqueued: Instant::now(),
+        }) {
             Ok(()) => Ok(rx),
             Err(e) => {
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 Err(match e {
-                    TrySendError::Full(_) => SubmitError::QueueFull { capacity: self.capacity },
+                    TrySendError::Full(_) => SubmitError::QueueFull {
+                        capacity: self.capacity,
+                    },
                     TrySendError::Disconnected(_) => SubmitError::ShutDown,
                 })
             }
@@ -178,7 +205,11 @@ impl Engine for SequentialEngine {
 /// (leaving at least one prompt token to prefill); a fresh cache when none shares anything or
 /// the best one cannot be cut (recurrent layers).
 fn take_cache(model: &Model, kept: &mut Vec<Kept>, prompt: &[u32]) -> (Cache, usize) {
-    let best = kept.iter().enumerate().map(|(i, k)| (i, common_prefix_len(&k.ids, prompt))).max_by_key(|&(_, n)| n);
+    let best = kept
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (i, common_prefix_len(&k.ids, prompt)))
+        .max_by_key(|&(_, n)| n);
     if let Some((i, n)) = best {
         let keep = n.min(prompt.len() - 1);
         if keep > 0 {
@@ -204,21 +235,36 @@ fn run_job(model: &Model, kept: &mut Vec<Kept>, max_kept: usize, job: Job) {
         context: req.prompt[..keep].to_vec(),
     };
     let mut generated: Vec<u32> = Vec::new();
-    let outcome = (|| -> mlx_models::Result<(FinishReason, Option<u32>, mlx_models::Performance)> {
-        let cancel = req.cancel.clone();
-        let mut gen = generate(model, &mut cache, &req.prompt[keep..], cfg)?.with_cancel(cancel.clone());
-        for t in gen.by_ref() {
-            let t = t?;
-            generated.push(t.id);
-            if tx.send(GenEvent::Token { id: t.id, logprob: t.logprob }).is_err() {
-                cancel.cancel();
+    let outcome =
+        (|| -> mlx_models::Result<(FinishReason, Option<u32>, mlx_models::Performance)> {
+            let cancel = req.cancel.clone();
+            let mut gen =
+                generate(model, &mut cache, &req.prompt[keep..], cfg)?.with_cancel(cancel.clone());
+            for t in gen.by_ref() {
+                let t = t?;
+                generated.push(t.id);
+                if tx
+                    .send(GenEvent::Token {
+                        id: t.id,
+                        logprob: t.logprob,
+                    })
+                    .is_err()
+                {
+                    cancel.cancel();
+                }
             }
-        }
-        Ok((gen.finish_reason().unwrap_or(FinishReason::Stop), gen.stop_token(), gen.performance()))
-    })();
+            Ok((
+                gen.finish_reason().unwrap_or(FinishReason::Stop),
+                gen.stop_token(),
+                gen.performance(),
+            ))
+        })();
     match outcome {
         Ok((finish_reason, stop, perf)) => {
-            let hits = model.paged_stats().map_or(0, |s| s.cached_prompt_tokens).saturating_sub(hits_before) as usize;
+            let hits = model
+                .paged_stats()
+                .map_or(0, |s| s.cached_prompt_tokens)
+                .saturating_sub(hits_before) as usize;
             let mut ids = req.prompt.clone();
             ids.extend_from_slice(&generated);
             ids.extend(stop);
@@ -235,6 +281,7 @@ fn run_job(model: &Model, kept: &mut Vec<Kept>, max_kept: usize, job: Job) {
                 prompt_tokens: req.prompt.len(),
                 cached_tokens: (keep + hits).min(req.prompt.len()),
                 generated_tokens: generated.len(),
+                stop_token: stop,
                 queue_time,
                 ttft: Duration::from_secs_f64(perf.ttft_ms / 1e3),
                 decode_tokens_per_sec: perf.decode_tokens_per_sec,

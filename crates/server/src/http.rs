@@ -12,7 +12,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
-use mlx_models::chat::{ChatFormat, ChatMessage, ParsedToolCall, RenderOptions, Role, Tokenizer, ToolCall, ToolDefinition};
+use mlx_models::chat::{
+    ChatFormat, ChatMessage, ParsedToolCall, RenderOptions, Role, Tokenizer, ToolCall,
+    ToolDefinition,
+};
 use mlx_models::families::harrier::HarrierModel;
 use mlx_models::ModelInfo;
 use sampling::{SamplingConfig, SamplingOverrides};
@@ -54,6 +57,34 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// How long stored responses are kept, in seconds.
     pub retention_secs: i64,
+    /// The token sequences of recent responses (see [`LiveSequences`]).
+    pub live: LiveSequences,
+}
+
+/// The token sequences of the most recent responses, by response id, with the instructions
+/// they were generated under: a response continuing one of them appends its new messages to
+/// exactly these tokens, which the engine still holds in a KV cache.
+#[derive(Default)]
+pub struct LiveSequences {
+    inner: std::sync::Mutex<std::collections::VecDeque<(String, Option<String>, Vec<u32>)>>,
+}
+
+impl LiveSequences {
+    pub const CAPACITY: usize = 64;
+    pub fn put(&self, id: String, instructions: Option<String>, ids: Vec<u32>) {
+        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() >= Self::CAPACITY {
+            q.pop_front();
+        }
+        q.push_back((id, instructions, ids));
+    }
+    pub fn get(&self, id: &str) -> Option<(Option<String>, Vec<u32>)> {
+        let q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        q.iter()
+            .rev()
+            .find(|(i, _, _)| i == id)
+            .map(|(_, ins, ids)| (ins.clone(), ids.clone()))
+    }
 }
 
 pub type Shared = Arc<AppState>;
@@ -62,12 +93,23 @@ impl AppState {
     pub fn lm(&self) -> Result<&LmBackend, ApiError> {
         match &self.backend {
             Backend::Lm(b) => Ok(b),
-            Backend::Embedding(_) => Err(ApiError::invalid(format!("model '{}' is an embedding model: use /v1/embeddings", self.model_id)).with_code("model_not_supported")),
+            Backend::Embedding(_) => Err(ApiError::invalid(format!(
+                "model '{}' is an embedding model: use /v1/embeddings",
+                self.model_id
+            ))
+            .with_code("model_not_supported")),
         }
     }
     pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
         if model != self.model_id {
-            return Err(ApiError::invalid_param("model", format!("The model '{model}' does not exist; this server serves '{}'", self.model_id)).with_code("model_not_found"));
+            return Err(ApiError::invalid_param(
+                "model",
+                format!(
+                    "The model '{model}' does not exist; this server serves '{}'",
+                    self.model_id
+                ),
+            )
+            .with_code("model_not_found"));
         }
         Ok(())
     }
@@ -82,14 +124,23 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/responses", post(crate::responses::create))
-        .route("/v1/responses/{id}", get(crate::responses::get_one).delete(crate::responses::delete_one))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::responses::get_one).delete(crate::responses::delete_one),
+        )
         .fallback(|| async { ApiError::not_found("Unknown endpoint") })
-        .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
         .with_state(state)
 }
 
 async fn count_requests(State(st): State<Shared>, req: Request, next: Next) -> Response {
-    let path = req.extensions().get::<MatchedPath>().map_or_else(|| "other".to_string(), |p| p.as_str().to_string());
+    let path = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "other".to_string(), |p| p.as_str().to_string());
     let resp = next.run(req).await;
     st.metrics.request(&path, resp.status().as_u16());
     resp
@@ -100,22 +151,47 @@ async fn health(State(st): State<Shared>) -> Json<Value> {
 }
 
 async fn models(State(st): State<Shared>) -> Json<Value> {
-    Json(json!({ "object": "list", "data": [{ "id": st.model_id, "object": "model", "created": st.created, "owned_by": "mlx-models" }] }))
+    Json(
+        json!({ "object": "list", "data": [{ "id": st.model_id, "object": "model", "created": st.created, "owned_by": "mlx-models" }] }),
+    )
 }
 
 async fn metrics(State(st): State<Shared>) -> Response {
-    let (mut g, memory) = (Gauges { queued: 0, running: 0, queue_capacity: 0, kv_blocks_used: None, kv_blocks_cached: None, kv_blocks_total: None, memory: None }, mlx_models::observe::memory_stats().ok());
+    let (mut g, memory) = (
+        Gauges {
+            queued: 0,
+            running: 0,
+            queue_capacity: 0,
+            kv_blocks_used: None,
+            kv_blocks_cached: None,
+            kv_blocks_total: None,
+            memory: None,
+        },
+        mlx_models::observe::memory_stats().ok(),
+    );
     match &st.backend {
         Backend::Lm(b) => {
             let s = b.engine.stats();
-            g = Gauges { queued: s.queued, running: s.running, queue_capacity: s.queue_capacity, kv_blocks_used: s.kv_blocks_used, kv_blocks_cached: s.kv_blocks_cached, kv_blocks_total: s.kv_blocks_total, memory };
+            g = Gauges {
+                queued: s.queued,
+                running: s.running,
+                queue_capacity: s.queue_capacity,
+                kv_blocks_used: s.kv_blocks_used,
+                kv_blocks_cached: s.kv_blocks_cached,
+                kv_blocks_total: s.kv_blocks_total,
+                memory,
+            };
         }
         Backend::Embedding(e) => {
             g.memory = memory;
             g.queue_capacity = e.slots.available_permits();
         }
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render(&g)).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        st.metrics.render(&g),
+    )
+        .into_response()
 }
 
 /// `"stop"`: a string or a list of strings.
@@ -133,7 +209,10 @@ impl StopSpec {
             StopSpec::Many(v) => v,
         };
         if v.len() > 4 || v.iter().any(|s| s.is_empty()) {
-            return Err(ApiError::invalid_param("stop", "'stop' takes at most 4 non-empty strings"));
+            return Err(ApiError::invalid_param(
+                "stop",
+                "'stop' takes at most 4 non-empty strings",
+            ));
         }
         Ok(v)
     }
@@ -190,7 +269,8 @@ impl SamplingFields {
             repetition_penalty: self.repetition_penalty,
             ..Default::default()
         };
-        SamplingConfig::resolve(&o, defaults).map_err(|e| ApiError::invalid(format!("Invalid sampling settings: {e}")))
+        SamplingConfig::resolve(&o, defaults)
+            .map_err(|e| ApiError::invalid(format!("Invalid sampling settings: {e}")))
     }
 }
 
@@ -206,7 +286,11 @@ pub fn stop_ids(b: &LmBackend) -> Vec<u32> {
 }
 
 /// `max_new` tokens after a `prompt`-token prompt must fit the context.
-pub fn check_context(b: &LmBackend, prompt: usize, max_new: Option<usize>) -> Result<usize, ApiError> {
+pub fn check_context(
+    b: &LmBackend,
+    prompt: usize,
+    max_new: Option<usize>,
+) -> Result<usize, ApiError> {
     let ctx = b.info.max_position_embeddings;
     if prompt == 0 {
         return Err(ApiError::invalid("The prompt is empty"));
@@ -220,7 +304,10 @@ pub fn check_context(b: &LmBackend, prompt: usize, max_new: Option<usize>) -> Re
         .with_code("context_length_exceeded"));
     }
     if max_new == 0 {
-        return Err(ApiError::invalid_param("max_tokens", "max_tokens must be at least 1"));
+        return Err(ApiError::invalid_param(
+            "max_tokens",
+            "max_tokens must be at least 1",
+        ));
     }
     Ok(max_new)
 }
@@ -229,7 +316,8 @@ fn new_id(prefix: &str) -> String {
     use std::hash::BuildHasher;
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    let h = std::collections::hash_map::RandomState::new().hash_one((N.fetch_add(1, Ordering::Relaxed), Instant::now()));
+    let h = std::collections::hash_map::RandomState::new()
+        .hash_one((N.fetch_add(1, Ordering::Relaxed), Instant::now()));
     let h2 = std::collections::hash_map::RandomState::new().hash_one(h);
     format!("{prefix}{h:016x}{:08x}", h2 as u32)
 }
@@ -241,7 +329,11 @@ pub fn make_id(prefix: &str) -> String {
 /// Server-sent events from a stream of JSON payloads (each `data: <json>`), then `data: [DONE]`
 /// when `done` is set.
 pub fn sse(rx: UnboundedReceiver<String>) -> Response {
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|s| (Ok::<_, std::convert::Infallible>(Bytes::from(s)), rx)) });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|s| (Ok::<_, std::convert::Infallible>(Bytes::from(s)), rx))
+    });
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -281,7 +373,10 @@ struct ChatRequest {
 
 /// `tools` as the template sees them, after `tool_choice` (`auto` or `none`; forcing a call
 /// needs constrained decoding, which the server does not do, so it is refused).
-pub fn apply_tool_choice(tools: Option<Vec<ToolDefinition>>, choice: Option<&Value>) -> Result<Option<Vec<ToolDefinition>>, ApiError> {
+pub fn apply_tool_choice(
+    tools: Option<Vec<ToolDefinition>>,
+    choice: Option<&Value>,
+) -> Result<Option<Vec<ToolDefinition>>, ApiError> {
     match choice {
         None => Ok(tools),
         Some(Value::String(s)) if s == "auto" => Ok(tools),
@@ -308,7 +403,10 @@ fn text_of_content(v: &Value, at: &str) -> Result<String, ApiError> {
             }
             Ok(out)
         }
-        other => Err(ApiError::invalid_param(at, format!("content must be a string or a list of text parts, got {other}"))),
+        other => Err(ApiError::invalid_param(
+            at,
+            format!("content must be a string or a list of text parts, got {other}"),
+        )),
     }
 }
 
@@ -317,34 +415,73 @@ pub fn convert_messages(raw: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
     let mut out = Vec::with_capacity(raw.len());
     for (i, m) in raw.iter().enumerate() {
         let at = format!("messages[{i}]");
-        let obj = m.as_object().ok_or_else(|| ApiError::invalid_param(&at, "each message must be an object"))?;
+        let obj = m
+            .as_object()
+            .ok_or_else(|| ApiError::invalid_param(&at, "each message must be an object"))?;
         for k in obj.keys() {
-            if !matches!(k.as_str(), "role" | "content" | "tool_calls" | "tool_call_id" | "reasoning_content" | "reasoning") {
-                return Err(ApiError::invalid_param(format!("{at}.{k}"), format!("unknown message field '{k}'")));
+            if !matches!(
+                k.as_str(),
+                "role"
+                    | "content"
+                    | "tool_calls"
+                    | "tool_call_id"
+                    | "reasoning_content"
+                    | "reasoning"
+            ) {
+                return Err(ApiError::invalid_param(
+                    format!("{at}.{k}"),
+                    format!("unknown message field '{k}'"),
+                ));
             }
         }
-        let role = obj.get("role").and_then(Value::as_str).ok_or_else(|| ApiError::invalid_param(format!("{at}.role"), "missing or non-string 'role'"))?;
+        let role = obj.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid_param(format!("{at}.role"), "missing or non-string 'role'")
+        })?;
         let role = match role {
             "developer" => Role::System,
-            r => r.parse::<Role>().map_err(|e| ApiError::invalid_param(format!("{at}.role"), e))?,
+            r => r
+                .parse::<Role>()
+                .map_err(|e| ApiError::invalid_param(format!("{at}.role"), e))?,
         };
-        let content = text_of_content(obj.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
+        let content = text_of_content(
+            obj.get("content").unwrap_or(&Value::Null),
+            &format!("{at}.content"),
+        )?;
         let mut msg = ChatMessage::new(role, content);
-        if let Some(r) = obj.get("reasoning_content").or_else(|| obj.get("reasoning")).and_then(Value::as_str) {
+        if let Some(r) = obj
+            .get("reasoning_content")
+            .or_else(|| obj.get("reasoning"))
+            .and_then(Value::as_str)
+        {
             msg = msg.with_reasoning(r);
         }
         if let Some(calls) = obj.get("tool_calls").filter(|v| !v.is_null()) {
-            let calls = calls.as_array().ok_or_else(|| ApiError::invalid_param(format!("{at}.tool_calls"), "tool_calls must be a list"))?;
+            let calls = calls.as_array().ok_or_else(|| {
+                ApiError::invalid_param(format!("{at}.tool_calls"), "tool_calls must be a list")
+            })?;
             let mut list = Vec::new();
             for (j, c) in calls.iter().enumerate() {
-                let f = c.get("function").ok_or_else(|| ApiError::invalid_param(format!("{at}.tool_calls[{j}]"), "missing 'function'"))?;
-                let name = f.get("name").and_then(Value::as_str).ok_or_else(|| ApiError::invalid_param(format!("{at}.tool_calls[{j}].function.name"), "missing name"))?;
+                let f = c.get("function").ok_or_else(|| {
+                    ApiError::invalid_param(format!("{at}.tool_calls[{j}]"), "missing 'function'")
+                })?;
+                let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid_param(
+                        format!("{at}.tool_calls[{j}].function.name"),
+                        "missing name",
+                    )
+                })?;
                 let arguments = match f.get("arguments") {
-                    Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+                    Some(Value::String(s)) => {
+                        serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+                    }
                     Some(v) => v.clone(),
                     None => json!({}),
                 };
-                list.push(ToolCall { id: c.get("id").and_then(Value::as_str).map(String::from), name: name.to_string(), arguments });
+                list.push(ToolCall {
+                    id: c.get("id").and_then(Value::as_str).map(String::from),
+                    name: name.to_string(),
+                    arguments,
+                });
             }
             msg = msg.with_tool_calls(list);
         }
@@ -358,7 +495,11 @@ pub fn convert_messages(raw: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
 
 /// OpenAI's form of a parsed tool call (`arguments` as a JSON string).
 pub fn tool_call_json(c: &ParsedToolCall) -> Value {
-    let args = if c.is_ok() { c.arguments.to_string() } else { c.raw.clone() };
+    let args = if c.is_ok() {
+        c.arguments.to_string()
+    } else {
+        c.raw.clone()
+    };
     json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": args } })
 }
 
@@ -379,6 +520,9 @@ fn logprob_json(l: &TokenLogprob) -> Value {
 /// A chat prompt: render, check the context, build the plan.
 pub struct ChatPlanInput<'a> {
     pub messages: Vec<ChatMessage>,
+    /// Prompt ids and whether they end in an open think block, when already planned (a
+    /// continued conversation); else `messages` are rendered.
+    pub prompt: Option<(Vec<u32>, bool)>,
     pub tools: Option<Vec<ToolDefinition>>,
     pub max_new: Option<usize>,
     pub sampling: &'a SamplingFields,
@@ -388,16 +532,34 @@ pub struct ChatPlanInput<'a> {
 }
 
 pub fn chat_plan(b: &LmBackend, inp: ChatPlanInput<'_>) -> Result<Plan, ApiError> {
-    let opts = RenderOptions { tools: inp.tools, ..Default::default() };
-    let prompt = b.format.render(&inp.messages, &opts).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-    let max_new = check_context(b, prompt.ids.len(), inp.max_new)?;
-    let mut parser = b.format.parser_options(&opts, prompt.starts_in_thinking, None);
+    let opts = RenderOptions {
+        tools: inp.tools,
+        ..Default::default()
+    };
+    let (ids, starts_in_thinking) = match inp.prompt {
+        Some(p) => p,
+        None => {
+            let p = b
+                .format
+                .render(&inp.messages, &opts)
+                .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+            (p.ids, p.starts_in_thinking)
+        }
+    };
+    let max_new = check_context(b, ids.len(), inp.max_new)?;
+    let mut parser = b.format.parser_options(&opts, starts_in_thinking, None);
     parser.call_id_prefix = format!("{}_", make_id("call_"));
     Ok(Plan {
-        req: GenRequest { prompt: prompt.ids, max_new_tokens: max_new, sampling: inp.sampling.resolve(&b.defaults)?, stop_tokens: stop_ids(b), cancel: Default::default() },
+        req: GenRequest {
+            prompt: ids,
+            max_new_tokens: max_new,
+            sampling: inp.sampling.resolve(&b.defaults)?,
+            stop_tokens: stop_ids(b),
+            cancel: Default::default(),
+        },
         stop_strings: inp.stop,
         parser: Some(parser),
-        starts_in_thinking: prompt.starts_in_thinking,
+        starts_in_thinking,
         logprobs: inp.logprobs,
         arrived: inp.arrived,
     })
@@ -408,7 +570,10 @@ fn check_unsupported(n: Option<u32>, top_logprobs: Option<u32>) -> Result<(), Ap
         return Err(ApiError::invalid_param("n", "only n = 1 is supported"));
     }
     if top_logprobs.is_some_and(|k| k > 0) {
-        return Err(ApiError::invalid_param("top_logprobs", "top_logprobs > 0 is not supported: logprobs reports the sampled tokens' log-probs"));
+        return Err(ApiError::invalid_param(
+            "top_logprobs",
+            "top_logprobs > 0 is not supported: logprobs reports the sampled tokens' log-probs",
+        ));
     }
     Ok(())
 }
@@ -420,14 +585,37 @@ async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Respo
     let b = st.lm()?;
     check_unsupported(r.n, r.top_logprobs)?;
     if r.messages.is_empty() {
-        return Err(ApiError::invalid_param("messages", "messages must not be empty"));
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages must not be empty",
+        ));
     }
     let messages = convert_messages(&r.messages)?;
     let tools = apply_tool_choice(r.tools, r.tool_choice.as_ref())?;
-    let stop = r.stop.map(StopSpec::into_vec).transpose()?.unwrap_or_default();
-    let plan = chat_plan(b, ChatPlanInput { messages, tools, max_new: r.max_completion_tokens.or(r.max_tokens), sampling: &sampling_of!(r), stop, logprobs: r.logprobs, arrived })?;
+    let stop = r
+        .stop
+        .map(StopSpec::into_vec)
+        .transpose()?
+        .unwrap_or_default();
+    let plan = chat_plan(
+        b,
+        ChatPlanInput {
+            messages,
+            prompt: None,
+            tools,
+            max_new: r.max_completion_tokens.or(r.max_tokens),
+            sampling: &sampling_of!(r),
+            stop,
+            logprobs: r.logprobs,
+            arrived,
+        },
+    )?;
     let rx = pipeline::start(&b.engine, &b.format, &st.metrics, plan)?;
-    let (id, created, model) = (make_id("chatcmpl-"), crate::store::now_secs(), st.model_id.clone());
+    let (id, created, model) = (
+        make_id("chatcmpl-"),
+        crate::store::now_secs(),
+        st.model_id.clone(),
+    );
     if !r.stream {
         let (f, lps) = pipeline::collect(rx).await?;
         let mut message = json!({ "role": "assistant", "content": if f.text.is_empty() && !f.tool_calls.is_empty() { Value::Null } else { Value::String(f.text.clone()) } });
@@ -437,7 +625,11 @@ async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Respo
         if !f.tool_calls.is_empty() {
             message["tool_calls"] = Value::Array(f.tool_calls.iter().map(tool_call_json).collect());
         }
-        let logprobs = if r.logprobs { json!({ "content": lps.iter().map(logprob_json).collect::<Vec<_>>() }) } else { Value::Null };
+        let logprobs = if r.logprobs {
+            json!({ "content": lps.iter().map(logprob_json).collect::<Vec<_>>() })
+        } else {
+            Value::Null
+        };
         return Ok(Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{ "index": 0, "message": message, "logprobs": logprobs, "finish_reason": f.finish_reason }],
@@ -455,28 +647,57 @@ async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Respo
                 "choices": [{ "index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish }] });
             format!("data: {c}\n\n")
         };
-        if tx.send(chunk(json!({ "role": "assistant", "content": "" }), Value::Null, Value::Null)).is_err() {
+        if tx
+            .send(chunk(
+                json!({ "role": "assistant", "content": "" }),
+                Value::Null,
+                Value::Null,
+            ))
+            .is_err()
+        {
             return;
         }
         let mut pending_lps: Vec<Value> = Vec::new();
         let mut n_calls = 0usize;
-        let lp_field = |v: &mut Vec<Value>| if logprobs { json!({ "content": std::mem::take(v) }) } else { Value::Null };
+        let lp_field = |v: &mut Vec<Value>| {
+            if logprobs {
+                json!({ "content": std::mem::take(v) })
+            } else {
+                Value::Null
+            }
+        };
         while let Some(o) = rx.recv().await {
             let msg = match o {
                 Out::Logprob(l) => {
                     pending_lps.push(logprob_json(&l));
                     continue;
                 }
-                Out::Text(t) => chunk(json!({ "content": t }), Value::Null, lp_field(&mut pending_lps)),
-                Out::Thinking(t) => chunk(json!({ "reasoning_content": t }), Value::Null, lp_field(&mut pending_lps)),
+                Out::Text(t) => chunk(
+                    json!({ "content": t }),
+                    Value::Null,
+                    lp_field(&mut pending_lps),
+                ),
+                Out::Thinking(t) => chunk(
+                    json!({ "reasoning_content": t }),
+                    Value::Null,
+                    lp_field(&mut pending_lps),
+                ),
                 Out::ToolCall(c) => {
                     let mut tc = tool_call_json(&c);
                     tc["index"] = json!(n_calls);
                     n_calls += 1;
-                    chunk(json!({ "tool_calls": [tc] }), Value::Null, lp_field(&mut pending_lps))
+                    chunk(
+                        json!({ "tool_calls": [tc] }),
+                        Value::Null,
+                        lp_field(&mut pending_lps),
+                    )
                 }
                 Out::Done(f) => {
-                    let mut s = chunk(json!({}), json!(f.finish_reason), lp_field(&mut pending_lps));
+                    let mut s = chunk(
+                        json!({}),
+                        json!(f.finish_reason),
+                        lp_field(&mut pending_lps),
+                    );
                     if include_usage {
                         let u = json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage_json(&f) });
                         s.push_str(&format!("data: {u}\n\n"));
@@ -546,12 +767,27 @@ async fn completions(State(st): State<Shared>, body: Bytes) -> Result<Response, 
     }
     let tok = b.format.tokenizer();
     let ids = match r.prompt {
-        PromptSpec::Text(t) => tok.encode(&t, true).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?,
-        PromptSpec::Texts(v) if v.len() == 1 => tok.encode(&v[0], true).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?,
-        PromptSpec::Texts(_) => return Err(ApiError::invalid_param("prompt", "only one prompt per request is supported")),
+        PromptSpec::Text(t) => tok
+            .encode(&t, true)
+            .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?,
+        PromptSpec::Texts(v) if v.len() == 1 => tok
+            .encode(&v[0], true)
+            .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?,
+        PromptSpec::Texts(_) => {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                "only one prompt per request is supported",
+            ))
+        }
         PromptSpec::Ids(ids) => {
             if let Some(bad) = ids.iter().find(|&&t| t as usize >= b.info.vocab_size) {
-                return Err(ApiError::invalid_param("prompt", format!("token id {bad} out of range for vocab size {}", b.info.vocab_size)));
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    format!(
+                        "token id {bad} out of range for vocab size {}",
+                        b.info.vocab_size
+                    ),
+                ));
             }
             ids
         }
@@ -560,15 +796,29 @@ async fn completions(State(st): State<Shared>, body: Bytes) -> Result<Response, 
     let max_new = check_context(b, ids.len(), Some(r.max_tokens.unwrap_or(16)))?;
     let logprobs = r.logprobs.is_some();
     let plan = Plan {
-        req: GenRequest { prompt: ids, max_new_tokens: max_new, sampling: sampling_of!(r).resolve(&b.defaults)?, stop_tokens: b.info.eos_token_ids.clone(), cancel: Default::default() },
-        stop_strings: r.stop.map(StopSpec::into_vec).transpose()?.unwrap_or_default(),
+        req: GenRequest {
+            prompt: ids,
+            max_new_tokens: max_new,
+            sampling: sampling_of!(r).resolve(&b.defaults)?,
+            stop_tokens: b.info.eos_token_ids.clone(),
+            cancel: Default::default(),
+        },
+        stop_strings: r
+            .stop
+            .map(StopSpec::into_vec)
+            .transpose()?
+            .unwrap_or_default(),
         parser: None,
         starts_in_thinking: false,
         logprobs,
         arrived,
     };
     let rx = pipeline::start(&b.engine, &b.format, &st.metrics, plan)?;
-    let (id, created, model) = (make_id("cmpl-"), crate::store::now_secs(), st.model_id.clone());
+    let (id, created, model) = (
+        make_id("cmpl-"),
+        crate::store::now_secs(),
+        st.model_id.clone(),
+    );
     let lp_json = |lps: &[TokenLogprob]| {
         json!({ "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
                 "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
@@ -594,7 +844,13 @@ async fn completions(State(st): State<Shared>, body: Bytes) -> Result<Response, 
         };
         let mut pending: Vec<TokenLogprob> = Vec::new();
         while let Some(o) = rx.recv().await {
-            let lps = |p: &mut Vec<TokenLogprob>| if logprobs { lp_json(&std::mem::take(p)) } else { Value::Null };
+            let lps = |p: &mut Vec<TokenLogprob>| {
+                if logprobs {
+                    lp_json(&std::mem::take(p))
+                } else {
+                    Value::Null
+                }
+            };
             let msg = match o {
                 Out::Logprob(l) => {
                     pending.push(l);
@@ -649,12 +905,21 @@ async fn embeddings(State(st): State<Shared>, body: Bytes) -> Result<Response, A
     let r: EmbeddingRequest = parse_body(&body)?;
     st.check_model(&r.model)?;
     let Backend::Embedding(e) = &st.backend else {
-        return Err(ApiError::invalid(format!("model '{}' is not an embedding model", st.model_id)).with_code("model_not_supported"));
+        return Err(ApiError::invalid(format!(
+            "model '{}' is not an embedding model",
+            st.model_id
+        ))
+        .with_code("model_not_supported"));
     };
     let base64 = match r.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
-        Some(other) => return Err(ApiError::invalid_param("encoding_format", format!("encoding_format must be \"float\" or \"base64\", got {other:?}"))),
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "encoding_format",
+                format!("encoding_format must be \"float\" or \"base64\", got {other:?}"),
+            ))
+        }
     };
     let dim = e.model.hidden_size();
     if let Some(d) = r.dimensions.filter(|&d| d != dim) {
@@ -664,7 +929,11 @@ async fn embeddings(State(st): State<Shared>, body: Bytes) -> Result<Response, A
         Some(name) => e.model.prompts.get(name).cloned().unwrap_or_default(),
         None => String::new(),
     };
-    let encode = |t: &str| e.tokenizer.encode(&format!("{prefix}{t}"), true).map_err(|err| ApiError::invalid_param("input", err.to_string()));
+    let encode = |t: &str| {
+        e.tokenizer
+            .encode(&format!("{prefix}{t}"), true)
+            .map_err(|err| ApiError::invalid_param("input", err.to_string()))
+    };
     let batch: Vec<Vec<u32>> = match r.input {
         EmbedInput::Text(t) => vec![encode(&t)?],
         EmbedInput::Texts(v) => v.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
@@ -674,13 +943,18 @@ async fn embeddings(State(st): State<Shared>, body: Bytes) -> Result<Response, A
     let max = e.model.max_length();
     for (i, ids) in batch.iter().enumerate() {
         if ids.is_empty() {
-            return Err(ApiError::invalid_param(format!("input[{i}]"), "input must not be empty"));
+            return Err(ApiError::invalid_param(
+                format!("input[{i}]"),
+                "input must not be empty",
+            ));
         }
         if ids.len() > max {
             return Err(ApiError::invalid_param(format!("input[{i}]"), format!("This model's maximum context length is {max} tokens, however input {i} has {} tokens", ids.len())).with_code("context_length_exceeded"));
         }
     }
-    let permit = e.slots.clone().try_acquire_owned().map_err(|_| ApiError::queue_full("too many embedding requests are waiting; retry later"))?;
+    let permit = e.slots.clone().try_acquire_owned().map_err(|_| {
+        ApiError::queue_full("too many embedding requests are waiting; retry later")
+    })?;
     let model = e.model.clone();
     let n_tokens: usize = batch.iter().map(Vec::len).sum();
     let vecs = tokio::task::spawn_blocking(move || {

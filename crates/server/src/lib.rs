@@ -24,7 +24,11 @@ use std::sync::Arc;
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error("loading {}: {source}", path.display())]
-    Load { path: PathBuf, #[source] source: mlx_models::ModelError },
+    Load {
+        path: PathBuf,
+        #[source]
+        source: mlx_models::ModelError,
+    },
     #[error(transparent)]
     Store(#[from] store::StoreError),
     #[error("I/O: {0}")]
@@ -51,7 +55,9 @@ pub fn default_db_path() -> PathBuf {
     let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
         Some(d) => PathBuf::from(d),
         None => {
-            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("."));
             if cfg!(target_os = "macos") {
                 home.join("Library/Caches")
             } else {
@@ -64,13 +70,24 @@ pub fn default_db_path() -> PathBuf {
 
 /// The name clients give as `model`: the checkpoint directory's name.
 pub fn model_id(dir: &Path) -> String {
-    dir.canonicalize().ok().as_deref().unwrap_or(dir).file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+    dir.canonicalize()
+        .ok()
+        .as_deref()
+        .unwrap_or(dir)
+        .file_name()
+        .map_or_else(
+            || dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
 }
 
 /// Load the model, start its engine and open the store.
 pub fn load(opts: &ServeOptions) -> Result<Shared, ServerError> {
     let dir = &opts.model_dir;
-    let lerr = |source| ServerError::Load { path: dir.clone(), source };
+    let lerr = |source| ServerError::Load {
+        path: dir.clone(),
+        source,
+    };
     let store = Arc::new(store::ResponseStore::open(&opts.db)?);
     store.cleanup_expired()?;
     let backend = match load_model(dir, &LoadOptions::default()).map_err(lerr)? {
@@ -83,11 +100,20 @@ pub fn load(opts: &ServeOptions) -> Result<Shared, ServerError> {
                 .unwrap_or_default();
             let info = model.info().clone();
             let engine = SequentialEngine::start(model, opts.max_queue, opts.kept_sequences)?;
-            Backend::Lm(LmBackend { engine: Arc::new(engine), format, defaults, info })
+            Backend::Lm(LmBackend {
+                engine: Arc::new(engine),
+                format,
+                defaults,
+                info,
+            })
         }
         LoadedModel::Embedding(model) => {
             let tokenizer = Arc::new(Tokenizer::from_dir(dir).map_err(|e| lerr(e.into()))?);
-            Backend::Embedding(EmbedBackend { model, tokenizer, slots: Arc::new(tokio::sync::Semaphore::new(opts.max_queue.max(1))) })
+            Backend::Embedding(EmbedBackend {
+                model,
+                tokenizer,
+                slots: Arc::new(tokio::sync::Semaphore::new(opts.max_queue.max(1))),
+            })
         }
     };
     Ok(Arc::new(AppState {
@@ -97,12 +123,17 @@ pub fn load(opts: &ServeOptions) -> Result<Shared, ServerError> {
         store,
         metrics: Arc::new(metrics::Metrics::default()),
         retention_secs: opts.retention_secs,
+        live: Default::default(),
     }))
 }
 
 /// Serve `state` on `listener` until `shutdown` resolves; expired stored responses are
 /// deleted hourly.
-pub async fn serve(listener: tokio::net::TcpListener, state: Shared, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Shared,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let store = state.store.clone();
     let sweeper = tokio::spawn(async move {
         let mut every = tokio::time::interval(std::time::Duration::from_secs(3600));
@@ -112,7 +143,9 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Shared, shutdown: i
             let _ = tokio::task::spawn_blocking(move || s.cleanup_expired()).await;
         }
     });
-    let r = axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown).await;
+    let r = axum::serve(listener, http::router(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
     sweeper.abort();
     r
 }

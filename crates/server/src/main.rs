@@ -9,7 +9,10 @@ use mlx_server::{default_db_path, load, serve, ServeOptions};
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "mlx-serve", about = "OpenAI-compatible server (chat, completions, embeddings, responses) for one model")]
+#[command(
+    name = "mlx-serve",
+    about = "OpenAI-compatible server (chat, completions, embeddings, responses) for one model"
+)]
 struct Cli {
     /// Checkpoint directory (config.json, safetensors, tokenizer files).
     #[arg(long)]
@@ -73,7 +76,10 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: tokio runtime: {e}");
@@ -83,7 +89,11 @@ fn main() {
     let r = rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((cli.host.as_str(), cli.port)).await?;
         let addr = listener.local_addr()?;
-        println!("mlx-serve: model {} (responses in {}); listening on http://{addr}", state.model_id, opts.db.display());
+        println!(
+            "mlx-serve: model {} (responses in {}); listening on http://{addr}",
+            state.model_id,
+            opts.db.display()
+        );
         use std::io::Write;
         let _ = std::io::stdout().flush();
         serve(listener, state, shutdown_signal()).await

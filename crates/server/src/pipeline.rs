@@ -56,6 +56,9 @@ pub struct Final {
     pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub reasoning_tokens: usize,
+    /// Every token of the sequence (prompt, generated, stop token), when the output is exactly
+    /// what was generated (not cut by a stop string): what the engine's KV cache now holds.
+    pub sequence: Option<Vec<u32>>,
 }
 
 /// Holds back text that may be the start of a stop string.
@@ -75,7 +78,12 @@ impl StopStrings {
             return StopStep::Emit(delta.to_string());
         }
         self.buf.push_str(delta);
-        if let Some(pos) = self.stops.iter().filter_map(|s| self.buf.find(s.as_str())).min() {
+        if let Some(pos) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.buf.find(s.as_str()))
+            .min()
+        {
             let out = self.buf[..pos].to_string();
             self.buf.clear();
             return StopStep::Stopped(out);
@@ -101,7 +109,12 @@ impl StopStrings {
 
 /// Submit `plan` to `engine` and start its decoding task. Refusals (queue full, engine down)
 /// come back at once.
-pub fn start(engine: &Arc<dyn Engine>, format: &Arc<ChatFormat>, metrics: &Arc<Metrics>, mut plan: Plan) -> Result<UnboundedReceiver<Out>, ApiError> {
+pub fn start(
+    engine: &Arc<dyn Engine>,
+    format: &Arc<ChatFormat>,
+    metrics: &Arc<Metrics>,
+    mut plan: Plan,
+) -> Result<UnboundedReceiver<Out>, ApiError> {
     let cancel = CancelHandle::default();
     plan.req.cancel = cancel.clone();
     let prompt_tokens = plan.req.prompt.len();
@@ -128,10 +141,21 @@ fn run(
 ) -> Option<()> {
     let mut dec = format.stream_decoder();
     let mut parser = plan.parser.clone().map(OutputParser::new);
-    let mut budget = if plan.parser.is_some() { format.thinking_budget(None, plan.starts_in_thinking).ok().flatten() } else { None };
-    let mut stops = StopStrings { stops: plan.stop_strings.clone(), buf: String::new() };
+    let mut budget = if plan.parser.is_some() {
+        format
+            .thinking_budget(None, plan.starts_in_thinking)
+            .ok()
+            .flatten()
+    } else {
+        None
+    };
+    let mut stops = StopStrings {
+        stops: plan.stop_strings.clone(),
+        buf: String::new(),
+    };
     let mut text = String::new();
     let mut n = 0usize;
+    let mut gen_ids: Vec<u32> = Vec::new();
     let mut stopped = false;
     let send = |o: Out| tx.send(o).ok();
     let emit = |s: String, parser: &mut Option<OutputParser>, text: &mut String| -> Option<()> {
@@ -158,6 +182,7 @@ fn run(
                     continue;
                 }
                 n += 1;
+                gen_ids.push(id);
                 if n == 1 {
                     metrics.ttft(plan.arrived.elapsed());
                 }
@@ -167,7 +192,11 @@ fn run(
                 }
                 if plan.logprobs {
                     let token = format.tokenizer().decode(&[id], false).unwrap_or_default();
-                    send(Out::Logprob(TokenLogprob { bytes: token.as_bytes().to_vec(), token, logprob }))?;
+                    send(Out::Logprob(TokenLogprob {
+                        bytes: token.as_bytes().to_vec(),
+                        token,
+                        logprob,
+                    }))?;
                 }
                 let delta = match dec.step(id) {
                     Ok(d) => d,
@@ -234,6 +263,12 @@ fn run(
         }
     };
     metrics.prompt(prompt_tokens, summary.cached_tokens);
+    let sequence = (!stopped).then(|| {
+        let mut s = plan.req.prompt.clone();
+        s.extend_from_slice(&gen_ids);
+        s.extend(summary.stop_token);
+        s
+    });
     send(Out::Done(Final {
         finish_reason,
         text,
@@ -243,6 +278,7 @@ fn run(
         cached_tokens: summary.cached_tokens,
         completion_tokens: n,
         reasoning_tokens: budget.map_or(0, |b| b.thinking_tokens()),
+        sequence,
     }))?;
     Some(())
 }
@@ -256,7 +292,9 @@ fn event_out(e: ChatEvent) -> Out {
 }
 
 /// Collect a whole generation (non-streaming answers).
-pub async fn collect(mut rx: UnboundedReceiver<Out>) -> Result<(Final, Vec<TokenLogprob>), ApiError> {
+pub async fn collect(
+    mut rx: UnboundedReceiver<Out>,
+) -> Result<(Final, Vec<TokenLogprob>), ApiError> {
     let mut lps = Vec::new();
     while let Some(o) = rx.recv().await {
         match o {
@@ -274,7 +312,10 @@ mod tests {
     use super::*;
 
     fn run_stops(stops: &[&str], deltas: &[&str]) -> (String, bool) {
-        let mut s = StopStrings { stops: stops.iter().map(|s| s.to_string()).collect(), buf: String::new() };
+        let mut s = StopStrings {
+            stops: stops.iter().map(|s| s.to_string()).collect(),
+            buf: String::new(),
+        };
         let mut out = String::new();
         for d in deltas {
             match s.push(d) {
@@ -291,9 +332,18 @@ mod tests {
 
     #[test]
     fn stop_strings_across_deltas() {
-        assert_eq!(run_stops(&["END"], &["hello E", "N", "D more"]), ("hello ".into(), true));
-        assert_eq!(run_stops(&["END"], &["hello E", "N", "x"]), ("hello ENx".into(), false));
+        assert_eq!(
+            run_stops(&["END"], &["hello E", "N", "D more"]),
+            ("hello ".into(), true)
+        );
+        assert_eq!(
+            run_stops(&["END"], &["hello E", "N", "x"]),
+            ("hello ENx".into(), false)
+        );
         assert_eq!(run_stops(&[], &["a", "b"]), ("ab".into(), false));
-        assert_eq!(run_stops(&["\n\n", "é!"], &["caf", "é", "!"]), ("caf".into(), true));
+        assert_eq!(
+            run_stops(&["\n\n", "é!"], &["caf", "é", "!"]),
+            ("caf".into(), true)
+        );
     }
 }

@@ -9,14 +9,18 @@
 //! Reasoning (thinking) text is not part of the output items; tool calls are `function_call`
 //! items.
 use crate::error::{parse_body, ApiError};
-use crate::http::{apply_tool_choice, chat_plan, convert_messages, make_id, sampling_of, ChatPlanInput, Shared};
+use crate::http::{
+    apply_tool_choice, chat_plan, convert_messages, make_id, sampling_of, ChatPlanInput, Shared,
+};
 use crate::pipeline::{self, Final, Out};
 use crate::store::{now_secs, StoredResponse};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlx_models::chat::{ChatMessage, FunctionDefinition, ParsedToolCall, Role, ToolCall, ToolDefinition};
+use mlx_models::chat::{
+    ChatMessage, FunctionDefinition, ParsedToolCall, PromptPlan, Role, ToolCall, ToolDefinition,
+};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Instant;
@@ -61,7 +65,10 @@ fn input_items(input: &Value) -> Result<Vec<Value>, ApiError> {
     match input {
         Value::String(s) => Ok(vec![json!({ "role": "user", "content": s })]),
         Value::Array(a) if !a.is_empty() => Ok(a.clone()),
-        _ => Err(ApiError::invalid_param("input", "input must be a non-empty string or a non-empty list of items")),
+        _ => Err(ApiError::invalid_param(
+            "input",
+            "input must be a non-empty string or a non-empty list of items",
+        )),
     }
 }
 
@@ -74,26 +81,47 @@ fn items_to_messages(items: &[Value], at: &str) -> Result<Vec<ChatMessage>, ApiE
         match kind {
             "message" => {
                 let mut m = serde_json::Map::new();
-                m.insert("role".into(), it.get("role").cloned().unwrap_or(Value::Null));
-                m.insert("content".into(), it.get("content").cloned().unwrap_or(Value::Null));
-                let mut v = convert_messages(&[Value::Object(m)]).map_err(|e| ApiError { param: Some(p.clone()), ..e })?;
+                m.insert(
+                    "role".into(),
+                    it.get("role").cloned().unwrap_or(Value::Null),
+                );
+                m.insert(
+                    "content".into(),
+                    it.get("content").cloned().unwrap_or(Value::Null),
+                );
+                let mut v = convert_messages(&[Value::Object(m)]).map_err(|e| ApiError {
+                    param: Some(p.clone()),
+                    ..e
+                })?;
                 out.append(&mut v);
             }
             "function_call" => {
-                let name = it.get("name").and_then(Value::as_str).ok_or_else(|| ApiError::invalid_param(&p, "function_call item without a name"))?;
+                let name = it.get("name").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid_param(&p, "function_call item without a name")
+                })?;
                 let args = match it.get("arguments") {
-                    Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+                    Some(Value::String(s)) => {
+                        serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+                    }
                     Some(v) => v.clone(),
                     None => json!({}),
                 };
-                let call = ToolCall { id: it.get("call_id").and_then(Value::as_str).map(String::from), name: name.to_string(), arguments: args };
+                let call = ToolCall {
+                    id: it.get("call_id").and_then(Value::as_str).map(String::from),
+                    name: name.to_string(),
+                    arguments: args,
+                };
                 match out.last_mut() {
-                    Some(last) if last.role == Role::Assistant => last.tool_calls.get_or_insert_with(Vec::new).push(call),
+                    Some(last) if last.role == Role::Assistant => {
+                        last.tool_calls.get_or_insert_with(Vec::new).push(call)
+                    }
                     _ => out.push(ChatMessage::assistant("").with_tool_calls(vec![call])),
                 }
             }
             "function_call_output" => {
-                let id = it.get("call_id").and_then(Value::as_str).ok_or_else(|| ApiError::invalid_param(&p, "function_call_output item without a call_id"))?;
+                let id = it.get("call_id").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid_param(&p, "function_call_output item without a call_id")
+                })?;
                 let output = match it.get("output") {
                     Some(Value::String(s)) => s.clone(),
                     Some(v) => v.to_string(),
@@ -102,7 +130,12 @@ fn items_to_messages(items: &[Value], at: &str) -> Result<Vec<ChatMessage>, ApiE
                 out.push(ChatMessage::tool(id, output));
             }
             "reasoning" => {}
-            other => return Err(ApiError::invalid_param(&p, format!("unsupported input item type {other:?}"))),
+            other => {
+                return Err(ApiError::invalid_param(
+                    &p,
+                    format!("unsupported input item type {other:?}"),
+                ))
+            }
         }
     }
     Ok(out)
@@ -124,7 +157,11 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
 }
 
 fn call_item(c: &ParsedToolCall) -> Value {
-    let args = if c.is_ok() { c.arguments.to_string() } else { c.raw.clone() };
+    let args = if c.is_ok() {
+        c.arguments.to_string()
+    } else {
+        c.raw.clone()
+    };
     json!({ "id": format!("fc_{}", c.id), "type": "function_call", "status": "completed", "call_id": c.id, "name": c.name, "arguments": args })
 }
 
@@ -136,15 +173,33 @@ struct Echo {
     config: Value,
 }
 
-fn response_json(id: &str, created: i64, model: &str, status: &str, output: Value, usage: Value, echo: &Echo) -> Value {
-    let incomplete = if status == "incomplete" { json!({ "reason": "max_output_tokens" }) } else { Value::Null };
+fn response_json(
+    id: &str,
+    created: i64,
+    model: &str,
+    status: &str,
+    output: Value,
+    usage: Value,
+    echo: &Echo,
+) -> Value {
+    let incomplete = if status == "incomplete" {
+        json!({ "reason": "max_output_tokens" })
+    } else {
+        Value::Null
+    };
     let mut r = json!({
         "id": id, "object": "response", "created_at": created, "status": status, "model": model,
         "output": output, "usage": usage, "error": Value::Null, "incomplete_details": incomplete,
         "instructions": echo.instructions, "previous_response_id": echo.previous_response_id, "store": echo.store,
         "parallel_tool_calls": true, "text": { "format": { "type": "text" } }, "metadata": {},
     });
-    for k in ["temperature", "top_p", "max_output_tokens", "tools", "tool_choice"] {
+    for k in [
+        "temperature",
+        "top_p",
+        "max_output_tokens",
+        "tools",
+        "tool_choice",
+    ] {
         r[k] = echo.config.get(k).cloned().unwrap_or(Value::Null);
     }
     if r["tools"].is_null() {
@@ -170,21 +225,33 @@ pub async fn create(State(st): State<Shared>, body: Bytes) -> Result<Response, A
     if let Some(prev) = &r.previous_response_id {
         let store = st.store.clone();
         let p = prev.clone();
-        let chain = tokio::task::spawn_blocking(move || store.get_chain(&p)).await.map_err(|_| ApiError::internal("store task failed"))?;
+        let chain = tokio::task::spawn_blocking(move || store.get_chain(&p))
+            .await
+            .map_err(|_| ApiError::internal("store task failed"))?;
         let chain = chain.map_err(|e| match e {
-            crate::store::StoreError::NotFound(_) | crate::store::StoreError::BrokenChain { .. } => {
-                ApiError::invalid_param("previous_response_id", format!("Previous response with id '{prev}' not found ({e})")).with_code("previous_response_not_found")
-            }
+            crate::store::StoreError::NotFound(_)
+            | crate::store::StoreError::BrokenChain { .. } => ApiError::invalid_param(
+                "previous_response_id",
+                format!("Previous response with id '{prev}' not found ({e})"),
+            )
+            .with_code("previous_response_not_found"),
             other => ApiError::internal(other.to_string()),
         })?;
         for rec in &chain {
-            let input: Vec<Value> = serde_json::from_str(&rec.input_json).map_err(|e| ApiError::internal(format!("stored response {}: {e}", rec.id)))?;
-            let output: Vec<Value> = serde_json::from_str(&rec.output_json).map_err(|e| ApiError::internal(format!("stored response {}: {e}", rec.id)))?;
+            let input: Vec<Value> = serde_json::from_str(&rec.input_json)
+                .map_err(|e| ApiError::internal(format!("stored response {}: {e}", rec.id)))?;
+            let output: Vec<Value> = serde_json::from_str(&rec.output_json)
+                .map_err(|e| ApiError::internal(format!("stored response {}: {e}", rec.id)))?;
             messages.extend(items_to_messages(&input, "stored input")?);
             messages.extend(items_to_messages(&output, "stored output")?);
         }
     }
-    messages.extend(new_messages);
+    let live = r
+        .previous_response_id
+        .as_deref()
+        .and_then(|p| st.live.get(p))
+        .filter(|(ins, _)| *ins == r.instructions)
+        .map(|(_, ids)| ids);
     let tools: Option<Vec<ToolDefinition>> = match &r.tools {
         None => None,
         Some(ts) => Some(
@@ -192,29 +259,105 @@ pub async fn create(State(st): State<Shared>, body: Bytes) -> Result<Response, A
                 .enumerate()
                 .map(|(i, t)| {
                     if t.kind != "function" {
-                        return Err(ApiError::invalid_param(format!("tools[{i}].type"), format!("only function tools are supported, got {:?}", t.kind)));
+                        return Err(ApiError::invalid_param(
+                            format!("tools[{i}].type"),
+                            format!("only function tools are supported, got {:?}", t.kind),
+                        ));
                     }
-                    Ok(ToolDefinition { kind: "function".into(), function: FunctionDefinition { name: t.name.clone(), description: t.description.clone(), parameters: t.parameters.clone() } })
+                    Ok(ToolDefinition {
+                        kind: "function".into(),
+                        function: FunctionDefinition {
+                            name: t.name.clone(),
+                            description: t.description.clone(),
+                            parameters: t.parameters.clone(),
+                        },
+                    })
                 })
                 .collect::<Result<_, _>>()?,
         ),
     };
     let tools = apply_tool_choice(tools, r.tool_choice.as_ref())?;
     let sampling = sampling_of!(r);
-    let plan = chat_plan(b, ChatPlanInput { messages, tools, max_new: r.max_output_tokens, sampling: &sampling, stop: Vec::new(), logprobs: false, arrived })?;
+    let opts = mlx_models::chat::RenderOptions {
+        tools: tools.clone(),
+        ..Default::default()
+    };
+    let prompt = match live {
+        Some(ids) => match b
+            .format
+            .plan_continuation(&messages, &ids, &new_messages, &opts)
+            .map_err(|e| ApiError::invalid_param("input", e.to_string()))?
+        {
+            PromptPlan::Append {
+                delta,
+                starts_in_thinking,
+                ..
+            } => Some(([ids, delta].concat(), starts_in_thinking)),
+            PromptPlan::Reprefill { prompt, .. } => Some((prompt.ids, prompt.starts_in_thinking)),
+        },
+        None => None,
+    };
+    messages.extend(new_messages);
+    let plan = chat_plan(
+        b,
+        ChatPlanInput {
+            messages,
+            prompt,
+            tools,
+            max_new: r.max_output_tokens,
+            sampling: &sampling,
+            stop: Vec::new(),
+            logprobs: false,
+            arrived,
+        },
+    )?;
     let rx = pipeline::start(&b.engine, &b.format, &st.metrics, plan)?;
-    let (id, msg_id, created, model) = (make_id("resp_"), make_id("msg_"), now_secs(), st.model_id.clone());
+    let (id, msg_id, created, model) = (
+        make_id("resp_"),
+        make_id("msg_"),
+        now_secs(),
+        st.model_id.clone(),
+    );
     let config = json!({ "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
                          "tools": r.tools, "tool_choice": r.tool_choice });
-    let echo = Echo { instructions: r.instructions.clone(), previous_response_id: r.previous_response_id.clone(), store: r.store.unwrap_or(true), config };
+    let echo = Echo {
+        instructions: r.instructions.clone(),
+        previous_response_id: r.previous_response_id.clone(),
+        store: r.store.unwrap_or(true),
+        config,
+    };
     let msg_id2 = msg_id.clone();
-    let in_progress = response_json(&id, created, &model, "in_progress", json!([]), Value::Null, &echo);
+    let in_progress = response_json(
+        &id,
+        created,
+        &model,
+        "in_progress",
+        json!([]),
+        Value::Null,
+        &echo,
+    );
     let finish = move |f: &Final, st: &Shared| -> (Value, Option<StoredResponse>) {
-        let status = if f.finish_reason == "length" { "incomplete" } else { "completed" };
+        let status = if f.finish_reason == "length" {
+            "incomplete"
+        } else {
+            "completed"
+        };
         let mut output = vec![message_item(&msg_id, &f.text, status)];
         output.extend(f.tool_calls.iter().map(call_item));
         let usage = usage_json(f);
-        let resp = response_json(&id, created, &model, status, Value::Array(output.clone()), usage.clone(), &echo);
+        if let Some(seq) = &f.sequence {
+            st.live
+                .put(id.clone(), echo.instructions.clone(), seq.clone());
+        }
+        let resp = response_json(
+            &id,
+            created,
+            &model,
+            status,
+            Value::Array(output.clone()),
+            usage.clone(),
+            &echo,
+        );
         let rec = echo.store.then(|| StoredResponse {
             id: id.clone(),
             created_at: created,
@@ -234,7 +377,10 @@ pub async fn create(State(st): State<Shared>, body: Bytes) -> Result<Response, A
     async fn save(st: &Shared, rec: Option<StoredResponse>) -> Result<(), ApiError> {
         if let Some(rec) = rec {
             let store = st.store.clone();
-            tokio::task::spawn_blocking(move || store.store(&rec)).await.map_err(|_| ApiError::internal("store task failed"))?.map_err(|e| ApiError::internal(e.to_string()))?;
+            tokio::task::spawn_blocking(move || store.store(&rec))
+                .await
+                .map_err(|_| ApiError::internal("store task failed"))?
+                .map_err(|e| ApiError::internal(e.to_string()))?;
         }
         Ok(())
     }
@@ -255,21 +401,32 @@ pub async fn create(State(st): State<Shared>, body: Bytes) -> Result<Response, A
             seq += 1;
             tx.send(format!("event: {kind}\ndata: {v}\n\n")).is_ok()
         };
-        if !ev("response.created", json!({ "response": in_progress })) || !ev("response.in_progress", json!({ "response": in_progress })) {
+        if !ev("response.created", json!({ "response": in_progress }))
+            || !ev("response.in_progress", json!({ "response": in_progress }))
+        {
             return;
         }
         let item = json!({ "id": msg_id2, "type": "message", "status": "in_progress", "role": "assistant", "content": [] });
-        if !ev("response.output_item.added", json!({ "output_index": 0, "item": item })) {
+        if !ev(
+            "response.output_item.added",
+            json!({ "output_index": 0, "item": item }),
+        ) {
             return;
         }
         let part = json!({ "type": "output_text", "text": "", "annotations": [] });
-        if !ev("response.content_part.added", json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "part": part })) {
+        if !ev(
+            "response.content_part.added",
+            json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "part": part }),
+        ) {
             return;
         }
         while let Some(o) = rx.recv().await {
             match o {
                 Out::Text(t) => {
-                    if !ev("response.output_text.delta", json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "delta": t, "logprobs": [] })) {
+                    if !ev(
+                        "response.output_text.delta",
+                        json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "delta": t, "logprobs": [] }),
+                    ) {
                         return;
                     }
                 }
@@ -277,25 +434,53 @@ pub async fn create(State(st): State<Shared>, body: Bytes) -> Result<Response, A
                 Out::Done(f) => {
                     let (resp, rec) = finish(&f, &st2);
                     if let Err(e) = save(&st2, rec).await {
-                        ev("error", json!({ "code": "server_error", "message": e.message, "param": Value::Null }));
+                        ev(
+                            "error",
+                            json!({ "code": "server_error", "message": e.message, "param": Value::Null }),
+                        );
                         return;
                     }
                     let part = json!({ "type": "output_text", "text": f.text, "annotations": [] });
-                    ev("response.output_text.done", json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "text": f.text, "logprobs": [] }));
-                    ev("response.content_part.done", json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "part": part }));
-                    ev("response.output_item.done", json!({ "output_index": 0, "item": resp["output"][0] }));
+                    ev(
+                        "response.output_text.done",
+                        json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "text": f.text, "logprobs": [] }),
+                    );
+                    ev(
+                        "response.content_part.done",
+                        json!({ "item_id": msg_id2, "output_index": 0, "content_index": 0, "part": part }),
+                    );
+                    ev(
+                        "response.output_item.done",
+                        json!({ "output_index": 0, "item": resp["output"][0] }),
+                    );
                     for (k, c) in f.tool_calls.iter().enumerate() {
                         let done = call_item(c);
                         let mut added = done.clone();
                         added["status"] = json!("in_progress");
                         added["arguments"] = json!("");
                         let (iid, idx) = (done["id"].clone(), k + 1);
-                        ev("response.output_item.added", json!({ "output_index": idx, "item": added }));
-                        ev("response.function_call_arguments.delta", json!({ "item_id": iid, "output_index": idx, "delta": done["arguments"] }));
-                        ev("response.function_call_arguments.done", json!({ "item_id": iid, "output_index": idx, "arguments": done["arguments"] }));
-                        ev("response.output_item.done", json!({ "output_index": idx, "item": done }));
+                        ev(
+                            "response.output_item.added",
+                            json!({ "output_index": idx, "item": added }),
+                        );
+                        ev(
+                            "response.function_call_arguments.delta",
+                            json!({ "item_id": iid, "output_index": idx, "delta": done["arguments"] }),
+                        );
+                        ev(
+                            "response.function_call_arguments.done",
+                            json!({ "item_id": iid, "output_index": idx, "arguments": done["arguments"] }),
+                        );
+                        ev(
+                            "response.output_item.done",
+                            json!({ "output_index": idx, "item": done }),
+                        );
                     }
-                    let kind = if resp["status"] == "incomplete" { "response.incomplete" } else { "response.completed" };
+                    let kind = if resp["status"] == "incomplete" {
+                        "response.incomplete"
+                    } else {
+                        "response.completed"
+                    };
                     ev(kind, json!({ "response": resp }));
                     return;
                 }
@@ -312,24 +497,57 @@ pub async fn create(State(st): State<Shared>, body: Bytes) -> Result<Response, A
     Ok(crate::http::sse(out))
 }
 
-pub async fn get_one(State(st): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn get_one(
+    State(st): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let store = st.store.clone();
     let i = id.clone();
-    let rec = tokio::task::spawn_blocking(move || store.get(&i)).await.map_err(|_| ApiError::internal("store task failed"))?.map_err(|e| ApiError::internal(e.to_string()))?;
-    let rec = rec.ok_or_else(|| ApiError::not_found(format!("No response found with id '{id}'")))?;
+    let rec = tokio::task::spawn_blocking(move || store.get(&i))
+        .await
+        .map_err(|_| ApiError::internal("store task failed"))?
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let rec =
+        rec.ok_or_else(|| ApiError::not_found(format!("No response found with id '{id}'")))?;
     let output: Value = serde_json::from_str(&rec.output_json).unwrap_or(json!([]));
     let usage: Value = serde_json::from_str(&rec.usage_json).unwrap_or(Value::Null);
-    let config: Value = rec.config_json.as_deref().and_then(|c| serde_json::from_str(c).ok()).unwrap_or(json!({}));
-    let echo = Echo { instructions: rec.instructions.clone(), previous_response_id: rec.previous_response_id.clone(), store: true, config };
-    Ok(Json(response_json(&rec.id, rec.created_at, &rec.model, &rec.status, output, usage, &echo)).into_response())
+    let config: Value = rec
+        .config_json
+        .as_deref()
+        .and_then(|c| serde_json::from_str(c).ok())
+        .unwrap_or(json!({}));
+    let echo = Echo {
+        instructions: rec.instructions.clone(),
+        previous_response_id: rec.previous_response_id.clone(),
+        store: true,
+        config,
+    };
+    Ok(Json(response_json(
+        &rec.id,
+        rec.created_at,
+        &rec.model,
+        &rec.status,
+        output,
+        usage,
+        &echo,
+    ))
+    .into_response())
 }
 
-pub async fn delete_one(State(st): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn delete_one(
+    State(st): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let store = st.store.clone();
     let i = id.clone();
-    let deleted = tokio::task::spawn_blocking(move || store.delete(&i)).await.map_err(|_| ApiError::internal("store task failed"))?.map_err(|e| ApiError::internal(e.to_string()))?;
+    let deleted = tokio::task::spawn_blocking(move || store.delete(&i))
+        .await
+        .map_err(|_| ApiError::internal("store task failed"))?
+        .map_err(|e| ApiError::internal(e.to_string()))?;
     if !deleted {
-        return Err(ApiError::not_found(format!("No response found with id '{id}'")));
+        return Err(ApiError::not_found(format!(
+            "No response found with id '{id}'"
+        )));
     }
     Ok(Json(json!({ "id": id, "object": "response.deleted", "deleted": true })).into_response())
 }

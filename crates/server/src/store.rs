@@ -16,9 +16,17 @@ pub const DEFAULT_RETENTION_SECS: i64 = 7 * 24 * 3600;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("response store {}: {source}", path.display())]
-    Sqlite { path: PathBuf, #[source] source: rusqlite::Error },
+    Sqlite {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
     #[error("response store {}: cannot create its directory: {source}", path.display())]
-    Dir { path: PathBuf, #[source] source: std::io::Error },
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("response {0} not found")]
     NotFound(String),
     #[error("response chain: {link} (previous of {from}) is missing or expired")]
@@ -75,7 +83,9 @@ CREATE INDEX IF NOT EXISTS idx_responses_expires_at ON responses(expires_at);
 ";
 
 pub fn now_secs() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 impl ResponseStore {
@@ -83,15 +93,27 @@ impl ResponseStore {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: path.clone(), source })?;
+            std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir {
+                path: path.clone(),
+                source,
+            })?;
         }
-        let err = |source| StoreError::Sqlite { path: path.clone(), source };
+        let err = |source| StoreError::Sqlite {
+            path: path.clone(),
+            source,
+        };
         let conn = Connection::open(&path).map_err(err)?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(err)?;
-        conn.pragma_update(None, "synchronous", "FULL").map_err(err)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(err)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(err)?;
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(err)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(err)?;
         conn.execute_batch(SCHEMA).map_err(err)?;
-        Ok(ResponseStore { conn: Mutex::new(conn), path })
+        Ok(ResponseStore {
+            conn: Mutex::new(conn),
+            path,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -99,7 +121,10 @@ impl ResponseStore {
     }
 
     fn err(&self, source: rusqlite::Error) -> StoreError {
-        StoreError::Sqlite { path: self.path.clone(), source }
+        StoreError::Sqlite {
+            path: self.path.clone(),
+            source,
+        }
     }
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -190,7 +215,10 @@ impl ResponseStore {
 
     /// Delete `id`; whether a row was deleted.
     pub fn delete(&self, id: &str) -> Result<bool, StoreError> {
-        let n = self.conn().execute("DELETE FROM responses WHERE id = ?1", params![id]).map_err(|e| self.err(e))?;
+        let n = self
+            .conn()
+            .execute("DELETE FROM responses WHERE id = ?1", params![id])
+            .map_err(|e| self.err(e))?;
         Ok(n > 0)
     }
 
@@ -201,12 +229,20 @@ impl ResponseStore {
 
     /// [`ResponseStore::cleanup_expired`] as of `now` (Unix seconds).
     pub fn cleanup_expired_at(&self, now: i64) -> Result<usize, StoreError> {
-        self.conn().execute("DELETE FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ?1", params![now]).map_err(|e| self.err(e))
+        self.conn()
+            .execute(
+                "DELETE FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ?1",
+                params![now],
+            )
+            .map_err(|e| self.err(e))
     }
 
     /// Number of rows (expired ones included).
     pub fn len(&self) -> Result<usize, StoreError> {
-        self.conn().query_row("SELECT COUNT(*) FROM responses", [], |r| r.get::<_, i64>(0)).map(|n| n as usize).map_err(|e| self.err(e))
+        self.conn()
+            .query_row("SELECT COUNT(*) FROM responses", [], |r| r.get::<_, i64>(0))
+            .map(|n| n as usize)
+            .map_err(|e| self.err(e))
     }
 
     pub fn is_empty(&self) -> Result<bool, StoreError> {
@@ -243,16 +279,27 @@ mod tests {
             let s = ResponseStore::open(&path).unwrap();
             s.store(&rec("a", None, None)).unwrap();
             s.store(&rec("b", Some("a"), None)).unwrap();
-            s.store(&rec("c", Some("b"), Some(now_secs() + 100))).unwrap();
+            s.store(&rec("c", Some("b"), Some(now_secs() + 100)))
+                .unwrap();
         }
         let s = ResponseStore::open(&path).unwrap();
-        let ids: Vec<String> = s.get_chain("c").unwrap().into_iter().map(|r| r.id).collect();
+        let ids: Vec<String> = s
+            .get_chain("c")
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
         assert_eq!(ids, ["a", "b", "c"]);
-        let mode: String = s.conn().query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+        let mode: String = s
+            .conn()
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .unwrap();
         assert_eq!(mode, "wal");
         assert!(s.delete("b").unwrap());
         assert!(!s.delete("b").unwrap());
-        assert!(matches!(s.get_chain("c"), Err(StoreError::BrokenChain { ref link, .. }) if link == "b"));
+        assert!(
+            matches!(s.get_chain("c"), Err(StoreError::BrokenChain { ref link, .. }) if link == "b")
+        );
         assert!(matches!(s.get_chain("zz"), Err(StoreError::NotFound(_))));
     }
 
