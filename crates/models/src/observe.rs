@@ -52,7 +52,9 @@ pub struct MemorySnapshot {
 
 fn status(what: &str, rc: std::os::raw::c_int) -> Result<()> {
     if rc != 0 {
-        return Err(crate::ModelError::InvalidInput(format!("MLX {what} failed (status {rc})")));
+        return Err(crate::ModelError::InvalidInput(format!(
+            "MLX {what} failed (status {rc})"
+        )));
     }
     Ok(())
 }
@@ -85,14 +87,26 @@ pub fn memory_stats() -> Result<MemoryStats> {
     let s = memory_snapshot()?;
     let mut limit = 0usize;
     // SAFETY: out-parameter call into mlx-c.
-    status("get_memory_limit", unsafe { mlx_sys::mlx_get_memory_limit(&mut limit) })?;
-    Ok(MemoryStats { active: s.active, peak: s.peak, cache: s.cache, wired_limit: metal_working_set(), memory_limit: limit })
+    status("get_memory_limit", unsafe {
+        mlx_sys::mlx_get_memory_limit(&mut limit)
+    })?;
+    Ok(MemoryStats {
+        active: s.active,
+        peak: s.peak,
+        cache: s.cache,
+        wired_limit: metal_working_set(),
+        memory_limit: limit,
+    })
 }
 
 /// Active, peak and cache bytes now.
 pub fn memory_snapshot() -> Result<MemorySnapshot> {
     use mlx_array::memory;
-    Ok(MemorySnapshot { active: memory::active()?, peak: memory::peak()?, cache: memory::cache()? })
+    Ok(MemorySnapshot {
+        active: memory::active()?,
+        peak: memory::peak()?,
+        cache: memory::cache()?,
+    })
 }
 
 /// Reset the peak counter to the current active bytes (measure one request's peak: reset
@@ -116,7 +130,9 @@ pub fn clear_cache() -> Result<()> {
 pub fn set_wired_limit(bytes: usize) -> Result<usize> {
     let mut prev = 0usize;
     // SAFETY: out-parameter call into mlx-c.
-    status("set_wired_limit", unsafe { mlx_sys::mlx_set_wired_limit(&mut prev, bytes) })?;
+    status("set_wired_limit", unsafe {
+        mlx_sys::mlx_set_wired_limit(&mut prev, bytes)
+    })?;
     Ok(prev)
 }
 
@@ -148,7 +164,10 @@ struct Phases {
     by_name: BTreeMap<String, PhaseProfile>,
 }
 
-static PHASES: Mutex<Phases> = Mutex::new(Phases { since: None, by_name: BTreeMap::new() });
+static PHASES: Mutex<Phases> = Mutex::new(Phases {
+    since: None,
+    by_name: BTreeMap::new(),
+});
 
 pub fn set_profiling_enabled(on: bool) {
     ENABLED.store(on, Ordering::SeqCst);
@@ -166,7 +185,14 @@ pub fn record_phase(name: &str, d: Duration) {
     let ms = d.as_secs_f64() * 1e3;
     let mut p = PHASES.lock().unwrap_or_else(|e| e.into_inner());
     p.since.get_or_insert_with(Instant::now);
-    let e = p.by_name.entry(name.to_string()).or_insert_with(|| PhaseProfile { name: name.to_string(), min_ms: f64::INFINITY, ..Default::default() });
+    let e = p
+        .by_name
+        .entry(name.to_string())
+        .or_insert_with(|| PhaseProfile {
+            name: name.to_string(),
+            min_ms: f64::INFINITY,
+            ..Default::default()
+        });
     e.count += 1;
     e.total_ms += ms;
     e.mean_ms = e.total_ms / e.count as f64;
