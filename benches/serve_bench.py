@@ -10,6 +10,11 @@ requests / wall time from sending the first to finishing the last; TTFT = reques
 first streamed token (a chunk with text), p50 and p99 over the C requests. Completion tokens
 come from the final usage chunk (`stream_options.include_usage`), else from the number of
 chunks with text. Standard library only (any python3).
+
+On the CPU give both sides the same BLAS and dtype: `--mlx-lm-preload "ROUTER OPENBLAS"` (mlx-sys's
+`libmlx-models-blas-route-*.so` under ~/.cache/mlx-sys/mlx-cpu-0.32.2/mlx_cpu.libs and
+/usr/lib/x86_64-linux-gnu/libopenblas.so.0) and an f32 checkpoint (ours computes in f32 on the CPU;
+mlx_lm.server computes in the checkpoint's dtype).
 """
 import argparse
 import asyncio
@@ -144,7 +149,10 @@ def run_server(kind, a):
         cmd = [a.ours, "--model", a.model, "--port", str(port), "--db", db, "--max-queue", "1024"]
     else:
         cmd = [a.mlx_lm_python, "-m", "mlx_lm.server", "--model", a.model, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if not a.verbose else None)
+    env = dict(os.environ)
+    if kind == "mlx_lm" and a.mlx_lm_preload:
+        env["LD_PRELOAD"] = a.mlx_lm_preload
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if not a.verbose else None, env=env)
     try:
         model = wait_ready(port, proc)
         asyncio.run(stream_one(port, request_body(model, 999, 8)))
@@ -176,6 +184,9 @@ def main():
     ap.add_argument("--concurrency", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--which", default="ours,mlx_lm")
+    ap.add_argument("--mlx-lm-preload", default="",
+                    help="LD_PRELOAD for mlx_lm.server (on the CPU: mlx-sys's BLAS router and the system OpenBLAS, the BLAS ours uses; "
+                         "the mlx-cpu wheel alone runs reference BLAS)")
     ap.add_argument("--json")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()

@@ -165,6 +165,7 @@ async fn metrics(State(st): State<Shared>) -> Response {
             kv_blocks_used: None,
             kv_blocks_cached: None,
             kv_blocks_total: None,
+            max_sequences_per_step: 0,
             memory: None,
         },
         mlx_models::observe::memory_stats().ok(),
@@ -179,6 +180,7 @@ async fn metrics(State(st): State<Shared>) -> Response {
                 kv_blocks_used: s.kv_blocks_used,
                 kv_blocks_cached: s.kv_blocks_cached,
                 kv_blocks_total: s.kv_blocks_total,
+                max_sequences_per_step: s.max_sequences_per_step,
                 memory,
             };
         }

@@ -41,6 +41,8 @@ pub struct Gauges {
     pub kv_blocks_used: Option<usize>,
     pub kv_blocks_cached: Option<usize>,
     pub kv_blocks_total: Option<usize>,
+    /// Most sequences one forward pass of the engine has carried.
+    pub max_sequences_per_step: usize,
     pub memory: Option<mlx_models::observe::MemoryStats>,
 }
 
@@ -148,6 +150,17 @@ impl Metrics {
             "Prompt tokens of finished generations.",
         );
         let _ = writeln!(o, "mlx_serve_prompt_tokens_total {}", m.prompt_tokens);
+        head(
+            &mut o,
+            "mlx_serve_max_sequences_per_step",
+            "gauge",
+            "Most sequences one forward pass of the engine has carried.",
+        );
+        let _ = writeln!(
+            o,
+            "mlx_serve_max_sequences_per_step {}",
+            g.max_sequences_per_step
+        );
         head(
             &mut o,
             "mlx_serve_cached_prompt_tokens_total",
@@ -280,6 +293,7 @@ mod tests {
             kv_blocks_used: Some(4),
             kv_blocks_cached: Some(2),
             kv_blocks_total: Some(10),
+            max_sequences_per_step: 1,
             memory: None,
         };
         let t = m.render(&g);

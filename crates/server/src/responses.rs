@@ -258,6 +258,9 @@ pub async fn create(State(st): State<Shared>, body: Bytes) -> Result<Response, A
             ts.iter()
                 .enumerate()
                 .map(|(i, t)| {
+                    if t.strict == Some(true) {
+                        return Err(ApiError::invalid_param(format!("tools[{i}].strict"), "strict function schemas are not enforced by this server: pass strict false or leave it out"));
+                    }
                     if t.kind != "function" {
                         return Err(ApiError::invalid_param(
                             format!("tools[{i}].type"),
