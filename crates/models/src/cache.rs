@@ -27,26 +27,38 @@ pub struct Cache {
     /// Paged mode: attention layers live in the model's shared block pool instead.
     pub(crate) paged: Option<PagedSeq>,
     last_skipped: usize,
+    /// Batch caches: the rows' padding and positions ([`crate::batch`]).
+    pub(crate) batch: Option<crate::batch::BatchRows>,
 }
 
 /// The K/V access of one attention layer during a forward pass: flat storage or the paged pool.
 pub enum LayerKv<'a> {
     Flat(&'a mut KvCache),
     Paged(PagedLayerKv<'a>),
+    /// A batch cache's layer: flat storage of every row, and where the rows stand.
+    Batch(&'a mut KvCache, &'a crate::batch::BatchRows),
 }
 
-impl LayerKv<'_> {
-    /// The rope offset of this step's first token.
+impl<'a> LayerKv<'a> {
+    /// The rope offset of this step's first token (batch caches: its first column; each row's
+    /// position is that minus its padding, see [`LayerKv::batch`]).
     pub fn offset(&self) -> usize {
         match self {
-            LayerKv::Flat(c) => c.offset(),
+            LayerKv::Flat(c) | LayerKv::Batch(c, _) => c.offset(),
             LayerKv::Paged(p) => p.offset(),
+        }
+    }
+    /// The rows of a batch cache: attention then uses per-row rope offsets and their mask.
+    pub fn batch(&self) -> Option<&'a crate::batch::BatchRows> {
+        match self {
+            LayerKv::Batch(_, r) => Some(*r),
+            _ => None,
         }
     }
     /// Store this step's `k`, `v` (`[B, H, L, D]`) and return all keys/values to attend to.
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
         match self {
-            LayerKv::Flat(c) => c.update_and_fetch(k, v),
+            LayerKv::Flat(c) | LayerKv::Batch(c, _) => c.update_and_fetch(k, v),
             LayerKv::Paged(p) => p.update_and_fetch(k, v),
         }
     }
@@ -56,6 +68,7 @@ impl LayerKv<'_> {
 pub struct ForwardKv<'a> {
     layers: &'a mut Vec<LayerCache>,
     paged: Option<PagedStep<'a>>,
+    batch: Option<&'a crate::batch::BatchRows>,
 }
 
 /// The mirror of model layer `i` (its flat K/V cache), if it has one.
@@ -63,6 +76,13 @@ fn mirror_of<'a>(layers: &'a [LayerCache]) -> impl Fn(usize) -> Option<&'a KvCac
     move |i| match layers.get(i) {
         Some(LayerCache::Kv(m)) => Some(m),
         _ => None,
+    }
+}
+
+impl<'a> ForwardKv<'a> {
+    /// The rows of a batch cache (see [`crate::batch`]).
+    pub fn batch(&self) -> Option<&'a crate::batch::BatchRows> {
+        self.batch
     }
 }
 
@@ -78,19 +98,32 @@ impl ForwardKv<'_> {
                 Ok(LayerKv::Paged(step.layer(i, mirror)?))
             }
             None => match self.layers.get_mut(i) {
-                Some(LayerCache::Kv(c)) => Ok(LayerKv::Flat(c)),
+                Some(LayerCache::Kv(c)) => Ok(match self.batch {
+                    Some(r) => LayerKv::Batch(c, r),
+                    None => LayerKv::Flat(c),
+                }),
                 _ => Err(ModelError::Cache(format!("layer {i} has no K/V cache"))),
             },
         }
     }
-    /// End the forward pass. In paged mode this writes the kept decode rows when the step filled
+    /// End the forward pass. A paged step of a model with recurrent layers that ends a prefill
+    /// piece on a block boundary keeps their state as a snapshot for that prefix
+    /// ([`crate::PagedConfig::recurrent_snapshots`]). In paged mode this writes the kept decode rows when the step filled
     /// a block, then queues the pool writes without waiting for them, or, with
     /// [`Cache::set_queue_with_outputs`], leaves them for the caller's queueing call (see
     /// [`PagedStep::finish`]). A forward pass dropped without `finish` (an error) still queues
     /// what it wrote.
     pub fn finish(mut self) -> Result<()> {
         match self.paged.take() {
-            Some(step) => step.finish(mirror_of(self.layers)),
+            Some(mut step) => {
+                if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
+                    let layers = &*self.layers;
+                    step.keep_snapshot(|| {
+                        layers.iter().enumerate().filter_map(|(i, l)| if let LayerCache::Recurrent(s) = l { Some((i, s.clone())) } else { None }).collect()
+                    })?;
+                }
+                step.finish(mirror_of(self.layers))
+            }
             None => Ok(()),
         }
     }
@@ -117,7 +150,7 @@ impl Cache {
                 LayerKind::Recurrent { slots } => LayerCache::Recurrent(vec![None; *slots]),
             })
             .collect();
-        Cache { layers, paged: None, last_skipped: 0 }
+        Cache { layers, paged: None, last_skipped: 0, batch: None }
     }
 
     /// A cache whose attention layers live in the shared paged pool `shared`.
@@ -130,6 +163,22 @@ impl Cache {
     /// Leading tokens of the last forward call served by the paged prefix cache (not recomputed).
     pub fn last_skipped(&self) -> usize {
         self.last_skipped
+    }
+
+    /// Paged caches of models with recurrent layers: the positions between recurrent-state
+    /// snapshots, and how many leading tokens of `ids` (not the last) a snapshot covers when they
+    /// start a new sequence (0 otherwise). `None` for other caches.
+    pub(crate) fn snapshot_plan(&self, ids: Option<&[u32]>) -> Option<(usize, usize)> {
+        let p = self.paged.as_ref()?;
+        if !self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
+            return None;
+        }
+        Some(p.snapshot_plan(ids))
+    }
+
+    /// Set what [`Cache::last_skipped`] reports (a forward run in several pieces).
+    pub(crate) fn set_last_skipped(&mut self, n: usize) {
+        self.last_skipped = n;
     }
 
     /// Whether attention K/V live in a paged block pool.
@@ -148,17 +197,28 @@ impl Cache {
     /// need outputs for every position) a new paged sequence is salted privately: it neither
     /// reuses nor shares cached blocks, and nothing is skipped.
     pub fn begin_forward_with(&mut self, tokens: &Array, allow_prefix_skip: bool) -> Result<(ForwardKv<'_>, usize)> {
-        let Cache { layers, paged, last_skipped } = self;
+        let Cache { layers, paged, last_skipped, batch } = self;
         *last_skipped = 0;
+        if let Some(rows) = batch {
+            rows.begin(tokens.dims()[0] as usize, tokens.dims()[1] as usize)?;
+        }
+        let batch = batch.as_ref();
         match paged {
-            None => Ok((ForwardKv { layers, paged: None }, 0)),
+            None => Ok((ForwardKv { layers, paged: None, batch }, 0)),
             Some(p) => {
                 if tokens.ndim() != 2 || tokens.dims()[0] != 1 {
                     return Err(ModelError::InvalidInput(format!("paged caches take one sequence ([1, L] tokens), got {:?}", tokens.shape())));
                 }
-                let (step, skipped) = p.begin(tokens, allow_prefix_skip, mirror_of(layers))?;
+                let recurrent = layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_)));
+                let (step, skipped, snapshot) = p.begin(tokens, allow_prefix_skip, recurrent, mirror_of(layers))?;
+                // A skipped prefix of a model with recurrent layers starts from their state there.
+                for (i, slots) in snapshot.into_iter().flatten() {
+                    if let Some(l) = layers.get_mut(i) {
+                        *l = LayerCache::Recurrent(slots);
+                    }
+                }
                 *last_skipped = skipped;
-                Ok((ForwardKv { layers, paged: Some(step) }, skipped))
+                Ok((ForwardKv { layers, paged: Some(step), batch }, skipped))
             }
         }
     }
@@ -184,6 +244,9 @@ impl Cache {
     pub fn trim(&mut self, n: usize) -> Result<()> {
         if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
             return Err(ModelError::Cache("recurrent layers cannot be trimmed".into()));
+        }
+        if self.batch.is_some() {
+            return Err(ModelError::Cache("batch caches cannot be trimmed (drop rows with select_rows)".into()));
         }
         if let Some(p) = &mut self.paged {
             return p.trim(n, mirror_of(&self.layers));

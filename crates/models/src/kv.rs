@@ -228,6 +228,60 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// Batch caches ([`crate::batch`]): keep the rows `idx` (all rows for `None`) and drop the
+    /// first `drop` positions (padding in every kept row). Flat caches only.
+    pub(crate) fn batch_select(&mut self, idx: Option<&Array>, drop: usize) -> Result<()> {
+        if self.window.is_some() || drop > self.offset {
+            return Err(ModelError::Cache(format!("batch_select: dropping {drop} of {} positions (flat caches only)", self.offset)));
+        }
+        let (Some(k), Some(v)) = (self.keys.take(), self.values.take()) else {
+            self.offset -= drop;
+            return Ok(());
+        };
+        let cut = |a: Array| -> Result<Array> {
+            let a = a.slice_axis(2, drop, self.offset)?;
+            Ok(match idx {
+                Some(i) => a.take(i, 0)?,
+                None => a,
+            })
+        };
+        self.keys = Some(cut(k)?);
+        self.values = Some(cut(v)?);
+        self.offset -= drop;
+        self.first = 0;
+        Ok(())
+    }
+
+    /// Batch caches: the `na` rows of `self` left-padded by `da` positions, then the `nb` rows of
+    /// `other` left-padded by `db` (both then hold the same number of positions).
+    pub(crate) fn batch_concat(&mut self, other: KvCache, da: usize, db: usize, na: usize, nb: usize) -> Result<()> {
+        if self.window.is_some() || other.window.is_some() || self.offset + da != other.offset + db {
+            return Err(ModelError::Cache(format!("batch_concat: {} + {da} and {} + {db} positions (flat caches only)", self.offset, other.offset)));
+        }
+        let part = |a: Option<Array>, used: usize, pad: usize, rows: usize| -> Result<Array> {
+            let a = a.ok_or_else(|| ModelError::Cache("batch_concat: an empty layer cache".into()))?;
+            let a = a.slice_axis(2, 0, used)?;
+            if a.dim(0)? != rows {
+                return Err(ModelError::Cache(format!("batch_concat: {} rows where {rows} were expected", a.dim(0)?)));
+            }
+            if pad == 0 {
+                return Ok(a);
+            }
+            let s = a.shape();
+            let z = Array::zeros(&[s[0], s[1], pad, s[3]], a.dtype())?;
+            Ok(ops::concatenate(&[&z, &a], 2)?)
+        };
+        let (ka, va) = (part(self.keys.take(), self.offset, da, na)?, part(self.values.take(), self.offset, da, na)?);
+        let (kb, vb) = (part(other.keys, other.offset, db, nb)?, part(other.values, other.offset, db, nb)?);
+        self.keys = Some(ops::concatenate(&[&ka, &kb], 0)?);
+        self.values = Some(ops::concatenate(&[&va, &vb], 0)?);
+        self.offset += da;
+        self.first = 0;
+        Ok(())
+    }
+}
+
 fn grow_axis2(old: Option<Array>, like: &Array, grow: usize, used: usize) -> Result<Array> {
     let s = like.shape();
     let fresh = Array::zeros(&[s[0], s[1], grow, s[3]], like.dtype())?;

@@ -25,7 +25,10 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
+pub mod batch;
+mod batch_generate;
 pub mod cache;
+pub mod engine;
 pub mod calibrate;
 pub mod chat;
 pub mod config;
@@ -45,6 +48,8 @@ mod session;
 mod runtime;
 pub mod weights;
 
+pub use batch_generate::{generate_batch, BatchGenerationResult, BatchSequence};
+pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, Event, RequestHandle, Usage};
 pub use cache::{Cache, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Token};

@@ -28,6 +28,11 @@ pub struct LoadOptions {
     pub fuse_projections: Option<bool>,
     /// What to do with MLX-quantized layers (mlx-lm's layout).
     pub quantized: QuantizedWeights,
+    /// Paged or flat per canonical family (`"qwen3_5"`, `"lfm2"`, ...: the registry's
+    /// `model_type`), for [`KvCacheMode::Auto`]: an entry for the loaded family takes precedence
+    /// over config.json's `use_block_paged_cache` and the family's default. An unknown family
+    /// name is an error.
+    pub force_paged: std::collections::BTreeMap<String, bool>,
 }
 
 /// How a quantized checkpoint's layers run.
@@ -48,8 +53,9 @@ pub enum QuantizedWeights {
 /// Which KV cache a loaded model's sequences use.
 #[derive(Debug, Clone, Default)]
 pub enum KvCacheMode {
-    /// `use_block_paged_cache` from config.json when present, else the family's default
-    /// (paged for Qwen3, as in mlx-node; flat for families whose paged path is not wired yet).
+    /// The family's [`LoadOptions::force_paged`] entry when there is one, else
+    /// `use_block_paged_cache` from config.json when present, else the family's default (paged
+    /// for Qwen3, as in mlx-node; see the registry's `kv_default`).
     #[default]
     Auto,
     /// Contiguous per-sequence K/V, preallocated in steps (fastest on the CPU backend).
@@ -59,11 +65,12 @@ pub enum KvCacheMode {
 }
 
 impl KvCacheMode {
-    fn resolve(&self, config: &serde_json::Value, family_default: bool) -> Option<crate::paged::PagedConfig> {
+    /// `forced`: the [`LoadOptions::force_paged`] entry of the family.
+    fn resolve(&self, config: &serde_json::Value, family_default: bool, forced: Option<bool>) -> Option<crate::paged::PagedConfig> {
         match self {
             KvCacheMode::Flat => None,
             KvCacheMode::Paged(c) => Some(c.clone()),
-            KvCacheMode::Auto => match config.get("use_block_paged_cache").and_then(|v| v.as_bool()).unwrap_or(family_default) {
+            KvCacheMode::Auto => match forced.or_else(|| config.get("use_block_paged_cache").and_then(|v| v.as_bool())).unwrap_or(family_default) {
                 true => Some(crate::paged::PagedConfig {
                     block_size: config.get("paged_block_size").and_then(|v| v.as_u64()).map_or(16, |v| v as usize),
                     memory_mb: config.get("paged_cache_memory_mb").and_then(|v| v.as_f64()),
@@ -227,7 +234,14 @@ pub(crate) fn build_over(dir: &Path, raw: &serde_json::Value, weights: &mut Weig
         KvDefault::Flat => false,
         KvDefault::PagedWithoutDraft => opts.draft_model_path.is_none(),
     };
-    let paged = opts.kv_cache.resolve(&text, paged_default);
+    if let Some(bad) = opts.force_paged.keys().find(|k| registry::family(k).is_none()) {
+        let known: Vec<&str> = registry::FAMILIES.iter().map(|f| f.model_type).collect();
+        return Err(ModelError::UnsupportedOption(format!("force_paged: unknown family \"{bad}\" (families: {})", known.join(", "))));
+    }
+    let mut paged = opts.kv_cache.resolve(&text, paged_default, opts.force_paged.get(family.model_type).copied());
+    if let Some(pc) = paged.as_mut() {
+        pc.memory_floor_mb = pc.memory_floor_mb.or(family.paged_memory_floor_mb);
+    }
     let dtype = default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32);
     (family.sanitize)(weights, raw);
     let built = construct(dir, raw, weights, family, opts.draft_model_path.as_deref())?;

@@ -32,10 +32,18 @@ use std::thread::ThreadId;
 pub struct PagedConfig {
     /// Tokens per block (seed default 16).
     pub block_size: usize,
-    /// Most memory for all K/V, in MB; `None`: enough for `max_position_embeddings` tokens of
-    /// every attention layer, capped at 2048 MB. Storage is allocated as blocks are needed (see
-    /// `initial_blocks`), so this is a ceiling, not what a load costs.
+    /// Most memory for all K/V, in MB; `None`: the automatic budget, enough for
+    /// `max_position_embeddings` tokens of every attention layer (the model's context), at most
+    /// `memory_limit_mb` and at least `memory_floor_mb`. Storage is allocated as blocks are
+    /// needed (see `initial_blocks`), so this is a ceiling, not what a load costs.
     pub memory_mb: Option<f64>,
+    /// The most memory the automatic budget may take, in MB (default 2048). Ignored when
+    /// `memory_mb` is set.
+    pub memory_limit_mb: f64,
+    /// The least memory the automatic budget takes, in MB, above `memory_limit_mb` if need be;
+    /// `None`: the family's floor (16384 MB for Qwen3.5, as mlx-node; none for the others).
+    /// Ignored when `memory_mb` is set.
+    pub memory_floor_mb: Option<f64>,
     /// Concurrent sequences sliding-window groups are sized for.
     pub max_seqs: usize,
     /// Attention layers also keep each live sequence's K/V in a contiguous per-sequence buffer
@@ -55,11 +63,19 @@ pub struct PagedConfig {
     /// what fits beside them. `None`: allocate all of `memory_mb` at load (the most prefix
     /// cache, mlx-node's behaviour).
     pub initial_blocks: Option<usize>,
+    /// Models with recurrent layers (Qwen3.5, LFM2): recurrent-state snapshots kept at most (the
+    /// oldest is dropped first). A snapshot is every recurrent layer's state at a block boundary
+    /// of a prompt, keyed like that prefix's blocks, so that a new sequence starting with the
+    /// same tokens (a repeated system prompt) restores it and skips their prefill. 0: none.
+    pub recurrent_snapshots: usize,
+    /// Models with recurrent layers: a prompt is prefilled in pieces ending at multiples of this
+    /// many positions (rounded up to whole blocks), and the state is kept at each piece's end.
+    pub snapshot_interval: usize,
 }
 
 impl Default for PagedConfig {
     fn default() -> Self {
-        PagedConfig { block_size: 16, memory_mb: None, max_seqs: 8, contiguous_reads: true, initial_blocks: Some(32) }
+        PagedConfig { block_size: 16, memory_mb: None, memory_limit_mb: 2048.0, memory_floor_mb: None, max_seqs: 8, contiguous_reads: true, initial_blocks: Some(32), recurrent_snapshots: 32, snapshot_interval: 256 }
     }
 }
 
@@ -81,6 +97,42 @@ pub struct PagedKv {
     /// ([`crate::Cache::async_eval_with`]); other threads wait for that on `queued`.
     unqueued: Option<ThreadId>,
     queued: Arc<Condvar>,
+    /// Recurrent-state snapshots by prefix ([`PagedConfig::recurrent_snapshots`]).
+    snapshots: Snapshots,
+    /// [`PagedConfig::snapshot_interval`], in whole blocks' positions.
+    snapshot_interval: usize,
+}
+
+/// Every recurrent layer's state slots (model layer index, slots) at one block boundary.
+pub(crate) type Snapshot = Vec<(usize, Vec<Option<Array>>)>;
+
+/// Recurrent-state snapshots keyed by the prefix hash of the block that ends at their position.
+#[derive(Default)]
+struct Snapshots {
+    map: std::collections::HashMap<u128, Snapshot>,
+    order: VecDeque<u128>,
+    cap: usize,
+}
+
+impl Snapshots {
+    fn insert(&mut self, key: u128, s: Snapshot) {
+        if self.cap == 0 || self.map.contains_key(&key) {
+            return;
+        }
+        while self.map.len() >= self.cap {
+            match self.order.pop_front() {
+                Some(old) => drop(self.map.remove(&old)),
+                None => break,
+            }
+        }
+        self.order.push_back(key);
+        self.map.insert(key, s);
+    }
+}
+
+/// Prefix keys of the full blocks of `ids` (the snapshots' keys).
+fn prefix_keys(ids: &[u32], bs: usize) -> Vec<u128> {
+    kv_paged::block_keys(&ids[..ids.len() / bs * bs], bs, 0, &ExtraKeys::none()).iter().map(|k| k.hash.0).collect()
 }
 
 impl PagedKv {
@@ -131,15 +183,16 @@ impl PagedKv {
                 kv_paged::KvLayerKind::Shared { .. } => {}
             }
         }
-        let auto_full = ((full * max_positions.max(bs)) as f64 / 1e6 * 1.1).min(2048.0);
-        let budget_mb = cfg.memory_mb.unwrap_or(auto_full + sliding as f64 / 1e6 * 1.1 + 1.0);
+        let auto_full = ((full * max_positions.max(bs)) as f64 / 1e6 * 1.1).min(cfg.memory_limit_mb.max(0.0));
+        let auto = (auto_full + sliding as f64 / 1e6 * 1.1 + 1.0).max(cfg.memory_floor_mb.unwrap_or(0.0));
+        let budget_mb = cfg.memory_mb.unwrap_or(auto);
         let kcfg = KvConfig { budget_mb, ..kcfg };
         let layout = KvLayout::new(specs, kcfg).map_err(err)?;
         let mut pool = KvPool::new(&layout, dtype).map_err(err)?;
         // Materialize the storage now: MLX streams are per thread, and a lazy array built here
         // could not be evaluated by the session threads that share the pool.
         pool.eval().map_err(err)?;
-        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool, layer_map, contiguous_reads: cfg.contiguous_reads, writer: None, unqueued: None, queued: Arc::new(Condvar::new()) })
+        Ok(PagedKv { manager: KvCacheManager::new(&layout).map_err(err)?, pool, layer_map, contiguous_reads: cfg.contiguous_reads, writer: None, unqueued: None, queued: Arc::new(Condvar::new()), snapshots: Snapshots { cap: cfg.recurrent_snapshots, ..Default::default() }, snapshot_interval: cfg.snapshot_interval.max(1).div_ceil(bs) * bs })
     }
 
     /// Lock the pool for this thread's use of its arrays: first wait until writes another
@@ -227,6 +280,8 @@ struct SeqState {
     flush_at_end: bool,
     /// [`crate::Cache::set_queue_with_outputs`].
     queue_later: bool,
+    /// The sequence's blocks are shared by prefix (not privately salted).
+    shared: bool,
 }
 
 /// Pending inputs kept at most before the oldest is waited for (a caller that never evaluates
@@ -296,7 +351,12 @@ impl SeqState {
     /// Register `tokens` (`[1, L]`) and schedule them; returns (batch, tokens skipped as cached,
     /// rope offset). A new sequence reads its ids now (prefix lookup needs them); later inputs
     /// that are not computed yet go in as pending ids.
-    fn schedule<'m>(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool, mirror: &impl Fn(usize) -> Option<&'m KvCache>) -> Result<(StepBatch, usize, usize)> {
+    ///
+    /// `recurrent`: the model has recurrent layers, whose state must be restored from a snapshot
+    /// for any skipped prefix: a new sequence then skips only up to a block boundary that has
+    /// one (returned with the skip).
+    fn schedule<'m>(&mut self, g: &mut PagedKv, tokens: &Array, allow_prefix_skip: bool, recurrent: bool, mirror: &impl Fn(usize) -> Option<&'m KvCache>) -> Result<(StepBatch, usize, usize, Option<Snapshot>)> {
+        let mut restore = None;
         let (seq, skipped) = match self.seq {
             None => {
                 let extra = if allow_prefix_skip {
@@ -306,8 +366,39 @@ impl SeqState {
                     let n = PRIVATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u128;
                     ExtraKeys { salt: Some((0x5eed_u128 << 64) | n), ..ExtraKeys::none() }
                 };
-                let b = g.manager.begin(&host_ids(tokens)?, extra).map_err(err)?;
-                (b.seq, b.cached_tokens)
+                self.shared = allow_prefix_skip;
+                let ids = host_ids(tokens)?;
+                if !(recurrent && allow_prefix_skip) {
+                    let b = g.manager.begin(&ids, extra).map_err(err)?;
+                    (b.seq, b.cached_tokens)
+                } else {
+                    // Skip only up to a boundary with a snapshot: begin over the prefix up to the
+                    // last such boundary (and one token), so no further block is reused.
+                    let bs = g.manager.block_size();
+                    let keys = prefix_keys(&ids[..ids.len() - 1], bs);
+                    let has: Vec<bool> = keys.iter().map(|k| g.snapshots.map.contains_key(k)).collect();
+                    let snap = |n: usize| n > 0 && has[n - 1];
+                    let limit = (1..=keys.len()).rev().find(|&n| snap(n)).unwrap_or(0);
+                    let b = g.manager.begin(&ids[..limit * bs + 1], extra).map_err(err)?;
+                    // Fewer blocks cached than snapshotted: back to the last boundary with one.
+                    let mut n = b.cached_tokens / bs;
+                    while n > 0 && !snap(n) {
+                        n -= 1;
+                    }
+                    let known = if n * bs < b.cached_tokens {
+                        let copies = g.manager.trim(b.seq, n * bs).map_err(err)?;
+                        g.pool.copy_blocks(&copies).map_err(err)?;
+                        n * bs
+                    } else {
+                        limit * bs + 1
+                    };
+                    restore = if n > 0 { g.snapshots.map.get(&keys[n - 1]).cloned() } else { None };
+                    let rest = &ids[known..];
+                    if !rest.is_empty() {
+                        g.manager.append(b.seq, rest).map_err(err)?;
+                    }
+                    (b.seq, n * bs)
+                }
             }
             Some(s) => {
                 self.resolve(g, false)?;
@@ -340,7 +431,7 @@ impl SeqState {
         } else {
             self.flush_at_end = false;
         }
-        Ok((batch, skipped, step.start))
+        Ok((batch, skipped, step.start, restore))
     }
 }
 
@@ -362,12 +453,30 @@ impl PagedSeq {
     /// Start a forward step over `tokens` (`[1, L]`): lock the pool, register and schedule the
     /// tokens. Returns the step and how many leading tokens the prefix cache served. `mirror(i)`
     /// is model layer `i`'s contiguous mirror, if it keeps one.
-    pub(crate) fn begin<'m>(&mut self, tokens: &Array, allow_prefix_skip: bool, mirror: impl Fn(usize) -> Option<&'m KvCache>) -> Result<(PagedStep<'_>, usize)> {
+    /// `recurrent`: the model has recurrent layers; a skipped prefix then comes with the
+    /// snapshot of their state at its end (see [`SeqState::schedule`]).
+    pub(crate) fn begin<'m>(&mut self, tokens: &Array, allow_prefix_skip: bool, recurrent: bool, mirror: impl Fn(usize) -> Option<&'m KvCache>) -> Result<(PagedStep<'_>, usize, Option<Snapshot>)> {
         let PagedSeq { shared, state } = self;
         let mut guard = PagedKv::claim(shared);
         guard.settle()?;
-        let (batch, skipped, offset) = state.schedule(&mut guard, tokens, allow_prefix_skip, &mirror)?;
-        Ok((PagedStep { guard, batch, offset, state, finished: false }, skipped))
+        let (batch, skipped, offset, snap) = state.schedule(&mut guard, tokens, allow_prefix_skip, recurrent, &mirror)?;
+        Ok((PagedStep { guard, batch, offset, state, finished: false }, skipped, snap))
+    }
+
+    /// Models with recurrent layers: the positions between snapshots
+    /// ([`PagedConfig::snapshot_interval`]) and, for `ids` starting a new sequence, how many of
+    /// its leading tokens (not the last) a snapshot covers.
+    pub(crate) fn snapshot_plan(&self, ids: Option<&[u32]>) -> (usize, usize) {
+        let g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let bs = g.manager.block_size();
+        let covered = match ids {
+            Some(ids) if self.state.seq.is_none() && !ids.is_empty() => {
+                let keys = prefix_keys(&ids[..ids.len() - 1], bs);
+                (1..=keys.len()).rev().find(|&n| g.snapshots.map.contains_key(&keys[n - 1])).map_or(0, |n| n * bs)
+            }
+            _ => 0,
+        };
+        (g.snapshot_interval, covered)
     }
 
     /// Queue `arrays` (a step's outputs and the sequence's own arrays) with the pool's pending
@@ -429,6 +538,30 @@ impl Drop for PagedStep<'_> {
 }
 
 impl PagedStep<'_> {
+    /// Keep `snapshot` (the recurrent state after this step) when the step ends on a block
+    /// boundary of a prefix-shared sequence whose ids are known, and spanned several positions
+    /// (a prefill piece: its caller evaluates it before going on). The arrays are evaluated now,
+    /// so another thread can restore them.
+    pub(crate) fn keep_snapshot(&mut self, snapshot: impl FnOnce() -> Snapshot) -> Result<()> {
+        let g = &mut *self.guard;
+        let (st, bs) = (&*self.state, g.manager.block_size());
+        let len = st.offset.saturating_sub(self.offset);
+        let Some(seq) = st.seq else { return Ok(()) };
+        if g.snapshots.cap == 0 || !st.shared || len < 2 || st.offset == 0 || !st.offset.is_multiple_of(bs) || g.manager.num_known(seq).map_err(err)? < st.offset {
+            return Ok(());
+        }
+        let ids = g.manager.tokens(seq).map_err(err)?;
+        let key = *prefix_keys(&ids[..st.offset], bs).last().expect("offset > 0");
+        if g.snapshots.map.contains_key(&key) {
+            return Ok(());
+        }
+        let s = snapshot();
+        let arrays: Vec<&Array> = s.iter().flat_map(|(_, slots)| slots.iter().flatten()).collect();
+        mlx_array::eval(&arrays)?;
+        g.snapshots.insert(key, s);
+        Ok(())
+    }
+
     /// The pool access of model layer `i`; `mirror` is its contiguous copy, read instead of the
     /// pool with [`PagedConfig::contiguous_reads`].
     pub(crate) fn layer<'b>(&'b mut self, i: usize, mirror: Option<&'b mut KvCache>) -> Result<PagedLayerKv<'b>> {

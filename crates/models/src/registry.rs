@@ -92,6 +92,9 @@ pub struct Family {
     /// before construction (given config.json); whatever else the model leaves unread is an error.
     pub sanitize: fn(&mut Weights, &Value),
     pub kv_default: KvDefault,
+    /// The floor of the paged cache's automatic budget, MB ([`crate::PagedConfig::memory_floor_mb`]
+    /// when that is `None`).
+    pub paged_memory_floor_mb: Option<f64>,
     /// Random-checkpoint shapes: `tiny` (tests), `small` (benchmarks), named sizes.
     pub presets: &'static [Preset],
 }
@@ -111,6 +114,7 @@ impl Family {
             load,
             sanitize: sanitize_common,
             kv_default: KvDefault::Paged,
+            paged_memory_floor_mb: None,
             presets,
         }
     }
@@ -169,12 +173,14 @@ pub static FAMILIES: &[Family] = &[
         kind: FamilyKind::Trainable,
         sanitize: sanitize_towers,
         kv_default: KvDefault::Flat,
+        paged_memory_floor_mb: Some(16384.0),
         ..Family::new("qwen3_5", &["qwen3_5", "qwen3_5_text"], crate::families::qwen3_5::load, crate::families::qwen3_5::PRESETS)
     },
     Family {
         kind: FamilyKind::Trainable,
         sanitize: sanitize_towers,
         kv_default: KvDefault::Flat,
+        paged_memory_floor_mb: Some(16384.0),
         ..Family::new("qwen3_5_moe", &["qwen3_5_moe", "qwen3_5_moe_text"], crate::families::qwen3_5::load, crate::families::qwen3_5::MOE_PRESETS)
     },
     Family::new("llama", &["llama", "mistral"], crate::families::llama::load_llama, crate::families::llama::PRESETS),

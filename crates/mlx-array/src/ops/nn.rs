@@ -62,6 +62,22 @@ impl Array {
             .map(Array::wrap)
     }
 
+    /// [`Array::rope`] with one start position per batch row: `self` is `[B, .., L, D]` and
+    /// `offsets` an integer `[B]` array; row `b`'s position `l` is `offsets[b] + l`.
+    pub fn rope_rows(&self, cfg: &RopeConfig, offsets: &Array) -> Result<Array> {
+        let d = *self.dims().last().ok_or_else(|| Error::shape("rope", "0-d input"))? as usize;
+        if cfg.dims == 0 || cfg.dims > d || cfg.dims % 2 != 0 {
+            return Err(Error::arg("rope", format!("rotary dims {} for head dim {d}", cfg.dims)));
+        }
+        if offsets.ndim() != 1 || self.ndim() < 3 || offsets.dims()[0] != self.dims()[0] {
+            return Err(Error::shape("rope", format!("offsets {:?} for input {:?}: need one per batch row", offsets.shape(), self.shape())));
+        }
+        let base = if cfg.freqs.is_some() { None } else { Some(cfg.base) };
+        fast::rope_dynamic(&self.inner, cfg.dims as i32, cfg.traditional, base, cfg.scale, &offsets.inner, cfg.freqs.map(|f| &f.inner))
+            .op("rope")
+            .map(Array::wrap)
+    }
+
     /// Scaled dot-product attention. `self` = queries `[B, Hq, L, D]`, keys/values `[B, Hkv, K, D]`
     /// with `Hq` a multiple of `Hkv` (grouped-query attention).
     pub fn sdpa(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {

@@ -97,6 +97,13 @@ impl GatedDeltaNet {
 
     /// `x`: `[B, L, hidden]`; `state`: this layer's [`SLOTS`] cache slots (updated).
     pub fn forward(&self, x: &Array, state: &mut [Option<Array>]) -> Result<Array> {
+        self.forward_valid(x, state, None)
+    }
+
+    /// [`GatedDeltaNet::forward`] over a batch whose positions `valid` (`[B, L, 1]`) marks
+    /// false are padding: there the conv input, `β` and `g` are zero, so the state is left as it
+    /// was (no write, no decay).
+    pub fn forward_valid(&self, x: &Array, state: &mut [Option<Array>], valid: Option<&Array>) -> Result<Array> {
         let c = &self.cfg;
         if state.len() != SLOTS {
             return Err(ModelError::Cache(format!("GatedDeltaNet needs {SLOTS} recurrent slots, cache has {}", state.len())));
@@ -106,9 +113,10 @@ impl GatedDeltaNet {
         let mut proj = self.in_proj.forward(x)?.into_iter();
         let mut next = || proj.next().ok_or_else(|| ModelError::Cache("fused projection parts".into()));
         let (qkv, z, b_in, a_in) = (next()?, next()?, next()?, next()?);
-        let beta = f32(&b_in)?.sigmoid()?; // [B, L, Hv]
+        let qkv = crate::batch::zero_padding(&qkv, valid)?;
+        let beta = crate::batch::zero_padding(&f32(&b_in)?.sigmoid()?, valid)?; // [B, L, Hv]
         let a = f32(&a_in)?.add(&self.dt_bias)?;
-        let g = softplus(&a)?.mul(&self.neg_a)?; // [B, L, Hv], ≤ 0
+        let g = crate::batch::zero_padding(&softplus(&a)?.mul(&self.neg_a)?, valid)?; // [B, L, Hv], ≤ 0
 
         // Causal depthwise conv over [conv state | new inputs].
         let k1 = c.conv_kernel - 1;
@@ -279,7 +287,7 @@ fn unit_lower_inverse(a: &Array, c: usize) -> Result<Array> {
 }
 
 impl RecurrentMixer for GatedDeltaNet {
-    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], _i: usize) -> Result<Array> {
-        self.forward(x, slots)
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], _i: usize, valid: Option<&Array>) -> Result<Array> {
+        self.forward_valid(x, slots, valid)
     }
 }

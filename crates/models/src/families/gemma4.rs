@@ -28,7 +28,7 @@ use super::gemma3::GemmaConfig;
 use super::moe::SwitchGlu;
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::config::default_usize;
-use crate::layers::{causal_mask, last_query_mask, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
+use crate::layers::{causal_mask, last_query_mask, mask_window, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, ModelInfo, ModelRuntime, Rows};
 use crate::weights::{Init, Vb, Weights};
 use crate::{ModelError, Result};
@@ -324,7 +324,9 @@ impl Attn {
     /// fetched K/V; KV-shared layers attend over `shared` (their anchor's fetched K/V). `last`:
     /// only the last position's output is returned (`[B, 1, H]`), and where the mask allows only
     /// it is queried; the K/V of all are cached.
-    fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask, last: bool) -> Result<(Array, (Array, Array))> {
+    /// `batch`: the rows of a batch cache (per-row rope offsets and mask, [`crate::batch`]).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask, last: bool, batch: Option<&crate::batch::BatchRows>) -> Result<(Array, (Array, Array))> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
         let want_last = last && l > 1;
         let narrowed = if want_last { last_query_mask(mask) } else { None };
@@ -345,13 +347,19 @@ impl Attn {
             self.proj.forward(x)?.into_iter()
         };
         let q = self.q_norm.forward(&heads(&parts.next().expect("q part"), self.n_heads, lq)?)?;
-        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, if last { offset + l as usize - 1 } else { offset })?;
+        let rope = |x: &Array, at: usize| -> Result<Array> {
+            match batch {
+                Some(r) => self.rope.forward_rows(x, &r.positions(at)?, r.longest()),
+                None => self.rope.forward(x, at),
+            }
+        };
+        let q = rope(&q.transpose(&[0, 2, 1, 3])?, if last { offset + l as usize - 1 } else { offset })?;
         let heads = |a: &Array, n: usize| heads(a, n, l);
         let (k, v) = match (&self.k_norm, shared) {
             (Some(k_norm), _) => {
                 let raw = heads(&parts.next().expect("k part"), self.n_kv)?;
                 let v = if self.k_eq_v { raw.clone() } else { heads(&parts.next().expect("v part"), self.n_kv)? };
-                let k = self.rope.forward(&k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, offset)?;
+                let k = rope(&k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, offset)?;
                 let v = self.v_norm.forward(&v)?.transpose(&[0, 2, 1, 3])?;
                 let cache = cache.ok_or_else(|| ModelError::Cache("Gemma 4 attention layer without a K/V cache".into()))?;
                 cache.update_and_fetch(&k, &v)?
@@ -359,6 +367,8 @@ impl Attn {
             (None, Some((k, v))) => (k.clone(), v.clone()),
             (None, None) => return Err(ModelError::Cache("KV-shared layer ran before its anchor".into())),
         };
+        let batch_mask = batch.map(|r| r.mask(lq as usize, k.dims()[2] as usize, mask_window(mask))).transpose()?;
+        let mask = batch_mask.as_ref().map_or(mask, AttentionMask::Array);
         let o = sdpa(&q, &k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
         let o = if want_last && !last { o.slice_axis(1, l as usize - 1, l as usize)? } else { o };
         Ok((self.o.forward(&o)?, (k, v)))
@@ -623,6 +633,7 @@ impl Gemma4Model {
         }
         // Paged caches may serve a prefix of `tokens` from the block pool: compute the rest.
         let (mut kvs, skipped) = cache.begin_forward_with(tokens, allow_prefix_skip)?;
+        let batch = kvs.batch().filter(|r| !r.uniform());
         let total = tokens.dims()[1] as usize;
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, total)? } else { tokens.clone() };
         let tokens = &tokens;
@@ -643,9 +654,9 @@ impl Gemma4Model {
                 let mut c = kvs.layer(i)?;
                 // Every layer of a sequence is at the same position (shared layers: the anchor's).
                 offset = c.offset();
-                layer.attn.forward(&h, Some(&mut c), None, offset, mask, last_only)?
+                layer.attn.forward(&h, Some(&mut c), None, offset, mask, last_only, batch)?
             } else {
-                layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, last_only)?
+                layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, last_only, batch)?
             };
             fetched[i] = Some(kv);
             let mut h = Rows::residual(&x, last_only)?.add(&layer.post_attn_norm.forward(&a)?)?;

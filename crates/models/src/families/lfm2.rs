@@ -226,10 +226,11 @@ impl ShortConv {
     }
 
     /// `x`: `[B, L, H]`; `state` holds the last `K - 1` gated inputs of earlier calls.
-    fn forward(&self, x: &Array, state: &mut Option<Array>) -> Result<Array> {
+    /// `valid`: see [`RecurrentMixer::forward_slots`] (padding positions feed zeros to the conv).
+    fn forward(&self, x: &Array, state: &mut Option<Array>, valid: Option<&Array>) -> Result<Array> {
         let parts = self.in_proj.forward(x)?.split(3, -1)?;
         let (b, c, xx) = (&parts[0], &parts[1], &parts[2]);
-        let bx = b.mul(xx)?;
+        let bx = crate::batch::zero_padding(&b.mul(xx)?, valid)?;
         let keep = self.k - 1;
         let prev = match state.take() {
             Some(s) => s,
@@ -309,9 +310,9 @@ impl ExpertBlock for MoeBlock {
 }
 
 impl RecurrentMixer for ShortConv {
-    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize) -> Result<Array> {
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>) -> Result<Array> {
         match slots.first_mut() {
-            Some(state) => self.forward(x, state),
+            Some(state) => self.forward(x, state, valid),
             None => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
         }
     }

@@ -127,10 +127,16 @@ impl Attention {
         }
         let off = cache.offset();
         let q_off = if last { off + l as usize - 1 } else { off };
-        let q = self.rope.forward(&q.transpose(&[0, 2, 1, 3])?, q_off)?;
-        let k = self.rope.forward(&k.transpose(&[0, 2, 1, 3])?, off)?;
+        let batch = cache.batch().filter(|r| !r.uniform());
+        let (q, k) = (q.transpose(&[0, 2, 1, 3])?, k.transpose(&[0, 2, 1, 3])?);
+        let (q, k) = match batch {
+            Some(r) => (self.rope.forward_rows(&q, &r.positions(q_off)?, r.longest())?, self.rope.forward_rows(&k, &r.positions(off)?, r.longest())?),
+            None => (self.rope.forward(&q, q_off)?, self.rope.forward(&k, off)?),
+        };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
         let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
+        let batch_mask = batch.map(|r| r.mask(lq as usize, k.dims()[2] as usize, mask_window(mask))).transpose()?;
+        let mask = batch_mask.as_ref().map_or(mask, AttentionMask::Array);
         let o = sdpa(&q, &k, &v, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
         let o = match gate {
             Some(g) => o.mul(&g.sigmoid()?)?,
@@ -192,6 +198,15 @@ pub(crate) fn last_query_mask(mask: AttentionMask<'_>) -> Option<AttentionMask<'
         AttentionMask::Array(_) => None,
         AttentionMask::Causal => Some(AttentionMask::None),
         m => Some(m),
+    }
+}
+
+/// The sliding window a mask applies (`None`: full causal attention), for the batch mask that
+/// replaces it ([`crate::batch::BatchRows::mask`]).
+pub(crate) fn mask_window(mask: AttentionMask<'_>) -> Option<usize> {
+    match mask {
+        AttentionMask::SlidingWindow(w) if w > 0 => Some(w),
+        _ => None,
     }
 }
 

@@ -33,7 +33,10 @@ pub(crate) trait DecoderLayer {
 /// short convolution, a linear-attention recurrence).
 pub(crate) trait RecurrentMixer {
     /// The output for the normed `x` (`[B, L, H]`), reading and updating `slots` (layer `i`'s).
-    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize) -> Result<Array>;
+    /// `valid` (`[B, L, 1]` booleans, batch caches only): the positions that are tokens; the
+    /// mixer zeroes its recurrent inputs at the others (left padding), leaving the state as it
+    /// was ([`crate::batch`]).
+    fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>) -> Result<Array>;
 }
 
 /// A routed expert block: `[B, L, H]` to `[B, L, H]`.
@@ -69,7 +72,10 @@ impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
         match &self.mixer {
             Mixer::Attention(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
             Mixer::Attention(a) => a.forward_kv(&n, &mut kv.layer(i)?, *mask),
-            Mixer::Recurrent(r) => r.forward_slots(&n, kv.recurrent(i)?, i),
+            Mixer::Recurrent(r) => {
+                let valid = kv.batch().map(|b| b.step_valid()).transpose()?.flatten();
+                r.forward_slots(&n, kv.recurrent(i)?, i, valid.as_ref())
+            }
         }
     }
     fn can_query_last_only(&self) -> bool {
@@ -102,11 +108,50 @@ impl<R: RecurrentMixer, E: ExpertBlock> HybridStack<R, E> {
         CacheSpec { layers: self.layers.iter().map(kind).collect() }
     }
 
-    /// Never skips a cached prefix (a recurrent state must see every token), so a paged cache
-    /// stores only the attention layers' K/V and is not shared between sequences.
+    /// With a paged cache, a new sequence skips a cached prefix only up to a block boundary
+    /// where a snapshot of the recurrent state was kept ([`crate::PagedConfig::recurrent_snapshots`]),
+    /// and restores it. To keep such snapshots, a multi-token call on a paged cache runs in
+    /// pieces ending at multiples of [`crate::PagedConfig::snapshot_interval`] positions (past
+    /// the prefix a snapshot already covers); calls that read every position run whole.
     pub fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
-        let (h, _) = stack.forward(tokens, cache, Rows::of(logits, hidden), |t| self.embed.forward(t), |l| crate::layers::causal_mask(l, None))?;
+        check_tokens(tokens)?;
+        let stack = Stack { layers: &self.layers, prefix_skip: true, norm: &self.norm };
+        let rows = Rows::of(logits, hidden);
+        let (b, l) = (tokens.dims()[0] as usize, tokens.dims()[1] as usize);
+        let embed = |t: &Array| self.embed.forward(t);
+        let mask = |l| crate::layers::causal_mask(l, None);
+        if rows != Rows::All && b == 1 && l > 1 && cache.is_paged() {
+            let start = cache.offset();
+            // Host ids (a prompt's are): the pieces are made from them, so their ids are known
+            // when each piece ends and its snapshot can be keyed.
+            let ids = if start == 0 || tokens.is_available() { Some(tokens.astype(DType::U32)?.to_vec::<u32>()?) } else { None };
+            let piece = |a: usize, c: usize| -> Result<Array> {
+                Ok(match &ids {
+                    Some(ids) => Array::from_slice(&ids[a..c], &[1, c - a])?,
+                    None => tokens.slice_axis(1, a, c)?,
+                })
+            };
+            if let Some((every, covered)) = cache.snapshot_plan(ids.as_deref().filter(|_| start == 0)) {
+                let mut cuts = Vec::new();
+                let mut e = (start + covered) / every * every + every;
+                while e < start + l {
+                    cuts.push(e - start);
+                    e += every;
+                }
+                if !cuts.is_empty() {
+                    let (mut a, mut skipped) = (0, None);
+                    for c in cuts {
+                        let (_, s) = stack.forward(&piece(a, c)?, cache, Rows::None, embed, mask)?;
+                        skipped.get_or_insert(s);
+                        a = c;
+                    }
+                    let (h, _) = stack.forward(&piece(a, l)?, cache, rows, embed, mask)?;
+                    cache.set_last_skipped(skipped.unwrap_or(0));
+                    return self.lm_head.output(h, logits, hidden);
+                }
+            }
+        }
+        let (h, _) = stack.forward(tokens, cache, rows, embed, mask)?;
         self.lm_head.output(h, logits, hidden)
     }
 }

@@ -8,7 +8,7 @@ mod rope;
 
 pub use decoder::LmHead;
 pub use attention::{causal_mask, Attention, AttentionConfig};
-pub(crate) use attention::{last_query_mask, sdpa};
+pub(crate) use attention::{last_query_mask, mask_window, sdpa};
 pub use linear::{Embedding, FusedLinear, Linear};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::RmsNorm;

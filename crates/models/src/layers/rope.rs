@@ -136,6 +136,29 @@ impl Rope {
         };
         Ok(x.rope(&cfg, offset)?)
     }
+
+    /// [`Rope::forward`] with one start position per batch row (`offsets`: i32 `[B]`);
+    /// `longest` is the largest position the call reaches plus one (dynamic NTK computes its base
+    /// for it, as transformers does for a batch: the longest row).
+    pub fn forward_rows(&self, x: &Array, offsets: &Array, longest: usize) -> Result<Array> {
+        let mut base = self.base;
+        if let Some(d) = self.dynamic {
+            base = dynamic_base(self.base, self.dims, d, longest);
+        }
+        let cfg = RopeConfig { dims: self.dims, traditional: self.traditional, base, scale: self.scale, freqs: self.freqs.as_ref() };
+        let x = if self.mscale != 1.0 {
+            let d = x.dim(-1)?;
+            if d == self.dims {
+                x.mul_scalar(self.mscale)?
+            } else {
+                let parts = x.split_at(&[self.dims], -1)?;
+                mlx_array::ops::concatenate(&[&parts[0].mul_scalar(self.mscale)?, &parts[1]], -1)?
+            }
+        } else {
+            x.clone()
+        };
+        Ok(x.rope_rows(&cfg, offsets)?)
+    }
 }
 
 /// transformers' `_compute_dynamic_ntk_parameters` at `seq` positions.

@@ -1,0 +1,153 @@
+//! The continuous-batching engine ([`mlx_models::Engine`]): requests that join while others
+//! decode give, for every LM family, the greedy tokens of each request run alone (wherever the
+//! lone run's top-1/top-2 gap exceeds 1e-4); passes carry several sequences; cancellation,
+//! dropped receivers, usage and the bounded queue.
+mod common;
+use common::*;
+use mlx_array::Array;
+use mlx_models::{load_model, Engine, EngineConfig, EngineError, Event, FinishReason, GenerateConfig, Logits, Model, RequestHandle, Usage};
+use sampling::SamplingConfig;
+
+const TIE: f32 = 1e-4;
+
+fn alone(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut cache = model.new_cache();
+    let mut t = Array::from_slice(prompt, &[1, prompt.len()]).unwrap();
+    let (mut out, mut gaps) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
+        let best = argmax(&l);
+        let second = l.iter().enumerate().filter(|(i, _)| *i as u32 != best).map(|(_, x)| *x).fold(f32::NEG_INFINITY, f32::max);
+        out.push(best);
+        gaps.push(l[best as usize] - second);
+        t = Array::from_slice(&[best], &[1, 1]).unwrap();
+    }
+    (out, gaps)
+}
+
+/// Read `n` tokens (or everything, `n = usize::MAX`) of a request; returns them and the finish.
+fn read(h: &RequestHandle, n: usize) -> (Vec<u32>, Option<(FinishReason, Usage)>) {
+    let mut toks = Vec::new();
+    while toks.len() < n {
+        match h.events.recv().expect("the engine answers") {
+            Event::Token(t) => toks.push(t.id),
+            Event::Finished { reason, usage, .. } => return (toks, Some((reason, usage))),
+            Event::Error(e) => panic!("request failed: {e}"),
+        }
+    }
+    (toks, None)
+}
+
+fn greedy(n: usize) -> GenerateConfig {
+    GenerateConfig { max_new_tokens: n, sampling: SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() }
+}
+
+fn check_family(name: &str) {
+    let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
+    let v = model.info().vocab_size as u32;
+    let mk = |n: u32, seed: u32| (0..n).map(|i| (i * 53 + seed * 97 + 3) % v).collect::<Vec<u32>>();
+    let prompts = [mk(6, 1), mk(15, 2), mk(9, 3), mk(6, 1)];
+    let steps = 12;
+    let lone: Vec<_> = prompts.iter().map(|p| alone(&model, p, steps)).collect();
+    let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, max_queue: 16 }).unwrap();
+    let h = engine.handle();
+    // A runs alone for 3 tokens; B, C and D (A's prompt again) join while it decodes.
+    let a = h.submit(prompts[0].clone(), &greedy(steps)).unwrap();
+    let (mut got_a, _) = read(&a, 3);
+    let others: Vec<RequestHandle> = prompts[1..].iter().map(|p| h.submit(p.clone(), &greedy(steps)).unwrap()).collect();
+    let (rest, fin) = read(&a, usize::MAX);
+    got_a.extend(rest);
+    let mut got = vec![(got_a, fin)];
+    got.extend(others.iter().map(|r| read(r, usize::MAX)));
+    for (i, (toks, fin)) in got.iter().enumerate() {
+        let (want, gaps) = &lone[i];
+        let exact = gaps.iter().all(|&g| g > TIE);
+        for (s, w) in want.iter().enumerate() {
+            if gaps[s] <= TIE {
+                break;
+            }
+            assert_eq!(toks.get(s), Some(w), "{name}, request {i}, step {s}: engine {toks:?}, alone {want:?}");
+        }
+        let (reason, usage) = fin.expect("finished");
+        assert_eq!(reason, FinishReason::Length);
+        if exact {
+            assert_eq!(usage, Usage { prompt_tokens: prompts[i].len(), completion_tokens: steps, cached_prompt_tokens: 0 });
+        }
+    }
+    let st = h.stats();
+    assert!(st.max_rows >= 3, "{name}: passes carry several sequences: {st:?}");
+    assert!(st.rows > st.forwards, "{name}: mean rows per pass above 1: {st:?}");
+}
+
+#[test]
+fn engine_equals_alone_dense() {
+    for name in ["qwen3", "llama", "qwen2", "gemma3_text", "gemma4_text"] {
+        check_family(name);
+    }
+}
+
+#[test]
+fn engine_equals_alone_hybrid() {
+    for name in ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "gemma4_text_moe"] {
+        check_family(name);
+    }
+}
+
+/// Cancelling a request (or dropping its receiver) ends it with `Cancelled` at its next token;
+/// the requests beside it go on unchanged.
+#[test]
+fn cancellation_and_dropped_receivers() {
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
+    let p = vec![5u32, 6, 7, 8, 9];
+    let (want, gaps) = alone(&model, &p, 40);
+    assert!(gaps.iter().all(|&g| g > TIE));
+    let engine = Engine::start(model, EngineConfig::default()).unwrap();
+    let h = engine.handle();
+    let keep = h.submit(p.clone(), &greedy(40)).unwrap();
+    let cancel = h.submit(vec![1, 2, 3], &greedy(1000)).unwrap();
+    let dropped = h.submit(vec![4, 2], &greedy(1000)).unwrap();
+    let (t, _) = read(&cancel, 2);
+    assert_eq!(t.len(), 2);
+    cancel.cancel.cancel();
+    drop(dropped);
+    let (rest, fin) = read(&cancel, usize::MAX);
+    assert!(rest.len() <= 2, "cancelled at the next step or the one queued before it, got {} more", rest.len());
+    assert_eq!(fin.unwrap().0, FinishReason::Cancelled);
+    let (toks, fin) = read(&keep, usize::MAX);
+    assert_eq!(toks, want);
+    assert_eq!(fin.unwrap().0, FinishReason::Length);
+}
+
+#[test]
+fn invalid_requests_and_a_full_queue_are_refused() {
+    let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
+    let too_long = vec![1u32; model.info().max_position_embeddings];
+    let engine = Engine::start(model, EngineConfig { max_batch: 1, prefill_step_size: 0, max_queue: 1 }).unwrap();
+    let h = engine.handle();
+    assert!(matches!(h.submit(vec![], &greedy(1)), Err(EngineError::Model(_))));
+    assert!(matches!(h.submit(vec![1, 1 << 30], &greedy(1)), Err(EngineError::Model(_))));
+    assert!(matches!(h.submit(too_long, &greedy(1)), Err(EngineError::Model(_))));
+    let bad_sampling = GenerateConfig { sampling: SamplingConfig { top_p: 7.0, ..SamplingConfig::default() }, ..greedy(1) };
+    assert!(matches!(h.submit(vec![1], &bad_sampling), Err(EngineError::Model(_))));
+    // One slot, one waiting place: the third request while both are taken is refused.
+    let mut accepted = Vec::new();
+    let mut refused = false;
+    for _ in 0..50 {
+        match h.submit(vec![1, 2], &greedy(200)) {
+            Ok(r) => accepted.push(r),
+            Err(EngineError::QueueFull(n)) => {
+                assert!(n >= 1);
+                refused = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(refused, "a bounded queue refuses requests");
+    for r in &accepted {
+        r.cancel.cancel();
+    }
+    for r in &accepted {
+        assert_eq!(read(r, usize::MAX).1.unwrap().0, FinishReason::Cancelled);
+    }
+}
