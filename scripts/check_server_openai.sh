@@ -3,7 +3,7 @@
 #   scripts/check_server_openai.sh [MODEL_DIR] [EMBED_MODEL_DIR]
 # Defaults: the tiny Qwen3 and Harrier fixtures. Makes a venv with `openai` at $OPENAI_VENV
 # (default /tmp/openai-venv; reused), builds mlx-serve (release) unless $MLX_SERVE names a binary,
-# and runs scripts/check_server_openai.py (extra arguments after the two directories go to it,
+# and runs scripts/check_server_openai.py with each engine, batch then sequential (extra arguments after the two directories go to it,
 # e.g. --concurrency 32 --max-tokens 16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +20,5 @@ if [ -z "$BIN" ]; then
   cargo build --release -p mlx-server
   BIN="${CARGO_TARGET_DIR:-target}/release/mlx-serve"
 fi
-exec "$V/bin/python" scripts/check_server_openai.py --bin "$BIN" --model "$MODEL" --embed-model "$EMBED" "$@"
+"$V/bin/python" scripts/check_server_openai.py --bin "$BIN" --model "$MODEL" --embed-model "$EMBED" --engine batch "$@"
+"$V/bin/python" scripts/check_server_openai.py --bin "$BIN" --model "$MODEL" --embed-model "$EMBED" --engine sequential "$@"

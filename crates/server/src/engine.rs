@@ -1,11 +1,16 @@
 //! The generation engine behind the HTTP layer: a request is a token prompt plus generation
-//! settings, the answer a channel of [`GenEvent`]s. Dropping the receiver cancels the request
-//! (queued or running).
+//! settings, the answer a [`Submission`]: a stream of [`GenEvent`]s and a cancel handle.
+//! Dropping the stream cancels the request (queued or running).
 //!
-//! [`SequentialEngine`] runs the requests of one model one after another on a dedicated thread,
-//! over `mlx_models::generate`; it keeps a few finished sequences' KV caches and continues the
-//! one sharing the longest prefix with a new prompt (a conversation continued through
-//! `previous_response_id` or a resent chat history prefills only its new tokens).
+//! Two implementations of [`Engine`]:
+//! - [`BatchEngine`] (the default): every request of the model on one continuous-batching loop
+//!   ([`mlx_models::Engine`]): sequences join the running batch between steps and leave it when
+//!   done. Its batch caches are not the paged pool, so prompts are always computed in full
+//!   (`cached_tokens` 0).
+//! - [`SequentialEngine`]: one request at a time on a dedicated thread, over
+//!   `mlx_models::generate`; it keeps a few finished sequences' KV caches and continues the one
+//!   sharing the longest prefix with a new prompt (a conversation continued through
+//!   `previous_response_id` or a resent chat history prefills only its new tokens).
 use mlx_models::chat::common_prefix_len;
 use mlx_models::{generate, Cache, CancelHandle, FinishReason, GenerateConfig, Model};
 use sampling::SamplingConfig;
@@ -24,7 +29,18 @@ pub struct GenRequest {
     pub sampling: SamplingConfig,
     /// Token ids that end generation (not reported as tokens).
     pub stop_tokens: Vec<u32>,
-    /// Stops the generation (as does dropping the event receiver).
+}
+
+/// Events of one request, read on a blocking thread.
+pub trait EventStream: Send {
+    /// The next event; `None` when the engine dropped the request without a final event.
+    fn recv(&mut self) -> Option<GenEvent>;
+}
+
+/// An accepted request.
+pub struct Submission {
+    pub events: Box<dyn EventStream>,
+    /// Stops the generation early (the stream then ends with `Done`, finish reason `cancelled`).
     pub cancel: CancelHandle,
 }
 
@@ -45,7 +61,8 @@ pub struct GenSummary {
     /// prefix cache).
     pub cached_tokens: usize,
     pub generated_tokens: usize,
-    /// The stop token that ended generation (in the KV cache, not reported as a token).
+    /// The stop token that ended generation (in the KV cache, not reported as a token), when the
+    /// engine reports it.
     pub stop_token: Option<u32>,
     /// Time the request waited in the queue.
     pub queue_time: Duration,
@@ -61,6 +78,9 @@ pub enum SubmitError {
     QueueFull { capacity: usize },
     #[error("the generation engine has stopped")]
     ShutDown,
+    /// The engine refused the request itself (prompt too long, bad sampling settings).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// Counters of an engine.
@@ -81,15 +101,35 @@ pub struct EngineStats {
 
 /// A generation engine for one model.
 pub trait Engine: Send + Sync {
-    /// Queue `req`; its events arrive on the returned receiver. Dropping the receiver cancels.
-    fn submit(&self, req: GenRequest) -> Result<UnboundedReceiver<GenEvent>, SubmitError>;
+    /// Queue `req`. Dropping the returned stream cancels it.
+    fn submit(&self, req: GenRequest) -> Result<Submission, SubmitError>;
     fn stats(&self) -> EngineStats;
+}
+
+fn paged_blocks(model: &Model) -> (Option<usize>, Option<usize>, Option<usize>) {
+    match model.paged_stats() {
+        Some(s) => (
+            Some(s.groups.iter().map(|g| g.in_use).sum()),
+            Some(s.groups.iter().map(|g| g.cached).sum()),
+            Some(s.groups.iter().map(|g| g.total).sum()),
+        ),
+        None => (None, None, None),
+    }
 }
 
 struct Job {
     req: GenRequest,
     tx: UnboundedSender<GenEvent>,
+    cancel: CancelHandle,
     enqueued: Instant,
+}
+
+struct TokioStream(UnboundedReceiver<GenEvent>);
+
+impl EventStream for TokioStream {
+    fn recv(&mut self) -> Option<GenEvent> {
+        self.0.blocking_recv()
+    }
 }
 
 struct Shared {
@@ -161,15 +201,20 @@ impl SequentialEngine {
 }
 
 impl Engine for SequentialEngine {
-    fn submit(&self, req: GenRequest) -> Result<UnboundedReceiver<GenEvent>, SubmitError> {
+    fn submit(&self, req: GenRequest) -> Result<Submission, SubmitError> {
         let (tx, rx) = unbounded_channel();
+        let cancel = CancelHandle::default();
         self.shared.queued.fetch_add(1, Ordering::SeqCst);
         match self.tx.try_send(Job {
             req,
             tx,
+            cancel: cancel.clone(),
             enqueued: Instant::now(),
         }) {
-            Ok(()) => Ok(rx),
+            Ok(()) => Ok(Submission {
+                events: Box::new(TokioStream(rx)),
+                cancel,
+            }),
             Err(e) => {
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 Err(match e {
@@ -183,12 +228,7 @@ impl Engine for SequentialEngine {
     }
 
     fn stats(&self) -> EngineStats {
-        let (mut used, mut cached, mut total) = (None, None, None);
-        if let Some(s) = self.model.paged_stats() {
-            used = Some(s.groups.iter().map(|g| g.in_use).sum());
-            cached = Some(s.groups.iter().map(|g| g.cached).sum());
-            total = Some(s.groups.iter().map(|g| g.total).sum());
-        }
+        let (used, cached, total) = paged_blocks(&self.model);
         EngineStats {
             queued: self.shared.queued.load(Ordering::SeqCst),
             running: self.shared.running.load(Ordering::SeqCst),
@@ -223,7 +263,12 @@ fn take_cache(model: &Model, kept: &mut Vec<Kept>, prompt: &[u32]) -> (Cache, us
 }
 
 fn run_job(model: &Model, kept: &mut Vec<Kept>, max_kept: usize, job: Job) {
-    let Job { req, tx, enqueued } = job;
+    let Job {
+        req,
+        tx,
+        cancel,
+        enqueued,
+    } = job;
     let queue_time = enqueued.elapsed();
     let (mut cache, keep) = take_cache(model, kept, &req.prompt);
     let hits_before = model.paged_stats().map_or(0, |s| s.cached_prompt_tokens);
@@ -237,7 +282,6 @@ fn run_job(model: &Model, kept: &mut Vec<Kept>, max_kept: usize, job: Job) {
     let mut generated: Vec<u32> = Vec::new();
     let outcome =
         (|| -> mlx_models::Result<(FinishReason, Option<u32>, mlx_models::Performance)> {
-            let cancel = req.cancel.clone();
             let mut gen =
                 generate(model, &mut cache, &req.prompt[keep..], cfg)?.with_cancel(cancel.clone());
             for t in gen.by_ref() {
@@ -289,6 +333,143 @@ fn run_job(model: &Model, kept: &mut Vec<Kept>, max_kept: usize, job: Job) {
         }
         Err(e) => {
             let _ = tx.send(GenEvent::Error(e.to_string()));
+        }
+    }
+}
+
+/// Every request on one continuous-batching loop ([`mlx_models::Engine`]).
+pub struct BatchEngine {
+    engine: mlx_models::Engine,
+    model: Model,
+    capacity: usize,
+    /// Requests accepted and not yet finished (queued ones included).
+    inflight: Arc<AtomicUsize>,
+}
+
+impl BatchEngine {
+    /// Start the loop: at most `max_batch` sequences per forward pass, `max_queue` waiting.
+    pub fn start(model: Model, max_batch: usize, max_queue: usize) -> mlx_models::Result<Self> {
+        let cfg = mlx_models::EngineConfig {
+            max_batch,
+            max_queue,
+            ..Default::default()
+        };
+        let engine = mlx_models::Engine::start(model.clone(), cfg)?;
+        Ok(BatchEngine {
+            engine,
+            model,
+            capacity: max_queue,
+            inflight: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+}
+
+/// A request of the batching loop; dropping it cancels the request.
+struct BatchStream {
+    h: mlx_models::RequestHandle,
+    prompt_tokens: usize,
+    enqueued: Instant,
+    inflight: Option<Arc<AtomicUsize>>,
+}
+
+impl BatchStream {
+    fn done(&mut self) {
+        if let Some(n) = self.inflight.take() {
+            n.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl EventStream for BatchStream {
+    fn recv(&mut self) -> Option<GenEvent> {
+        let ev = match self.h.events.recv() {
+            Ok(mlx_models::Event::Token(t)) => {
+                return Some(GenEvent::Token {
+                    id: t.id,
+                    logprob: t.logprob,
+                })
+            }
+            Ok(mlx_models::Event::Finished {
+                reason,
+                usage,
+                performance,
+            }) => {
+                let ttft = Duration::from_secs_f64(performance.ttft_ms / 1e3);
+                GenEvent::Done(GenSummary {
+                    finish_reason: reason,
+                    prompt_tokens: usage.prompt_tokens.max(self.prompt_tokens),
+                    cached_tokens: usage.cached_prompt_tokens,
+                    generated_tokens: usage.completion_tokens,
+                    stop_token: None,
+                    queue_time: self.enqueued.elapsed().saturating_sub(ttft),
+                    ttft,
+                    decode_tokens_per_sec: performance.decode_tokens_per_sec,
+                })
+            }
+            Ok(mlx_models::Event::Error(e)) => GenEvent::Error(e),
+            Err(_) => {
+                self.done();
+                return None;
+            }
+        };
+        self.done();
+        Some(ev)
+    }
+}
+
+impl Drop for BatchStream {
+    fn drop(&mut self) {
+        self.h.cancel.cancel();
+        self.done();
+    }
+}
+
+impl Engine for BatchEngine {
+    fn submit(&self, req: GenRequest) -> Result<Submission, SubmitError> {
+        let cfg = GenerateConfig {
+            max_new_tokens: req.max_new_tokens,
+            sampling: req.sampling,
+            stop_tokens: Some(req.stop_tokens),
+            ..Default::default()
+        };
+        let prompt_tokens = req.prompt.len();
+        let h = self
+            .engine
+            .handle()
+            .submit(req.prompt, &cfg)
+            .map_err(|e| match e {
+                mlx_models::EngineError::QueueFull(_) => SubmitError::QueueFull {
+                    capacity: self.capacity,
+                },
+                mlx_models::EngineError::Stopped => SubmitError::ShutDown,
+                mlx_models::EngineError::Model(m) => SubmitError::Invalid(m.to_string()),
+            })?;
+        self.inflight.fetch_add(1, Ordering::SeqCst);
+        let cancel = h.cancel.clone();
+        Ok(Submission {
+            events: Box::new(BatchStream {
+                h,
+                prompt_tokens,
+                enqueued: Instant::now(),
+                inflight: Some(self.inflight.clone()),
+            }),
+            cancel,
+        })
+    }
+
+    fn stats(&self) -> EngineStats {
+        let handle = self.engine.handle();
+        let queued = handle.queued();
+        let s = handle.stats();
+        let (used, cached, total) = paged_blocks(&self.model);
+        EngineStats {
+            queued,
+            running: self.inflight.load(Ordering::SeqCst).saturating_sub(queued),
+            queue_capacity: self.capacity,
+            kv_blocks_used: used,
+            kv_blocks_cached: cached,
+            kv_blocks_total: total,
+            max_sequences_per_step: s.max_rows,
         }
     }
 }

@@ -80,6 +80,7 @@ impl From<crate::engine::SubmitError> for ApiError {
         match e {
             crate::engine::SubmitError::QueueFull { .. } => ApiError::queue_full(e.to_string()),
             crate::engine::SubmitError::ShutDown => ApiError::unavailable(e.to_string()),
+            crate::engine::SubmitError::Invalid(m) => ApiError::invalid(m),
         }
     }
 }

@@ -557,7 +557,6 @@ pub fn chat_plan(b: &LmBackend, inp: ChatPlanInput<'_>) -> Result<Plan, ApiError
             max_new_tokens: max_new,
             sampling: inp.sampling.resolve(&b.defaults)?,
             stop_tokens: stop_ids(b),
-            cancel: Default::default(),
         },
         stop_strings: inp.stop,
         parser: Some(parser),
@@ -803,7 +802,6 @@ async fn completions(State(st): State<Shared>, body: Bytes) -> Result<Response, 
             max_new_tokens: max_new,
             sampling: sampling_of!(r).resolve(&b.defaults)?,
             stop_tokens: b.info.eos_token_ids.clone(),
-            cancel: Default::default(),
         },
         stop_strings: r
             .stop

@@ -43,10 +43,23 @@ pub struct ServeOptions {
     pub db: PathBuf,
     /// Requests that may wait for the engine; more are refused with 429.
     pub max_queue: usize,
-    /// Finished sequences whose KV caches are kept for prefix reuse.
+    /// Which engine runs the model.
+    pub engine: EngineKind,
+    /// Most sequences per forward pass of the batching engine.
+    pub max_batch: usize,
+    /// Finished sequences whose KV caches the sequential engine keeps for prefix reuse.
     pub kept_sequences: usize,
     /// How long stored responses are kept, in seconds.
     pub retention_secs: i64,
+}
+
+/// The engine behind the endpoints (see [`engine`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// [`engine::BatchEngine`]: all requests on one continuous-batching loop.
+    Batch,
+    /// [`engine::SequentialEngine`]: one request at a time, reusing kept KV caches.
+    Sequential,
 }
 
 /// The response store's default file: `$XDG_CACHE_HOME/mlx-models/responses.db`, else
@@ -99,9 +112,19 @@ pub fn load(opts: &ServeOptions) -> Result<Shared, ServerError> {
                 .map(|v| sampling::SamplingOverrides::from_generation_config(&v))
                 .unwrap_or_default();
             let info = model.info().clone();
-            let engine = SequentialEngine::start(model, opts.max_queue, opts.kept_sequences)?;
+            let engine: Arc<dyn engine::Engine> = match opts.engine {
+                EngineKind::Batch => Arc::new(
+                    engine::BatchEngine::start(model, opts.max_batch, opts.max_queue)
+                        .map_err(lerr)?,
+                ),
+                EngineKind::Sequential => Arc::new(SequentialEngine::start(
+                    model,
+                    opts.max_queue,
+                    opts.kept_sequences,
+                )?),
+            };
             Backend::Lm(LmBackend {
-                engine: Arc::new(engine),
+                engine,
                 format,
                 defaults,
                 info,

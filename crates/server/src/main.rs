@@ -5,7 +5,7 @@
 //! ```
 //! Prints `listening on http://HOST:PORT` once ready (with `--port 0`, the port the system chose).
 use clap::Parser;
-use mlx_server::{default_db_path, load, serve, ServeOptions};
+use mlx_server::{default_db_path, load, serve, EngineKind, ServeOptions};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -28,12 +28,25 @@ struct Cli {
     /// Requests that may wait for the engine; more are answered 429.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
-    /// Finished sequences whose KV caches are kept for prefix reuse.
+    /// batch: every request on one continuous-batching loop; sequential: one request at a time,
+    /// continuing kept KV caches (prompt prefix reuse).
+    #[arg(long, value_enum, default_value_t = EngineArg::Batch)]
+    engine: EngineArg,
+    /// Most sequences per forward pass (batch engine).
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Finished sequences whose KV caches are kept for prefix reuse (sequential engine).
     #[arg(long, default_value_t = 4)]
     kept_sequences: usize,
     /// Days stored responses are kept.
     #[arg(long, default_value_t = 7.0)]
     retention_days: f64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum EngineArg {
+    Batch,
+    Sequential,
 }
 
 async fn shutdown_signal() {
@@ -64,6 +77,11 @@ fn main() {
         model_dir: cli.model.clone(),
         db: cli.db.clone().unwrap_or_else(default_db_path),
         max_queue: cli.max_queue,
+        engine: match cli.engine {
+            EngineArg::Batch => EngineKind::Batch,
+            EngineArg::Sequential => EngineKind::Sequential,
+        },
+        max_batch: cli.max_batch,
         kept_sequences: cli.kept_sequences,
         retention_secs: (cli.retention_days * 86400.0) as i64,
     };

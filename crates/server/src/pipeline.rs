@@ -2,7 +2,7 @@
 //! thinking and tool-call parsing, per-token log-probs, usage. One blocking task per request
 //! turns [`GenEvent`]s into [`Out`]s; when the endpoint drops its receiver (the client went
 //! away) the task drops the engine's receiver, which cancels the generation.
-use crate::engine::{Engine, GenEvent, GenRequest};
+use crate::engine::{Engine, EventStream, GenEvent, GenRequest};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use mlx_models::chat::{ChatEvent, ChatFormat, OutputParser, ParsedToolCall, ParserOptions};
@@ -113,12 +113,11 @@ pub fn start(
     engine: &Arc<dyn Engine>,
     format: &Arc<ChatFormat>,
     metrics: &Arc<Metrics>,
-    mut plan: Plan,
+    plan: Plan,
 ) -> Result<UnboundedReceiver<Out>, ApiError> {
-    let cancel = CancelHandle::default();
-    plan.req.cancel = cancel.clone();
     let prompt_tokens = plan.req.prompt.len();
-    let rx = engine.submit(plan.req.clone())?;
+    let sub = engine.submit(plan.req.clone())?;
+    let (rx, cancel) = (sub.events, sub.cancel);
     let (tx, out) = unbounded_channel();
     let (format, metrics) = (format.clone(), metrics.clone());
     tokio::task::spawn_blocking(move || {
@@ -131,7 +130,7 @@ pub fn start(
 
 /// `None` when the receiver went away (cancelled).
 fn run(
-    mut rx: UnboundedReceiver<GenEvent>,
+    mut rx: Box<dyn EventStream>,
     tx: &UnboundedSender<Out>,
     format: &ChatFormat,
     metrics: &Metrics,
@@ -176,7 +175,7 @@ fn run(
         Some(())
     };
     let summary = loop {
-        match rx.blocking_recv() {
+        match rx.recv() {
             Some(GenEvent::Token { id, logprob }) => {
                 if stopped {
                     continue;
