@@ -6,8 +6,10 @@
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 S=${STAGE:-$ROOT/.gpu-serve}
-excl=$(git -C "$ROOT" rev-parse --git-path info/exclude); case $excl in /*) ;; *) excl=$ROOT/$excl ;; esac
-n=/$(basename "$S")/; grep -qxF "$n" "$excl" || echo "$n" >> "$excl"
+if [ "$(dirname "$S")" = "$ROOT" ]; then   # a top-level stage: keep it out of git
+  excl=$(git -C "$ROOT" rev-parse --git-path info/exclude); case $excl in /*) ;; *) excl=$ROOT/$excl ;; esac
+  n=/$(basename "$S")/; grep -qxF "$n" "$excl" || echo "$n" >> "$excl"
+fi
 BIN=${MLX_SERVE_BIN:-}
 if [ -z "$BIN" ]; then
   (cd "$ROOT" && cargo build --release -p mlx-server)

@@ -46,7 +46,8 @@ def wait_ready(port, proc, timeout=600):
             sys.exit(f"server exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
-                return json.load(r)["data"][0]["id"]
+                data = json.load(r).get("data") or []  # mlx_lm.server lists only hub-cache models
+                return data[0]["id"] if data else None
         except Exception:
             time.sleep(0.5)
     sys.exit("server did not become ready")
@@ -154,7 +155,9 @@ def run_server(kind, a):
         env["LD_PRELOAD"] = a.mlx_lm_preload
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if not a.verbose else None, env=env)
     try:
-        model = wait_ready(port, proc)
+        listed = wait_ready(port, proc)
+        # mlx_lm.server loads whatever `model` names (a hub id or a path): name the served path.
+        model = listed if kind == "ours" else a.model
         asyncio.run(stream_one(port, request_body(model, 999, 8)))
         out = []
         for i, c in enumerate(a.concurrency):
