@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 TOPICS = ["the sea", "a robot", "mountains", "a city at night", "an old library", "the moon", "a garden", "a train journey"]
@@ -46,10 +47,17 @@ def wait_ready(port, proc, timeout=600):
             sys.exit(f"server exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
-                data = json.load(r).get("data") or []  # mlx_lm.server lists only hub-cache models
-                return data[0]["id"] if data else None
+                raw = r.read()
+        except urllib.error.HTTPError:
+            return None  # answering: ready
         except Exception:
             time.sleep(0.5)
+            continue
+        try:  # mlx_lm.server lists only hub-cache models
+            data = json.loads(raw).get("data") or []
+        except ValueError:
+            data = []
+        return data[0]["id"] if data else None
     sys.exit("server did not become ready")
 
 
@@ -87,7 +95,10 @@ async def stream_one(port, body):
             await reader.readexactly(2)
             yield b
 
+    done = False
     async for piece in raw_pieces():
+        if done:
+            break
         buf += piece
         while b"\n\n" in buf:
             ev, buf = buf.split(b"\n\n", 1)
@@ -96,6 +107,7 @@ async def stream_one(port, body):
                     continue
                 payload = line[6:].strip()
                 if payload == b"[DONE]":
+                    done = True  # mlx_lm.server may keep the connection open after it
                     continue
                 obj = json.loads(payload)
                 if status != 200 or "error" in obj:
