@@ -41,6 +41,7 @@ pub struct EmbedBackend {
     pub slots: Arc<tokio::sync::Semaphore>,
 }
 
+#[allow(clippy::large_enum_variant)] // one per server
 pub enum Backend {
     Lm(LmBackend),
     Embedding(EmbedBackend),
@@ -61,12 +62,15 @@ pub struct AppState {
     pub live: LiveSequences,
 }
 
+/// (response id, instructions, token sequence).
+type LiveEntry = (String, Option<String>, Vec<u32>);
+
 /// The token sequences of the most recent responses, by response id, with the instructions
 /// they were generated under: a response continuing one of them appends its new messages to
 /// exactly these tokens, which the engine still holds in a KV cache.
 #[derive(Default)]
 pub struct LiveSequences {
-    inner: std::sync::Mutex<std::collections::VecDeque<(String, Option<String>, Vec<u32>)>>,
+    inner: std::sync::Mutex<std::collections::VecDeque<LiveEntry>>,
 }
 
 impl LiveSequences {

@@ -69,7 +69,7 @@ async fn shutdown_signal() {
 
 fn main() {
     let cli = Cli::parse();
-    if !(cli.retention_days > 0.0) {
+    if cli.retention_days.is_nan() || cli.retention_days <= 0.0 {
         eprintln!("error: --retention-days must be positive");
         std::process::exit(2);
     }
