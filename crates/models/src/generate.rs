@@ -292,6 +292,7 @@ impl<'a> Generator<'a> {
         let r = self.step(&t)?;
         r.0.eval()?;
         self.prefill_time = t0.elapsed();
+        crate::observe::record_phase("prefill", self.prefill_time);
         Ok(r)
     }
 
@@ -469,7 +470,12 @@ impl Drop for Generator<'_> {
 impl Iterator for Generator<'_> {
     type Item = Result<Token>;
     fn next(&mut self) -> Option<Self::Item> {
-        match self.next_token() {
+        let decode_step = (self.first_token.is_some() && crate::observe::is_profiling_enabled()).then(Instant::now);
+        let r = self.next_token();
+        if let (Some(t0), Ok(Some(_))) = (decode_step, &r) {
+            crate::observe::record_phase("decode", t0.elapsed());
+        }
+        match r {
             Ok(Some(t)) => Some(Ok(t)),
             Ok(None) => None,
             Err(e) => {

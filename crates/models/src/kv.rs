@@ -108,7 +108,8 @@ impl KvCache {
         let need = self.offset + l;
         let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
         if need > cap {
-            let grow = need.div_ceil(STEP) * STEP - cap;
+            // The held positions (`offset`, fewer than `cap` after a trim) are kept, then `grow`.
+            let grow = need.div_ceil(STEP) * STEP - self.offset;
             let (keys, values) = (self.keys.take(), self.values.take());
             self.keys = Some(grow_axis2(keys, k, grow, self.offset)?);
             self.values = Some(grow_axis2(values, v, grow, self.offset)?);
@@ -307,6 +308,20 @@ fn grow_axis2(old: Option<Array>, like: &Array, grow: usize, used: usize) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A trimmed flat cache takes a chunk longer than its free capacity (it regrows from what it
+    /// still holds, not from its old capacity).
+    #[test]
+    fn flat_cache_grows_after_trim() {
+        let mut c = KvCache::new(None);
+        let kv = |l: usize, x: f32| Array::full(&[1, 2, l, 4], x, DType::F32).unwrap();
+        c.update_and_fetch(&kv(200, 1.0), &kv(200, 1.0)).unwrap();
+        c.trim(199).unwrap();
+        let (k, _) = c.update_and_fetch(&kv(343, 2.0), &kv(343, 2.0)).unwrap();
+        assert_eq!(k.shape(), &[1, 2, 344, 4]);
+        let v = k.to_vec::<f32>().unwrap();
+        assert_eq!((v[0], v[4]), (1.0, 2.0));
+    }
     use mlx_array::random::{self, Key};
     use mlx_array::{AttentionMask, DType};
 

@@ -38,6 +38,7 @@ pub mod generate;
 pub mod kv;
 pub mod layers;
 mod model;
+pub mod observe;
 pub mod random;
 pub mod paged;
 mod params;

@@ -317,7 +317,7 @@ impl FusedLinear {
             acc += p.out_dim();
             splits.push(acc);
         }
-        Ok(FusedLinear::Fused { lin: Linear { w: LinearWeight::Dense(wt), bias, act: None, reduce: None }, splits })
+        Ok(FusedLinear::Fused { lin: Linear { w: LinearWeight::Dense(wt), bias, act: None, lora: None, reduce: None }, splits })
     }
 
     /// Part `i` of the output only (`x W_i^T`): the other parts' columns are not computed.
