@@ -500,3 +500,75 @@ fn bad_inputs_are_errors() {
         assert!(q.cpu_matmul(&xi).is_err(), "integer input");
     })
 }
+
+/// Packed weights written by Python MLX's `mx.quantize` (tests/fixtures/packed, made by
+/// `make_packed_reference.py`) against the products Python MLX computed on the same bytes.
+#[test]
+fn python_mlx_quantize_output() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/packed/packed_reference.safetensors");
+    let t = mlx_array::io::load_safetensors(&path, None).unwrap();
+    with_device(Device::Cpu, || {
+        let x = &t["x"];
+        let xv = f64s(x);
+        let (m, k) = (x.shape()[0], x.shape()[1]);
+        let modes = [
+            ("affine4_g32", QuantMode::Affine { bits: 4, group_size: 32 }),
+            ("affine4_g64", QuantMode::Affine { bits: 4, group_size: 64 }),
+            ("affine4_g128", QuantMode::Affine { bits: 4, group_size: 128 }),
+            ("affine8_g32", QuantMode::Affine { bits: 8, group_size: 32 }),
+            ("affine8_g64", QuantMode::Affine { bits: 8, group_size: 64 }),
+            ("affine8_g128", QuantMode::Affine { bits: 8, group_size: 128 }),
+            ("mxfp4_g32", QuantMode::Mxfp4),
+        ];
+        for isa in isas() {
+            set_cpu_kernels_isa(isa).unwrap();
+            for (name, mode) in modes {
+                let q = Quantized { weight: t[&format!("{name}.weight")].clone(), scales: t[&format!("{name}.scales")].clone(), biases: t.get(&format!("{name}.biases")).cloned(), mode };
+                let n = q.weight.shape()[0];
+                let got = f64s(&q.cpu_matmul(x).unwrap());
+                let (_, mag) = reference(&decode(&q, n, k), &xv, m, n, k);
+                assert_close(&format!("{isa} {name} vs Python mx.quantized_matmul"), &got, &f64s(&t[&format!("{name}.y_qmm")]), &mag);
+                assert_close(&format!("{isa} {name} vs Python dequantize + matmul"), &got, &f64s(&t[&format!("{name}.y_deq")]), &mag);
+            }
+            let w = &t["bf16.weight"];
+            let n = w.shape()[0];
+            let got = f64s(&x.cpu_matmul_bf16(w).unwrap());
+            let (_, mag) = reference(&f64s(w), &xv, m, n, k);
+            assert_close(&format!("{isa} bf16 vs Python f32 matmul"), &got, &f64s(&t["bf16.y"]), &mag);
+        }
+        set_cpu_kernels_isa("avx512").unwrap();
+    })
+}
+
+/// Products large enough to be split over threads (and expert products over many rows) give the
+/// same values as MLX's.
+#[test]
+fn products_split_over_threads() {
+    with_device(Device::Cpu, || {
+        let (n, k) = (1536, 256);
+        let w = Array::from_slice(&vals(n * k, 41), &[n, k]).unwrap();
+        let x = Array::from_slice(&vals(3 * k, 42), &[3, k]).unwrap();
+        let close = |a: &Array, b: &Array, what: &str| {
+            let (a, b) = (f64s(a), f64s(b));
+            let mag = f64s(&x.abs().unwrap().matmul(&w.abs().unwrap().swap_axes(0, 1).unwrap()).unwrap());
+            let mag: Vec<f64> = mag.iter().map(|v| v * 2.0).collect();
+            assert_close(what, &a, &b, &mag);
+        };
+        for mode in [QuantMode::Affine { bits: 4, group_size: 64 }, QuantMode::Affine { bits: 8, group_size: 128 }, QuantMode::Mxfp4] {
+            let q = w.quantize(mode).unwrap();
+            close(&q.cpu_matmul(&x).unwrap(), &q.matmul(&x, true).unwrap(), &format!("{mode:?}"));
+        }
+        let wb = w.astype(DType::BF16).unwrap();
+        close(&x.cpu_matmul_bf16(&wb).unwrap(), &x.matmul(&wb.astype(DType::F32).unwrap().swap_axes(0, 1).unwrap()).unwrap(), "bf16");
+        // 40 expert rows of 4 experts [E, 96, 256]
+        let we = Array::from_slice(&vals(4 * 96 * k, 43), &[4, 96, k]).unwrap();
+        let q = we.quantize(QuantMode::Affine { bits: 4, group_size: 32 }).unwrap();
+        let xs = Array::from_slice(&vals(20 * k, 44), &[20, 1, 1, k]).unwrap();
+        let ids: Vec<u32> = (0..40).map(|i| (i * 7 % 4) as u32).collect();
+        let idx = Array::from_slice(&ids, &[20, 2]).unwrap();
+        let (a, b) = (f64s(&q.cpu_gather_matmul(&xs, &idx).unwrap()), f64s(&gather_qmm(&xs, &q, None, Some(&idx), true, false).unwrap()));
+        for (i, (p, r)) in a.iter().zip(&b).enumerate() {
+            assert!((p - r).abs() <= 1e-4 * r.abs().max(1.0), "expert row output {i}: {p} vs {r}");
+        }
+    })
+}
