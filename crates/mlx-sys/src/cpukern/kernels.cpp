@@ -110,6 +110,18 @@ struct V {
   // Low 4 bits of each lane as 0..15, and as E2M1 values: a table lookup on the low 4 bits.
   static F nibble(I a) { return _mm512_permutexvar_ps(a, _mm512_load_ps(IOTA16)); }
   static F fp4(I a) { return _mm512_permutexvar_ps(a, _mm512_load_ps(FP4_VALUES)); }
+  // `c` (< W) scales or biases as f32 in lanes [0, c), straight from memory (masked loads).
+  static __mmask16 first(int c) { return __mmask16((1u << c) - 1); }
+  static F lscale(const float* p, int c) { return _mm512_maskz_loadu_ps(first(c), p); }
+  static F lscale(const bf16_t* p, int c) {
+    return as_f(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first(c), p)), 16));
+  }
+  static F lscale(const f16_t* p, int c) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(c), p)); }
+  static F lscale(const uint8_t* p, int c) {
+    const I e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first(c), p));
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    return as_f(_mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000)));
+  }
 };
 #elif defined(__AVX2__)
 struct V {
@@ -147,6 +159,32 @@ struct V {
     I sign = _mm256_and_si256(_mm256_slli_epi32(a, 28), _mm256_set1_epi32(int(0x80000000u)));
     return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
   }
+  // `c` (< W) scales or biases as f32 in lanes [0, c): up to 4 16-bit values through a
+  // general-purpose register (no store-to-load round trip), more element by element.
+  static F lscale(const float* p, int c) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane));
+  }
+  template <class T>
+  static __m128i bits16(const T* p, int c) {
+    uint64_t v = 0;
+    if (c <= 4) {
+      std::memcpy(&v, p, size_t(c) * 2);
+      return _mm_cvtsi64_si128(int64_t(v));
+    }
+    alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(t, p, size_t(c) * 2);
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  }
+  static F lscale(const bf16_t* p, int c) { return as_f(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits16(p, c)), 16)); }
+  static F lscale(const f16_t* p, int c) { return _mm256_cvtph_ps(bits16(p, c)); }
+  static F lscale(const uint8_t* p, int c) {
+    uint64_t v = 0;
+    std::memcpy(&v, p, size_t(c));
+    const I e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v)));
+    const I zero = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+    return _mm256_blendv_ps(as_f(_mm256_slli_epi32(e, 23)), as_f(_mm256_set1_epi32(0x00400000)), as_f(zero));
+  }
 };
 #else
 struct V {
@@ -173,6 +211,12 @@ struct V {
   static F perm(F v, I idx) { F r; for (int i = 0; i < 4; i++) r.v[i] = v.v[idx.v[i] & 3]; return r; }
   static F nibble(I a) { F r; for (int i = 0; i < 4; i++) r.v[i] = float(a.v[i] & 15); return r; }
   static F fp4(I a) { F r; for (int i = 0; i < 4; i++) r.v[i] = FP4_VALUES[a.v[i] & 15]; return r; }
+  template <class T>
+  static F lscale(const T* p, int c) {
+    F r = zero();
+    for (int i = 0; i < c; i++) r.v[i] = to_f32(p[i]);
+    return r;
+  }
 };
 #endif
 
@@ -275,15 +319,17 @@ void rows_q(const Job& j, int m0, int n0, int n1) {
       if constexpr (B >= GS) {
         constexpr int C = B / GS;
         const int g0 = b * C;
-        const int c = std::min(C, G - g0);
-        alignas(64) float ts[W], tb[W];
-        for (int i = 0; i < C; i++) {
-          ts[i] = i < c ? to_f32(sr[g0 + i]) : 0.0f;
-          if constexpr (AFF) tb[i] = i < c ? to_f32(br[g0 + i]) : 0.0f;
+        if constexpr (C == 1) {
+          sc = V::set1(to_f32(sr[g0]));
+          if constexpr (AFF) bv = V::set1(to_f32(br[g0]));
+        } else {
+          // lanes map to the block's groups by a fixed permutation; a ragged last block has
+          // fewer groups (its missing lanes hold zero weights)
+          const int c = std::min(C, G - g0);
+          // full blocks with a constant count (constant masks / copy sizes once inlined)
+          sc = V::perm(c == C ? V::lscale(sr + g0, C) : V::lscale(sr + g0, c), gidx);
+          if constexpr (AFF) bv = V::perm(c == C ? V::lscale(br + g0, C) : V::lscale(br + g0, c), gidx);
         }
-        for (int i = C; i < W; i++) ts[i] = tb[i] = 0.0f;
-        sc = C == 1 ? V::set1(ts[0]) : V::perm(V::loadf(ts), gidx);
-        if constexpr (AFF) bv = C == 1 ? V::set1(tb[0]) : V::perm(V::loadf(tb), gidx);
       } else {
         const int g = (b * B) / GS;
         sc = V::set1(to_f32(sr[g]));
