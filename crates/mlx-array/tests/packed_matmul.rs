@@ -442,7 +442,7 @@ fn gradient_with_respect_to_the_input() {
             .unwrap();
         let x = Array::from_slice(&vals(2 * k, 22), &[2, k]).unwrap();
         let (_, g) =
-            mlx_array::grad::value_and_grad(|p| q.cpu_matmul(&p[0])?.sum(&[], false), &[x.clone()])
+            mlx_array::grad::value_and_grad(|p| q.cpu_matmul(&p[0])?.sum(&[], false), std::slice::from_ref(&x))
                 .unwrap();
         let (_, g2) =
             mlx_array::grad::value_and_grad(|p| q.matmul(&p[0], true)?.sum(&[], false), &[x])

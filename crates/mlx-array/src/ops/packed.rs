@@ -79,6 +79,7 @@ pub fn cpu_kernels_threads() -> usize {
     unsafe { mlx_sys::mlx_models_cpu_kernels_threads() }.max(1) as usize
 }
 
+#[allow(clippy::too_many_arguments)] // the C entry point's arguments, one for one
 fn call(
     op: &'static str,
     x: &Array,
