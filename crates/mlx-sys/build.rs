@@ -9,7 +9,10 @@
 //!    waits on the outer build's package lock), or from `MLXC_DIR` if set, and patches that cached copy
 //!    so it builds with g++ 12 on x86_64 (see [`patch_mlxc`]);
 //! 3. compiles mlx-c into a static `libmlxc.a` with the `cc` crate (cached by content key, so a clean
-//!    checkout on the same machine does not recompile it) and links it with `-lmlx`.
+//!    checkout on the same machine does not recompile it) and links it with `-lmlx`;
+//! 4. compiles our CPU kernels (`src/cpukern/`: an MLX primitive for products over bf16 and
+//!    MLX-quantized weights, with AVX-512, AVX2 and portable copies chosen at run time) against
+//!    the wheel's headers and mlx-c's private headers into `libmlxmkern.a`, cached the same way.
 //!
 //! `MLX_BLAS=openblas|openblas-plain|bundled` (Linux): the CPU wheel bundles netlib reference BLAS
 //! (~7 GFLOP/s sgemm). When Debian's `libopenblas0-pthread` is installed (default `openblas` then)
@@ -88,6 +91,8 @@ fn run() -> Res<()> {
         Some(d) => PathBuf::from(d),
         None => mlxc_sources(&cache)?,
     };
+    // Before mlx-c on the link line: the kernels' entry point reports errors through mlx-c.
+    compile_kernels(&mlxc, &inc, &cache)?;
     compile_mlxc(&mlxc, &inc, &cache)?;
 
     // Link-search through a symlink inside OUT_DIR: cargo puts link-search dirs that lie inside
@@ -428,4 +433,101 @@ fn compile_mlxc(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
     let tmp = tmp_for(dir)?;
     fs::copy(&archive, tmp.join("libmlxc.a")).map_err(|e| e.to_string())?;
     commit_dir(&tmp, dir)
+}
+
+const KERNEL_SRC: [&str; 3] = [
+    "src/cpukern/kernels.h",
+    "src/cpukern/kernels.cpp",
+    "src/cpukern/primitive.cpp",
+];
+
+/// Compile `src/cpukern` to `libmlxmkern.a`: `primitive.cpp` once, `kernels.cpp` once per
+/// instruction set (AVX-512 and AVX2 copies on x86_64 only; the portable copy everywhere), reusing
+/// a cached archive built from the same inputs.
+fn compile_kernels(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
+    let dir = Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap()).to_path_buf();
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+    let x86 = env::var("CARGO_CFG_TARGET_ARCH").as_deref() == Ok("x86_64");
+    let mut h = std::hash::DefaultHasher::new();
+    for f in KERNEL_SRC {
+        println!("cargo:rerun-if-changed={f}");
+        h.write(&fs::read(dir.join(f)).map_err(|e| format!("read {f}: {e}"))?);
+    }
+    h.write(&fs::read(mlx_inc.join("mlx/version.h")).unwrap_or_default());
+    h.write(mlxc.to_string_lossy().as_bytes());
+    for v in ["TARGET", "CXX", "CXXFLAGS", "PROFILE"] {
+        h.write(env::var(v).unwrap_or_default().as_bytes());
+    }
+    let key = format!("{:016x}", h.finish());
+    let cached = cache.join(format!("mlxmkern-build-{key}/libmlxmkern.a"));
+    let archive = out.join("libmlxmkern.a");
+    if !cached.exists() {
+        let base = || {
+            let mut b = cc::Build::new();
+            b.cpp(true)
+                .std("c++20")
+                .opt_level(2)
+                .debug(false)
+                .warnings(false)
+                .pic(true)
+                .define("NDEBUG", None)
+                .cargo_metadata(false);
+            b
+        };
+        let objs_dir = out.join("mlxmkern");
+        fs::create_dir_all(&objs_dir).map_err(|e| e.to_string())?;
+        let mut objs = Vec::new();
+        let mut sets: Vec<(&str, &[&str])> = vec![("portable", &[])];
+        if x86 {
+            sets.push(("avx2", &["-mavx2", "-mfma", "-mf16c"]));
+            sets.push((
+                "avx512",
+                &[
+                    "-mavx512f",
+                    "-mavx512bw",
+                    "-mavx512vl",
+                    "-mavx512dq",
+                    "-mfma",
+                    "-mf16c",
+                ],
+            ));
+        }
+        for (ns, flags) in sets {
+            let mut b = base();
+            b.define("KERN_NS", ns)
+                .file(dir.join("src/cpukern/kernels.cpp"));
+            for f in flags {
+                b.flag(f);
+            }
+            // one object per copy: same source file, distinct output names
+            let o = b
+                .out_dir(objs_dir.join(ns))
+                .try_compile_intermediates()
+                .map_err(|e| format!("compiling the {ns} CPU kernels: {e}"))?;
+            objs.extend(o);
+        }
+        let mut b = base();
+        b.include(mlxc)
+            .include(mlx_inc)
+            .file(dir.join("src/cpukern/primitive.cpp"));
+        objs.extend(
+            b.out_dir(objs_dir.join("primitive"))
+                .try_compile_intermediates()
+                .map_err(|e| format!("compiling the CPU kernels' primitive: {e}"))?,
+        );
+        let _ = fs::remove_file(&archive);
+        let ar = base().get_archiver();
+        let mut cmd = ar;
+        cmd.arg("crs").arg(&archive).args(&objs);
+        sh(&mut cmd)?;
+        let cdir = cached.parent().unwrap();
+        let tmp = tmp_for(cdir)?;
+        fs::copy(&archive, tmp.join("libmlxmkern.a")).map_err(|e| e.to_string())?;
+        commit_dir(&tmp, cdir)?;
+    } else {
+        fs::copy(&cached, &archive).map_err(|e| e.to_string())?;
+    }
+    println!("cargo:rustc-link-search=native={}", out.display());
+    println!("cargo:rustc-link-lib=static=mlxmkern");
+    Ok(())
 }

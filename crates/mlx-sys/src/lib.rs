@@ -81,3 +81,31 @@ pub fn blas_router_path() -> Option<std::path::PathBuf> {
     #[cfg(not(target_os = "linux"))]
     None
 }
+
+// Products over bf16 and MLX-quantized weights on the CPU (`src/cpukern/`, compiled by build.rs):
+// an MLX primitive with AVX-512, AVX2 and portable copies of its kernels, picked from cpuid.
+unsafe extern "C" {
+    /// `res = x @ W^T` on the CPU stream `s`. `kind`: 0 bf16 `W [N, K]`; 1 / 2 MLX affine 4 / 8-bit
+    /// (`W` u32 `[N, K*bits/32]`, `scales` and `biases` `[N, K/group_size]`); 3 mxfp4 (u8 E8M0
+    /// scales, groups of 32, no biases). With `idx` (integer, broadcast with `x`'s leading dims),
+    /// `W` is `[E, N, ..]`, `x` is `[..., 1, K]` and row r uses expert `idx[r]`. Empty arrays
+    /// (null `ctx`) stand for absent `scales`/`biases`/`idx`. Returns 0, or 1 after reporting the
+    /// error through mlx-c's error handler.
+    pub fn mlx_models_cpu_packed_matmul(
+        res: *mut mlx_array,
+        x: mlx_array,
+        w: mlx_array,
+        scales: mlx_array,
+        biases: mlx_array,
+        idx: mlx_array,
+        kind: std::ffi::c_int,
+        group_size: std::ffi::c_int,
+        s: mlx_stream,
+    ) -> std::ffi::c_int;
+    /// The instruction set of the kernels in this process: "avx512", "avx2" or "portable".
+    pub fn mlx_models_cpu_kernels_isa() -> *const std::ffi::c_char;
+    /// Threads one product uses (`OPENBLAS_NUM_THREADS`, else `OMP_NUM_THREADS`, else all).
+    pub fn mlx_models_cpu_kernels_threads() -> std::ffi::c_int;
+    /// Use `name`'s kernels from now on; returns the set in use (lower when the CPU lacks `name`).
+    pub fn mlx_models_cpu_kernels_select(name: *const std::ffi::c_char) -> *const std::ffi::c_char;
+}

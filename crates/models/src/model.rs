@@ -43,9 +43,11 @@ pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["qwen3", "llama", "qwen2", "gemm
 /// How a quantized checkpoint's layers run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum QuantizedWeights {
-    /// [`QuantizedWeights::Keep`] on the GPU; on the CPU, where MLX's quantized matmul is slower
-    /// than an f32 product over the dequantized weight, [`QuantizedWeights::Dequantize`]
-    /// (BENCHMARKS.md, "Quantized checkpoints on the CPU").
+    /// [`QuantizedWeights::Keep`] on the GPU, and on the CPU when every quantized layer is in a
+    /// format the CPU packed kernels take (affine 4 or 8-bit, mxfp4: decode reads the packed
+    /// bytes, see [`mlx_array::ops::CPU_PACKED_MAX_ROWS`] and BENCHMARKS.md, "Packed CPU
+    /// kernels"); otherwise on the CPU [`QuantizedWeights::Dequantize`], as MLX's own CPU
+    /// quantized matmul is slower than an f32 product over the dequantized weight.
     #[default]
     Auto,
     /// Keep the packed weights: products run `quantized_matmul` (resident bytes about bits/16
@@ -289,7 +291,8 @@ fn configure(dir: &Path, raw: &serde_json::Value, weights: &mut Weights, opts: &
         let dequantize = match opts.quantized {
             QuantizedWeights::Keep => false,
             QuantizedWeights::Dequantize => true,
-            QuantizedWeights::Auto => crate::layers::runs_on_cpu(),
+            // On the CPU: packed when our kernels take every quantized layer's format.
+            QuantizedWeights::Auto => crate::layers::runs_on_cpu() && !weights.quant.as_ref().is_some_and(|q| q.cpu_kernels_take_all()),
         };
         if dequantize {
             weights.dequantize_to = Some(default_dtype(opts).or_else(|| weights.float_dtype()).unwrap_or(DType::F32));

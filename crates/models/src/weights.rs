@@ -127,6 +127,10 @@ pub struct QuantSpec {
 }
 
 impl QuantSpec {
+    /// Whether the CPU packed kernels take every format this checkpoint uses.
+    pub(crate) fn cpu_kernels_take_all(&self) -> bool {
+        mlx_array::ops::cpu_packed_supports(self.default) && self.layers.values().flatten().all(|m| mlx_array::ops::cpu_packed_supports(*m))
+    }
     /// From config.json's root (`quantization`, else `quantization_config` when it has mlx-lm's
     /// keys). `Ok(None)`: not quantized.
     pub fn from_config(root: &serde_json::Value) -> std::result::Result<Option<Self>, String> {

@@ -5,6 +5,7 @@ mod index;
 mod linalg;
 mod math;
 mod nn;
+mod packed;
 mod quant;
 mod reduce;
 mod shape;
@@ -14,6 +15,7 @@ pub use index::scatter_rows;
 pub use linalg::gather_mm;
 pub use math::where_;
 pub use nn::{AttentionMask, RopeConfig};
+pub use packed::{cpu_kernels_isa, cpu_kernels_threads, cpu_packed_supports, set_cpu_kernels_isa, CPU_PACKED_MAX_ROWS};
 pub use quant::{gather_qmm, QuantMode, Quantized};
 pub use shape::{concatenate, stack};
 

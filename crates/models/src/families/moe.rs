@@ -85,6 +85,9 @@ impl ExpertProj {
     /// `xs @ W[ids]` for the rows `xs` (`[.., 1, in]`) and their experts `ids`.
     fn apply(&self, xs: &Array, ids: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
+            // few (token, slot) rows on the CPU: one matrix-vector product per row over its
+            // expert's packed bytes
+            ExpertProj::Packed(q) if mlx_array::ops::cpu_packed_supports(q.mode) && ids.size() <= 8 * mlx_array::ops::CPU_PACKED_MAX_ROWS && runs_on_cpu() => q.cpu_gather_matmul(xs, ids)?,
             ExpertProj::Packed(q) => ops::gather_qmm(xs, q, None, Some(ids), true, sorted)?,
             ExpertProj::Dense(w) => ops::gather_mm(xs, w, None, Some(ids), sorted)?,
         })

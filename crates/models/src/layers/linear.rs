@@ -2,7 +2,7 @@ use crate::calibrate::ActSite;
 use super::parallel::Shard;
 use crate::weights::Vb;
 use crate::{ModelError, Result};
-use mlx_array::{Array, Quantized};
+use mlx_array::{Array, DType, Quantized};
 
 /// The weight of a [`Linear`]: float `W^T` (`[in, out]`, a view of the stored `[out, in]`), or
 /// MLX-quantized `[out, in]` rows run with `quantized_matmul`.
@@ -159,9 +159,26 @@ impl Linear {
             None => None,
         };
         let x = xq.as_ref().unwrap_or(x);
-        let y = match &self.w {
-            LinearWeight::Dense(wt) => x.matmul(wt)?,
-            LinearWeight::Quantized(q) => q.matmul(x, true)?,
+        let y = match (&self.w, cpu_rows(x)) {
+            // bf16 weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
+            // product of the upcast operands (MLX's CPU bf16 matmul is 10-20x slower than f32)
+            (LinearWeight::Dense(wt), Some(few)) if wt.dtype() == DType::BF16 => match few {
+                true => x.cpu_matmul_bf16(&wt.swap_axes(0, 1)?)?,
+                false => x.astype(DType::F32)?.matmul(&wt.astype(DType::F32)?)?.astype(x.dtype())?,
+            },
+            (LinearWeight::Dense(wt), _) => x.matmul(wt)?,
+            // packed weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
+            // product of the weight dequantized on the fly (MLX's CPU quantized_matmul is ~10x
+            // slower at prefill sizes, BENCHMARKS.md)
+            (LinearWeight::Quantized(q), Some(few)) if mlx_array::ops::cpu_packed_supports(q.mode) => match few {
+                true => q.cpu_matmul(x)?,
+                false => {
+                    // quantized_matmul's output dtype: the input's, promoted with float scales
+                    let out = if x.dtype() == DType::F32 || q.scales.dtype() == DType::F32 { DType::F32 } else { x.dtype() };
+                    x.astype(DType::F32)?.matmul(&q.dequantize(Some(DType::F32))?.swap_axes(0, 1)?)?.astype(out)?
+                }
+            },
+            (LinearWeight::Quantized(q), _) => q.matmul(x, true)?,
         };
         let y = match &self.reduce {
             Some(g) => g.all_sum(&y)?,
@@ -206,6 +223,13 @@ impl Linear {
             None => y,
         })
     }
+}
+
+/// On the CPU: whether the input `x` has few enough rows (tokens) for the packed-weight kernels
+/// ([`mlx_array::ops::CPU_PACKED_MAX_ROWS`]: decode and short prefills). `None` off the CPU.
+fn cpu_rows(x: &Array) -> Option<bool> {
+    let rows = x.size() / x.dims().last().map_or(1, |&d| d.max(1) as usize);
+    super::runs_on_cpu().then_some(rows <= mlx_array::ops::CPU_PACKED_MAX_ROWS)
 }
 
 /// Inputs of at most this many rows (tokens) run a fused projection as one product; larger ones

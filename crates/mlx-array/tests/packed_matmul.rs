@@ -1,0 +1,574 @@
+//! The CPU kernels over packed weights (`Array::cpu_matmul_bf16`, `Quantized::cpu_matmul`,
+//! `Quantized::cpu_gather_matmul`) against f64 products over weights decoded here independently
+//! (bit layout, E2M1 codes, E8M0 scales), against MLX's `dequantize` + f32 matmul, and against
+//! MLX's own quantized products, for every kernel, group size and instruction set this CPU runs,
+//! with ragged shapes (K not a multiple of the vector width or block, N and M odd).
+//!
+//! Tolerance: |ours - ref| <= 1e-5 * sum_k |w_k x_k| per output (relative to the magnitude of the
+//! terms: f32 accumulation in another order is the only difference).
+use mlx_array::ops::{cpu_packed_supports, gather_qmm, set_cpu_kernels_isa};
+use mlx_array::{with_device, Array, DType, Device, QuantMode, Quantized};
+use proptest::prelude::*;
+
+const REL: f64 = 1e-5;
+
+/// Deterministic values in [-1, 1) (an LCG), with a few larger ones.
+fn vals(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let v = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            if i % 37 == 0 {
+                v * 8.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn e2m1(c: u32) -> f64 {
+    let mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(c & 7) as usize];
+    if c & 8 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+fn f64s(a: &Array) -> Vec<f64> {
+    a.astype(DType::F32)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// `q` (`[rows, cols]`) decoded with our own reading of MLX's layout.
+fn decode(q: &Quantized, rows: usize, cols: usize) -> Vec<f64> {
+    let bits = q.mode.bits() as usize;
+    let gs = q.mode.group_size() as usize;
+    let words = q.weight.to_vec::<u32>().unwrap();
+    let per_word = 32 / bits;
+    let code = |r: usize, j: usize| {
+        (words[r * cols / per_word + j / per_word] >> ((j % per_word) * bits))
+            & ((1u32 << bits) - 1)
+    };
+    let mut out = vec![0.0; rows * cols];
+    match q.mode {
+        QuantMode::Affine { .. } => {
+            let (s, b) = (f64s(&q.scales), f64s(q.biases.as_ref().unwrap()));
+            for r in 0..rows {
+                for j in 0..cols {
+                    let g = r * cols / gs + j / gs;
+                    out[r * cols + j] = s[g] * code(r, j) as f64 + b[g];
+                }
+            }
+        }
+        QuantMode::Mxfp4 => {
+            let s = q.scales.to_vec::<u8>().unwrap();
+            for r in 0..rows {
+                for j in 0..cols {
+                    out[r * cols + j] =
+                        2f64.powi(s[r * cols / gs + j / gs] as i32 - 127) * e2m1(code(r, j));
+                }
+            }
+        }
+        m => panic!("no decoder for {m:?}"),
+    }
+    out
+}
+
+/// Per output: the f64 product and the sum of |terms|.
+fn reference(w: &[f64], x: &[f64], m: usize, n: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0.0; m * n];
+    let mut mag = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            for t in 0..k {
+                let p = w[j * k + t] * x[i * k + t];
+                y[i * n + j] += p;
+                mag[i * n + j] += p.abs();
+            }
+        }
+    }
+    (y, mag)
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64], mag: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, ((g, w), m)) in got.iter().zip(want).zip(mag).enumerate() {
+        let tol = REL * m + 1e-30;
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}: output {i}: {g} vs {w} (|diff| {} > {tol})",
+            (g - w).abs()
+        );
+    }
+}
+
+/// The instruction sets this CPU runs (each a distinct kernel copy).
+fn isas() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    for isa in ["avx512", "avx2", "portable"] {
+        if set_cpu_kernels_isa(isa).unwrap() == isa {
+            v.push(isa);
+        }
+    }
+    assert!(
+        v.contains(&"portable"),
+        "the portable kernels run everywhere"
+    );
+    v
+}
+
+const MODES: [QuantMode; 7] = [
+    QuantMode::Affine {
+        bits: 4,
+        group_size: 32,
+    },
+    QuantMode::Affine {
+        bits: 4,
+        group_size: 64,
+    },
+    QuantMode::Affine {
+        bits: 4,
+        group_size: 128,
+    },
+    QuantMode::Affine {
+        bits: 8,
+        group_size: 32,
+    },
+    QuantMode::Affine {
+        bits: 8,
+        group_size: 64,
+    },
+    QuantMode::Affine {
+        bits: 8,
+        group_size: 128,
+    },
+    QuantMode::Mxfp4,
+];
+
+/// One quantized case: ours against the f64 product over our decoding, against MLX's
+/// dequantize + f32 matmul, and against MLX's quantized_matmul; also MLX's dequantize against
+/// our decoding (the layout).
+fn check_quantized(mode: QuantMode, sdt: DType, m: usize, n: usize, k: usize, seed: u64) {
+    let w = Array::from_slice(&vals(n * k, seed), &[n, k])
+        .unwrap()
+        .astype(sdt)
+        .unwrap();
+    let q = w.quantize(mode).unwrap();
+    let xv = vals(m * k, seed ^ 0x55);
+    let x = Array::from_slice(&xv, &[m, k]).unwrap();
+    let ours = q.cpu_matmul(&x).unwrap();
+    assert_eq!(ours.shape(), vec![m, n]);
+    assert_eq!(
+        ours.dtype(),
+        DType::F32,
+        "{mode:?} with {sdt} scales: output dtype"
+    );
+    let dec = decode(&q, n, k);
+    // MLX dequantizes in the scales' dtype; with the same scales and biases as f32 it computes
+    // in f32, as the products do.
+    let q32 = Quantized {
+        scales: if sdt == DType::F32 || q.scales.dtype() == DType::U8 {
+            q.scales.clone()
+        } else {
+            q.scales.astype(DType::F32).unwrap()
+        },
+        biases: q.biases.as_ref().map(|b| b.astype(DType::F32).unwrap()),
+        ..q.clone()
+    };
+    let deq = f64s(&q32.dequantize(Some(DType::F32)).unwrap());
+    // f32 rounding of scale * q + bias: relative to the largest weight
+    let big = dec.iter().fold(0f64, |a, v| a.max(v.abs()));
+    for (i, (a, b)) in dec.iter().zip(&deq).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-6 * big,
+            "{mode:?}: dequantize element {i}: {b} vs our decoding {a}"
+        );
+    }
+    let xd: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
+    let (want, mag) = reference(&dec, &xd, m, n, k);
+    let what = format!("{mode:?} {sdt} scales, M={m} N={n} K={k}");
+    let got = f64s(&ours);
+    assert_close(&format!("{what} vs f64"), &got, &want, &mag);
+    let mlx = f64s(
+        &x.matmul(
+            &q32.dequantize(Some(DType::F32))
+                .unwrap()
+                .swap_axes(0, 1)
+                .unwrap(),
+        )
+        .unwrap(),
+    );
+    assert_close(
+        &format!("{what} vs dequantize + f32 matmul"),
+        &got,
+        &mlx,
+        &mag,
+    );
+    let qmm = f64s(&q.matmul(&x, true).unwrap());
+    assert_close(&format!("{what} vs quantized_matmul"), &got, &qmm, &mag);
+}
+
+fn check_bf16(m: usize, n: usize, k: usize, seed: u64) {
+    let w = Array::from_slice(&vals(n * k, seed), &[n, k])
+        .unwrap()
+        .astype(DType::BF16)
+        .unwrap();
+    let xv = vals(m * k, seed ^ 0x33);
+    let x = Array::from_slice(&xv, &[m, k]).unwrap();
+    let got = f64s(&x.cpu_matmul_bf16(&w).unwrap());
+    let wd = f64s(&w);
+    let xd: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
+    let (want, mag) = reference(&wd, &xd, m, n, k);
+    let what = format!("bf16 M={m} N={n} K={k}");
+    assert_close(&format!("{what} vs f64"), &got, &want, &mag);
+    let f32p = f64s(
+        &x.matmul(&w.astype(DType::F32).unwrap().swap_axes(0, 1).unwrap())
+            .unwrap(),
+    );
+    assert_close(
+        &format!("{what} vs f32 matmul of the bf16 weight"),
+        &got,
+        &f32p,
+        &mag,
+    );
+}
+
+/// Every kernel, group size, scale dtype and instruction set over fixed ragged shapes.
+#[test]
+fn every_kernel_and_instruction_set_matches_f64_and_mlx() {
+    with_device(Device::Cpu, || {
+        for isa in isas() {
+            set_cpu_kernels_isa(isa).unwrap();
+            for (m, n, k) in [
+                (1, 1, 1),
+                (1, 3, 7),
+                (2, 5, 31),
+                (3, 9, 33),
+                (1, 17, 64),
+                (5, 4, 100),
+                (4, 7, 577),
+                (8, 3, 1030),
+            ] {
+                check_bf16(m, n, k, (m * 1000 + n * 10 + k) as u64);
+            }
+            for mode in MODES {
+                let gs = mode.group_size() as usize;
+                let sdts: &[DType] = if matches!(mode, QuantMode::Mxfp4) {
+                    &[DType::F32]
+                } else {
+                    &[DType::F32, DType::BF16, DType::F16]
+                };
+                for &sdt in sdts {
+                    // K: one group, ragged against the 64/128-element blocks, and 576 (SmolLM2's width)
+                    for (m, n, k) in [
+                        (1, 1, gs),
+                        (1, 5, 3 * gs),
+                        (3, 7, 5 * gs),
+                        (2, 3, 576),
+                        (5, 2, 2 * gs),
+                    ] {
+                        if k % gs == 0 {
+                            check_quantized(mode, sdt, m, n, k, (n * 31 + k) as u64);
+                        }
+                    }
+                }
+            }
+        }
+        set_cpu_kernels_isa("avx512").unwrap();
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Random shapes: M 1..9, N 1..40, K any (bf16) or any multiple of the group size.
+    #[test]
+    fn random_shapes(m in 1usize..9, n in 1usize..40, groups in 1usize..12, extra in 0usize..40, mode_i in 0usize..8, seed in 0u64..1000) {
+        with_device(Device::Cpu, || {
+            if mode_i == 7 {
+                check_bf16(m, n, groups * 32 + extra, seed);
+            } else {
+                let mode = MODES[mode_i];
+                check_quantized(mode, DType::BF16.min_if(mode), m, n, groups * mode.group_size() as usize, seed);
+            }
+        });
+    }
+}
+
+trait ScaleDtype {
+    fn min_if(self, mode: QuantMode) -> DType;
+}
+impl ScaleDtype for DType {
+    /// mxfp4 is quantized from f32 here (its scales are u8 either way).
+    fn min_if(self, mode: QuantMode) -> DType {
+        if matches!(mode, QuantMode::Mxfp4) {
+            DType::F32
+        } else {
+            self
+        }
+    }
+}
+
+/// Batched leading dims, bf16 inputs (bf16 output), and the output dtype rule of
+/// quantized_matmul (the input's, promoted with float scales).
+#[test]
+fn leading_dims_and_dtypes() {
+    with_device(Device::Cpu, || {
+        let (n, k) = (6, 128);
+        let w = Array::from_slice(&vals(n * k, 7), &[n, k]).unwrap();
+        let q = w
+            .astype(DType::BF16)
+            .unwrap()
+            .quantize(QuantMode::Affine {
+                bits: 4,
+                group_size: 64,
+            })
+            .unwrap();
+        let x = Array::from_slice(&vals(2 * 3 * k, 8), &[2, 3, k]).unwrap();
+        let y = q.cpu_matmul(&x).unwrap();
+        assert_eq!(y.shape(), vec![2, 3, n]);
+        assert_eq!(y.dtype(), DType::F32);
+        let want = q.matmul(&x, true).unwrap();
+        assert_eq!(want.dtype(), DType::F32);
+        let (a, b) = (y.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        for (p, r) in a.iter().zip(&b) {
+            assert!((p - r).abs() <= 1e-4 * r.abs().max(1.0), "{p} vs {r}");
+        }
+        let xb = x.astype(DType::BF16).unwrap();
+        assert_eq!(q.cpu_matmul(&xb).unwrap().dtype(), DType::BF16);
+        let wb = w.astype(DType::BF16).unwrap();
+        assert_eq!(xb.cpu_matmul_bf16(&wb).unwrap().dtype(), DType::BF16);
+        assert_eq!(x.cpu_matmul_bf16(&wb).unwrap().shape(), vec![2, 3, n]);
+    })
+}
+
+/// Expert-indexed products against MLX's gather_qmm (the MoE decode path).
+#[test]
+fn gather_matches_gather_qmm() {
+    with_device(Device::Cpu, || {
+        for mode in [
+            QuantMode::Affine {
+                bits: 4,
+                group_size: 64,
+            },
+            QuantMode::Affine {
+                bits: 8,
+                group_size: 32,
+            },
+            QuantMode::Mxfp4,
+        ] {
+            let (e, n, k, t, top) = (5, 12, 192, 3, 2);
+            let w = Array::from_slice(&vals(e * n * k, 11), &[e, n, k]).unwrap();
+            let q = w.quantize(mode).unwrap();
+            let x = Array::from_slice(&vals(t * k, 12), &[t, 1, 1, k]).unwrap();
+            let idx = Array::from_slice(&[4u32, 0, 2, 2, 1, 3], &[t, top]).unwrap();
+            let ours = q.cpu_gather_matmul(&x, &idx).unwrap();
+            assert_eq!(ours.shape(), vec![t, top, 1, n]);
+            let want = gather_qmm(&x, &q, None, Some(&idx), true, false).unwrap();
+            assert_eq!(want.shape(), ours.shape());
+            // f64 reference per (token, slot) from our decoding
+            let dec = decode(
+                &Quantized {
+                    weight: q.weight.reshape(&[(e * n) as i32, -1]).unwrap(),
+                    scales: q.scales.reshape(&[(e * n) as i32, -1]).unwrap(),
+                    biases: q
+                        .biases
+                        .as_ref()
+                        .map(|b| b.reshape(&[(e * n) as i32, -1]).unwrap()),
+                    mode,
+                },
+                e * n,
+                k,
+            );
+            let xv: Vec<f64> = f64s(&x);
+            let ids = [4usize, 0, 2, 2, 1, 3];
+            let got = f64s(&ours);
+            let g2 = f64s(&want);
+            for r in 0..t * top {
+                let ex = ids[r];
+                let (yr, mag) = reference(
+                    &dec[ex * n * k..(ex + 1) * n * k],
+                    &xv[(r / top) * k..(r / top + 1) * k],
+                    1,
+                    n,
+                    k,
+                );
+                assert_close(
+                    &format!("{mode:?} gather row {r}"),
+                    &got[r * n..(r + 1) * n],
+                    &yr,
+                    &mag,
+                );
+                assert_close(
+                    &format!("{mode:?} gather_qmm row {r}"),
+                    &got[r * n..(r + 1) * n],
+                    &g2[r * n..(r + 1) * n],
+                    &mag,
+                );
+            }
+            // per-row inputs (the down projection: one input row per slot)
+            let xs = Array::from_slice(&vals(t * top * k, 13), &[t, top, 1, k]).unwrap();
+            let a = f64s(&q.cpu_gather_matmul(&xs, &idx).unwrap());
+            let b = f64s(&gather_qmm(&xs, &q, None, Some(&idx), true, false).unwrap());
+            let mag: Vec<f64> = b.iter().map(|v| v.abs().max(1.0) * 100.0).collect();
+            assert_close(&format!("{mode:?} gather per-row inputs"), &a, &b, &mag);
+        }
+    })
+}
+
+/// Gradients reach the input (LoRA over a packed base), and only the input.
+#[test]
+fn gradient_with_respect_to_the_input() {
+    with_device(Device::Cpu, || {
+        let (n, k) = (5, 64);
+        let w = Array::from_slice(&vals(n * k, 21), &[n, k]).unwrap();
+        let q = w
+            .quantize(QuantMode::Affine {
+                bits: 8,
+                group_size: 32,
+            })
+            .unwrap();
+        let x = Array::from_slice(&vals(2 * k, 22), &[2, k]).unwrap();
+        let (_, g) =
+            mlx_array::grad::value_and_grad(|p| q.cpu_matmul(&p[0])?.sum(&[], false), std::slice::from_ref(&x))
+                .unwrap();
+        let (_, g2) =
+            mlx_array::grad::value_and_grad(|p| q.matmul(&p[0], true)?.sum(&[], false), &[x])
+                .unwrap();
+        let (a, b) = (
+            g[0].to_vec::<f32>().unwrap(),
+            g2[0].to_vec::<f32>().unwrap(),
+        );
+        for (p, r) in a.iter().zip(&b) {
+            assert!((p - r).abs() <= 1e-5 * r.abs().max(1.0), "{p} vs {r}");
+        }
+    })
+}
+
+/// Bad inputs are errors, never aborts.
+#[test]
+fn bad_inputs_are_errors() {
+    with_device(Device::Cpu, || {
+        let w = Array::from_slice(&vals(4 * 64, 1), &[4, 64]).unwrap();
+        let q = w
+            .quantize(QuantMode::Affine {
+                bits: 4,
+                group_size: 32,
+            })
+            .unwrap();
+        let x = Array::from_slice(&vals(63, 2), &[1, 63]).unwrap();
+        assert!(q.cpu_matmul(&x).is_err(), "K mismatch");
+        let x = Array::from_slice(&vals(64, 2), &[1, 64]).unwrap();
+        assert!(
+            x.cpu_matmul_bf16(&w).is_err(),
+            "f32 weight for the bf16 kernel"
+        );
+        let wb = w.astype(DType::BF16).unwrap();
+        let x3 = Array::from_slice(&vals(65, 2), &[1, 65]).unwrap();
+        assert!(x3.cpu_matmul_bf16(&wb).is_err(), "K mismatch (bf16)");
+        let q3 = w
+            .quantize(QuantMode::Affine {
+                bits: 3,
+                group_size: 32,
+            })
+            .unwrap();
+        assert!(!cpu_packed_supports(q3.mode));
+        assert!(q3.cpu_matmul(&x).is_err(), "3-bit is not a CPU kernel");
+        let bad = Quantized {
+            biases: None,
+            ..q.clone()
+        };
+        assert!(bad.cpu_matmul(&x).is_err(), "affine without biases");
+        let idx = Array::from_slice(&[0u32], &[1]).unwrap();
+        assert!(
+            q.cpu_gather_matmul(&x, &idx).is_err(),
+            "2-d weight for a gathered product"
+        );
+        let xi = Array::from_slice(&[1i32; 64], &[1, 64]).unwrap();
+        assert!(q.cpu_matmul(&xi).is_err(), "integer input");
+    })
+}
+
+/// Packed weights written by Python MLX's `mx.quantize` (tests/fixtures/packed, made by
+/// `make_packed_reference.py`) against the products Python MLX computed on the same bytes.
+#[test]
+fn python_mlx_quantize_output() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/packed/packed_reference.safetensors");
+    let t = mlx_array::io::load_safetensors(&path, None).unwrap();
+    with_device(Device::Cpu, || {
+        let x = &t["x"];
+        let xv = f64s(x);
+        let (m, k) = (x.shape()[0], x.shape()[1]);
+        let modes = [
+            ("affine4_g32", QuantMode::Affine { bits: 4, group_size: 32 }),
+            ("affine4_g64", QuantMode::Affine { bits: 4, group_size: 64 }),
+            ("affine4_g128", QuantMode::Affine { bits: 4, group_size: 128 }),
+            ("affine8_g32", QuantMode::Affine { bits: 8, group_size: 32 }),
+            ("affine8_g64", QuantMode::Affine { bits: 8, group_size: 64 }),
+            ("affine8_g128", QuantMode::Affine { bits: 8, group_size: 128 }),
+            ("mxfp4_g32", QuantMode::Mxfp4),
+        ];
+        for isa in isas() {
+            set_cpu_kernels_isa(isa).unwrap();
+            for (name, mode) in modes {
+                let q = Quantized { weight: t[&format!("{name}.weight")].clone(), scales: t[&format!("{name}.scales")].clone(), biases: t.get(&format!("{name}.biases")).cloned(), mode };
+                let n = q.weight.shape()[0];
+                let got = f64s(&q.cpu_matmul(x).unwrap());
+                let (_, mag) = reference(&decode(&q, n, k), &xv, m, n, k);
+                assert_close(&format!("{isa} {name} vs Python mx.quantized_matmul"), &got, &f64s(&t[&format!("{name}.y_qmm")]), &mag);
+                assert_close(&format!("{isa} {name} vs Python dequantize + matmul"), &got, &f64s(&t[&format!("{name}.y_deq")]), &mag);
+            }
+            let w = &t["bf16.weight"];
+            let n = w.shape()[0];
+            let got = f64s(&x.cpu_matmul_bf16(w).unwrap());
+            let (_, mag) = reference(&f64s(w), &xv, m, n, k);
+            assert_close(&format!("{isa} bf16 vs Python f32 matmul"), &got, &f64s(&t["bf16.y"]), &mag);
+        }
+        set_cpu_kernels_isa("avx512").unwrap();
+    })
+}
+
+/// Products large enough to be split over threads (and expert products over many rows) give the
+/// same values as MLX's.
+#[test]
+fn products_split_over_threads() {
+    with_device(Device::Cpu, || {
+        let (n, k) = (1536, 256);
+        let w = Array::from_slice(&vals(n * k, 41), &[n, k]).unwrap();
+        let x = Array::from_slice(&vals(3 * k, 42), &[3, k]).unwrap();
+        let close = |a: &Array, b: &Array, what: &str| {
+            let (a, b) = (f64s(a), f64s(b));
+            let mag = f64s(&x.abs().unwrap().matmul(&w.abs().unwrap().swap_axes(0, 1).unwrap()).unwrap());
+            let mag: Vec<f64> = mag.iter().map(|v| v * 2.0).collect();
+            assert_close(what, &a, &b, &mag);
+        };
+        for mode in [QuantMode::Affine { bits: 4, group_size: 64 }, QuantMode::Affine { bits: 8, group_size: 128 }, QuantMode::Mxfp4] {
+            let q = w.quantize(mode).unwrap();
+            close(&q.cpu_matmul(&x).unwrap(), &q.matmul(&x, true).unwrap(), &format!("{mode:?}"));
+        }
+        let wb = w.astype(DType::BF16).unwrap();
+        close(&x.cpu_matmul_bf16(&wb).unwrap(), &x.matmul(&wb.astype(DType::F32).unwrap().swap_axes(0, 1).unwrap()).unwrap(), "bf16");
+        // 40 expert rows of 4 experts [E, 96, 256]
+        let we = Array::from_slice(&vals(4 * 96 * k, 43), &[4, 96, k]).unwrap();
+        let q = we.quantize(QuantMode::Affine { bits: 4, group_size: 32 }).unwrap();
+        let xs = Array::from_slice(&vals(20 * k, 44), &[20, 1, 1, k]).unwrap();
+        let ids: Vec<u32> = (0..40).map(|i| (i * 7 % 4) as u32).collect();
+        let idx = Array::from_slice(&ids, &[20, 2]).unwrap();
+        let (a, b) = (f64s(&q.cpu_gather_matmul(&xs, &idx).unwrap()), f64s(&gather_qmm(&xs, &q, None, Some(&idx), true, false).unwrap()));
+        for (i, (p, r)) in a.iter().zip(&b).enumerate() {
+            assert!((p - r).abs() <= 1e-4 * r.abs().max(1.0), "expert row output {i}: {p} vs {r}");
+        }
+    })
+}

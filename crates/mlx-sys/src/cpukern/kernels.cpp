@@ -1,0 +1,434 @@
+// kernels.cpp: the products of kernels.h over one vector abstraction `V`, compiled once per
+// instruction set: with -mavx512f -mavx512bw -mavx512vl -mavx512dq (KERN_NS=avx512), with -mavx2
+// -mfma -mf16c (KERN_NS=avx2), and plain (KERN_NS=portable, 4-lane arrays the compiler may
+// vectorize). No AMX instruction is used anywhere.
+//
+// Layouts (MLX's, as `mx.quantize` writes them): row n of W is contiguous; a u32 word holds
+// 32/bits elements, element t of a word at bits [t*bits, (t+1)*bits). Affine: w = scale * q + bias
+// per group of `gs` consecutive elements of a row. mxfp4: w = e2m1(q) * 2^(e - 127) per 32.
+//
+// Every product accumulates in f32. A vector of W lanes covers W consecutive words, so lane i
+// holds elements [E*i, E*i + E) of a block (E = elements per word); x is stored permuted to
+// match (`prep`: xp[(b*E + t)*W + i] = x[(b*W + i)*E + t]), so decoding a word position t of all
+// lanes is one shift (and mask) and one multiply-add, with no shuffles. The per-lane sums of q*x
+// are scaled per block (lanes map to groups by a fixed permutation), and the affine bias term is
+// sum_g bias_g * sum_{k in g} x_k, from per-lane sums of x computed once in `prep`.
+#include "kernels.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef KERN_NS
+#error "KERN_NS must name the instruction set of this copy"
+#endif
+
+namespace mlxm {
+namespace KERN_NS {
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal half: normalise
+    int e = -1;
+    do {
+      e++;
+      man <<= 1;
+    } while ((man & 0x400) == 0);
+    u = sign | uint32_t(112 - e) << 23 | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// 2^(e - 127); e = 0 is 2^-127 (a subnormal), e = 255 is +inf.
+inline float e8m0_to_f32(uint8_t e) {
+  uint32_t u = e == 0 ? 0x00400000u : uint32_t(e) << 23;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float to_f32(float v) { return v; }
+struct bf16_t { uint16_t bits; };
+struct f16_t { uint16_t bits; };
+inline float to_f32(bf16_t v) { return bf16_to_f32(v.bits); }
+inline float to_f32(f16_t v) { return f16_to_f32(v.bits); }
+inline float to_f32(uint8_t v) { return e8m0_to_f32(v); }
+
+alignas(64) constexpr float FP4_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+alignas(64) constexpr float IOTA16[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+#if defined(__AVX512F__)
+struct V {
+  static constexpr int W = 16;
+  using F = __m512;
+  using I = __m512i;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static float hsum(F a) { return _mm512_reduce_add_ps(a); }
+  static I loadi(const void* p, int lanes) {
+    if (lanes == W) return _mm512_loadu_si512(p);
+    return _mm512_maskz_loadu_epi32(__mmask16((1u << lanes) - 1), p);
+  }
+  static I loadidx(const int32_t* p) { return _mm512_loadu_si512(p); }
+  template <int S> static I srli(I a) { return S == 0 ? a : _mm512_srli_epi32(a, S); }
+  template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
+  static I andi(I a, uint32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(int(m))); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F as_f(I a) { return _mm512_castsi512_ps(a); }
+  static F perm(F v, I idx) { return _mm512_permutexvar_ps(idx, v); }
+  // Low 4 bits of each lane as 0..15, and as E2M1 values: a table lookup on the low 4 bits.
+  static F nibble(I a) { return _mm512_permutexvar_ps(a, _mm512_load_ps(IOTA16)); }
+  static F fp4(I a) { return _mm512_permutexvar_ps(a, _mm512_load_ps(FP4_VALUES)); }
+  // `c` (< W) scales or biases as f32 in lanes [0, c), straight from memory (masked loads).
+  static __mmask16 first(int c) { return __mmask16((1u << c) - 1); }
+  static F lscale(const float* p, int c) { return _mm512_maskz_loadu_ps(first(c), p); }
+  static F lscale(const bf16_t* p, int c) {
+    return as_f(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first(c), p)), 16));
+  }
+  static F lscale(const f16_t* p, int c) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(c), p)); }
+  static F lscale(const uint8_t* p, int c) {
+    const I e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first(c), p));
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    return as_f(_mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000)));
+  }
+};
+#elif defined(__AVX2__)
+struct V {
+  static constexpr int W = 8;
+  using F = __m256;
+  using I = __m256i;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static float hsum(F a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static I loadi(const void* p, int lanes) {
+    if (lanes == W) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), lane);
+    return _mm256_maskload_epi32(static_cast<const int*>(p), mask);
+  }
+  static I loadidx(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  template <int S> static I srli(I a) { return S == 0 ? a : _mm256_srli_epi32(a, S); }
+  template <int S> static I slli(I a) { return _mm256_slli_epi32(a, S); }
+  static I andi(I a, uint32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(int(m))); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F as_f(I a) { return _mm256_castsi256_ps(a); }
+  static F perm(F v, I idx) { return _mm256_permutevar8x32_ps(v, idx); }
+  static F nibble(I a) { return cvt(andi(a, 15)); }
+  // Magnitude from the low 3 bits (an 8-entry lookup), sign from bit 3.
+  static F fp4(I a) {
+    F mag = _mm256_permutevar8x32_ps(_mm256_load_ps(FP4_VALUES), a);
+    I sign = _mm256_and_si256(_mm256_slli_epi32(a, 28), _mm256_set1_epi32(int(0x80000000u)));
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+  }
+  // `c` (< W) scales or biases as f32 in lanes [0, c): up to 4 16-bit values through a
+  // general-purpose register (no store-to-load round trip), more element by element.
+  static F lscale(const float* p, int c) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane));
+  }
+  template <class T>
+  static __m128i bits16(const T* p, int c) {
+    uint64_t v = 0;
+    if (c <= 4) {
+      std::memcpy(&v, p, size_t(c) * 2);
+      return _mm_cvtsi64_si128(int64_t(v));
+    }
+    alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(t, p, size_t(c) * 2);
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  }
+  static F lscale(const bf16_t* p, int c) { return as_f(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits16(p, c)), 16)); }
+  static F lscale(const f16_t* p, int c) { return _mm256_cvtph_ps(bits16(p, c)); }
+  static F lscale(const uint8_t* p, int c) {
+    uint64_t v = 0;
+    std::memcpy(&v, p, size_t(c));
+    const I e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v)));
+    const I zero = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+    return _mm256_blendv_ps(as_f(_mm256_slli_epi32(e, 23)), as_f(_mm256_set1_epi32(0x00400000)), as_f(zero));
+  }
+};
+#else
+struct V {
+  static constexpr int W = 4;
+  struct F { float v[4]; };
+  struct I { uint32_t v[4]; };
+  static F zero() { return F{{0, 0, 0, 0}}; }
+  static F set1(float a) { return F{{a, a, a, a}}; }
+  static F loadf(const float* p) { F r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static F fma(F a, F b, F c) { for (int i = 0; i < 4; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
+  static F add(F a, F b) { for (int i = 0; i < 4; i++) a.v[i] += b.v[i]; return a; }
+  static float hsum(F a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+  static I loadi(const void* p, int lanes) {
+    I r{{0, 0, 0, 0}};
+    std::memcpy(r.v, p, size_t(lanes) * 4);
+    return r;
+  }
+  static I loadidx(const int32_t* p) { I r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  template <int S> static I srli(I a) { for (auto& x : a.v) x >>= S; return a; }
+  template <int S> static I slli(I a) { for (auto& x : a.v) x <<= S; return a; }
+  static I andi(I a, uint32_t m) { for (auto& x : a.v) x &= m; return a; }
+  static F cvt(I a) { F r; for (int i = 0; i < 4; i++) r.v[i] = float(int32_t(a.v[i])); return r; }
+  static F as_f(I a) { F r; std::memcpy(r.v, a.v, sizeof r.v); return r; }
+  static F perm(F v, I idx) { F r; for (int i = 0; i < 4; i++) r.v[i] = v.v[idx.v[i] & 3]; return r; }
+  static F nibble(I a) { F r; for (int i = 0; i < 4; i++) r.v[i] = float(a.v[i] & 15); return r; }
+  static F fp4(I a) { F r; for (int i = 0; i < 4; i++) r.v[i] = FP4_VALUES[a.v[i] & 15]; return r; }
+  template <class T>
+  static F lscale(const T* p, int c) {
+    F r = zero();
+    for (int i = 0; i < c; i++) r.v[i] = to_f32(p[i]);
+    return r;
+  }
+};
+#endif
+
+constexpr int W = V::W;
+using F = V::F;
+using I = V::I;
+
+constexpr int elems_per_word(int kind) { return kind == KIND_BF16 ? 2 : kind == KIND_AFFINE8 ? 4 : 8; }
+
+// ---- bf16: W words = 2W elements per block; even elements are `word << 16`, odd ones
+// `word & 0xffff0000`, against x stored as [x_even(W), x_odd(W)] per block.
+
+template <int MT>
+void rows_bf16(const Job& j, int m0, int n0, int n1) {
+  const int K = j.K;
+  const int nb = K / (2 * W);
+  const int kv = nb * 2 * W;
+  const uint16_t* w = static_cast<const uint16_t*>(j.w);
+  for (int n = n0; n < n1; n++) {
+    const uint16_t* wr = w + size_t(n) * K;
+    F ae[MT], ao[MT];
+    for (int m = 0; m < MT; m++) ae[m] = ao[m] = V::zero();
+    for (int b = 0; b < nb; b++) {
+      I q = V::loadi(wr + size_t(b) * 2 * W, W);
+      F we = V::as_f(V::slli<16>(q));
+      F wo = V::as_f(V::andi(q, 0xffff0000u));
+      for (int m = 0; m < MT; m++) {
+        const float* xb = j.xp + size_t(m0 + m) * j.xp_stride + size_t(b) * 2 * W;
+        ae[m] = V::fma(we, V::loadf(xb), ae[m]);
+        ao[m] = V::fma(wo, V::loadf(xb + W), ao[m]);
+      }
+    }
+    for (int m = 0; m < MT; m++) {
+      float s = V::hsum(V::add(ae[m], ao[m]));
+      const float* x = j.x + size_t(m0 + m) * K;
+      for (int k = kv; k < K; k++) s += bf16_to_f32(wr[k]) * x[k];
+      j.out[size_t(m0 + m) * j.out_stride + n] = s;
+    }
+  }
+}
+
+// ---- quantized: W words = W*E elements per block.
+
+template <int KIND, int T>
+inline F decode_at(I q) {
+  if constexpr (KIND == KIND_AFFINE8) {
+    I s = V::srli<8 * T>(q);
+    return V::cvt(T == 3 ? s : V::andi(s, 0xff));
+  } else if constexpr (KIND == KIND_AFFINE4) {
+    I s = V::srli<4 * T>(q);
+    return V::nibble(s);
+  } else {
+    return V::fp4(V::srli<4 * T>(q));
+  }
+}
+
+template <int KIND, int GS, class S, int MT>
+void rows_q(const Job& j, int m0, int n0, int n1) {
+  constexpr int E = elems_per_word(KIND);
+  constexpr int B = W * E;  // elements per block
+  constexpr bool AFF = KIND != KIND_MXFP4;
+  const int K = j.K;
+  const int KW = K / E;  // words per row
+  const int nb = (KW + W - 1) / W;
+  const int G = K / GS;
+  alignas(64) int32_t lane_group[W];
+  for (int i = 0; i < W; i++) lane_group[i] = B >= GS ? (i * E) / GS : 0;
+  const I gidx = V::loadidx(lane_group);
+  const uint32_t* w = static_cast<const uint32_t*>(j.w);
+  const S* scales = static_cast<const S*>(j.scales);
+  const S* biases = static_cast<const S*>(j.biases);
+  const size_t xsum_off = size_t(nb) * E * W;  // per-lane sums of x follow the permuted x
+  for (int n = n0; n < n1; n++) {
+    const uint32_t* wr = w + size_t(n) * KW;
+    const S* sr = scales + size_t(n) * G;
+    const S* br = AFF ? biases + size_t(n) * G : nullptr;
+    F acc[MT], accb[MT];
+    for (int m = 0; m < MT; m++) acc[m] = accb[m] = V::zero();
+    for (int b = 0; b < nb; b++) {
+      const int lanes = std::min(W, KW - b * W);
+      const I q = V::loadi(wr + size_t(b) * W, lanes);
+      F p0[MT], p1[MT];
+      for (int m = 0; m < MT; m++) p0[m] = p1[m] = V::zero();
+      const size_t xoff = size_t(b) * E * W;
+      [&]<int... T>(std::integer_sequence<int, T...>) {
+        (
+            [&] {
+              const F wv = decode_at<KIND, T>(q);
+              for (int m = 0; m < MT; m++) {
+                const float* xb = j.xp + size_t(m0 + m) * j.xp_stride + xoff + size_t(T) * W;
+                if constexpr (T % 2 == 0)
+                  p0[m] = V::fma(wv, V::loadf(xb), p0[m]);
+                else
+                  p1[m] = V::fma(wv, V::loadf(xb), p1[m]);
+              }
+            }(),
+            ...);
+      }(std::make_integer_sequence<int, E>{});
+      F sc, bv = V::zero();
+      if constexpr (B >= GS) {
+        constexpr int C = B / GS;
+        const int g0 = b * C;
+        if constexpr (C == 1) {
+          sc = V::set1(to_f32(sr[g0]));
+          if constexpr (AFF) bv = V::set1(to_f32(br[g0]));
+        } else {
+          // lanes map to the block's groups by a fixed permutation; a ragged last block has
+          // fewer groups (its missing lanes hold zero weights)
+          const int c = std::min(C, G - g0);
+          // full blocks with a constant count (constant masks / copy sizes once inlined)
+          sc = V::perm(c == C ? V::lscale(sr + g0, C) : V::lscale(sr + g0, c), gidx);
+          if constexpr (AFF) bv = V::perm(c == C ? V::lscale(br + g0, C) : V::lscale(br + g0, c), gidx);
+        }
+      } else {
+        const int g = (b * B) / GS;
+        sc = V::set1(to_f32(sr[g]));
+        if constexpr (AFF) bv = V::set1(to_f32(br[g]));
+      }
+      for (int m = 0; m < MT; m++) {
+        acc[m] = V::fma(V::add(p0[m], p1[m]), sc, acc[m]);
+        if constexpr (AFF) {
+          const float* xs = j.xp + size_t(m0 + m) * j.xp_stride + xsum_off + size_t(b) * W;
+          accb[m] = V::fma(bv, V::loadf(xs), accb[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; m++) j.out[size_t(m0 + m) * j.out_stride + n] = V::hsum(V::add(acc[m], accb[m]));
+  }
+}
+
+template <class Fn>
+void tiles(const Job& j, int n0, int n1, Fn&& f) {
+  int m = 0;
+  for (; m + 4 <= j.M; m += 4) f(std::integral_constant<int, 4>{}, m);
+  for (; m + 2 <= j.M; m += 2) f(std::integral_constant<int, 2>{}, m);
+  for (; m < j.M; m++) f(std::integral_constant<int, 1>{}, m);
+  (void)n0;
+  (void)n1;
+}
+
+template <int KIND, int GS, class S>
+void run_q(const Job& j, int n0, int n1) {
+  tiles(j, n0, n1, [&](auto mt, int m) { rows_q<KIND, GS, S, decltype(mt)::value>(j, m, n0, n1); });
+}
+
+template <int KIND, class S>
+void run_gs(const Job& j, int n0, int n1) {
+  switch (j.gs) {
+    case 32: return run_q<KIND, 32, S>(j, n0, n1);
+    case 64: return run_q<KIND, 64, S>(j, n0, n1);
+    case 128: return run_q<KIND, 128, S>(j, n0, n1);
+  }
+}
+
+template <int KIND>
+void run_affine(const Job& j, int n0, int n1) {
+  switch (j.stype) {
+    case S_F32: return run_gs<KIND, float>(j, n0, n1);
+    case S_BF16: return run_gs<KIND, bf16_t>(j, n0, n1);
+    case S_F16: return run_gs<KIND, f16_t>(j, n0, n1);
+  }
+}
+
+void rows(const Job& j, int n0, int n1) {
+  switch (j.kind) {
+    case KIND_BF16:
+      tiles(j, n0, n1, [&](auto mt, int m) { rows_bf16<decltype(mt)::value>(j, m, n0, n1); });
+      return;
+    case KIND_AFFINE4: return run_affine<KIND_AFFINE4>(j, n0, n1);
+    case KIND_AFFINE8: return run_affine<KIND_AFFINE8>(j, n0, n1);
+    case KIND_MXFP4: return run_q<KIND_MXFP4, 32, uint8_t>(j, n0, n1);
+  }
+}
+
+size_t xp_floats(int kind, int K) {
+  if (kind == KIND_BF16) return size_t(K / (2 * W)) * 2 * W;
+  const int E = elems_per_word(kind);
+  const size_t nb = (size_t(K / E) + W - 1) / W;
+  return nb * W * (E + 1);
+}
+
+void prep(int kind, const float* x, int K, float* xp) {
+  if (kind == KIND_BF16) {
+    const int nb = K / (2 * W);
+    for (int b = 0; b < nb; b++)
+      for (int i = 0; i < W; i++) {
+        xp[size_t(b) * 2 * W + i] = x[size_t(b) * 2 * W + 2 * i];
+        xp[size_t(b) * 2 * W + W + i] = x[size_t(b) * 2 * W + 2 * i + 1];
+      }
+    return;
+  }
+  const int E = elems_per_word(kind);
+  const int nb = (K / E + W - 1) / W;
+  float* xs = xp + size_t(nb) * E * W;
+  for (int b = 0; b < nb; b++)
+    for (int i = 0; i < W; i++) {
+      float s = 0.0f;
+      for (int t = 0; t < E; t++) {
+        const size_t k = (size_t(b) * W + i) * E + t;
+        const float v = k < size_t(K) ? x[k] : 0.0f;
+        xp[(size_t(b) * E + t) * W + i] = v;
+        s += v;
+      }
+      xs[size_t(b) * W + i] = s;
+    }
+}
+
+}  // namespace
+
+#define STR2(x) #x
+#define STR(x) STR2(x)
+const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows};
+
+}  // namespace KERN_NS
+}  // namespace mlxm

@@ -1,0 +1,53 @@
+// kernels.h: matrix-vector / small-M products over bf16 and MLX-quantized weights (CPU).
+//
+// kernels.cpp is compiled once per instruction set (AVX-512, AVX2+FMA, portable C++), each copy in
+// its own namespace (KERN_NS); primitive.cpp picks one at run time from cpuid.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace mlxm {
+
+// Weight formats.
+enum Kind : int {
+  KIND_BF16 = 0,     // bf16 [N, K]
+  KIND_AFFINE4 = 1,  // MLX affine 4-bit: u32 [N, K/8], scales/biases [N, K/gs]
+  KIND_AFFINE8 = 2,  // MLX affine 8-bit: u32 [N, K/4], scales/biases [N, K/gs]
+  KIND_MXFP4 = 3,    // OCP MX FP4 (E2M1), u32 [N, K/8], u8 E8M0 scales [N, K/32]
+};
+
+// Element type of scales and biases.
+enum SType : int { S_F32 = 0, S_BF16 = 1, S_F16 = 2, S_U8 = 3 };
+
+// One product out[m, n] = sum_k W[n, k] x[m, k] for m < M, n in a row range.
+struct Job {
+  int kind;
+  int M, N, K;
+  int gs;  // group size (quantized kinds)
+  const void* w;
+  const void* scales;
+  const void* biases;  // affine only
+  int stype;
+  const float* xp;  // prepared x, M rows of xp_stride floats (KernelSet::prep)
+  size_t xp_stride;
+  const float* x;  // x itself, f32 [M, K]
+  float* out;      // f32, row m at out + m * out_stride
+  size_t out_stride;
+};
+
+// The vector-width-dependent half of a kernel set.
+struct KernelSet {
+  const char* name;
+  // Floats of prepared x per row (xp_stride).
+  size_t (*xp_floats)(int kind, int K);
+  // Prepare one row of x.
+  void (*prep)(int kind, const float* x, int K, float* xp);
+  // Rows [n0, n1) of the product.
+  void (*rows)(const Job& j, int n0, int n1);
+};
+
+namespace avx512 { extern const KernelSet set; }
+namespace avx2 { extern const KernelSet set; }
+namespace portable { extern const KernelSet set; }
+
+}  // namespace mlxm
