@@ -52,8 +52,8 @@ fn kind_of(mode: QuantMode) -> Option<i32> {
     }
 }
 
-/// The instruction set the kernels use in this process (`avx512`, `avx2` or `portable`; the
-/// environment variable `MLX_MODELS_CPU_KERNELS=avx2|portable` lowers it, e.g. for tests).
+/// The instruction set the kernels use in this process (`avx512`, `avx2` or `portable`): the
+/// widest the CPU supports unless [`set_cpu_kernels_isa`] chose another.
 pub fn cpu_kernels_isa() -> &'static str {
     let p = unsafe { mlx_sys::mlx_models_cpu_kernels_isa() };
     unsafe { CStr::from_ptr(p) }.to_str().unwrap_or("unknown")

@@ -50,10 +50,9 @@ const KernelSet* pick(const std::string& f) {
 #endif
 }
 
-const KernelSet* detect() {
-  const char* force = std::getenv("MLX_MODELS_CPU_KERNELS");
-  return pick(force ? force : "");
-}
+// The widest instruction set this CPU supports; `set_isa` (mlx-array's `set_cpu_kernels_isa`)
+// lowers it.
+const KernelSet* detect() { return pick(""); }
 
 std::atomic<const KernelSet*>& current() {
   static std::atomic<const KernelSet*> k{detect()};
