@@ -12,7 +12,13 @@ the same position. h is `hidden_states[-1]` of the target's forward.
 
 Writes crates/speculative/tests/fixtures/gemma4_assistant/:
   assistant/config.json, assistant/model.safetensors   the draft checkpoint
-  reference.safetensors   context tokens, draft tokens [DEPTH], draft logits [DEPTH, V]
+  reference.safetensors   for a 13-token context and a 27-token one (`long_`, past the sliding
+                          window): tokens, draft tokens [DEPTH], draft logits [DEPTH, V]; and
+                          the 27-token one with the sliding K/V cut to the target's last
+                          `sliding_window` positions (`long_window_`), as our cache holds them.
+                          transformers' own mask (`create_bidirectional_sliding_window_mask`,
+                          distance <= window, flipped) lets the query see `sliding_window + 1`
+                          of them; its logits are kept for the record (`long_draft_logits`).
 Run: python3 crates/speculative/scripts/make_gemma4_assistant_fixture.py
      (torch, transformers==5.17, safetensors)
 """
@@ -27,6 +33,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 TARGET = os.path.join(ROOT, "crates/models/tests/fixtures/tiny/gemma4_text")
 OUT = os.path.join(ROOT, "crates/speculative/tests/fixtures/gemma4_assistant")
 TOKENS = [2, 17, 230, 5, 99, 41, 17, 410, 88, 3, 230, 64, 301]
+# longer than the sliding window (16): the sliding layer's K/V is the target's last window
+LONG = TOKENS + [7, 512, 33, 901, 45, 18, 260, 77, 5, 640, 123, 9, 300, 54]
 DEPTH = 4
 
 
@@ -74,14 +82,33 @@ def main():
     os.makedirs(os.path.join(OUT, "assistant"), exist_ok=True)
     assistant.save_pretrained(os.path.join(OUT, "assistant"), safe_serialization=True)
 
-    ctx = torch.tensor([TOKENS[:-1]])
+    refs, info = {}, {}
+    window = tc["sliding_window"]
+    for name, tokens, keep in (("", TOKENS, None), ("long_", LONG, None), ("long_window_", LONG, window)):
+        toks, logits, kv = drafts(target, assistant, tokens, keep)
+        refs[name + "tokens"] = torch.tensor(tokens, dtype=torch.int32)
+        refs[name + "draft_tokens"] = torch.tensor(toks, dtype=torch.int32)
+        refs[name + "draft_logits"] = logits
+        info[name + "draft_tokens"] = toks
+        info[name + "shared_kv"] = kv
+    save_file(refs, os.path.join(OUT, "reference.safetensors"))
+    print(json.dumps(info))
+
+
+def drafts(target, assistant, tokens, keep):
+    """DEPTH greedy drafts after `tokens` (the target has run over all but the last); `keep`:
+    the sliding layer's K/V cut to its last `keep` positions first."""
+    ctx = torch.tensor([tokens[:-1]])
     with torch.no_grad():
         out = target(input_ids=ctx, output_hidden_states=True, return_shared_kv_states=True, use_cache=True)
-        shared = out.shared_kv_states
+        shared = dict(out.shared_kv_states)
+        if keep is not None:
+            k, v = shared["sliding_attention"]
+            shared["sliding_attention"] = (k[:, :, -keep:], v[:, :, -keep:])
         hidden = out.hidden_states[-1][:, -1:]
         embed = target.get_input_embeddings()
-        last = torch.tensor([[TOKENS[-1]]])
-        pos = torch.tensor([[len(TOKENS) - 1]])
+        last = torch.tensor([[tokens[-1]]])
+        pos = torch.tensor([[len(tokens) - 1]])
         toks, logits = [], []
         for _ in range(DEPTH):
             x = torch.cat([embed(last), hidden], dim=-1)
@@ -90,15 +117,8 @@ def main():
             last = o.logits.argmax(-1)
             toks.append(int(last[0, 0]))
             hidden = o.last_hidden_state
-    save_file(
-        {
-            "tokens": torch.tensor(TOKENS, dtype=torch.int32),
-            "draft_tokens": torch.tensor(toks, dtype=torch.int32),
-            "draft_logits": torch.stack(logits).float().contiguous(),
-        },
-        os.path.join(OUT, "reference.safetensors"),
-    )
-    print(json.dumps({"draft_tokens": toks, "shared_kv": {k: list(v[0].shape) for k, v in shared.items()}}))
+    kv = {k: list(v[0].shape) for k, v in shared.items()}
+    return toks, torch.stack(logits).float().contiguous(), kv
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+//! Gemma 4 assistant drafts (`gemma4_assistant`) against transformers 5.17's
+//! `Gemma4AssistantForCausalLM` driven as its `SinglePositionMultiTokenCandidateGenerator` does
+//! (`scripts/make_gemma4_assistant_fixture.py`: a tiny random assistant for the tiny Gemma 4
+//! target): four chained draft steps' logits within 1e-4 relative (f32) and the same draft
+//! tokens, for a context inside the sliding window and one past it (there the reference cuts the
+//! sliding K/V to the target's last `sliding_window` positions, which is what our cache holds;
+//! transformers' bidirectional mask lets the query see one more); then assistant drafting in speculative decoding, token for token equal to plain greedy
+//! decoding with flat and paged target caches.
+mod common;
+use common::*;
+use mlx_array::Array;
+use mlx_models::families::gemma4::Gemma4Assistant;
+use mlx_models::{generate, GenerateConfig, KvCacheMode, LoadOptions};
+use mlx_speculative::{load_drafter, load_drafter_for, AssistantDrafter, SpeculativeDecoder};
+use std::path::PathBuf;
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4_assistant")
+}
+
+fn assistant() -> Gemma4Assistant {
+    Gemma4Assistant::load(&dir().join("assistant"), None).unwrap()
+}
+
+fn reference() -> std::collections::HashMap<String, Array> {
+    mlx_array::io::load_safetensors(&dir().join("reference.safetensors"), None)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// max |a - b| / max |b|
+fn rel(a: &Array, b: &Array) -> f32 {
+    let (a, b) = (
+        a.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap(),
+        b.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap(),
+    );
+    assert_eq!(a.len(), b.len());
+    let d = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    d / b.iter().map(|y| y.abs()).fold(0f32, f32::max)
+}
+
+fn ids(a: &Array) -> Vec<u32> {
+    a.to_vec::<i32>()
+        .unwrap()
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
+}
+
+#[test]
+fn assistant_logits_match_transformers() {
+    let r = reference();
+    let target = load("gemma4_text", KvCacheMode::Flat);
+    // "": 13-token context; "long_window_": 27 tokens (past the 16-position sliding window),
+    // the sliding layer's K/V being the target's last 16 positions
+    for name in ["", "long_window_"] {
+        let history = ids(&r[&format!("{name}tokens")]);
+        let want_tokens = ids(&r[&format!("{name}draft_tokens")]);
+        let mut d = AssistantDrafter::new(target.clone(), assistant()).unwrap();
+        let (tokens, logits) = d.draft_logits(&history, want_tokens.len()).unwrap();
+        let logits = logits.unwrap();
+        let e = rel(&logits, &r[&format!("{name}draft_logits")]);
+        eprintln!("gemma4_assistant {name}draft logits: rel {e:.2e}, drafts {tokens:?}");
+        assert!(e < 1e-4, "{name}: draft logits rel {e}");
+        assert_eq!(tokens, want_tokens, "{name}");
+        if name == "long_window_" {
+            // transformers' own mask sees one sliding position more: a different network
+            let e = rel(&logits, &r["long_draft_logits"]);
+            eprintln!("  against transformers' window + 1 mask: rel {e:.2e}");
+            assert!(e > 1e-3, "the long context must tell the two windows apart");
+        }
+    }
+}
+
+/// The drafter's own target cache, carried from cycle to cycle (extended, or rolled back for a
+/// history that leaves it), drafts what a fresh drafter computes from the whole history.
+#[test]
+fn assistant_incremental_drafts_equal_fresh_ones() {
+    let target = load("gemma4_text", KvCacheMode::Flat);
+    let mut rng = Rng(41);
+    let mut kept = AssistantDrafter::new(target.clone(), assistant()).unwrap();
+    let mut history: Vec<u32> = (0..6).map(|_| 3 + rng.below(1000) as u32).collect();
+    for step in 0..8 {
+        let (got, gl) = kept.draft_logits(&history, 3).unwrap();
+        let mut fresh = AssistantDrafter::new(target.clone(), assistant()).unwrap();
+        let (want, wl) = fresh.draft_logits(&history, 3).unwrap();
+        assert_eq!(got, want, "step {step}");
+        assert!(rel(&gl.unwrap(), &wl.unwrap()) < 1e-5, "step {step}");
+        // grow past the sliding window (16), and once go back to an earlier prefix
+        if step == 4 {
+            history.truncate(history.len() - 5);
+        }
+        let grow = 1 + rng.below(4);
+        history.extend((0..grow).map(|_| 3 + rng.below(1000) as u32));
+    }
+}
+
+#[test]
+fn assistant_drafting_equals_plain_greedy() {
+    let mut rng = Rng(43);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let target = load("gemma4_text", kv.clone());
+        let prompt = gapped_prompt(&target, &mut rng, 12, 20);
+        let want = plain_greedy(&target, &prompt, 20);
+        for depth in [1, 3, 8] {
+            let mut spec = SpeculativeDecoder::new(
+                Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
+                Some(depth),
+            );
+            let mut cache = target.new_cache();
+            let cfg = GenerateConfig {
+                max_new_tokens: 20,
+                sampling: sampling::SamplingConfig::greedy(),
+                stop_tokens: Some(vec![]),
+                ..Default::default()
+            };
+            let mut gen = generate(&target, &mut cache, &prompt, cfg)
+                .unwrap()
+                .with_speculator(&mut spec);
+            let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
+            let st = gen.performance().speculative.unwrap();
+            drop(gen);
+            assert_eq!(got, want, "{kv:?} depth {depth}");
+            assert!(st.cycles > 0, "{kv:?} depth {depth}: no speculative cycles");
+            eprintln!("gemma4_assistant {kv:?} depth {depth}: {st:?}");
+        }
+    }
+}
+
+#[test]
+fn assistant_loads_from_its_config_and_checks_its_target() {
+    let a = dir().join("assistant");
+    let opts = LoadOptions::default();
+    let target = load("gemma4_text", KvCacheMode::Flat);
+    let d = load_drafter_for(&a, &opts, &target).unwrap();
+    assert_eq!(d.default_depth(), AssistantDrafter::DEFAULT_DEPTH);
+    assert_eq!(d.max_depth(), Some(AssistantDrafter::MAX_DEPTH));
+    assert_eq!(d.vocab_size(), 1024);
+    // depth clamped to [1, 8]
+    for (asked, got) in [(Some(0), 1), (Some(20), 8), (None, 3), (Some(5), 5)] {
+        let s = SpeculativeDecoder::new(load_drafter_for(&a, &opts, &target).unwrap(), asked);
+        assert_eq!(s.depth(), mlx_speculative::Depth::Fixed(got), "{asked:?}");
+    }
+    let e = load_drafter(&a, &opts).err().unwrap().to_string();
+    assert!(e.contains("load_drafter_for"), "{e}");
+    // a target of another family, or of another width, is refused
+    let e = load_drafter_for(&a, &opts, &load("qwen3", KvCacheMode::Flat))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("needs a Gemma 4 target"), "{e}");
+}
