@@ -5,7 +5,7 @@
 //! tokens, for a context inside the sliding window and one past it (there the reference cuts the
 //! sliding K/V to the target's last `sliding_window` positions, which is what our cache holds;
 //! transformers' bidirectional mask lets the query see one more); then assistant drafting in speculative decoding, token for token equal to plain greedy
-//! decoding with flat and paged target caches.
+//! decoding with flat and paged target caches, and a chi-square check of speculative sampling.
 mod common;
 use common::*;
 use mlx_array::Array;
@@ -207,4 +207,172 @@ fn assistant_sampling_runs_and_is_reproducible() {
     assert_eq!(a.len(), 20);
     assert!(cycles > 0);
     assert_eq!(run().0, a, "same seed, same tokens");
+}
+
+/// Upper 0.001 quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty).
+fn critical(df: usize) -> f64 {
+    let d = df as f64;
+    let h = 2.0 / (9.0 * d);
+    d * (1.0 - h + 3.0902 * h.sqrt()).powi(3)
+}
+
+/// Pearson's statistic of `counts` against `probs` (bins expecting fewer than 5 pooled, tokens
+/// outside the support in the pool), and its degrees of freedom.
+fn chi_square(
+    counts: &std::collections::BTreeMap<Vec<u32>, usize>,
+    probs: &std::collections::BTreeMap<Vec<u32>, f64>,
+) -> (f64, usize) {
+    let n: usize = counts.values().sum();
+    let (mut stat, mut bins, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
+    for (k, &p) in probs {
+        let (e, o) = (p * n as f64, *counts.get(k).unwrap_or(&0) as f64);
+        if e < 5.0 {
+            (pool_obs, pool_exp) = (pool_obs + o, pool_exp + e);
+        } else {
+            stat += (o - e) * (o - e) / e;
+            bins += 1;
+        }
+    }
+    let outside: usize = counts
+        .iter()
+        .filter(|(k, _)| !probs.contains_key(*k))
+        .map(|(_, &c)| c)
+        .sum();
+    pool_obs += outside as f64;
+    if pool_exp > 0.0 {
+        stat += (pool_obs - pool_exp) * (pool_obs - pool_exp) / pool_exp;
+        bins += 1;
+    } else if outside > 0 {
+        return (f64::INFINITY, bins.max(2) - 1);
+    }
+    (stat, bins - 1)
+}
+
+/// Speculative sampling with the assistant (which disagrees with the random target most of the
+/// time) draws the first two tokens from the target's exact joint distribution (temperature 1,
+/// top-k 6, repetition and presence penalties; chi-square at p = 0.001), and the assistant's own
+/// first-token distribution is rejected by the same test.
+#[test]
+fn assistant_speculative_sampling_matches_the_target_distribution() {
+    use mlx_models::{Logits, Model, Speculator};
+    use mlx_speculative::Drafter;
+    use sampling::{Sampler, SamplingConfig};
+    use std::collections::BTreeMap;
+    let target = load("gemma4_text", KvCacheMode::Flat);
+    let history: Vec<u32> = vec![2, 17, 230, 5, 99, 230, 17, 410, 88, 3];
+    let cfg = SamplingConfig::default()
+        .with_temperature(1.0)
+        .with_top_k(6)
+        .with_repetition_penalty(1.5)
+        .with_presence_penalty(0.5)
+        .with_seed(11);
+    let sampler = Sampler::new(cfg.clone()).unwrap();
+    let probs = |lp: &Array| -> Vec<f64> {
+        lp.reshape(&[-1])
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&x| (x as f64).exp())
+            .collect()
+    };
+    let dist_after = |m: &Model, h: &[u32]| -> Vec<f64> {
+        let mut c = m.new_cache();
+        let l = m
+            .forward(
+                &Array::from_slice(h, &[1, h.len()]).unwrap(),
+                &mut c,
+                Logits::Last,
+                false,
+            )
+            .unwrap()
+            .logits
+            .unwrap()
+            .reshape(&[1, -1])
+            .unwrap();
+        probs(&sampler.distribution(&l, &[h]).unwrap())
+    };
+    let mut joint = BTreeMap::new();
+    for (t0, &a) in dist_after(&target, &history)
+        .iter()
+        .enumerate()
+        .filter(|(_, &a)| a > 0.0)
+    {
+        let h: Vec<u32> = history.iter().copied().chain([t0 as u32]).collect();
+        for (t1, &b) in dist_after(&target, &h)
+            .iter()
+            .enumerate()
+            .filter(|(_, &b)| b > 0.0)
+        {
+            joint.insert(vec![t0 as u32, t1 as u32], a * b);
+        }
+    }
+    let mut spec = SpeculativeDecoder::new(
+        Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
+        Some(3),
+    );
+    spec.start();
+    let mut cache = target.new_cache();
+    let before = &history[..history.len() - 1];
+    target
+        .forward(
+            &Array::from_slice(before, &[1, before.len()]).unwrap(),
+            &mut cache,
+            Logits::None,
+            false,
+        )
+        .unwrap();
+    let mut sampler = Sampler::new(cfg.clone()).unwrap();
+    let mut counts = BTreeMap::new();
+    for _ in 0..600 {
+        let mut toks: Vec<u32> = spec
+            .cycle(&target, &mut cache, &history, &mut sampler, 8)
+            .unwrap()
+            .iter()
+            .map(|t| t.id)
+            .collect();
+        if toks.len() == 1 {
+            let h: Vec<u32> = history.iter().chain(&toks).copied().collect();
+            toks.push(
+                spec.cycle(&target, &mut cache, &h, &mut sampler, 8)
+                    .unwrap()[0]
+                    .id,
+            );
+        }
+        *counts.entry(toks[..2].to_vec()).or_insert(0) += 1;
+    }
+    let st = spec.stats();
+    let (s, df) = chi_square(&counts, &joint);
+    eprintln!(
+        "gemma4_assistant sampling: joint of 2 tokens chi2 {s:.1}, df {df}, critical {:.1}; {st:?}",
+        critical(df)
+    );
+    assert!(
+        st.acceptance_by_position[0] < 0.5,
+        "the assistant must disagree often: {st:?}"
+    );
+    assert!(
+        s < critical(df),
+        "chi2 {s} >= {} with {df} degrees of freedom",
+        critical(df)
+    );
+    // power: the assistant's own first-token distribution is rejected
+    let mut d = AssistantDrafter::new(target.clone(), assistant()).unwrap();
+    let q = d.propose(&history, 1, &cfg).unwrap().logprobs.unwrap();
+    let qd: BTreeMap<Vec<u32>, f64> = probs(&q)
+        .iter()
+        .enumerate()
+        .filter(|(_, &x)| x > 0.0)
+        .map(|(i, &x)| (vec![i as u32], x))
+        .collect();
+    let first = counts.iter().fold(BTreeMap::new(), |mut m, (k, &c)| {
+        *m.entry(vec![k[0]]).or_insert(0usize) += c;
+        m
+    });
+    let (sq, dfq) = chi_square(&first, &qd);
+    eprintln!("  against the assistant's distribution: chi2 {sq:.1}, df {dfq}");
+    assert!(
+        sq > critical(dfq),
+        "the test has no power: the assistant's distribution passes too"
+    );
 }
