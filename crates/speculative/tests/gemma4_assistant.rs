@@ -4,8 +4,9 @@
 //! target): four chained draft steps' logits within 1e-4 relative (f32) and the same draft
 //! tokens, for a context inside the sliding window and one past it (there the reference cuts the
 //! sliding K/V to the target's last `sliding_window` positions, which is what our cache holds;
-//! transformers' bidirectional mask lets the query see one more); then assistant drafting in speculative decoding, token for token equal to plain greedy
-//! decoding with flat and paged target caches, and a chi-square check of speculative sampling.
+//! transformers' bidirectional mask lets the query see one more); then assistant drafting in
+//! speculative decoding, token for token equal to plain greedy decoding with flat and paged
+//! target caches, and a chi-square check of speculative sampling.
 mod common;
 use common::*;
 use mlx_array::Array;
