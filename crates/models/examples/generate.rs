@@ -58,10 +58,12 @@ struct Cli {
     /// KV cache: the family's default (auto), flat, or the paged block pool.
     #[arg(long, value_enum, default_value = "auto")]
     kv: Kv,
-    /// Decode speculatively with this draft checkpoint (a causal LM sharing the vocabulary).
+    /// Decode speculatively with this draft checkpoint (a causal LM sharing the vocabulary, or a
+    /// `gemma4_assistant` draft for a Gemma 4 model).
     #[arg(long)]
     draft_model: Option<PathBuf>,
-    /// Draft tokens per cycle (default: the drafter's; 3 for a draft model).
+    /// Draft tokens per cycle (default: the drafter's; 3 for a draft model and an assistant,
+    /// whose depth is clamped to 1..=8).
     #[arg(long, requires = "draft_model", value_parser = clap::value_parser!(u64).range(1..=64))]
     draft_tokens: Option<u64>,
     /// Decode speculatively with the model's multi-token-prediction head (Qwen3.5 checkpoints
@@ -137,7 +139,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         return Err("speculative decoding (--draft-model, --mtp) does not run tensor parallel (--distributed)".into());
     }
     let mut spec = match (&cli.draft_model, cli.mtp) {
-        (Some(d), _) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter(d, &opts)?, cli.draft_tokens.map(|k| k as usize))),
+        (Some(d), _) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter_for(d, &opts, &model)?, cli.draft_tokens.map(|k| k as usize))),
         (None, true) => {
             let d = Box::new(mlx_speculative::MtpDrafter::new(model.clone())?);
             Some(match cli.mtp_depth {

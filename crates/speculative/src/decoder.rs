@@ -75,7 +75,12 @@ pub struct SpeculativeDecoder {
 impl SpeculativeDecoder {
     /// `depth`: proposals per cycle; `None` = the drafter's default.
     pub fn new(drafter: Box<dyn Drafter>, depth: Option<usize>) -> Self {
-        let depth = Depth::Fixed(depth.unwrap_or_else(|| drafter.default_depth()));
+        let depth = depth.unwrap_or_else(|| drafter.default_depth());
+        let depth = Depth::Fixed(
+            drafter
+                .max_depth()
+                .map_or(depth, |m| depth.clamp(1, m.max(1))),
+        );
         SpeculativeDecoder {
             drafter,
             depth,
@@ -90,6 +95,7 @@ impl SpeculativeDecoder {
     /// default depth).
     pub fn adaptive(drafter: Box<dyn Drafter>, max: Option<usize>) -> Self {
         let max = max.unwrap_or_else(|| drafter.default_depth()).max(1);
+        let max = drafter.max_depth().map_or(max, |m| max.min(m.max(1)));
         SpeculativeDecoder {
             drafter,
             depth: Depth::Adaptive(max),

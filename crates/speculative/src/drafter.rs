@@ -46,6 +46,11 @@ pub trait Drafter: Send {
     fn vocab_size(&self) -> usize;
     /// Proposals per cycle when the caller does not say.
     fn default_depth(&self) -> usize;
+    /// The most proposals per cycle, where the drafter has a limit (a requested depth is
+    /// clamped to `1..=max`).
+    fn max_depth(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Whether `cfg` reads the token history (penalties): then every draw must reach the host

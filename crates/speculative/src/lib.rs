@@ -27,6 +27,7 @@
 //! # Ok(()) }
 //! ```
 mod adaptive;
+mod assistant;
 mod decoder;
 mod drafter;
 mod load;
@@ -35,8 +36,9 @@ mod tracked;
 pub mod verify;
 
 pub use adaptive::Adaptive;
+pub use assistant::AssistantDrafter;
 pub use decoder::{Depth, SpeculativeDecoder};
 pub use drafter::{Draft, DraftModel, Drafter, Feedback};
-pub use load::{draft_kind, embedded_draft_dir, load_drafter, DraftKind};
+pub use load::{draft_kind, embedded_draft_dir, load_drafter, load_drafter_for, DraftKind};
 pub use mtp::MtpDrafter;
 pub use verify::Verdict;

@@ -1,6 +1,8 @@
 //! Drafters from checkpoints: the draft kind is read from the draft's config.json.
+use crate::assistant::AssistantDrafter;
 use crate::drafter::{DraftModel, Drafter};
-use mlx_models::{load_model, KvCacheMode, LoadOptions, ModelError, Result};
+use mlx_models::families::gemma4::Gemma4Assistant;
+use mlx_models::{load_model, KvCacheMode, LoadOptions, Model, ModelError, Result};
 use std::path::{Path, PathBuf};
 
 /// What a draft checkpoint is, from its config.json.
@@ -61,11 +63,26 @@ pub fn embedded_draft_dir(target: &Path) -> Option<PathBuf> {
     d.join("config.json").is_file().then_some(d)
 }
 
-/// Load the drafter in `dir` with the target's load options (a flat cache of its own). Only
-/// plain draft models are implemented; the other kinds are refused by name.
+/// Load the drafter in `dir` with the target's load options (a flat cache of its own). Plain
+/// draft models load here; `gemma4_assistant` drafts read their target's embeddings, hidden
+/// states and K/V, so they need [`load_drafter_for`]; the other kinds are refused by name.
 pub fn load_drafter(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Drafter>> {
-    match draft_kind(dir)? {
-        DraftKind::Model => {
+    load(dir, opts, None)
+}
+
+/// [`load_drafter`] for `target`: plain draft models and `gemma4_assistant` drafts (for a
+/// Gemma 4 target) load; DSpark and DFlash drafts are refused by name.
+pub fn load_drafter_for(
+    dir: &Path,
+    opts: &LoadOptions,
+    target: &Model,
+) -> Result<Box<dyn Drafter>> {
+    load(dir, opts, Some(target))
+}
+
+fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dyn Drafter>> {
+    match (draft_kind(dir)?, target) {
+        (DraftKind::Model, _) => {
             let opts = LoadOptions {
                 kv_cache: KvCacheMode::Flat,
                 ..opts.clone()
@@ -74,8 +91,16 @@ pub fn load_drafter(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Drafter>> 
                 load_model(dir, &opts)?.into_lm()?,
             )))
         }
-        k => Err(ModelError::UnsupportedOption(format!(
-            "{}: {} drafts are not implemented (plain draft models are)",
+        (DraftKind::Gemma4Assistant, Some(t)) => Ok(Box::new(AssistantDrafter::new(
+            t.clone(),
+            Gemma4Assistant::load(dir, opts.dtype)?,
+        )?)),
+        (DraftKind::Gemma4Assistant, None) => Err(ModelError::UnsupportedOption(format!(
+            "{}: a gemma4_assistant draft reads its target's K/V: load it with load_drafter_for",
+            dir.display()
+        ))),
+        (k, _) => Err(ModelError::UnsupportedOption(format!(
+            "{}: {} drafts are not implemented (plain draft models and gemma4_assistant drafts are)",
             dir.display(),
             k.as_str()
         ))),

@@ -78,6 +78,10 @@ pub struct Gemma4Config {
     pub top_k_experts: Option<usize>,
     pub moe_intermediate_size: Option<usize>,
     pub per_layer_config: Option<HashMap<String, Gemma4LayerOverride>>,
+    /// Every layer projects only queries and attends over K/V it is given (a `gemma4_assistant`
+    /// draft network, [`Gemma4Assistant`]); never read from a config.
+    #[serde(skip)]
+    pub q_only: bool,
 }
 
 crate::config::impl_deref!(Gemma4Config => base: GemmaConfig);
@@ -122,7 +126,7 @@ impl Gemma4Config {
 
     fn is_kv_shared(&self, i: usize) -> bool {
         let f = self.first_shared();
-        f > 0 && i >= f
+        self.q_only || (f > 0 && i >= f)
     }
 
     fn full_override(&self) -> Option<&Gemma4LayerOverride> {
@@ -578,6 +582,42 @@ impl Gemma4Model {
     pub fn config(&self) -> &Gemma4Config {
         &self.cfg
     }
+
+    /// The scaled input embeddings of `tokens` (`[B, L]` ids → `[B, L, H]`), as the first layer
+    /// sees them (a `gemma4_assistant` draft's token input).
+    pub fn embed_scaled(&self, tokens: &Array) -> Result<Array> {
+        let net = self.net.as_ref().ok_or_else(|| ModelError::Cache("Gemma 4 model built from its config only has no weights".into()))?;
+        check_tokens(tokens)?;
+        Ok(net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?)
+    }
+
+    /// The layers whose K/V a `gemma4_assistant` draft attends over: the last layer with its own
+    /// K/V of each type, `(sliding, full)`.
+    pub fn assistant_kv_layers(&self) -> Result<(usize, usize)> {
+        let last_own = |sliding: bool| (0..self.cfg.num_hidden_layers).rev().find(|&i| !self.cfg.is_kv_shared(i) && self.cfg.is_sliding(i) == sliding);
+        match (last_own(true), last_own(false)) {
+            (Some(s), Some(f)) => Ok((s, f)),
+            _ => Err(ModelError::UnsupportedOption("Gemma 4 assistant drafting needs a target with both sliding and full attention layers".into())),
+        }
+    }
+
+    /// The K/V of [`Gemma4Model::assistant_kv_layers`] in a flat (not paged) `cache`, in temporal
+    /// order: `(sliding, full)`, each `(keys, values)` `[B, kv_heads, T, D]`. The sliding layer
+    /// gives its last `sliding_window` held positions, the full layer every position.
+    pub fn assistant_kv(&self, cache: &mut Cache) -> Result<((Array, Array), (Array, Array))> {
+        if cache.is_paged() {
+            return Err(ModelError::UnsupportedOption("Gemma 4 assistant drafting reads a flat cache, not a paged one".into()));
+        }
+        let (s, f) = self.assistant_kv_layers()?;
+        let window = self.cfg.sliding_window;
+        let mut read = |i: usize, keep: Option<usize>| -> Result<(Array, Array)> {
+            let kv = cache.kv(i)?;
+            let off = kv.offset();
+            let n = keep.map_or(off, |w| kv.stored().min(w));
+            kv.span(off - n, off)?.ok_or_else(|| ModelError::Cache(format!("layer {i}: the cache holds no K/V for the assistant to read")))
+        };
+        Ok((read(s, Some(window))?, read(f, None)?))
+    }
     /// Whether weights are loaded (false for [`Gemma4Model::from_config`]).
     pub fn is_initialized(&self) -> bool {
         self.net.is_some()
@@ -709,6 +749,10 @@ impl ModelRuntime for Gemma4Model {
         let h = self.hidden(net, tokens, cache, rows)?;
         net.lm_head.output(h, logits, hidden)
     }
+
+    fn as_gemma4(&self) -> Option<&Gemma4Model> {
+        Some(self)
+    }
 }
 
 /// The registry's constructor.
@@ -745,3 +789,113 @@ pub(crate) const PRESETS: &[Preset] = &[
     ("tiny", || shape(64, 128, 4, 16, 32, 512, 16, 16, 4096)),
     ("small", || shape(1024, 3072, 8, 128, 256, 32768, 64, 512, 131072)),
 ];
+
+/// A `gemma4_assistant` config.json: the draft network's decoder settings (`text_config`) and
+/// the hidden size of the target it drafts for.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Gemma4AssistantConfig {
+    pub backbone_hidden_size: usize,
+    #[serde(default)]
+    pub use_ordered_embeddings: bool,
+    pub text_config: Value,
+}
+
+/// Google's Gemma 4 assistant draft network (`Gemma4AssistantForCausalLM`): `pre_projection`
+/// of [target token embedding, previous hidden state] to its own width, layers that project
+/// only queries and attend over the target's K/V of its last own-K/V sliding and full layers,
+/// the final norm, the tied head (as transformers 5.17, without a logit soft-cap), and
+/// `post_projection` back to the target's width for the next draft step.
+pub struct Gemma4Assistant {
+    cfg: Gemma4Config,
+    backbone: usize,
+    pre: Linear,
+    post: Linear,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    head: LmHead,
+}
+
+impl Gemma4Assistant {
+    /// Load the checkpoint in `dir` (floats converted to `float_dtype` when given).
+    pub fn load(dir: &Path, float_dtype: Option<mlx_array::DType>) -> Result<Self> {
+        let text = std::fs::read_to_string(dir.join("config.json")).map_err(|_| ModelError::ConfigNotFound(dir.to_path_buf()))?;
+        let root: Value = serde_json::from_str(&text).map_err(|e| ModelError::MalformedConfig { path: dir.to_path_buf(), reason: e.to_string() })?;
+        let a: Gemma4AssistantConfig = crate::config::parse_checked(dir, &root, |a: &Gemma4AssistantConfig| {
+            if a.use_ordered_embeddings {
+                return Err("use_ordered_embeddings (a centroid-masked head) is not supported".into());
+            }
+            if a.backbone_hidden_size == 0 {
+                return Err("backbone_hidden_size must be positive".into());
+            }
+            Ok(())
+        })?;
+        let mut cfg: Gemma4Config = crate::config::parse_checked(dir, &a.text_config, |c: &Gemma4Config| {
+            if c.hidden_size == 0 || c.num_hidden_layers == 0 || c.vocab_size == 0 || c.num_attention_heads == 0 {
+                return Err("hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be positive".into());
+            }
+            if c.ple_dim() != 0 || c.enable_moe_block || c.use_double_wide_mlp {
+                return Err("an assistant has no per-layer inputs, MoE blocks or double-wide MLPs".into());
+            }
+            if c.num_kv_shared_layers.is_some_and(|n| n != 0 && n != c.num_hidden_layers) {
+                return Err(format!("every assistant layer reads shared K/V: num_kv_shared_layers must be {}", c.num_hidden_layers));
+            }
+            if Activation::parse(&c.hidden_activation).is_none() {
+                return Err(format!("unknown hidden_activation {:?}", c.hidden_activation));
+            }
+            if c.layer_types().len() != c.num_hidden_layers {
+                return Err("layer_types must name every layer".into());
+            }
+            Ok(())
+        })?;
+        cfg.q_only = true;
+        let weights = Weights::load(dir, float_dtype)?;
+        let root = weights.root();
+        let vb = root.pp("model");
+        let (h, b) = (cfg.hidden_size, a.backbone_hidden_size);
+        let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;
+        let layers = (0..cfg.num_hidden_layers).map(|i| Block::load(&vb.pp("layers").pp(i), &cfg, i)).collect::<Result<Vec<_>>>()?;
+        Ok(Gemma4Assistant {
+            pre: Linear::load(&root.pp("pre_projection"), 2 * b, h, false)?,
+            post: Linear::load(&root.pp("post_projection"), h, b, false)?,
+            norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps, 0.0)?,
+            head: LmHead::load(&root, "model", &embed, cfg.tie_word_embeddings, h, cfg.vocab_size)?,
+            layers,
+            backbone: b,
+            cfg,
+        })
+    }
+
+    /// The draft network's settings.
+    pub fn config(&self) -> &Gemma4Config {
+        &self.cfg
+    }
+
+    /// The hidden size of the target this assistant drafts for.
+    pub fn backbone_hidden_size(&self) -> usize {
+        self.backbone
+    }
+
+    /// One draft step for one sequence. `x`: `[1, L, 2 * backbone]` (the target's scaled
+    /// embedding of a token, then the hidden state before it: the target's final-normed one for
+    /// the first draft, this network's projected output after), queried at rope position `pos`;
+    /// `sliding`, `full`: the K/V (`[1, kv_heads, T, D]`) of the target's last own-K/V layer of
+    /// each type, every query seeing all of them. Returns f32 logits `[1, L, V]` and the
+    /// projected hidden states `[1, L, backbone]`.
+    pub fn step(&self, x: &Array, pos: usize, sliding: &(Array, Array), full: &(Array, Array)) -> Result<(Array, Array)> {
+        let want = 2 * self.backbone;
+        if x.ndim() != 3 || x.dims()[2] as usize != want {
+            return Err(ModelError::InvalidInput(format!("assistant input must be [1, L, {want}], got {:?}", x.dims())));
+        }
+        let mut x = self.pre.forward(x)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let kv = if self.cfg.is_sliding(i) { sliding } else { full };
+            let h = layer.input_norm.forward(&x)?;
+            let (a, _) = layer.attn.forward(&h, None, Some(kv), pos, AttentionMask::None, false, None)?;
+            let h = x.add(&layer.post_attn_norm.forward(&a)?)?;
+            let y = h.add(&layer.post_ffn_norm.forward(&layer.ffn(&h)?)?)?;
+            x = y.mul(&layer.layer_scalar)?;
+        }
+        let h = self.norm.forward(&x)?;
+        Ok((self.head.forward(&h)?, self.post.forward(&h)?))
+    }
+}
