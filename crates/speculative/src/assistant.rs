@@ -1,8 +1,7 @@
 //! [`AssistantDrafter`]: Google's Gemma 4 assistant drafts (`gemma4_assistant` checkpoints).
-use crate::drafter::{key_for, reads_history, sampler_for, split, Draft, Drafter};
+use crate::drafter::{draw, reads_history, sampler_for, Draft, Drafter, SeededKey};
 use crate::tracked::{forward, row, Tracked};
-use mlx_array::random::{categorical, Key};
-use mlx_array::{ops::concatenate, Array, DType};
+use mlx_array::{ops::concatenate, Array};
 use mlx_models::families::gemma4::Gemma4Assistant;
 use mlx_models::{Cache, Logits, Model, ModelError, Result};
 use sampling::SamplingConfig;
@@ -23,7 +22,7 @@ pub struct AssistantDrafter {
     net: Gemma4Assistant,
     cache: Cache,
     tracked: Tracked,
-    key: Option<(Option<u64>, Key)>,
+    key: SeededKey,
     depth: usize,
 }
 
@@ -68,17 +67,11 @@ impl AssistantDrafter {
             net,
             cache,
             tracked: Tracked::new(Vec::new()),
-            key: None,
+            key: SeededKey::new(5),
             depth: Self::DEFAULT_DEPTH,
         })
     }
 
-    fn key(&mut self, cfg: &SamplingConfig) -> Result<&mut Key> {
-        if self.key.as_ref().is_none_or(|(s, _)| *s != cfg.seed) {
-            self.key = Some((cfg.seed, key_for(cfg, 5)?));
-        }
-        Ok(&mut self.key.as_mut().expect("set above").1)
-    }
 
     fn embed(&self, tokens: &Array) -> Result<Array> {
         self.target.with_runtime(|rt| {
@@ -154,19 +147,7 @@ impl AssistantDrafter {
             let x = concatenate(&[&self.embed(&cur)?, &hidden], 2)?;
             let (logits, h) = self.net.step(&x, n - 1, &sliding, &full)?;
             let logits = logits.reshape(&[1, -1])?;
-            let rows: [&[u32]; 1] = [&hist];
-            let lp = sampler
-                .distribution(&logits, if host { &rows } else { &[] })
-                .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-            let t = if greedy {
-                lp.argmax(-1, false)?
-            } else {
-                categorical(&lp, -1, &split(self.key(cfg)?)?)?
-            }
-            .astype(DType::U32)?;
-            if host {
-                hist.push(t.to_vec::<u32>()?[0]);
-            }
+            let (t, lp) = draw(&sampler, &logits, &mut hist, host, greedy, &mut self.key, cfg)?;
             cur = t.reshape(&[1, 1])?;
             hidden = h;
             toks.push(t);

@@ -1,8 +1,7 @@
 //! [`SpeculativeDecoder`]: a [`Drafter`] and the verifier, as an [`mlx_models::Speculator`].
-use crate::drafter::{key_for, reads_history, Drafter, Feedback};
+use crate::drafter::{reads_history, Drafter, Feedback, SeededKey};
 use crate::tracked::{forward, row, Tracked};
 use crate::verify::{verify_greedy, verify_sampled, Verdict};
-use mlx_array::random::Key;
 use mlx_models::{Cache, Logits, Model, ModelError, Result, SpeculativeStats, Speculator, Token};
 use sampling::Sampler;
 
@@ -68,7 +67,7 @@ pub struct SpeculativeDecoder {
     depth: Depth,
     policy: Option<crate::Adaptive>,
     target: Option<Tracked>,
-    key: Option<(Option<u64>, Key)>,
+    key: SeededKey,
     counters: Counters,
 }
 
@@ -86,7 +85,7 @@ impl SpeculativeDecoder {
             depth,
             policy: None,
             target: None,
-            key: None,
+            key: SeededKey::new(2),
             counters: Counters::default(),
         }
     }
@@ -101,7 +100,7 @@ impl SpeculativeDecoder {
             depth: Depth::Adaptive(max),
             policy: None,
             target: None,
-            key: None,
+            key: SeededKey::new(2),
             counters: Counters::default(),
         }
     }
@@ -110,12 +109,6 @@ impl SpeculativeDecoder {
         self.depth
     }
 
-    fn key(&mut self, cfg: &sampling::SamplingConfig) -> Result<&mut Key> {
-        if self.key.as_ref().is_none_or(|(s, _)| *s != cfg.seed) {
-            self.key = Some((cfg.seed, key_for(cfg, 2)?));
-        }
-        Ok(&mut self.key.as_mut().expect("set above").1)
-    }
 
     /// No drafts this cycle: one plain step through the target.
     fn plain_step(
@@ -143,7 +136,7 @@ impl SpeculativeDecoder {
         let v = if cfg.is_greedy() {
             verify_greedy(&lp, &[])?
         } else {
-            verify_sampled(&lp, &lp.slice_axis(0, 0, 0)?, &[], self.key(&cfg)?)?
+            verify_sampled(&lp, &lp.slice_axis(0, 0, 0)?, &[], self.key.get(&cfg)?)?
         };
         Ok(v.tokens)
     }
@@ -253,7 +246,7 @@ impl Speculator for SpeculativeDecoder {
                 )
             })?;
             let q = q.slice_axis(0, 0, drafts.len())?;
-            verify_sampled(&lp, &q, drafts, self.key(&cfg)?)?
+            verify_sampled(&lp, &q, drafts, self.key.get(&cfg)?)?
         };
         let n = verdict.accepted;
         let tracked = self.target.as_mut().expect("set above");

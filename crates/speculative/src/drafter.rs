@@ -69,7 +69,7 @@ pub(crate) fn sampler_for(cfg: &SamplingConfig) -> Result<Sampler> {
 }
 
 /// A key seeded from `cfg.seed` mixed with `salt` (the clock when unseeded).
-pub(crate) fn key_for(cfg: &SamplingConfig, salt: u64) -> Result<Key> {
+fn key_for(cfg: &SamplingConfig, salt: u64) -> Result<Key> {
     let seed = cfg.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -78,13 +78,61 @@ pub(crate) fn key_for(cfg: &SamplingConfig, salt: u64) -> Result<Key> {
     Ok(Key::new(seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))?)
 }
 
+/// An RNG key that follows the sampler settings' seed: made by [`key_for`] on first use and
+/// whenever `cfg.seed` changes, advanced by every draw. Each user has its own `salt`.
+pub(crate) struct SeededKey {
+    salt: u64,
+    key: Option<(Option<u64>, Key)>,
+}
+
+impl SeededKey {
+    pub(crate) fn new(salt: u64) -> Self {
+        SeededKey { salt, key: None }
+    }
+
+    pub(crate) fn get(&mut self, cfg: &SamplingConfig) -> Result<&mut Key> {
+        if self.key.as_ref().is_none_or(|(s, _)| *s != cfg.seed) {
+            self.key = Some((cfg.seed, key_for(cfg, self.salt)?));
+        }
+        Ok(&mut self.key.as_mut().expect("set above").1)
+    }
+}
+
+/// One draft draw from `logits` (`[1, V]`) under `sampler` (the target's settings `cfg`): the
+/// token (argmax when `greedy`, else drawn with `key`) and the processed log-distribution. With
+/// `host` (settings that read the history) the penalties see `hist`, and the token joins it.
+pub(crate) fn draw(
+    sampler: &Sampler,
+    logits: &Array,
+    hist: &mut Vec<u32>,
+    host: bool,
+    greedy: bool,
+    key: &mut SeededKey,
+    cfg: &SamplingConfig,
+) -> Result<(Array, Array)> {
+    let rows: [&[u32]; 1] = [hist.as_slice()];
+    let lp = sampler
+        .distribution(logits, if host { &rows } else { &[] })
+        .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+    let t = if greedy {
+        lp.argmax(-1, false)?
+    } else {
+        categorical(&lp, -1, &split(key.get(cfg)?)?)?
+    }
+    .astype(DType::U32)?;
+    if host {
+        hist.push(t.to_vec::<u32>()?[0]);
+    }
+    Ok((t, lp))
+}
+
 /// A smaller LM sharing the target's vocabulary (e.g. Qwen3-0.6B for Qwen3-8B), decoding with
 /// its own cache and the target's sampler settings.
 pub struct DraftModel {
     model: Model,
     cache: Cache,
     tracked: Tracked,
-    key: Option<(Option<u64>, Key)>,
+    key: SeededKey,
     depth: usize,
 }
 
@@ -98,7 +146,7 @@ impl DraftModel {
             model,
             cache,
             tracked: Tracked::new(Vec::new()),
-            key: None,
+            key: SeededKey::new(1),
             depth: Self::DEFAULT_DEPTH,
         }
     }
@@ -107,12 +155,6 @@ impl DraftModel {
         &self.model
     }
 
-    fn key(&mut self, cfg: &SamplingConfig) -> Result<&mut Key> {
-        if self.key.as_ref().is_none_or(|(s, _)| *s != cfg.seed) {
-            self.key = Some((cfg.seed, key_for(cfg, 1)?));
-        }
-        Ok(&mut self.key.as_mut().expect("set above").1)
-    }
 }
 
 impl Drafter for DraftModel {
@@ -152,19 +194,7 @@ impl Drafter for DraftModel {
                 .logits
                 .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
                 .reshape(&[1, -1])?;
-            let rows: [&[u32]; 1] = [&hist];
-            let lp = sampler
-                .distribution(&logits, if host { &rows } else { &[] })
-                .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-            let t = if greedy {
-                lp.argmax(-1, false)?
-            } else {
-                categorical(&lp, -1, &split(self.key(cfg)?)?)?
-            }
-            .astype(DType::U32)?;
-            if host {
-                hist.push(t.to_vec::<u32>()?[0]);
-            }
+            let (t, lp) = draw(&sampler, &logits, &mut hist, host, greedy, &mut self.key, cfg)?;
             cur = t.reshape(&[1, 1])?;
             toks.push(t);
             if !greedy {

@@ -1,8 +1,7 @@
 //! [`MtpDrafter`]: drafts from the target's own multi-token-prediction head (Qwen3.5).
-use crate::drafter::{key_for, reads_history, sampler_for, split, Draft, Drafter, Feedback};
+use crate::drafter::{draw, reads_history, sampler_for, Draft, Drafter, Feedback, SeededKey};
 use crate::tracked::row;
-use mlx_array::random::{categorical, Key};
-use mlx_array::{ops::concatenate, Array, DType};
+use mlx_array::{ops::concatenate, Array};
 use mlx_models::{Cache, Logits, Model, ModelError, Result};
 use sampling::SamplingConfig;
 
@@ -24,7 +23,7 @@ pub struct MtpDrafter {
     pending: Option<Array>,
     /// Draft entries after the verified ones (trimmed before the next cycle).
     drafted: usize,
-    key: Option<(Option<u64>, Key)>,
+    key: SeededKey,
     depth: usize,
 }
 
@@ -56,7 +55,7 @@ impl MtpDrafter {
             verified: 0,
             pending: None,
             drafted: 0,
-            key: None,
+            key: SeededKey::new(3),
             depth: Self::DEFAULT_DEPTH,
         })
     }
@@ -81,12 +80,6 @@ impl MtpDrafter {
         Ok(())
     }
 
-    fn key(&mut self, cfg: &SamplingConfig) -> Result<&mut Key> {
-        if self.key.as_ref().is_none_or(|(s, _)| *s != cfg.seed) {
-            self.key = Some((cfg.seed, key_for(cfg, 3)?));
-        }
-        Ok(&mut self.key.as_mut().expect("set above").1)
-    }
 
     fn step(&mut self, tokens: &Array, hidden: &Array) -> Result<(Array, Array)> {
         let (logits, h) = self
@@ -136,19 +129,7 @@ impl Drafter for MtpDrafter {
         let mut hist: Vec<u32> = if host { history.to_vec() } else { Vec::new() };
         let (mut out, mut lps) = (Vec::with_capacity(k), Vec::with_capacity(k));
         for i in 0..k {
-            let rows: [&[u32]; 1] = [&hist];
-            let lp = sampler
-                .distribution(&logits, if host { &rows } else { &[] })
-                .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-            let t = if greedy {
-                lp.argmax(-1, false)?
-            } else {
-                categorical(&lp, -1, &split(self.key(cfg)?)?)?
-            }
-            .astype(DType::U32)?;
-            if host {
-                hist.push(t.to_vec::<u32>()?[0]);
-            }
+            let (t, lp) = draw(&sampler, &logits, &mut hist, host, greedy, &mut self.key, cfg)?;
             if !greedy {
                 lps.push(lp);
             }
