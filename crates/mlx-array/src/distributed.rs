@@ -320,3 +320,58 @@ pub fn local_ring_hostfile(n: usize) -> Result<String> {
     let hosts = listeners.iter().map(|l| Ok(vec![l.local_addr().map_err(io)?.to_string()])).collect::<Result<Vec<Vec<String>>>>()?;
     Ok(serde_json::to_string(&hosts).expect("strings serialize"))
 }
+
+/// Run `n` processes of `program` as the ranks of a ring group on this machine (what the tests of
+/// collective code need): a hostfile from [`local_ring_hostfile`] in a temporary file,
+/// `MLX_RANK` and `MLX_HOSTFILE` set for each rank, `configure` for the rest (arguments, other
+/// variables), stdout and stderr captured. Each rank's output, by rank; if any rank is still
+/// running after `timeout`, all are killed and the call fails.
+pub fn run_local_ring(n: usize, program: &std::path::Path, timeout: std::time::Duration, configure: impl Fn(&mut std::process::Command)) -> Result<Vec<std::process::Output>> {
+    let hostfile = std::env::temp_dir().join(format!("mlx-ring-{}-{:x}.json", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())));
+    let io = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    std::fs::write(&hostfile, local_ring_hostfile(n)?).map_err(io(&hostfile))?;
+    let result = run_ranks(n, program, &hostfile, timeout, configure);
+    let _ = std::fs::remove_file(&hostfile);
+    result
+}
+
+fn run_ranks(n: usize, program: &std::path::Path, hostfile: &std::path::Path, timeout: std::time::Duration, configure: impl Fn(&mut std::process::Command)) -> Result<Vec<std::process::Output>> {
+    let io = |source| Error::Io { path: program.to_path_buf(), source };
+    let mut children = Vec::with_capacity(n);
+    for r in 0..n {
+        let mut cmd = std::process::Command::new(program);
+        configure(&mut cmd);
+        cmd.env("MLX_RANK", r.to_string()).env("MLX_HOSTFILE", hostfile).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        match cmd.spawn() {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                return Err(io(e));
+            }
+        }
+    }
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let mut running = false;
+        for c in children.iter_mut() {
+            running |= c.try_wait().map_err(io)?.is_none();
+        }
+        if !running {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            return Err(Error::Distributed { op: "run_local_ring", msg: format!("{n} ranks did not finish within {} s", timeout.as_secs_f64()) });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    children.into_iter().map(|c| c.wait_with_output().map_err(io)).collect()
+}

@@ -3,9 +3,8 @@
 //! child's environment) and checks every collective's result on every rank.
 //!
 //! `harness = false`: `main` is the test. With `DIST_TEST_RANKS` set it is a rank.
-use mlx_array::distributed::{depends, local_ring_hostfile, Backend, Group};
+use mlx_array::distributed::{depends, run_local_ring, Backend, Group};
 use mlx_array::{Array, DType, Error};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn main() {
@@ -43,40 +42,12 @@ fn errors_without_a_group() {
 
 /// Start `n` ranks of this binary and require all of them to exit 0 within a minute.
 fn run_group(n: usize) {
-    let dir = tempfile::tempdir().unwrap();
-    let hostfile = dir.path().join("hosts.json");
-    std::fs::write(&hostfile, local_ring_hostfile(n).unwrap()).unwrap();
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..n)
-        .map(|r| {
-            Command::new(&exe)
-                .env("DIST_TEST_RANKS", n.to_string())
-                .env("MLX_RANK", r.to_string())
-                .env("MLX_HOSTFILE", &hostfile)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut done = vec![None; n];
-    while done.iter().any(Option::is_none) {
-        for (r, c) in children.iter_mut().enumerate() {
-            if done[r].is_none() {
-                done[r] = c.try_wait().unwrap();
-            }
-        }
-        if Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
-            }
-            panic!("{n} ranks did not finish within 60 s (exited: {done:?})");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for (r, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().unwrap();
+    let outputs = run_local_ring(n, &exe, Duration::from_secs(60), |c| {
+        c.env("DIST_TEST_RANKS", n.to_string());
+    })
+    .unwrap();
+    for (r, out) in outputs.into_iter().enumerate() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "rank {r} of {n} failed ({}):\n{}\n{}", out.status, stdout, String::from_utf8_lossy(&out.stderr));
         assert!(stdout.contains(&format!("rank {r} of {n} ok")), "rank {r}: {stdout}");

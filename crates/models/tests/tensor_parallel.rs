@@ -10,13 +10,12 @@
 //! `harness = false`: `main` is the test. With `TP_TEST_SPEC` set it is a rank.
 mod common;
 use common::*;
-use mlx_array::distributed::{local_ring_hostfile, Backend, Group};
+use mlx_array::distributed::{run_local_ring, Backend, Group};
 use mlx_array::{memory, Array, DType};
 use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions};
 use sampling::SamplingConfig;
 use serde_json::{json, Value};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const STEPS: usize = 16;
@@ -114,48 +113,14 @@ fn check_tokens_and_bytes(name: &str, dir: &Path, n: usize, kv: &str) {
 
 /// Run `n` ranks of this binary on `spec`; each rank's success and its stdout + stderr.
 fn run_ranks(n: usize, spec: &Value) -> Vec<(bool, String)> {
-    let dir = tempfile::tempdir().unwrap();
-    let hostfile = dir.path().join("hosts.json");
-    std::fs::write(&hostfile, local_ring_hostfile(n).unwrap()).unwrap();
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..n)
-        .map(|r| {
-            Command::new(&exe)
-                .env("TP_TEST_SPEC", spec.to_string())
-                .env("MLX_RANK", r.to_string())
-                .env("MLX_HOSTFILE", &hostfile)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let mut running = 0;
-        for c in children.iter_mut() {
-            if c.try_wait().unwrap().is_none() {
-                running += 1;
-            }
-        }
-        if running == 0 {
-            break;
-        }
-        if Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
-            }
-            panic!("{n} ranks on {spec} did not finish within 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    children
-        .into_iter()
-        .map(|c| {
-            let o = c.wait_with_output().unwrap();
-            (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-        })
-        .collect()
+    run_local_ring(n, &exe, Duration::from_secs(120), |c| {
+        c.env("TP_TEST_SPEC", spec.to_string());
+    })
+    .unwrap_or_else(|e| panic!("{n} ranks on {spec}: {e}"))
+    .into_iter()
+    .map(|o| (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))))
+    .collect()
 }
 
 fn rank_main(spec: Value) {

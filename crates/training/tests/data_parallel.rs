@@ -16,14 +16,13 @@
 mod common;
 
 use common::*;
-use mlx_array::distributed::{local_ring_hostfile, Backend, Group};
+use mlx_array::distributed::{run_local_ring, Backend, Group};
 use mlx_training::distributed::{rank_share, reduce_gradients};
 use mlx_training::state::OPTIMIZER_FILE;
 use mlx_training::{Example, OptimizerConfig, SftConfig, SftTrainer, SgdConfig};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn examples() -> Vec<Example> {
@@ -111,39 +110,14 @@ fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f
 }
 
 fn run_ranks(n: usize, spec: &Value) -> Vec<(bool, String)> {
-    let dir = tempfile::tempdir().unwrap();
-    let hostfile = dir.path().join("hosts.json");
-    std::fs::write(&hostfile, local_ring_hostfile(n).unwrap()).unwrap();
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..n)
-        .map(|r| {
-            Command::new(&exe)
-                .env("DP_TEST_SPEC", spec.to_string())
-                .env("MLX_RANK", r.to_string())
-                .env("MLX_HOSTFILE", &hostfile)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while children.iter_mut().any(|c| c.try_wait().unwrap().is_none()) {
-        if Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
-            }
-            panic!("{n} ranks did not finish within 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    children
-        .into_iter()
-        .map(|c| {
-            let o = c.wait_with_output().unwrap();
-            (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-        })
-        .collect()
+    run_local_ring(n, &exe, Duration::from_secs(120), |c| {
+        c.env("DP_TEST_SPEC", spec.to_string());
+    })
+    .unwrap_or_else(|e| panic!("{n} ranks on {spec}: {e}"))
+    .into_iter()
+    .map(|o| (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))))
+    .collect()
 }
 
 fn rank_main(spec: Value) {
