@@ -17,62 +17,6 @@ const MODES: [QuantMode; 6] = [
     QuantMode::Nvfp4,
 ];
 
-fn e2m1(c: u32) -> f64 {
-    let mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(c & 7) as usize];
-    if c & 8 != 0 { -mag } else { mag }
-}
-
-fn e4m3(c: u32) -> f64 {
-    let (s, e, m) = ((c >> 7) & 1, (c >> 3) & 15, c & 7);
-    let mag = if e == 0 { m as f64 / 8.0 * 2f64.powi(-6) } else { (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7) };
-    if s == 1 { -mag } else { mag }
-}
-
-/// Decode `q` (rows of `cols` elements) with our own reading of the format.
-fn decode(q: &Quantized, rows: usize, cols: usize) -> Vec<f64> {
-    let bits = q.mode.bits() as usize;
-    let gs = q.mode.group_size() as usize;
-    let words = q.weight.to_vec::<u32>().unwrap();
-    let per_word = 32 / bits;
-    let code = |r: usize, j: usize| -> u32 {
-        let w = words[r * cols / per_word + j / per_word];
-        (w >> ((j % per_word) * bits)) & ((1u32 << bits) - 1)
-    };
-    let mut out = vec![0.0; rows * cols];
-    match q.mode {
-        QuantMode::Affine { .. } => {
-            let s = out_f64(&q.scales);
-            let b = out_f64(q.biases.as_ref().unwrap());
-            for r in 0..rows {
-                for j in 0..cols {
-                    let g = r * cols / gs + j / gs;
-                    out[r * cols + j] = s[g] * code(r, j) as f64 + b[g];
-                }
-            }
-        }
-        QuantMode::Nvfp4 => {
-            // E4M3 scale per 16 elements, E2M1 codes
-            let s = q.scales.to_vec::<u8>().unwrap();
-            for r in 0..rows {
-                for j in 0..cols {
-                    out[r * cols + j] = e4m3(s[r * cols / gs + j / gs] as u32) * e2m1(code(r, j));
-                }
-            }
-        }
-        QuantMode::Mxfp4 | QuantMode::Mxfp8 => {
-            let s = q.scales.to_vec::<u8>().unwrap();
-            for r in 0..rows {
-                for j in 0..cols {
-                    let scale = 2f64.powi(s[r * cols / gs + j / gs] as i32 - 127);
-                    let c = code(r, j);
-                    out[r * cols + j] = scale * if bits == 4 { e2m1(c) } else { e4m3(c) };
-                }
-            }
-        }
-    }
-    out
-}
-
 fn out_f64(a: &Array) -> Vec<f64> {
     f64s(&out(a))
 }
@@ -111,7 +55,7 @@ proptest! {
         let q = arr_as(&w, &[n, k], dtype).quantize(mode).unwrap();
         prop_assert_eq!(q.weight.dtype(), DType::U32);
         prop_assert_eq!(q.in_features(), k);
-        let deq_ref = decode(&q, n, k);
+        let deq_ref = decode_quantized(&q, n, k);
         // dequantize == our decoding of the packed codes.
         let d = q.dequantize(Some(DType::F32)).unwrap();
         prop_assert_eq!(d.shape(), vec![n, k]);
@@ -154,7 +98,7 @@ proptest! {
         let w = &seed[..kin * nout];
         let x = &seed[5 * 64..5 * 64 + m * kin];
         let q = arr(w, &[kin, nout]).quantize(mode).unwrap();
-        let deq = decode(&q, kin, nout);
+        let deq = decode_quantized(&q, kin, nout);
         let y = q.matmul(&arr(x, &[m, kin]), false).unwrap();
         prop_assert_eq!(y.shape(), vec![m, nout]);
         let want: Vec<f64> = (0..m * nout).map(|i| (0..kin).map(|p| x[(i / nout) * kin + p] as f64 * deq[p * nout + i % nout]).sum()).collect();
@@ -169,7 +113,7 @@ proptest! {
         let w = &seed[..e * n * k];
         let x = &seed[3 * 3 * 64..3 * 3 * 64 + ex * m * k];
         let q = arr(w, &[e, n, k]).quantize(mode).unwrap();
-        let deq = decode(&q, e * n, k); // experts are consecutive row blocks
+        let deq = decode_quantized(&q, e * n, k); // experts are consecutive row blocks
         let lhs: Vec<u32> = picks.iter().map(|p| (p.0 % ex) as u32).collect();
         let rhs: Vec<u32> = picks.iter().map(|p| (p.1 % e) as u32).collect();
         let np = picks.len();

@@ -6,6 +6,8 @@
 //!
 //! Tolerance: |ours - ref| <= 1e-5 * sum_k |w_k x_k| per output (relative to the magnitude of the
 //! terms: f32 accumulation in another order is the only difference).
+mod common;
+use common::decode_quantized as decode;
 use mlx_array::ops::{cpu_packed_supports, gather_qmm, set_cpu_kernels_isa};
 use mlx_array::{with_device, Array, DType, Device, QuantMode, Quantized};
 use proptest::prelude::*;
@@ -32,14 +34,6 @@ fn vals(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn e2m1(c: u32) -> f64 {
-    let mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(c & 7) as usize];
-    if c & 8 != 0 {
-        -mag
-    } else {
-        mag
-    }
-}
 
 fn f64s(a: &Array) -> Vec<f64> {
     a.astype(DType::F32)
@@ -51,40 +45,6 @@ fn f64s(a: &Array) -> Vec<f64> {
         .collect()
 }
 
-/// `q` (`[rows, cols]`) decoded with our own reading of MLX's layout.
-fn decode(q: &Quantized, rows: usize, cols: usize) -> Vec<f64> {
-    let bits = q.mode.bits() as usize;
-    let gs = q.mode.group_size() as usize;
-    let words = q.weight.to_vec::<u32>().unwrap();
-    let per_word = 32 / bits;
-    let code = |r: usize, j: usize| {
-        (words[r * cols / per_word + j / per_word] >> ((j % per_word) * bits))
-            & ((1u32 << bits) - 1)
-    };
-    let mut out = vec![0.0; rows * cols];
-    match q.mode {
-        QuantMode::Affine { .. } => {
-            let (s, b) = (f64s(&q.scales), f64s(q.biases.as_ref().unwrap()));
-            for r in 0..rows {
-                for j in 0..cols {
-                    let g = r * cols / gs + j / gs;
-                    out[r * cols + j] = s[g] * code(r, j) as f64 + b[g];
-                }
-            }
-        }
-        QuantMode::Mxfp4 => {
-            let s = q.scales.to_vec::<u8>().unwrap();
-            for r in 0..rows {
-                for j in 0..cols {
-                    out[r * cols + j] =
-                        2f64.powi(s[r * cols / gs + j / gs] as i32 - 127) * e2m1(code(r, j));
-                }
-            }
-        }
-        m => panic!("no decoder for {m:?}"),
-    }
-    out
-}
 
 /// Per output: the f64 product and the sum of |terms|.
 fn reference(w: &[f64], x: &[f64], m: usize, n: usize, k: usize) -> (Vec<f64>, Vec<f64>) {

@@ -288,14 +288,8 @@ impl Weights {
         let tensors = if dir.join("model.safetensors.index.json").exists() {
             mlx_array::io::load_dir(dir, float_dtype)?
         } else {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(|e| ModelError::io(dir, e))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
-                .collect();
-            files.sort();
             let mut all = HashMap::new();
-            for f in files {
+            for f in model_files(dir)? {
                 all.extend(mlx_array::io::load_safetensors(&f, float_dtype)?);
             }
             all
@@ -313,12 +307,7 @@ impl Weights {
         let ckpt = if dir.join("model.safetensors.index.json").exists() {
             mlx_array::io::Checkpoint::open(dir)?
         } else {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(|e| ModelError::io(dir, e))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
-                .collect();
-            files.sort();
+            let files = model_files(dir)?;
             if files.is_empty() {
                 return Err(ModelError::Checkpoint { path: dir.to_path_buf(), msg: "no safetensors weights found".into() });
             }
@@ -469,6 +458,13 @@ impl<'a> Vb<'a> {
 
     pub fn contains(&self, name: &str) -> bool {
         self.w.contains(&self.full(name))
+    }
+
+    /// Whether this builder records the tensors a model reads (a random checkpoint's layout)
+    /// rather than reading a checkpoint: optional tensors and alternative layouts are then the
+    /// family's choice of what its published checkpoints hold.
+    pub fn recording(&self) -> bool {
+        self.w.expected.is_some()
     }
 
     /// The tensor `prefix.name`, which must have exactly `shape` (a random checkpoint draws it
@@ -679,4 +675,16 @@ impl<'a> Vb<'a> {
     pub fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Array>> {
         if self.contains(name) { self.get(name, shape).map(Some) } else { Ok(None) }
     }
+}
+
+/// The `model*.safetensors` files directly under `dir`, sorted (mlx-lm's glob for unsharded
+/// checkpoints).
+fn model_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| ModelError::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
+        .collect();
+    files.sort();
+    Ok(files)
 }

@@ -128,43 +128,19 @@ impl Quantized {
     /// [`cpu_packed_supports`]); the same product as [`Quantized::matmul`]`(x, true)`. The
     /// thread's stream must be a CPU stream.
     pub fn cpu_matmul(&self, x: &Array) -> Result<Array> {
-        let kind = kind_of(self.mode).ok_or_else(|| {
-            Error::arg(
-                "cpu_packed_matmul",
-                format!("the CPU kernels do not take {:?}", self.mode),
-            )
-        })?;
-        call(
-            "cpu_packed_matmul",
-            x,
-            &self.weight,
-            Some(&self.scales),
-            self.biases.as_ref(),
-            None,
-            kind,
-            self.mode.group_size() as i32,
-        )
+        self.cpu_call("cpu_packed_matmul", x, None)
     }
 
     /// MoE expert products: `x` `[..., 1, K]`, `idx` integer expert ids broadcast with `x`'s
     /// leading dims, `W` `[E, N, ..]`: row r is `x[r] @ W[idx[r]]^T`, out `[..., 1, N]` (the same
     /// product as [`crate::ops::gather_qmm`] with `rhs_indices = idx`, `transpose = true`).
     pub fn cpu_gather_matmul(&self, x: &Array, idx: &Array) -> Result<Array> {
-        let kind = kind_of(self.mode).ok_or_else(|| {
-            Error::arg(
-                "cpu_packed_matmul",
-                format!("the CPU kernels do not take {:?}", self.mode),
-            )
-        })?;
-        call(
-            "cpu_packed_gather_matmul",
-            x,
-            &self.weight,
-            Some(&self.scales),
-            self.biases.as_ref(),
-            Some(idx),
-            kind,
-            self.mode.group_size() as i32,
-        )
+        self.cpu_call("cpu_packed_gather_matmul", x, Some(idx))
+    }
+
+    fn cpu_call(&self, op: &'static str, x: &Array, idx: Option<&Array>) -> Result<Array> {
+        let kind = kind_of(self.mode)
+            .ok_or_else(|| Error::arg(op, format!("the CPU kernels do not take {:?}", self.mode)))?;
+        call(op, x, &self.weight, Some(&self.scales), self.biases.as_ref(), idx, kind, self.mode.group_size() as i32)
     }
 }

@@ -1,6 +1,6 @@
 //! Shared helpers for the proptest op suites: inputs, naive f64 references, tolerances.
 #![allow(dead_code)]
-use mlx_array::{bf16, Array, DType};
+use mlx_array::{bf16, Array, DType, QuantMode, Quantized};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -119,4 +119,61 @@ pub fn perm(keys: &[f32]) -> Vec<usize> {
     let mut p: Vec<usize> = (0..keys.len()).collect();
     p.sort_by(|&a, &b| keys[a].total_cmp(&keys[b]).then(a.cmp(&b)));
     p
+}
+
+/// E2M1 (fp4) code to its value.
+pub fn e2m1(c: u32) -> f64 {
+    let mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(c & 7) as usize];
+    if c & 8 != 0 { -mag } else { mag }
+}
+
+pub fn e4m3(c: u32) -> f64 {
+    let (s, e, m) = ((c >> 7) & 1, (c >> 3) & 15, c & 7);
+    let mag = if e == 0 { m as f64 / 8.0 * 2f64.powi(-6) } else { (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7) };
+    if s == 1 { -mag } else { mag }
+}
+
+/// Decode `q` (rows of `cols` elements) with our own reading of the format.
+pub fn decode_quantized(q: &Quantized, rows: usize, cols: usize) -> Vec<f64> {
+    let bits = q.mode.bits() as usize;
+    let gs = q.mode.group_size() as usize;
+    let words = q.weight.to_vec::<u32>().unwrap();
+    let per_word = 32 / bits;
+    let code = |r: usize, j: usize| -> u32 {
+        let w = words[r * cols / per_word + j / per_word];
+        (w >> ((j % per_word) * bits)) & ((1u32 << bits) - 1)
+    };
+    let mut res = vec![0.0; rows * cols];
+    match q.mode {
+        QuantMode::Affine { .. } => {
+            let s = f64s(&out(&q.scales));
+            let b = f64s(&out(q.biases.as_ref().unwrap()));
+            for r in 0..rows {
+                for j in 0..cols {
+                    let g = r * cols / gs + j / gs;
+                    res[r * cols + j] = s[g] * code(r, j) as f64 + b[g];
+                }
+            }
+        }
+        QuantMode::Nvfp4 => {
+            // E4M3 scale per 16 elements, E2M1 codes
+            let s = q.scales.to_vec::<u8>().unwrap();
+            for r in 0..rows {
+                for j in 0..cols {
+                    res[r * cols + j] = e4m3(s[r * cols / gs + j / gs] as u32) * e2m1(code(r, j));
+                }
+            }
+        }
+        QuantMode::Mxfp4 | QuantMode::Mxfp8 => {
+            let s = q.scales.to_vec::<u8>().unwrap();
+            for r in 0..rows {
+                for j in 0..cols {
+                    let scale = 2f64.powi(s[r * cols / gs + j / gs] as i32 - 127);
+                    let c = code(r, j);
+                    res[r * cols + j] = scale * if bits == 4 { e2m1(c) } else { e4m3(c) };
+                }
+            }
+        }
+    }
+    res
 }

@@ -25,7 +25,7 @@
 //! follows `use_block_paged_cache`), both through [`Cache::begin_forward_with`]. KV-shared layers have
 //! no storage: they reuse the K/V their anchor fetched earlier in the same forward call.
 use super::gemma3::GemmaConfig;
-use super::moe::SwitchGlu;
+use super::moe::{ExpertLayout, SwitchGlu};
 use crate::cache::{Cache, CacheSpec, LayerCache, LayerKind, LayerKv};
 use crate::config::default_usize;
 use crate::layers::{causal_mask, last_query_mask, mask_window, sdpa, Activation, Embedding, FusedLinear, GatedMlp, Linear, LmHead, RmsNorm, Rope};
@@ -410,7 +410,7 @@ impl Experts {
             experts: if ex.contains("switch_glu.gate_proj.weight") {
                 SwitchGlu::load_switch_mlp(&ex.pp("switch_glu"), e, h, i, act)?
             } else {
-                SwitchGlu::load(&ex, e, h, i, ["gate_proj", "up_proj", "down_proj"], act)?
+                SwitchGlu::load(&ex, e, h, i, ["gate_proj", "up_proj", "down_proj"], act, ExpertLayout::Fused)?
             },
             top_k: k,
             n_experts: e,

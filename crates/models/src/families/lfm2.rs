@@ -8,7 +8,7 @@
 //!
 //! Caches: attention layers keep K/V ([`LayerKind::Attention`], the only layers a paged cache would
 //! hold); conv layers keep one recurrent slot, the last `conv_L_cache - 1` gated inputs `[B, K-1, H]`.
-use super::moe::SwitchGlu;
+use super::moe::{ExpertLayout, SwitchGlu};
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::config::{default_f32, default_true, default_usize};
 use crate::layers::decoder::{ExpertBlock, FeedForward, HybridBlock, HybridStack, Mixer, RecurrentMixer};
@@ -302,7 +302,7 @@ impl MoeBlock {
         let experts = if vb.contains("switch_mlp.gate_proj.weight") {
             SwitchGlu::load_switch_mlp(&vb.pp("switch_mlp"), e, h, i, Activation::Silu)?
         } else {
-            SwitchGlu::load(&vb.pp("experts"), e, h, i, ["w1", "w3", "w2"], Activation::Silu)?
+            SwitchGlu::load(&vb.pp("experts"), e, h, i, ["w1", "w3", "w2"], Activation::Silu, ExpertLayout::PerExpert)?
         };
         let expert_bias = if cfg.use_expert_bias { Some(vb.get("expert_bias", &[e])?.astype(DType::F32)?) } else { None };
         Ok(MoeBlock {

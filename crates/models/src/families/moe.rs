@@ -155,14 +155,16 @@ impl SwitchGlu {
     }
 
     /// `vb` at `…mlp.experts`: the fused layout (`gate_up_proj`, `down_proj`, optionally with a
-    /// `.weight` suffix) or, failing that, per-expert `N.{names}` `.weight` tensors.
-    pub fn load(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, names: [&str; 3], act: Activation) -> Result<Self> {
+    /// `.weight` suffix) or, failing that, per-expert `N.{names}` `.weight` tensors. `published`:
+    /// the layout the family's hub checkpoints use, which a random checkpoint records.
+    pub fn load(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, names: [&str; 3], act: Activation, published: ExpertLayout) -> Result<Self> {
         if let Some(g) = crate::layers::parallel::group(vb) {
             return Self::load_expert_parallel(vb, n_experts, hidden, inter, names, act, g);
         }
         for suffix in ["", ".weight"] {
             let (gu, dn) = (format!("gate_up_proj{suffix}"), format!("down_proj{suffix}"));
-            if vb.contains(&gu) {
+            let record_fused = vb.recording() && suffix.is_empty() && published == ExpertLayout::Fused;
+            if record_fused || vb.contains(&gu) {
                 return Self::from_fused(vb.get(&gu, &[n_experts, 2 * inter, hidden])?, vb.get(&dn, &[n_experts, hidden, inter])?, act);
             }
         }
@@ -368,6 +370,16 @@ pub struct SparseMoe {
     norm_topk_prob: bool,
 }
 
+/// How a family's published checkpoints store routed experts (both load; a random checkpoint
+/// writes this one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// `experts.gate_up_proj` `[E, 2I, H]` (gate first) and `experts.down_proj` `[E, H, I]`.
+    Fused,
+    /// `experts.N.{gate,up,down}` `.weight` per expert.
+    PerExpert,
+}
+
 /// Shapes and options of [`SparseMoe`].
 #[derive(Debug, Clone)]
 pub struct SparseMoeConfig {
@@ -390,7 +402,8 @@ impl SparseMoe {
         }
         let (shared, shared_gate) = if cfg.shared_intermediate > 0 {
             let s = GatedMlp::load(&vb.pp("shared_expert"), cfg.hidden, cfg.shared_intermediate, cfg.act)?;
-            let g = if vb.contains("shared_expert_gate.weight") { Some(Linear::load(&vb.pp("shared_expert_gate"), cfg.hidden, 1, false)?) } else { None };
+            // Qwen3.5 / Qwen3-Next checkpoints carry the gate; a random one records it.
+            let g = if vb.recording() || vb.contains("shared_expert_gate.weight") { Some(Linear::load(&vb.pp("shared_expert_gate"), cfg.hidden, 1, false)?) } else { None };
             (Some(s), g)
         } else {
             (None, None)
@@ -401,7 +414,7 @@ impl SparseMoe {
             experts: if vb.contains("switch_mlp.gate_proj.weight") {
                 SwitchGlu::load_switch_mlp(&vb.pp("switch_mlp"), cfg.num_experts, cfg.hidden, cfg.moe_intermediate, cfg.act)?
             } else {
-                SwitchGlu::load(&vb.pp("experts"), cfg.num_experts, cfg.hidden, cfg.moe_intermediate, ["gate_proj", "up_proj", "down_proj"], cfg.act)?
+                SwitchGlu::load(&vb.pp("experts"), cfg.num_experts, cfg.hidden, cfg.moe_intermediate, ["gate_proj", "up_proj", "down_proj"], cfg.act, ExpertLayout::Fused)?
             },
             shared,
             shared_gate,

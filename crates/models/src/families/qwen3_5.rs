@@ -129,6 +129,30 @@ impl Qwen35Config {
     pub fn is_moe_layer(&self, i: usize) -> bool {
         self.num_experts > 0 && !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
+    /// The gated full-attention layers' settings (q/k norms with offset `norm_offset`: 1 for the hub
+    /// layout's norm deltas, 0 where the 1 is already added).
+    pub(crate) fn attention(&self, norm_offset: f32) -> AttentionConfig {
+        AttentionConfig {
+            bias: self.attention_bias,
+            o_bias: self.attention_bias,
+            qk_norm: Some(self.rms_norm_eps),
+            norm_offset,
+            output_gate: true,
+            ..AttentionConfig::new(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim())
+        }
+    }
+    /// The sparse MoE blocks' settings.
+    pub(crate) fn sparse_moe(&self, act: Activation) -> SparseMoeConfig {
+        SparseMoeConfig {
+            hidden: self.hidden_size,
+            num_experts: self.num_experts,
+            top_k: self.num_experts_per_tok,
+            moe_intermediate: self.moe_intermediate_size,
+            shared_intermediate: self.shared_expert_intermediate_size,
+            norm_topk_prob: self.norm_topk_prob,
+            act,
+        }
+    }
     /// Declared MTP layers (`mtp_num_hidden_layers`, else `num_nextn_predict_layers`, else 0).
     pub fn mtp_layers(&self) -> usize {
         self.mtp_num_hidden_layers.or(self.num_nextn_predict_layers).unwrap_or(0)
@@ -203,26 +227,11 @@ impl Qwen35Model {
             .and_then(|i| weights.shape_of(&format!("{prefix}.layers.{i}.linear_attn.conv1d.weight")))
             .is_some_and(|s| s.len() == 3 && s[2] == 1 && s[1] > 1);
         let off = if mlx_layout { 0.0 } else { 1.0 };
-        let (h, d) = (cfg.hidden_size, cfg.head_dim());
+        let h = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
         let act = Activation::parse(&cfg.hidden_act).expect("validated");
-        let acfg = AttentionConfig {
-            bias: cfg.attention_bias,
-            o_bias: cfg.attention_bias,
-            qk_norm: Some(eps),
-            norm_offset: off,
-            output_gate: true,
-            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, d)
-        };
-        let moe_cfg = SparseMoeConfig {
-            hidden: h,
-            num_experts: cfg.num_experts,
-            top_k: cfg.num_experts_per_tok,
-            moe_intermediate: cfg.moe_intermediate_size,
-            shared_intermediate: cfg.shared_expert_intermediate_size,
-            norm_topk_prob: cfg.norm_topk_prob,
-            act,
-        };
+        let acfg = cfg.attention(off);
+        let moe_cfg = cfg.sparse_moe(act);
         let rope = cfg.rope().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {

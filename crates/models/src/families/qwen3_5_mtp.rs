@@ -7,11 +7,11 @@
 //! the next position. `h_i` is the target's final-normed hidden state (what
 //! [`crate::ModelRuntime::forward`] returns with `hidden`). Norm weights are stored as deltas
 //! (`1 + w`) like the rest of Qwen3.5 (already added in mlx-lm's saved layout).
-use super::moe::{SparseMoe, SparseMoeConfig};
+use super::moe::SparseMoe;
 use super::qwen3_5::Qwen35Config;
 use crate::cache::{Cache, CacheSpec, LayerKind};
 use crate::layers::decoder::{FeedForward, HybridBlock, LmHead, Mixer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm};
+use crate::layers::{causal_mask, Activation, Attention, Embedding, GatedMlp, Linear, RmsNorm};
 use crate::runtime::Rows;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
@@ -41,24 +41,9 @@ impl Mtp {
         let vb = weights.root().pp("mtp");
         let (h, d, eps) = (cfg.hidden_size, cfg.head_dim(), cfg.rms_norm_eps);
         let act = Activation::parse(&cfg.hidden_act).ok_or_else(|| ModelError::MalformedConfig { path: path.to_path_buf(), reason: format!("unknown activation {}", cfg.hidden_act) })?;
-        let acfg = AttentionConfig {
-            bias: cfg.attention_bias,
-            o_bias: cfg.attention_bias,
-            qk_norm: Some(eps),
-            norm_offset: off,
-            output_gate: true,
-            ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, d)
-        };
+        let acfg = cfg.attention(off);
         let rope = cfg.rope().map_err(|reason| ModelError::MalformedConfig { path: path.to_path_buf(), reason })?;
-        let moe_cfg = SparseMoeConfig {
-            hidden: h,
-            num_experts: cfg.num_experts,
-            top_k: cfg.num_experts_per_tok,
-            moe_intermediate: cfg.moe_intermediate_size,
-            shared_intermediate: cfg.shared_expert_intermediate_size,
-            norm_topk_prob: cfg.norm_topk_prob,
-            act,
-        };
+        let moe_cfg = cfg.sparse_moe(act);
         let layers = (0..n)
             .map(|i| {
                 let lv = vb.pp("layers").pp(i);

@@ -116,24 +116,8 @@ impl Rope {
 
     /// `x`: `[B, H, L, D]`; row `l` sits at position `offset + l`.
     pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
-        let mut base = self.base;
-        if let Some(d) = self.dynamic {
-            // transformers recomputes the frequencies for the longest position of the call.
-            let seq = offset + x.dim(-2)?;
-            base = dynamic_base(self.base, self.dims, d, seq);
-        }
-        let cfg = RopeConfig { dims: self.dims, traditional: self.traditional, base, scale: self.scale, freqs: self.freqs.as_ref() };
-        let x = if self.mscale != 1.0 {
-            let d = x.dim(-1)?;
-            if d == self.dims {
-                x.mul_scalar(self.mscale)?
-            } else {
-                let parts = x.split_at(&[self.dims], -1)?;
-                mlx_array::ops::concatenate(&[&parts[0].mul_scalar(self.mscale)?, &parts[1]], -1)?
-            }
-        } else {
-            x.clone()
-        };
+        // transformers recomputes dynamic-NTK frequencies for the longest position of the call.
+        let (x, cfg) = self.prepare(x, offset + x.dim(-2)?)?;
         Ok(x.rope(&cfg, offset)?)
     }
 
@@ -141,23 +125,27 @@ impl Rope {
     /// `longest` is the largest position the call reaches plus one (dynamic NTK computes its base
     /// for it, as transformers does for a batch: the longest row).
     pub fn forward_rows(&self, x: &Array, offsets: &Array, longest: usize) -> Result<Array> {
-        let mut base = self.base;
-        if let Some(d) = self.dynamic {
-            base = dynamic_base(self.base, self.dims, d, longest);
-        }
-        let cfg = RopeConfig { dims: self.dims, traditional: self.traditional, base, scale: self.scale, freqs: self.freqs.as_ref() };
-        let x = if self.mscale != 1.0 {
-            let d = x.dim(-1)?;
-            if d == self.dims {
-                x.mul_scalar(self.mscale)?
-            } else {
-                let parts = x.split_at(&[self.dims], -1)?;
-                mlx_array::ops::concatenate(&[&parts[0].mul_scalar(self.mscale)?, &parts[1]], -1)?
-            }
-        } else {
-            x.clone()
-        };
+        let (x, cfg) = self.prepare(x, longest)?;
         Ok(x.rope_rows(&cfg, offsets)?)
+    }
+
+    /// The rotation settings for a call reaching position `longest - 1`, and `x` with the YaRN
+    /// attention factor applied to its rotated dimensions.
+    fn prepare(&self, x: &Array, longest: usize) -> Result<(Array, RopeConfig<'_>)> {
+        let base = match self.dynamic {
+            Some(d) => dynamic_base(self.base, self.dims, d, longest),
+            None => self.base,
+        };
+        let cfg = RopeConfig { dims: self.dims, traditional: self.traditional, base, scale: self.scale, freqs: self.freqs.as_ref() };
+        let x = if self.mscale == 1.0 {
+            x.clone()
+        } else if x.dim(-1)? == self.dims {
+            x.mul_scalar(self.mscale)?
+        } else {
+            let parts = x.split_at(&[self.dims], -1)?;
+            mlx_array::ops::concatenate(&[&parts[0].mul_scalar(self.mscale)?, &parts[1]], -1)?
+        };
+        Ok((x, cfg))
     }
 }
 
