@@ -196,7 +196,20 @@ impl Qwen35Config {
     }
 }
 
-type Block = HybridBlock<GatedDeltaNet, SparseMoe>;
+pub(crate) type Block = HybridBlock<GatedDeltaNet, SparseMoe>;
+
+/// Decoder layer `i` at `lv` around its `mixer`: the norms (offset `off`) and the feed-forward,
+/// sparse where the config puts experts in layer `i` (MTP layer `i` follows the same rule, as
+/// vLLM builds it).
+pub(crate) fn block(lv: &crate::weights::Vb, cfg: &Qwen35Config, i: usize, off: f32, mixer: Mixer<GatedDeltaNet>, moe_cfg: &SparseMoeConfig) -> Result<Block> {
+    let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+    let ffn = if cfg.is_moe_layer(i) {
+        FeedForward::Experts(SparseMoe::load(&lv.pp("mlp"), moe_cfg)?)
+    } else {
+        FeedForward::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, moe_cfg.act)?)
+    };
+    Ok(Block { mixer_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?, mixer, ffn_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?, ffn })
+}
 
 /// A Qwen3.5 (dense or MoE) causal LM.
 pub struct Qwen35Model {
@@ -241,17 +254,7 @@ impl Qwen35Model {
                 } else {
                     Mixer::Recurrent(GatedDeltaNet::load(&lv.pp("linear_attn"), cfg.gated_delta())?)
                 };
-                let ffn = if cfg.is_moe_layer(i) {
-                    FeedForward::Experts(SparseMoe::load(&lv.pp("mlp"), &moe_cfg)?)
-                } else {
-                    FeedForward::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
-                };
-                Ok(Block {
-                    mixer_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?,
-                    mixer,
-                    ffn_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?,
-                    ffn,
-                })
+                block(&lv, &cfg, i, off, mixer, &moe_cfg)
             })
             .collect::<Result<Vec<_>>>()?;
         let embed = Embedding::load(&vb.pp("embed_tokens"), cfg.vocab_size, h)?;

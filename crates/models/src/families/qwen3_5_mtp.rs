@@ -7,11 +7,10 @@
 //! the next position. `h_i` is the target's final-normed hidden state (what
 //! [`crate::ModelRuntime::forward`] returns with `hidden`). Norm weights are stored as deltas
 //! (`1 + w`) like the rest of Qwen3.5 (already added in mlx-lm's saved layout).
-use super::moe::SparseMoe;
 use super::qwen3_5::Qwen35Config;
 use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::decoder::{FeedForward, HybridBlock, LmHead, Mixer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, Embedding, GatedMlp, Linear, RmsNorm};
+use crate::layers::decoder::{LmHead, Mixer, Stack};
+use crate::layers::{causal_mask, Activation, Attention, Embedding, Linear, RmsNorm};
 use crate::runtime::Rows;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
@@ -19,7 +18,7 @@ use mlx_array::{ops, Array};
 use std::collections::HashMap;
 use std::path::Path;
 
-type Block = HybridBlock<super::gated_delta::GatedDeltaNet, SparseMoe>;
+use super::qwen3_5::Block;
 
 /// The MTP head's own weights (embedding and output head are the target's).
 pub(crate) struct Mtp {
@@ -47,19 +46,8 @@ impl Mtp {
         let layers = (0..n)
             .map(|i| {
                 let lv = vb.pp("layers").pp(i);
-                // vLLM builds MTP layer `i` as decoder layer index `i`: sparse when the target's
-                // layer `i` would be
-                let ffn = if cfg.is_moe_layer(i) {
-                    FeedForward::Experts(SparseMoe::load(&lv.pp("mlp"), &moe_cfg)?)
-                } else {
-                    FeedForward::Dense(GatedMlp::load(&lv.pp("mlp"), h, cfg.intermediate_size, act)?)
-                };
-                Ok(Block {
-                    mixer_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, off)?,
-                    mixer: Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), rope.clone(), ["q_norm", "k_norm"])?),
-                    ffn_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, off)?,
-                    ffn,
-                })
+                let mixer = Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), rope.clone(), ["q_norm", "k_norm"])?);
+                super::qwen3_5::block(&lv, cfg, i, off, mixer, &moe_cfg)
             })
             .collect::<Result<Vec<_>>>()?;
         let m = Mtp {
