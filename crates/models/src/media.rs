@@ -7,8 +7,9 @@
 //!   or 32/64-bit float PCM at 16 kHz; several channels are averaged to mono); any other rate
 //!   is an error (nothing is resampled).
 //! - [`resize`]: Pillow's `Image.resize` (antialiased separable convolution, 8-bit fixed-point
-//!   accumulation, clipping between the passes) for the bicubic and bilinear filters, the resize
-//!   the Hugging Face image processors run on PIL images.
+//!   accumulation, clipping between the passes, the pass order by intermediate size) for the
+//!   bicubic and bilinear filters, the resize the Hugging Face image processors run on PIL
+//!   images.
 //! - [`MediaModel`]: what a vision-language family implements. The chat template writes one
 //!   placeholder token per image (or clip); [`MediaModel::prepare`] preprocesses an item and says
 //!   how many tokens it becomes, [`MediaModel::expand`] rewrites the placeholders of a tokenized
@@ -264,48 +265,46 @@ fn clip8(v: i64) -> u8 {
     }
 }
 
-/// Resize as Pillow's `Image.resize(size, filter)` does for an RGB image: a horizontal pass over
-/// the rows the vertical pass reads, rounded to 8 bits, then the vertical pass. The same size
-/// returns a copy.
+/// Resize as Pillow's `Image.resize(size, filter)` does for an RGB image: two separable passes,
+/// each rounded to 8 bits, the one that leaves the smaller intermediate image first (the
+/// horizontal one on a tie). The same size returns a copy.
 pub fn resize(img: &RgbImage, width: u32, height: u32, filter: Filter) -> std::result::Result<RgbImage, MediaError> {
     if width == 0 || height == 0 {
         return Err(MediaError::Empty("resize target"));
     }
     let (iw, ih, ow, oh) = (img.width as usize, img.height as usize, width as usize, height as usize);
-    let mut cur = img.clone();
-    if ow != iw {
-        let k = coefficients(iw, ow, filter);
-        let mut out = vec![0u8; ow * ih * 3];
-        for y in 0..ih {
-            for (x, (x0, w)) in k.iter().enumerate() {
-                for c in 0..3 {
-                    let mut s: i64 = 1 << (PRECISION_BITS - 1);
-                    for (j, &wj) in w.iter().enumerate() {
-                        s += cur.at(x0 + j, y, c) as i64 * wj as i64;
-                    }
-                    out[(y * ow + x) * 3 + c] = clip8(s);
+    Ok(if ow * ih <= iw * oh {
+        pass(&pass(img, ow, true, filter), oh, false, filter)
+    } else {
+        pass(&pass(img, oh, false, filter), ow, true, filter)
+    })
+}
+
+/// One of Pillow's resampling passes: along the rows (`horizontal`) to `out` columns, or along
+/// the columns to `out` rows.
+fn pass(img: &RgbImage, out: usize, horizontal: bool, filter: Filter) -> RgbImage {
+    let (w, h) = (img.width as usize, img.height as usize);
+    let n = if horizontal { w } else { h };
+    if out == n {
+        return img.clone();
+    }
+    let k = coefficients(n, out, filter);
+    let (ow, oh) = if horizontal { (out, h) } else { (w, out) };
+    let mut data = vec![0u8; ow * oh * 3];
+    for y in 0..oh {
+        for x in 0..ow {
+            let (i0, wts) = if horizontal { &k[x] } else { &k[y] };
+            for c in 0..3 {
+                let mut s: i64 = 1 << (PRECISION_BITS - 1);
+                for (j, &wj) in wts.iter().enumerate() {
+                    let v = if horizontal { img.at(i0 + j, y, c) } else { img.at(x, i0 + j, c) };
+                    s += v as i64 * wj as i64;
                 }
+                data[(y * ow + x) * 3 + c] = clip8(s);
             }
         }
-        cur = RgbImage { width, height: img.height, data: out };
     }
-    if oh != ih {
-        let k = coefficients(ih, oh, filter);
-        let mut out = vec![0u8; ow * oh * 3];
-        for (y, (y0, w)) in k.iter().enumerate() {
-            for x in 0..ow {
-                for c in 0..3 {
-                    let mut s: i64 = 1 << (PRECISION_BITS - 1);
-                    for (j, &wj) in w.iter().enumerate() {
-                        s += cur.at(x, y0 + j, c) as i64 * wj as i64;
-                    }
-                    out[(y * ow + x) * 3 + c] = clip8(s);
-                }
-            }
-        }
-        cur = RgbImage { width, height, data: out };
-    }
-    Ok(cur)
+    RgbImage { width: ow as u32, height: oh as u32, data }
 }
 
 /// One media item of a conversation, in template order.
