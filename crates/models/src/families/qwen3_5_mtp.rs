@@ -9,8 +9,8 @@
 //! (`1 + w`) like the rest of Qwen3.5 (already added in mlx-lm's saved layout).
 use super::qwen3_5::Qwen35Config;
 use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::decoder::{LmHead, Mixer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, Embedding, Linear, RmsNorm};
+use crate::layers::decoder::{HybridCtx, LmHead, Mixer, Stack};
+use crate::layers::{causal_mask, Activation, Attention, Embedding, Linear, RmsNorm, RopeAt};
 use crate::runtime::Rows;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
@@ -90,7 +90,7 @@ impl Mtp {
                 let x = self.pre_fc_norm_hidden.forward(&hidden.astype(e.dtype())?)?;
                 self.fc.forward(&ops::concatenate(&[&e, &x], -1)?)
             },
-            |l| causal_mask(l, None),
+            |l| HybridCtx { mask: causal_mask(l, None), at: RopeAt::Cache },
         )?;
         Ok((head.forward(&h)?, h))
     }
