@@ -105,27 +105,43 @@ impl SwitchGlu {
     /// `vb` at `…switch_mlp` (mlx-lm's layout; Gemma 4's `…switch_glu`): stacked `gate_proj`,
     /// `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]`, each float or MLX-quantized (kept packed,
     /// or dequantized at load as the load options ask).
+    ///
+    /// A tensor-parallel load holds this rank's `E / N` experts (expert parallelism, as
+    /// [`SwitchGlu::load`]): the slices along the expert axis of every stacked tensor (packed
+    /// weights, scales and biases alike).
     pub fn load_switch_mlp(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, act: Activation) -> Result<Self> {
-        if crate::layers::parallel::group(vb).is_some() {
-            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over mlx-lm's stacked switch_mlp experts ({}) is not supported", vb.prefix())));
-        }
+        let ep = match crate::layers::parallel::group(vb) {
+            Some(g) => {
+                let local = crate::layers::parallel::per_rank(vb, "experts", n_experts)?;
+                let r = g.rank();
+                Some((g, r * local, (r + 1) * local))
+            }
+            None => None,
+        };
         let (e, h, i) = (n_experts, hidden, inter);
         let dequantize_to = vb.weights().dequantize_to;
-        // Each projection as stored (`[E, out, in]`): float, or packed when kept.
+        // Each projection as stored (`[E, out, in]`), or this rank's experts of it: float, or
+        // packed when kept.
         let load = |name: &str, shape: [usize; 3]| -> Result<ExpertProj> {
             let pv = vb.pp(name);
             if !pv.is_quantized() {
-                return Ok(ExpertProj::Dense(pv.get("weight", &shape)?));
+                return Ok(ExpertProj::Dense(match &ep {
+                    Some((g, ..)) => pv.get_shard("weight", &shape, 0, g.rank(), g.size())?,
+                    None => pv.get("weight", &shape)?,
+                }));
             }
-            let q = pv.quantized(&shape)?;
+            let q = match &ep {
+                Some((g, ..)) => pv.quantized_shard(&shape, 0, g.rank(), g.size())?,
+                None => pv.quantized(&shape)?,
+            };
             Ok(match dequantize_to {
                 Some(dt) => ExpertProj::Dense(q.dequantize(Some(dt))?),
                 None => ExpertProj::Packed(q),
             })
         };
         let (gate, up, down) = (load("gate_proj", [e, i, h])?, load("up_proj", [e, i, h])?, load("down_proj", [e, h, i])?);
-        match (gate, up, down) {
-            (ExpertProj::Dense(g), ExpertProj::Dense(u), ExpertProj::Dense(d)) => Self::from_fused(ops::concatenate(&[&g, &u], 1)?, d, act),
+        let mut glu = match (gate, up, down) {
+            (ExpertProj::Dense(g), ExpertProj::Dense(u), ExpertProj::Dense(d)) => Self::from_fused(ops::concatenate(&[&g, &u], 1)?, d, act)?,
             (gate, up, down) => {
                 // float projections run `x @ w`: `[E, in, out]`
                 let t = |p: ExpertProj| -> Result<ExpertProj> {
@@ -134,9 +150,11 @@ impl SwitchGlu {
                         packed => packed,
                     })
                 };
-                Ok(SwitchGlu { w: ExpertWeights::Split(Box::new(SplitExperts { gate: t(gate)?, up: t(up)?, down: t(down)? })), inter, act, ep: None })
+                SwitchGlu { w: ExpertWeights::Split(Box::new(SplitExperts { gate: t(gate)?, up: t(up)?, down: t(down)? })), inter, act, ep: None }
             }
-        }
+        };
+        glu.ep = ep;
+        Ok(glu)
     }
 
     /// Whether some expert projection runs `gather_qmm` over packed weights.
