@@ -23,6 +23,11 @@ use mlx_array::{ops, Array, DType, Quantized};
 /// experts has 8192; below about 512 the per-expert products and the read-back cost more.
 pub(crate) const CPU_SEGMENT_ROWS: usize = 1024;
 
+/// Token-expert rows up to which packed experts run the CPU packed kernels (one matrix-vector
+/// product per row over its expert's packed bytes); more rows run one f32 product per chosen
+/// expert over its weights dequantized on the fly (MLX's CPU `gather_qmm` is slower than both).
+const CPU_PACKED_EXPERT_ROWS: usize = 8 * mlx_array::ops::CPU_PACKED_MAX_ROWS;
+
 /// Top-k routing of `logits: [T, E]`: softmax in f32, the `k` largest probabilities (their order
 /// is unspecified), renormalized to sum 1 when `normalize`. Returns `(indices u32 [T, k],
 /// weights f32 [T, k])`.
@@ -87,7 +92,7 @@ impl ExpertProj {
         Ok(match self {
             // few (token, slot) rows on the CPU: one matrix-vector product per row over its
             // expert's packed bytes
-            ExpertProj::Packed(q) if mlx_array::ops::cpu_packed_supports(q.mode) && ids.size() <= 8 * mlx_array::ops::CPU_PACKED_MAX_ROWS && runs_on_cpu() => q.cpu_gather_matmul(xs, ids)?,
+            ExpertProj::Packed(q) if mlx_array::ops::cpu_packed_supports(q.mode) && ids.size() <= CPU_PACKED_EXPERT_ROWS && runs_on_cpu() => q.cpu_gather_matmul(xs, ids)?,
             ExpertProj::Packed(q) => ops::gather_qmm(xs, q, None, Some(ids), true, sorted)?,
             ExpertProj::Dense(w) => ops::gather_mm(xs, w, None, Some(ids), sorted)?,
         })
@@ -98,6 +103,18 @@ impl ExpertProj {
             ExpertProj::Packed(q) => q.weight.shape()[0],
             ExpertProj::Dense(w) => w.shape()[0],
         }
+    }
+
+    /// Expert `j`'s `[in, out]` matrix for `x @ w`: packed weights dequantized to f32.
+    fn expert(&self, j: usize) -> Result<Array> {
+        let one = |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, j, j + 1)?.squeeze(&[0])?) };
+        Ok(match self {
+            ExpertProj::Packed(q) => {
+                let e = Quantized { weight: one(&q.weight)?, scales: one(&q.scales)?, biases: q.biases.as_ref().map(one).transpose()?, mode: q.mode };
+                e.dequantize(Some(DType::F32))?.swap_axes(0, 1)?
+            }
+            ExpertProj::Dense(w) => one(w)?,
+        })
     }
 }
 
@@ -274,7 +291,10 @@ impl SwitchGlu {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;
-        let y = if !self.is_quantized() && n >= CPU_SEGMENT_ROWS && runs_on_cpu() {
+        // on the CPU, from some rows on: one product per chosen expert (packed experts
+        // dequantized on the fly: the packed kernels are for a few rows)
+        let segments = runs_on_cpu() && if self.is_quantized() { n > CPU_PACKED_EXPERT_ROWS } else { n >= CPU_SEGMENT_ROWS };
+        let y = if segments {
             self.forward_segments(x, idx, k as usize)?.reshape(&[t, k, h])?
         } else {
             // Sort the (token, slot) pairs by expert for larger batches: the gathered products
@@ -325,9 +345,6 @@ impl SwitchGlu {
     /// order: `[T * k, H]`. On the CPU, from [`CPU_SEGMENT_ROWS`] rows, this is faster than
     /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, "CPU: long prompts").
     fn forward_segments(&self, x: &Array, idx: &Array, k: usize) -> Result<Array> {
-        let ExpertWeights::Dense { gate_up, down } = &self.w else {
-            return Err(ModelError::InvalidInput("per-expert segments of quantized experts (they run gather_qmm)".into()));
-        };
         let e = self.num_experts();
         let ids = idx.reshape(&[-1])?.astype(DType::U32)?.to_vec::<u32>()?;
         let mut counts = vec![0usize; e];
@@ -350,8 +367,16 @@ impl SwitchGlu {
         let mut outs = Vec::with_capacity(e);
         for j in (0..e).filter(|&j| counts[j] > 0) {
             let rows = xs.slice_axis(0, starts[j], starts[j + 1])?;
-            let gu = rows.matmul(&gate_up.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?;
-            outs.push(self.glu(&gu)?.matmul(&down.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?);
+            outs.push(match &self.w {
+                ExpertWeights::Dense { gate_up, down } => {
+                    let gu = rows.matmul(&gate_up.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?;
+                    self.glu(&gu)?.matmul(&down.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?
+                }
+                ExpertWeights::Split(s) => {
+                    let (g, u) = (rows.matmul(&s.gate.expert(j)?)?, rows.matmul(&s.up.expert(j)?)?);
+                    self.act.gated(&g, &u)?.matmul(&s.down.expert(j)?)?.astype(x.dtype())?
+                }
+            });
         }
         let refs: Vec<&Array> = outs.iter().collect();
         Ok(ops::concatenate(&refs, 0)?.take(&Array::from_slice(&inv, &[n])?, 0)?)
