@@ -343,7 +343,9 @@ impl SwitchGlu {
     /// The `(token, slot)` rows `x[i / k]` grouped by expert on the host (a counting sort of
     /// `idx`, which this reads back), one product per expert over its rows, then back in row
     /// order: `[T * k, H]`. On the CPU, from [`CPU_SEGMENT_ROWS`] rows, this is faster than
-    /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, "CPU: long prompts").
+    /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, "CPU: long prompts"); packed
+    /// experts take it above `CPU_PACKED_EXPERT_ROWS` rows, each chosen expert dequantized to f32
+    /// (faster than MLX's CPU `gather_qmm`, BENCHMARKS.md, "Packed CPU kernels").
     fn forward_segments(&self, x: &Array, idx: &Array, k: usize) -> Result<Array> {
         let e = self.num_experts();
         let ids = idx.reshape(&[-1])?.astype(DType::U32)?.to_vec::<u32>()?;
