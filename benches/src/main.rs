@@ -4,6 +4,7 @@
 //! llm_bench --model DIR [--dtype f32|bf16] [--runs 3] [--gen 128] [--prompts 128,2048]
 //!           [--python PATH] [--no-mlx-lm] [--json FILE] [--bandwidth]
 //!           [--fuse on|off|auto] [--cpu-fusion on|off] [--kv flat|paged] [--peer-blas same|openblas]
+//!           [--quantized auto|keep|dequantize]
 //! llm_bench --create-random SHAPE [--dtype f32|bf16] [--out DIR]
 //!   SHAPE: FAMILY-PRESET from the registry: qwen3-tiny qwen3-small qwen3-0.6b qwen3-8b qwen3_5-small
 //!          lfm2-small lfm2-moe-small
@@ -104,6 +105,28 @@ struct Args {
     /// ours runs) or openblas (OpenBLAS alone, a stock mlx-lm with OpenBLAS).
     #[arg(long, default_value = "same", value_parser = ["same", "openblas"])]
     peer_blas: String,
+    /// LoadOptions::quantized for a quantized checkpoint (our side): auto, keep (packed), or
+    /// dequantize (into the compute dtype at load).
+    #[arg(long, value_enum, default_value = "auto")]
+    quantized: QuantizedArg,
+}
+
+/// `--quantized`: [`mlx_models::QuantizedWeights`].
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum QuantizedArg {
+    Auto,
+    Keep,
+    Dequantize,
+}
+
+impl From<QuantizedArg> for mlx_models::QuantizedWeights {
+    fn from(q: QuantizedArg) -> Self {
+        match q {
+            QuantizedArg::Auto => mlx_models::QuantizedWeights::Auto,
+            QuantizedArg::Keep => mlx_models::QuantizedWeights::Keep,
+            QuantizedArg::Dequantize => mlx_models::QuantizedWeights::Dequantize,
+        }
+    }
 }
 
 const AFTER_HELP: &str = "env: MLX_LM_PRELOAD (LD_PRELOAD for mlx-lm, overrides --peer-blas)";
@@ -512,7 +535,7 @@ fn bench(a: &Args, dir: &Path) -> Res<()> {
     let t = Instant::now();
     let kv_cache = shared::kv_cache(&a.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", a.kv))?;
     eprintln!("ours: {} KV cache", a.kv);
-    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, fuse_projections: fuse_option(&a.fuse), ..Default::default() })
+    let model = load_model(dir, &LoadOptions { dtype: Some(dtype), kv_cache, fuse_projections: fuse_option(&a.fuse), quantized: a.quantized.into(), ..Default::default() })
         .map_err(|e| format!("our loader, {} ({} KV cache): {e}", dir.display(), a.kv))?
         .into_lm()?;
     let vocab = model.info().vocab_size;

@@ -3,17 +3,18 @@
 //! ```text
 //! cargo run --release -p mlx-models --example launch -- -n 2 generate -- --model DIR --prompt-ids 1,2,3 --temperature 0 --json
 //! cargo run --release -p mlx-models --example launch -- -n 2 sft -- --model DIR --data F.jsonl --out OUT --json
+//! cargo run --release -p mlx-models --example launch -- -n 2 grpo -- --model DIR --rollouts R.jsonl --out OUT --json
 //! cargo run --release -p mlx-models --example launch -- -n 2 path/to/program -- ARGS
 //! ```
 //!
 //! With `--backend ring` (the default) it writes a hostfile with one free port per rank (the
 //! JSON `mlx.launch` writes) and starts the program N times with `MLX_RANK` and `MLX_HOSTFILE`
-//! in its environment and `--distributed ring` appended to ARGS (the examples `generate` and
-//! `sft` take that flag and join the group with `mlx_array::distributed::Group::init`). With
+//! in its environment and `--distributed ring` appended to ARGS (the examples `generate`, `sft`
+//! and `grpo` take that flag and join the group with `mlx_array::distributed::Group::init`). With
 //! `--backend nccl` (CUDA builds; one GPU per rank) each rank gets what `mlx.launch` gives an
 //! NCCL rank instead: `MLX_RANK`, `MLX_WORLD_SIZE`, `NCCL_HOST_IP=127.0.0.1`, `NCCL_PORT` (a
 //! free port), `CUDA_VISIBLE_DEVICES=<rank>`, and `--distributed nccl`. `generate` (package
-//! mlx-models) and `sft` (mlx-training) are built first with the launcher's own profile when it
+//! mlx-models), `sft` and `grpo` (mlx-training) are built first with the launcher's own profile when it
 //! runs under `cargo run`; another program (one that takes `--distributed`) is a path.
 //!
 //! Rank 0's stdout and stderr pass through; the other ranks' output is kept and shown only if
@@ -35,7 +36,7 @@ struct Cli {
     /// MLX distributed backend the ranks join.
     #[arg(long, value_enum, default_value = "ring")]
     backend: Backend,
-    /// `generate`, `sft`, or a path to a program that takes `--distributed ring|nccl`.
+    /// `generate`, `sft`, `grpo`, or a path to a program that takes `--distributed ring|nccl`.
     program: String,
     /// The program's own arguments (after `--`).
     #[arg(last = true)]
@@ -49,12 +50,12 @@ enum Backend {
 }
 
 /// The examples the launcher knows: name -> package.
-const KNOWN: &[(&str, &str)] = &[("generate", "mlx-models"), ("sft", "mlx-training")];
+const KNOWN: &[(&str, &str)] = &[("generate", "mlx-models"), ("sft", "mlx-training"), ("grpo", "mlx-training")];
 
 fn resolve(program: &str) -> Result<PathBuf, String> {
     let Some(&(name, package)) = KNOWN.iter().find(|(n, _)| *n == program) else {
         let p = PathBuf::from(program);
-        return if p.is_file() { Ok(p) } else { Err(format!("{program}: neither generate nor sft, and no such file")) };
+        return if p.is_file() { Ok(p) } else { Err(format!("{program}: not generate, sft or grpo, and no such file")) };
     };
     let me = std::env::current_exe().map_err(|e| format!("cannot find the launcher's own path: {e}"))?;
     let examples = me.parent().ok_or("the launcher has no directory")?;

@@ -643,8 +643,26 @@ impl<'a> Vb<'a> {
     /// float shape `[.., out, in]` it stands for.
     pub fn quantized(&self, shape: &[usize]) -> Result<Quantized> {
         let layer = self.prefix.clone();
+        let (mode, wshape, sshape) = self.quant_layout(shape)?;
+        let weight = self.get_any("weight")?;
+        if weight.dtype() != DType::U32 || weight.shape() != wshape.as_slice() {
+            return Err(self.w.err(format!("{layer}.weight is {} {:?}, expected packed u32 {wshape:?} ({} bits)", weight.dtype(), weight.shape(), mode.name())));
+        }
+        let scales = self.get("scales", &sshape)?;
+        let biases = match mode {
+            QuantMode::Affine { .. } => Some(self.get("biases", &sshape)?),
+            _ => None,
+        };
+        Ok(Quantized { weight, scales, biases, mode })
+    }
+
+    /// The mode of the quantized layer under this prefix (its own entry in config.json's
+    /// `quantization`, else the default) and the stored shapes of its packed `weight` and of its
+    /// `scales` (and affine `biases`) for the float shape `[.., out, in]`.
+    fn quant_layout(&self, shape: &[usize]) -> Result<(QuantMode, Vec<usize>, Vec<usize>)> {
+        let layer = &self.prefix;
         let spec = self.w.quant.as_ref().ok_or_else(|| self.w.err(format!("{layer} is quantized (it has scales) but config.json has no quantization")))?;
-        let mode = match spec.layers.get(&layer) {
+        let mode = match spec.layers.get(layer) {
             Some(Some(m)) => *m,
             Some(None) => return Err(self.w.err(format!("{layer} has scales but config.json's quantization marks it unquantized"))),
             None => spec.default,
@@ -659,16 +677,57 @@ impl<'a> Vb<'a> {
         wshape.push(k * bits / 32);
         let mut sshape = lead.to_vec();
         sshape.push(k / gs);
-        let weight = self.get_any("weight")?;
-        if weight.dtype() != DType::U32 || weight.shape() != wshape.as_slice() {
-            return Err(self.w.err(format!("{layer}.weight is {} {:?}, expected packed u32 {wshape:?} ({} bits)", weight.dtype(), weight.shape(), mode.name())));
+        Ok((mode, wshape, sshape))
+    }
+
+    /// Part `part` of `parts` of the quantized layer under this prefix (a tensor-parallel rank's
+    /// shard), whose float shape `[.., out, in]` is viewed as `view` (the same elements with the
+    /// same last axis, e.g. `[3, h, in]` for three fused outputs) and split along `axis` of the
+    /// view: the packed `weight`, the `scales` and the affine `biases` are cut at the same place
+    /// and come back in the view's layout. Along an outer axis whole rows go to each part; along
+    /// the last (input) axis each part must hold whole quantization groups: a shard boundary
+    /// inside a group (`in / parts` not a multiple of the group size) is an error. Only the
+    /// shard's bytes are read from a memory-mapped checkpoint ([`Vb::get_shard_as`]).
+    pub fn quantized_shard_as(&self, shape: &[usize], view: &[usize], axis: usize, part: usize, parts: usize) -> Result<Quantized> {
+        let layer = self.prefix.clone();
+        let (mode, wshape, sshape) = self.quant_layout(shape)?;
+        let last = view.len().wrapping_sub(1);
+        if view.is_empty() || view[last] != shape[shape.len() - 1] || shape.iter().product::<usize>() != view.iter().product::<usize>() {
+            return Err(self.w.err(format!("{layer} {shape:?} cannot be viewed as {view:?} (the input axis must stay last)")));
         }
-        let scales = self.get("scales", &sshape)?;
+        if axis >= view.len() || parts == 0 || part >= parts || view[axis] % parts != 0 {
+            return Err(self.w.err(format!("{layer} {view:?}: axis {axis} does not split into {parts} equal parts")));
+        }
+        let gs = mode.group_size() as usize;
+        if axis == last && (view[last] / parts) % gs != 0 {
+            return Err(ModelError::UnsupportedOption(format!(
+                "tensor parallelism over {parts} ranks: {layer} splits its {} input features into {} per rank, which cuts its {} groups of {gs}",
+                view[last],
+                view[last] / parts,
+                mode.name()
+            )));
+        }
+        let packed = |stored: &[usize]| {
+            let mut v = view.to_vec();
+            v[last] = stored[stored.len() - 1];
+            v
+        };
+        let weight = self.get_shard_as("weight", &wshape, &packed(&wshape), axis, part, parts)?;
+        if weight.dtype() != DType::U32 {
+            return Err(self.w.err(format!("{layer}.weight is {}, expected packed u32 ({} bits)", weight.dtype(), mode.name())));
+        }
+        let scales = self.get_shard_as("scales", &sshape, &packed(&sshape), axis, part, parts)?;
         let biases = match mode {
-            QuantMode::Affine { .. } => Some(self.get("biases", &sshape)?),
+            QuantMode::Affine { .. } => Some(self.get_shard_as("biases", &sshape, &packed(&sshape), axis, part, parts)?),
             _ => None,
         };
         Ok(Quantized { weight, scales, biases, mode })
+    }
+
+    /// [`Vb::quantized_shard_as`] without a view: part `part` of `parts` of the quantized layer
+    /// `[.., out, in]` along `axis`.
+    pub fn quantized_shard(&self, shape: &[usize], axis: usize, part: usize, parts: usize) -> Result<Quantized> {
+        self.quantized_shard_as(shape, shape, axis, part, parts)
     }
 
     /// Like [`Vb::get`], `None` when absent.

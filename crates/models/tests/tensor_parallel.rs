@@ -28,7 +28,22 @@ fn main() {
     let tmp = tempfile::tempdir().unwrap();
     // Every KV head repeated: the same function, with KV heads for 4 ranks.
     let qwen3_kv4 = tmp.path().join("qwen3_kv4");
-    repeat_kv_heads(&fixture("qwen3"), &qwen3_kv4, 2);
+    let qwen3_cfg = config(&fixture("qwen3"));
+    let (kv, d) = (qwen3_cfg["num_key_value_heads"].as_u64().unwrap() as usize, qwen3_cfg["head_dim"].as_u64().unwrap() as usize);
+    repeat_kv_heads(&fixture("qwen3"), &qwen3_kv4, |_| Some((kv, d)), |c| c["num_key_value_heads"] = json!(2 * kv));
+    // Gemma 4 MoE's full-attention layers have one (global) KV head: repeated for 2 ranks.
+    let gemma4_moe_kv2 = tmp.path().join("gemma4_moe_kv2");
+    let gemma4_moe_mxfp4_kv2 = tmp.path().join("gemma4_moe_mxfp4_kv2");
+    for (src, dst) in [("gemma4_text_moe", &gemma4_moe_kv2), ("gemma4_text_moe_mxfp4", &gemma4_moe_mxfp4_kv2)] {
+        let c = config(&fixture(src));
+        let c = c.get("text_config").cloned().unwrap_or(c);
+        let (kv, d) = (c["num_global_key_value_heads"].as_u64().unwrap() as usize, c["global_head_dim"].as_u64().unwrap() as usize);
+        let full = |i: usize| c["layer_types"][i] == "full_attention";
+        repeat_kv_heads(&fixture(src), dst, |i| full(i).then_some((kv, d)), |c| {
+            let t = if c.get("text_config").is_some() { &mut c["text_config"] } else { c };
+            t["num_global_key_value_heads"] = json!(2 * kv);
+        });
+    }
     let cases: &[(&str, &Path, usize, &str)] = &[
         ("qwen3", &fixture("qwen3"), 2, "auto"),
         ("qwen3 (flat cache)", &fixture("qwen3"), 2, "flat"),
@@ -42,6 +57,12 @@ fn main() {
         ("qwen3_5_moe (experts and shared expert split)", &fixture("qwen3_5_moe"), 2, "auto"),
         ("gemma4 (per-layer inputs, KV-shared layers)", &fixture("gemma4_text"), 2, "auto"),
         ("qwen3, KV heads repeated", &qwen3_kv4, 4, "auto"),
+        ("gemma4 MoE (experts split, global KV heads repeated)", &gemma4_moe_kv2, 2, "auto"),
+        // quantized layers: packed rows or whole groups of packed columns on each rank
+        ("qwen3 8-bit, groups of 32 (untied quantized head)", &fixture("qwen3_untied_q8g32"), 2, "auto"),
+        ("gemma4 4-bit, groups of 32 (quantized per-layer embedding)", &fixture("gemma4_text_q4g32"), 2, "auto"),
+        ("lfm2_moe 4-bit, groups of 32 (stacked experts split, 8-bit router)", &fixture("lfm2_moe_q4"), 2, "auto"),
+        ("gemma4 MoE mxfp4 (stacked switch_glu experts split)", &gemma4_moe_mxfp4_kv2, 2, "auto"),
     ];
     for &(name, dir, n, kv) in cases {
         let t = Instant::now();
@@ -57,6 +78,11 @@ fn main() {
     let outs = run_ranks(2, &json!({"dir": fixture("gemma4_text_moe"), "kv": "auto"}));
     for (r, (ok, out)) in outs.iter().enumerate() {
         assert!(!ok && out.contains("1 KV heads, not a multiple of 2"), "rank {r}: {out}");
+    }
+    // Llama 4-bit in groups of 64: o_proj's 64 inputs would split into 32 per rank.
+    let outs = run_ranks(2, &json!({"dir": fixture("llama_q4"), "kv": "auto"}));
+    for (r, (ok, out)) in outs.iter().enumerate() {
+        assert!(!ok && out.contains("o_proj splits its 64 input features into 32 per rank, which cuts its affine groups of 64"), "rank {r}: {out}");
     }
     let outs = run_ranks(2, &json!({"dir": fixture("qwen3_embed"), "kv": "auto"}));
     for (r, (ok, out)) in outs.iter().enumerate() {
@@ -142,32 +168,37 @@ fn rank_main(spec: Value) {
     println!("{}", json!({"rank": g.rank(), "tokens": tokens, "weight_bytes": weight_bytes}));
 }
 
-/// A copy of the checkpoint in `src` with every KV head repeated `times` times (k_proj and
-/// v_proj rows, and their biases): grouped-query attention computes the same function.
-fn repeat_kv_heads(src: &Path, dst: &Path, times: usize) {
+fn config(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+/// A copy of the checkpoint in `src` with every KV head of the attention layers `heads` picks
+/// (layer index -> its KV heads and head dim; `None`: unchanged) repeated `times` times: the
+/// rows of k_proj and v_proj (weight and bias, or a quantized layer's packed weight, scales
+/// and biases). Grouped-query attention computes the same function; `edit` sets the new head
+/// counts in config.json.
+fn repeat_kv_heads(src: &Path, dst: &Path, heads: impl Fn(usize) -> Option<(usize, usize)>, edit: impl FnOnce(&mut Value)) {
+    const TIMES: usize = 2;
     std::fs::create_dir_all(dst).unwrap();
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let kv = cfg["num_key_value_heads"].as_u64().unwrap() as usize;
-    let d = cfg["head_dim"].as_u64().unwrap() as usize;
-    cfg["num_key_value_heads"] = json!(kv * times);
+    let mut cfg = config(src);
+    edit(&mut cfg);
     std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
     std::fs::copy(src.join("reference.safetensors"), dst.join("reference.safetensors")).unwrap();
     let tensors = mlx_array::io::load_safetensors(src.join("model.safetensors"), None).unwrap();
     let mut out: Vec<(String, Array)> = Vec::new();
     for (name, a) in tensors {
-        let a = if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") || name.ends_with("k_proj.bias") || name.ends_with("v_proj.bias") {
-            let s = a.shape();
-            let rest: Vec<usize> = s[1..].to_vec();
-            let mut per_head = vec![kv, 1, d];
-            per_head.extend(&rest);
-            let mut wide = vec![kv, times, d];
-            wide.extend(&rest);
-            let mut flat = vec![(kv * times * d) as i32];
-            flat.extend(rest.iter().map(|&x| x as i32));
-            let ph: Vec<i32> = per_head.iter().map(|&x| x as i32).collect();
-            a.reshape(&ph).unwrap().broadcast_to(&wide).unwrap().reshape(&flat).unwrap()
-        } else {
-            a
+        let layer = name.split(".layers.").nth(1).and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+        let kv_proj = [".k_proj.", ".v_proj."].iter().any(|p| name.contains(p));
+        let a = match layer.filter(|_| kv_proj).and_then(&heads) {
+            Some((kv, d)) => {
+                let s = a.shape();
+                assert_eq!(s[0], kv * d, "{name} {s:?}: {kv} KV heads of {d}");
+                let rest: Vec<i32> = s[1..].iter().map(|&x| x as i32).collect();
+                let dims = |lead: &[i32]| lead.iter().chain(&rest).copied().collect::<Vec<i32>>();
+                let wide: Vec<usize> = dims(&[kv as i32, TIMES as i32, d as i32]).iter().map(|&x| x as usize).collect();
+                a.reshape(&dims(&[kv as i32, 1, d as i32])).unwrap().broadcast_to(&wide).unwrap().reshape(&dims(&[(kv * TIMES * d) as i32])).unwrap()
+            }
+            None => a,
         };
         out.push((name, a));
     }

@@ -209,6 +209,12 @@ struct Args {
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     json: bool,
+    /// Train data parallel over the ranks of an MLX distributed group, `ring` or `nccl` (what
+    /// the mlx-models `launch` example passes): every rank builds the same global batch (the
+    /// same data and seed), computes its share of the batch's micro-batches, the gradients are
+    /// summed over the ranks, and only rank 0 prints, records to the output store and saves.
+    #[arg(long, value_parser = ["ring", "nccl"])]
+    distributed: Option<String>,
 }
 
 fn main() {
@@ -393,7 +399,15 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         per_step: args.prompts_per_step,
         seed: args.seed,
     };
-    let mut trainer = match &resumed {
+    let group = match args.distributed.as_deref() {
+        Some(name) => Some(mlx_array::distributed::Group::init(
+            mlx_array::distributed::Backend::parse(name).ok_or("unknown backend")?,
+        )?),
+        None => None,
+    };
+    // Rank 0 prints, records and saves; the other ranks hold the same state.
+    let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
+    let trainer = match &resumed {
         Some(r) => GrpoTrainer::resume(r, &opts, config.clone(), Some(data))?,
         None => GrpoTrainer::new(
             ParameterTree::load(&model_dir, &opts)?,
@@ -402,6 +416,10 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             config.clone(),
         )?
         .with_data(data)?,
+    };
+    let mut trainer = match group {
+        Some(g) => trainer.with_data_parallel(g),
+        None => trainer,
     };
     let save_dtype = match args.save_dtype {
         SaveDtype::F32 => DType::F32,
@@ -421,6 +439,9 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                 .unwrap_or_else(|| "grpo".into());
             args.out.with_file_name(format!("{name}.outputs.sqlite"))
         });
+    if !lead {
+        return follow(&mut trainer, &source, &sampling, steps, &decode_with(&tokenizer));
+    }
     if let Some(parent) = store_path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)?;
     }
@@ -451,12 +472,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         store: store_path.canonicalize()?,
         run_id,
     }));
-    let decode = |ids: &[u32]| -> Result<String, String> {
-        match &tokenizer {
-            Ok(t) => t.decode(ids, true).map_err(|e| e.to_string()),
-            Err(e) => Err(format!("no tokenizer: {e}")),
-        }
-    };
+    let decode = decode_with(&tokenizer);
     let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
         let b = ProgressBar::new(steps);
         b.set_style(
@@ -477,47 +493,8 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         let seed = trainer
             .sampling_seed()
             .ok_or("the trainer has no data layout")?;
-        let (batch, prompt_texts, completion_texts, finish): (
-            GrpoBatch,
-            Vec<String>,
-            Vec<String>,
-            Vec<String>,
-        ) = match &source {
-            Source::Sampled { prompts, rewards } => {
-                let chosen: Vec<_> = picks.iter().map(|&i| prompts[i].clone()).collect();
-                let sampled = trainer.sample(
-                    &chosen,
-                    rewards,
-                    &sampling.clone().with_seed(seed),
-                    None,
-                    &decode,
-                )?;
-                (
-                    sampled.batch,
-                    sampled.prompt_texts,
-                    sampled.completion_texts,
-                    sampled.finish_reasons,
-                )
-            }
-            Source::Recorded(groups) => {
-                let chosen: Vec<Vec<mlx_training::Rollout>> =
-                    picks.iter().map(|&i| groups[i].clone()).collect();
-                let batch = rollout_batch(&chosen)?;
-                let texts = |ids: &[u32]| decode(ids).unwrap_or_default();
-                let p: Vec<String> = batch
-                    .completions
-                    .iter()
-                    .map(|c| texts(&c.prompt_ids))
-                    .collect();
-                let c: Vec<String> = batch
-                    .completions
-                    .iter()
-                    .map(|c| texts(&c.completion_ids))
-                    .collect();
-                let n = batch.completions.len();
-                (batch, p, c, vec!["recorded".to_string(); n])
-            }
-        };
+        let (batch, prompt_texts, completion_texts, finish) =
+            next_batch(&trainer, &source, &picks, &sampling.clone().with_seed(seed), &decode)?;
         let metrics = match trainer.step(&batch) {
             Ok(m) => m,
             Err(e @ TrainError::NanGradients { .. }) => {
@@ -589,6 +566,77 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             args.out.display(),
             store_path.display()
         );
+    }
+    Ok(())
+}
+
+/// `decode` for the sampler and the store: the tokenizer's text of some ids.
+fn decode_with<E: std::fmt::Display>(
+    tokenizer: &Result<Tokenizer, E>,
+) -> impl Fn(&[u32]) -> Result<String, String> + '_ {
+    move |ids: &[u32]| match tokenizer {
+        Ok(t) => t.decode(ids, true).map_err(|e| e.to_string()),
+        Err(e) => Err(format!("no tokenizer: {e}")),
+    }
+}
+
+/// A step's batch for the items `picks`: sampled (with `sampling`) and scored, or recorded;
+/// with its prompt and completion texts and finish reasons.
+type StepBatch = (GrpoBatch, Vec<String>, Vec<String>, Vec<String>);
+
+fn next_batch(
+    trainer: &GrpoTrainer,
+    source: &Source,
+    picks: &[usize],
+    sampling: &sampling::SamplingConfig,
+    decode: &dyn Fn(&[u32]) -> Result<String, String>,
+) -> Result<StepBatch, Box<dyn std::error::Error>> {
+    Ok(match source {
+        Source::Sampled { prompts, rewards } => {
+            let chosen: Vec<_> = picks.iter().map(|&i| prompts[i].clone()).collect();
+            let sampled = trainer.sample(&chosen, rewards, sampling, None, decode)?;
+            (
+                sampled.batch,
+                sampled.prompt_texts,
+                sampled.completion_texts,
+                sampled.finish_reasons,
+            )
+        }
+        Source::Recorded(groups) => {
+            let chosen: Vec<Vec<mlx_training::Rollout>> =
+                picks.iter().map(|&i| groups[i].clone()).collect();
+            let batch = rollout_batch(&chosen)?;
+            let texts = |ids: &[u32]| decode(ids).unwrap_or_default();
+            let p: Vec<String> = batch
+                .completions
+                .iter()
+                .map(|c| texts(&c.prompt_ids))
+                .collect();
+            let c: Vec<String> = batch
+                .completions
+                .iter()
+                .map(|c| texts(&c.completion_ids))
+                .collect();
+            let n = batch.completions.len();
+            (batch, p, c, vec!["recorded".to_string(); n])
+        }
+    })
+}
+
+/// A data-parallel rank other than 0: the same steps as rank 0 (the same batches, its share of
+/// the gradients, the same updates), printing, recording and saving nothing.
+fn follow(
+    trainer: &mut GrpoTrainer,
+    source: &Source,
+    sampling: &sampling::SamplingConfig,
+    steps: u64,
+    decode: &dyn Fn(&[u32]) -> Result<String, String>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    while trainer.batches_done() < steps {
+        let picks = trainer.next_items().ok_or("the trainer has no data layout")?;
+        let seed = trainer.sampling_seed().ok_or("the trainer has no data layout")?;
+        let (batch, ..) = next_batch(trainer, source, &picks, &sampling.clone().with_seed(seed), decode)?;
+        trainer.step(&batch)?;
     }
     Ok(())
 }

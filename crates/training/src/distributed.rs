@@ -46,29 +46,39 @@ pub fn reduce_gradients(group: &Group, loss: f32, positions: usize, tokens: usiz
         return Err(TrainError::InvalidInput(format!("{} positions on one rank exceed the f32 count the reduction carries", positions.max(tokens))));
     }
     let w = positions as f32;
-    let mut parts: Vec<Array> = Vec::with_capacity(grads.len() + 1);
-    parts.push(Array::from_slice(&[loss * w, w, tokens as f32], &[3])?);
-    for g in grads {
-        parts.push(g.astype(DType::F32)?.reshape(&[-1])?.mul_scalar(w)?);
-    }
-    let flat = mlx_array::ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?;
-    let sum = group.all_sum(&flat)?;
-    sum.eval()?;
-    let head = sum.slice_axis(0, 0, 3)?.to_vec::<f32>()?;
+    let (head, sums) = sum_over_ranks(group, &[loss * w, w, tokens as f32], grads, w)?;
     let total = head[1];
     if total <= 0.0 {
         return Err(TrainError::InvalidInput("the batch has no loss position on any rank".into()));
     }
-    let mut out = Vec::with_capacity(grads.len());
-    let mut at = 3;
-    for g in grads {
-        let n = g.size();
-        let dims: Vec<i32> = g.dims().to_vec();
-        out.push(sum.slice_axis(0, at, at + n)?.mul_scalar(1.0 / total)?.reshape(&dims)?.astype(g.dtype())?);
-        at += n;
-    }
+    let out = sums.iter().zip(grads).map(|(s, g)| s.mul_scalar(1.0 / total)?.astype(g.dtype())).collect::<mlx_array::Result<Vec<_>>>()?;
     mlx_array::eval(&out.iter().collect::<Vec<_>>())?;
     Ok(Reduced { loss: head[0] / total, positions: total as usize, tokens: head[2] as usize, grads: out })
+}
+
+/// One `all_sum` over the ranks of some f32 scalars `head` and of the arrays `grads`, each
+/// multiplied by `scale` first: the summed scalars, and the summed arrays in f32 with their
+/// own shapes (evaluated). Every rank must pass the same number of scalars and arrays of the
+/// same shapes.
+pub fn sum_over_ranks(group: &Group, head: &[f32], grads: &[Array], scale: f32) -> Result<(Vec<f32>, Vec<Array>)> {
+    let mut parts: Vec<Array> = Vec::with_capacity(grads.len() + 1);
+    parts.push(Array::from_slice(head, &[head.len()])?);
+    for g in grads {
+        let flat = g.astype(DType::F32)?.reshape(&[-1])?;
+        parts.push(if scale == 1.0 { flat } else { flat.mul_scalar(scale)? });
+    }
+    let flat = mlx_array::ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?;
+    let sum = group.all_sum(&flat)?;
+    sum.eval()?;
+    let summed = sum.slice_axis(0, 0, head.len())?.to_vec::<f32>()?;
+    let mut out = Vec::with_capacity(grads.len());
+    let mut at = head.len();
+    for g in grads {
+        let n = g.size();
+        out.push(sum.slice_axis(0, at, at + n)?.reshape(g.dims())?);
+        at += n;
+    }
+    Ok((summed, out))
 }
 
 #[cfg(test)]

@@ -444,6 +444,33 @@ fn model_err(e: impl std::fmt::Display) -> mlx_array::Error {
     }
 }
 
+/// Data parallel: an error unless every rank of `g` was given the same batch (an FNV-1a hash
+/// of its prompt and completion ids and rewards, compared over the ranks).
+fn check_same_batch(g: &mlx_array::distributed::Group, batch: &GrpoBatch) -> Result<()> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        for b in x.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    };
+    for c in &batch.completions {
+        eat(c.prompt_ids.len() as u64);
+        c.prompt_ids.iter().for_each(|&t| eat(t as u64));
+        eat(c.completion_ids.len() as u64);
+        c.completion_ids.iter().for_each(|&t| eat(t as u64));
+        c.rewards.iter().for_each(|r| eat(r.to_bits()));
+    }
+    // four 16-bit pieces: exact in f32
+    let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
+    let all = g.all_gather(&Array::from_slice(&mine, &[4])?)?.to_vec::<f32>()?;
+    if all.chunks(4).any(|c| c != mine.as_slice()) {
+        return Err(TrainError::InvalidInput(
+            "the data-parallel ranks were given different batches (each rank must build the same global batch: the same data, seed and model)".into(),
+        ));
+    }
+    Ok(())
+}
+
 fn pack(completions: &[&Completion], pad_id: u32) -> Result<Packed> {
     let n = completions.len();
     // at least one column (and one input position): a micro-batch of empty completions has a
@@ -779,6 +806,8 @@ pub struct GrpoTrainer {
     data: Option<GrpoData>,
     output: Option<OutputRun>,
     lora: Option<LoraConfig>,
+    /// Data-parallel group ([`GrpoTrainer::with_data_parallel`]).
+    data_parallel: Option<mlx_array::distributed::Group>,
 }
 
 /// The prompts (or recorded groups) a run cycles through, in order, `per_step` a step, and the
@@ -903,7 +932,22 @@ impl GrpoTrainer {
             data: None,
             output: None,
             lora: None,
+            data_parallel: None,
         })
+    }
+
+    /// Train data parallel over `group`'s ranks ([`crate::distributed`]): every rank is given
+    /// the same global batch (checked: a hash of its prompts, completions and rewards is
+    /// compared over the ranks), computes the gradients of its share of the batch's
+    /// micro-batches, and one `all_sum` adds the ranks' gradients, losses and metric sums, so
+    /// every rank applies the update of a single process with the same micro-batches (up to
+    /// f32 summation order). Without [`GrpoConfig::micro_batch_size`] the batch is cut into
+    /// one micro-batch per rank (`ceil(n / ranks)` completions each); a batch with fewer
+    /// micro-batches than ranks is an error. Only rank 0 should save. A group of one rank is
+    /// the single process.
+    pub fn with_data_parallel(mut self, group: mlx_array::distributed::Group) -> Self {
+        self.data_parallel = Some(group).filter(|g| g.size() > 1);
+        self
     }
 
     /// The LoRA settings the tree's adapters were made with ([`crate::lora::apply_lora`]):
@@ -994,11 +1038,30 @@ impl GrpoTrainer {
         let advantages =
             compute_advantages(&batch.total_rewards(), cfg.group_size, cfg.scale_rewards)?;
         let n = batch.completions.len();
-        let micro = cfg.micro_batch_size.unwrap_or(n).min(n);
+        let micro = match (cfg.micro_batch_size, &self.data_parallel) {
+            (Some(m), _) => m,
+            (None, Some(g)) => n.div_ceil(g.size()),
+            (None, None) => n,
+        }
+        .min(n);
         let ranges: Vec<(usize, usize)> = (0..n)
             .step_by(micro)
             .map(|s| (s, (s + micro).min(n)))
             .collect();
+        // data parallel: this rank's share of the micro-batches
+        let mine = match &self.data_parallel {
+            Some(g) => {
+                check_same_batch(g, batch)?;
+                crate::distributed::rank_share(ranges.len(), g.rank(), g.size()).map_err(|_| {
+                    TrainError::InvalidInput(format!(
+                        "{} micro-batches of {micro} cannot be shared by {} data-parallel ranks (each needs one): use a smaller micro-batch size",
+                        ranges.len(),
+                        g.size()
+                    ))
+                })?
+            }
+            None => 0..ranges.len(),
+        };
         let total_tokens: usize = batch
             .completions
             .iter()
@@ -1014,7 +1077,7 @@ impl GrpoTrainer {
         let (mut loss, mut grads): (f64, Option<Vec<Array>>) = (0.0, None);
         let (mut kl_sum, mut kl_count, mut clipped, mut clip_count, mut tokens) =
             (0f64, 0f64, 0f64, 0f64, 0usize);
-        for &(s, e) in &ranges {
+        for &(s, e) in &ranges[mine] {
             let rows: Vec<&Completion> = batch.completions[s..e].iter().collect();
             let p = pack(&rows, self.pad_id)?;
             tokens += p.tokens;
@@ -1161,7 +1224,21 @@ impl GrpoTrainer {
                 }
             }
         }
-        let grads = grads.ok_or_else(|| TrainError::InvalidInput("no micro-batch".into()))?;
+        let mut grads = grads.ok_or_else(|| TrainError::InvalidInput("no micro-batch".into()))?;
+        if let Some(g) = &self.data_parallel {
+            // the ranks' sums over their micro-batches add up to the whole batch's
+            let local = [loss, kl_sum, kl_count, clipped, clip_count, tokens as f64].map(|x| x as f32);
+            let (head, sums) = crate::distributed::sum_over_ranks(g, &local, &grads, 1.0)?;
+            grads = sums
+                .iter()
+                .zip(&grads)
+                .map(|(s, g)| s.astype(g.dtype()))
+                .collect::<mlx_array::Result<Vec<_>>>()?;
+            mlx_array::eval(&grads.iter().collect::<Vec<_>>())?;
+            let h: Vec<f64> = head.iter().map(|&x| x as f64).collect();
+            (loss, kl_sum, kl_count, clipped, clip_count) = (h[0], h[1], h[2], h[3], h[4]);
+            tokens = h[5] as usize;
+        }
         let kl = reference.as_ref().map(|_| kl_sum / kl_count.max(1.0));
         let out = GrpoLoss {
             loss: loss as f32,

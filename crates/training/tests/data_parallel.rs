@@ -12,6 +12,13 @@
 //!   cancel (|g| near the rounding noise) can move by up to lr per update either way: an f32
 //!   tolerance does not apply, and the gradients' correctness is what the first two checks test.
 //!
+//!
+//! The `grpo` example under 2 and 3 ranks (`--distributed ring`, as the `launch` example runs
+//! it) against one process with the same micro-batches (the batch of 8 completions cut into one
+//! micro-batch per rank): 3 SGD updates on recorded rollouts with the KL term give every step's
+//! loss, KL, clip fraction and gradient norm within 1e-5 relative, and rank 0's saved parameters
+//! within 1e-5 absolute; the other ranks print nothing.
+//!
 //! `harness = false`: `main` is the test. With `DP_TEST_SPEC` set it is a rank.
 mod common;
 
@@ -23,6 +30,7 @@ use mlx_training::{Example, OptimizerConfig, SftConfig, SftTrainer, SgdConfig};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn examples() -> Vec<Example> {
@@ -95,6 +103,62 @@ fn main() {
         assert!(dparam < tol && dstate < tol, "{opt}, {n} ranks against one process: parameters {dparam:e}, optimizer state {dstate:e}");
         println!(
             "test data_parallel::{opt}_over_{n}_ranks ... ok ({:.1} s; gradients {grad_err:.1e} relative; max |diff| parameters {dparam:.1e}, optimizer state {dstate:.1e})",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    grpo_example_over_ranks(tmp.path());
+}
+
+/// See the module docs: the `grpo` example over 2 and 3 ranks against one process.
+fn grpo_example_over_ranks(dir: &Path) {
+    let mut lines = Vec::new();
+    for g in 0..4u32 {
+        for k in 0..4u32 {
+            let reward = (k as f64) * 0.5 - g as f64 + if k == g { 1.5 } else { 0.0 };
+            lines.push(json!({"group": g, "prompt_ids": [3 + g, 17, 99], "completion_ids": (0..2 + (g + k) % 3).map(|j| 40 + 7 * k + g + j).collect::<Vec<u32>>(), "reward": reward}).to_string());
+        }
+    }
+    std::fs::write(dir.join("r.jsonl"), lines.join("\n")).unwrap();
+    let model = model_fixture("qwen3");
+    let bin = example_binary("grpo");
+    let flags = |out: &str| -> Vec<String> {
+        let m = model.to_str().unwrap();
+        ["--model", m, "--rollouts", "r.jsonl", "--prompts-per-step", "2", "--steps", "3", "--optimizer", "sgd", "--lr", "1e-2", "--beta", "0.04", "--loss", "grpo", "--json", "--out", out].map(String::from).to_vec()
+    };
+    let steps = |stdout: &[u8]| -> Vec<Value> { String::from_utf8_lossy(stdout).lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect() };
+    for n in [2usize, 3] {
+        let t = Instant::now();
+        let micro = 8usize.div_ceil(n).to_string();
+        let (single_out, dp_out) = (format!("grpo-single-{n}"), format!("grpo-dp-{n}"));
+        let one = Command::new(&bin).args(flags(&single_out)).args(["--micro-batch-size", &micro]).current_dir(dir).output().unwrap();
+        assert!(one.status.success(), "one process: {}", String::from_utf8_lossy(&one.stderr));
+        let ranks = run_local_ring(n, &bin, Duration::from_secs(120), |c| {
+            c.args(flags(&dp_out)).args(["--distributed", "ring"]).current_dir(dir);
+        })
+        .unwrap();
+        for (r, o) in ranks.iter().enumerate() {
+            assert!(o.status.success(), "grpo rank {r} of {n}: {}", String::from_utf8_lossy(&o.stderr));
+            if r > 0 {
+                assert!(o.stdout.is_empty(), "rank {r} printed: {}", String::from_utf8_lossy(&o.stdout));
+            }
+        }
+        let (want, got) = (steps(&one.stdout), steps(&ranks[0].stdout));
+        assert_eq!(want.len(), 3);
+        assert_eq!(got.len(), 3);
+        let mut worst = 0f64;
+        for (w, g) in want.iter().zip(&got) {
+            assert_eq!(w["step"], g["step"]);
+            for k in ["loss", "kl", "clip_fraction", "grad_norm"] {
+                let (a, b) = (w[k].as_f64().unwrap(), g[k].as_f64().unwrap());
+                let rel = (a - b).abs() / a.abs().max(1e-12);
+                assert!(rel < 1e-5 || (a - b).abs() < 1e-9, "{n} ranks, step {}: {k} {b} against {a}", w["step"]);
+                worst = worst.max(if (a - b).abs() < 1e-9 { 0.0 } else { rel });
+            }
+        }
+        let dparam = max_diff(&tensors(&dir.join(&dp_out).join("model.safetensors")), &tensors(&dir.join(&single_out).join("model.safetensors")));
+        assert!(dparam < 1e-5, "grpo over {n} ranks: parameters {dparam:e} from one process's");
+        println!(
+            "test data_parallel::grpo_example_over_{n}_ranks ... ok ({:.1} s; step metrics {worst:.1e} relative; max |diff| parameters {dparam:.1e})",
             t.elapsed().as_secs_f64()
         );
     }

@@ -6,28 +6,12 @@
 //! loadable checkpoint.
 mod common;
 
-use common::model_fixture;
+use common::{example_binary, model_fixture};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The example binary (built by `cargo test`; built here when this test runs alone).
 fn grpo_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("grpo");
-    if !bin.is_file() {
-        let st = Command::new(env!("CARGO"))
-            .args(["build", "-p", "mlx-training", "--example", "grpo"])
-            .status()
-            .unwrap();
-        assert!(st.success(), "building the grpo example");
-    }
-    bin
+    example_binary("grpo")
 }
 
 fn run(args: &[&str], dir: &Path) -> (bool, String, String) {

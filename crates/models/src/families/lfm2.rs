@@ -16,7 +16,7 @@ use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp,
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, DType};
+use mlx_array::{ops, Array, DType, Quantized};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -235,8 +235,22 @@ impl ShortConv {
         let (h, k) = (cfg.hidden_size, cfg.conv_l_cache);
         let local = crate::layers::parallel::per_rank(vb, "conv channels", h)?;
         let ip = vb.pp("in_proj");
-        let w = ip.get_shard_as("weight", &[3 * h, h], &[3, h, h], 1, r, n)?.reshape(&[(3 * local) as i32, h as i32])?;
         let b = if cfg.conv_bias { Some(ip.get_shard_as("bias", &[3 * h], &[3, h], 1, r, n)?.reshape(&[(3 * local) as i32])?) } else { None };
+        // [3, local, ..] back to [3 * local, ..] rows
+        let rows = |a: Array| -> Result<Array> {
+            let last = a.shape()[2] as i32;
+            Ok(a.reshape(&[(3 * local) as i32, last])?)
+        };
+        let in_proj = if ip.is_quantized() {
+            let q = ip.quantized_shard_as(&[3 * h, h], &[3, h, h], 1, r, n)?;
+            let q = Quantized { weight: rows(q.weight)?, scales: rows(q.scales)?, biases: q.biases.map(rows).transpose()?, mode: q.mode };
+            match vb.weights().dequantize_to {
+                Some(dt) => Linear::new(q.dequantize(Some(dt))?, b)?,
+                None => Linear::quantized(q, b),
+            }
+        } else {
+            Linear::new(rows(ip.get_shard_as("weight", &[3 * h, h], &[3, h, h], 1, r, n)?)?, b)?
+        };
         let cv = vb.pp("conv");
         let hf_layout = vb.weights().shape_of(&format!("{}.conv.weight", vb.prefix())).is_none_or(|s| s == [h, 1, k]);
         let weight = if hf_layout {
@@ -247,7 +261,7 @@ impl ShortConv {
         };
         let bias = if cfg.conv_bias { Some(cv.get_shard("bias", &[h], 0, r, n)?) } else { None };
         Ok(ShortConv {
-            in_proj: Linear::new(w, b)?,
+            in_proj,
             out_proj: Linear::load_parallel(&vb.pp("out_proj"), h, h, cfg.conv_bias, crate::layers::parallel::Shard::Input)?,
             weight,
             bias,

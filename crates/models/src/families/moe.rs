@@ -23,6 +23,11 @@ use mlx_array::{ops, Array, DType, Quantized};
 /// experts has 8192; below about 512 the per-expert products and the read-back cost more.
 pub(crate) const CPU_SEGMENT_ROWS: usize = 1024;
 
+/// Token-expert rows up to which packed experts run the CPU packed kernels (one matrix-vector
+/// product per row over its expert's packed bytes); more rows run one f32 product per chosen
+/// expert over its weights dequantized on the fly (MLX's CPU `gather_qmm` is slower than both).
+const CPU_PACKED_EXPERT_ROWS: usize = 8 * mlx_array::ops::CPU_PACKED_MAX_ROWS;
+
 /// Top-k routing of `logits: [T, E]`: softmax in f32, the `k` largest probabilities (their order
 /// is unspecified), renormalized to sum 1 when `normalize`. Returns `(indices u32 [T, k],
 /// weights f32 [T, k])`.
@@ -87,7 +92,7 @@ impl ExpertProj {
         Ok(match self {
             // few (token, slot) rows on the CPU: one matrix-vector product per row over its
             // expert's packed bytes
-            ExpertProj::Packed(q) if mlx_array::ops::cpu_packed_supports(q.mode) && ids.size() <= 8 * mlx_array::ops::CPU_PACKED_MAX_ROWS && runs_on_cpu() => q.cpu_gather_matmul(xs, ids)?,
+            ExpertProj::Packed(q) if mlx_array::ops::cpu_packed_supports(q.mode) && ids.size() <= CPU_PACKED_EXPERT_ROWS && runs_on_cpu() => q.cpu_gather_matmul(xs, ids)?,
             ExpertProj::Packed(q) => ops::gather_qmm(xs, q, None, Some(ids), true, sorted)?,
             ExpertProj::Dense(w) => ops::gather_mm(xs, w, None, Some(ids), sorted)?,
         })
@@ -99,33 +104,61 @@ impl ExpertProj {
             ExpertProj::Dense(w) => w.shape()[0],
         }
     }
+
+    /// Expert `j`'s `[in, out]` matrix for `x @ w`: packed weights dequantized to f32.
+    fn expert(&self, j: usize) -> Result<Array> {
+        let one = |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, j, j + 1)?.squeeze(&[0])?) };
+        Ok(match self {
+            ExpertProj::Packed(q) => {
+                let e = Quantized { weight: one(&q.weight)?, scales: one(&q.scales)?, biases: q.biases.as_ref().map(one).transpose()?, mode: q.mode };
+                e.dequantize(Some(DType::F32))?.swap_axes(0, 1)?
+            }
+            ExpertProj::Dense(w) => one(w)?,
+        })
+    }
 }
 
 impl SwitchGlu {
     /// `vb` at `…switch_mlp` (mlx-lm's layout; Gemma 4's `…switch_glu`): stacked `gate_proj`,
     /// `up_proj` `[E, I, H]` and `down_proj` `[E, H, I]`, each float or MLX-quantized (kept packed,
     /// or dequantized at load as the load options ask).
+    ///
+    /// A tensor-parallel load holds this rank's `E / N` experts (expert parallelism, as
+    /// [`SwitchGlu::load`]): the slices along the expert axis of every stacked tensor (packed
+    /// weights, scales and biases alike).
     pub fn load_switch_mlp(vb: &Vb, n_experts: usize, hidden: usize, inter: usize, act: Activation) -> Result<Self> {
-        if crate::layers::parallel::group(vb).is_some() {
-            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over mlx-lm's stacked switch_mlp experts ({}) is not supported", vb.prefix())));
-        }
+        let ep = match crate::layers::parallel::group(vb) {
+            Some(g) => {
+                let local = crate::layers::parallel::per_rank(vb, "experts", n_experts)?;
+                let r = g.rank();
+                Some((g, r * local, (r + 1) * local))
+            }
+            None => None,
+        };
         let (e, h, i) = (n_experts, hidden, inter);
         let dequantize_to = vb.weights().dequantize_to;
-        // Each projection as stored (`[E, out, in]`): float, or packed when kept.
+        // Each projection as stored (`[E, out, in]`), or this rank's experts of it: float, or
+        // packed when kept.
         let load = |name: &str, shape: [usize; 3]| -> Result<ExpertProj> {
             let pv = vb.pp(name);
             if !pv.is_quantized() {
-                return Ok(ExpertProj::Dense(pv.get("weight", &shape)?));
+                return Ok(ExpertProj::Dense(match &ep {
+                    Some((g, ..)) => pv.get_shard("weight", &shape, 0, g.rank(), g.size())?,
+                    None => pv.get("weight", &shape)?,
+                }));
             }
-            let q = pv.quantized(&shape)?;
+            let q = match &ep {
+                Some((g, ..)) => pv.quantized_shard(&shape, 0, g.rank(), g.size())?,
+                None => pv.quantized(&shape)?,
+            };
             Ok(match dequantize_to {
                 Some(dt) => ExpertProj::Dense(q.dequantize(Some(dt))?),
                 None => ExpertProj::Packed(q),
             })
         };
         let (gate, up, down) = (load("gate_proj", [e, i, h])?, load("up_proj", [e, i, h])?, load("down_proj", [e, h, i])?);
-        match (gate, up, down) {
-            (ExpertProj::Dense(g), ExpertProj::Dense(u), ExpertProj::Dense(d)) => Self::from_fused(ops::concatenate(&[&g, &u], 1)?, d, act),
+        let mut glu = match (gate, up, down) {
+            (ExpertProj::Dense(g), ExpertProj::Dense(u), ExpertProj::Dense(d)) => Self::from_fused(ops::concatenate(&[&g, &u], 1)?, d, act)?,
             (gate, up, down) => {
                 // float projections run `x @ w`: `[E, in, out]`
                 let t = |p: ExpertProj| -> Result<ExpertProj> {
@@ -134,9 +167,11 @@ impl SwitchGlu {
                         packed => packed,
                     })
                 };
-                Ok(SwitchGlu { w: ExpertWeights::Split(Box::new(SplitExperts { gate: t(gate)?, up: t(up)?, down: t(down)? })), inter, act, ep: None })
+                SwitchGlu { w: ExpertWeights::Split(Box::new(SplitExperts { gate: t(gate)?, up: t(up)?, down: t(down)? })), inter, act, ep: None }
             }
-        }
+        };
+        glu.ep = ep;
+        Ok(glu)
     }
 
     /// Whether some expert projection runs `gather_qmm` over packed weights.
@@ -258,7 +293,10 @@ impl SwitchGlu {
         let (t, h) = (x.dims()[0], x.dims()[1]);
         let k = idx.dims()[1];
         let n = (t * k) as usize;
-        let y = if !self.is_quantized() && n >= CPU_SEGMENT_ROWS && runs_on_cpu() {
+        // on the CPU, from some rows on: one product per chosen expert (packed experts
+        // dequantized on the fly: the packed kernels are for a few rows)
+        let segments = runs_on_cpu() && if self.is_quantized() { n > CPU_PACKED_EXPERT_ROWS } else { n >= CPU_SEGMENT_ROWS };
+        let y = if segments {
             self.forward_segments(x, idx, k as usize)?.reshape(&[t, k, h])?
         } else {
             // Sort the (token, slot) pairs by expert for larger batches: the gathered products
@@ -307,11 +345,10 @@ impl SwitchGlu {
     /// The `(token, slot)` rows `x[i / k]` grouped by expert on the host (a counting sort of
     /// `idx`, which this reads back), one product per expert over its rows, then back in row
     /// order: `[T * k, H]`. On the CPU, from [`CPU_SEGMENT_ROWS`] rows, this is faster than
-    /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, "CPU: long prompts").
+    /// MLX's `GatherMM` over the sorted rows (BENCHMARKS.md, "CPU: long prompts"); packed
+    /// experts take it above `CPU_PACKED_EXPERT_ROWS` rows, each chosen expert dequantized to f32
+    /// (faster than MLX's CPU `gather_qmm`, BENCHMARKS.md, "Packed CPU kernels").
     fn forward_segments(&self, x: &Array, idx: &Array, k: usize) -> Result<Array> {
-        let ExpertWeights::Dense { gate_up, down } = &self.w else {
-            return Err(ModelError::InvalidInput("per-expert segments of quantized experts (they run gather_qmm)".into()));
-        };
         let e = self.num_experts();
         let ids = idx.reshape(&[-1])?.astype(DType::U32)?.to_vec::<u32>()?;
         let mut counts = vec![0usize; e];
@@ -334,8 +371,16 @@ impl SwitchGlu {
         let mut outs = Vec::with_capacity(e);
         for j in (0..e).filter(|&j| counts[j] > 0) {
             let rows = xs.slice_axis(0, starts[j], starts[j + 1])?;
-            let gu = rows.matmul(&gate_up.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?;
-            outs.push(self.glu(&gu)?.matmul(&down.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?);
+            outs.push(match &self.w {
+                ExpertWeights::Dense { gate_up, down } => {
+                    let gu = rows.matmul(&gate_up.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?;
+                    self.glu(&gu)?.matmul(&down.slice_axis(0, j, j + 1)?.squeeze(&[0])?)?
+                }
+                ExpertWeights::Split(s) => {
+                    let (g, u) = (rows.matmul(&s.gate.expert(j)?)?, rows.matmul(&s.up.expert(j)?)?);
+                    self.act.gated(&g, &u)?.matmul(&s.down.expert(j)?)?.astype(x.dtype())?
+                }
+            });
         }
         let refs: Vec<&Array> = outs.iter().collect();
         Ok(ops::concatenate(&refs, 0)?.take(&Array::from_slice(&inv, &[n])?, 0)?)

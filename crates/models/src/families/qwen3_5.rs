@@ -416,8 +416,12 @@ pub(crate) const PRESETS: &[Preset] = &[
 ];
 
 /// `tiny`: the tiny shape with 8 experts of 32, top 2, a shared expert of 48; `small`: 16
-/// experts of 256, top 4, a shared expert of 512.
+/// experts of 256, top 4, a shared expert of 512; `35b_a3b`: Qwen3.5-35B-A3B's text shape
+/// (hidden 2048, 40 layers, 16 heads of 256 with 2 KV heads, linear attention 16 key / 32
+/// value heads of 128, 256 experts of 512 with top 8 and a shared expert of 512, vocab 248320,
+/// untied): about 35B parameters, 70 GB in bf16 (the multi-GPU expert-parallel benchmark).
 pub(crate) const MOE_PRESETS: &[Preset] = &[
     ("tiny", || shape(64, 4, 4, 32, 0, (2, 4, 16), 512, false, Some((8, 2, 32, 48)))),
     ("small", || shape(1024, 8, 8, 256, 0, (8, 16, 128), 32768, true, Some((16, 4, 256, 512)))),
+    ("35b_a3b", || shape(2048, 40, 16, 256, 0, (16, 32, 128), 248320, false, Some((256, 8, 512, 512)))),
 ];

@@ -135,11 +135,28 @@ impl Linear {
     /// whole layer without a tensor-parallel group.
     pub fn load_parallel(vb: &Vb, in_dim: usize, out_dim: usize, bias: bool, shard: Shard) -> Result<Self> {
         let Some(g) = super::parallel::group(vb) else { return Self::load(vb, in_dim, out_dim, bias) };
-        if vb.is_quantized() || vb.is_fp8() {
-            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over quantized or FP8 layers ({}) is not supported", vb.prefix())));
+        if vb.is_fp8() {
+            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over FP8 layers ({}) is not supported", vb.prefix())));
         }
-        ActSite::for_layer(vb)?; // an input_amax on a float layer is an error, as in Linear::load
+        if ActSite::for_layer(vb)?.is_some() {
+            return Err(ModelError::UnsupportedOption(format!("tensor parallelism over an activation-quantised projection ({}) is not supported", vb.prefix())));
+        }
         let (r, n) = (g.rank(), g.size());
+        if vb.is_quantized() {
+            // the packed rows (output-sharded) or whole groups of the packed columns
+            // (input-sharded): Vb::quantized_shard cuts weight, scales and biases alike
+            let (axis, b) = match shard {
+                Shard::Output => (0, if bias { Some(vb.get_shard("bias", &[out_dim], 0, r, n)?) } else { None }),
+                Shard::Input => (1, if bias { Some(vb.get("bias", &[out_dim])?) } else { None }),
+            };
+            let q = vb.quantized_shard(&[out_dim, in_dim], axis, r, n)?;
+            let mut l = match vb.weights().dequantize_to {
+                Some(dt) => Self::new(q.dequantize(Some(dt))?, b)?,
+                None => Self::quantized(q, b),
+            };
+            l.reduce = (shard == Shard::Input).then_some(g);
+            return Ok(l);
+        }
         match shard {
             Shard::Output => {
                 let b = if bias { Some(vb.get_shard("bias", &[out_dim], 0, r, n)?) } else { None };
@@ -317,7 +334,7 @@ impl FusedLinear {
             return Self::load(vb, names, in_dim, outs, bias);
         }
         let parts = names.iter().zip(outs).map(|(n, &o)| Linear::load_parallel(&vb.pp(n), in_dim, o, bias, Shard::Output)).collect::<Result<Vec<_>>>()?;
-        if parts.len() < 2 || !vb.weights().fuse_projections()? {
+        if parts.len() < 2 || parts.iter().any(Linear::is_quantized) || !vb.weights().fuse_projections()? {
             return Ok(FusedLinear::Separate(parts));
         }
         // W^T parts are [in, out_i / N]: join them along the output axis.
@@ -395,17 +412,20 @@ enum EmbeddingTable {
 
 impl Embedding {
     pub fn load(vb: &Vb, vocab: usize, hidden: usize) -> Result<Self> {
-        if let Some(g) = super::parallel::group(vb) {
-            if vb.is_quantized() {
-                return Err(ModelError::UnsupportedOption(format!("tensor parallelism over a quantized embedding ({}) is not supported", vb.prefix())));
+        let shard = match super::parallel::group(vb) {
+            Some(g) => {
+                let local = super::parallel::per_rank(vb, "vocabulary rows", vocab)?;
+                let r = g.rank();
+                Some((g, r * local, (r + 1) * local))
             }
-            let (r, n) = (g.rank(), g.size());
-            let local = super::parallel::per_rank(vb, "vocabulary rows", vocab)?;
-            let table = EmbeddingTable::Dense(vb.get_shard("weight", &[vocab, hidden], 0, r, n)?);
-            return Ok(Embedding { table, rows: vocab, shard: Some((g, r * local, (r + 1) * local)) });
-        }
+            None => None,
+        };
         let table = if vb.is_quantized() {
-            let q = vb.quantized(&[vocab, hidden])?;
+            // a tensor-parallel rank holds its vocabulary rows of the packed table
+            let q = match &shard {
+                Some((g, ..)) => vb.quantized_shard(&[vocab, hidden], 0, g.rank(), g.size())?,
+                None => vb.quantized(&[vocab, hidden])?,
+            };
             match vb.weights().dequantize_to {
                 Some(dt) => EmbeddingTable::Dense(q.dequantize(Some(dt))?),
                 None => {
@@ -415,9 +435,12 @@ impl Embedding {
                 }
             }
         } else {
-            EmbeddingTable::Dense(vb.get("weight", &[vocab, hidden])?)
+            match &shard {
+                Some((g, ..)) => EmbeddingTable::Dense(vb.get_shard("weight", &[vocab, hidden], 0, g.rank(), g.size())?),
+                None => EmbeddingTable::Dense(vb.get("weight", &[vocab, hidden])?),
+            }
         };
-        Ok(Embedding { table, rows: vocab, shard: None })
+        Ok(Embedding { table, rows: vocab, shard })
     }
     /// A float table.
     pub fn from_weight(weight: Array) -> Self {
@@ -444,17 +467,21 @@ impl Embedding {
     }
     /// `[B, L]` integer ids to `[B, L, hidden]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
-        if let (Some((g, start, end)), EmbeddingTable::Dense(w)) = (&self.shard, &self.table) {
+        if let Some((g, start, end)) = &self.shard {
             // This rank's rows; ids outside them look up row 0 and are zeroed, and the sum over
             // the ranks (one non-zero term per id) is the whole table's row, exactly.
             let ids = ids.astype(mlx_array::DType::I32)?;
             let lo = Array::scalar(*start as i32);
             let mine = ids.ge(&lo)?.logical_and(&ids.lt(&Array::scalar(*end as i32))?)?;
             let local = mlx_array::ops::where_(&mine, &ids.sub(&lo)?, &Array::scalar(0i32))?;
-            let zero = Array::scalar_as(0.0, w.dtype())?;
-            let rows = mlx_array::ops::where_(&mine.expand_dims(-1)?, &w.take(&local, 0)?, &zero)?;
+            let zero = Array::scalar_as(0.0, self.dtype())?;
+            let rows = mlx_array::ops::where_(&mine.expand_dims(-1)?, &self.lookup(&local)?, &zero)?;
             return Ok(g.all_sum(&rows)?);
         }
+        self.lookup(ids)
+    }
+    /// The rows of the held table at `ids`.
+    fn lookup(&self, ids: &Array) -> Result<Array> {
         match &self.table {
             EmbeddingTable::Dense(w) => Ok(w.take(ids, 0)?),
             EmbeddingTable::Quantized(q, dt) => {

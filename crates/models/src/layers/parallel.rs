@@ -16,6 +16,11 @@
 //!   experts, runs them for every token with the other ranks' experts weighted 0, and the
 //!   partial sums are added over the ranks; the router stays whole on every rank.
 //!
+//! - MLX-quantized layers shard packed ([`crate::weights::Vb::quantized_shard`]): split by
+//!   output (and embeddings, stacked experts), each rank keeps whole rows of the packed weight,
+//!   scales and biases; split by input, whole quantization groups of the packed columns, and a
+//!   shard boundary inside a group is an error.
+//!
 //! A load shards when [`crate::LoadOptions::tensor_parallel`] gives a group; each rank reads
 //! only its slices from the memory-mapped safetensors ([`crate::weights::Vb::get_shard`]).
 use crate::weights::Vb;

@@ -56,3 +56,20 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 pub fn ref_trainable(name: &str) -> bool {
     name.contains("self_attn") || name.contains("norm")
 }
+
+/// An example binary of this package (built by `cargo test`; built here, with the test's own
+/// profile, when a test runs alone).
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile = exe.parent().unwrap().parent().unwrap();
+    let bin = profile.join("examples").join(name);
+    if !bin.is_file() {
+        let mut cmd = std::process::Command::new(env!("CARGO"));
+        cmd.args(["build", "-p", "mlx-training", "--example", name]);
+        if profile.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        assert!(cmd.status().unwrap().success(), "building the {name} example");
+    }
+    bin
+}
