@@ -20,10 +20,12 @@ type KvPair = (Array, Array);
 /// holds positions `0..n-2` when a cycle starts) and the hidden state comes with the verdict of
 /// the cycle before (the verify step's row of the last accepted token), so the target runs no
 /// extra forward; only a history the drafter did not follow (the prompt, a new turn) is run
-/// through the target once more for its hidden state. With a paged target cache, and for
-/// [`Drafter::propose`] without a target cache, the K/V and hidden state come from a flat
-/// cache of the drafter's own, kept in step with the history by running the target over the
-/// tokens it has not seen.
+/// through the target once more for its hidden state. That holds while the verifier's sliding
+/// layer holds every position the assistant attends over (the last `sliding_window`): past the
+/// window, after a multi-token step the rotating cache keeps `sliding_window - 1`. Then, with a
+/// paged target cache, and for [`Drafter::propose`] without a target cache, the K/V and hidden
+/// state come from a flat cache of the drafter's own, kept in step with the history by running
+/// the target over the tokens it has not seen.
 pub struct AssistantDrafter {
     target: Model,
     net: Gemma4Assistant,
@@ -84,7 +86,6 @@ impl AssistantDrafter {
             depth: Self::DEFAULT_DEPTH,
         })
     }
-
 
     fn embed(&self, tokens: &Array) -> Result<Array> {
         self.target.with_runtime(|rt| {
@@ -217,20 +218,36 @@ impl AssistantDrafter {
                 cache.offset()
             )));
         }
+        let (sliding, full) = Self::kv_of(&self.target, cache)?;
+        // After a multi-token step a rotating cache holds the last `window - 1` positions; the
+        // assistant attends over `window` of them: then the drafter's own cache serves
+        let window = self
+            .target
+            .with_runtime(|rt| rt.as_gemma4().map(|g| g.config().sliding_window))
+            .unwrap_or(0);
+        if sliding.0.dim(2)? < window.min(n - 1) {
+            self.hidden = None;
+            return self.draft(history, k, cfg, raw);
+        }
         let hidden = match self.hidden.take() {
             Some((h, x)) if h == history => x,
             _ => {
                 // a history the drafter did not follow: the target's hidden state at n - 2
                 let mut c = Cache::new(&self.target.with_runtime(|rt| rt.cache_spec()));
-                let out = forward(&self.target, &mut c, &row(&history[..n - 1])?, Logits::None, true)?;
+                let out = forward(
+                    &self.target,
+                    &mut c,
+                    &row(&history[..n - 1])?,
+                    Logits::None,
+                    true,
+                )?;
                 self.run += n - 1;
-                let h = out
-                    .hidden
-                    .ok_or_else(|| ModelError::Cache("target forward returned no hidden state".into()))?;
+                let h = out.hidden.ok_or_else(|| {
+                    ModelError::Cache("target forward returned no hidden state".into())
+                })?;
                 h.slice_axis(1, n - 2, n - 1)?
             }
         };
-        let (sliding, full) = Self::kv_of(&self.target, cache)?;
         self.draft_from(history, k, cfg, raw, hidden, &sliding, &full)
     }
 

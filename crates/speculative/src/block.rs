@@ -116,7 +116,10 @@ impl BlockConfig {
             .collect::<Option<_>>()
             .ok_or_else(|| bad(dir, "target_layer_ids must be non-negative integers"))?;
         if ids.is_empty() || ids.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(bad(dir, format!("target_layer_ids {ids:?} must be non-empty and strictly ascending")));
+            return Err(bad(
+                dir,
+                format!("target_layer_ids {ids:?} must be non-empty and strictly ascending"),
+            ));
         }
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?;
@@ -137,20 +140,36 @@ impl BlockConfig {
                     }
                 }
                 let r = raw.pointer("/rope_parameters/full_attention");
-                let rf = |k: &str| r.and_then(|r| r.get(k)).and_then(Value::as_f64).map(|v| v as f32);
-                let rtype = r.and_then(|r| r.get("rope_type")).and_then(Value::as_str).unwrap_or("proportional");
+                let rf = |k: &str| {
+                    r.and_then(|r| r.get(k))
+                        .and_then(Value::as_f64)
+                        .map(|v| v as f32)
+                };
+                let rtype = r
+                    .and_then(|r| r.get("rope_type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("proportional");
                 let partial = match rtype {
                     "proportional" => rf("partial_rotary_factor").unwrap_or(0.25),
                     "default" => 1.0,
-                    t => return Err(bad(dir, format!("rope_type {t:?} (proportional and default are supported)"))),
+                    t => {
+                        return Err(bad(
+                            dir,
+                            format!("rope_type {t:?} (proportional and default are supported)"),
+                        ))
+                    }
                 };
-                let act = raw.get("hidden_activation").and_then(Value::as_str).unwrap_or("gelu_pytorch_tanh");
+                let act = raw
+                    .get("hidden_activation")
+                    .and_then(Value::as_str)
+                    .unwrap_or("gelu_pytorch_tanh");
                 (
                     true,
                     need("num_global_key_value_heads")?,
                     need("global_head_dim")?,
                     uint("block_size").unwrap_or(BlockDrafter::DSPARK_BLOCK),
-                    Activation::parse(act).ok_or_else(|| bad(dir, format!("unknown hidden_activation {act:?}")))?,
+                    Activation::parse(act)
+                        .ok_or_else(|| bad(dir, format!("unknown hidden_activation {act:?}")))?,
                     RopeKind::Proportional {
                         theta: rf("rope_theta").unwrap_or(1_000_000.0),
                         partial,
@@ -158,8 +177,14 @@ impl BlockConfig {
                 )
             }
             DraftKind::DFlash => {
-                let archs = raw.get("architectures").map(|a| a.to_string()).unwrap_or_default();
-                if archs.contains("DFlash2") || uint("conv_kernel_size").unwrap_or(0) > 0 || uint("selector_rank").unwrap_or(0) > 0 {
+                let archs = raw
+                    .get("architectures")
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
+                if archs.contains("DFlash2")
+                    || uint("conv_kernel_size").unwrap_or(0) > 0
+                    || uint("selector_rank").unwrap_or(0) > 0
+                {
                     return Err(ModelError::UnsupportedOption(format!(
                         "{}: DFlash2 drafts (grouped convolutions, candidate selector) are not supported",
                         dir.display()
@@ -178,7 +203,9 @@ impl BlockConfig {
                         dir.display()
                     )));
                 }
-                let rp = raw.get("rope_parameters").or_else(|| raw.get("rope_scaling"));
+                let rp = raw
+                    .get("rope_parameters")
+                    .or_else(|| raw.get("rope_scaling"));
                 let theta = raw
                     .get("rope_theta")
                     .or_else(|| rp.and_then(|r| r.get("rope_theta")))
@@ -189,17 +216,28 @@ impl BlockConfig {
                     .map(|r| serde_json::from_value::<RopeScaling>(r.clone()))
                     .transpose()
                     .map_err(|e| bad(dir, format!("rope parameters: {e}")))?;
-                let act = raw.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+                let act = raw
+                    .get("hidden_act")
+                    .and_then(Value::as_str)
+                    .unwrap_or("silu");
                 (
                     true,
                     need("num_key_value_heads")?,
                     uint("head_dim").unwrap_or(hidden / heads.max(1)),
                     uint("block_size").unwrap_or(BlockDrafter::DFLASH_BLOCK),
-                    Activation::parse(act).ok_or_else(|| bad(dir, format!("unknown hidden_act {act:?}")))?,
+                    Activation::parse(act)
+                        .ok_or_else(|| bad(dir, format!("unknown hidden_act {act:?}")))?,
                     RopeKind::Scaled(theta, scaling),
                 )
             }
-            _ => (false, 0, 0, 0, Activation::Silu, RopeKind::Scaled(0.0, None)),
+            _ => (
+                false,
+                0,
+                0,
+                0,
+                Activation::Silu,
+                RopeKind::Scaled(0.0, None),
+            ),
         };
         if !kind_ok {
             return Err(ModelError::UnsupportedOption(format!(
@@ -225,24 +263,47 @@ impl BlockConfig {
             final_logit_softcapping: float("final_logit_softcapping").filter(|c| *c > 0.0),
             input_embedding_scale: float("input_embedding_scale").unwrap_or(1.0),
             output_multiplier: float("output_multiplier").unwrap_or(1.0),
-            markov_rank: if kind == DraftKind::DSpark { uint("markov_rank").unwrap_or(0) } else { 0 },
+            markov_rank: if kind == DraftKind::DSpark {
+                uint("markov_rank").unwrap_or(0)
+            } else {
+                0
+            },
             confidence_head: kind == DraftKind::DSpark
-                && raw.get("enable_confidence_head").and_then(Value::as_bool).unwrap_or(false),
+                && raw
+                    .get("enable_confidence_head")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
             activation,
             rope,
             max_position_embeddings: uint("max_position_embeddings").unwrap_or(1 << 20),
         };
-        if c.num_hidden_layers == 0 || c.vocab_size == 0 || c.intermediate_size == 0 || c.hidden_size == 0 {
-            return Err(bad(dir, "hidden_size, intermediate_size, num_hidden_layers and vocab_size must be positive"));
+        if c.num_hidden_layers == 0
+            || c.vocab_size == 0
+            || c.intermediate_size == 0
+            || c.hidden_size == 0
+        {
+            return Err(bad(
+                dir,
+                "hidden_size, intermediate_size, num_hidden_layers and vocab_size must be positive",
+            ));
         }
         if kv == 0 || heads % kv != 0 || head_dim == 0 || head_dim % 2 != 0 {
             return Err(bad(dir, format!("{heads} heads over {kv} key/value heads of dim {head_dim} (must divide, even dim)")));
         }
         if c.block_size < min_block {
-            return Err(bad(dir, format!("block_size {} is below {min_block}", c.block_size)));
+            return Err(bad(
+                dir,
+                format!("block_size {} is below {min_block}", c.block_size),
+            ));
         }
         if c.mask_token_id as usize >= c.vocab_size {
-            return Err(bad(dir, format!("mask_token_id {} is outside the vocabulary of {}", c.mask_token_id, c.vocab_size)));
+            return Err(bad(
+                dir,
+                format!(
+                    "mask_token_id {} is outside the vocabulary of {}",
+                    c.mask_token_id, c.vocab_size
+                ),
+            ));
         }
         Ok(c)
     }
@@ -258,12 +319,16 @@ impl BlockConfig {
     fn rope(&self) -> Result<Rope> {
         let d = self.head_dim;
         match &self.rope {
-            RopeKind::Scaled(theta, s) => Rope::scaled(d, *theta, s.as_ref(), self.max_position_embeddings)
-                .map_err(ModelError::InvalidInput),
+            RopeKind::Scaled(theta, s) => {
+                Rope::scaled(d, *theta, s.as_ref(), self.max_position_embeddings)
+                    .map_err(ModelError::InvalidInput)
+            }
             RopeKind::Proportional { theta, partial } => {
                 // the first `rot / 2` pairs rotate with wavelengths θ^(2j / d), the rest not at all
                 let rot = (d as f32 * partial) as usize;
-                let mut f: Vec<f32> = (0..rot / 2).map(|j| theta.powf((2 * j) as f32 / d as f32)).collect();
+                let mut f: Vec<f32> = (0..rot / 2)
+                    .map(|j| theta.powf((2 * j) as f32 / d as f32))
+                    .collect();
                 f.resize(d / 2, f32::INFINITY);
                 let mut rope = Rope::new(d, *theta);
                 rope.freqs = Some(Array::from_slice(&f, &[d / 2])?);
@@ -276,8 +341,16 @@ impl BlockConfig {
 /// A dense projection `prefix.weight` (`[out, in]`), drawn `N(0, 1 / in)` in a random checkpoint.
 fn linear(vb: &Vb, name: &str, input: usize, output: usize, bias: bool) -> Result<Linear> {
     let v = vb.pp(name);
-    let w = v.get_init("weight", &[output, input], Init::normal(0.0, (input as f32).powf(-0.5)))?;
-    let b = if bias { Some(v.get_init("bias", &[output], Init::normal(0.0, 0.1))?) } else { None };
+    let w = v.get_init(
+        "weight",
+        &[output, input],
+        Init::normal(0.0, (input as f32).powf(-0.5)),
+    )?;
+    let b = if bias {
+        Some(v.get_init("bias", &[output], Init::normal(0.0, 0.1))?)
+    } else {
+        None
+    };
     Linear::new(w, b)
 }
 
@@ -342,7 +415,11 @@ impl BlockNet {
     fn build(cfg: BlockConfig, weights: &Weights) -> Result<Self> {
         let vb = weights.root();
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let (nh, nkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (nh, nkv, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let spark = cfg.kind == DraftKind::DSpark;
         let embed = if spark {
             Some(Embedding::from_weight(vb.pp("embed_tokens").get_init(
@@ -353,15 +430,27 @@ impl BlockNet {
         } else {
             None
         };
-        let head = if spark { Some(linear(&vb, "lm_head", h, cfg.vocab_size, false)?) } else { None };
+        let head = if spark {
+            Some(linear(&vb, "lm_head", h, cfg.vocab_size, false)?)
+        } else {
+            None
+        };
         let norm_ = norm(&vb, "norm", h, eps)?;
         let fc = linear(&vb, "fc", cfg.target_layer_ids.len() * h, h, false)?;
         let hidden_norm = norm(&vb, "hidden_norm", h, eps)?;
         let (markov, confidence) = if spark && cfg.markov_rank > 0 {
             let m = vb.pp("markov_head");
             let r = cfg.markov_rank;
-            let w1 = m.pp("markov_w1").get_init("weight", &[cfg.vocab_size, r], Init::normal(0.0, 1.0))?;
-            let w2 = m.pp("markov_w2").get_init("weight", &[cfg.vocab_size, r], Init::normal(0.0, (r as f32).powf(-0.5)))?;
+            let w1 = m.pp("markov_w1").get_init(
+                "weight",
+                &[cfg.vocab_size, r],
+                Init::normal(0.0, 1.0),
+            )?;
+            let w2 = m.pp("markov_w2").get_init(
+                "weight",
+                &[cfg.vocab_size, r],
+                Init::normal(0.0, (r as f32).powf(-0.5)),
+            )?;
             let conf = if cfg.confidence_head {
                 Some(linear(&vb.pp("confidence_head"), "proj", h + r, 1, true)?)
             } else {
@@ -383,7 +472,11 @@ impl BlockNet {
                     input_norm: norm(&lv, "input_layernorm", h, eps)?,
                     q: linear(&a, "q_proj", h, nh * d, false)?,
                     k: linear(&a, "k_proj", h, nkv * d, false)?,
-                    v: if spark { None } else { Some(linear(&a, "v_proj", h, nkv * d, false)?) },
+                    v: if spark {
+                        None
+                    } else {
+                        Some(linear(&a, "v_proj", h, nkv * d, false)?)
+                    },
                     o: linear(&a, "o_proj", nh * d, h, false)?,
                     q_norm: norm(&a, "q_norm", d, eps)?,
                     k_norm: norm(&a, "k_norm", d, eps)?,
@@ -428,16 +521,22 @@ impl BlockNet {
     /// `target_layer_ids` order): `hidden_norm(fc(concat))`.
     pub fn fuse(&self, taps: &[Array]) -> Result<Array> {
         let refs: Vec<&Array> = taps.iter().collect();
-        self.hidden_norm.forward(&self.fc.forward(&concatenate(&refs, -1)?)?)
+        self.hidden_norm
+            .forward(&self.fc.forward(&concatenate(&refs, -1)?)?)
     }
 
     /// Per layer, the keys (normed, roped at `pos..`) and values of `x` (`[1, T, H]`):
     /// `[1, kv_heads, T, D]` each.
     fn project_kv(&self, layer: &Layer, x: &Array, pos: usize) -> Result<(Array, Array)> {
-        let (nkv, d) = (self.cfg.num_key_value_heads as i32, self.cfg.head_dim as i32);
+        let (nkv, d) = (
+            self.cfg.num_key_value_heads as i32,
+            self.cfg.head_dim as i32,
+        );
         let t = x.dim(1)? as i32;
         let raw = layer.k.forward(x)?.reshape(&[1, t, nkv, d])?;
-        let k = self.rope.forward(&layer.k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, pos)?;
+        let k = self
+            .rope
+            .forward(&layer.k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, pos)?;
         let v = match &layer.v {
             Some(v) => v.forward(x)?.reshape(&[1, t, nkv, d])?,
             None => layer.v_norm.forward(&raw)?,
@@ -448,14 +547,20 @@ impl BlockNet {
     /// Context keys and values of the fused rows `ctx` (`[1, T, H]`) at positions `pos..`, one
     /// pair per layer.
     pub fn context_kv(&self, ctx: &Array, pos: usize) -> Result<Vec<(Array, Array)>> {
-        self.layers.iter().map(|l| self.project_kv(l, ctx, pos)).collect()
+        self.layers
+            .iter()
+            .map(|l| self.project_kv(l, ctx, pos))
+            .collect()
     }
 
     /// The final-normed hidden states of a block whose embeddings are `x` (`[1, L, H]`), at
     /// positions `pos..`, over the context keys and values `ctx` (one pair per layer; none: no
     /// context).
     pub fn block(&self, x: &Array, pos: usize, ctx: &[(Array, Array)]) -> Result<Array> {
-        let (nh, d) = (self.cfg.num_attention_heads as i32, self.cfg.head_dim as i32);
+        let (nh, d) = (
+            self.cfg.num_attention_heads as i32,
+            self.cfg.head_dim as i32,
+        );
         let l = x.dim(1)? as i32;
         let spark = self.cfg.kind == DraftKind::DSpark;
         let scale = if spark { 1.0 } else { (d as f32).powf(-0.5) };
@@ -463,18 +568,23 @@ impl BlockNet {
         for (i, layer) in self.layers.iter().enumerate() {
             let n = layer.input_norm.forward(&x)?;
             let q = layer.q.forward(&n)?.reshape(&[1, l, nh, d])?;
-            let q = self.rope.forward(&layer.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?, pos)?;
+            let q = self
+                .rope
+                .forward(&layer.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?, pos)?;
             let (bk, bv) = self.project_kv(layer, &n, pos)?;
             let (k, v) = match ctx.get(i) {
                 Some((ck, cv)) => (concatenate(&[ck, &bk], 2)?, concatenate(&[cv, &bv], 2)?),
                 None => (bk, bv),
             };
             let a = q.sdpa(&k, &v, scale, AttentionMask::None)?;
-            let a = layer.o.forward(&a.transpose(&[0, 2, 1, 3])?.reshape(&[1, l, nh * d])?)?;
+            let a = layer
+                .o
+                .forward(&a.transpose(&[0, 2, 1, 3])?.reshape(&[1, l, nh * d])?)?;
             x = match (&layer.ffn_norms, &layer.scalar) {
                 (Some((pre, post)), Some(s)) => {
                     let h = x.add(&layer.post_attn_norm.forward(&a)?)?;
-                    h.add(&post.forward(&layer.mlp.forward(&pre.forward(&h)?)?)?)?.mul(s)?
+                    h.add(&post.forward(&layer.mlp.forward(&pre.forward(&h)?)?)?)?
+                        .mul(s)?
                 }
                 _ => {
                     let h = x.add(&a)?;
@@ -487,14 +597,22 @@ impl BlockNet {
 
     /// The Markov bias of the tokens `prev` (`[n]` ids): `[n, V]`, or `None` without a Markov head.
     pub fn markov_bias(&self, prev: &Array) -> Result<Option<Array>> {
-        let Some((w1, w2)) = &self.markov else { return Ok(None) };
-        Ok(Some(w1.take(prev, 0)?.matmul(&w2.transpose(&[1, 0])?)?.astype(DType::F32)?))
+        let Some((w1, w2)) = &self.markov else {
+            return Ok(None);
+        };
+        Ok(Some(
+            w1.take(prev, 0)?
+                .matmul(&w2.transpose(&[1, 0])?)?
+                .astype(DType::F32)?,
+        ))
     }
 
     /// DSpark's keep-probabilities of block rows `hidden` (`[1, n, H]`) after the tokens `prev`
     /// (`[n]`): `[n]` f32, or `None` without a confidence head.
     pub fn keep_probs(&self, hidden: &Array, prev: &Array) -> Result<Option<Array>> {
-        let (Some(proj), Some((w1, _))) = (&self.confidence, &self.markov) else { return Ok(None) };
+        let (Some(proj), Some((w1, _))) = (&self.confidence, &self.markov) else {
+            return Ok(None);
+        };
         let e = w1.take(prev, 0)?.astype(hidden.dtype())?.expand_dims(0)?;
         let p = proj.forward(&concatenate(&[hidden, &e], -1)?)?.sigmoid()?;
         Ok(Some(p.reshape(&[-1])?.astype(DType::F32)?))
@@ -561,7 +679,10 @@ impl BlockDrafter {
                 info.num_layers
             )));
         }
-        if c.target_layer_ids.last().is_some_and(|&l| l + 1 >= info.num_layers) {
+        if c.target_layer_ids
+            .last()
+            .is_some_and(|&l| l + 1 >= info.num_layers)
+        {
             return Err(ModelError::UnsupportedOption(format!(
                 "the {name} draft taps layers {:?}; a {}-layer target has taps below its last layer only",
                 c.target_layer_ids, info.num_layers
@@ -570,7 +691,9 @@ impl BlockDrafter {
         // the target must run with taps (and share its embedding and head with DFlash)
         let probe = Array::from_slice(&[0u32], &[1, 1])?;
         let mut cache = Cache::new(&target.with_runtime(|rt| rt.cache_spec()));
-        let (out, _) = target.with_runtime(|rt| rt.forward_taps(&probe, &mut cache, Logits::None, true, &c.target_layer_ids))?;
+        let (out, _) = target.with_runtime(|rt| {
+            rt.forward_taps(&probe, &mut cache, Logits::None, true, &c.target_layer_ids)
+        })?;
         if c.kind == DraftKind::DFlash {
             target.with_runtime(|rt| rt.input_embeddings(&probe))?;
             if let Some(h) = &out.hidden {
@@ -643,7 +766,9 @@ impl BlockDrafter {
                 self.ctx
                     .iter()
                     .zip(new)
-                    .map(|((k, v), (nk, nv))| Ok((concatenate(&[k, &nk], 2)?, concatenate(&[v, &nv], 2)?)))
+                    .map(|((k, v), (nk, nv))| {
+                        Ok((concatenate(&[k, &nk], 2)?, concatenate(&[v, &nv], 2)?))
+                    })
                     .collect::<Result<_>>()?
             };
             self.ctx_len += m;
@@ -661,7 +786,13 @@ impl BlockDrafter {
 
     /// Up to `k` drafts after `history`, drawn with `cfg`; with `trace`, also the logits and
     /// keep-probabilities.
-    fn draft(&mut self, history: &[u32], k: usize, cfg: &SamplingConfig, trace: bool) -> Result<(Draft, Option<BlockTrace>)> {
+    fn draft(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        cfg: &SamplingConfig,
+        trace: bool,
+    ) -> Result<(Draft, Option<BlockTrace>)> {
         let n = history.len();
         if k == 0 || n == 0 {
             return Ok((Draft::empty(), None));
@@ -681,14 +812,20 @@ impl BlockDrafter {
         ids[0] = anchor;
         let ids = row(&ids)?;
         let x = match &self.net.embed {
-            Some(e) => e.forward(&ids)?.mul_scalar((self.net.cfg.hidden_size as f32).sqrt())?,
+            Some(e) => e
+                .forward(&ids)?
+                .mul_scalar((self.net.cfg.hidden_size as f32).sqrt())?,
             None => self
                 .target
                 .with_runtime(|rt| rt.input_embeddings(&ids))?
                 .mul_scalar(self.net.cfg.input_embedding_scale)?,
         };
         let hidden = self.net.block(&x, n - 1, &self.ctx)?;
-        let rows = if spark { hidden.clone() } else { hidden.slice_axis(1, 1, len)? };
+        let rows = if spark {
+            hidden.clone()
+        } else {
+            hidden.slice_axis(1, 1, len)?
+        };
         let logits = match &self.net.head {
             Some(h) => h.forward(&rows)?.astype(DType::F32)?,
             None => self
@@ -724,9 +861,16 @@ impl BlockDrafter {
         let mut draft = drawer.finish(&keep.iter().collect::<Vec<_>>())?;
         if self.threshold > 0.0 {
             if let Some(p) = &keep {
-                let cut = p.to_vec::<f32>()?.iter().take_while(|&&p| p >= self.threshold).count();
+                let cut = p
+                    .to_vec::<f32>()?
+                    .iter()
+                    .take_while(|&&p| p >= self.threshold)
+                    .count();
                 draft.tokens.truncate(cut);
-                draft.logprobs = draft.logprobs.map(|l| l.slice_axis(0, 0, cut)).transpose()?;
+                draft.logprobs = draft
+                    .logprobs
+                    .map(|l| l.slice_axis(0, 0, cut))
+                    .transpose()?;
             }
         }
         let trace = if trace {
@@ -802,9 +946,16 @@ pub fn create_random_block_draft(dir: &Path, seed: u64, dtype: DType) -> Result<
     let keys = mlx_array::random::Key::new(seed)?.split_n(tensors.len())?;
     let mut arrays = Vec::with_capacity(tensors.len());
     for (t, key) in tensors.iter().zip(&keys) {
-        arrays.push(mlx_array::random::normal_with(&t.shape, t.init.mean, t.init.std, DType::F32, key)?.astype(dtype)?);
+        arrays.push(
+            mlx_array::random::normal_with(&t.shape, t.init.mean, t.init.std, DType::F32, key)?
+                .astype(dtype)?,
+        );
     }
-    let refs: Vec<(&str, &Array)> = tensors.iter().map(|t| t.name.as_str()).zip(&arrays).collect();
+    let refs: Vec<(&str, &Array)> = tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .zip(&arrays)
+        .collect();
     let path = dir.join("model.safetensors");
     mlx_array::io::save_safetensors(&path, &refs, None)?;
     Ok(path)

@@ -113,7 +113,6 @@ impl SpeculativeDecoder {
         self.drafter.as_ref()
     }
 
-
     /// No drafts this cycle: one plain step through the target.
     fn plain_step(
         &mut self,

@@ -243,7 +243,6 @@ impl DraftModel {
     pub fn model(&self) -> &Model {
         &self.model
     }
-
 }
 
 impl Drafter for DraftModel {
@@ -283,7 +282,9 @@ impl Drafter for DraftModel {
         }
         let draft = drawer.finish(&[])?;
         self.tracked.tokens.push(last);
-        self.tracked.tokens.extend_from_slice(&draft.tokens[..k - 1]);
+        self.tracked
+            .tokens
+            .extend_from_slice(&draft.tokens[..k - 1]);
         Ok(draft)
     }
 

@@ -83,7 +83,6 @@ impl MtpDrafter {
         Ok(())
     }
 
-
     fn step(&mut self, tokens: &Array, hidden: &Array) -> Result<(Array, Array)> {
         let (logits, h) = self
             .target

@@ -27,7 +27,11 @@ fn dir(kind: &str) -> PathBuf {
 }
 
 fn drafter(kind: &str, target: &Model) -> BlockDrafter {
-    BlockDrafter::new(target.clone(), BlockNet::load(&dir(kind), Some(DType::F32)).unwrap()).unwrap()
+    BlockDrafter::new(
+        target.clone(),
+        BlockNet::load(&dir(kind), Some(DType::F32)).unwrap(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -41,12 +45,21 @@ fn block_draft_logits_match_the_torch_reference() {
             let mut d = drafter(kind, &target);
             let tr = d.trace(&history, want.len()).unwrap().unwrap();
             let e = rel(&tr.logits, &r[&format!("{case}_draft_logits")]);
-            let keep = tr.keep.as_ref().map(|k| rel(k, &r[&format!("{case}_keep")]));
-            eprintln!("{kind} {case}: draft logits rel {e:.2e}, keep-probabilities {keep:?}, drafts {:?}", tr.tokens);
+            let keep = tr
+                .keep
+                .as_ref()
+                .map(|k| rel(k, &r[&format!("{case}_keep")]));
+            eprintln!(
+                "{kind} {case}: draft logits rel {e:.2e}, keep-probabilities {keep:?}, drafts {:?}",
+                tr.tokens
+            );
             assert!(e < 1e-4, "{kind} {case}: draft logits rel {e}");
             assert_eq!(tr.tokens, want, "{kind} {case}");
             assert_eq!(tr.keep.is_some(), kind == "dspark");
-            assert!(keep.is_none_or(|k| k < 1e-4), "{kind} {case}: keep rel {keep:?}");
+            assert!(
+                keep.is_none_or(|k| k < 1e-4),
+                "{kind} {case}: keep rel {keep:?}"
+            );
         }
     }
 }
@@ -66,14 +79,23 @@ fn block_incremental_drafts_equal_fresh_ones() {
             let got = d.trace(&history, k).unwrap().unwrap();
             let want = drafter(kind, &target).trace(&history, k).unwrap().unwrap();
             assert_eq!(got.tokens, want.tokens, "{kind} cycle {cycle}");
-            assert!(rel(&got.logits, &want.logits) < 1e-5, "{kind} cycle {cycle}");
+            assert!(
+                rel(&got.logits, &want.logits) < 1e-5,
+                "{kind} cycle {cycle}"
+            );
             // the target's verify step over [last, drafts] after the history, with its taps
             let mut c = prefilled(&target, &history);
             let mut seq = vec![history[history.len() - 1]];
             seq.extend(&got.tokens);
             let (_, tapped) = target
                 .with_runtime(|rt| {
-                    rt.forward_taps(&Array::from_slice(&seq, &[1, seq.len()]).unwrap(), &mut c, Logits::All, false, &taps)
+                    rt.forward_taps(
+                        &Array::from_slice(&seq, &[1, seq.len()]).unwrap(),
+                        &mut c,
+                        Logits::All,
+                        false,
+                        &taps,
+                    )
                 })
                 .unwrap();
             let next = (history.len() as u32 * 31 + 5) % 512;
@@ -106,20 +128,38 @@ fn block_drafting_equals_plain_greedy() {
             let want = plain_greedy(&target, &prompt, 24);
             for depth in [None, Some(1), Some(rng.range(2, 6))] {
                 let mut spec = SpeculativeDecoder::new(Box::new(drafter(kind, &target)), depth);
-                check_identity(&target, &mut spec, &prompt, &want, &format!("{kind} {kv:?} depth {depth:?}"));
+                check_identity(
+                    &target,
+                    &mut spec,
+                    &prompt,
+                    &want,
+                    &format!("{kind} {kv:?} depth {depth:?}"),
+                );
                 // the verify steps' taps serve every cycle: only the prompt is tapped once more
                 assert_eq!(spec.drafter().target_positions_run(), prompt.len());
             }
             // adaptive depth (its plain steps' taps join the context too), and DSpark with
             // confidence truncation
             let mut spec = SpeculativeDecoder::adaptive(Box::new(drafter(kind, &target)), None);
-            check_identity(&target, &mut spec, &prompt, &want, &format!("{kind} {kv:?} adaptive"));
+            check_identity(
+                &target,
+                &mut spec,
+                &prompt,
+                &want,
+                &format!("{kind} {kv:?} adaptive"),
+            );
             assert_eq!(spec.drafter().target_positions_run(), prompt.len());
             if kind == "dspark" {
                 let mut d = drafter(kind, &target);
                 d.set_confidence_threshold(0.5).unwrap();
                 let mut spec = SpeculativeDecoder::new(Box::new(d), None);
-                let st = check_identity(&target, &mut spec, &prompt, &want, &format!("{kind} {kv:?} confidence 0.5"));
+                let st = check_identity(
+                    &target,
+                    &mut spec,
+                    &prompt,
+                    &want,
+                    &format!("{kind} {kv:?} confidence 0.5"),
+                );
                 assert!(st.depth_mean < 7.0, "truncated blocks: {st:?}");
             }
         }
@@ -131,16 +171,35 @@ fn block_drafting_equals_plain_greedy() {
 fn dspark_confidence_threshold_truncates_blocks() {
     let target = load("gemma4_text", KvCacheMode::Flat);
     let history: Vec<u32> = vec![2, 17, 230, 5, 99, 41, 17, 410, 88, 3];
-    let keep = drafter("dspark", &target).trace(&history, 7).unwrap().unwrap().keep.unwrap().to_vec::<f32>().unwrap();
+    let keep = drafter("dspark", &target)
+        .trace(&history, 7)
+        .unwrap()
+        .unwrap()
+        .keep
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
     for threshold in [0.0, keep[0].min(keep[1]) + 1e-6, 1.0] {
         let mut d = drafter("dspark", &target);
         d.set_confidence_threshold(threshold).unwrap();
-        let got = d.propose(&history, 7, &sampling::SamplingConfig::greedy()).unwrap().tokens.len();
-        let want = if threshold == 0.0 { 7 } else { keep.iter().take_while(|&&p| p >= threshold).count() };
+        let got = d
+            .propose(&history, 7, &sampling::SamplingConfig::greedy())
+            .unwrap()
+            .tokens
+            .len();
+        let want = if threshold == 0.0 {
+            7
+        } else {
+            keep.iter().take_while(|&&p| p >= threshold).count()
+        };
         assert_eq!(got, want, "threshold {threshold}, keep {keep:?}");
     }
-    assert!(drafter("dspark", &target).set_confidence_threshold(1.5).is_err());
-    assert!(drafter("dflash", &load("qwen3", KvCacheMode::Flat)).set_confidence_threshold(0.5).is_err());
+    assert!(drafter("dspark", &target)
+        .set_confidence_threshold(1.5)
+        .is_err());
+    assert!(drafter("dflash", &load("qwen3", KvCacheMode::Flat))
+        .set_confidence_threshold(0.5)
+        .is_err());
 }
 
 /// Speculative sampling with a DSpark draft (Markov-chained draws that disagree with the random
@@ -155,9 +214,24 @@ fn dspark_speculative_sampling_matches_the_target_distribution() {
         .with_repetition_penalty(1.5)
         .with_presence_penalty(0.5)
         .with_seed(13);
-    let q0 = probs(&drafter("dspark", &target).propose(&history, 1, &cfg).unwrap().logprobs.unwrap());
+    let q0 = probs(
+        &drafter("dspark", &target)
+            .propose(&history, 1, &cfg)
+            .unwrap()
+            .logprobs
+            .unwrap(),
+    );
     let spec = SpeculativeDecoder::new(Box::new(drafter("dspark", &target)), Some(3));
-    check_speculative_sampling("dspark sampling", &target, spec, &history, &cfg, 500, &q0, false);
+    check_speculative_sampling(
+        "dspark sampling",
+        &target,
+        spec,
+        &history,
+        &cfg,
+        500,
+        &q0,
+        false,
+    );
 }
 
 #[test]
@@ -168,23 +242,48 @@ fn block_drafts_load_from_their_config() {
     };
     for ((kind, t), (default, max)) in KINDS.into_iter().zip([(7, 7), (7, 7)]) {
         let target = load(t, KvCacheMode::Flat);
-        let want = if kind == "dspark" { DraftKind::DSpark } else { DraftKind::DFlash };
+        let want = if kind == "dspark" {
+            DraftKind::DSpark
+        } else {
+            DraftKind::DFlash
+        };
         assert_eq!(mlx_speculative::draft_kind(&dir(kind)).unwrap(), want);
         let d = load_drafter_for(&dir(kind), &opts, &target).unwrap();
-        assert_eq!((d.default_depth(), d.max_depth()), (default, Some(max)), "{kind}");
+        assert_eq!(
+            (d.default_depth(), d.max_depth()),
+            (default, Some(max)),
+            "{kind}"
+        );
         for (asked, got) in [(None, default), (Some(0), 1), (Some(3), 3), (Some(40), max)] {
-            let s = SpeculativeDecoder::new(load_drafter_for(&dir(kind), &opts, &target).unwrap(), asked);
+            let s = SpeculativeDecoder::new(
+                load_drafter_for(&dir(kind), &opts, &target).unwrap(),
+                asked,
+            );
             assert_eq!(s.depth(), Depth::Fixed(got), "{kind} {asked:?}");
         }
         let e = load_drafter(&dir(kind), &opts).err().unwrap().to_string();
         assert!(e.contains("load_drafter_for"), "{e}");
     }
     // a draft for another target is refused by name
-    let e = load_drafter_for(&dir("dspark"), &opts, &load("qwen3", KvCacheMode::Flat)).err().unwrap().to_string();
+    let e = load_drafter_for(&dir("dspark"), &opts, &load("qwen3", KvCacheMode::Flat))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("vocabulary"), "{e}");
-    let e = load_drafter_for(&dir("dflash"), &opts, &load("gemma4_text", KvCacheMode::Flat)).err().unwrap().to_string();
+    let e = load_drafter_for(
+        &dir("dflash"),
+        &opts,
+        &load("gemma4_text", KvCacheMode::Flat),
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("vocabulary") || e.contains("layers"), "{e}");
     // the random writer's layout is the loader's
-    let names: Vec<String> = BlockNet::expected_tensors(&dir("dspark")).unwrap().into_iter().map(|t| t.name).collect();
+    let names: Vec<String> = BlockNet::expected_tensors(&dir("dspark"))
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
     assert_eq!(names.len(), 9 + 13 * 2, "{names:?}");
 }

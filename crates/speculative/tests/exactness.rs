@@ -109,5 +109,14 @@ fn check_pair(t: &str, d: &str, temperature: f32, seed: u64, agrees: bool) {
         .with_seed(seed);
     let q0 = dist_after(&draft, &Sampler::new(cfg.clone()).unwrap(), &history);
     let spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(3));
-    check_speculative_sampling(&format!("{t} <- {d}"), &target, spec, &history, &cfg, 600, &q0, agrees);
+    check_speculative_sampling(
+        &format!("{t} <- {d}"),
+        &target,
+        spec,
+        &history,
+        &cfg,
+        600,
+        &q0,
+        agrees,
+    );
 }

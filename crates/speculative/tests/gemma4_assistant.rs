@@ -46,10 +46,15 @@ fn assistant_logits_match_transformers() {
         // the same drafts from the K/V of a verifier's flat cache
         let mut d = AssistantDrafter::new(target.clone(), assistant()).unwrap();
         let mut cache = prefilled(&target, &history);
-        let (tokens, on) = d.draft_logits(&history, want_tokens.len(), Some(&mut cache)).unwrap();
+        let (tokens, on) = d
+            .draft_logits(&history, want_tokens.len(), Some(&mut cache))
+            .unwrap();
         let e = rel(&on.unwrap(), &r[&format!("{name}draft_logits")]);
         eprintln!("  from the verifier's cache: rel {e:.2e}");
-        assert!(e < 1e-4, "{name}: draft logits from the verifier's cache rel {e}");
+        assert!(
+            e < 1e-4,
+            "{name}: draft logits from the verifier's cache rel {e}"
+        );
         assert_eq!(tokens, want_tokens, "{name}");
         if name == "long_window_" {
             // transformers' own mask sees one sliding position more: a different network
@@ -95,15 +100,35 @@ fn assistant_drafting_equals_plain_greedy() {
                 Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
                 Some(depth),
             );
-            check_identity(&target, &mut spec, &prompt, &want, &format!("gemma4_assistant {kv:?} depth {depth}"));
-            // with a flat cache the verifier's K/V and hidden states serve every cycle: the
-            // target runs only the prompt once more, for the first cycle's hidden state
-            let run = spec.drafter().target_positions_run();
-            if matches!(kv, KvCacheMode::Flat) {
-                assert_eq!(run, prompt.len(), "depth {depth}");
-            } else {
-                assert!(run > prompt.len(), "paged: the drafter's own cache, depth {depth}: {run}");
-            }
+            check_identity(
+                &target,
+                &mut spec,
+                &prompt,
+                &want,
+                &format!("gemma4_assistant {kv:?} depth {depth}"),
+            );
+        }
+        // within the sliding window a flat cache's K/V and the verify steps' hidden states
+        // serve every cycle: the target runs only the prompt once more (the first cycle's
+        // hidden state); a paged cache is mirrored in the drafter's own
+        let prompt = gapped_prompt(&target, &mut rng, 5, 8);
+        let want = plain_greedy(&target, &prompt, 8);
+        let mut spec = SpeculativeDecoder::new(
+            Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
+            Some(2),
+        );
+        check_identity(
+            &target,
+            &mut spec,
+            &prompt,
+            &want,
+            &format!("gemma4_assistant {kv:?} within the window"),
+        );
+        let run = spec.drafter().target_positions_run();
+        if matches!(kv, KvCacheMode::Flat) {
+            assert_eq!(run, prompt.len(), "flat: the verifier's cache");
+        } else {
+            assert!(run > prompt.len(), "paged: the drafter's own cache: {run}");
         }
     }
 }
@@ -165,7 +190,12 @@ fn assistant_sampling_runs_and_is_reproducible() {
             Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
             Some(3),
         );
-        let (toks, st, _) = run_spec(&target, &mut spec, &[2, 14, 15, 92, 65], gen_cfg(20, sampling.clone()));
+        let (toks, st, _) = run_spec(
+            &target,
+            &mut spec,
+            &[2, 14, 15, 92, 65],
+            gen_cfg(20, sampling.clone()),
+        );
         (toks, st.cycles)
     };
     let (a, cycles) = run();
@@ -195,5 +225,14 @@ fn assistant_speculative_sampling_matches_the_target_distribution() {
         Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
         Some(3),
     );
-    check_speculative_sampling("gemma4_assistant sampling", &target, spec, &history, &cfg, 600, &q0, false);
+    check_speculative_sampling(
+        "gemma4_assistant sampling",
+        &target,
+        spec,
+        &history,
+        &cfg,
+        600,
+        &q0,
+        false,
+    );
 }

@@ -19,7 +19,12 @@ fn speculative(
     depth: usize,
 ) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
     let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth));
-    run_spec(target, &mut spec, prompt, gen_cfg(n, sampling::SamplingConfig::greedy()))
+    run_spec(
+        target,
+        &mut spec,
+        prompt,
+        gen_cfg(n, sampling::SamplingConfig::greedy()),
+    )
 }
 
 #[test]
@@ -185,8 +190,12 @@ fn partial_acceptance_rolls_back_every_cache_kind() {
                 vocab: target.info().vocab_size,
             };
             let mut spec = SpeculativeDecoder::new(Box::new(oracle), Some(depth));
-            let (got, st, offset) =
-                run_spec(&target, &mut spec, &prompt, gen_cfg(30, sampling::SamplingConfig::greedy()));
+            let (got, st, offset) = run_spec(
+                &target,
+                &mut spec,
+                &prompt,
+                gen_cfg(30, sampling::SamplingConfig::greedy()),
+            );
             assert_eq!(got, truth[..30], "target {t} {kv:?}, depth {depth}");
             if depth > 2 {
                 assert!(

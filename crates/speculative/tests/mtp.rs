@@ -136,8 +136,18 @@ fn mtp_drafting_equals_plain_greedy() {
                 Box::new(MtpDrafter::new(target.clone()).unwrap()),
                 Some(depth),
             );
-            check_identity(&target, &mut spec, &prompt, &want, &format!("{name} {kv:?} MTP depth {depth}"));
-            assert_eq!(spec.drafter().target_positions_run(), prompt.len(), "the verify steps' hidden states serve every cycle");
+            check_identity(
+                &target,
+                &mut spec,
+                &prompt,
+                &want,
+                &format!("{name} {kv:?} MTP depth {depth}"),
+            );
+            assert_eq!(
+                spec.drafter().target_positions_run(),
+                prompt.len(),
+                "the verify steps' hidden states serve every cycle"
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -218,7 +228,12 @@ fn mtp_sampling_runs_and_is_reproducible() {
             .with_top_k(20)
             .with_repetition_penalty(1.2)
             .with_seed(5);
-        let (toks, st, _) = run_spec(&target, &mut spec, &[3, 14, 15, 92, 65], gen_cfg(20, sampling));
+        let (toks, st, _) = run_spec(
+            &target,
+            &mut spec,
+            &[3, 14, 15, 92, 65],
+            gen_cfg(20, sampling),
+        );
         (toks, st.cycles)
     };
     let (a, cycles) = run();

@@ -86,9 +86,18 @@ pub fn check_identity(
     want: &[u32],
     label: &str,
 ) -> SpeculativeStats {
-    let (got, st, offset) = run_spec(target, spec, prompt, gen_cfg(want.len(), SamplingConfig::greedy()));
+    let (got, st, offset) = run_spec(
+        target,
+        spec,
+        prompt,
+        gen_cfg(want.len(), SamplingConfig::greedy()),
+    );
     assert_eq!(got, want, "{label}");
-    assert_eq!(offset, prompt.len() + want.len(), "{label}: the cache holds the prompt and every token");
+    assert_eq!(
+        offset,
+        prompt.len() + want.len(),
+        "{label}: the cache holds the prompt and every token"
+    );
     assert!(st.cycles > 0, "{label}: no speculative cycles");
     eprintln!("{label}: {st:?}");
     st
@@ -105,8 +114,18 @@ pub fn tensors(path: &Path) -> HashMap<String, Array> {
 /// max |a - b| / max |b|
 pub fn rel(a: &Array, b: &Array) -> f32 {
     let (a, b) = (
-        a.reshape(&[-1]).unwrap().astype(mlx_array::DType::F32).unwrap().to_vec::<f32>().unwrap(),
-        b.reshape(&[-1]).unwrap().astype(mlx_array::DType::F32).unwrap().to_vec::<f32>().unwrap(),
+        a.reshape(&[-1])
+            .unwrap()
+            .astype(mlx_array::DType::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        b.reshape(&[-1])
+            .unwrap()
+            .astype(mlx_array::DType::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
     );
     assert_eq!(a.len(), b.len());
     let d = a
@@ -119,7 +138,10 @@ pub fn rel(a: &Array, b: &Array) -> f32 {
 
 /// Integer ids of an i32 array.
 pub fn ids(a: &Array) -> Vec<u32> {
-    a.astype(mlx_array::DType::U32).unwrap().to_vec::<u32>().unwrap()
+    a.astype(mlx_array::DType::U32)
+        .unwrap()
+        .to_vec::<u32>()
+        .unwrap()
 }
 
 /// A cache holding `target`'s run over all of `history` but its last token (where a
@@ -203,7 +225,10 @@ pub fn critical(df: usize) -> f64 {
 
 /// Pearson's statistic of `counts` against probabilities `probs` (bins with an expected count
 /// below 5 pooled into one, tokens outside the support in the pool), and its degrees of freedom.
-pub fn chi_square(counts: &BTreeMap<Vec<u32>, usize>, probs: &BTreeMap<Vec<u32>, f64>) -> (f64, usize) {
+pub fn chi_square(
+    counts: &BTreeMap<Vec<u32>, usize>,
+    probs: &BTreeMap<Vec<u32>, f64>,
+) -> (f64, usize) {
     let n: usize = counts.values().sum();
     let (mut stat, mut bins) = (0.0, 0usize);
     let (mut pool_obs, mut pool_exp) = (0.0, 0.0);
@@ -257,7 +282,12 @@ pub fn support(p: &[f64]) -> BTreeMap<Vec<u32>, f64> {
 pub fn dist_after(m: &Model, sampler: &Sampler, h: &[u32]) -> Vec<f64> {
     let mut c = m.new_cache();
     let l = m
-        .forward(&Array::from_slice(h, &[1, h.len()]).unwrap(), &mut c, Logits::Last, false)
+        .forward(
+            &Array::from_slice(h, &[1, h.len()]).unwrap(),
+            &mut c,
+            Logits::Last,
+            false,
+        )
         .unwrap()
         .logits
         .unwrap()
@@ -284,9 +314,17 @@ pub fn check_speculative_sampling(
 ) {
     let sampler = Sampler::new(cfg.clone()).unwrap();
     let mut joint = BTreeMap::new();
-    for (t0, &a) in dist_after(target, &sampler, history).iter().enumerate().filter(|(_, &a)| a > 0.0) {
+    for (t0, &a) in dist_after(target, &sampler, history)
+        .iter()
+        .enumerate()
+        .filter(|(_, &a)| a > 0.0)
+    {
         let h: Vec<u32> = history.iter().copied().chain([t0 as u32]).collect();
-        for (t1, &b) in dist_after(target, &sampler, &h).iter().enumerate().filter(|(_, &b)| b > 0.0) {
+        for (t1, &b) in dist_after(target, &sampler, &h)
+            .iter()
+            .enumerate()
+            .filter(|(_, &b)| b > 0.0)
+        {
             joint.insert(vec![t0 as u32, t1 as u32], a * b);
         }
     }
@@ -316,11 +354,21 @@ pub fn check_speculative_sampling(
         clock.elapsed().as_secs_f64()
     );
     if agrees {
-        assert!(st.acceptance_by_position.iter().all(|&a| a > 0.5), "{label}: the draft mostly agrees: {st:?}");
+        assert!(
+            st.acceptance_by_position.iter().all(|&a| a > 0.5),
+            "{label}: the draft mostly agrees: {st:?}"
+        );
     } else {
-        assert!(st.acceptance_by_position[0] < 0.5, "{label}: the draft must disagree often: {st:?}");
+        assert!(
+            st.acceptance_by_position[0] < 0.5,
+            "{label}: the draft must disagree often: {st:?}"
+        );
     }
-    assert!(s < critical(df), "{label}: chi2 {s} >= {} with {df} degrees of freedom", critical(df));
+    assert!(
+        s < critical(df),
+        "{label}: chi2 {s} >= {} with {df} degrees of freedom",
+        critical(df)
+    );
     let first = counts.iter().fold(BTreeMap::new(), |mut m, (k, &c)| {
         *m.entry(vec![k[0]]).or_insert(0usize) += c;
         m
@@ -328,6 +376,9 @@ pub fn check_speculative_sampling(
     let (sq, dfq) = chi_square(&first, &support(draft_first));
     eprintln!("  against the draft's first-token distribution: chi2 {sq:.1}, df {dfq}");
     if !agrees {
-        assert!(sq > critical(dfq), "{label}: the test has no power: the draft's distribution passes too");
+        assert!(
+            sq > critical(dfq),
+            "{label}: the test has no power: the draft's distribution passes too"
+        );
     }
 }
