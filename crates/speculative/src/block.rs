@@ -96,6 +96,11 @@ fn read_config(dir: &Path) -> Result<Value> {
 }
 
 impl BlockConfig {
+    /// DSpark's block (drafts per cycle) when the config gives none.
+    pub const DSPARK_BLOCK: usize = 7;
+    /// DFlash's block (anchor and drafts) when the config gives none.
+    pub const DFLASH_BLOCK: usize = 16;
+
     /// The settings of the draft checkpoint in `dir` (refused when it is neither kind, or uses
     /// a variant this crate does not run: sliding-window or causal DFlash layers, DFlash2's
     /// convolutions and candidate selector, a non-vanilla Markov head, separate DSpark values).
@@ -167,7 +172,7 @@ impl BlockConfig {
                     true,
                     need("num_global_key_value_heads")?,
                     need("global_head_dim")?,
-                    uint("block_size").unwrap_or(BlockDrafter::DSPARK_BLOCK),
+                    uint("block_size").unwrap_or(Self::DSPARK_BLOCK),
                     Activation::parse(act)
                         .ok_or_else(|| bad(dir, format!("unknown hidden_activation {act:?}")))?,
                     RopeKind::Proportional {
@@ -224,7 +229,7 @@ impl BlockConfig {
                     true,
                     need("num_key_value_heads")?,
                     uint("head_dim").unwrap_or(hidden / heads.max(1)),
-                    uint("block_size").unwrap_or(BlockDrafter::DFLASH_BLOCK),
+                    uint("block_size").unwrap_or(Self::DFLASH_BLOCK),
                     Activation::parse(act)
                         .ok_or_else(|| bad(dir, format!("unknown hidden_act {act:?}")))?,
                     RopeKind::Scaled(theta, scaling),
@@ -630,6 +635,10 @@ pub struct BlockTrace {
 
 /// Drafts a block per cycle with a [`BlockNet`] over `target`'s residual stream.
 pub struct BlockDrafter {
+    key: SeededKey,
+    /// Positions run through the target to catch up with a history (see
+    /// [`Drafter::target_positions_run`]).
+    run: usize,
     target: Model,
     net: BlockNet,
     /// The context keys and values, one pair per draft layer (`[1, kv_heads, T, D]`).
@@ -640,16 +649,9 @@ pub struct BlockDrafter {
     ctx_len: usize,
     pending: Vec<Array>,
     threshold: f32,
-    run: usize,
-    key: SeededKey,
 }
 
 impl BlockDrafter {
-    /// DSpark's block (drafts per cycle) when the config gives none.
-    pub const DSPARK_BLOCK: usize = 7;
-    /// DFlash's block (anchor and drafts) when the config gives none.
-    pub const DFLASH_BLOCK: usize = 16;
-
     /// A drafter over `target`, which must match the draft: its hidden size and vocabulary,
     /// enough layers for the taps (`num_target_layers` when the config gives it), and for DFlash
     /// a target whose embedding and head the draft can share.

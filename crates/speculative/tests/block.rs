@@ -126,18 +126,13 @@ fn block_drafting_equals_plain_greedy() {
             let target = load(t, kv.clone());
             let prompt = gapped_prompt(&target, &mut rng, 14, 24);
             let want = plain_greedy(&target, &prompt, 24);
-            for depth in [None, Some(1), Some(rng.range(2, 6))] {
-                let mut spec = SpeculativeDecoder::new(Box::new(drafter(kind, &target)), depth);
-                check_identity(
-                    &target,
-                    &mut spec,
-                    &prompt,
-                    &want,
-                    &format!("{kind} {kv:?} depth {depth:?}"),
-                );
-                // the verify steps' taps serve every cycle: only the prompt is tapped once more
-                assert_eq!(spec.drafter().target_positions_run(), prompt.len());
-            }
+            // the verify steps' taps serve every cycle: only the prompt is tapped once more
+            let depths = [None, Some(1), Some(rng.range(2, 6))];
+            let label = format!("{kind} {kv:?}");
+            let run = identity_at_depths(&target, &prompt, &want, &depths, &label, || {
+                Box::new(drafter(kind, &target))
+            });
+            assert_eq!(run, vec![prompt.len(); 3]);
             // adaptive depth (its plain steps' taps join the context too), and DSpark with
             // confidence truncation
             let mut spec = SpeculativeDecoder::adaptive(Box::new(drafter(kind, &target)), None);
@@ -207,31 +202,10 @@ fn dspark_confidence_threshold_truncates_blocks() {
 #[test]
 fn dspark_speculative_sampling_matches_the_target_distribution() {
     let target = load("gemma4_text", KvCacheMode::Flat);
-    let history: Vec<u32> = vec![2, 17, 230, 5, 99, 230, 17, 410, 88, 3];
-    let cfg = sampling::SamplingConfig::default()
-        .with_temperature(1.0)
-        .with_top_k(6)
-        .with_repetition_penalty(1.5)
-        .with_presence_penalty(0.5)
-        .with_seed(13);
-    let q0 = probs(
-        &drafter("dspark", &target)
-            .propose(&history, 1, &cfg)
-            .unwrap()
-            .logprobs
-            .unwrap(),
-    );
-    let spec = SpeculativeDecoder::new(Box::new(drafter("dspark", &target)), Some(3));
-    check_speculative_sampling(
-        "dspark sampling",
-        &target,
-        spec,
-        &history,
-        &cfg,
-        500,
-        &q0,
-        false,
-    );
+    let history = [2, 17, 230, 5, 99, 230, 17, 410, 88, 3];
+    check_disagreeing_drafter("dspark sampling", &target, &history, 13, 500, || {
+        Box::new(drafter("dspark", &target))
+    });
 }
 
 #[test]

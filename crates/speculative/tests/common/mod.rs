@@ -103,6 +103,59 @@ pub fn check_identity(
     st
 }
 
+/// [`check_identity`] with a drafter from `make` at each of `depths`: the positions the target
+/// ran for each drafter beyond the verifier's (see `Drafter::target_positions_run`).
+pub fn identity_at_depths(
+    target: &Model,
+    prompt: &[u32],
+    want: &[u32],
+    depths: &[Option<usize>],
+    label: &str,
+    make: impl Fn() -> Box<dyn mlx_speculative::Drafter>,
+) -> Vec<usize> {
+    depths
+        .iter()
+        .map(|&depth| {
+            let mut spec = SpeculativeDecoder::new(make(), depth);
+            check_identity(
+                target,
+                &mut spec,
+                prompt,
+                want,
+                &format!("{label} depth {depth:?}"),
+            );
+            spec.drafter().target_positions_run()
+        })
+        .collect()
+}
+
+/// The sampler settings of the chi-square tests: `temperature`, top-k 6, repetition penalty
+/// 1.5, presence penalty 0.5, seeded.
+pub fn penalised(temperature: f32, seed: u64) -> SamplingConfig {
+    SamplingConfig::default()
+        .with_temperature(temperature)
+        .with_top_k(6)
+        .with_repetition_penalty(1.5)
+        .with_presence_penalty(0.5)
+        .with_seed(seed)
+}
+
+/// [`check_speculative_sampling`] at temperature 1 for drafters from `make` that disagree with
+/// the target, whose first-token distribution is a fresh drafter's proposal after `history`.
+pub fn check_disagreeing_drafter(
+    label: &str,
+    target: &Model,
+    history: &[u32],
+    seed: u64,
+    n: usize,
+    make: impl Fn() -> Box<dyn mlx_speculative::Drafter>,
+) {
+    let cfg = penalised(1.0, seed);
+    let q0 = probs(&make().propose(history, 1, &cfg).unwrap().logprobs.unwrap());
+    let spec = SpeculativeDecoder::new(make(), Some(3));
+    check_speculative_sampling(label, target, spec, history, &cfg, n, &q0, false);
+}
+
 /// The tensors of a safetensors file, by name.
 pub fn tensors(path: &Path) -> HashMap<String, Array> {
     mlx_array::io::load_safetensors(path, None)
