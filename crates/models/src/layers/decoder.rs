@@ -202,15 +202,11 @@ impl<L: DecoderLayer> Stack<'_, L> {
 
     /// [`Stack::forward`] that also returns the residual stream after each layer in `taps`
     /// (strictly ascending, below the last layer; every position, no prefix skipped).
-    pub fn forward_tapped(
-        &self,
-        tokens: &Array,
-        cache: &mut Cache,
-        rows: Rows,
-        embed: impl FnOnce(&Array) -> Result<Array>,
-        ctx: impl FnOnce(usize) -> L::Ctx,
-        taps: &[usize],
-    ) -> Result<(Array, usize, Vec<Array>)> {
+    pub fn forward_tapped<E, C>(&self, tokens: &Array, cache: &mut Cache, rows: Rows, embed: E, ctx: C, taps: &[usize]) -> Result<(Array, usize, Vec<Array>)>
+    where
+        E: FnOnce(&Array) -> Result<Array>,
+        C: FnOnce(usize) -> L::Ctx,
+    {
         check_tokens(tokens)?;
         check_cache_layers(cache, self.layers.len())?;
         crate::runtime::check_taps(taps, self.layers.len())?;
