@@ -355,6 +355,7 @@ pub fn dist_after(m: &Model, sampler: &Sampler, h: &[u32]) -> Vec<f64> {
 /// target as `agrees` says (every position accepted more than half the time, or the first less
 /// than half), and, for a draft that disagrees, that the test has power: the draft's own
 /// first-token distribution `draft_first` is rejected.
+#[allow(clippy::too_many_arguments)]
 pub fn check_speculative_sampling(
     label: &str,
     target: &Model,
