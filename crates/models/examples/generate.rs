@@ -26,6 +26,12 @@ use sampling::SamplingConfig;
 use std::io::Write;
 use std::path::PathBuf;
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DraftDepth {
+    Fixed,
+    Adaptive,
+}
+
 #[derive(Parser)]
 #[command(about = "Generate from a checkpoint")]
 struct Cli {
@@ -64,14 +70,19 @@ struct Cli {
     /// KV cache: the family's default (auto), flat, or the paged block pool.
     #[arg(long, value_enum, default_value = "auto")]
     kv: Kv,
-    /// Decode speculatively with this draft checkpoint (a causal LM sharing the vocabulary, or a
-    /// `gemma4_assistant` draft for a Gemma 4 model).
+    /// Decode speculatively with this draft checkpoint (a causal LM sharing the vocabulary, a
+    /// `gemma4_assistant` draft for a Gemma 4 model, or a DSpark / DFlash block draft).
     #[arg(long)]
     draft_model: Option<PathBuf>,
     /// Draft tokens per cycle (default: the drafter's; 3 for a draft model and an assistant,
-    /// whose depth is clamped to 1..=8).
+    /// whose depth is clamped to 1..=8; a DSpark block's size, 7 in v1; a DFlash block's size
+    /// less its anchor, 15 for `block_size` 16; block drafts are clamped to their block).
     #[arg(long, requires = "draft_model", value_parser = clap::value_parser!(u64).range(1..=64))]
     draft_tokens: Option<u64>,
+    /// How the draft-model depth is chosen: every cycle the same (`fixed`), or each cycle by
+    /// the adaptive policy up to that many, down to plain decoding (`adaptive`).
+    #[arg(long, value_enum, requires = "draft_model", default_value = "fixed")]
+    draft_depth: DraftDepth,
     /// Decode speculatively with the model's multi-token-prediction head (Qwen3.5 checkpoints
     /// with MTP weights).
     #[arg(long, conflicts_with = "draft_model")]
@@ -145,7 +156,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         return Err("speculative decoding (--draft-model, --mtp) does not run tensor parallel (--distributed)".into());
     }
     let mut spec = match (&cli.draft_model, cli.mtp) {
-        (Some(d), _) => Some(mlx_speculative::SpeculativeDecoder::new(mlx_speculative::load_drafter_for(d, &opts, &model)?, cli.draft_tokens.map(|k| k as usize))),
+        (Some(d), _) => {
+            let drafter = mlx_speculative::load_drafter_for(d, &opts, &model)?;
+            let k = cli.draft_tokens.map(|k| k as usize);
+            Some(match cli.draft_depth {
+                DraftDepth::Fixed => mlx_speculative::SpeculativeDecoder::new(drafter, k),
+                DraftDepth::Adaptive => mlx_speculative::SpeculativeDecoder::adaptive(drafter, k),
+            })
+        }
         (None, true) => {
             let d = Box::new(mlx_speculative::MtpDrafter::new(model.clone())?);
             Some(match cli.mtp_depth {

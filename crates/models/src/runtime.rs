@@ -171,4 +171,29 @@ pub trait ModelRuntime: Send {
     fn as_gemma4(&self) -> Option<&crate::families::gemma4::Gemma4Model> {
         None
     }
+    /// [`ModelRuntime::forward`] that also returns the residual stream after each decoder layer
+    /// in `taps` (`[B, L, H]` each, before the final norm: transformers' `hidden_states[i + 1]`),
+    /// for block drafts (DSpark, DFlash). Every position is computed and none is served from a
+    /// paged prefix cache.
+    fn forward_taps(&self, _tokens: &Array, _cache: &mut Cache, _logits: Logits, _hidden: bool, _taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
+        Err(ModelError::UnsupportedOption(format!("{} does not expose its layers' hidden states", self.info().model_type)))
+    }
+    /// The input embeddings of `tokens` (`[B, L]` → `[B, L, H]`) and the output head's f32
+    /// logits of hidden states, for drafts that share them with their target (DFlash).
+    fn input_embeddings(&self, _tokens: &Array) -> Result<Array> {
+        Err(ModelError::UnsupportedOption(format!("{} does not expose its input embeddings", self.info().model_type)))
+    }
+    /// See [`ModelRuntime::input_embeddings`].
+    fn head_logits(&self, _hidden: &Array) -> Result<Array> {
+        Err(ModelError::UnsupportedOption(format!("{} does not expose its output head", self.info().model_type)))
+    }
+}
+
+/// Check the tap layers of [`ModelRuntime::forward_taps`] against a stack of `n` layers: strictly
+/// ascending and below the last layer.
+pub(crate) fn check_taps(taps: &[usize], n: usize) -> Result<()> {
+    if taps.windows(2).any(|w| w[0] >= w[1]) || taps.last().is_some_and(|&t| t + 1 >= n) {
+        return Err(ModelError::InvalidInput(format!("tap layers {taps:?} must be strictly ascending and below the last of {n} layers")));
+    }
+    Ok(())
 }

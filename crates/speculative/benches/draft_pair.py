@@ -2,8 +2,9 @@
 """Speculative decoding with a draft/target pair, ours against mlx-lm's, in one run.
 
 Greedy (temperature 0) decoding of the same prompt ids:
-  * ours: the `generate` example (release build) with and without `--draft-model`, read from its
-    `--json` line (decode tok/s and the "speculative" counters);
+  * ours: the `generate` example (release build) without `--draft-model`, and with it at a fixed
+    depth K and adaptive up to K (`--draft-depth`), read from its `--json` line (decode tok/s and
+    the "speculative" counters);
   * mlx-lm: `generate_step` and `speculative_generate_step` (`num_draft_tokens` = K), timed over
     the decode after the first token; acceptance from the `from_draft` flags.
 
@@ -23,16 +24,21 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
-def ours(exe, target, draft, prompt, n, k):
+def ours(exe, target, draft, prompt, n, k, depth="fixed"):
     cmd = [exe, "--model", target, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(n),
            "--temperature", "0", "--kv", "flat", "--json"]
     if draft:
-        cmd += ["--draft-model", draft, "--draft-tokens", str(k)]
+        cmd += ["--draft-model", draft, "--draft-tokens", str(k), "--draft-depth", depth]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     return json.loads(out)
 
 
-def mlx_lm_run(target, draft, prompt, n, k):
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def mlx_lm_run(target, draft, prompt, n, k, runs=1):
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step, speculative_generate_step
@@ -42,7 +48,7 @@ def mlx_lm_run(target, draft, prompt, n, k):
     dmodel, _ = load(draft)
     sampler = make_sampler(temp=0.0)
     res = {}
-    for name in ["plain", "speculative"]:
+    for name in ["plain", "speculative"] * runs:
         p = mx.array(prompt)
         toks, flags = [], []
         t0 = None
@@ -58,9 +64,11 @@ def mlx_lm_run(target, draft, prompt, n, k):
             if t0 is None:
                 t0 = time.perf_counter()
         dt = time.perf_counter() - t0
-        res[name] = {"tokens": toks, "decode_tokens_per_sec": (len(toks) - 1) / dt}
+        r = res.setdefault(name, {"tokens": toks, "rates": []})
+        r["rates"].append((len(toks) - 1) / dt)
+        r["decode_tokens_per_sec"] = median(r["rates"])
         if flags:
-            res[name]["from_draft_fraction"] = sum(flags) / len(flags)
+            r["from_draft_fraction"] = sum(flags) / len(flags)
     return res
 
 
@@ -74,6 +82,7 @@ def main():
     ap.add_argument("--prompt-ids", help="comma-separated ids instead of --prompt (needed with --no-mlx-lm)")
     ap.add_argument("--exe", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "examples", "generate"))
     ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--runs", type=int, default=3, help="interleaved repetitions (medians reported)")
     a = ap.parse_args()
     if a.prompt_ids:
         prompt = [int(x) for x in a.prompt_ids.split(",")]
@@ -81,26 +90,38 @@ def main():
         from mlx_lm import load
         _, tok = load(a.target)
         prompt = tok.encode(a.prompt)
-    plain = ours(a.exe, a.target, None, prompt, a.tokens, a.draft_tokens)
-    spec = ours(a.exe, a.target, a.draft, prompt, a.tokens, a.draft_tokens)
-    report = {
-        "ours": {
-            "plain_tok_s": plain["performance"]["decode_tokens_per_sec"],
-            "speculative_tok_s": spec["performance"]["decode_tokens_per_sec"],
-            "speedup": spec["performance"]["decode_tokens_per_sec"] / plain["performance"]["decode_tokens_per_sec"],
-            "speculative": spec.get("speculative"),
-            "identical_tokens": plain["token_ids"] == spec["token_ids"],
+    # interleaved repetitions; medians of the decode rates
+    runs = {"plain": [], "fixed": [], "adaptive": []}
+    outs = {}
+    for _ in range(a.runs):
+        for mode in runs:
+            o = ours(a.exe, a.target, None if mode == "plain" else a.draft, prompt, a.tokens, a.draft_tokens, mode)
+            runs[mode].append(o["performance"]["decode_tokens_per_sec"])
+            outs[mode] = o
+    plain = median(runs["plain"])
+    report = {"load_before": os.getloadavg(), "ours": {"plain_tok_s": plain, "runs": a.runs}}
+    for mode in ["fixed", "adaptive"]:
+        r = median(runs[mode])
+        report["ours"][mode] = {
+            "tok_s": r,
+            "speedup": r / plain,
+            "speculative": outs[mode].get("speculative"),
+            "identical_tokens": outs[mode]["token_ids"] == outs["plain"]["token_ids"],
         }
-    }
     if not a.no_mlx_lm:
-        m = mlx_lm_run(a.target, a.draft, prompt, a.tokens, a.draft_tokens)
+        m = mlx_lm_run(a.target, a.draft, prompt, a.tokens, a.draft_tokens, a.runs)
         report["mlx_lm"] = {
             "plain_tok_s": m["plain"]["decode_tokens_per_sec"],
             "speculative_tok_s": m["speculative"]["decode_tokens_per_sec"],
             "speedup": m["speculative"]["decode_tokens_per_sec"] / m["plain"]["decode_tokens_per_sec"],
             "from_draft_fraction": m["speculative"].get("from_draft_fraction"),
-            "identical_to_ours": m["plain"]["tokens"] == plain["token_ids"],
+            "identical_to_ours": m["plain"]["tokens"][: len(outs["plain"]["token_ids"])] == outs["plain"]["token_ids"],
         }
+        report["ours_over_mlx_lm"] = {
+            "plain": plain / report["mlx_lm"]["plain_tok_s"],
+            "fixed": report["ours"]["fixed"]["tok_s"] / report["mlx_lm"]["speculative_tok_s"],
+        }
+    report["load_after"] = os.getloadavg()
     print(json.dumps(report, indent=1))
 
 

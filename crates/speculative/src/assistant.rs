@@ -1,10 +1,13 @@
 //! [`AssistantDrafter`]: Google's Gemma 4 assistant drafts (`gemma4_assistant` checkpoints).
-use crate::drafter::{draw, reads_history, sampler_for, Draft, Drafter, SeededKey};
+use crate::drafter::{Draft, Drafter, Drawer, Feedback, SeededKey};
 use crate::tracked::{forward, row, Tracked};
 use mlx_array::{ops::concatenate, Array};
 use mlx_models::families::gemma4::Gemma4Assistant;
 use mlx_models::{Cache, Logits, Model, ModelError, Result};
 use sampling::SamplingConfig;
+
+/// One layer's keys and values.
+type KvPair = (Array, Array);
 
 /// Drafts with a `gemma4_assistant` network for a Gemma 4 target, as transformers'
 /// `SinglePositionMultiTokenCandidateGenerator`: for a history `t_0..t_{n-1}` whose last token
@@ -13,15 +16,25 @@ use sampling::SamplingConfig;
 /// [target embedding of `t_{n-1}`, the target's final-normed hidden state at `n - 2`], each later
 /// one [target embedding of the previous draft, the assistant's projected hidden state].
 ///
-/// The target's K/V and hidden state come from a flat cache of the drafter's own, kept in step
-/// with the history by running the target over the tokens it has not seen (the verifier's cache,
-/// flat or paged, is not read), so each cycle costs the target one more forward over the
-/// accepted tokens.
+/// In speculative decoding with a flat target cache the K/V are the verifier's own (its cache
+/// holds positions `0..n-2` when a cycle starts) and the hidden state comes with the verdict of
+/// the cycle before (the verify step's row of the last accepted token), so the target runs no
+/// extra forward; only a history the drafter did not follow (the prompt, a new turn) is run
+/// through the target once more for its hidden state. That holds while the verifier's sliding
+/// layer holds every position the assistant attends over (the last `sliding_window`): past the
+/// window, after a multi-token step the rotating cache keeps `sliding_window - 1`. Then, with a
+/// paged target cache, and for [`Drafter::propose`] without a target cache, the K/V and hidden
+/// state come from a flat cache of the drafter's own, kept in step with the history by running
+/// the target over the tokens it has not seen.
 pub struct AssistantDrafter {
     target: Model,
     net: Gemma4Assistant,
     cache: Cache,
     tracked: Tracked,
+    /// The history the drafter follows and the target's hidden state at its last-but-one
+    /// position (`[1, 1, H]`), from the verdicts.
+    hidden: Option<(Vec<u32>, Array)>,
+    run: usize,
     key: SeededKey,
     depth: usize,
 }
@@ -67,11 +80,12 @@ impl AssistantDrafter {
             net,
             cache,
             tracked: Tracked::new(Vec::new()),
+            hidden: None,
+            run: 0,
             key: SeededKey::new(5),
             depth: Self::DEFAULT_DEPTH,
         })
     }
-
 
     fn embed(&self, tokens: &Array) -> Result<Array> {
         self.target.with_runtime(|rt| {
@@ -81,25 +95,11 @@ impl AssistantDrafter {
         })
     }
 
-    /// Draft up to `k` tokens after `history`; with `raw`, also the assistant's f32 logits of
-    /// every step (`[k, V]`).
-    fn draft(
-        &mut self,
-        history: &[u32],
-        k: usize,
-        cfg: &SamplingConfig,
-        raw: bool,
-    ) -> Result<(Draft, Option<Array>)> {
-        let n = history.len();
+    /// Check `history` and clamp `k`: `None` when there is nothing to draft.
+    fn check(&self, history: &[u32], k: usize) -> Result<Option<usize>> {
         let k = k.min(Self::MAX_DEPTH);
-        if k == 0 || n < 2 {
-            return Ok((
-                Draft {
-                    tokens: Vec::new(),
-                    logprobs: None,
-                },
-                None,
-            ));
+        if k == 0 || history.len() < 2 {
+            return Ok(None);
         }
         let vocab = self.target.info().vocab_size;
         if let Some(&t) = history.iter().find(|&&t| t as usize >= vocab) {
@@ -107,6 +107,13 @@ impl AssistantDrafter {
                 "token {t} is outside the target's vocabulary of {vocab}"
             )));
         }
+        Ok(Some(k))
+    }
+
+    /// The target's K/V and its hidden state at position `n - 2` from the drafter's own flat
+    /// cache, brought to `history[..n-1]`.
+    fn own_inputs(&mut self, history: &[u32]) -> Result<(Array, KvPair, KvPair)> {
+        let n = history.len();
         // the target's cache over t_0..t_{n-3}, then t_{n-2} for its hidden state
         let target = self.target.clone();
         let fresh = || Cache::new(&target.with_runtime(|rt| rt.cache_spec()));
@@ -116,6 +123,7 @@ impl AssistantDrafter {
             &history[..n - 2],
             Some(&fresh),
         )?;
+        self.run += 1;
         self.tracked.snapshot(&self.cache);
         let out = forward(
             &self.target,
@@ -125,76 +133,140 @@ impl AssistantDrafter {
             true,
         )?;
         self.tracked.tokens.push(history[n - 2]);
-        let mut hidden = out
+        let hidden = out
             .hidden
             .ok_or_else(|| ModelError::Cache("target forward returned no hidden state".into()))?;
-        let cache = &mut self.cache;
-        let (sliding, full) = self.target.with_runtime(|rt| {
+        let (sliding, full) = Self::kv_of(&self.target, &mut self.cache)?;
+        Ok((hidden, sliding, full))
+    }
+
+    fn kv_of(target: &Model, cache: &mut Cache) -> Result<(KvPair, KvPair)> {
+        target.with_runtime(|rt| {
             rt.as_gemma4()
                 .ok_or_else(|| ModelError::Cache("the assistant's target is not Gemma 4".into()))?
                 .assistant_kv(cache)
-        })?;
-        let sampler = sampler_for(cfg)?;
-        let (greedy, host) = (cfg.is_greedy(), reads_history(cfg));
-        let mut hist: Vec<u32> = if host { history.to_vec() } else { Vec::new() };
-        let (mut toks, mut lps, mut raws) = (
-            Vec::with_capacity(k),
-            Vec::with_capacity(k),
-            Vec::with_capacity(k),
-        );
+        })
+    }
+
+    /// Draft up to `k` tokens after `history` from the target's hidden state at `n - 2` and its
+    /// K/V; with `raw`, also the assistant's f32 logits of every step (`[k, V]`).
+    #[allow(clippy::too_many_arguments)]
+    fn draft_from(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        cfg: &SamplingConfig,
+        raw: bool,
+        mut hidden: Array,
+        sliding: &KvPair,
+        full: &KvPair,
+    ) -> Result<(Draft, Option<Array>)> {
+        let n = history.len();
+        let mut drawer = Drawer::new(cfg, history, k)?;
+        let mut raws = Vec::with_capacity(k);
         let mut cur = row(&history[n - 1..])?;
         for _ in 0..k {
             let x = concatenate(&[&self.embed(&cur)?, &hidden], 2)?;
-            let (logits, h) = self.net.step(&x, n - 1, &sliding, &full)?;
+            let (logits, h) = self.net.step(&x, n - 1, sliding, full)?;
             let logits = logits.reshape(&[1, -1])?;
-            let (t, lp) = draw(&sampler, &logits, &mut hist, host, greedy, &mut self.key, cfg)?;
-            cur = t.reshape(&[1, 1])?;
+            cur = drawer.draw(&logits, &mut self.key)?.reshape(&[1, 1])?;
             hidden = h;
-            toks.push(t);
-            if !greedy {
-                lps.push(lp);
-            }
             if raw {
                 raws.push(logits);
             }
         }
-        let tokens = concatenate(&toks.iter().collect::<Vec<_>>(), 0)?;
-        let logprobs = if greedy {
-            None
-        } else {
-            Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?)
-        };
         let raws = if raw {
             Some(concatenate(&raws.iter().collect::<Vec<_>>(), 0)?)
         } else {
             None
         };
-        let mut outs = vec![&tokens];
-        outs.extend(logprobs.iter());
-        outs.extend(raws.iter());
-        mlx_array::eval(&outs)?;
-        Ok((
-            Draft {
-                tokens: tokens.to_vec::<u32>()?,
-                logprobs,
-            },
-            raws,
-        ))
+        Ok((drawer.finish(&raws.iter().collect::<Vec<_>>())?, raws))
+    }
+
+    /// Draft up to `k` tokens after `history` with the drafter's own target cache.
+    fn draft(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        cfg: &SamplingConfig,
+        raw: bool,
+    ) -> Result<(Draft, Option<Array>)> {
+        let Some(k) = self.check(history, k)? else {
+            return Ok((Draft::empty(), None));
+        };
+        let (hidden, sliding, full) = self.own_inputs(history)?;
+        self.draft_from(history, k, cfg, raw, hidden, &sliding, &full)
+    }
+
+    /// Draft up to `k` tokens after `history` reading the K/V of the verifier's flat `cache`
+    /// (which holds `history[..n-1]`); with `raw`, also the logits.
+    fn draft_on(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        cfg: &SamplingConfig,
+        raw: bool,
+        cache: &mut Cache,
+    ) -> Result<(Draft, Option<Array>)> {
+        let Some(k) = self.check(history, k)? else {
+            return Ok((Draft::empty(), None));
+        };
+        let n = history.len();
+        if cache.offset() != n - 1 {
+            return Err(ModelError::Cache(format!(
+                "the verifier's cache holds {} positions for a history of {n}",
+                cache.offset()
+            )));
+        }
+        let (sliding, full) = Self::kv_of(&self.target, cache)?;
+        // After a multi-token step a rotating cache holds the last `window - 1` positions; the
+        // assistant attends over `window` of them: then the drafter's own cache serves
+        let window = self
+            .target
+            .with_runtime(|rt| rt.as_gemma4().map(|g| g.config().sliding_window))
+            .unwrap_or(0);
+        if sliding.0.dim(2)? < window.min(n - 1) {
+            self.hidden = None;
+            return self.draft(history, k, cfg, raw);
+        }
+        let hidden = match self.hidden.take() {
+            Some((h, x)) if h == history => x,
+            _ => {
+                // a history the drafter did not follow: the target's hidden state at n - 2
+                let mut c = Cache::new(&self.target.with_runtime(|rt| rt.cache_spec()));
+                let out = forward(
+                    &self.target,
+                    &mut c,
+                    &row(&history[..n - 1])?,
+                    Logits::None,
+                    true,
+                )?;
+                self.run += n - 1;
+                let h = out.hidden.ok_or_else(|| {
+                    ModelError::Cache("target forward returned no hidden state".into())
+                })?;
+                h.slice_axis(1, n - 2, n - 1)?
+            }
+        };
+        self.draft_from(history, k, cfg, raw, hidden, &sliding, &full)
     }
 
     /// Greedy drafts after `history` and the assistant's f32 logits of each step (`[k, V]`,
     /// `k` clamped to [`AssistantDrafter::MAX_DEPTH`]); empty for `k == 0` or a history shorter
-    /// than two tokens.
-    pub fn draft_logits(&mut self, history: &[u32], k: usize) -> Result<(Vec<u32>, Option<Array>)> {
-        let (d, raw) = self.draft(
-            history,
-            k,
-            &SamplingConfig {
-                temperature: 0.0,
-                ..SamplingConfig::default()
-            },
-            true,
-        )?;
+    /// than two tokens. With `target_cache` (a flat cache holding the target's run over all of
+    /// `history` but its last token) the K/V are read from it, as in speculative decoding;
+    /// otherwise from the drafter's own cache.
+    pub fn draft_logits(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        target_cache: Option<&mut Cache>,
+    ) -> Result<(Vec<u32>, Option<Array>)> {
+        let greedy = SamplingConfig::greedy();
+        let (d, raw) = match target_cache {
+            Some(c) => self.draft_on(history, k, &greedy, true, c)?,
+            None => self.draft(history, k, &greedy, true)?,
+        };
         Ok((d.tokens, raw))
     }
 }
@@ -202,6 +274,39 @@ impl AssistantDrafter {
 impl Drafter for AssistantDrafter {
     fn propose(&mut self, history: &[u32], k: usize, cfg: &SamplingConfig) -> Result<Draft> {
         Ok(self.draft(history, k, cfg, false)?.0)
+    }
+
+    fn propose_on(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        cfg: &SamplingConfig,
+        cache: &mut Cache,
+    ) -> Result<Draft> {
+        if cache.is_paged() {
+            return self.propose(history, k, cfg);
+        }
+        Ok(self.draft_on(history, k, cfg, false, cache)?.0)
+    }
+
+    fn feedback(&mut self, f: &Feedback<'_>) -> Result<()> {
+        // the hidden state of the last accepted position pairs with the next history
+        self.hidden = match f.hidden {
+            Some(h) => Some((
+                f.next_history(),
+                h.slice_axis(1, f.accepted, f.accepted + 1)?,
+            )),
+            None => None,
+        };
+        Ok(())
+    }
+
+    fn wants_target_hidden(&self) -> bool {
+        true
+    }
+
+    fn target_positions_run(&self) -> usize {
+        self.run + self.tracked.run
     }
 
     fn vocab_size(&self) -> usize {

@@ -1,6 +1,6 @@
 //! [`SpeculativeDecoder`]: a [`Drafter`] and the verifier, as an [`mlx_models::Speculator`].
 use crate::drafter::{reads_history, Drafter, Feedback, SeededKey};
-use crate::tracked::{forward, row, Tracked};
+use crate::tracked::{forward_tapped, row, Tracked};
 use crate::verify::{verify_greedy, verify_sampled, Verdict};
 use mlx_models::{Cache, Logits, Model, ModelError, Result, SpeculativeStats, Speculator, Token};
 use sampling::Sampler;
@@ -109,6 +109,9 @@ impl SpeculativeDecoder {
         self.depth
     }
 
+    pub fn drafter(&self) -> &dyn Drafter {
+        self.drafter.as_ref()
+    }
 
     /// No drafts this cycle: one plain step through the target.
     fn plain_step(
@@ -119,7 +122,11 @@ impl SpeculativeDecoder {
         sampler: &Sampler,
     ) -> Result<Vec<Token>> {
         let last = history[history.len() - 1];
-        let out = forward(model, cache, &row(&[last])?, Logits::Last, false)?;
+        // drafters that follow the target's states get this step's too
+        let hidden = self.drafter.wants_target_hidden();
+        let taps = self.drafter.target_taps().to_vec();
+        let (out, tapped) =
+            forward_tapped(model, cache, &row(&[last])?, Logits::Last, hidden, &taps)?;
         let logits = out
             .logits
             .ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?
@@ -138,6 +145,16 @@ impl SpeculativeDecoder {
         } else {
             verify_sampled(&lp, &lp.slice_axis(0, 0, 0)?, &[], self.key.get(&cfg)?)?
         };
+        if hidden || !taps.is_empty() {
+            self.drafter.feedback(&Feedback {
+                history,
+                drafts: &[],
+                accepted: 0,
+                next: v.tokens[0].id,
+                hidden: out.hidden.as_ref(),
+                taps: &tapped,
+            })?;
+        }
         Ok(v.tokens)
     }
 }
@@ -193,7 +210,7 @@ impl Speculator for SpeculativeDecoder {
         let draft = if k == 0 {
             None
         } else {
-            Some(self.drafter.propose(history, k, &cfg)?)
+            Some(self.drafter.propose_on(history, k, &cfg, cache)?)
         };
         let Some(draft) = draft.filter(|d| !d.tokens.is_empty()) else {
             let out = self.plain_step(model, cache, history, sampler)?;
@@ -218,7 +235,8 @@ impl Speculator for SpeculativeDecoder {
         seq.push(last);
         seq.extend_from_slice(drafts);
         let hidden = self.drafter.wants_target_hidden();
-        let out = forward(model, cache, &row(&seq)?, Logits::All, hidden)?;
+        let taps = self.drafter.target_taps().to_vec();
+        let (out, tapped) = forward_tapped(model, cache, &row(&seq)?, Logits::All, hidden, &taps)?;
         let logits = out
             .logits
             .ok_or_else(|| ModelError::Cache("target forward returned no logits".into()))?;
@@ -259,6 +277,7 @@ impl Speculator for SpeculativeDecoder {
             accepted: n,
             next,
             hidden: out.hidden.as_ref(),
+            taps: &tapped,
         })?;
         self.counters.record(k, n);
         if let Some(p) = &mut self.policy {

@@ -27,6 +27,31 @@ pub struct Feedback<'a> {
     /// The target's final-normed hidden states over `[last, drafts..]` (`[1, k + 1, H]`), when
     /// [`Drafter::wants_target_hidden`].
     pub hidden: Option<&'a Array>,
+    /// The target's residual stream after each layer of [`Drafter::target_taps`] over
+    /// `[last, drafts..]` (`[1, k + 1, H]` each; empty when no taps are asked for).
+    pub taps: &'a [Array],
+}
+
+impl Feedback<'_> {
+    /// The history after this verdict: the history, the accepted drafts, the target's token.
+    pub fn next_history(&self) -> Vec<u32> {
+        self.history
+            .iter()
+            .chain(&self.drafts[..self.accepted])
+            .copied()
+            .chain(std::iter::once(self.next))
+            .collect()
+    }
+}
+
+impl Draft {
+    /// No proposals.
+    pub fn empty() -> Self {
+        Draft {
+            tokens: Vec::new(),
+            logprobs: None,
+        }
+    }
 }
 
 /// Proposes tokens for the target to verify.
@@ -34,6 +59,23 @@ pub trait Drafter: Send {
     /// Up to `k` tokens to follow `history` (context, prompt and generated tokens; the target
     /// has not seen its last token yet), drawn with `sampling` (greedy at temperature 0).
     fn propose(&mut self, history: &[u32], k: usize, sampling: &SamplingConfig) -> Result<Draft>;
+    /// [`Drafter::propose`] at the start of a speculative cycle, where `target_cache` (the
+    /// verifier's, flat or paged) holds the target's run over all of `history` but its last
+    /// token: drafters that attend over the target's K/V read them there.
+    fn propose_on(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        sampling: &SamplingConfig,
+        _target_cache: &mut Cache,
+    ) -> Result<Draft> {
+        self.propose(history, k, sampling)
+    }
+    /// Positions of the target the drafter has run through the target itself so far (to catch
+    /// up with a history it did not follow), beyond the verifier's forwards.
+    fn target_positions_run(&self) -> usize {
+        0
+    }
     /// The verdict on the last proposals.
     fn feedback(&mut self, _f: &Feedback<'_>) -> Result<()> {
         Ok(())
@@ -41,6 +83,10 @@ pub trait Drafter: Send {
     /// Whether [`Feedback::hidden`] is wanted (the target's forward then returns hidden states).
     fn wants_target_hidden(&self) -> bool {
         false
+    }
+    /// Target layers whose residual stream [`Feedback::taps`] should carry (strictly ascending).
+    fn target_taps(&self) -> &[usize] {
+        &[]
     }
     /// The vocabulary size of the draft distribution.
     fn vocab_size(&self) -> usize;
@@ -98,32 +144,75 @@ impl SeededKey {
     }
 }
 
-/// One draft draw from `logits` (`[1, V]`) under `sampler` (the target's settings `cfg`): the
-/// token (argmax when `greedy`, else drawn with `key`) and the processed log-distribution. With
-/// `host` (settings that read the history) the penalties see `hist`, and the token joins it.
-pub(crate) fn draw(
-    sampler: &Sampler,
-    logits: &Array,
-    hist: &mut Vec<u32>,
-    host: bool,
+/// The draws of one proposal under the target's sampler settings: each draft token (argmax
+/// when greedy, else drawn with the drafter's key) and the processed distribution it came from.
+/// With settings that read the history (penalties) every draw sees the history and the drafts
+/// before it, so each token reaches the host before the next draw.
+pub(crate) struct Drawer<'a> {
+    cfg: &'a SamplingConfig,
+    sampler: Sampler,
     greedy: bool,
-    key: &mut SeededKey,
-    cfg: &SamplingConfig,
-) -> Result<(Array, Array)> {
-    let rows: [&[u32]; 1] = [hist.as_slice()];
-    let lp = sampler
-        .distribution(logits, if host { &rows } else { &[] })
-        .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-    let t = if greedy {
-        lp.argmax(-1, false)?
-    } else {
-        categorical(&lp, -1, &split(key.get(cfg)?)?)?
+    host: bool,
+    hist: Vec<u32>,
+    toks: Vec<Array>,
+    lps: Vec<Array>,
+}
+
+impl<'a> Drawer<'a> {
+    pub(crate) fn new(cfg: &'a SamplingConfig, history: &[u32], k: usize) -> Result<Self> {
+        let host = reads_history(cfg);
+        Ok(Drawer {
+            sampler: sampler_for(cfg)?,
+            greedy: cfg.is_greedy(),
+            host,
+            hist: if host { history.to_vec() } else { Vec::new() },
+            toks: Vec::with_capacity(k),
+            lps: Vec::with_capacity(k),
+            cfg,
+        })
     }
-    .astype(DType::U32)?;
-    if host {
-        hist.push(t.to_vec::<u32>()?[0]);
+
+    /// One draft from `logits` (`[1, V]`): the token, `[1]` u32.
+    pub(crate) fn draw(&mut self, logits: &Array, key: &mut SeededKey) -> Result<Array> {
+        let rows: [&[u32]; 1] = [self.hist.as_slice()];
+        let lp = self
+            .sampler
+            .distribution(logits, if self.host { &rows } else { &[] })
+            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let t = if self.greedy {
+            lp.argmax(-1, false)?
+        } else {
+            categorical(&lp, -1, &split(key.get(self.cfg)?)?)?
+        }
+        .astype(DType::U32)?;
+        if self.host {
+            self.hist.push(t.to_vec::<u32>()?[0]);
+        }
+        self.toks.push(t.clone());
+        if !self.greedy {
+            self.lps.push(lp);
+        }
+        Ok(t)
     }
-    Ok((t, lp))
+
+    /// The proposal, evaluated together with `extra` arrays the caller reads next.
+    pub(crate) fn finish(self, extra: &[&Array]) -> Result<Draft> {
+        let cat = |v: &[Array]| concatenate(&v.iter().collect::<Vec<_>>(), 0);
+        let tokens = cat(&self.toks)?;
+        let logprobs = if self.greedy || self.lps.is_empty() {
+            None
+        } else {
+            Some(cat(&self.lps)?)
+        };
+        let mut outs = vec![&tokens];
+        outs.extend(logprobs.iter());
+        outs.extend(extra.iter().copied());
+        mlx_array::eval(&outs)?;
+        Ok(Draft {
+            tokens: tokens.to_vec::<u32>()?,
+            logprobs,
+        })
+    }
 }
 
 /// A smaller LM sharing the target's vocabulary (e.g. Qwen3-0.6B for Qwen3-8B), decoding with
@@ -154,7 +243,6 @@ impl DraftModel {
     pub fn model(&self) -> &Model {
         &self.model
     }
-
 }
 
 impl Drafter for DraftModel {
@@ -165,10 +253,7 @@ impl Drafter for DraftModel {
             ));
         };
         if k == 0 {
-            return Ok(Draft {
-                tokens: Vec::new(),
-                logprobs: None,
-            });
+            return Ok(Draft::empty());
         }
         let vocab = self.model.info().vocab_size;
         if let Some(&t) = history.iter().find(|&&t| t as usize >= vocab) {
@@ -181,12 +266,7 @@ impl Drafter for DraftModel {
         self.tracked
             .sync(&self.model, &mut self.cache, before, Some(&fresh))?;
         self.tracked.snapshot(&self.cache);
-        let sampler = sampler_for(cfg)?;
-        let greedy = cfg.is_greedy();
-        let host = reads_history(cfg);
-        let mut hist: Vec<u32> = if host { history.to_vec() } else { Vec::new() };
-        let mut toks: Vec<Array> = Vec::with_capacity(k);
-        let mut lps: Vec<Array> = Vec::with_capacity(k);
+        let mut drawer = Drawer::new(cfg, history, k)?;
         let mut cur = Array::from_slice(&[last], &[1, 1])?;
         for i in 0..k {
             let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
@@ -194,30 +274,18 @@ impl Drafter for DraftModel {
                 .logits
                 .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
                 .reshape(&[1, -1])?;
-            let (t, lp) = draw(&sampler, &logits, &mut hist, host, greedy, &mut self.key, cfg)?;
-            cur = t.reshape(&[1, 1])?;
-            toks.push(t);
-            if !greedy {
-                lps.push(lp);
-            }
+            cur = drawer.draw(&logits, &mut self.key)?.reshape(&[1, 1])?;
             // the last draw is not fed: its K/V would be rolled back whatever the verdict
             if i + 1 < k {
                 self.cache.async_eval_with(&[&cur])?;
             }
         }
-        let tokens = concatenate(&toks.iter().collect::<Vec<_>>(), 0)?;
-        let logprobs = if greedy {
-            None
-        } else {
-            Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?)
-        };
-        let mut outs = vec![&tokens];
-        outs.extend(logprobs.iter());
-        mlx_array::eval(&outs)?;
-        let tokens = tokens.to_vec::<u32>()?;
+        let draft = drawer.finish(&[])?;
         self.tracked.tokens.push(last);
-        self.tracked.tokens.extend_from_slice(&tokens[..k - 1]);
-        Ok(Draft { tokens, logprobs })
+        self.tracked
+            .tokens
+            .extend_from_slice(&draft.tokens[..k - 1]);
+        Ok(draft)
     }
 
     fn vocab_size(&self) -> usize {

@@ -6,6 +6,11 @@
 //! distributed exactly as plain sampling with the same sampler settings (penalties and filters
 //! included); at temperature 0 it is the target's greedy output, token for token.
 //!
+//! Drafters: [`DraftModel`] (any LM sharing the target's vocabulary), [`MtpDrafter`] (Qwen3.5's
+//! multi-token-prediction head), [`AssistantDrafter`] (Gemma 4 `gemma4_assistant` drafts) and
+//! [`BlockDrafter`] (DSpark and DFlash block drafts over the target's residual stream);
+//! [`load_drafter_for`] reads the kind from the draft's config.json.
+//!
 //! Rollback works with every cache: flat and paged K/V are trimmed; rotating (sliding-window)
 //! K/V and recurrent state (GatedDeltaNet, LFM2's short conv) return to a snapshot taken before
 //! the verify step (arrays are immutable, so a snapshot is the previous arrays) and the accepted
@@ -28,6 +33,7 @@
 //! ```
 mod adaptive;
 mod assistant;
+mod block;
 mod decoder;
 mod drafter;
 mod load;
@@ -37,6 +43,7 @@ pub mod verify;
 
 pub use adaptive::Adaptive;
 pub use assistant::AssistantDrafter;
+pub use block::{create_random_block_draft, BlockConfig, BlockDrafter, BlockNet, BlockTrace};
 pub use decoder::{Depth, SpeculativeDecoder};
 pub use drafter::{Draft, DraftModel, Drafter, Feedback};
 pub use load::{draft_kind, embedded_draft_dir, load_drafter, load_drafter_for, DraftKind};

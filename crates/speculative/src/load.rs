@@ -1,5 +1,6 @@
 //! Drafters from checkpoints: the draft kind is read from the draft's config.json.
 use crate::assistant::AssistantDrafter;
+use crate::block::{BlockDrafter, BlockNet};
 use crate::drafter::{DraftModel, Drafter};
 use mlx_models::families::gemma4::Gemma4Assistant;
 use mlx_models::{load_model, KvCacheMode, LoadOptions, Model, ModelError, Result};
@@ -39,22 +40,25 @@ pub fn draft_kind(dir: &Path) -> Result<DraftKind> {
             path: dir.to_path_buf(),
             reason: e.to_string(),
         })?;
+    Ok(kind_of(&raw))
+}
+
+/// The kind a draft config.json describes.
+pub(crate) fn kind_of(raw: &serde_json::Value) -> DraftKind {
     let archs: Vec<&str> = raw
         .get("architectures")
         .and_then(|a| a.as_array())
         .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
         .unwrap_or_default();
-    Ok(
-        if raw.get("model_type").and_then(|m| m.as_str()) == Some("gemma4_assistant") {
-            DraftKind::Gemma4Assistant
-        } else if archs.iter().any(|a| a.contains("DSpark")) {
-            DraftKind::DSpark
-        } else if archs.iter().any(|a| a.contains("DFlash")) || raw.get("dflash_config").is_some() {
-            DraftKind::DFlash
-        } else {
-            DraftKind::Model
-        },
-    )
+    if raw.get("model_type").and_then(|m| m.as_str()) == Some("gemma4_assistant") {
+        DraftKind::Gemma4Assistant
+    } else if archs.iter().any(|a| a.contains("DSpark")) {
+        DraftKind::DSpark
+    } else if archs.iter().any(|a| a.contains("DFlash")) || raw.get("dflash_config").is_some() {
+        DraftKind::DFlash
+    } else {
+        DraftKind::Model
+    }
 }
 
 /// `<target>/draft/` when it holds a checkpoint (a draft shipped inside the target's directory).
@@ -64,14 +68,14 @@ pub fn embedded_draft_dir(target: &Path) -> Option<PathBuf> {
 }
 
 /// Load the drafter in `dir` with the target's load options (a flat cache of its own). Plain
-/// draft models load here; `gemma4_assistant` drafts read their target's embeddings, hidden
-/// states and K/V, so they need [`load_drafter_for`]; the other kinds are refused by name.
+/// draft models load here; `gemma4_assistant`, DSpark and DFlash drafts read their target's
+/// states, so they need [`load_drafter_for`].
 pub fn load_drafter(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Drafter>> {
     load(dir, opts, None)
 }
 
-/// [`load_drafter`] for `target`: plain draft models and `gemma4_assistant` drafts (for a
-/// Gemma 4 target) load; DSpark and DFlash drafts are refused by name.
+/// [`load_drafter`] for `target`: plain draft models, `gemma4_assistant` drafts (for a Gemma 4
+/// target), DSpark and DFlash block drafts ([`BlockDrafter`]).
 pub fn load_drafter_for(
     dir: &Path,
     opts: &LoadOptions,
@@ -95,12 +99,12 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
             t.clone(),
             Gemma4Assistant::load(dir, opts.dtype)?,
         )?)),
-        (DraftKind::Gemma4Assistant, None) => Err(ModelError::UnsupportedOption(format!(
-            "{}: a gemma4_assistant draft reads its target's K/V: load it with load_drafter_for",
-            dir.display()
-        ))),
-        (k, _) => Err(ModelError::UnsupportedOption(format!(
-            "{}: {} drafts are not implemented (plain draft models and gemma4_assistant drafts are)",
+        (DraftKind::DSpark | DraftKind::DFlash, Some(t)) => Ok(Box::new(BlockDrafter::new(
+            t.clone(),
+            BlockNet::load(dir, opts.dtype)?,
+        )?)),
+        (k, None) => Err(ModelError::UnsupportedOption(format!(
+            "{}: a {} draft reads its target's states: load it with load_drafter_for",
             dir.display(),
             k.as_str()
         ))),

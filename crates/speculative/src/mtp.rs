@@ -1,5 +1,5 @@
 //! [`MtpDrafter`]: drafts from the target's own multi-token-prediction head (Qwen3.5).
-use crate::drafter::{draw, reads_history, sampler_for, Draft, Drafter, Feedback, SeededKey};
+use crate::drafter::{Draft, Drafter, Drawer, Feedback, SeededKey};
 use crate::tracked::row;
 use mlx_array::{ops::concatenate, Array};
 use mlx_models::{Cache, Logits, Model, ModelError, Result};
@@ -23,6 +23,7 @@ pub struct MtpDrafter {
     pending: Option<Array>,
     /// Draft entries after the verified ones (trimmed before the next cycle).
     drafted: usize,
+    run: usize,
     key: SeededKey,
     depth: usize,
 }
@@ -55,6 +56,7 @@ impl MtpDrafter {
             verified: 0,
             pending: None,
             drafted: 0,
+            run: 0,
             key: SeededKey::new(3),
             depth: Self::DEFAULT_DEPTH,
         })
@@ -75,11 +77,11 @@ impl MtpDrafter {
             let out = self
                 .target
                 .with_runtime(|rt| rt.forward(&row(before)?, &mut c, Logits::None, true))?;
+            self.run += before.len();
             self.pending = out.hidden;
         }
         Ok(())
     }
-
 
     fn step(&mut self, tokens: &Array, hidden: &Array) -> Result<(Array, Array)> {
         let (logits, h) = self
@@ -96,10 +98,7 @@ impl MtpDrafter {
 impl Drafter for MtpDrafter {
     fn propose(&mut self, history: &[u32], k: usize, cfg: &SamplingConfig) -> Result<Draft> {
         if k == 0 || history.len() < 2 {
-            return Ok(Draft {
-                tokens: Vec::new(),
-                logprobs: None,
-            });
+            return Ok(Draft::empty());
         }
         if self.known != history {
             self.resync(history)?;
@@ -124,34 +123,15 @@ impl Drafter for MtpDrafter {
         let toks = &history[self.verified + 1..];
         let (mut logits, mut h) = self.step(&row(toks)?, &pending)?;
         self.verified += m;
-        let sampler = sampler_for(cfg)?;
-        let (greedy, host) = (cfg.is_greedy(), reads_history(cfg));
-        let mut hist: Vec<u32> = if host { history.to_vec() } else { Vec::new() };
-        let (mut out, mut lps) = (Vec::with_capacity(k), Vec::with_capacity(k));
+        let mut drawer = Drawer::new(cfg, history, k)?;
         for i in 0..k {
-            let (t, lp) = draw(&sampler, &logits, &mut hist, host, greedy, &mut self.key, cfg)?;
-            if !greedy {
-                lps.push(lp);
-            }
+            let t = drawer.draw(&logits, &mut self.key)?;
             if i + 1 < k {
                 (logits, h) = self.step(&t.reshape(&[1, 1])?, &h)?;
                 self.drafted += 1;
             }
-            out.push(t);
         }
-        let tokens = concatenate(&out.iter().collect::<Vec<_>>(), 0)?;
-        let logprobs = if greedy {
-            None
-        } else {
-            Some(concatenate(&lps.iter().collect::<Vec<_>>(), 0)?)
-        };
-        let mut outs = vec![&tokens];
-        outs.extend(logprobs.iter());
-        mlx_array::eval(&outs)?;
-        Ok(Draft {
-            tokens: tokens.to_vec::<u32>()?,
-            logprobs,
-        })
+        drawer.finish(&[])
     }
 
     fn feedback(&mut self, f: &Feedback<'_>) -> Result<()> {
@@ -160,21 +140,28 @@ impl Drafter for MtpDrafter {
                 "MTP drafting needs the target's hidden states (internal error)".into(),
             ));
         };
+        if self.known != f.history {
+            // a step the drafter did not follow: start over at the next proposal
+            (self.known, self.pending) = (Vec::new(), None);
+            return Ok(());
+        }
         // the target's hidden states at `last` and the accepted drafts pair with the accepted
-        // drafts and the target's own token
-        self.pending = Some(hidden.slice_axis(1, 0, f.accepted + 1)?);
-        self.known = f
-            .history
-            .iter()
-            .chain(&f.drafts[..f.accepted])
-            .copied()
-            .chain(std::iter::once(f.next))
-            .collect();
+        // drafts and the target's own token (after those of steps not drafted from yet)
+        let new = hidden.slice_axis(1, 0, f.accepted + 1)?;
+        self.pending = Some(match self.pending.take() {
+            Some(p) => concatenate(&[&p, &new], 1)?,
+            None => new,
+        });
+        self.known = f.next_history();
         Ok(())
     }
 
     fn wants_target_hidden(&self) -> bool {
         true
+    }
+
+    fn target_positions_run(&self) -> usize {
+        self.run
     }
 
     fn vocab_size(&self) -> usize {

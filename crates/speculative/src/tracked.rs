@@ -7,6 +7,8 @@ use mlx_models::{Cache, CacheSnapshot, Logits, Model, ModelError, Result};
 pub(crate) struct Tracked {
     pub(crate) tokens: Vec<u32>,
     snap: Option<(CacheSnapshot, usize)>,
+    /// Positions run through the model by [`Tracked::sync`] so far.
+    pub(crate) run: usize,
 }
 
 /// One forward call without the host-side id range check (ids are checked by the callers).
@@ -20,13 +22,33 @@ pub(crate) fn forward(
     model.with_runtime(|rt| rt.forward(toks, cache, logits, hidden))
 }
 
+/// [`forward`] that also returns the residual stream after the layers in `taps` (none: a plain
+/// forward).
+pub(crate) fn forward_tapped(
+    model: &Model,
+    cache: &mut Cache,
+    toks: &Array,
+    logits: Logits,
+    hidden: bool,
+    taps: &[usize],
+) -> Result<(mlx_models::ForwardOutput, Vec<Array>)> {
+    if taps.is_empty() {
+        return Ok((forward(model, cache, toks, logits, hidden)?, Vec::new()));
+    }
+    model.with_runtime(|rt| rt.forward_taps(toks, cache, logits, hidden, taps))
+}
+
 pub(crate) fn row(toks: &[u32]) -> Result<Array> {
     Ok(Array::from_slice(toks, &[1, toks.len()])?)
 }
 
 impl Tracked {
     pub(crate) fn new(tokens: Vec<u32>) -> Self {
-        Tracked { tokens, snap: None }
+        Tracked {
+            tokens,
+            snap: None,
+            run: 0,
+        }
     }
 
     /// Remember the cache's current state as a rollback point.
@@ -76,6 +98,7 @@ impl Tracked {
         if !rest.is_empty() {
             forward(model, cache, &row(rest)?, Logits::None, false)?;
             cache.async_eval_with(&[])?;
+            self.run += rest.len();
             self.tokens.extend_from_slice(rest);
         }
         Ok(())

@@ -5,60 +5,11 @@ mod common;
 use common::*;
 use mlx_array::random::Key;
 use mlx_array::Array;
-use mlx_models::{KvCacheMode, Logits, Model, Speculator};
+use mlx_models::KvCacheMode;
 use mlx_speculative::verify::verify_sampled;
 use mlx_speculative::{DraftModel, SpeculativeDecoder};
 use sampling::{Sampler, SamplingConfig};
 use std::collections::BTreeMap;
-
-/// Upper 0.001 quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty).
-fn critical(df: usize) -> f64 {
-    let d = df as f64;
-    let h = 2.0 / (9.0 * d);
-    d * (1.0 - h + 3.0902 * h.sqrt()).powi(3)
-}
-
-/// Pearson's statistic of `counts` against probabilities `probs` (bins with an expected count
-/// below 5 pooled into one), and its degrees of freedom.
-fn chi_square(counts: &BTreeMap<Vec<u32>, usize>, probs: &BTreeMap<Vec<u32>, f64>) -> (f64, usize) {
-    let n: usize = counts.values().sum();
-    let (mut stat, mut bins) = (0.0, 0usize);
-    let (mut pool_obs, mut pool_exp) = (0.0, 0.0);
-    for (k, &p) in probs {
-        let e = p * n as f64;
-        let o = *counts.get(k).unwrap_or(&0) as f64;
-        if e < 5.0 {
-            pool_obs += o;
-            pool_exp += e;
-        } else {
-            stat += (o - e) * (o - e) / e;
-            bins += 1;
-        }
-    }
-    let outside: usize = counts
-        .iter()
-        .filter(|(k, _)| !probs.contains_key(*k))
-        .map(|(_, &c)| c)
-        .sum();
-    pool_obs += outside as f64;
-    if pool_exp > 0.0 {
-        stat += (pool_obs - pool_exp) * (pool_obs - pool_exp) / pool_exp;
-        bins += 1;
-    } else if outside > 0 {
-        return (f64::INFINITY, bins.max(2) - 1); // tokens outside the distribution's support
-    }
-    (stat, bins - 1)
-}
-
-fn probs(lp: &Array) -> Vec<f64> {
-    lp.reshape(&[-1])
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap()
-        .iter()
-        .map(|&x| (x as f64).exp())
-        .collect()
-}
 
 /// The verifier alone, on fixed distributions over 6 tokens: the first token is distributed as
 /// `p_0`, the second (when the first draft was accepted) as `p_1`.
@@ -156,108 +107,16 @@ fn check_pair(t: &str, d: &str, temperature: f32, seed: u64, agrees: bool) {
         .with_repetition_penalty(1.5)
         .with_presence_penalty(0.5)
         .with_seed(seed);
-    let sampler = Sampler::new(cfg.clone()).unwrap();
-    // the exact joint distribution from the target, step by step
-    let dist_after = |m: &Model, h: &[u32]| -> Vec<f64> {
-        let mut c = m.new_cache();
-        let l = m
-            .forward(
-                &Array::from_slice(h, &[1, h.len()]).unwrap(),
-                &mut c,
-                Logits::Last,
-                false,
-            )
-            .unwrap()
-            .logits
-            .unwrap()
-            .reshape(&[1, -1])
-            .unwrap();
-        probs(&sampler.distribution(&l, &[h]).unwrap())
-    };
-    let p0 = dist_after(&target, &history);
-    let mut joint = BTreeMap::new();
-    for (t0, &a) in p0.iter().enumerate().filter(|(_, &a)| a > 0.0) {
-        let mut h = history.clone();
-        h.push(t0 as u32);
-        for (t1, &b) in dist_after(&target, &h)
-            .iter()
-            .enumerate()
-            .filter(|(_, &b)| b > 0.0)
-        {
-            joint.insert(vec![t0 as u32, t1 as u32], a * b);
-        }
-    }
-    let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft.clone())), Some(3));
-    spec.start();
-    let mut cache = target.new_cache();
-    let before = &history[..history.len() - 1];
-    target
-        .forward(
-            &Array::from_slice(before, &[1, before.len()]).unwrap(),
-            &mut cache,
-            Logits::None,
-            false,
-        )
-        .unwrap();
-    let mut sampler = Sampler::new(cfg.clone()).unwrap();
-    let n = 600;
-    let mut counts = BTreeMap::new();
-    let clock = std::time::Instant::now();
-    for _ in 0..n {
-        // each sample starts from the same history: the next cycle rolls the cache back
-        let mut toks: Vec<u32> = spec
-            .cycle(&target, &mut cache, &history, &mut sampler, 8)
-            .unwrap()
-            .iter()
-            .map(|t| t.id)
-            .collect();
-        if toks.len() == 1 {
-            let h: Vec<u32> = history.iter().chain(&toks).copied().collect();
-            toks.push(
-                spec.cycle(&target, &mut cache, &h, &mut sampler, 8)
-                    .unwrap()[0]
-                    .id,
-            );
-        }
-        *counts.entry(toks[..2].to_vec()).or_insert(0) += 1;
-    }
-    let st = spec.stats();
-    let (s, df) = chi_square(&counts, &joint);
-    eprintln!("{t} <- {d}: joint of 2 tokens chi2 {s:.1}, df {df}, critical {:.1}; {n} samples in {:.1} s; {st:?}", critical(df), clock.elapsed().as_secs_f64());
-    if agrees {
-        assert!(
-            st.acceptance_by_position.iter().all(|&a| a > 0.5),
-            "the quantized draft mostly agrees: {st:?}"
-        );
-    } else {
-        assert!(
-            st.acceptance_by_position[0] < 0.5,
-            "the draft must disagree often: {st:?}"
-        );
-    }
-    assert!(
-        s < critical(df),
-        "{t} <- {d}: chi2 {s} >= {} with {df} degrees of freedom",
-        critical(df)
+    let q0 = dist_after(&draft, &Sampler::new(cfg.clone()).unwrap(), &history);
+    let spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(3));
+    check_speculative_sampling(
+        &format!("{t} <- {d}"),
+        &target,
+        spec,
+        &history,
+        &cfg,
+        600,
+        &q0,
+        agrees,
     );
-    // power: the draft's own first-token distribution is rejected
-    let q0 = dist_after(&draft, &history);
-    let first: BTreeMap<Vec<u32>, usize> = counts.iter().fold(BTreeMap::new(), |mut m, (k, &c)| {
-        *m.entry(vec![k[0]]).or_insert(0) += c;
-        m
-    });
-    let qd: BTreeMap<Vec<u32>, f64> = q0
-        .iter()
-        .enumerate()
-        .filter(|(_, &x)| x > 0.0)
-        .map(|(i, &x)| (vec![i as u32], x))
-        .collect();
-    let (sq, dfq) = chi_square(&first, &qd);
-    eprintln!("  against the draft's distribution: chi2 {sq:.1}, df {dfq}");
-    if !agrees {
-        assert!(
-            sq > critical(dfq),
-            "the test has no power: the draft's distribution passes too"
-        );
-    }
 }

@@ -11,7 +11,7 @@ mod common;
 use common::*;
 use mlx_array::Array;
 use mlx_models::families::gemma4::Gemma4Assistant;
-use mlx_models::{generate, GenerateConfig, KvCacheMode, LoadOptions};
+use mlx_models::{KvCacheMode, LoadOptions};
 use mlx_speculative::{load_drafter, load_drafter_for, AssistantDrafter, SpeculativeDecoder};
 use std::path::PathBuf;
 
@@ -24,33 +24,7 @@ fn assistant() -> Gemma4Assistant {
 }
 
 fn reference() -> std::collections::HashMap<String, Array> {
-    mlx_array::io::load_safetensors(dir().join("reference.safetensors"), None)
-        .unwrap()
-        .into_iter()
-        .collect()
-}
-
-/// max |a - b| / max |b|
-fn rel(a: &Array, b: &Array) -> f32 {
-    let (a, b) = (
-        a.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap(),
-        b.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap(),
-    );
-    assert_eq!(a.len(), b.len());
-    let d = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    d / b.iter().map(|y| y.abs()).fold(0f32, f32::max)
-}
-
-fn ids(a: &Array) -> Vec<u32> {
-    a.to_vec::<i32>()
-        .unwrap()
-        .into_iter()
-        .map(|t| t as u32)
-        .collect()
+    tensors(&dir().join("reference.safetensors"))
 }
 
 #[test]
@@ -63,11 +37,24 @@ fn assistant_logits_match_transformers() {
         let history = ids(&r[&format!("{name}tokens")]);
         let want_tokens = ids(&r[&format!("{name}draft_tokens")]);
         let mut d = AssistantDrafter::new(target.clone(), assistant()).unwrap();
-        let (tokens, logits) = d.draft_logits(&history, want_tokens.len()).unwrap();
+        let (tokens, logits) = d.draft_logits(&history, want_tokens.len(), None).unwrap();
         let logits = logits.unwrap();
         let e = rel(&logits, &r[&format!("{name}draft_logits")]);
         eprintln!("gemma4_assistant {name}draft logits: rel {e:.2e}, drafts {tokens:?}");
         assert!(e < 1e-4, "{name}: draft logits rel {e}");
+        assert_eq!(tokens, want_tokens, "{name}");
+        // the same drafts from the K/V of a verifier's flat cache
+        let mut d = AssistantDrafter::new(target.clone(), assistant()).unwrap();
+        let mut cache = prefilled(&target, &history);
+        let (tokens, on) = d
+            .draft_logits(&history, want_tokens.len(), Some(&mut cache))
+            .unwrap();
+        let e = rel(&on.unwrap(), &r[&format!("{name}draft_logits")]);
+        eprintln!("  from the verifier's cache: rel {e:.2e}");
+        assert!(
+            e < 1e-4,
+            "{name}: draft logits from the verifier's cache rel {e}"
+        );
         assert_eq!(tokens, want_tokens, "{name}");
         if name == "long_window_" {
             // transformers' own mask sees one sliding position more: a different network
@@ -87,9 +74,9 @@ fn assistant_incremental_drafts_equal_fresh_ones() {
     let mut kept = AssistantDrafter::new(target.clone(), assistant()).unwrap();
     let mut history: Vec<u32> = (0..6).map(|_| 3 + rng.below(1000) as u32).collect();
     for step in 0..8 {
-        let (got, gl) = kept.draft_logits(&history, 3).unwrap();
+        let (got, gl) = kept.draft_logits(&history, 3, None).unwrap();
         let mut fresh = AssistantDrafter::new(target.clone(), assistant()).unwrap();
-        let (want, wl) = fresh.draft_logits(&history, 3).unwrap();
+        let (want, wl) = fresh.draft_logits(&history, 3, None).unwrap();
         assert_eq!(got, want, "step {step}");
         assert!(rel(&gl.unwrap(), &wl.unwrap()) < 1e-5, "step {step}");
         // grow past the sliding window (16), and once go back to an earlier prefix
@@ -108,27 +95,36 @@ fn assistant_drafting_equals_plain_greedy() {
         let target = load("gemma4_text", kv.clone());
         let prompt = gapped_prompt(&target, &mut rng, 12, 20);
         let want = plain_greedy(&target, &prompt, 20);
-        for depth in [1, 3, 8] {
-            let mut spec = SpeculativeDecoder::new(
-                Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
-                Some(depth),
-            );
-            let mut cache = target.new_cache();
-            let cfg = GenerateConfig {
-                max_new_tokens: 20,
-                sampling: sampling::SamplingConfig::greedy(),
-                stop_tokens: Some(vec![]),
-                ..Default::default()
-            };
-            let mut gen = generate(&target, &mut cache, &prompt, cfg)
-                .unwrap()
-                .with_speculator(&mut spec);
-            let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
-            let st = gen.performance().speculative.unwrap();
-            drop(gen);
-            assert_eq!(got, want, "{kv:?} depth {depth}");
-            assert!(st.cycles > 0, "{kv:?} depth {depth}: no speculative cycles");
-            eprintln!("gemma4_assistant {kv:?} depth {depth}: {st:?}");
+        let label = format!("gemma4_assistant {kv:?}");
+        identity_at_depths(
+            &target,
+            &prompt,
+            &want,
+            &[Some(1), Some(3), Some(8)],
+            &label,
+            || Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
+        );
+        // within the sliding window a flat cache's K/V and the verify steps' hidden states
+        // serve every cycle: the target runs only the prompt once more (the first cycle's
+        // hidden state); a paged cache is mirrored in the drafter's own
+        let prompt = gapped_prompt(&target, &mut rng, 5, 8);
+        let want = plain_greedy(&target, &prompt, 8);
+        let mut spec = SpeculativeDecoder::new(
+            Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
+            Some(2),
+        );
+        check_identity(
+            &target,
+            &mut spec,
+            &prompt,
+            &want,
+            &format!("gemma4_assistant {kv:?} within the window"),
+        );
+        let run = spec.drafter().target_positions_run();
+        if matches!(kv, KvCacheMode::Flat) {
+            assert_eq!(run, prompt.len(), "flat: the verifier's cache");
+        } else {
+            assert!(run > prompt.len(), "paged: the drafter's own cache: {run}");
         }
     }
 }
@@ -190,18 +186,12 @@ fn assistant_sampling_runs_and_is_reproducible() {
             Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
             Some(3),
         );
-        let mut cache = target.new_cache();
-        let cfg = GenerateConfig {
-            max_new_tokens: 20,
-            sampling: sampling.clone(),
-            stop_tokens: Some(vec![]),
-            ..Default::default()
-        };
-        let mut gen = generate(&target, &mut cache, &[2, 14, 15, 92, 65], cfg)
-            .unwrap()
-            .with_speculator(&mut spec);
-        let toks: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
-        let st = gen.performance().speculative.unwrap();
+        let (toks, st, _) = run_spec(
+            &target,
+            &mut spec,
+            &[2, 14, 15, 92, 65],
+            gen_cfg(20, sampling.clone()),
+        );
         (toks, st.cycles)
     };
     let (a, cycles) = run();
@@ -210,170 +200,20 @@ fn assistant_sampling_runs_and_is_reproducible() {
     assert_eq!(run().0, a, "same seed, same tokens");
 }
 
-/// Upper 0.001 quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty).
-fn critical(df: usize) -> f64 {
-    let d = df as f64;
-    let h = 2.0 / (9.0 * d);
-    d * (1.0 - h + 3.0902 * h.sqrt()).powi(3)
-}
-
-/// Pearson's statistic of `counts` against `probs` (bins expecting fewer than 5 pooled, tokens
-/// outside the support in the pool), and its degrees of freedom.
-fn chi_square(
-    counts: &std::collections::BTreeMap<Vec<u32>, usize>,
-    probs: &std::collections::BTreeMap<Vec<u32>, f64>,
-) -> (f64, usize) {
-    let n: usize = counts.values().sum();
-    let (mut stat, mut bins, mut pool_obs, mut pool_exp) = (0.0, 0usize, 0.0, 0.0);
-    for (k, &p) in probs {
-        let (e, o) = (p * n as f64, *counts.get(k).unwrap_or(&0) as f64);
-        if e < 5.0 {
-            (pool_obs, pool_exp) = (pool_obs + o, pool_exp + e);
-        } else {
-            stat += (o - e) * (o - e) / e;
-            bins += 1;
-        }
-    }
-    let outside: usize = counts
-        .iter()
-        .filter(|(k, _)| !probs.contains_key(*k))
-        .map(|(_, &c)| c)
-        .sum();
-    pool_obs += outside as f64;
-    if pool_exp > 0.0 {
-        stat += (pool_obs - pool_exp) * (pool_obs - pool_exp) / pool_exp;
-        bins += 1;
-    } else if outside > 0 {
-        return (f64::INFINITY, bins.max(2) - 1);
-    }
-    (stat, bins - 1)
-}
-
 /// Speculative sampling with the assistant (which disagrees with the random target most of the
 /// time) draws the first two tokens from the target's exact joint distribution (temperature 1,
 /// top-k 6, repetition and presence penalties; chi-square at p = 0.001), and the assistant's own
 /// first-token distribution is rejected by the same test.
 #[test]
 fn assistant_speculative_sampling_matches_the_target_distribution() {
-    use mlx_models::{Logits, Model, Speculator};
-    use mlx_speculative::Drafter;
-    use sampling::{Sampler, SamplingConfig};
-    use std::collections::BTreeMap;
     let target = load("gemma4_text", KvCacheMode::Flat);
-    let history: Vec<u32> = vec![2, 17, 230, 5, 99, 230, 17, 410, 88, 3];
-    let cfg = SamplingConfig::default()
-        .with_temperature(1.0)
-        .with_top_k(6)
-        .with_repetition_penalty(1.5)
-        .with_presence_penalty(0.5)
-        .with_seed(11);
-    let sampler = Sampler::new(cfg.clone()).unwrap();
-    let probs = |lp: &Array| -> Vec<f64> {
-        lp.reshape(&[-1])
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|&x| (x as f64).exp())
-            .collect()
-    };
-    let dist_after = |m: &Model, h: &[u32]| -> Vec<f64> {
-        let mut c = m.new_cache();
-        let l = m
-            .forward(
-                &Array::from_slice(h, &[1, h.len()]).unwrap(),
-                &mut c,
-                Logits::Last,
-                false,
-            )
-            .unwrap()
-            .logits
-            .unwrap()
-            .reshape(&[1, -1])
-            .unwrap();
-        probs(&sampler.distribution(&l, &[h]).unwrap())
-    };
-    let mut joint = BTreeMap::new();
-    for (t0, &a) in dist_after(&target, &history)
-        .iter()
-        .enumerate()
-        .filter(|(_, &a)| a > 0.0)
-    {
-        let h: Vec<u32> = history.iter().copied().chain([t0 as u32]).collect();
-        for (t1, &b) in dist_after(&target, &h)
-            .iter()
-            .enumerate()
-            .filter(|(_, &b)| b > 0.0)
-        {
-            joint.insert(vec![t0 as u32, t1 as u32], a * b);
-        }
-    }
-    let mut spec = SpeculativeDecoder::new(
-        Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
-        Some(3),
-    );
-    spec.start();
-    let mut cache = target.new_cache();
-    let before = &history[..history.len() - 1];
-    target
-        .forward(
-            &Array::from_slice(before, &[1, before.len()]).unwrap(),
-            &mut cache,
-            Logits::None,
-            false,
-        )
-        .unwrap();
-    let mut sampler = Sampler::new(cfg.clone()).unwrap();
-    let mut counts = BTreeMap::new();
-    for _ in 0..600 {
-        let mut toks: Vec<u32> = spec
-            .cycle(&target, &mut cache, &history, &mut sampler, 8)
-            .unwrap()
-            .iter()
-            .map(|t| t.id)
-            .collect();
-        if toks.len() == 1 {
-            let h: Vec<u32> = history.iter().chain(&toks).copied().collect();
-            toks.push(
-                spec.cycle(&target, &mut cache, &h, &mut sampler, 8)
-                    .unwrap()[0]
-                    .id,
-            );
-        }
-        *counts.entry(toks[..2].to_vec()).or_insert(0) += 1;
-    }
-    let st = spec.stats();
-    let (s, df) = chi_square(&counts, &joint);
-    eprintln!(
-        "gemma4_assistant sampling: joint of 2 tokens chi2 {s:.1}, df {df}, critical {:.1}; {st:?}",
-        critical(df)
-    );
-    assert!(
-        st.acceptance_by_position[0] < 0.5,
-        "the assistant must disagree often: {st:?}"
-    );
-    assert!(
-        s < critical(df),
-        "chi2 {s} >= {} with {df} degrees of freedom",
-        critical(df)
-    );
-    // power: the assistant's own first-token distribution is rejected
-    let mut d = AssistantDrafter::new(target.clone(), assistant()).unwrap();
-    let q = d.propose(&history, 1, &cfg).unwrap().logprobs.unwrap();
-    let qd: BTreeMap<Vec<u32>, f64> = probs(&q)
-        .iter()
-        .enumerate()
-        .filter(|(_, &x)| x > 0.0)
-        .map(|(i, &x)| (vec![i as u32], x))
-        .collect();
-    let first = counts.iter().fold(BTreeMap::new(), |mut m, (k, &c)| {
-        *m.entry(vec![k[0]]).or_insert(0usize) += c;
-        m
-    });
-    let (sq, dfq) = chi_square(&first, &qd);
-    eprintln!("  against the assistant's distribution: chi2 {sq:.1}, df {dfq}");
-    assert!(
-        sq > critical(dfq),
-        "the test has no power: the assistant's distribution passes too"
+    let history = [2, 17, 230, 5, 99, 230, 17, 410, 88, 3];
+    check_disagreeing_drafter(
+        "gemma4_assistant sampling",
+        &target,
+        &history,
+        11,
+        600,
+        || Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
     );
 }

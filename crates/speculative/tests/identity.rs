@@ -6,7 +6,7 @@
 //! comparison (see `common::gapped_prompt`).
 mod common;
 use common::*;
-use mlx_models::{generate, GenerateConfig, KvCacheMode, Model};
+use mlx_models::{KvCacheMode, Model};
 use mlx_speculative::{DraftModel, SpeculativeDecoder};
 
 const NEW: usize = 24;
@@ -19,20 +19,12 @@ fn speculative(
     depth: usize,
 ) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
     let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth));
-    let mut cache = target.new_cache();
-    let cfg = GenerateConfig {
-        max_new_tokens: n,
-        sampling: sampling::SamplingConfig::greedy(),
-        stop_tokens: Some(vec![]),
-        ..Default::default()
-    };
-    let mut gen = generate(target, &mut cache, prompt, cfg)
-        .unwrap()
-        .with_speculator(&mut spec);
-    let toks: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
-    let stats = gen.performance().speculative.unwrap();
-    drop(gen);
-    (toks, stats, cache.offset())
+    run_spec(
+        target,
+        &mut spec,
+        prompt,
+        gen_cfg(n, sampling::SamplingConfig::greedy()),
+    )
 }
 
 #[test]
@@ -198,19 +190,12 @@ fn partial_acceptance_rolls_back_every_cache_kind() {
                 vocab: target.info().vocab_size,
             };
             let mut spec = SpeculativeDecoder::new(Box::new(oracle), Some(depth));
-            let mut cache = target.new_cache();
-            let cfg = GenerateConfig {
-                max_new_tokens: 30,
-                sampling: sampling::SamplingConfig::greedy(),
-                stop_tokens: Some(vec![]),
-                ..Default::default()
-            };
-            let mut gen = generate(&target, &mut cache, &prompt, cfg)
-                .unwrap()
-                .with_speculator(&mut spec);
-            let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
-            let st = gen.performance().speculative.unwrap();
-            drop(gen);
+            let (got, st, offset) = run_spec(
+                &target,
+                &mut spec,
+                &prompt,
+                gen_cfg(30, sampling::SamplingConfig::greedy()),
+            );
             assert_eq!(got, truth[..30], "target {t} {kv:?}, depth {depth}");
             if depth > 2 {
                 assert!(
@@ -218,7 +203,7 @@ fn partial_acceptance_rolls_back_every_cache_kind() {
                     "{t} depth {depth}: partial acceptance expected, {st:?}"
                 );
             }
-            assert_eq!(cache.offset(), prompt.len() + 30);
+            assert_eq!(offset, prompt.len() + 30);
         }
     }
 }

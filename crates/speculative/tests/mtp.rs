@@ -6,9 +6,9 @@
 mod common;
 use common::*;
 use mlx_array::Array;
-use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, Logits, Model};
+use mlx_models::{KvCacheMode, Logits};
 use mlx_speculative::{MtpDrafter, SpeculativeDecoder};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The tiny checkpoint `name` with the fixture's `mtp-drafter/` sidecar, in a temporary directory.
 fn with_mtp(name: &str, test: &str) -> PathBuf {
@@ -32,49 +32,19 @@ fn with_mtp(name: &str, test: &str) -> PathBuf {
 }
 
 fn reference(name: &str) -> std::collections::HashMap<String, Array> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/mtp")
-        .join(name)
-        .join("reference.safetensors");
-    mlx_array::io::load_safetensors(&p, None)
-        .unwrap()
-        .into_iter()
-        .collect()
-}
-
-/// max |a - b| / max |b|
-fn rel(a: &Array, b: &Array) -> f32 {
-    let (a, b) = (
-        a.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap(),
-        b.reshape(&[-1]).unwrap().to_vec::<f32>().unwrap(),
-    );
-    assert_eq!(a.len(), b.len());
-    let d = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    d / b.iter().map(|y| y.abs()).fold(0f32, f32::max)
-}
-
-fn load_mtp(dir: &Path, kv: KvCacheMode) -> Model {
-    load_model(
-        dir,
-        &LoadOptions {
-            kv_cache: kv,
-            ..Default::default()
-        },
+    tensors(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/mtp")
+            .join(name)
+            .join("reference.safetensors"),
     )
-    .unwrap()
-    .into_lm()
-    .unwrap()
 }
 
 #[test]
 fn mtp_logits_match_the_torch_reference() {
     for name in ["qwen3_5", "qwen3_5_moe"] {
         let dir = with_mtp(name, "logits");
-        let m = load_mtp(&dir, KvCacheMode::Flat);
+        let m = load_dir(&dir, KvCacheMode::Flat);
         assert!(m.has_mtp_weights());
         assert_eq!(m.with_runtime(|rt| rt.mtp_layers()), 1, "{name}");
         let r = reference(name);
@@ -158,30 +128,20 @@ fn mtp_drafting_equals_plain_greedy() {
     .enumerate()
     {
         let dir = with_mtp(name, &format!("drafting{i}"));
-        let target = load_mtp(&dir, kv.clone());
+        let target = load_dir(&dir, kv.clone());
         let prompt = gapped_prompt(&target, &mut rng, 16, 24);
         let want = plain_greedy(&target, &prompt, 24);
-        for depth in [1, 3, 5] {
-            let mut spec = SpeculativeDecoder::new(
-                Box::new(MtpDrafter::new(target.clone()).unwrap()),
-                Some(depth),
-            );
-            let mut cache = target.new_cache();
-            let cfg = GenerateConfig {
-                max_new_tokens: 24,
-                sampling: sampling::SamplingConfig::greedy(),
-                stop_tokens: Some(vec![]),
-                ..Default::default()
-            };
-            let mut gen = generate(&target, &mut cache, &prompt, cfg)
-                .unwrap()
-                .with_speculator(&mut spec);
-            let got: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
-            let st = gen.performance().speculative.unwrap();
-            drop(gen);
-            assert_eq!(got, want, "{name} {kv:?} depth {depth}");
-            eprintln!("{name} {kv:?} MTP depth {depth}: {st:?}");
-        }
+        // the verify steps' hidden states serve every cycle: only the prompt is run once more
+        let label = format!("{name} {kv:?} MTP");
+        let run = identity_at_depths(
+            &target,
+            &prompt,
+            &want,
+            &[Some(1), Some(3), Some(5)],
+            &label,
+            || Box::new(MtpDrafter::new(target.clone()).unwrap()),
+        );
+        assert_eq!(run, vec![prompt.len(); 3]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
     assert!(
@@ -198,7 +158,7 @@ fn mtp_drafting_equals_plain_greedy() {
 fn mtp_incremental_drafts_equal_fresh_ones() {
     use mlx_speculative::{Drafter, Feedback};
     let dir = with_mtp("qwen3_5", "incremental");
-    let target = load_mtp(&dir, KvCacheMode::Flat);
+    let target = load_dir(&dir, KvCacheMode::Flat);
     let greedy = sampling::SamplingConfig::greedy();
     let mut history: Vec<u32> = vec![11, 42, 7, 300, 5, 77, 140, 9];
     let mut d = MtpDrafter::new(target.clone()).unwrap();
@@ -238,6 +198,7 @@ fn mtp_incremental_drafts_equal_fresh_ones() {
             accepted,
             next,
             hidden: out.hidden.as_ref(),
+            taps: &[],
         })
         .unwrap();
         history.extend(&draft.tokens[..accepted]);
@@ -251,27 +212,21 @@ fn mtp_incremental_drafts_equal_fresh_ones() {
 #[test]
 fn mtp_sampling_runs_and_is_reproducible() {
     let dir = with_mtp("qwen3_5_moe", "sampling");
-    let target = load_mtp(&dir, KvCacheMode::Flat);
+    let target = load_dir(&dir, KvCacheMode::Flat);
     let run = || {
         let mut spec =
             SpeculativeDecoder::new(Box::new(MtpDrafter::new(target.clone()).unwrap()), Some(3));
-        let mut cache = target.new_cache();
         let sampling = sampling::SamplingConfig::default()
             .with_temperature(0.9)
             .with_top_k(20)
             .with_repetition_penalty(1.2)
             .with_seed(5);
-        let cfg = GenerateConfig {
-            max_new_tokens: 20,
-            sampling,
-            stop_tokens: Some(vec![]),
-            ..Default::default()
-        };
-        let mut gen = generate(&target, &mut cache, &[3, 14, 15, 92, 65], cfg)
-            .unwrap()
-            .with_speculator(&mut spec);
-        let toks: Vec<u32> = (&mut gen).map(|t| t.unwrap().id).collect();
-        let st = gen.performance().speculative.unwrap();
+        let (toks, st, _) = run_spec(
+            &target,
+            &mut spec,
+            &[3, 14, 15, 92, 65],
+            gen_cfg(20, sampling),
+        );
         (toks, st.cycles)
     };
     let (a, cycles) = run();

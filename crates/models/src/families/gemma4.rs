@@ -653,11 +653,17 @@ impl Gemma4Model {
     /// the last position for `Rows::Last` (its query attends over the full K/V), nothing at all
     /// for `Rows::None`. mlx-lm gets the same saving by evaluating only the caches of the
     /// prompt's leading tokens.
-    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
+    ///
+    /// `taps`: layers whose residual stream (after the layer scalar) is returned too; with taps
+    /// every position is computed ([`ModelRuntime::forward_taps`]).
+    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, rows: Rows, taps: &[usize]) -> Result<(Array, Vec<Array>)> {
+        let rows = if taps.is_empty() { rows } else { Rows::All };
         let allow_prefix_skip = rows != Rows::All;
         check_tokens(tokens)?;
         let n = self.cfg.num_hidden_layers;
         check_cache_layers(cache, n)?;
+        crate::runtime::check_taps(taps, n)?;
+        let mut tapped = Vec::with_capacity(taps.len());
         for (i, &src) in self.kv_src.iter().enumerate() {
             let ok = match &cache.layers[i] {
                 LayerCache::Kv(_) => src == i,
@@ -715,9 +721,12 @@ impl Gemma4Model {
                 y = y.add(&p.norm.forward(&p.proj.forward(&g)?)?)?;
             }
             x = y.mul(&layer.layer_scalar)?;
+            if taps.contains(&i) {
+                tapped.push(x.clone());
+            }
         }
         kvs.finish()?;
-        net.norm.forward(&x)
+        Ok((net.norm.forward(&x)?, tapped))
     }
 }
 
@@ -746,8 +755,13 @@ impl ModelRuntime for Gemma4Model {
         })?;
         // Calls that need every position's output must not skip a cached prefix.
         let rows = Rows::of(logits, hidden);
-        let h = self.hidden(net, tokens, cache, rows)?;
+        let (h, _) = self.hidden(net, tokens, cache, rows, &[])?;
         net.lm_head.output(h, logits, hidden)
+    }
+    fn forward_taps(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
+        let net = self.net.as_ref().ok_or_else(|| ModelError::InvalidInput("Model not initialized (weights not loaded)".into()))?;
+        let (h, t) = self.hidden(net, tokens, cache, Rows::All, taps)?;
+        Ok((net.lm_head.output(h, logits, hidden)?, t))
     }
 
     fn as_gemma4(&self) -> Option<&Gemma4Model> {

@@ -133,8 +133,14 @@ impl Qwen3Backbone {
     /// Final-normed hidden states and the leading tokens a paged prefix hit served (see
     /// [`Stack::forward`]).
     pub(crate) fn forward(&self, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<(Array, usize)> {
+        self.forward_tapped(tokens, cache, rows, &[]).map(|(h, s, _)| (h, s))
+    }
+
+    /// [`Qwen3Backbone::forward`] with the residual stream after each layer in `taps` (see
+    /// [`Stack::forward_tapped`]).
+    pub(crate) fn forward_tapped(&self, tokens: &Array, cache: &mut Cache, rows: Rows, taps: &[usize]) -> Result<(Array, usize, Vec<Array>)> {
         let stack = Stack { layers: &self.layers, prefix_skip: true, norm: &self.norm };
-        stack.forward(tokens, cache, rows, |t| self.embed.forward(t), |l| causal_mask(l, None))
+        stack.forward_tapped(tokens, cache, rows, |t| self.embed.forward(t), |l| causal_mask(l, None), taps)
     }
 
     pub fn embed(&self) -> &Embedding {
@@ -176,6 +182,17 @@ impl ModelRuntime for Qwen3Model {
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         let (h, _) = self.backbone.forward(tokens, cache, Rows::of(logits, hidden))?;
         self.lm_head.output(h, logits, hidden)
+    }
+    fn forward_taps(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
+        let (h, _, t) = self.backbone.forward_tapped(tokens, cache, Rows::All, taps)?;
+        Ok((self.lm_head.output(h, logits, hidden)?, t))
+    }
+    fn input_embeddings(&self, tokens: &Array) -> Result<Array> {
+        crate::runtime::check_tokens(tokens)?;
+        self.backbone.embed.forward(tokens)
+    }
+    fn head_logits(&self, hidden: &Array) -> Result<Array> {
+        self.lm_head.forward(hidden)
     }
 }
 

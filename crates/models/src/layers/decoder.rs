@@ -219,9 +219,21 @@ impl<L: DecoderLayer> Stack<'_, L> {
         embed: impl FnOnce(&Array) -> Result<Array>,
         ctx: impl FnOnce(usize) -> L::Ctx,
     ) -> Result<(Array, usize)> {
+        self.forward_tapped(tokens, cache, rows, embed, ctx, &[]).map(|(h, s, _)| (h, s))
+    }
+
+    /// [`Stack::forward`] that also returns the residual stream after each layer in `taps`
+    /// (strictly ascending, below the last layer; every position, no prefix skipped).
+    pub fn forward_tapped<E, C>(&self, tokens: &Array, cache: &mut Cache, rows: Rows, embed: E, ctx: C, taps: &[usize]) -> Result<(Array, usize, Vec<Array>)>
+    where
+        E: FnOnce(&Array) -> Result<Array>,
+        C: FnOnce(usize) -> L::Ctx,
+    {
         check_tokens(tokens)?;
         check_cache_layers(cache, self.layers.len())?;
-        let (mut kv, skipped) = cache.begin_forward_with(tokens, self.prefix_skip && rows != Rows::All)?;
+        crate::runtime::check_taps(taps, self.layers.len())?;
+        let mut tapped = Vec::with_capacity(taps.len());
+        let (mut kv, skipped) = cache.begin_forward_with(tokens, self.prefix_skip && rows != Rows::All && taps.is_empty())?;
         let l = tokens.dims()[1] as usize;
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, l)? } else { tokens.clone() };
         let mut x = embed(&tokens)?;
@@ -237,9 +249,12 @@ impl<L: DecoderLayer> Stack<'_, L> {
                 break;
             }
             x = h.add(&layer.ffn(&h)?)?;
+            if taps.contains(&i) {
+                tapped.push(x.clone());
+            }
         }
         kv.finish()?;
-        Ok((self.norm.forward(&x)?, skipped))
+        Ok((self.norm.forward(&x)?, skipped, tapped))
     }
 }
 

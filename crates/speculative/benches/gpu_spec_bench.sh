@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Device side of the GPU speculative benchmark (the `run` tool; STAGE holds the CUDA libmlx payload
+# of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
+# `generate` example built here, stripped):
+#
+#   STAGE=DIR bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
+#
+# run from the repository root (scripts/gpu/unpack_payload.sh); gpu_pair.py is read next to
+# this script, so both may be staged together.
+#
+# Makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
+# agreement), then greedy decoding of NEW tokens (default 128) after a 32-id prompt: ours plain
+# and speculative with K drafts a cycle (the generate example's --json line: decode tok/s,
+# accepted_mean, acceptance by position), and mlx-lm's generate_step and
+# speculative_generate_step (num_draft_tokens K) on the same checkpoints in the same run.
+set -uo pipefail
+ROOT=$(pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
+G=${STAGE:?STAGE: the staged folder}
+OUT=${OUT:-/tmp/gpu-out}
+R=${MLXRT:-/tmp/mlxrt-spec}
+NEW=${NEW:-128}
+KS=("$@"); [ ${#KS[@]} -gt 0 ] || KS=(5 7)
+mkdir -p "$OUT" "$R/mlx/lib"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.log"
+. "$ROOT/scripts/gpu/unpack_payload.sh"
+unpack_payload "$G" "$R" || exit 3
+for w in "$G"/*.whl; do python3 -m zipfile -e "$w" "$R" || exit 3; done
+xz -dkf "$G/generate.xz" 2>/dev/null; chmod +x "$G/generate"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} LD_LIBRARY_PATH=$R/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONUNBUFFERED=1
+P=/tmp/spec-pair
+t0=$(date +%s)
+python3 "$HERE/gpu_pair.py" "$P" || exit 4
+echo "pair made in $(( $(date +%s) - t0 )) s; $(du -sh $P/target | cut -f1) target" | tee -a "$OUT/env.log"
+IDS=$(python3 -c "import random; random.seed(3); print(','.join(str(random.randrange(1000, 150000)) for _ in range(32)))")
+run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "$NEW" --temperature 0 --kv flat --json "$@" | tail -1; }
+{
+  echo "plain $(run)"
+  for k in "${KS[@]}"; do echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"; done
+  echo "plain2 $(run)"
+} 2>&1 | tee "$OUT/ours.log"
+PYTHONPATH=$R python3 - "$P" "$IDS" "$NEW" "${KS[@]}" <<'EOF' 2>&1 | tee "$OUT/mlx_lm.log"
+import json, sys, time
+import mlx.core as mx
+from mlx_lm.utils import load_model
+from mlx_lm.generate import generate_step, speculative_generate_step
+p, ids, n, ks = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), [int(k) for k in sys.argv[4:]]
+target, _ = load_model(__import__("pathlib").Path(p + "/target"))
+draft, _ = load_model(__import__("pathlib").Path(p + "/draft"))
+def timed(it, spec):
+    toks, flags, t0 = [], [], None
+    for item in it:
+        toks.append(int(item[0]))
+        if spec:
+            flags.append(bool(item[2]))
+        if t0 is None:
+            t0 = time.perf_counter()
+    mx.synchronize()
+    r = {"decode_tokens_per_sec": (len(toks) - 1) / (time.perf_counter() - t0), "tokens": toks}
+    if spec:
+        r["from_draft_fraction"] = sum(flags) / len(flags)
+    return r
+sampler = lambda x: mx.argmax(x, axis=-1)
+out = {"plain": timed(generate_step(mx.array(ids), target, max_tokens=n, sampler=sampler), False)}
+for k in ks:
+    out[f"draft{k}"] = timed(speculative_generate_step(mx.array(ids), target, draft, num_draft_tokens=k, max_tokens=n, sampler=sampler), True)
+out["plain2"] = timed(generate_step(mx.array(ids), target, max_tokens=n, sampler=sampler), False)
+for name, r in out.items():
+    print(name, json.dumps({k: v for k, v in r.items() if k != "tokens"}), "same_tokens_as_plain", r["tokens"] == out["plain"]["tokens"])
+EOF
+echo "total $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.log"
