@@ -29,6 +29,8 @@ pub struct Cache {
     last_skipped: usize,
     /// Batch caches: the rows' padding and positions ([`crate::batch`]).
     pub(crate) batch: Option<crate::batch::BatchRows>,
+    /// [`Cache::set_gradient_checkpointing`].
+    gradient_checkpointing: bool,
 }
 
 /// A cache's state at one position, from [`Cache::snapshot`].
@@ -95,6 +97,12 @@ fn mirror_of<'a>(layers: &'a [LayerCache]) -> impl Fn(usize) -> Option<&'a KvCac
 }
 
 impl<'a> ForwardKv<'a> {
+    /// A view over `layers` alone (no paged pool, no batch rows): the scratch caches of a pass
+    /// that keeps nothing ([`Cache::set_gradient_checkpointing`]).
+    pub(crate) fn scratch(layers: &'a mut Vec<LayerCache>) -> Self {
+        ForwardKv { layers, paged: None, batch: None }
+    }
+
     /// The rows of a batch cache (see [`crate::batch`]).
     pub fn batch(&self) -> Option<&'a crate::batch::BatchRows> {
         self.batch
@@ -165,7 +173,7 @@ impl Cache {
                 LayerKind::Recurrent { slots } => LayerCache::Recurrent(vec![None; *slots]),
             })
             .collect();
-        Cache { layers, paged: None, last_skipped: 0, batch: None }
+        Cache { layers, paged: None, last_skipped: 0, batch: None, gradient_checkpointing: false }
     }
 
     /// A cache whose attention layers live in the shared paged pool `shared`.
@@ -201,6 +209,21 @@ impl Cache {
         self.paged.is_some()
     }
 
+    /// Training forward passes with per-layer gradient checkpointing: each decoder layer runs
+    /// under [`mlx_array::grad::checkpoint`] with its arrays as explicit inputs, so a gradient
+    /// transform keeps only the layers' inputs and recomputes each layer's activations in the
+    /// backward pass. Such a pass starts at position 0 of a flat, non-batch cache, computes
+    /// every position, and stores no K/V (the cache stays empty). Models whose forward does not
+    /// support it return [`ModelError::UnsupportedOption`].
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether [`Cache::set_gradient_checkpointing`] is on.
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
+    }
+
     /// [`Cache::begin_forward_with`] allowing prefix skips.
     pub fn begin_forward(&mut self, tokens: &Array) -> Result<(ForwardKv<'_>, usize)> {
         self.begin_forward_with(tokens, true)
@@ -212,7 +235,10 @@ impl Cache {
     /// need outputs for every position) a new paged sequence is salted privately: it neither
     /// reuses nor shares cached blocks, and nothing is skipped.
     pub fn begin_forward_with(&mut self, tokens: &Array, allow_prefix_skip: bool) -> Result<(ForwardKv<'_>, usize)> {
-        let Cache { layers, paged, last_skipped, batch } = self;
+        if self.gradient_checkpointing {
+            return Err(ModelError::UnsupportedOption("gradient checkpointing: this model's forward pass does not support it".into()));
+        }
+        let Cache { layers, paged, last_skipped, batch, .. } = self;
         *last_skipped = 0;
         if let Some(rows) = batch {
             rows.begin(tokens.dims()[0] as usize, tokens.dims()[1] as usize)?;

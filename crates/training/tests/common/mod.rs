@@ -56,3 +56,66 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 pub fn ref_trainable(name: &str) -> bool {
     name.contains("self_attn") || name.contains("norm")
 }
+
+/// Asserts that gradients `got` equal `want` (both in `names` order) within `tol`: per tensor,
+/// ||a - b|| / ||b|| with ||b|| floored at 1e-3 of the global gradient norm (a gradient a
+/// million times smaller than the largest is f32 rounding noise of both paths).
+pub fn assert_grads_close(label: &str, names: &[&str], got: &[Array], want: &[Array], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{label}: gradient count");
+    let global: f64 = want.iter().map(|g| f32s(g).iter().map(|x| (*x as f64).powi(2)).sum::<f64>()).sum::<f64>().sqrt();
+    for ((n, a), b) in names.iter().zip(got).zip(want) {
+        let (a, b) = (f32s(a), f32s(b));
+        let diff: f64 = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
+        let scale: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+        let e = diff / scale.max(1e-3 * global);
+        assert!(e < tol, "{label}: gradient of {n}: relative difference {e:e} (norm {scale:e}, global {global:e})");
+    }
+}
+
+/// What `f` returns and MLX's peak memory while it ran, above the memory active before it
+/// (the allocator's cache cleared first).
+pub fn peak_during<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    mlx_array::memory::clear_cache().unwrap();
+    mlx_array::memory::reset_peak().unwrap();
+    let base = mlx_array::memory::active().unwrap();
+    let out = f();
+    (out, mlx_array::memory::peak().unwrap().saturating_sub(base))
+}
+
+/// A random-weight checkpoint in a temporary directory: the `fixture` model's config with the
+/// `changes` applied.
+pub fn random_variant(fixture: &str, changes: &[(&str, serde_json::Value)]) -> tempfile::TempDir {
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model_fixture(fixture).join("config.json")).unwrap()).unwrap();
+    for (k, v) in changes {
+        cfg[*k] = v.clone();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    mlx_models::create_random_checkpoint(&cfg, dir.path(), DType::F32, 1).unwrap();
+    dir
+}
+
+/// `b` with NaN recorded old log-probs (a non-finite GRPO loss) when `nan`.
+pub fn nan_old_logprobs(mut b: mlx_training::GrpoBatch, nan: bool) -> mlx_training::GrpoBatch {
+    if nan {
+        b.old_logprobs = Some(b.completions.iter().map(|c| vec![f32::NAN; c.completion_ids.len()]).collect());
+    }
+    b
+}
+
+/// The binary of this package's example `name` (built by `cargo test`; built here when a test
+/// runs alone).
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
+    if !bin.is_file() {
+        let st = std::process::Command::new(env!("CARGO")).args(["build", "-p", "mlx-training", "--example", name]).status().unwrap();
+        assert!(st.success(), "building the {name} example");
+    }
+    bin
+}
+
+/// Example `name` run with `args` in `dir`: (success, stdout, stderr).
+pub fn run_example(name: &str, args: &[&str], dir: &std::path::Path) -> (bool, String, String) {
+    let out = std::process::Command::new(example_binary(name)).args(args).current_dir(dir).output().unwrap();
+    (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
