@@ -36,13 +36,7 @@ fn without_time(v: &[serde_json::Value]) -> Vec<serde_json::Value> {
 #[test]
 fn rollouts_prompts_store_and_replay() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut lines = Vec::new();
-    for g in 0..3u32 {
-        for k in 0..4u32 {
-            lines.push(format!("{{\"group\": {g}, \"prompt_ids\": [{}, 17, 99], \"completion_ids\": [{}, {}, 7], \"reward\": {}}}", 3 + g, 40 + k, 200 + g * 4 + k, (k as f64) * 0.5 - g as f64));
-        }
-    }
-    std::fs::write(tmp.path().join("r.jsonl"), lines.join("\n")).unwrap();
+    write_rollouts(tmp.path());
     let model = model_fixture("qwen3");
     let m = model.to_str().unwrap();
     let replay = [
@@ -121,26 +115,8 @@ fn rollouts_prompts_store_and_replay() {
         .starts_with(b"PK"));
 
     // the store's export replays through --rollouts with the same result
-    let (ok, stdout, stderr) = run(
-        &[
-            "--model",
-            m,
-            "--rollouts",
-            "b.jsonl",
-            "--steps",
-            "3",
-            "--lr",
-            "1e-3",
-            "--beta",
-            "0.04",
-            "--loss",
-            "grpo",
-            "--json",
-            "--out",
-            "c",
-        ],
-        tmp.path(),
-    );
+    let from_export: Vec<&str> = replay.iter().map(|a| if *a == "r.jsonl" { "b.jsonl" } else { a }).chain(["--out", "c"]).collect();
+    let (ok, stdout, stderr) = run(&from_export, tmp.path());
     assert!(ok, "{stderr}");
     assert_eq!(
         without_time(&steps_of(&stdout)),
