@@ -12,12 +12,31 @@ use mlx_training::{Example, SftConfig, SftTrainer};
 
 #[test]
 fn checkpointing_lowers_peak_memory() {
-    let dir = random_variant("qwen3", &[("num_hidden_layers", 8.into()), ("max_position_embeddings", 1024.into())]);
+    let dir = random_variant(
+        "qwen3",
+        &[
+            ("num_hidden_layers", 8.into()),
+            ("max_position_embeddings", 1024.into()),
+        ],
+    );
     let tree = ParameterTree::load(dir.path(), &f32_options()).unwrap();
-    let examples: Vec<Example> = (0..2u32).map(|r| Example::prompt_completion(&[1 + r], &(0..767u32).map(|i| (i * 131 + r * 7) % 512).collect::<Vec<_>>())).collect();
+    let examples: Vec<Example> = (0..2u32)
+        .map(|r| {
+            Example::prompt_completion(
+                &[1 + r],
+                &(0..767u32)
+                    .map(|i| (i * 131 + r * 7) % 512)
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .collect();
     let batch: Vec<&Example> = examples.iter().collect();
     let peak_of = |gc: bool| {
-        let cfg = SftConfig { gradient_checkpointing: gc, head_chunk: 2048, ..Default::default() };
+        let cfg = SftConfig {
+            gradient_checkpointing: gc,
+            head_chunk: 2048,
+            ..Default::default()
+        };
         let t = SftTrainer::new(tree.clone(), &f32_options(), examples.clone(), cfg).unwrap();
         let ((loss, grads), peak) = peak_during(|| t.loss_and_gradients(&batch).unwrap());
         drop(grads);
@@ -25,7 +44,17 @@ fn checkpointing_lowers_peak_memory() {
     };
     let (l_plain, plain) = peak_of(false);
     let (l_gc, gc) = peak_of(true);
-    eprintln!("peak above baseline: plain {:.1} MB, checkpointed {:.1} MB", plain as f64 / 1e6, gc as f64 / 1e6);
-    assert!(((l_plain - l_gc) / l_plain).abs() < 1e-6, "same loss: {l_plain} vs {l_gc}");
-    assert!(gc * 2 < plain, "checkpointed peak {gc} bytes vs plain {plain}");
+    eprintln!(
+        "peak above baseline: plain {:.1} MB, checkpointed {:.1} MB",
+        plain as f64 / 1e6,
+        gc as f64 / 1e6
+    );
+    assert!(
+        ((l_plain - l_gc) / l_plain).abs() < 1e-6,
+        "same loss: {l_plain} vs {l_gc}"
+    );
+    assert!(
+        gc * 2 < plain,
+        "checkpointed peak {gc} bytes vs plain {plain}"
+    );
 }

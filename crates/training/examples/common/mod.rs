@@ -57,9 +57,16 @@ impl OptimizerArgs {
                 if self.momentum != 0.0 {
                     return Err("--momentum applies to --optimizer sgd".into());
                 }
-                OptimizerConfig::AdamW(AdamWConfig { weight_decay: self.weight_decay.unwrap_or(0.01), ..Default::default() })
+                OptimizerConfig::AdamW(AdamWConfig {
+                    weight_decay: self.weight_decay.unwrap_or(0.01),
+                    ..Default::default()
+                })
             }
-            Opt::Sgd => OptimizerConfig::Sgd(SgdConfig { momentum: self.momentum, weight_decay: self.weight_decay.unwrap_or(0.0), ..Default::default() }),
+            Opt::Sgd => OptimizerConfig::Sgd(SgdConfig {
+                momentum: self.momentum,
+                weight_decay: self.weight_decay.unwrap_or(0.0),
+                ..Default::default()
+            }),
         })
     }
 
@@ -126,15 +133,27 @@ pub struct Start {
 }
 
 pub fn start(resume: Option<&Path>, model: Option<&Path>, lora: &LoraArgs) -> CliResult<Start> {
-    let resumed = resume.map(mlx_training::state::resolve_checkpoint).transpose()?;
-    let lora_checkpoint = resumed.as_ref().is_some_and(|r| r.join(lora::ADAPTERS_FILE).is_file());
+    let resumed = resume
+        .map(mlx_training::state::resolve_checkpoint)
+        .transpose()?;
+    let lora_checkpoint = resumed
+        .as_ref()
+        .is_some_and(|r| r.join(lora::ADAPTERS_FILE).is_file());
     let model = match (&resumed, model) {
         (Some(_), Some(m)) if lora_checkpoint => m.to_path_buf(),
         (Some(r), None) if lora_checkpoint => {
-            let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(r.join(lora::ADAPTER_CONFIG_FILE))?)?;
-            cfg.get("model").and_then(|m| m.as_str()).map(PathBuf::from).ok_or("the LoRA checkpoint names no base model: pass --model")?
+            let cfg: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(r.join(lora::ADAPTER_CONFIG_FILE))?)?;
+            cfg.get("model")
+                .and_then(|m| m.as_str())
+                .map(PathBuf::from)
+                .ok_or("the LoRA checkpoint names no base model: pass --model")?
         }
-        (Some(_), Some(_)) => return Err("--model applies with --resume only to a LoRA checkpoint (its base model)".into()),
+        (Some(_), Some(_)) => {
+            return Err(
+                "--model applies with --resume only to a LoRA checkpoint (its base model)".into(),
+            )
+        }
         (Some(r), None) => r.clone(),
         (None, Some(m)) => m.to_path_buf(),
         (None, None) => return Err("--model or --resume is required".into()),
@@ -142,14 +161,21 @@ pub fn start(resume: Option<&Path>, model: Option<&Path>, lora: &LoraArgs) -> Cl
     if resumed.is_some() && lora.lora_rank.is_some() {
         return Err("--lora-* settings are taken from the checkpoint when resuming".into());
     }
-    Ok(Start { resumed, lora_checkpoint, model })
+    Ok(Start {
+        resumed,
+        lora_checkpoint,
+        model,
+    })
 }
 
 /// A progress bar of `len` steps at `pos` on a terminal (stderr), unless `quiet`.
 pub fn progress_bar(quiet: bool, len: u64, pos: u64) -> Option<ProgressBar> {
     (!quiet && std::io::stderr().is_terminal()).then(|| {
         let b = ProgressBar::new(len);
-        b.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}").expect("valid template"));
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
+                .expect("valid template"),
+        );
         b.set_position(pos);
         b
     })
