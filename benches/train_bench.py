@@ -112,6 +112,7 @@ def main():
     p.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "target/release/examples/train_bench"))
     p.add_argument("--lib-dir", default=os.path.expanduser("~/.cache/mlx-sys/mlx-cpu-0.32.2/mlx/lib"),
                    help="where our binary finds libmlx.so (prepended to LD_LIBRARY_PATH for it)")
+    p.add_argument("--no-extra", action="store_true", help="full fine-tune: only our default head (not also the full logits and gradient checkpointing)")
     p.add_argument("--tmp", help="where the converted model is written (default: the system's temporary folder)")
     p.add_argument("--mlx-lm-run", dest="mode", choices=["full", "lora"])
     p.add_argument("--model-f32")
@@ -137,7 +138,7 @@ def main():
     rows = []
     for mode in ["full", "lora"]:
         theirs = json.loads(subprocess.run([sys.executable, __file__, "--mlx-lm-run", mode, "--model-f32", f32] + common, env=peer_env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-        variants = [[], ["--full-logits"]] if mode == "full" else [[]]
+        variants = [[], ["--full-logits"], ["--grad-checkpoint"]] if mode == "full" and not a.no_extra else [[]]
         for extra in variants:
             lora = ["--lora-rank", "8"] if mode == "lora" else []
             ours = json.loads(subprocess.run([a.bin, "--model", f32, "--dtype", a.dtype] + common + lora + extra, env=ours_env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
@@ -145,9 +146,9 @@ def main():
             print(json.dumps({"mode": mode, "ours": ours, "mlx_lm": theirs}), flush=True)
     import mlx.core as mx
     print(f"batch {a.batch_size} x {a.seq_len} tokens, {a.steps} measured steps after {a.warmup}, {a.dtype}, {mx.default_device()}")
-    print(f"{'mode':6} {'our head':12} {'ours tok/s':>10} {'mlx-lm tok/s':>12} {'ratio':>6} {'ours peak GB':>12} {'mlx-lm peak GB':>14} {'ratio':>6}")
+    print(f"{'mode':6} {'our head':16} {'ours tok/s':>10} {'mlx-lm tok/s':>12} {'ratio':>6} {'ours peak GB':>12} {'mlx-lm peak GB':>14} {'ratio':>6}")
     for mode, o, t in rows:
-        print(f"{mode:6} {o['head']:12} {o['tokens_per_second']:10.1f} {t['tokens_per_second']:12.1f} {o['tokens_per_second'] / t['tokens_per_second']:6.2f} "
+        print(f"{mode:6} {o['head'] + (' +ckpt' if o.get('grad_checkpoint') else ''):16} {o['tokens_per_second']:10.1f} {t['tokens_per_second']:12.1f} {o['tokens_per_second'] / t['tokens_per_second']:6.2f} "
               f"{o['peak_memory_gb']:12.3f} {t['peak_memory_gb']:14.3f} {o['peak_memory_gb'] / t['peak_memory_gb']:6.2f}")
         if o["trainable_params"] != t["trainable_params"]:
             print(f"  note: trainable parameters differ: ours {o['trainable_params']}, mlx-lm {t['trainable_params']}")

@@ -31,6 +31,8 @@ pub struct Cache {
     pub(crate) batch: Option<crate::batch::BatchRows>,
     /// Rotary position minus cache position of the next token (multimodal rope after media).
     position_delta: i64,
+    /// [`Cache::set_gradient_checkpointing`].
+    gradient_checkpointing: bool,
 }
 
 /// A cache's state at one position, from [`Cache::snapshot`].
@@ -98,6 +100,12 @@ fn mirror_of<'a>(layers: &'a [LayerCache]) -> impl Fn(usize) -> Option<&'a KvCac
 }
 
 impl<'a> ForwardKv<'a> {
+    /// A view over `layers` alone (no paged pool, no batch rows): the scratch caches of a pass
+    /// that keeps nothing ([`Cache::set_gradient_checkpointing`]).
+    pub(crate) fn scratch(layers: &'a mut Vec<LayerCache>) -> Self {
+        ForwardKv { layers, paged: None, batch: None }
+    }
+
     /// The rows of a batch cache (see [`crate::batch`]).
     pub fn batch(&self) -> Option<&'a crate::batch::BatchRows> {
         self.batch
@@ -168,7 +176,7 @@ impl Cache {
                 LayerKind::Recurrent { slots } => LayerCache::Recurrent(vec![None; *slots]),
             })
             .collect();
-        Cache { layers, paged: None, last_skipped: 0, batch: None, position_delta: 0 }
+        Cache { layers, paged: None, last_skipped: 0, batch: None, position_delta: 0, gradient_checkpointing: false }
     }
 
     /// A cache whose attention layers live in the shared paged pool `shared`.
@@ -214,6 +222,21 @@ impl Cache {
         self.paged.is_some()
     }
 
+    /// Training forward passes with per-layer gradient checkpointing: each decoder layer runs
+    /// under [`mlx_array::grad::checkpoint`] with its arrays as explicit inputs, so a gradient
+    /// transform keeps only the layers' inputs and recomputes each layer's activations in the
+    /// backward pass. Such a pass starts at position 0 of a flat, non-batch cache, computes
+    /// every position, and stores no K/V (the cache stays empty). Models whose forward does not
+    /// support it return [`ModelError::UnsupportedOption`].
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether [`Cache::set_gradient_checkpointing`] is on.
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
+    }
+
     /// [`Cache::begin_forward_with`] allowing prefix skips.
     pub fn begin_forward(&mut self, tokens: &Array) -> Result<(ForwardKv<'_>, usize)> {
         self.begin_forward_with(tokens, true)
@@ -225,6 +248,9 @@ impl Cache {
     /// need outputs for every position) a new paged sequence is salted privately: it neither
     /// reuses nor shares cached blocks, and nothing is skipped.
     pub fn begin_forward_with(&mut self, tokens: &Array, allow_prefix_skip: bool) -> Result<(ForwardKv<'_>, usize)> {
+        if self.gradient_checkpointing {
+            return Err(ModelError::UnsupportedOption("gradient checkpointing: this model's forward pass does not support it".into()));
+        }
         let Cache { layers, paged, last_skipped, batch, .. } = self;
         *last_skipped = 0;
         if let Some(rows) = batch {

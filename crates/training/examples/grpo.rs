@@ -23,6 +23,12 @@
 //! to OUT_DIR as an emergency checkpoint and the run fails. `--json` prints one JSON object per
 //! step on stdout and nothing else; otherwise a progress bar runs on a terminal (stderr).
 //!
+//! With `--lora-rank R` only LoRA adapters are trained, as in the `sft` example (`--lora-scale` or
+//! `--lora-alpha`, `--lora-layers`, `--lora-targets`; GRPO applies no LoRA dropout, so
+//! `--lora-dropout` above 0 is refused), and OUT_DIR holds adapters.safetensors and
+//! adapter_config.json in place of the model; resuming such a checkpoint takes the base model
+//! from `--model`, else from adapter_config.json.
+//!
 //! `--save-every N` also saves to OUT_DIR after every N steps. `--resume DIR` continues the run
 //! saved in DIR (model, optimizer state, step, data position, sampling seed, NaN count, and with
 //! `--beta` > 0 the original reference model) and writes to `--out`; it needs the same data
@@ -30,8 +36,10 @@
 //! counts from the start of the run. It records into the saved run of the output store (by
 //! default the store the saved run used), replacing that run's steps recorded after the
 //! checkpoint; with another `--store` it starts a new run there.
+mod common;
+
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use common::{LoraArgs, OptimizerArgs, SaveDtype};
 use mlx_array::DType;
 use mlx_models::chat::Tokenizer;
 use mlx_models::{LoadOptions, ParameterTree};
@@ -41,18 +49,10 @@ use mlx_training::rewards::{
 };
 use mlx_training::{
     compute_advantages, default_rollout_sampling, load_prompts, load_rollouts, rollout_batch,
-    AdamWConfig, ClipConfig, GrpoBatch, GrpoConfig, GrpoData, GrpoTrainer, ImportanceSampling,
-    LossType, OptimizerConfig, OutputRun, ScaleRewards, Schedule, SgdConfig, TextEncoder,
-    TrainError,
+    ClipConfig, GrpoBatch, GrpoConfig, GrpoData, GrpoTrainer, ImportanceSampling, LossType,
+    OutputRun, ScaleRewards, Schedule, TextEncoder, TrainError,
 };
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Opt {
-    Adamw,
-    Sgd,
-}
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum RewardKind {
@@ -84,18 +84,12 @@ enum Level {
     Sequence,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum SaveDtype {
-    F32,
-    Bf16,
-    F16,
-}
-
 #[derive(Parser, Debug)]
 #[command(about = "GRPO training on sampled or recorded groups of completions")]
 struct Args {
-    /// Checkpoint directory to train (not needed with --resume).
-    #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
+    /// Checkpoint directory to train (not needed with --resume; with a LoRA checkpoint, its base
+    /// model when adapter_config.json does not name it).
+    #[arg(long, required_unless_present = "resume")]
     model: Option<PathBuf>,
     /// Continue the run saved in this directory (see the module docs).
     #[arg(long)]
@@ -151,17 +145,10 @@ struct Args {
     steps: Option<u64>,
     #[arg(long, default_value_t = 1e-6)]
     lr: f64,
-    #[arg(long, value_enum, default_value_t = Opt::Adamw)]
-    optimizer: Opt,
-    /// Weight decay (AdamW: decoupled, default 0.01; SGD: L2 on the gradient, default 0).
-    #[arg(long)]
-    weight_decay: Option<f64>,
-    /// SGD momentum (0 = none).
-    #[arg(long, default_value_t = 0.0)]
-    momentum: f64,
-    /// Clip the global gradient norm (0 = off).
-    #[arg(long, default_value_t = 1.0)]
-    max_grad_norm: f64,
+    #[command(flatten)]
+    optim: OptimizerArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
     /// Always run the model's full logits (default: the chunked head where it applies).
     #[arg(long)]
     full_logits: bool,
@@ -308,16 +295,9 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     if args.prompts_per_step == 0 {
         return Err("--prompts-per-step must be >= 1".into());
     }
-    let resumed = args
-        .resume
-        .as_deref()
-        .map(mlx_training::state::resolve_checkpoint)
-        .transpose()?;
-    let model_dir: PathBuf = match (&resumed, &args.model) {
-        (Some(r), _) => r.clone(),
-        (None, Some(m)) => m.clone(),
-        (None, None) => return Err("--model or --resume is required".into()),
-    };
+    let start = common::start(args.resume.as_deref(), args.model.as_deref(), &args.lora)?;
+    let resumed = start.resumed.clone();
+    let model_dir: PathBuf = start.model.clone();
     let tokenizer = Tokenizer::from_dir(&model_dir);
     let source = match (&args.prompts, &args.rollouts) {
         (Some(p), None) => Source::Sampled {
@@ -334,22 +314,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let steps = args
         .steps
         .unwrap_or(available.div_ceil(args.prompts_per_step) as u64);
-    let optimizer = match args.optimizer {
-        Opt::Adamw => {
-            if args.momentum != 0.0 {
-                return Err("--momentum applies to --optimizer sgd".into());
-            }
-            OptimizerConfig::AdamW(AdamWConfig {
-                weight_decay: args.weight_decay.unwrap_or(0.01),
-                ..Default::default()
-            })
-        }
-        Opt::Sgd => OptimizerConfig::Sgd(SgdConfig {
-            momentum: args.momentum,
-            weight_decay: args.weight_decay.unwrap_or(0.0),
-            ..Default::default()
-        }),
-    };
+    let optimizer = args.optim.config()?;
     let config = GrpoConfig {
         group_size: args.group_size,
         loss: match args.loss {
@@ -378,7 +343,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         },
         optimizer,
         clip: ClipConfig {
-            max_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
+            max_norm: args.optim.max_norm(),
             max_value: None,
         },
         max_nan_gradients: args.max_nan_gradients,
@@ -408,24 +373,33 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     // Rank 0 prints, records and saves; the other ranks hold the same state.
     let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
     let trainer = match &resumed {
-        Some(r) => GrpoTrainer::resume(r, &opts, config.clone(), Some(data))?,
-        None => GrpoTrainer::new(
-            ParameterTree::load(&model_dir, &opts)?,
-            None,
-            &opts,
-            config.clone(),
-        )?
-        .with_data(data)?,
+        Some(r) => {
+            let base = if start.lora_checkpoint {
+                Some(ParameterTree::load(&model_dir, &opts)?)
+            } else {
+                None
+            };
+            GrpoTrainer::resume_with_base(r, base, &opts, config.clone(), Some(data))?
+        }
+        None => {
+            let mut tree = ParameterTree::load(&model_dir, &opts)?;
+            let lora = args.lora.config(args.seed);
+            if let Some(l) = &lora {
+                mlx_training::lora::apply_lora(&mut tree, l)?;
+            }
+            let t = GrpoTrainer::new(tree, None, &opts, config.clone())?;
+            match lora {
+                Some(l) => t.with_lora(l)?,
+                None => t,
+            }
+            .with_data(data)?
+        }
     };
     let mut trainer = match group {
         Some(g) => trainer.with_data_parallel(g),
         None => trainer,
     };
-    let save_dtype = match args.save_dtype {
-        SaveDtype::F32 => DType::F32,
-        SaveDtype::Bf16 => DType::BF16,
-        SaveDtype::F16 => DType::F16,
-    };
+    let save_dtype = args.save_dtype.dtype();
     let saved_run = trainer.output_run().cloned();
     let store_path = args
         .store
@@ -473,17 +447,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         run_id,
     }));
     let decode = decode_with(&tokenizer);
-    let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
-        let b = ProgressBar::new(steps);
-        b.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}")
-                .expect("valid template"),
-        );
-        b
-    });
-    if let Some(b) = &bar {
-        b.set_position(trainer.batches_done().min(steps));
-    }
+    let bar = common::progress_bar(args.json, steps, trainer.batches_done().min(steps));
     let mut stdout = std::io::stdout().lock();
     while trainer.batches_done() < steps {
         let s = trainer.batches_done();
@@ -536,9 +500,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             trainer.save(&args.out, Some(save_dtype))?;
         }
         if args.json {
-            serde_json::to_writer(&mut stdout, &metrics)?;
-            writeln!(stdout)?;
-            stdout.flush()?;
+            common::json_line(&mut stdout, &metrics)?;
         }
         if let Some(b) = &bar {
             b.set_position(s + 1);

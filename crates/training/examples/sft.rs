@@ -14,34 +14,23 @@
 //! layout) in place of the model, plus, with `--fuse`, the fused model (model.safetensors,
 //! config and tokenizer files). A run whose updates had non-finite gradients more than
 //! `--max-nan-gradients` times stops with an error after saving its last finite state to
-//! OUT_DIR (an emergency checkpoint, resumable). `--json` prints one JSON object per step on
+//! OUT_DIR (an emergency checkpoint, resumable). `--grad-checkpoint` recomputes each decoder layer's
+//! activations in the backward pass instead of keeping them (less memory). `--json` prints one JSON object per step on
 //! stdout and nothing else; otherwise a progress bar runs on a terminal (stderr).
+mod common;
+
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use common::{LoraArgs, OptimizerArgs, SaveDtype};
 use mlx_array::DType;
 use mlx_models::{LoadOptions, ParameterTree};
-use mlx_training::lora::{self, LoraConfig};
-use mlx_training::{AdamWConfig, ClipConfig, OptimizerConfig, Schedule, ScheduleKind, SftConfig, SftTrainer, SgdConfig, TextEncoder, TrainError};
-use std::io::{IsTerminal, Write};
+use mlx_training::lora;
+use mlx_training::{ClipConfig, Schedule, ScheduleKind, SftConfig, SftTrainer, TextEncoder, TrainError};
 use std::path::PathBuf;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Opt {
-    Adamw,
-    Sgd,
-}
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Sched {
     Constant,
     Cosine,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum SaveDtype {
-    F32,
-    Bf16,
-    F16,
 }
 
 #[derive(Parser, Debug)]
@@ -78,22 +67,17 @@ struct Args {
     /// Final learning rate of the cosine schedule.
     #[arg(long, default_value_t = 0.0)]
     min_lr: f64,
-    /// Weight decay (AdamW: decoupled, default 0.01; SGD: L2 on the gradient, default 0).
-    #[arg(long)]
-    weight_decay: Option<f64>,
-    #[arg(long, value_enum, default_value_t = Opt::Adamw)]
-    optimizer: Opt,
-    /// SGD momentum (0 = none).
-    #[arg(long, default_value_t = 0.0)]
-    momentum: f64,
-    /// Clip the global gradient norm (0 = off).
-    #[arg(long, default_value_t = 1.0)]
-    max_grad_norm: f64,
+    #[command(flatten)]
+    optim: OptimizerArgs,
     /// Clamp gradient elements to [-V, V].
     #[arg(long)]
     clip_value: Option<f64>,
     #[arg(long, default_value_t = 0.0)]
     label_smoothing: f64,
+    /// Recompute each decoder layer's activations in the backward pass instead of keeping
+    /// them (less memory, one more forward pass through the layers).
+    #[arg(long)]
+    grad_checkpoint: bool,
     /// Truncate examples to this many tokens.
     #[arg(long)]
     max_seq_len: Option<usize>,
@@ -113,24 +97,8 @@ struct Args {
     save_every: Option<u64>,
     #[arg(long, value_enum, default_value_t = SaveDtype::F32)]
     save_dtype: SaveDtype,
-    /// Train LoRA adapters of this rank instead of the model's weights.
-    #[arg(long)]
-    lora_rank: Option<usize>,
-    /// Multiplier of the adapters' product (mlx-lm's scale; default 20).
-    #[arg(long, requires = "lora_rank", conflicts_with = "lora_alpha")]
-    lora_scale: Option<f32>,
-    /// PEFT's alpha: the scale is alpha / rank.
-    #[arg(long, requires = "lora_rank")]
-    lora_alpha: Option<f32>,
-    #[arg(long, requires = "lora_rank")]
-    lora_dropout: Option<f32>,
-    /// Adapt the last N decoder layers (-1: all; default 16, as mlx-lm).
-    #[arg(long, requires = "lora_rank", allow_hyphen_values = true)]
-    lora_layers: Option<i64>,
-    /// Projections to adapt, by path inside a layer (self_attn.q_proj,mlp.down_proj) or full
-    /// name (lm_head); default: every linear projection of the layer.
-    #[arg(long, requires = "lora_rank", value_delimiter = ',')]
-    lora_targets: Vec<String>,
+    #[command(flatten)]
+    lora: LoraArgs,
     /// With --lora-rank: also write the model with the adapters fused into its weights.
     #[arg(long, requires = "lora_rank")]
     fuse: bool,
@@ -157,51 +125,11 @@ fn main() {
 
 fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let opts = LoadOptions { dtype: Some(DType::F32), ..Default::default() };
-    let resumed = args.resume.as_deref().map(mlx_training::state::resolve_checkpoint).transpose()?;
-    let lora_checkpoint = resumed.as_ref().is_some_and(|r| r.join(lora::ADAPTERS_FILE).is_file());
-    let source = match (&resumed, &args.model) {
-        // a LoRA checkpoint holds adapters only: the model comes from --model, else from
-        // adapter_config.json's "model"
-        (Some(_), Some(m)) if lora_checkpoint => m.clone(),
-        (Some(r), None) if lora_checkpoint => {
-            let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(r.join(lora::ADAPTER_CONFIG_FILE))?)?;
-            cfg.get("model").and_then(|m| m.as_str()).map(PathBuf::from).ok_or("the LoRA checkpoint names no base model: pass --model")?
-        }
-        (Some(r), _) => r.clone(),
-        (None, Some(m)) => m.clone(),
-        (None, None) => return Err("--model or --resume is required".into()),
-    };
-    if resumed.is_some() && args.lora_rank.is_some() {
-        return Err("--lora-* settings are taken from the checkpoint when resuming".into());
-    }
-    let lora_config = args
-        .lora_rank
-        .map(|rank| {
-            let d = LoraConfig::default();
-            let scale = match (args.lora_scale, args.lora_alpha) {
-                (Some(s), _) => s,
-                (None, Some(a)) => a / rank as f32,
-                (None, None) => d.scale,
-            };
-            LoraConfig {
-                rank,
-                scale,
-                dropout: args.lora_dropout.unwrap_or(d.dropout),
-                num_layers: args.lora_layers.unwrap_or(d.num_layers),
-                keys: (!args.lora_targets.is_empty()).then(|| args.lora_targets.clone()),
-                seed: args.seed,
-            }
-        });
+    let start = common::start(args.resume.as_deref(), args.model.as_deref(), &args.lora)?;
+    let source = start.model.clone();
+    let lora_config = args.lora.config(args.seed);
     let examples = mlx_training::load_dataset(&args.data, &TextEncoder::from_dir(&source), args.max_seq_len)?;
-    let optimizer = match args.optimizer {
-        Opt::Adamw => {
-            if args.momentum != 0.0 {
-                return Err("--momentum applies to --optimizer sgd".into());
-            }
-            OptimizerConfig::AdamW(AdamWConfig { weight_decay: args.weight_decay.unwrap_or(0.01), ..Default::default() })
-        }
-        Opt::Sgd => OptimizerConfig::Sgd(SgdConfig { momentum: args.momentum, weight_decay: args.weight_decay.unwrap_or(0.0), ..Default::default() }),
-    };
+    let optimizer = args.optim.config()?;
     let updates_per_epoch = (examples.len().div_ceil(args.batch_size.max(1)).div_ceil(args.grad_accumulation.max(1))) as u64;
     let total = args.steps.unwrap_or(updates_per_epoch * args.epochs);
     let kind = match args.schedule {
@@ -218,9 +146,10 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         label_smoothing: args.label_smoothing,
         schedule: Schedule { lr: args.lr, warmup_steps: args.warmup_steps, kind, total_steps: total },
         optimizer,
-        clip: ClipConfig { max_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm), max_value: args.clip_value },
+        clip: ClipConfig { max_norm: args.optim.max_norm(), max_value: args.clip_value },
         lora: lora_config.clone(),
         max_nan_gradients: args.max_nan_gradients,
+        gradient_checkpointing: args.grad_checkpoint,
         ..Default::default()
     };
     let group = match args.distributed.as_deref() {
@@ -234,7 +163,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             if !args.freeze.is_empty() {
                 return Err("--freeze is taken from the checkpoint when resuming".into());
             }
-            let base = if lora_checkpoint { Some(ParameterTree::load(&source, &opts)?) } else { None };
+            let base = if start.lora_checkpoint { Some(ParameterTree::load(&source, &opts)?) } else { None };
             SftTrainer::resume_with_base(r, base, &opts, examples, config)?
         }
         None => {
@@ -260,17 +189,8 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         Some(g) => trainer.with_data_parallel(g),
         None => trainer,
     };
-    let save_dtype = match args.save_dtype {
-        SaveDtype::F32 => DType::F32,
-        SaveDtype::Bf16 => DType::BF16,
-        SaveDtype::F16 => DType::F16,
-    };
-    let bar = (lead && !args.json && std::io::stderr().is_terminal()).then(|| {
-        let b = ProgressBar::new(trainer.total_steps());
-        b.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} ETA {eta}").expect("valid template"));
-        b.set_position(trainer.steps_done());
-        b
-    });
+    let save_dtype = args.save_dtype.dtype();
+    let bar = common::progress_bar(!lead || args.json, trainer.total_steps(), trainer.steps_done());
     let mut stdout = std::io::stdout().lock();
     let (mut tokens, mut seconds) = (0usize, 0f64);
     loop {
@@ -288,9 +208,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         tokens += m.tokens;
         seconds += m.seconds;
         if args.json && lead {
-            serde_json::to_writer(&mut stdout, &m)?;
-            writeln!(stdout)?;
-            stdout.flush()?;
+            common::json_line(&mut stdout, &m)?;
         }
         if let Some(b) = &bar {
             b.set_position(m.step);

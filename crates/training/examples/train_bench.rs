@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release -p mlx-training --example train_bench -- --model DIR --batch-size 4 \
-//!     --seq-len 128 --steps 10 --warmup 3 [--lora-rank 8] [--full-logits]
+//!     --seq-len 128 --steps 10 --warmup 3 [--lora-rank 8] [--full-logits] [--head-chunk N] [--grad-checkpoint]
 //! ```
 //!
 //! Batches are `batch-size` sequences of `seq-len` tokens drawn from a fixed generator, the loss
@@ -38,6 +38,13 @@ struct Args {
     /// The model's full logits instead of the chunked head.
     #[arg(long)]
     full_logits: bool,
+    /// Loss positions per head chunk (default: all of a batch's, so the head runs in one piece
+    /// inside the autodiff pass, as mlx-lm's does).
+    #[arg(long)]
+    head_chunk: Option<usize>,
+    /// Gradient checkpointing per decoder layer.
+    #[arg(long)]
+    grad_checkpoint: bool,
     /// Compute dtype (f32 or bf16).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -89,6 +96,8 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         clip: ClipConfig { max_norm: None, max_value: None },
         schedule: Schedule { lr: 1e-5, ..Default::default() },
         chunked_head: !a.full_logits,
+        head_chunk: a.head_chunk.unwrap_or(a.batch_size * a.seq_len),
+        gradient_checkpointing: a.grad_checkpoint,
         lora: lora_cfg,
         ..Default::default()
     };
@@ -105,7 +114,8 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let out = serde_json::json!({
         "impl": "mlx-models",
         "mode": if a.lora_rank.is_some() { "lora" } else { "full" },
-        "head": if t.uses_chunked_head() { "chunked" } else { "full logits" },
+        "head": if !t.uses_chunked_head() { "full logits".to_string() } else if t.config().head_chunk >= a.batch_size * a.seq_len { "one piece".to_string() } else { format!("chunks of {}", t.config().head_chunk) },
+        "grad_checkpoint": a.grad_checkpoint,
         "trainable_params": trainable,
         "tokens_per_second": tokens as f64 / secs,
         "peak_memory_gb": peak as f64 / 1e9,

@@ -59,6 +59,11 @@ fn nan_to_null(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
 }
 
+/// The rewards by function as a JSON object (null where not finite).
+fn rewards_object(rewards: &[(String, f64)]) -> serde_json::Value {
+    serde_json::Value::Object(rewards.iter().map(|(n, v)| (n.clone(), nan_to_null(*v).map_or(serde_json::Value::Null, |x| x.into()))).collect())
+}
+
 impl OutputStore {
     /// Open (creating when needed) the store at `path`.
     pub fn open(path: &Path) -> Result<Self> {
@@ -169,16 +174,6 @@ impl OutputStore {
                 .prepare("INSERT INTO generations (run_id, step, group_id, prompt, completion, prompt_ids, completion_ids, reward, rewards_json, advantage, finish_reason) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)")
                 .map_err(db_err)?;
             for r in records {
-                let rewards: serde_json::Map<String, serde_json::Value> = r
-                    .rewards
-                    .iter()
-                    .map(|(n, v)| {
-                        (
-                            n.clone(),
-                            nan_to_null(*v).map_or(serde_json::Value::Null, |x| x.into()),
-                        )
-                    })
-                    .collect();
                 ins.execute(params![
                     run,
                     step as i64,
@@ -188,7 +183,7 @@ impl OutputStore {
                     serde_json::to_string(&r.prompt_ids).map_err(db_err)?,
                     serde_json::to_string(&r.completion_ids).map_err(db_err)?,
                     nan_to_null(r.reward),
-                    serde_json::Value::Object(rewards).to_string(),
+                    rewards_object(&r.rewards).to_string(),
                     nan_to_null(r.advantage),
                     r.finish_reason,
                 ])
@@ -258,16 +253,7 @@ impl OutputStore {
         let mut text = String::new();
         for g in &rows {
             let r = &g.record;
-            let rewards: serde_json::Map<String, serde_json::Value> = r
-                .rewards
-                .iter()
-                .map(|(n, v)| {
-                    (
-                        n.clone(),
-                        nan_to_null(*v).map_or(serde_json::Value::Null, |x| x.into()),
-                    )
-                })
-                .collect();
+            let rewards = rewards_object(&r.rewards);
             let line = serde_json::json!({
                 "group": r.group_id, "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids, "reward": nan_to_null(r.reward),
                 "run": g.run_id, "step": g.step, "prompt": r.prompt, "completion": r.completion, "rewards": rewards,

@@ -3,11 +3,13 @@
 //!
 //! Loss: the mean cross-entropy (with optional label smoothing, as torch's
 //! `cross_entropy(label_smoothing=ε)`: `(1 - ε) nll + ε (logsumexp - mean logits)`) over all
-//! loss tokens of the batch. The output head runs only on the loss positions, in chunks of
-//! [`SftConfig::head_chunk`] rows, each evaluated before the next, with the head's gradient
-//! computed in closed form per chunk (see `chunked_gradients`): neither the forward nor the
-//! backward pass holds more than `head_chunk x V` logits, at the cost of a second forward pass
-//! through the model body. The chunked head multiplies the final hidden states by the head matrix (`lm_head.weight`, or
+//! loss tokens of the batch. The output head runs only on the loss positions. When they fit in
+//! [`SftConfig::head_chunk`] rows, it runs on all of them inside one autodiff pass (one forward,
+//! one backward). When there are more, it runs in chunks of `head_chunk` rows, each evaluated
+//! before the next, with the head's gradient computed in closed form per chunk (see
+//! `chunked_gradients`): neither the forward nor the backward pass holds more than
+//! `head_chunk x V` logits, at the cost of a second forward pass through the model body. The
+//! chunked head multiplies the final hidden states by the head matrix (`lm_head.weight`, or
 //! the embeddings when they are tied, with the config's `final_logit_softcapping`); it is used
 //! when it reproduces the model's own logits on a probe sequence at construction, otherwise the
 //! model's full logits are computed and the loss positions taken from them.
@@ -58,6 +60,12 @@ pub struct SftConfig {
     /// Updates with non-finite gradients are skipped; once more than this many were, the run
     /// stops with [`TrainError::NanGradients`] ([`crate::guard`]; default 100).
     pub max_nan_gradients: u64,
+    /// Gradient checkpointing per decoder layer (default false): the backward pass recomputes
+    /// each layer's activations from the layer's input instead of keeping them
+    /// ([`mlx_models::Cache::set_gradient_checkpointing`]): less memory, one more forward pass
+    /// through the layers. For families whose layers do not support it (the hybrid
+    /// attention/recurrent stacks, Gemma 4), gradient computations fail with an error saying so.
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for SftConfig {
@@ -78,6 +86,7 @@ impl Default for SftConfig {
             pad_id: None,
             lora: None,
             max_nan_gradients: crate::guard::DEFAULT_MAX_NAN_GRADIENTS,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -200,6 +209,79 @@ fn model_err(e: impl std::fmt::Display) -> mlx_array::Error {
     mlx_array::Error::InvalidArgument { op: "sft loss", msg: e.to_string() }
 }
 
+/// A batch as arrays: `inputs` `[B, W]`, `positions` `[N]` (flat indices into `B * W` of the
+/// loss positions) and `targets` `[N]`.
+struct BatchArrays {
+    inputs: Array,
+    positions: Array,
+    targets: Array,
+}
+
+impl BatchArrays {
+    fn of(batch: &Batch) -> mlx_array::Result<Self> {
+        let n = batch.positions.len();
+        Ok(BatchArrays { inputs: batch.inputs.clone(), positions: Array::from_slice(&batch.positions, &[n])?, targets: Array::from_slice(&batch.targets, &[n])? })
+    }
+}
+
+/// The batch loss as a function of the trainable parameters (for `value_and_grad`): the tree
+/// (its frozen parameters and structure), build options, head and settings it depends on.
+struct LossFn<'a> {
+    tree: &'a ParameterTree,
+    opts: &'a LoadOptions,
+    head: &'a Head,
+    label_smoothing: f32,
+    checkpointed: bool,
+}
+
+impl LossFn<'_> {
+    /// The mean loss over the batch's loss positions: through the chunked head's matrix applied
+    /// to the loss positions' hidden rows in one piece (one forward and one backward pass,
+    /// holding `[N, V]` logits: as much as one chunk; used when the `N` positions fit in one),
+    /// or through the model's own full logits.
+    fn loss(&self, params: &[Array], b: &BatchArrays) -> mlx_array::Result<Array> {
+        let tree = self.tree.with_trainable(params).map_err(model_err)?;
+        let model: Model = tree.build(self.opts).and_then(|m| m.into_lm()).map_err(model_err)?;
+        let rows = match self.head {
+            Head::Chunked { .. } => SftTrainer::head_logits(&tree, self.head, &hidden_rows(&model, b, self.checkpointed)?)?,
+            Head::Model => {
+                let mut cache = model.new_cache();
+                cache.set_gradient_checkpointing(self.checkpointed);
+                let out = model.forward(&b.inputs, &mut cache, Logits::All, false).map_err(model_err)?;
+                let l = out.logits.ok_or_else(|| model_err("the model returned no logits"))?;
+                l.reshape(&[b.inputs.size() as i32, -1])?.take(&b.positions, 0)?.astype(DType::F32)?
+            }
+        };
+        let (total, _) = loss_sum(self.label_smoothing, &rows, &b.targets)?;
+        total.mul_scalar(1.0 / b.positions.size() as f32)
+    }
+}
+
+/// Hidden rows `[N, H]` of the batch's loss positions (final-normed hidden states), the layers
+/// checkpointed when `checkpointed`.
+fn hidden_rows(model: &Model, b: &BatchArrays, checkpointed: bool) -> mlx_array::Result<Array> {
+    let mut cache = model.new_cache();
+    cache.set_gradient_checkpointing(checkpointed);
+    let out = model.forward(&b.inputs, &mut cache, Logits::None, true).map_err(model_err)?;
+    let h = out.hidden.ok_or_else(|| model_err("the model returned no hidden states"))?;
+    h.reshape(&[b.inputs.size() as i32, -1])?.take(&b.positions, 0)
+}
+
+/// Per-row loss terms of `logits` (`[n, V]` f32) for `targets` (`[n]`), with label smoothing
+/// `eps`: `(1 - ε) nll + ε (lse - mean)`, summed, with the row-wise `lse` (`[n, 1]`).
+fn loss_sum(eps: f32, logits: &Array, targets: &Array) -> mlx_array::Result<(Array, Array)> {
+    let t = targets.reshape(&[-1, 1])?.astype(DType::I32)?;
+    let lse = logits.logsumexp(&[-1], true)?;
+    let nll = lse.sub(&logits.take_along_axis(&t, -1)?)?;
+    let per = if eps > 0.0 {
+        let smooth = lse.sub(&logits.mean(&[-1], true)?)?;
+        nll.mul_scalar(1.0 - eps)?.add(&smooth.mul_scalar(eps)?)?
+    } else {
+        nll
+    };
+    Ok((per.sum(&[], false)?, lse))
+}
+
 impl SftTrainer {
     /// A trainer over `tree` (loaded with `opts`; models are built with a flat KV cache, which a
     /// gradient transform needs) and `examples`.
@@ -260,7 +342,7 @@ impl SftTrainer {
         let mut cache = model.new_cache();
         let out = model.forward(&tokens, &mut cache, Logits::All, true)?;
         let (Some(want), Some(h)) = (out.logits, out.hidden) else { return Ok(Head::Model) };
-        let got = self.head_logits(&head, &h.reshape(&[probe.len() as i32, -1])?)?;
+        let got = Self::head_logits(&self.tree, &head, &h.reshape(&[probe.len() as i32, -1])?)?;
         let want = want.reshape(&[probe.len() as i32, -1])?.astype(DType::F32)?;
         let scale = want.abs()?.max(&[], false)?.item::<f32>()?.max(1e-6);
         let err = got.sub(&want)?.abs()?.max(&[], false)?.item::<f32>()? / scale;
@@ -272,10 +354,10 @@ impl SftTrainer {
         matches!(self.head, Head::Chunked { .. })
     }
 
-    /// Logits of hidden rows `h` (`[N, H]`) through the chunked head.
-    fn head_logits(&self, head: &Head, h: &Array) -> mlx_array::Result<Array> {
+    /// Logits of hidden rows `h` (`[N, H]`) through the chunked head, with `tree`'s head weight.
+    fn head_logits(tree: &ParameterTree, head: &Head, h: &Array) -> mlx_array::Result<Array> {
         let Head::Chunked { weight, softcap } = head else { return Err(model_err("not a chunked head")) };
-        let w = self.tree.get(weight).ok_or_else(|| model_err(format!("no parameter {weight}")))?.array.astype(DType::F32)?;
+        let w = tree.get(weight).ok_or_else(|| model_err(format!("no parameter {weight}")))?.array.astype(DType::F32)?;
         let logits = h.astype(DType::F32)?.matmul(&w.transpose(&[1, 0])?)?;
         match softcap {
             Some(c) => logits.softcap(*c),
@@ -283,43 +365,9 @@ impl SftTrainer {
         }
     }
 
-    /// Hidden rows `[N, H]` of the batch's loss positions (final-normed hidden states).
-    fn hidden_rows(model: &Model, batch: &Batch) -> mlx_array::Result<Array> {
-        let mut cache = model.new_cache();
-        let out = model.forward(&batch.inputs, &mut cache, Logits::None, true).map_err(model_err)?;
-        let h = out.hidden.ok_or_else(|| model_err("the model returned no hidden states"))?;
-        let pos = Array::from_slice(&batch.positions, &[batch.positions.len()])?;
-        h.reshape(&[(batch.rows * batch.width) as i32, -1])?.take(&pos, 0)
-    }
-
-    /// Per-row loss terms of `logits` (`[n, V]` f32) for `targets`: `(1 - ε) nll + ε (lse - mean)`,
-    /// summed, with the row-wise `lse` (`[n, 1]`).
-    fn loss_sum(&self, logits: &Array, targets: &[u32]) -> mlx_array::Result<(Array, Array)> {
-        let eps = self.config.label_smoothing as f32;
-        let t = Array::from_slice(targets, &[targets.len(), 1])?.astype(DType::I32)?;
-        let lse = logits.logsumexp(&[-1], true)?;
-        let nll = lse.sub(&logits.take_along_axis(&t, -1)?)?;
-        let per = if eps > 0.0 {
-            let smooth = lse.sub(&logits.mean(&[-1], true)?)?;
-            nll.mul_scalar(1.0 - eps)?.add(&smooth.mul_scalar(eps)?)?
-        } else {
-            nll
-        };
-        Ok((per.sum(&[], false)?, lse))
-    }
-
-    /// The batch's loss through the model's own full logits, as a function of the trainable
-    /// parameters (for `value_and_grad`).
-    fn full_logits_loss(&self, params: &[Array], batch: &Batch) -> mlx_array::Result<Array> {
-        let model: Model = self.tree.with_trainable(params).and_then(|t| t.build(&self.opts)).and_then(|m| m.into_lm()).map_err(model_err)?;
-        let mut cache = model.new_cache();
-        let n = batch.positions.len();
-        let pos = Array::from_slice(&batch.positions, &[n])?;
-        let out = model.forward(&batch.inputs, &mut cache, Logits::All, false).map_err(model_err)?;
-        let l = out.logits.ok_or_else(|| model_err("the model returned no logits"))?;
-        let rows = l.reshape(&[(batch.rows * batch.width) as i32, -1])?.take(&pos, 0)?.astype(DType::F32)?;
-        let (total, _) = self.loss_sum(&rows, &batch.targets)?;
-        total.mul_scalar(1.0 / n as f32)
+    /// What the batch loss depends on besides the trainable parameters and the batch.
+    fn loss_fn(&self) -> LossFn<'_> {
+        LossFn { tree: &self.tree, opts: &self.opts, head: &self.head, label_smoothing: self.config.label_smoothing as f32, checkpointed: self.config.gradient_checkpointing }
     }
 
     /// Loss and gradients with the chunked head, never holding more than `head_chunk` rows of
@@ -330,8 +378,9 @@ impl SftTrainer {
     /// (the vector-Jacobian product through the body, one more forward pass); the head's
     /// `dL/dW` is added to its parameter's gradient when it is trained.
     fn chunked_gradients(&self, batch: &Batch, weight: &str, softcap: Option<f32>) -> Result<(f32, Vec<Array>)> {
+        let b = BatchArrays::of(batch)?;
         let model = self.tree.build(&self.opts)?.into_lm()?;
-        let h = Self::hidden_rows(&model, batch)?.astype(DType::F32)?;
+        let h = hidden_rows(&model, &b, false)?.astype(DType::F32)?;
         h.eval()?;
         let w = self.tree.get(weight).ok_or_else(|| TrainError::InvalidInput(format!("no parameter {weight}")))?.array.astype(DType::F32)?;
         let (n, vocab) = (batch.positions.len(), w.dim(0)?);
@@ -348,10 +397,10 @@ impl SftTrainer {
                 Some(c) => raw.softcap(c)?,
                 None => raw,
             };
-            let targets = &batch.targets[start..end];
-            let (sum, lse) = self.loss_sum(&z, targets)?;
+            let targets = b.targets.slice_axis(0, start, end)?;
+            let (sum, lse) = loss_sum(eps, &z, &targets)?;
             let p = z.sub(&lse)?.exp()?;
-            let t = Array::from_slice(targets, &[end - start, 1])?.astype(DType::I32)?;
+            let t = targets.reshape(&[-1, 1])?.astype(DType::I32)?;
             let onehot = classes.eq(&t)?.astype(DType::F32)?;
             let mut dz = p.sub(&onehot.mul_scalar(1.0 - eps)?)?;
             if eps > 0.0 {
@@ -379,7 +428,7 @@ impl SftTrainer {
         let (_, mut grads) = value_and_grad(
             |p| {
                 let m: Model = self.tree.with_trainable(p).and_then(|t| t.build(&self.opts)).and_then(|m| m.into_lm()).map_err(model_err)?;
-                Self::hidden_rows(&m, batch)?.astype(DType::F32)?.mul(&dh)?.sum(&[], false)
+                hidden_rows(&m, &b, self.config.gradient_checkpointing)?.astype(DType::F32)?.mul(&dh)?.sum(&[], false)
             },
             &params,
         )?;
@@ -399,10 +448,14 @@ impl SftTrainer {
 
     fn batch_gradients(&self, batch: &Batch) -> Result<(f32, Vec<Array>)> {
         if let Head::Chunked { weight, softcap } = &self.head {
-            return self.chunked_gradients(batch, weight, *softcap);
+            if batch.positions.len() > self.config.head_chunk {
+                return self.chunked_gradients(batch, weight, *softcap);
+            }
         }
+        let b = BatchArrays::of(batch)?;
         let params = self.tree.trainable_arrays();
-        let (loss, grads) = value_and_grad(|p| self.full_logits_loss(p, batch), &params)?;
+        let f = self.loss_fn();
+        let (loss, grads) = value_and_grad(|p| f.loss(p, &b), &params)?;
         let mut all: Vec<&Array> = grads.iter().collect();
         all.push(&loss);
         mlx_array::eval(&all)?;

@@ -22,15 +22,6 @@ fn chunked_head_gradients_equal_autodiff_through_full_logits() {
         let (l1, g1) = lean.loss_and_gradients(&batch).unwrap();
         let (l2, g2) = full.loss_and_gradients(&batch).unwrap();
         assert!(((l1 - l2) / l2).abs() < 1e-5, "{name}: loss {l1} vs {l2}");
-        let global: f64 = g2.iter().map(|g| f32s(g).iter().map(|x| (*x as f64).powi(2)).sum::<f64>()).sum::<f64>().sqrt();
-        for ((n, a), b) in lean.tree().trainable_names().iter().zip(&g1).zip(&g2) {
-            let (a, b) = (f32s(a), f32s(b));
-            let diff: f64 = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
-            let scale: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
-            // relative to the tensor's own norm, floored at 1e-3 of the global norm (a gradient
-            // a million times smaller than the largest is f32 rounding noise of both paths)
-            let e = diff / scale.max(1e-3 * global);
-            assert!(e < 1e-4, "{name}: gradient of {n}: relative difference {e:e} (norm {scale:e}, global {global:e})");
-        }
+        assert_grads_close(name, &lean.tree().trainable_names(), &g1, &g2, 1e-4);
     }
 }

@@ -3,24 +3,12 @@
 //! as 3 updates, then `--resume` in a new process for the remaining 3; bad flags fail cleanly.
 mod common;
 
-use common::model_fixture;
-use std::path::{Path, PathBuf};
+use common::{example_binary, model_fixture, run_example};
+use std::path::Path;
 use std::process::Command;
 
-/// The example binary (built by `cargo test`; built here when this test runs alone).
-fn sft_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().unwrap().parent().unwrap().join("examples").join("sft");
-    if !bin.is_file() {
-        let st = Command::new(env!("CARGO")).args(["build", "-p", "mlx-training", "--example", "sft"]).status().unwrap();
-        assert!(st.success(), "building the sft example");
-    }
-    bin
-}
-
 fn run(args: &[&str], dir: &Path) -> (bool, String, String) {
-    let out = Command::new(sft_binary()).args(args).current_dir(dir).output().unwrap();
-    (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    run_example("sft", args, dir)
 }
 
 #[test]
@@ -81,7 +69,7 @@ fn killed_during_saves_leaves_a_loadable_checkpoint() {
     let data = tmp.path().join("d.jsonl");
     std::fs::write(&data, (0..4u32).map(|i| format!("{{\"prompt_ids\": [{}, 5], \"completion_ids\": [{}, {}]}}\n", 3 + i, 40 + i, 7 * i)).collect::<String>()).unwrap();
     let model = model_fixture("qwen3");
-    let bin = sft_binary();
+    let bin = example_binary("sft");
     let mut resumed = 0;
     for (i, delay_ms) in [150u64, 300, 450, 600, 900].into_iter().enumerate() {
         let out = format!("run{i}");

@@ -6,25 +6,12 @@
 //! loadable checkpoint.
 mod common;
 
-use common::{example_binary, model_fixture};
-use std::path::{Path, PathBuf};
+use common::{example_binary, model_fixture, run_example};
+use std::path::Path;
 use std::process::Command;
 
-fn grpo_binary() -> PathBuf {
-    example_binary("grpo")
-}
-
 fn run(args: &[&str], dir: &Path) -> (bool, String, String) {
-    let out = Command::new(grpo_binary())
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
+    run_example("grpo", args, dir)
 }
 
 fn steps_of(stdout: &str) -> Vec<serde_json::Value> {
@@ -49,13 +36,7 @@ fn without_time(v: &[serde_json::Value]) -> Vec<serde_json::Value> {
 #[test]
 fn rollouts_prompts_store_and_replay() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut lines = Vec::new();
-    for g in 0..3u32 {
-        for k in 0..4u32 {
-            lines.push(format!("{{\"group\": {g}, \"prompt_ids\": [{}, 17, 99], \"completion_ids\": [{}, {}, 7], \"reward\": {}}}", 3 + g, 40 + k, 200 + g * 4 + k, (k as f64) * 0.5 - g as f64));
-        }
-    }
-    std::fs::write(tmp.path().join("r.jsonl"), lines.join("\n")).unwrap();
+    write_rollouts(tmp.path());
     let model = model_fixture("qwen3");
     let m = model.to_str().unwrap();
     let replay = [
@@ -134,26 +115,8 @@ fn rollouts_prompts_store_and_replay() {
         .starts_with(b"PK"));
 
     // the store's export replays through --rollouts with the same result
-    let (ok, stdout, stderr) = run(
-        &[
-            "--model",
-            m,
-            "--rollouts",
-            "b.jsonl",
-            "--steps",
-            "3",
-            "--lr",
-            "1e-3",
-            "--beta",
-            "0.04",
-            "--loss",
-            "grpo",
-            "--json",
-            "--out",
-            "c",
-        ],
-        tmp.path(),
-    );
+    let from_export: Vec<&str> = replay.iter().map(|a| if *a == "r.jsonl" { "b.jsonl" } else { a }).chain(["--out", "c"]).collect();
+    let (ok, stdout, stderr) = run(&from_export, tmp.path());
     assert!(ok, "{stderr}");
     assert_eq!(
         without_time(&steps_of(&stdout)),
@@ -225,61 +188,19 @@ fn bad_flags_fail_cleanly() {
     .unwrap();
     let model = model_fixture("qwen3");
     let m = model.to_str().unwrap();
+    // each case: the flags after `--model M` and before `--out o`
     let cases: [&[&str]; 7] = [
-        &["--model", m, "--prompts", "p.jsonl", "--out", "o"],
-        &[
-            "--model",
-            m,
-            "--prompts",
-            "p.jsonl",
-            "--rollouts",
-            "r.jsonl",
-            "--reward",
-            "length",
-            "--out",
-            "o",
-        ],
-        &["--model", m, "--out", "o"],
-        &["--model", m, "--rollouts", "r.jsonl", "--out", "o"],
-        &[
-            "--model",
-            m,
-            "--rollouts",
-            "r.jsonl",
-            "--group-size",
-            "1",
-            "--temperature",
-            "0.5",
-            "--out",
-            "o",
-        ],
-        &[
-            "--model",
-            m,
-            "--prompts",
-            "p.jsonl",
-            "--reward",
-            "length",
-            "--xml-tags",
-            "a",
-            "--out",
-            "o",
-        ],
-        &[
-            "--model",
-            m,
-            "--prompts",
-            "p.jsonl",
-            "--reward",
-            "length",
-            "--loss",
-            "ppo",
-            "--out",
-            "o",
-        ],
+        &["--prompts", "p.jsonl"],
+        &["--prompts", "p.jsonl", "--rollouts", "r.jsonl", "--reward", "length"],
+        &[],
+        &["--rollouts", "r.jsonl"],
+        &["--rollouts", "r.jsonl", "--group-size", "1", "--temperature", "0.5"],
+        &["--prompts", "p.jsonl", "--reward", "length", "--xml-tags", "a"],
+        &["--prompts", "p.jsonl", "--reward", "length", "--loss", "ppo"],
     ];
-    for args in cases {
-        let (ok, stdout, stderr) = run(args, tmp.path());
+    for flags in cases {
+        let args = [&["--model", m][..], flags, &["--out", "o"]].concat();
+        let (ok, stdout, stderr) = run(&args, tmp.path());
         assert!(!ok, "{args:?} should fail");
         assert!(
             stdout.is_empty() && !stderr.is_empty() && !stderr.contains("panicked"),
@@ -473,7 +394,7 @@ fn killed_during_saves_leaves_a_loadable_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     write_rollouts(tmp.path());
     let model = model_fixture("qwen3");
-    let bin = grpo_binary();
+    let bin = example_binary("grpo");
     let mut resumed = 0;
     for (i, delay_ms) in [200u64, 400, 600, 900, 1300].into_iter().enumerate() {
         let out = format!("run{i}");
@@ -529,4 +450,45 @@ fn killed_during_saves_leaves_a_loadable_checkpoint() {
         }
     }
     assert!(resumed > 0, "at least one run got to a save");
+}
+
+/// LoRA from the command line (`--lora-rank`, as the `sft` example takes it): 3 steps on
+/// recorded rollouts write adapters.safetensors and adapter_config.json and no model; 1 step
+/// then `--resume` (base model from adapter_config.json) for 2 more writes the same adapter
+/// and optimizer files, byte for byte, and reports the same steps; LoRA dropout (which GRPO
+/// does not apply) and LoRA flags without `--lora-rank` fail cleanly.
+#[test]
+fn lora_run_and_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    write_rollouts(t);
+    let model = model_fixture("qwen3");
+    let m = model.to_str().unwrap();
+    let flags: &[&str] = &["--rollouts", "r.jsonl", "--lr", "1e-2", "--loss", "grpo", "--json", "--lora-rank", "4", "--lora-layers", "-1", "--lora-targets", "self_attn.q_proj,mlp.down_proj"];
+    let go = |extra: &[&str]| {
+        let (ok, stdout, stderr) = run(&[flags, extra].concat(), t);
+        assert!(ok, "{extra:?}: {stderr}");
+        steps_of(&stdout)
+    };
+    let all = go(&["--model", m, "--out", "whole", "--steps", "3"]);
+    assert_eq!(all.len(), 3);
+    let whole = t.join("whole");
+    assert!(whole.join("adapters.safetensors").is_file() && whole.join("adapter_config.json").is_file());
+    assert!(!whole.join("model.safetensors").exists(), "adapters only");
+    let adapters = mlx_array::io::load_safetensors(whole.join("adapters.safetensors"), None).unwrap();
+    assert_eq!(adapters.len(), 12, "lora_a and lora_b of q_proj and down_proj in 3 layers");
+    go(&["--model", m, "--out", "half", "--steps", "1"]);
+    let resume: Vec<&str> = ["--rollouts", "r.jsonl", "--lr", "1e-2", "--loss", "grpo", "--json", "--resume", "half", "--out", "resumed", "--steps", "3"].to_vec();
+    let (ok, stdout, stderr) = run(&resume, t);
+    assert!(ok, "{stderr}");
+    assert_eq!(without_time(&steps_of(&stdout)), without_time(&all[1..]));
+    bytes_equal(t, "whole", "resumed", &["adapters.safetensors", "optimizer.safetensors"]);
+    for bad in [
+        vec!["--model", m, "--rollouts", "r.jsonl", "--out", "x", "--lora-rank", "4", "--lora-dropout", "0.1"],
+        vec!["--model", m, "--rollouts", "r.jsonl", "--out", "x", "--lora-layers", "2"],
+        vec!["--resume", "half", "--rollouts", "r.jsonl", "--out", "x", "--lora-rank", "4"],
+    ] {
+        let (ok, stdout, stderr) = run(&bad, t);
+        assert!(!ok && stdout.is_empty() && !stderr.is_empty(), "{bad:?} must fail with a message");
+    }
 }

@@ -14,16 +14,7 @@ fn batch(nan: bool) -> GrpoBatch {
         (vec![3, 17, 99], vec![5, 6, 7, 8]),
         (vec![3, 17, 99], vec![11]),
     ];
-    let mut b = GrpoBatch::single_reward(rows, &[0.5, 1.0, 0.0, 0.25]).unwrap();
-    if nan {
-        b.old_logprobs = Some(
-            b.completions
-                .iter()
-                .map(|c| vec![f32::NAN; c.completion_ids.len()])
-                .collect(),
-        );
-    }
-    b
+    nan_old_logprobs(GrpoBatch::single_reward(rows, &[0.5, 1.0, 0.0, 0.25]).unwrap(), nan)
 }
 
 #[test]

@@ -20,16 +20,7 @@ fn batch(k: u64, nan: bool) -> GrpoBatch {
         (p.clone(), vec![250 + k as u32, 8, 61]),
         (p.clone(), vec![300, 301 + 2 * k as u32]),
     ];
-    let mut b = GrpoBatch::single_reward(rows, &[0.3 * k as f64, 1.0]).unwrap();
-    if nan {
-        b.old_logprobs = Some(
-            b.completions
-                .iter()
-                .map(|c| vec![f32::NAN; c.completion_ids.len()])
-                .collect(),
-        );
-    }
-    b
+    nan_old_logprobs(GrpoBatch::single_reward(rows, &[0.3 * k as f64, 1.0]).unwrap(), nan)
 }
 
 fn config(optimizer: OptimizerConfig, beta: f64) -> GrpoConfig {

@@ -384,36 +384,14 @@ fn invalid_inputs_are_errors() {
     b.old_logprobs = Some(vec![vec![0.0]; 4]);
     assert!(t.loss_and_gradients(&b).is_err());
     assert!(GrpoBatch::single_reward(vec![c(vec![1], vec![2])], &[0.0, 1.0]).is_err());
-    assert!(GrpoTrainer::new(
-        qwen3_tree(),
-        None,
-        &f32_options(),
-        GrpoConfig {
-            group_size: 1,
-            ..Default::default()
-        }
-    )
-    .is_err());
-    assert!(GrpoTrainer::new(
-        qwen3_tree(),
-        None,
-        &f32_options(),
-        GrpoConfig {
-            epsilon: 1.5,
-            ..Default::default()
-        }
-    )
-    .is_err());
-    assert!(GrpoTrainer::new(
-        qwen3_tree(),
-        None,
-        &f32_options(),
-        GrpoConfig {
-            beta: -1.0,
-            ..Default::default()
-        }
-    )
-    .is_err());
+    let d = GrpoConfig::default();
+    for (what, bad) in [
+        ("group_size 1", GrpoConfig { group_size: 1, ..d.clone() }),
+        ("epsilon 1.5", GrpoConfig { epsilon: 1.5, ..d.clone() }),
+        ("beta -1", GrpoConfig { beta: -1.0, ..d.clone() }),
+    ] {
+        assert!(GrpoTrainer::new(qwen3_tree(), None, &f32_options(), bad).is_err(), "{what}");
+    }
     // the batch is scored by one function but a completion carries two rewards
     let mut b = GrpoBatch::single_reward(vec![c(vec![1], vec![2]); 4], &[0.0; 4]).unwrap();
     b.completions[0] = Completion {

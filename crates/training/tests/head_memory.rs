@@ -5,18 +5,13 @@
 mod common;
 
 use common::*;
-use mlx_array::DType;
 use mlx_models::ParameterTree;
 use mlx_training::{Example, SftConfig, SftTrainer};
 
 #[test]
 fn chunked_head_peak_memory_is_below_full_logits() {
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model_fixture("qwen3").join("config.json")).unwrap()).unwrap();
     let vocab = 32768usize;
-    cfg["vocab_size"] = vocab.into();
-    cfg["num_hidden_layers"] = 1.into();
-    let dir = tempfile::tempdir().unwrap();
-    mlx_models::create_random_checkpoint(&cfg, dir.path(), DType::F32, 1).unwrap();
+    let dir = random_variant("qwen3", &[("vocab_size", vocab.into()), ("num_hidden_layers", 1.into())]);
     let tree = ParameterTree::load(dir.path(), &f32_options()).unwrap();
     let examples: Vec<Example> = (0..4u32).map(|r| Example::prompt_completion(&[1 + r], &(0..255u32).map(|i| (i * 131 + r * 7) % vocab as u32).collect::<Vec<_>>())).collect();
     let batch: Vec<&Example> = examples.iter().collect();
@@ -24,12 +19,9 @@ fn chunked_head_peak_memory_is_below_full_logits() {
     let peak_of = |chunked: bool| {
         let t = SftTrainer::new(tree.clone(), &f32_options(), examples.clone(), SftConfig { head_chunk: 128, chunked_head: chunked, ..Default::default() }).unwrap();
         assert_eq!(t.uses_chunked_head(), chunked);
-        mlx_array::memory::clear_cache().unwrap();
-        mlx_array::memory::reset_peak().unwrap();
-        let base = mlx_array::memory::active().unwrap();
-        let (loss, grads) = t.loss_and_gradients(&batch).unwrap();
+        let ((loss, grads), peak) = peak_during(|| t.loss_and_gradients(&batch).unwrap());
         drop(grads);
-        (loss, mlx_array::memory::peak().unwrap() - base)
+        (loss, peak)
     };
     let (l_full, full) = peak_of(false);
     let (l_lean, lean) = peak_of(true);

@@ -80,3 +80,34 @@ fn schedules() {
     assert!(Schedule { kind: ScheduleKind::Cosine { min_lr: 2.0 }, ..cos }.validate().is_err());
     assert!(Schedule { lr: -1.0, ..Default::default() }.validate().is_err());
 }
+
+/// The rate of every update against transformers' schedules (`get_constant_schedule_with_warmup`,
+/// `get_cosine_schedule_with_warmup`, `get_cosine_with_min_lr_schedule_with_warmup`, as its
+/// Trainer applies them: update 0 at the scheduler's first value, 0 during a warm-up), from
+/// scripts/make_schedule_reference.py, within 1e-12 relative.
+#[test]
+fn schedules_match_transformers() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/schedule_reference.json");
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases = doc["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 5);
+    for c in cases {
+        let (lr, total) = (c["lr"].as_f64().unwrap(), c["total_steps"].as_u64().unwrap());
+        let kind = match c["min_lr"].as_f64() {
+            Some(min_lr) => ScheduleKind::Cosine { min_lr },
+            None => ScheduleKind::Constant,
+        };
+        let s = Schedule { lr, warmup_steps: c["warmup_steps"].as_u64().unwrap(), kind, total_steps: total };
+        s.validate().unwrap();
+        let want = vecf64(&c["rates"]);
+        assert_eq!(want.len() as u64, total);
+        for (step, w) in want.iter().enumerate() {
+            let got = s.lr_at(step as u64);
+            assert!((got - w).abs() <= 1e-12 * lr, "{}: update {step}: {got} vs transformers {w}", c["name"]);
+        }
+    }
+}
+
+fn vecf64(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}

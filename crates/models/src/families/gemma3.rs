@@ -168,6 +168,7 @@ impl Gemma3Config {
     }
 }
 
+#[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
     attn: Attention,
@@ -177,6 +178,8 @@ struct Block {
     post_ffn_norm: RmsNorm,
     sliding: bool,
 }
+
+crate::layers::layer_arrays!(Block { input_norm, attn, post_attn_norm, pre_ffn_norm, mlp, post_ffn_norm });
 
 impl Block {
     /// `rope`: the rope of this layer's type.
@@ -214,6 +217,9 @@ impl DecoderLayer for Block {
     }
     fn ffn(&self, h: &Array) -> Result<Array> {
         self.post_ffn_norm.forward(&self.mlp.forward(&self.pre_ffn_norm.forward(h)?)?)
+    }
+    fn checkpointed(&self, x: &Array, masks: &Masks) -> Option<Result<Array>> {
+        Some(crate::layers::decoder::checkpoint_block(self, x, masks))
     }
 }
 

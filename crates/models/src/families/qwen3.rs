@@ -42,12 +42,15 @@ impl Qwen3Config {
     }
 }
 
+#[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
     attn: Attention,
     post_norm: RmsNorm,
     mlp: GatedMlp,
 }
+
+crate::layers::layer_arrays!(Block { input_norm, attn, post_norm, mlp });
 
 impl DecoderLayer for Block {
     type Ctx = AttentionMask<'static>;
@@ -57,6 +60,9 @@ impl DecoderLayer for Block {
     }
     fn ffn(&self, h: &Array) -> Result<Array> {
         self.mlp.forward(&self.post_norm.forward(h)?)
+    }
+    fn checkpointed(&self, x: &Array, mask: &Self::Ctx) -> Option<Result<Array>> {
+        Some(crate::layers::decoder::checkpoint_block(self, x, mask))
     }
 }
 

@@ -298,3 +298,5 @@ mod tests {
         assert!(whole == pieces, "pieces differ from one call");
     }
 }
+
+super::layer_arrays!(Attention { qkv, o, q_norm, k_norm });

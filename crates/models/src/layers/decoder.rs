@@ -1,8 +1,8 @@
 //! The decoder skeleton every causal LM family runs: checks, cache begin/finish, prefix skipping,
 //! which rows are computed past the last mixer, and the output head. A family supplies its
 //! embedding, its blocks ([`DecoderLayer`]) and its [`LmHead`].
-use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
-use crate::layers::{Attention, Embedding, GatedMlp, Linear, RmsNorm, RopeAt};
+use crate::cache::{Cache, CacheSpec, ForwardKv, KvCache, LayerCache, LayerKind};
+use crate::layers::{Attention, Embedding, GatedMlp, LayerArrays, Linear, RmsNorm, RopeAt};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, Rows};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
@@ -27,6 +27,59 @@ pub(crate) trait DecoderLayer {
 
     /// The channel mixer's output for `h`, to be added to `h`.
     fn ffn(&self, h: &Array) -> Result<Array>;
+
+    /// Gradient checkpointing ([`Cache::set_gradient_checkpointing`]): the layer's output for
+    /// `x` (`x` plus the mixer's output, plus the channel mixer's) over no cache, computed under
+    /// [`mlx_array::grad::checkpoint`] ([`checkpoint_layer`]); `None` when the layer does not
+    /// support it.
+    fn checkpointed(&self, _x: &Array, _ctx: &Self::Ctx) -> Option<Result<Array>> {
+        None
+    }
+}
+
+/// `run(layer, x, ctx)` under [`mlx_array::grad::checkpoint`], with `x` and every array of
+/// `layer` ([`LayerArrays`]) as the checkpoint's inputs: a gradient transform keeps only those
+/// and runs `run` again, over a copy of the layer holding the arrays it is handed, to rebuild
+/// the layer's activations in the backward pass.
+pub(crate) fn checkpoint_layer<L, C>(layer: &L, x: &Array, ctx: &C, run: fn(&L, &Array, &C) -> Result<Array>) -> Result<Array>
+where
+    L: LayerArrays + Clone + 'static,
+    C: Clone + 'static,
+{
+    let mut inputs = vec![x.clone()];
+    let mut base = layer.clone();
+    base.visit_arrays(&mut |a| inputs.push(a.clone()));
+    let ctx = ctx.clone();
+    let f = move |ins: &[Array]| -> mlx_array::Result<Vec<Array>> {
+        let mut copy = base.clone();
+        let mut given = ins.iter().skip(1);
+        let mut missing = false;
+        copy.visit_arrays(&mut |a| match given.next() {
+            Some(g) => *a = g.clone(),
+            None => missing = true,
+        });
+        if missing || given.next().is_some() || ins.is_empty() {
+            return Err(mlx_array::Error::InvalidArgument { op: "checkpoint_layer", msg: format!("{} inputs do not match the layer's arrays", ins.len()) });
+        }
+        let out = run(&copy, &ins[0], &ctx).map_err(|e| mlx_array::Error::InvalidArgument { op: "checkpoint_layer", msg: e.to_string() })?;
+        Ok(vec![out])
+    };
+    let mut out = mlx_array::grad::checkpoint(f, &inputs)?;
+    out.pop().ok_or_else(|| ModelError::InvalidInput("the checkpointed layer returned no output".into()))
+}
+
+/// [`DecoderLayer::checkpointed`] of an attention block: [`checkpoint_layer`] over its mixer
+/// (attending over a scratch K/V cache from position 0) and channel mixer, with the residuals.
+pub(crate) fn checkpoint_block<L>(layer: &L, x: &Array, ctx: &L::Ctx) -> Result<Array>
+where
+    L: DecoderLayer + LayerArrays + Clone + 'static,
+    L::Ctx: Clone + 'static,
+{
+    checkpoint_layer(layer, x, ctx, |l, x, ctx| {
+        let mut scratch = vec![LayerCache::Kv(KvCache::new(None))];
+        let h = x.add(&l.mixer(x, &mut ForwardKv::scratch(&mut scratch), 0, ctx, false)?)?;
+        Ok(h.add(&l.ffn(&h)?)?)
+    })
 }
 
 /// A token mixer that carries state from call to call in its layer's recurrent cache slots (a
@@ -232,6 +285,12 @@ impl<L: DecoderLayer> Stack<'_, L> {
         check_tokens(tokens)?;
         check_cache_layers(cache, self.layers.len())?;
         crate::runtime::check_taps(taps, self.layers.len())?;
+        if cache.gradient_checkpointing() {
+            if !taps.is_empty() {
+                return Err(ModelError::UnsupportedOption("gradient checkpointing: residual-stream taps".into()));
+            }
+            return Ok((self.forward_checkpointed(tokens, cache, rows, embed, ctx)?, 0, Vec::new()));
+        }
         let mut tapped = Vec::with_capacity(taps.len());
         let (mut kv, skipped) = cache.begin_forward_with(tokens, self.prefix_skip && rows != Rows::All && taps.is_empty())?;
         let l = tokens.dims()[1] as usize;
@@ -255,6 +314,30 @@ impl<L: DecoderLayer> Stack<'_, L> {
         }
         kv.finish()?;
         Ok((self.norm.forward(&x)?, skipped, tapped))
+    }
+
+    /// A training forward pass with every layer checkpointed
+    /// ([`Cache::set_gradient_checkpointing`]): from position 0, every position, no K/V stored.
+    fn forward_checkpointed(&self, tokens: &Array, cache: &Cache, rows: Rows, embed: impl FnOnce(&Array) -> Result<Array>, ctx: impl FnOnce(usize) -> L::Ctx) -> Result<Array> {
+        let unsupported = |why: &str| Err(ModelError::UnsupportedOption(format!("gradient checkpointing: {why}")));
+        if cache.is_paged() || cache.batch.is_some() {
+            return unsupported("it needs a flat, non-batch cache");
+        }
+        if cache.offset() != 0 {
+            return unsupported("a pass starts at position 0");
+        }
+        if rows != Rows::All {
+            return unsupported("a pass computes every position (all logits, or the hidden states)");
+        }
+        let mut x = embed(tokens)?;
+        let ctx = ctx(tokens.dims()[1] as usize);
+        for layer in self.layers {
+            x = match layer.checkpointed(&x, &ctx) {
+                Some(r) => r?,
+                None => return unsupported("this model's layers do not support it"),
+            };
+        }
+        self.norm.forward(&x)
     }
 }
 

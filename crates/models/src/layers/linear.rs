@@ -551,3 +551,27 @@ mod tests {
         assert!(Linear::load(&w.root().pp("model.layers.0.mlp.down_proj"), 128, 64, false).is_err());
     }
 }
+
+impl super::LayerArrays for Linear {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
+        if let LinearWeight::Dense(w) = &mut self.w {
+            f(w);
+        }
+        if let Some(b) = &mut self.bias {
+            f(b);
+        }
+        if let Some(l) = &mut self.lora {
+            f(&mut l.a);
+            f(&mut l.b);
+        }
+    }
+}
+
+impl super::LayerArrays for FusedLinear {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
+        match self {
+            FusedLinear::Fused { lin, .. } => super::LayerArrays::visit_arrays(lin, f),
+            FusedLinear::Separate(parts) => parts.iter_mut().for_each(|p| super::LayerArrays::visit_arrays(p, f)),
+        }
+    }
+}

@@ -68,3 +68,5 @@ impl GatedMlp {
         self.down.forward(&self.act.gated(&gu[0], &gu[1])?)
     }
 }
+
+super::layer_arrays!(GatedMlp { gate_up, down });

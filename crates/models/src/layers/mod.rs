@@ -20,3 +20,32 @@ pub use rope::{rotate_half_by, DynamicNtk, Rope, RopeAt, RopeScaling};
 pub(crate) fn runs_on_cpu() -> bool {
     !matches!(mlx_array::default_device(), Ok(mlx_array::Device::Gpu))
 }
+
+/// Every array a layer computes with, visited in a fixed order. Gradient checkpointing passes
+/// them to [`mlx_array::grad::checkpoint`] as explicit inputs and runs a copy of the layer whose
+/// arrays are replaced, in the same order, by the ones the checkpoint hands back
+/// ([`decoder::checkpoint_layer`]). Packed quantized weights (never trained) are left out: they
+/// stay constants of the checkpointed function.
+pub(crate) trait LayerArrays {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut mlx_array::Array));
+}
+
+impl<T: LayerArrays> LayerArrays for Option<T> {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut mlx_array::Array)) {
+        if let Some(t) = self {
+            t.visit_arrays(f);
+        }
+    }
+}
+
+/// [`LayerArrays`] for a struct whose arrays all sit in the named fields, visited in that order.
+macro_rules! layer_arrays {
+    ($t:ty { $($field:ident),+ }) => {
+        impl $crate::layers::LayerArrays for $t {
+            fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut mlx_array::Array)) {
+                $($crate::layers::LayerArrays::visit_arrays(&mut self.$field, f);)+
+            }
+        }
+    };
+}
+pub(crate) use layer_arrays;

@@ -31,3 +31,11 @@ impl RmsNorm {
         Ok(x.rms_norm(self.weight.as_ref(), self.eps)?)
     }
 }
+
+impl super::LayerArrays for RmsNorm {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
+        if let Some(w) = &mut self.weight {
+            f(w);
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! Gradient checkpointing lowers the peak memory of a gradient computation: on an 8-layer
+//! random Qwen3 (hidden 64, 4 heads) with 2 sequences of 768 tokens, MLX's peak during one
+//! `loss_and_gradients` with every layer checkpointed stays below half of the plain pass's
+//! (the plain pass keeps every layer's attention probabilities and MLP activations for the
+//! backward pass; the checkpointed one keeps the layers' inputs and rebuilds one layer at a
+//! time), with the same loss.
+mod common;
+
+use common::*;
+use mlx_models::ParameterTree;
+use mlx_training::{Example, SftConfig, SftTrainer};
+
+#[test]
+fn checkpointing_lowers_peak_memory() {
+    let dir = random_variant(
+        "qwen3",
+        &[
+            ("num_hidden_layers", 8.into()),
+            ("max_position_embeddings", 1024.into()),
+        ],
+    );
+    let tree = ParameterTree::load(dir.path(), &f32_options()).unwrap();
+    let examples: Vec<Example> = (0..2u32)
+        .map(|r| {
+            Example::prompt_completion(
+                &[1 + r],
+                &(0..767u32)
+                    .map(|i| (i * 131 + r * 7) % 512)
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .collect();
+    let batch: Vec<&Example> = examples.iter().collect();
+    let peak_of = |gc: bool| {
+        let cfg = SftConfig {
+            gradient_checkpointing: gc,
+            head_chunk: 2048,
+            ..Default::default()
+        };
+        let t = SftTrainer::new(tree.clone(), &f32_options(), examples.clone(), cfg).unwrap();
+        let ((loss, grads), peak) = peak_during(|| t.loss_and_gradients(&batch).unwrap());
+        drop(grads);
+        (loss, peak)
+    };
+    let (l_plain, plain) = peak_of(false);
+    let (l_gc, gc) = peak_of(true);
+    eprintln!(
+        "peak above baseline: plain {:.1} MB, checkpointed {:.1} MB",
+        plain as f64 / 1e6,
+        gc as f64 / 1e6
+    );
+    assert!(
+        ((l_plain - l_gc) / l_plain).abs() < 1e-6,
+        "same loss: {l_plain} vs {l_gc}"
+    );
+    assert!(
+        gc * 2 < plain,
+        "checkpointed peak {gc} bytes vs plain {plain}"
+    );
+}
