@@ -77,33 +77,24 @@ fn check_family(name: &str, kv: EngineKv) {
 const DENSE: [&str; 5] = ["qwen3", "llama", "qwen2", "gemma3_text", "gemma4_text"];
 const HYBRID: [&str; 5] = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "gemma4_text_moe"];
 
+/// Every family of `names` on flat batch caches, then on the paged pool (every sequence its own
+/// blocks, steps over several of them).
+fn check_families(names: [&str; 5]) {
+    for kv in [EngineKv::Flat, EngineKv::Paged] {
+        for name in names {
+            check_family(name, kv);
+        }
+    }
+}
+
 #[test]
 fn engine_equals_alone_dense() {
-    for name in DENSE {
-        check_family(name, EngineKv::Flat);
-    }
+    check_families(DENSE);
 }
 
 #[test]
 fn engine_equals_alone_hybrid() {
-    for name in HYBRID {
-        check_family(name, EngineKv::Flat);
-    }
-}
-
-/// The same on the paged pool: every sequence its own blocks, steps over several of them.
-#[test]
-fn paged_engine_equals_alone_dense() {
-    for name in DENSE {
-        check_family(name, EngineKv::Paged);
-    }
-}
-
-#[test]
-fn paged_engine_equals_alone_hybrid() {
-    for name in HYBRID {
-        check_family(name, EngineKv::Paged);
-    }
+    check_families(HYBRID);
 }
 
 /// Cancelling a request (or dropping its receiver) ends it with `Cancelled` at its next token;

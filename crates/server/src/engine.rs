@@ -350,7 +350,12 @@ pub struct BatchEngine {
 impl BatchEngine {
     /// Start the loop: at most `max_batch` sequences per forward pass, `max_queue` waiting, K/V
     /// where `kv` says.
-    pub fn start(model: Model, max_batch: usize, max_queue: usize, kv: mlx_models::EngineKv) -> mlx_models::Result<Self> {
+    pub fn start(
+        model: Model,
+        max_batch: usize,
+        max_queue: usize,
+        kv: mlx_models::EngineKv,
+    ) -> mlx_models::Result<Self> {
         let cfg = mlx_models::EngineConfig {
             max_batch,
             kv,

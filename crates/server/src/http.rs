@@ -337,6 +337,25 @@ struct StreamEnd {
     include_usage: bool,
 }
 
+impl StreamEnd {
+    fn new(
+        id: &str,
+        object: &'static str,
+        created: i64,
+        model: &str,
+        opts: Option<StreamOptions>,
+    ) -> Self {
+        let include_usage = opts.is_some_and(|o| o.include_usage);
+        StreamEnd {
+            id: id.to_string(),
+            object,
+            created,
+            model: model.to_string(),
+            include_usage,
+        }
+    }
+}
+
 /// Server-sent events of a generation: `first` at once, then `chunk(o)` for each output `o` of
 /// `rx` (`None`: nothing to send for it, e.g. a log-prob held for the next chunk); `Done`'s chunk
 /// is followed by [`StreamEnd`]'s; an `Error` ends the stream with an OpenAI error body.
@@ -356,7 +375,10 @@ fn stream_chunks(
         while let Some(o) = rx.recv().await {
             let msg = match &o {
                 Out::Error(e) => {
-                    let _ = tx.send(format!("data: {}\n\n", ApiError::internal(e.clone()).body()));
+                    let _ = tx.send(format!(
+                        "data: {}\n\n",
+                        ApiError::internal(e.clone()).body()
+                    ));
                     return;
                 }
                 Out::Done(f) => {
@@ -530,7 +552,9 @@ pub fn convert_messages(raw: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
 /// kept as a string when it is not JSON) or as an object; `{}` when absent.
 pub fn tool_call_from(id: Option<&str>, name: &str, arguments: Option<&Value>) -> ToolCall {
     let arguments = match arguments {
-        Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+        Some(Value::String(s)) => {
+            serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+        }
         Some(v) => v.clone(),
         None => json!({}),
     };
@@ -690,13 +714,13 @@ async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Respo
         }))
         .into_response());
     }
-    let end = StreamEnd {
-        id: id.clone(),
-        object: "chat.completion.chunk",
+    let end = StreamEnd::new(
+        &id,
+        "chat.completion.chunk",
         created,
-        model: model.clone(),
-        include_usage: r.stream_options.is_some_and(|o| o.include_usage),
-    };
+        &model,
+        r.stream_options,
+    );
     let logprobs = r.logprobs;
     let chunk = move |delta: Value, finish: Value, lps: Value| {
         let c = json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -866,13 +890,7 @@ async fn completions(State(st): State<Shared>, body: Bytes) -> Result<Response, 
         }))
         .into_response());
     }
-    let end = StreamEnd {
-        id: id.clone(),
-        object: "text_completion",
-        created,
-        model: model.clone(),
-        include_usage: r.stream_options.is_some_and(|o| o.include_usage),
-    };
+    let end = StreamEnd::new(&id, "text_completion", created, &model, r.stream_options);
     let chunk = move |text: &str, finish: Value, lps: Value| {
         let c = json!({ "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{ "index": 0, "text": text, "logprobs": lps, "finish_reason": finish }] });

@@ -118,8 +118,13 @@ pub fn load(opts: &ServeOptions) -> Result<Shared, ServerError> {
             let info = model.info().clone();
             let engine: Arc<dyn engine::Engine> = match opts.engine {
                 EngineKind::Batch => Arc::new(
-                    engine::BatchEngine::start(model, opts.max_batch, opts.max_queue, opts.engine_kv)
-                        .map_err(lerr)?,
+                    engine::BatchEngine::start(
+                        model,
+                        opts.max_batch,
+                        opts.max_queue,
+                        opts.engine_kv,
+                    )
+                    .map_err(lerr)?,
                 ),
                 EngineKind::Sequential => Arc::new(SequentialEngine::start(
                     model,

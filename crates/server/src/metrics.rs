@@ -222,9 +222,11 @@ impl Metrics {
             "mlx_serve_time_to_first_token_seconds_count {}",
             m.ttft_count
         );
-        if let (Some(used), Some(cached), Some(total)) =
-            (g.engine.kv_blocks_used, g.engine.kv_blocks_cached, g.engine.kv_blocks_total)
-        {
+        if let (Some(used), Some(cached), Some(total)) = (
+            g.engine.kv_blocks_used,
+            g.engine.kv_blocks_cached,
+            g.engine.kv_blocks_total,
+        ) {
             head(
                 &mut o,
                 "mlx_serve_kv_blocks_used",

@@ -224,13 +224,37 @@ fn errors_are_openai_shaped() {
     let cases: Vec<(String, Option<&str>, Option<&str>)> = vec![
         ("{\"model\": \"qwen3\", ".into(), None, Some("invalid_json")),
         ("[1, 2]".into(), None, Some("invalid_json")),
-        (format!(r#"{{{hi},"max_tokens":"ten"}}"#), Some("max_tokens"), None),
-        (format!(r#"{{{hi},"temperature":[1]}}"#), Some("temperature"), None),
-        (format!(r#"{{{hi},"frobnicate":1}}"#), Some("frobnicate"), None),
-        (r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#.into(), Some("model"), Some("model_not_found")),
-        (r#"{"model":"qwen3","messages":[{"role":"wizard","content":"hi"}]}"#.into(), Some("messages[0].role"), None),
+        (
+            format!(r#"{{{hi},"max_tokens":"ten"}}"#),
+            Some("max_tokens"),
+            None,
+        ),
+        (
+            format!(r#"{{{hi},"temperature":[1]}}"#),
+            Some("temperature"),
+            None,
+        ),
+        (
+            format!(r#"{{{hi},"frobnicate":1}}"#),
+            Some("frobnicate"),
+            None,
+        ),
+        (
+            r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#.into(),
+            Some("model"),
+            Some("model_not_found"),
+        ),
+        (
+            r#"{"model":"qwen3","messages":[{"role":"wizard","content":"hi"}]}"#.into(),
+            Some("messages[0].role"),
+            None,
+        ),
         (format!(r#"{{{hi},"n":2}}"#), Some("n"), None),
-        (format!(r#"{{{hi},"max_tokens":100000}}"#), None, Some("context_length_exceeded")),
+        (
+            format!(r#"{{{hi},"max_tokens":100000}}"#),
+            None,
+            Some("context_length_exceeded"),
+        ),
         (long, None, Some("context_length_exceeded")),
     ];
     for (body, param, code) in cases {
@@ -351,7 +375,10 @@ fn concurrent_streams_equal_lone(kv: &str) -> (Server, tempfile::TempDir) {
     }
     // The concurrent requests shared forward passes.
     let rows = s.metric("mlx_serve_max_sequences_per_step");
-    assert!(rows > 1.0, "{kv}: most sequences in one forward pass: {rows}");
+    assert!(
+        rows > 1.0,
+        "{kv}: most sequences in one forward pass: {rows}"
+    );
     (s, d)
 }
 
@@ -366,10 +393,25 @@ fn concurrent_streams_equal_lone_requests() {
 fn paged_engine_streams_equal_lone_requests_and_reuse_prefixes() {
     let (s, _d) = concurrent_streams_equal_lone("paged");
     let q = chat("Tell me a story about a lighthouse keeper and the sea", 8);
-    let (a, b) = (s.post("/v1/chat/completions", &q).json(), s.post("/v1/chat/completions", &q).json());
-    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
-    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert!(cached(&b) > cached(&a), "{} then {}", a["usage"], b["usage"]);
+    let (a, b) = (
+        s.post("/v1/chat/completions", &q).json(),
+        s.post("/v1/chat/completions", &q).json(),
+    );
+    assert_eq!(
+        a["choices"][0]["message"]["content"],
+        b["choices"][0]["message"]["content"]
+    );
+    let cached = |r: &Value| {
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(
+        cached(&b) > cached(&a),
+        "{} then {}",
+        a["usage"],
+        b["usage"]
+    );
 }
 
 /// The sequential engine continues a kept sequence: the same prompt again is served from its
