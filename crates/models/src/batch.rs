@@ -19,6 +19,12 @@
 //! padding of a merged row to its attention K/V only.
 //!
 //! Rows join ([`Cache::merge_batch`]) and leave ([`Cache::select_rows`]) between forward calls.
+//!
+//! A step over rows of the paged pool ([`Cache::paged_rows`]) uses the same [`BatchRows`]
+//! interface with nothing stored in columns: each step's columns are its own, row `b` fills its
+//! last ones from position `start[b]`, and its keys come from its blocks
+//! ([`kv_paged::KvPool::read`], each row's from its first key position, padded at the end), so
+//! the mask is built from each row's key start and count.
 use crate::cache::{Cache, LayerCache};
 use crate::kv::{CacheSpec, KvCache, LayerKind};
 use crate::{ModelError, Result};
@@ -34,12 +40,27 @@ pub struct BatchRows {
     pad: Vec<usize>,
     /// `pad` as an i32 `[B]` array.
     pad_arr: Array,
+    /// Column of each row's position 0 (i32 `[B]`): column `c` of row `b` holds position
+    /// `c - origin[b]`. `pad` for flat batch caches; `pad - start` for a step over paged rows.
+    origin: Array,
     /// Columns stored so far (after the current step).
     cols: usize,
     /// First column of the current step and its length.
     step: (usize, usize),
     /// Masks built during the current step, by (queries, keys, window).
     masks: RefCell<Vec<(MaskKey, Array)>>,
+    /// A step over rows of the paged pool ([`Cache::paged_rows`]): nothing is stored in
+    /// columns, each row's keys are read from its own blocks.
+    paged: Option<PagedKeys>,
+}
+
+/// The keys a step over paged rows attends to.
+struct PagedKeys {
+    /// Per kind of attention (`None` full, `Some(w)` a sliding window of `w`): each row's first
+    /// key position and key count (i32 `[B]` each), keys padded at the end to the longest row.
+    groups: Vec<(Option<usize>, Array, Array)>,
+    /// The largest position of the step plus one.
+    longest: usize,
 }
 
 impl BatchRows {
@@ -48,10 +69,31 @@ impl BatchRows {
         let pad_arr = Array::from_slice(&p, &[p.len()])?;
         Ok(BatchRows {
             pad,
+            origin: pad_arr.clone(),
             pad_arr,
             cols,
             step: (cols, 0),
             masks: RefCell::new(Vec::new()),
+            paged: None,
+        })
+    }
+
+    /// One step of `l` columns over rows of the paged pool: row `b` has `pad[b]` padding columns,
+    /// then its tokens from position `start[b]`; `groups` gives, per kind of attention, each
+    /// row's first key position and key count.
+    pub(crate) fn paged(pad: Vec<usize>, start: &[usize], l: usize, groups: Vec<(Option<usize>, Vec<usize>, Vec<usize>)>) -> Result<Self> {
+        let i32s = |v: &[usize]| -> Result<Array> { Ok(Array::from_slice(&v.iter().map(|&x| x as i32).collect::<Vec<_>>(), &[v.len()])?) };
+        let origin: Vec<i32> = pad.iter().zip(start).map(|(&p, &s)| p as i32 - s as i32).collect();
+        let longest = pad.iter().zip(start).map(|(&p, &s)| s + l - p).max().unwrap_or(0);
+        let groups = groups.into_iter().map(|(w, ks, kl)| Ok((w, i32s(&ks)?, i32s(&kl)?))).collect::<Result<Vec<_>>>()?;
+        Ok(BatchRows {
+            pad_arr: i32s(&pad)?,
+            origin: Array::from_slice(&origin, &[origin.len()])?,
+            pad,
+            cols: l,
+            step: (0, l),
+            masks: RefCell::new(Vec::new()),
+            paged: Some(PagedKeys { groups, longest }),
         })
     }
 
@@ -71,9 +113,10 @@ impl BatchRows {
     }
 
     /// Whether no row has padding: every row then sits at the same positions, and attention
-    /// runs as over a single-sequence cache (scalar rope offset, the family's own mask).
+    /// runs as over a single-sequence cache (scalar rope offset, the family's own mask). Never
+    /// for a step over paged rows (each row has its own positions and keys).
     pub fn uniform(&self) -> bool {
-        self.pad.iter().all(|&p| p == 0)
+        self.paged.is_none() && self.pad.iter().all(|&p| p == 0)
     }
 
     /// Columns stored (the longest row's positions, padding included for the others).
@@ -100,14 +143,18 @@ impl BatchRows {
         Ok(())
     }
 
-    /// Per-row rope offsets (i32 `[B]`) of column `col`: `col - pad[b]`.
+    /// Per-row rope offsets (i32 `[B]`) of column `col`: `col - pad[b]` (a step over paged
+    /// rows: `col - pad[b] + start[b]`).
     pub fn positions(&self, col: usize) -> Result<Array> {
-        Ok(Array::scalar(col as i32).sub(&self.pad_arr)?)
+        Ok(Array::scalar(col as i32).sub(&self.origin)?)
     }
 
     /// The largest position of the current step plus one (over all rows).
     pub fn longest(&self) -> usize {
-        self.cols - self.pad.iter().copied().min().unwrap_or(0)
+        match &self.paged {
+            Some(p) => p.longest,
+            None => self.cols - self.pad.iter().copied().min().unwrap_or(0),
+        }
     }
 
     /// Boolean `[B, 1, lq, kn]` attention mask for `lq` queries that are the last of `kn` key
@@ -119,8 +166,13 @@ impl BatchRows {
         if let Some((_, m)) = self.masks.borrow().iter().find(|(k, _)| *k == key) {
             return Ok(m.clone());
         }
-        if lq > kn {
+        if lq > kn && self.paged.is_none() {
             return Err(ModelError::Cache(format!("{lq} queries over {kn} keys")));
+        }
+        if let Some(p) = &self.paged {
+            let m = self.paged_mask(p, lq, kn, window)?;
+            self.masks.borrow_mut().push((key, m.clone()));
+            return Ok(m);
         }
         let b = self.pad.len() as i32;
         let kcol = Array::arange(0, kn as i64, DType::I32)?.reshape(&[1, 1, 1, kn as i32])?;
@@ -134,6 +186,26 @@ impl BatchRows {
         let m = m.logical_or(&kcol.eq(&qcol)?)?;
         self.masks.borrow_mut().push((key, m.clone()));
         Ok(m)
+    }
+
+    /// [`BatchRows::mask`] of a step over paged rows: the `lq` queries are the step's last
+    /// columns, key `j` of row `b` is position `kv_start[b] + j` and exists for `j < kv_len[b]`
+    /// (the keys [`kv_paged::KvPool::read`] returns, padded at the end); a padding query sees key 0
+    /// only.
+    fn paged_mask(&self, p: &PagedKeys, lq: usize, kn: usize, window: Option<usize>) -> Result<Array> {
+        let (_, kv_start, kv_len) = p.groups.iter().find(|(w, _, _)| *w == window).ok_or_else(|| ModelError::Cache(format!("no paged keys for attention window {window:?}")))?;
+        let b = self.pad.len() as i32;
+        let col = |a: &Array| a.reshape(&[b, 1, 1, 1]);
+        let j = Array::arange(0, kn as i64, DType::I32)?.reshape(&[1, 1, 1, kn as i32])?;
+        let c = Array::arange((self.cols - lq) as i64, self.cols as i64, DType::I32)?.reshape(&[1, 1, lq as i32, 1])?;
+        let kpos = col(kv_start)?.add(&j)?;
+        let qpos = c.sub(&col(&self.origin)?)?;
+        let mut m = j.lt(&col(kv_len)?)?.logical_and(&kpos.le(&qpos)?)?;
+        if let Some(w) = window {
+            m = m.logical_and(&kpos.gt(&qpos.sub(&Array::scalar(w as i32))?)?)?;
+        }
+        let padding = c.lt(&col(&self.pad_arr)?)?;
+        Ok(m.logical_or(&padding.logical_and(&j.eq(&Array::scalar(0i32))?)?)?)
     }
 
     /// Boolean `[B, L, 1]`: which positions of the current step are tokens (not padding), or
@@ -182,6 +254,9 @@ impl Cache {
     /// repeat, copying a row: one prefilled prompt becomes a group). Leading columns that are
     /// padding in every kept row are dropped.
     pub fn select_rows(&mut self, keep: &[usize]) -> Result<()> {
+        if self.rows.is_some() {
+            return self.select_paged_rows(keep);
+        }
         let rows = self
             .batch
             .as_ref()
@@ -229,6 +304,9 @@ impl Cache {
     /// Append the rows of `other` (another batch cache of the same model) after this cache's
     /// rows. The cache with fewer columns is padded on the left, so every row stays right-aligned.
     pub fn merge_batch(&mut self, other: Cache) -> Result<()> {
+        if self.rows.is_some() && other.rows.is_some() {
+            return self.merge_paged_rows(other);
+        }
         let (Some(a), Some(b)) = (self.batch.as_ref(), other.batch.as_ref()) else {
             return Err(ModelError::Cache(
                 "merge_batch needs two batch caches".into(),

@@ -1,6 +1,6 @@
 //! [`generate_batch`]: several prompts, each sampled `group_size` times, decoded together in
 //! `[B, L]` forward passes over one batch cache ([`crate::batch`]).
-use crate::engine::{EngineConfig, Scheduler, Seq};
+use crate::engine::{EngineConfig, EngineKv, Scheduler, Seq};
 use crate::generate::{CancelHandle, FinishReason, GenerateConfig, Performance};
 use crate::model::Model;
 use crate::{ModelError, Result};
@@ -76,7 +76,7 @@ pub fn generate_batch(model: &Model, prompts: &[Vec<u32>], group_size: usize, cf
     let seed = (!cfg.sampling.is_greedy()).then(|| {
         cfg.sampling.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0))
     });
-    let mut s = Scheduler::new(model.clone(), EngineConfig { max_batch: n, prefill_step_size: cfg.prefill_step_size, max_queue: n });
+    let mut s = Scheduler::new(model.clone(), EngineConfig { max_batch: n, prefill_step_size: cfg.prefill_step_size, max_queue: n, kv: EngineKv::Flat });
     for r in 0..n {
         let p = prompts[r / group_size].clone();
         let seq = Seq::new(model, p, cfg, seed.map(|s| row_seed(s, r)), CancelHandle::default(), None).map_err(|e| match e {

@@ -6,7 +6,8 @@
 //! A paged cache (from a model loaded with a paged KV mode) keeps attention K/V in the model's shared block pool
 //! instead ([`crate::paged`]); families see the same [`ForwardKv`] / [`LayerKv`] either way.
 pub use crate::kv::{CacheSpec, KvCache, LayerKind};
-use crate::paged::{PagedKv, PagedLayerKv, PagedSeq, PagedStep};
+use crate::paged::{PagedKv, PagedLayerKv, PagedRowsKv, PagedSeq, PagedStep, RowTokens, RowsStep};
+use kv_paged::Step;
 use crate::{ModelError, Result};
 use mlx_array::Array;
 use std::sync::{Arc, Mutex};
@@ -33,6 +34,23 @@ pub struct Cache {
     position_delta: i64,
     /// [`Cache::set_gradient_checkpointing`].
     gradient_checkpointing: bool,
+    /// A view over several paged sequences stepped together ([`Cache::paged_rows`]).
+    pub(crate) rows: Option<PagedRows>,
+}
+
+/// The sequences of a view over paged caches ([`Cache::paged_rows`]).
+pub(crate) struct PagedRows {
+    shared: Arc<Mutex<PagedKv>>,
+    seqs: Vec<PagedSeq>,
+    /// Each row's own layers; its recurrent slots are stacked in the view's while it is joined.
+    row_layers: Vec<Vec<LayerCache>>,
+    /// The next step of every row ([`Cache::schedule_rows`]), each row's left padding in it and
+    /// the step's columns.
+    steps: Vec<Step>,
+    pad: Vec<usize>,
+    cols: usize,
+    /// [`Cache::set_queue_with_outputs`].
+    later: bool,
 }
 
 /// A cache's state at one position, from [`Cache::snapshot`].
@@ -57,21 +75,26 @@ pub enum LayerKv<'a> {
     Paged(PagedLayerKv<'a>),
     /// A batch cache's layer: flat storage of every row, and where the rows stand.
     Batch(&'a mut KvCache, &'a crate::batch::BatchRows),
+    /// A step over paged rows ([`Cache::paged_rows`]): each row's blocks, and where the rows
+    /// stand.
+    Rows(PagedRowsKv<'a>, &'a crate::batch::BatchRows),
 }
 
 impl<'a> LayerKv<'a> {
     /// The rope offset of this step's first token (batch caches: its first column; each row's
-    /// position is that minus its padding, see [`LayerKv::batch`]).
+    /// position is that minus its padding, see [`LayerKv::batch`]; a step over paged rows: 0,
+    /// the rows give every position).
     pub fn offset(&self) -> usize {
         match self {
             LayerKv::Flat(c) | LayerKv::Batch(c, _) => c.offset(),
             LayerKv::Paged(p) => p.offset(),
+            LayerKv::Rows(..) => 0,
         }
     }
     /// The rows of a batch cache: attention then uses per-row rope offsets and their mask.
     pub fn batch(&self) -> Option<&'a crate::batch::BatchRows> {
         match self {
-            LayerKv::Batch(_, r) => Some(*r),
+            LayerKv::Batch(_, r) | LayerKv::Rows(_, r) => Some(*r),
             _ => None,
         }
     }
@@ -80,6 +103,7 @@ impl<'a> LayerKv<'a> {
         match self {
             LayerKv::Flat(c) | LayerKv::Batch(c, _) => c.update_and_fetch(k, v),
             LayerKv::Paged(p) => p.update_and_fetch(k, v),
+            LayerKv::Rows(p, _) => p.update_and_fetch(k, v),
         }
     }
 }
@@ -88,6 +112,7 @@ impl<'a> LayerKv<'a> {
 pub struct ForwardKv<'a> {
     layers: &'a mut Vec<LayerCache>,
     paged: Option<PagedStep<'a>>,
+    rows: Option<RowsStep<'a>>,
     batch: Option<&'a crate::batch::BatchRows>,
 }
 
@@ -103,7 +128,7 @@ impl<'a> ForwardKv<'a> {
     /// A view over `layers` alone (no paged pool, no batch rows): the scratch caches of a pass
     /// that keeps nothing ([`Cache::set_gradient_checkpointing`]).
     pub(crate) fn scratch(layers: &'a mut Vec<LayerCache>) -> Self {
-        ForwardKv { layers, paged: None, batch: None }
+        ForwardKv { layers, paged: None, batch: None, rows: None }
     }
 
     /// The rows of a batch cache (see [`crate::batch`]).
@@ -115,6 +140,10 @@ impl<'a> ForwardKv<'a> {
 impl ForwardKv<'_> {
     /// The K/V access of model layer `i`.
     pub fn layer(&mut self, i: usize) -> Result<LayerKv<'_>> {
+        if let Some(step) = &mut self.rows {
+            let r = self.batch.ok_or_else(|| ModelError::Cache("a step over paged rows without its rows (internal error)".into()))?;
+            return Ok(LayerKv::Rows(step.layer(i)?, r));
+        }
         match &mut self.paged {
             Some(step) => {
                 let mirror = match self.layers.get_mut(i) {
@@ -140,6 +169,9 @@ impl ForwardKv<'_> {
     /// [`PagedStep::finish`]). A forward pass dropped without `finish` (an error) still queues
     /// what it wrote.
     pub fn finish(mut self) -> Result<()> {
+        if let Some(step) = self.rows.take() {
+            return step.finish();
+        }
         match self.paged.take() {
             Some(mut step) => {
                 if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
@@ -176,7 +208,7 @@ impl Cache {
                 LayerKind::Recurrent { slots } => LayerCache::Recurrent(vec![None; *slots]),
             })
             .collect();
-        Cache { layers, paged: None, last_skipped: 0, batch: None, position_delta: 0, gradient_checkpointing: false }
+        Cache { layers, paged: None, last_skipped: 0, batch: None, rows: None, position_delta: 0, gradient_checkpointing: false }
     }
 
     /// A cache whose attention layers live in the shared paged pool `shared`.
@@ -251,14 +283,31 @@ impl Cache {
         if self.gradient_checkpointing {
             return Err(ModelError::UnsupportedOption("gradient checkpointing: this model's forward pass does not support it".into()));
         }
-        let Cache { layers, paged, last_skipped, batch, .. } = self;
+        let Cache { layers, paged, last_skipped, batch, rows, .. } = self;
         *last_skipped = 0;
+        if let Some(r) = rows {
+            let (b, l) = (tokens.dims()[0] as usize, tokens.dims()[1] as usize);
+            if r.steps.len() != r.seqs.len() || b != r.seqs.len() || l != r.cols {
+                return Err(ModelError::InvalidInput(format!(
+                    "a step over {} paged rows takes the [{}, {}] tokens schedule_rows planned, got {:?}",
+                    r.seqs.len(),
+                    r.seqs.len(),
+                    r.cols,
+                    tokens.shape()
+                )));
+            }
+            let steps = std::mem::take(&mut r.steps);
+            let starts: Vec<usize> = steps.iter().map(|s| s.start).collect();
+            let step = RowsStep::begin(&r.shared, &steps, &r.pad, r.cols, r.later)?;
+            *batch = Some(crate::batch::BatchRows::paged(r.pad.clone(), &starts, r.cols, step.key_groups())?);
+            return Ok((ForwardKv { layers, paged: None, rows: Some(step), batch: batch.as_ref() }, 0));
+        }
         if let Some(rows) = batch {
             rows.begin(tokens.dims()[0] as usize, tokens.dims()[1] as usize)?;
         }
         let batch = batch.as_ref();
         match paged {
-            None => Ok((ForwardKv { layers, paged: None, batch }, 0)),
+            None => Ok((ForwardKv { layers, paged: None, rows: None, batch }, 0)),
             Some(p) => {
                 if tokens.ndim() != 2 || tokens.dims()[0] != 1 {
                     return Err(ModelError::InvalidInput(format!("paged caches take one sequence ([1, L] tokens), got {:?}", tokens.shape())));
@@ -272,7 +321,7 @@ impl Cache {
                     }
                 }
                 *last_skipped = skipped;
-                Ok((ForwardKv { layers, paged: Some(step), batch }, skipped))
+                Ok((ForwardKv { layers, paged: Some(step), rows: None, batch }, skipped))
             }
         }
     }
@@ -299,7 +348,7 @@ impl Cache {
         if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
             return Err(ModelError::Cache("recurrent layers cannot be trimmed".into()));
         }
-        if self.batch.is_some() {
+        if self.batch.is_some() || self.rows.is_some() {
             return Err(ModelError::Cache("batch caches cannot be trimmed (drop rows with select_rows)".into()));
         }
         if let Some(p) = &mut self.paged {
@@ -368,9 +417,10 @@ impl Cache {
         let mut arrays: Vec<&Array> = outputs.to_vec();
         arrays.extend(self.arrays());
         let run = |a: &[&Array]| if queue_only { mlx_array::async_eval(a) } else { mlx_array::eval(a) };
-        match &self.paged {
-            None => Ok(run(&arrays)?),
-            Some(p) => p.queue(arrays, run),
+        match (&self.paged, &self.rows) {
+            (Some(p), _) => p.queue(arrays, run),
+            (None, Some(r)) => PagedKv::queue(&r.shared, arrays, run),
+            (None, None) => Ok(run(&arrays)?),
         }
     }
 
@@ -383,6 +433,9 @@ impl Cache {
     pub fn set_queue_with_outputs(&mut self, on: bool) {
         if let Some(p) = &mut self.paged {
             p.set_queue_later(on);
+        }
+        if let Some(r) = &mut self.rows {
+            r.later = on;
         }
     }
 
@@ -402,3 +455,171 @@ impl Cache {
     }
 }
 
+
+/// Several paged sequences stepped together: continuous batching over the model's block pool.
+///
+/// [`Cache::paged_rows`] joins caches of one paged model (from [`crate::Model::new_cache`]) into a
+/// view whose forward passes carry every row at once. Each row keeps its own block table and
+/// position; a step gives each row its own number of new tokens ([`Cache::schedule_rows`]),
+/// left-padded to the longest, and attention reads every row's keys from its own blocks (per-row
+/// rope positions and mask: [`crate::batch::BatchRows`]). Padding is not stored: it costs only
+/// the step's compute. Recurrent layers keep each row's state, stacked along the batch axis
+/// while the rows are joined; a row's padding must come before its first token (its state is
+/// still zero there), so a row with recurrent state steps without padding.
+/// [`Cache::into_rows`] gives the row caches back; [`Cache::select_rows`] and
+/// [`Cache::merge_batch`] keep and add rows as for flat batch caches.
+impl Cache {
+    /// A view over `rows` (paged caches of one model, none of them a batch or a view).
+    pub(crate) fn paged_rows(rows: Vec<Cache>) -> Result<Cache> {
+        let first = rows.first().ok_or_else(|| ModelError::InvalidInput("paged_rows: no rows".into()))?;
+        let n_layers = first.layers.len();
+        let shared = match &first.paged {
+            Some(p) => p.pool().clone(),
+            None => return Err(ModelError::Cache("paged_rows joins paged caches (the model has no paged pool)".into())),
+        };
+        let (mut seqs, mut row_layers) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        for c in rows {
+            if c.batch.is_some() || c.rows.is_some() || c.layers.len() != n_layers {
+                return Err(ModelError::Cache("paged_rows joins single-sequence caches of one model".into()));
+            }
+            let p = c.paged.ok_or_else(|| ModelError::Cache("paged_rows joins paged caches only".into()))?;
+            if !Arc::ptr_eq(p.pool(), &shared) {
+                return Err(ModelError::Cache("paged_rows: the caches belong to different models".into()));
+            }
+            seqs.push(p);
+            row_layers.push(c.layers);
+        }
+        let mut layers = Vec::with_capacity(n_layers);
+        for i in 0..n_layers {
+            layers.push(match &row_layers[0][i] {
+                LayerCache::Kv(_) => LayerCache::Kv(KvCache::new(None)),
+                LayerCache::Shared { anchor } => LayerCache::Shared { anchor: *anchor },
+                LayerCache::Recurrent(s) => {
+                    let slots = s.len();
+                    let mut stacked = Vec::with_capacity(slots);
+                    for slot in 0..slots {
+                        let vals: Vec<Option<Array>> = row_layers
+                            .iter_mut()
+                            .map(|l| match &mut l[i] {
+                                LayerCache::Recurrent(s) => s.get_mut(slot).and_then(Option::take),
+                                _ => None,
+                            })
+                            .collect();
+                        stacked.push(stack_rows(vals)?);
+                    }
+                    LayerCache::Recurrent(stacked)
+                }
+            });
+        }
+        let rows = PagedRows { shared, seqs, row_layers, steps: Vec::new(), pad: Vec::new(), cols: 0, later: false };
+        Ok(Cache { layers, paged: None, last_skipped: 0, batch: None, rows: Some(rows), position_delta: 0, gradient_checkpointing: false })
+    }
+
+    /// The row caches of a view ([`Cache::paged_rows`]), in row order, each with its own
+    /// recurrent state.
+    pub(crate) fn into_rows(self) -> Result<Vec<Cache>> {
+        let Cache { layers, rows, .. } = self;
+        let PagedRows { seqs, mut row_layers, .. } = rows.ok_or_else(|| ModelError::Cache("into_rows needs a view over paged rows".into()))?;
+        let n = seqs.len();
+        for (i, l) in layers.into_iter().enumerate() {
+            let LayerCache::Recurrent(slots) = l else { continue };
+            for (s, v) in slots.into_iter().enumerate() {
+                let Some(v) = v else { continue };
+                for (b, rl) in row_layers.iter_mut().enumerate() {
+                    if let Some(LayerCache::Recurrent(rs)) = rl.get_mut(i) {
+                        rs[s] = Some(if n == 1 { v.clone() } else { v.slice_axis(0, b, b + 1)? });
+                    }
+                }
+            }
+        }
+        Ok(seqs.into_iter().zip(row_layers).map(|(p, layers)| Cache { layers, paged: Some(p), last_skipped: 0, batch: None, rows: None, position_delta: 0, gradient_checkpointing: false }).collect())
+    }
+
+    /// Rows of a view (0 for any other cache).
+    pub(crate) fn num_rows(&self) -> usize {
+        self.rows.as_ref().map_or(0, |r| r.seqs.len())
+    }
+
+    /// A paged cache that has not started yet: start it on all of `prompt` (the next forward
+    /// passes of a view compute it, [`Cache::schedule_rows`]), reusing its cached prefix when
+    /// `allow_prefix_skip`. Returns how many leading tokens the prefix cache serves.
+    pub(crate) fn begin_paged(&mut self, prompt: &[u32], allow_prefix_skip: bool) -> Result<usize> {
+        if prompt.is_empty() {
+            return Err(ModelError::InvalidInput("a paged sequence needs at least one prompt token".into()));
+        }
+        let p = self.paged.as_mut().ok_or_else(|| ModelError::Cache("begin_paged needs a paged cache".into()))?;
+        p.begin_row(prompt, allow_prefix_skip)
+    }
+
+    /// Plan the next forward pass of a view: row `b` registers `inputs[b].0` and computes at
+    /// most `inputs[b].1` of its tokens not yet computed. Returns each row's (first position,
+    /// token count); the forward pass then takes `[rows, longest count]` tokens, each row's
+    /// right-aligned (left padding ignored).
+    pub(crate) fn schedule_rows(&mut self, inputs: &[(RowTokens, usize)]) -> Result<Vec<(usize, usize)>> {
+        let r = self.rows.as_mut().ok_or_else(|| ModelError::Cache("schedule_rows needs a view over paged rows".into()))?;
+        let steps = crate::paged::schedule_rows(&r.shared, &mut r.seqs, inputs)?;
+        let cols = steps.iter().map(|s| s.len).max().unwrap_or(0);
+        r.pad = steps.iter().map(|s| cols - s.len).collect();
+        r.cols = cols;
+        let out = steps.iter().map(|s| (s.start, s.len)).collect();
+        r.steps = steps;
+        Ok(out)
+    }
+
+    /// [`Cache::select_rows`] of a view: an index that repeats forks its row's sequence (the
+    /// blocks are shared, a partial last block copied).
+    pub(crate) fn select_paged_rows(&mut self, keep: &[usize]) -> Result<()> {
+        let n = self.num_rows();
+        if keep.is_empty() {
+            return Err(ModelError::InvalidInput("select_rows: no rows kept".into()));
+        }
+        if let Some(&bad) = keep.iter().find(|&&r| r >= n) {
+            return Err(ModelError::InvalidInput(format!("select_rows: row {bad} of {n}")));
+        }
+        if keep.len() == n && keep.iter().enumerate().all(|(i, &r)| i == r) {
+            return Ok(());
+        }
+        let later = self.rows.as_ref().is_some_and(|r| r.later);
+        let view = std::mem::replace(self, Cache::new(&CacheSpec { layers: Vec::new() }));
+        let mut rows: Vec<Option<Cache>> = view.into_rows()?.into_iter().map(Some).collect();
+        let mut out = Vec::with_capacity(keep.len());
+        for (i, &r) in keep.iter().enumerate() {
+            let row = rows[r].as_mut().ok_or_else(|| ModelError::Cache("select_rows: row taken (internal error)".into()))?;
+            out.push(if keep[i + 1..].contains(&r) { row.fork_paged()? } else { rows[r].take().expect("checked above") });
+        }
+        *self = Cache::paged_rows(out)?;
+        self.set_queue_with_outputs(later);
+        Ok(())
+    }
+
+    /// [`Cache::merge_batch`] of two views: `other`'s rows after this one's.
+    pub(crate) fn merge_paged_rows(&mut self, other: Cache) -> Result<()> {
+        let later = self.rows.as_ref().is_some_and(|r| r.later);
+        let view = std::mem::replace(self, Cache::new(&CacheSpec { layers: Vec::new() }));
+        let mut rows = view.into_rows()?;
+        rows.extend(other.into_rows()?);
+        *self = Cache::paged_rows(rows)?;
+        self.set_queue_with_outputs(later);
+        Ok(())
+    }
+
+    /// A second paged sequence with this one's tokens and state (blocks shared).
+    fn fork_paged(&mut self) -> Result<Cache> {
+        let p = self.paged.as_mut().ok_or_else(|| ModelError::Cache("fork of a cache that is not paged".into()))?.fork()?;
+        let layers = self.layers.iter().map(|l| if let LayerCache::Kv(_) = l { LayerCache::Kv(KvCache::new(None)) } else { l.clone() }).collect();
+        Ok(Cache { layers, paged: Some(p), last_skipped: 0, batch: None, rows: None, position_delta: 0, gradient_checkpointing: false })
+    }
+}
+
+/// One recurrent slot of each row (`[1, ..]`, `None` before it is written) stacked along the
+/// batch axis; rows without one get zeros (what an unwritten slot stands for).
+fn stack_rows(vals: Vec<Option<Array>>) -> Result<Option<Array>> {
+    let Some(like) = vals.iter().flatten().next() else { return Ok(None) };
+    let zero = Array::zeros(&like.shape(), like.dtype())?;
+    let filled: Vec<Array> = vals.into_iter().map(|v| v.unwrap_or_else(|| zero.clone())).collect();
+    if filled.len() == 1 {
+        return Ok(filled.into_iter().next());
+    }
+    let refs: Vec<&Array> = filled.iter().collect();
+    Ok(Some(mlx_array::ops::concatenate(&refs, 0)?))
+}

@@ -20,9 +20,15 @@
 //! `Sync`, `Clone`) to submit requests; each request streams [`Event`]s on its own channel.
 //! [`crate::generate_batch`] runs the same loop on the caller's thread.
 //!
-//! Attention K/V live in flat batch storage, not in the model's paged pool, so a request's
-//! prompt is always computed in full: [`Usage::cached_prompt_tokens`] is 0.
+//! Attention K/V live in flat batch storage ([`EngineKv::Flat`]: a request's prompt is always
+//! computed in full) or in the model's paged pool ([`EngineKv::Paged`], the default on a GPU):
+//! every sequence then has its own blocks and position, the running rows are one view
+//! ([`crate::Cache::paged_rows`]) whose steps read each row's keys from its blocks, and a prompt
+//! whose leading blocks are cached (a repeated system prompt, a conversation sent again) skips
+//! them ([`Usage::cached_prompt_tokens`]; attention-only families: recurrent state has no
+//! snapshots here). A prefill chunk and a decode step are separate forward passes.
 use crate::cache::Cache;
+use crate::paged::RowTokens;
 use crate::generate::{CancelHandle, FinishReason, GenerateConfig, Performance, Token};
 use crate::model::Model;
 use crate::runtime::Logits;
@@ -45,12 +51,28 @@ pub struct EngineConfig {
     /// Most requests waiting for a slot; [`EngineHandle::submit`] refuses more with
     /// [`EngineError::QueueFull`].
     pub max_queue: usize,
+    /// Where the sequences' K/V live.
+    pub kv: EngineKv,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_step_size: 512, max_queue: 256 }
+        EngineConfig { max_batch: 32, prefill_step_size: 512, max_queue: 256, kv: EngineKv::Auto }
     }
+}
+
+/// Where an [`Engine`]'s sequences keep their K/V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EngineKv {
+    /// The paged pool on a GPU, when the model has one; flat batch caches otherwise (on the
+    /// CPU, reading K/V out of blocks every step costs more than a contiguous cache).
+    #[default]
+    Auto,
+    /// The model's paged pool (each sequence its own blocks; prompt prefixes cached across
+    /// requests); flat batch caches when the model has none.
+    Paged,
+    /// Flat batch caches: prompts always computed in full.
+    Flat,
 }
 
 /// Why a request was not accepted.
@@ -73,7 +95,8 @@ pub enum EngineError {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
-    /// Prompt tokens served from a cache instead of computed (always 0: see [`crate::engine`]).
+    /// Prompt tokens served from the paged prefix cache instead of computed (0 with flat
+    /// caches: see [`crate::engine`]).
     pub cached_prompt_tokens: usize,
 }
 
@@ -121,6 +144,8 @@ pub(crate) struct Seq {
     pub(crate) first_token: Option<Duration>,
     pub(crate) finished_at: Duration,
     prefill_time: Duration,
+    /// Leading prompt tokens the paged prefix cache served.
+    pub(crate) cached: usize,
 }
 
 impl Seq {
@@ -168,6 +193,7 @@ impl Seq {
             first_token: None,
             finished_at: Duration::ZERO,
             prefill_time: Duration::ZERO,
+            cached: 0,
         })
     }
 
@@ -228,7 +254,7 @@ impl Seq {
         self.finish = Some(reason);
         self.finished_at = self.submitted.elapsed();
         if let Sink::Channel(tx) = &self.sink {
-            let usage = Usage { prompt_tokens: self.prompt.len(), completion_tokens: self.tokens.len(), cached_prompt_tokens: 0 };
+            let usage = Usage { prompt_tokens: self.prompt.len(), completion_tokens: self.tokens.len(), cached_prompt_tokens: self.cached };
             let _ = tx.send(Event::Finished { reason, usage, performance: self.performance() });
         }
     }
@@ -246,18 +272,27 @@ impl Seq {
     }
 }
 
-/// A prefill in progress: its rows (one per distinct prompt), left-padded.
+/// A prefill in progress.
 struct Prefill {
-    cache: Cache,
-    /// Distinct prompts, one per cache row.
-    prompts: Vec<Vec<u32>>,
+    rows: PrefillRows,
+    /// Each row's padding before its first token to compute, in columns: rows are right-aligned
+    /// on the longest, so every row's last token falls in the last chunk.
     pad: Vec<usize>,
-    /// The sequences (slab ids) and, for each, its prompt's row.
+    /// The sequences (slab ids).
     seqs: Vec<usize>,
-    row_of: Vec<usize>,
     next: usize,
     longest: usize,
     started: Instant,
+}
+
+/// Where a prefill's rows live.
+enum PrefillRows {
+    /// One flat batch cache with a row per distinct prompt (`prompts`); sequence `i` is row
+    /// `row_of[i]`.
+    Flat { cache: Cache, prompts: Vec<Vec<u32>>, row_of: Vec<usize> },
+    /// Each sequence's paged cache (joined into a view for each chunk, for the rows with tokens
+    /// in it).
+    Paged(Vec<Option<Cache>>),
 }
 
 /// The continuous-batching loop over one model (see [`crate::engine`]).
@@ -275,11 +310,23 @@ pub(crate) struct Scheduler {
     pending: Option<(Array, Array)>,
     /// Rows of every forward pass, in order.
     pub(crate) rows_per_forward: Vec<usize>,
+    /// The sequences live in the model's paged pool ([`EngineKv`]).
+    paged: bool,
+    /// Paged: new sequences may start on cached prompt blocks (no recurrent layers).
+    prefix_skip: bool,
 }
 
 impl Scheduler {
     pub(crate) fn new(model: Model, cfg: EngineConfig) -> Self {
-        Scheduler { model, cfg, seqs: Vec::new(), waiting: VecDeque::new(), prefill: None, running: None, run: Vec::new(), pending: None, rows_per_forward: Vec::new() }
+        let pool = model.paged_stats().is_some();
+        let paged = pool
+            && match cfg.kv {
+                EngineKv::Flat => false,
+                EngineKv::Paged => true,
+                EngineKv::Auto => !crate::layers::runs_on_cpu(),
+            };
+        let prefix_skip = !model.with_runtime(|rt| rt.cache_spec()).layers.iter().any(|l| matches!(l, crate::kv::LayerKind::Recurrent { .. }));
+        Scheduler { model, cfg, seqs: Vec::new(), waiting: VecDeque::new(), prefill: None, running: None, run: Vec::new(), pending: None, rows_per_forward: Vec::new(), paged, prefix_skip }
     }
 
     /// Queue `seq`; returns its slab id.
@@ -344,7 +391,13 @@ impl Scheduler {
             let room = self.cfg.max_batch.max(1).saturating_sub(self.run.len());
             if room > 0 {
                 let take: Vec<usize> = (0..room.min(self.waiting.len())).filter_map(|_| self.waiting.pop_front()).collect();
-                self.start_prefill(take)?;
+                if let Err(e) = self.start_prefill(take.clone()) {
+                    for id in take {
+                        self.seq(id).fail(&e.to_string());
+                        self.release(id);
+                    }
+                    return Err(e);
+                }
             }
         }
         if self.prefill.is_some() {
@@ -372,6 +425,9 @@ impl Scheduler {
     }
 
     fn start_prefill(&mut self, ids: Vec<usize>) -> Result<()> {
+        if self.paged {
+            return self.start_prefill_paged(ids);
+        }
         let mut prompts: Vec<Vec<u32>> = Vec::new();
         let mut row_of = Vec::with_capacity(ids.len());
         for &id in &ids {
@@ -389,7 +445,25 @@ impl Scheduler {
         let pad: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
         let spec = self.model.with_runtime(|rt| rt.cache_spec());
         let cache = Cache::new_batch(&spec, pad.clone())?;
-        self.prefill = Some(Prefill { cache, prompts, pad, seqs: ids, row_of, next: 0, longest, started: Instant::now() });
+        self.prefill = Some(Prefill { rows: PrefillRows::Flat { cache, prompts, row_of }, pad, seqs: ids, next: 0, longest, started: Instant::now() });
+        Ok(())
+    }
+
+    /// A paged prefill: each sequence starts in the pool on its whole prompt (its cached
+    /// prefix, if any, is not computed again) and the rest is right-aligned on the longest.
+    fn start_prefill_paged(&mut self, ids: Vec<usize>) -> Result<()> {
+        let (mut caches, mut rest) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
+        for &id in &ids {
+            let mut c = self.model.new_cache();
+            let s = self.seqs[id].as_mut().expect("live");
+            let skipped = c.begin_paged(&s.prompt, self.prefix_skip)?;
+            s.cached = skipped;
+            rest.push(s.prompt.len() - skipped);
+            caches.push(Some(c));
+        }
+        let longest = rest.iter().copied().max().unwrap_or(0);
+        let pad = rest.iter().map(|r| longest - r).collect();
+        self.prefill = Some(Prefill { rows: PrefillRows::Paged(caches), pad, seqs: ids, next: 0, longest, started: Instant::now() });
         Ok(())
     }
 
@@ -399,45 +473,88 @@ impl Scheduler {
         let step = if self.cfg.prefill_step_size == 0 { p.longest } else { self.cfg.prefill_step_size };
         let (start, end) = (p.next, (p.next + step).min(p.longest));
         let last = end == p.longest;
-        let mut ids = Vec::with_capacity(p.prompts.len() * (end - start));
-        for (q, &pd) in p.prompts.iter().zip(&p.pad) {
-            ids.extend((start..end).map(|c| if c < pd { 0 } else { q[c - pd] }));
-        }
-        let t = Array::from_slice(&ids, &[p.prompts.len(), end - start])?;
-        let out = self.model.with_runtime(|rt| rt.forward(&t, &mut p.cache, if last { Logits::Last } else { Logits::None }, false))?;
-        self.rows_per_forward.push(p.prompts.len());
+        let want = if last { Logits::Last } else { Logits::None };
+        let mut joined = None;
+        let (out, rows) = match &mut p.rows {
+            PrefillRows::Flat { cache, prompts, .. } => {
+                let mut ids = Vec::with_capacity(prompts.len() * (end - start));
+                for (q, &pd) in prompts.iter().zip(&p.pad) {
+                    ids.extend((start..end).map(|c| if c < pd { 0 } else { q[c - pd] }));
+                }
+                let t = Array::from_slice(&ids, &[prompts.len(), end - start])?;
+                let out = self.model.with_runtime(|rt| rt.forward(&t, cache, want, false))?;
+                if !last {
+                    cache.eval_with(&[])?;
+                }
+                (out, prompts.len())
+            }
+            PrefillRows::Paged(caches) => {
+                // The rows with tokens in columns start..end (every row in the last chunk).
+                let part: Vec<usize> = (0..caches.len()).filter(|&b| p.pad[b] < end).collect();
+                let counts: Vec<(RowTokens, usize)> = part.iter().map(|&b| (RowTokens::Next, end - start.max(p.pad[b]))).collect();
+                let taken = part.iter().map(|&b| caches[b].take().ok_or_else(|| ModelError::Cache("a prefill row is missing (internal error)".into()))).collect::<Result<Vec<_>>>()?;
+                let mut view = Cache::paged_rows(taken)?;
+                view.set_queue_with_outputs(true);
+                let plan = view.schedule_rows(&counts)?;
+                let cols = plan.iter().map(|&(_, n)| n).max().unwrap_or(0);
+                let mut ids = Vec::with_capacity(part.len() * cols);
+                for (&b, &(pos, n)) in part.iter().zip(&plan) {
+                    let prompt = &self.seqs[p.seqs[b]].as_ref().expect("live").prompt;
+                    ids.extend(std::iter::repeat_n(0u32, cols - n));
+                    ids.extend_from_slice(&prompt[pos..pos + n]);
+                }
+                let t = Array::from_slice(&ids, &[part.len(), cols])?;
+                let out = self.model.with_runtime(|rt| rt.forward(&t, &mut view, want, false))?;
+                if last {
+                    joined = Some(view);
+                } else {
+                    view.eval_with(&[])?;
+                    for (c, &b) in view.into_rows()?.into_iter().zip(&part) {
+                        caches[b] = Some(c);
+                    }
+                }
+                (out, part.len())
+            }
+        };
+        self.rows_per_forward.push(rows);
         p.next = end;
         if !last {
-            p.cache.eval_with(&[])?;
             return Ok(());
         }
-        let mut p = self.prefill.take().expect("prefill in progress");
+        let p = self.prefill.take().expect("prefill in progress");
         let logits = out.logits.ok_or_else(|| ModelError::Cache("prefill returned no logits (internal error)".into()))?;
-        let logits = logits.reshape(&[p.prompts.len() as i32, -1])?;
-        let identity = p.row_of.len() == p.prompts.len() && p.row_of.iter().enumerate().all(|(i, &r)| i == r);
-        let logits = if identity { logits } else { logits.take(&index(&p.row_of)?, 0)? };
-        if !identity {
-            p.cache.select_rows(&p.row_of)?;
-        }
+        let logits = logits.reshape(&[rows as i32, -1])?;
+        let (mut cache, logits) = match p.rows {
+            PrefillRows::Flat { mut cache, row_of, .. } => {
+                let identity = row_of.len() == rows && row_of.iter().enumerate().all(|(i, &r)| i == r);
+                if identity {
+                    (cache, logits)
+                } else {
+                    cache.select_rows(&row_of)?;
+                    (cache, logits.take(&index(&row_of)?, 0)?)
+                }
+            }
+            PrefillRows::Paged(_) => (joined.ok_or_else(|| ModelError::Cache("paged prefill without its rows (internal error)".into()))?, logits),
+        };
         let elapsed = p.started.elapsed();
         for &id in &p.seqs {
             self.seq(id).prefill_time = elapsed;
         }
         let (toks, lps) = self.sample(&logits, &p.seqs)?;
-        p.cache.eval_with(&[&toks, &lps])?;
+        cache.eval_with(&[&toks, &lps])?;
         let keep = self.accept(&toks, &lps, &p.seqs)?;
         let kept: Vec<usize> = keep.iter().map(|&b| p.seqs[b]).collect();
         if kept.is_empty() {
             return Ok(());
         }
         if keep.len() != p.seqs.len() {
-            p.cache.select_rows(&keep)?;
+            cache.select_rows(&keep)?;
         }
         // The running rows' queued step is read first: the merged batch starts from host tokens.
         self.flush_pending()?;
         match self.running.as_mut() {
-            Some(r) => r.merge_batch(p.cache)?,
-            None => self.running = Some(p.cache),
+            Some(r) => r.merge_batch(cache)?,
+            None => self.running = Some(cache),
         }
         self.run.extend(kept);
         Ok(())
@@ -466,11 +583,11 @@ impl Scheduler {
             Some(p) => p,
             None => {
                 let input: Vec<u32> = self.run.iter().map(|&id| self.seqs[id].as_ref().expect("live").last()).collect();
-                self.queue_step(&Array::from_slice(&input, &[input.len(), 1])?)?
+                self.queue_step(&Array::from_slice(&input, &[input.len(), 1])?, Some(input.as_slice()))?
             }
         };
         let lazy = self.run.iter().all(|&id| self.seqs[id].as_ref().expect("live").lazy_feed);
-        let next = if lazy { Some(self.queue_step(&toks.reshape(&[self.run.len() as i32, 1])?)?) } else { None };
+        let next = if lazy { Some(self.queue_step(&toks.reshape(&[self.run.len() as i32, 1])?, None)?) } else { None };
         self.pending = next;
         let run = self.run.clone();
         let keep = self.accept(&toks, &lps, &run)?;
@@ -480,12 +597,14 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Queue one forward over the running rows with `input` (`[B, 1]`) and the sample of its
-    /// logits; returns the (lazy) tokens and log-probs.
-    fn queue_step(&mut self, input: &Array) -> Result<(Array, Array)> {
+    /// Queue one forward over the running rows with `input` (`[B, 1]`: `host`'s ids, or lazy
+    /// tokens still being computed) and the sample of its logits; returns the (lazy) tokens and
+    /// log-probs.
+    fn queue_step(&mut self, input: &Array, host: Option<&[u32]>) -> Result<(Array, Array)> {
         let n = input.dims()[0];
         let mut cache = self.running.take().ok_or_else(|| ModelError::Cache("running rows without a cache (internal error)".into()))?;
-        let out = self.model.with_runtime(|rt| rt.forward(input, &mut cache, Logits::Last, false));
+        let planned = if self.paged { schedule_decode(&mut cache, input, host) } else { Ok(()) };
+        let out = planned.and_then(|_| self.model.with_runtime(|rt| rt.forward(input, &mut cache, Logits::Last, false)));
         let sampled = out.and_then(|o| {
             self.rows_per_forward.push(n as usize);
             let logits = o.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into()))?;
@@ -727,4 +846,15 @@ fn run_loop(model: Model, cfg: EngineConfig, rx: Receiver<Submit>, shared: Arc<S
             shared.max_rows.fetch_max(n, Ordering::SeqCst);
         }
     }
+}
+
+/// Plan a decode step of a view over paged rows: one new token a row, `host`'s ids or row `b` of
+/// the lazy `input` (`[B, 1]`).
+fn schedule_decode(cache: &mut Cache, input: &Array, host: Option<&[u32]>) -> Result<()> {
+    let inputs: Vec<(RowTokens, usize)> = match host {
+        Some(ids) => ids.iter().map(|&t| (RowTokens::Host(vec![t]), 1)).collect(),
+        None => (0..input.dims()[0] as usize).map(|b| Ok((RowTokens::Lazy(input.slice_axis(0, b, b + 1)?.reshape(&[1])?), 1))).collect::<Result<_>>()?,
+    };
+    cache.schedule_rows(&inputs)?;
+    Ok(())
 }

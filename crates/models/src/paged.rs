@@ -21,7 +21,7 @@
 //! can be registered for sharing), before any longer step, and before a rollback.
 use crate::kv::{CacheSpec, KvCache, LayerKind};
 use crate::{ModelError, Result};
-use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId, StepBatch};
+use kv_paged::{ExtraKeys, KvCacheManager, KvConfig, KvLayout, KvPool, LayerSpec, SeqId, Step, StepBatch};
 use mlx_array::{Array, DType};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -128,6 +128,17 @@ impl Snapshots {
         self.order.push_back(key);
         self.map.insert(key, s);
     }
+}
+
+/// The extra keys of a new sequence's blocks: none when it shares prefixes with others, else a
+/// private salt (its blocks are neither found by nor find any other sequence's).
+fn extra_keys(allow_prefix_skip: bool) -> ExtraKeys {
+    if allow_prefix_skip {
+        return ExtraKeys::none();
+    }
+    static PRIVATE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = PRIVATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u128;
+    ExtraKeys { salt: Some((0x5eed_u128 << 64) | n), ..ExtraKeys::none() }
 }
 
 /// Prefix keys of the full blocks of `ids` (the snapshots' keys).
@@ -255,6 +266,24 @@ impl PagedKv {
     pub fn stats(&self) -> kv_paged::ManagerStats {
         self.manager.stats()
     }
+
+    /// Queue `arrays` with the pool's pending writes through `run` (`eval` or `async_eval`);
+    /// other threads may use the pool once this returns.
+    pub(crate) fn queue(shared: &Mutex<PagedKv>, arrays: Vec<&Array>, run: impl FnOnce(&[&Array]) -> mlx_array::Result<()>) -> Result<()> {
+        let mut g = PagedKv::claim(shared);
+        let mut arrays: Vec<&Array> = arrays.into_iter().collect();
+        // Pool arrays only when written since they were last queued: most decode steps write
+        // nothing there (rows go in a block at a time), and every array handed to MLX's eval
+        // costs host time even when it is already computed.
+        if g.pool.is_dirty() {
+            arrays.extend(g.pool.arrays());
+        }
+        run(&arrays)?;
+        drop(arrays);
+        g.pool.mark_queued();
+        g.queued_by_me();
+        Ok(())
+    }
 }
 
 /// One sequence in a shared [`PagedKv`]; its blocks return to the pool's cache when dropped.
@@ -359,13 +388,7 @@ impl SeqState {
         let mut restore = None;
         let (seq, skipped) = match self.seq {
             None => {
-                let extra = if allow_prefix_skip {
-                    ExtraKeys::none()
-                } else {
-                    static PRIVATE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-                    let n = PRIVATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u128;
-                    ExtraKeys { salt: Some((0x5eed_u128 << 64) | n), ..ExtraKeys::none() }
-                };
+                let extra = extra_keys(allow_prefix_skip);
                 self.shared = allow_prefix_skip;
                 let ids = host_ids(tokens)?;
                 if !(recurrent && allow_prefix_skip) {
@@ -482,19 +505,7 @@ impl PagedSeq {
     /// Queue `arrays` (a step's outputs and the sequence's own arrays) with the pool's pending
     /// writes through `run` (`eval` or `async_eval`).
     pub(crate) fn queue(&self, arrays: Vec<&Array>, run: impl FnOnce(&[&Array]) -> mlx_array::Result<()>) -> Result<()> {
-        let mut g = PagedKv::claim(&self.shared);
-        let mut arrays: Vec<&Array> = arrays.into_iter().collect();
-        // Pool arrays only when written since they were last queued: most decode steps write
-        // nothing there (rows go in a block at a time), and every array handed to MLX's eval
-        // costs host time even when it is already computed.
-        if g.pool.is_dirty() {
-            arrays.extend(g.pool.arrays());
-        }
-        run(&arrays)?;
-        drop(arrays);
-        g.pool.mark_queued();
-        g.queued_by_me();
-        Ok(())
+        PagedKv::queue(&self.shared, arrays, run)
     }
 
     /// Roll the sequence back by `n` positions (kept rows are written first, from `mirror`).
@@ -636,6 +647,193 @@ impl PagedLayerKv<'_> {
             m.update_and_fetch(&pk, &pv)?;
         }
         m.update_and_fetch(k, v)
+    }
+}
+
+// ------------------------------------------------------------------ several sequences a step
+
+/// How a row of a step over paged sequences gets its new tokens ([`crate::Cache::schedule_rows`]).
+pub(crate) enum RowTokens {
+    /// Ids known on the host, appended to the sequence.
+    Host(Vec<u32>),
+    /// Ids still being computed on the device (`[n]`): appended as pending, read back later
+    /// (for block hashing), so a pipelined decode loop does not wait for them.
+    Lazy(Array),
+    /// Nothing new: the step computes the next tokens registered earlier (a prompt's next chunk).
+    Next,
+}
+
+impl SeqState {
+    /// Start the sequence on all of `prompt` (computed by later steps), reusing its cached prefix
+    /// when `allow_prefix_skip`; returns how many leading tokens the prefix cache serves.
+    fn begin_row(&mut self, g: &mut PagedKv, prompt: &[u32], allow_prefix_skip: bool) -> Result<usize> {
+        if self.seq.is_some() {
+            return Err(ModelError::Cache("a paged sequence can begin only once".into()));
+        }
+        let b = g.manager.begin(prompt, extra_keys(allow_prefix_skip)).map_err(err)?;
+        self.shared = allow_prefix_skip;
+        self.seq = Some(b.seq);
+        self.offset = b.cached_tokens;
+        Ok(b.cached_tokens)
+    }
+
+    /// Register `input` and schedule the next (at most `max`) tokens not yet computed.
+    fn step_row(&mut self, g: &mut PagedKv, input: &RowTokens, max: usize) -> Result<Step> {
+        let seq = self.seq.ok_or_else(|| ModelError::Cache("a paged row steps before it began".into()))?;
+        if !matches!(input, RowTokens::Next) {
+            self.resolve(g, false)?;
+        }
+        match input {
+            RowTokens::Host(ids) if self.pending.is_empty() => g.manager.append(seq, ids).map_err(err)?,
+            RowTokens::Host(ids) => {
+                g.manager.append_pending(seq, ids.len()).map_err(err)?;
+                self.pending.push_back(Array::from_slice(ids, &[ids.len()])?);
+            }
+            RowTokens::Lazy(a) => {
+                g.manager.append_pending(seq, a.size()).map_err(err)?;
+                self.pending.push_back(a.clone());
+            }
+            RowTokens::Next => {}
+        }
+        let step = g.manager.step(seq, max).map_err(err)?;
+        self.offset = step.start + step.len;
+        Ok(step)
+    }
+}
+
+impl PagedSeq {
+    /// The pool this sequence lives in.
+    pub(crate) fn pool(&self) -> &Arc<Mutex<PagedKv>> {
+        &self.shared
+    }
+
+    /// [`SeqState::begin_row`].
+    pub(crate) fn begin_row(&mut self, prompt: &[u32], allow_prefix_skip: bool) -> Result<usize> {
+        let mut g = PagedKv::claim(&self.shared);
+        self.state.begin_row(&mut g, prompt, allow_prefix_skip)
+    }
+
+    /// A second sequence with the same tokens and position, sharing the blocks (the partial
+    /// last block is copied).
+    pub(crate) fn fork(&mut self) -> Result<PagedSeq> {
+        let mut g = PagedKv::claim(&self.shared);
+        g.settle()?;
+        self.state.resolve(&mut g, true)?;
+        let seq = self.state.seq.ok_or_else(|| ModelError::Cache("fork of a paged sequence that has not begun".into()))?;
+        let (id, copies) = g.manager.fork(seq).map_err(err)?;
+        g.pool.copy_blocks(&copies).map_err(err)?;
+        g.release(false)?;
+        let state = SeqState { seq: Some(id), offset: self.state.offset, shared: self.state.shared, ..SeqState::default() };
+        Ok(PagedSeq { shared: self.shared.clone(), state })
+    }
+}
+
+/// Schedule one step of every row of `seqs` (sequences of the pool `shared`): row `b` registers
+/// `inputs[b].0` and computes at most `inputs[b].1` tokens.
+pub(crate) fn schedule_rows(shared: &Mutex<PagedKv>, seqs: &mut [PagedSeq], inputs: &[(RowTokens, usize)]) -> Result<Vec<Step>> {
+    if seqs.len() != inputs.len() {
+        return Err(ModelError::InvalidInput(format!("{} inputs for {} paged rows", inputs.len(), seqs.len())));
+    }
+    let mut g = PagedKv::claim(shared);
+    seqs.iter_mut().zip(inputs).map(|(s, (input, max))| s.state.step_row(&mut g, input, *max)).collect()
+}
+
+/// One forward step over rows of one pool ([`crate::Cache::paged_rows`]): holds the pool locked
+/// from [`RowsStep::begin`] to [`RowsStep::finish`] (or drop). Every row reads its keys from its
+/// own blocks (no contiguous mirror) and writes its new ones there at once.
+pub(crate) struct RowsStep<'a> {
+    guard: MutexGuard<'a, PagedKv>,
+    batch: StepBatch,
+    /// Flat indices (`b * columns + c`) of the step's token columns, row by row (the write order
+    /// of the batch's slots); `None` when no row has padding.
+    tokens: Option<Array>,
+    /// Leave the pool writes to the caller's queueing call.
+    later: bool,
+    finished: bool,
+}
+
+impl Drop for RowsStep<'_> {
+    /// A forward call that failed before [`RowsStep::finish`] still queues what it wrote.
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.guard.release(false);
+        }
+    }
+}
+
+impl<'a> RowsStep<'a> {
+    /// Lock the pool and build the step of `steps` (one per row, from [`schedule_rows`]): row `b`
+    /// fills the last `columns - pad[b]` of the step's columns.
+    pub(crate) fn begin(shared: &'a Mutex<PagedKv>, steps: &[Step], pad: &[usize], columns: usize, later: bool) -> Result<Self> {
+        let mut guard = PagedKv::claim(shared);
+        guard.settle()?;
+        let refs: Vec<&Step> = steps.iter().collect();
+        let batch = guard.pool.batch(&refs).map_err(err)?;
+        let tokens = if pad.iter().all(|&p| p == 0) {
+            None
+        } else {
+            let idx: Vec<i32> = pad.iter().enumerate().flat_map(|(b, &p)| (p..columns).map(move |c| (b * columns + c) as i32)).collect();
+            Some(Array::from_slice(&idx, &[idx.len()])?)
+        };
+        Ok(RowsStep { guard, batch, tokens, later, finished: false })
+    }
+
+    /// Per kind of attention (`None` full, `Some(w)` a sliding window of `w`): each row's first
+    /// key position and key count ([`crate::batch::BatchRows::paged`]).
+    pub(crate) fn key_groups(&self) -> Vec<(Option<usize>, Vec<usize>, Vec<usize>)> {
+        let layout = self.guard.pool.layout();
+        (0..layout.groups.len())
+            .filter_map(|g| {
+                let w = match layout.groups[g].attention {
+                    kv_paged::Attention::Full => None,
+                    kv_paged::Attention::Sliding { window } => Some(window),
+                };
+                let (lens, _) = self.batch.kv_lens(g)?;
+                let starts = (0..lens.len()).map(|b| self.batch.kv_start(g, b).unwrap_or(0)).collect();
+                Some((w, starts, lens.to_vec()))
+            })
+            .collect()
+    }
+
+    /// The pool access of model layer `i`.
+    pub(crate) fn layer(&mut self, i: usize) -> Result<PagedRowsKv<'_>> {
+        let g = &mut *self.guard;
+        let layer = g.layer_map.get(i).copied().flatten().ok_or_else(|| ModelError::Cache(format!("layer {i} has no K/V")))?;
+        Ok(PagedRowsKv { pool: &mut g.pool, batch: &self.batch, layer, tokens: self.tokens.as_ref() })
+    }
+
+    /// End the step: queue the pool writes now, or leave them to the caller's queueing call
+    /// ([`crate::Cache::set_queue_with_outputs`]).
+    pub(crate) fn finish(mut self) -> Result<()> {
+        self.finished = true;
+        let later = self.later;
+        self.guard.release(later)
+    }
+}
+
+/// The K/V access of one attention layer in a step over paged rows.
+pub struct PagedRowsKv<'a> {
+    pool: &'a mut KvPool,
+    batch: &'a StepBatch,
+    layer: usize,
+    tokens: Option<&'a Array>,
+}
+
+impl PagedRowsKv<'_> {
+    /// Write the rows' new `k`, `v` (`[B, H, L, D]`, left padding skipped) into their blocks and
+    /// return every row's keys and values (`[B, H, T, D]`, each row's from its first key
+    /// position, padded at the end to the longest row).
+    pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let pick = |x: &Array| -> Result<Array> {
+            let Some(idx) = self.tokens else { return Ok(x.clone()) };
+            let s = x.shape();
+            let (b, h, l, d) = (s[0] as i32, s[1] as i32, s[2] as i32, s[3] as i32);
+            let rows = x.transpose(&[0, 2, 1, 3])?.reshape(&[b * l, h, d])?.take(idx, 0)?;
+            Ok(rows.reshape(&[1, -1, h, d])?.transpose(&[0, 2, 1, 3])?)
+        };
+        let (kw, vw) = (pick(k)?, pick(v)?);
+        self.pool.write(self.layer, self.batch, &kw, &vw).map_err(err)?;
+        self.pool.read(self.layer, self.batch).map_err(err)
     }
 }
 

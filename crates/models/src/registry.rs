@@ -195,14 +195,10 @@ pub static FAMILIES: &[Family] = &[
         sanitize: sanitize_towers,
         ..Family::new("gemma3", &["gemma3", "gemma3_text"], crate::families::gemma3::load, crate::families::gemma3::PRESETS)
     },
-    Family {
-        kv_default: KvDefault::Flat,
-        ..Family::new("lfm2", &["lfm2"], crate::families::lfm2::load, crate::families::lfm2::PRESETS)
-    },
-    Family {
-        kv_default: KvDefault::Flat,
-        ..Family::new("lfm2_moe", &["lfm2_moe"], crate::families::lfm2::load, crate::families::lfm2::MOE_PRESETS)
-    },
+    // Paged by default, as mlx-node's AGENT_PAGED_MODEL_TYPES (attention layers in the pool,
+    // short-convolution state per sequence).
+    Family::new("lfm2", &["lfm2"], crate::families::lfm2::load, crate::families::lfm2::PRESETS),
+    Family::new("lfm2_moe", &["lfm2_moe"], crate::families::lfm2::load, crate::families::lfm2::MOE_PRESETS),
 ];
 
 /// Look up a family by canonical type.

@@ -4,39 +4,8 @@
 //! early, and per-row sampling streams.
 mod common;
 use common::*;
-use mlx_array::Array;
-use mlx_models::{generate_batch, load_model, FinishReason, GenerateConfig, Logits, Model};
+use mlx_models::{generate_batch, load_model, FinishReason, GenerateConfig};
 use sampling::SamplingConfig;
-
-/// The smallest top-1/top-2 gap below which a batched run may pick the other token.
-const TIE: f32 = 1e-4;
-
-/// Greedy decode of `prompt` alone (the model's own cache): tokens and each step's top-1/top-2 gap.
-fn alone(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut cache = model.new_cache();
-    let mut t = Array::from_slice(prompt, &[1, prompt.len()]).unwrap();
-    let (mut out, mut gaps) = (Vec::new(), Vec::new());
-    for _ in 0..steps {
-        let l = model
-            .forward(&t, &mut cache, Logits::Last, false)
-            .unwrap()
-            .logits
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
-        let best = argmax(&l);
-        let second = l
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i as u32 != best)
-            .map(|(_, x)| *x)
-            .fold(f32::NEG_INFINITY, f32::max);
-        out.push(best);
-        gaps.push(l[best as usize] - second);
-        t = Array::from_slice(&[best], &[1, 1]).unwrap();
-    }
-    (out, gaps)
-}
 
 /// `got` equals `want` up to the first step where the lone run was a near tie (then anything
 /// may follow); `want` may be cut at a stop token.
@@ -76,7 +45,7 @@ fn check_family(name: &str) {
         .unwrap();
     let ps = prompts(model.info().vocab_size);
     let steps = 10;
-    let lone: Vec<(Vec<u32>, Vec<f32>)> = ps.iter().map(|p| alone(&model, p, steps)).collect();
+    let lone: Vec<(Vec<u32>, Vec<f32>)> = ps.iter().map(|p| greedy_alone(&model, p, steps)).collect();
     let cfg = GenerateConfig {
         max_new_tokens: steps,
         sampling: SamplingConfig::greedy(),

@@ -4,26 +4,8 @@
 //! dropped receivers, usage and the bounded queue.
 mod common;
 use common::*;
-use mlx_array::Array;
-use mlx_models::{load_model, Engine, EngineConfig, EngineError, Event, FinishReason, GenerateConfig, Logits, Model, RequestHandle, Usage};
+use mlx_models::{load_model, Engine, EngineConfig, EngineError, EngineKv, Event, FinishReason, GenerateConfig, KvCacheMode, LoadOptions, Model, PagedConfig, RequestHandle, Usage};
 use sampling::SamplingConfig;
-
-const TIE: f32 = 1e-4;
-
-fn alone(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut cache = model.new_cache();
-    let mut t = Array::from_slice(prompt, &[1, prompt.len()]).unwrap();
-    let (mut out, mut gaps) = (Vec::new(), Vec::new());
-    for _ in 0..steps {
-        let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
-        let best = argmax(&l);
-        let second = l.iter().enumerate().filter(|(i, _)| *i as u32 != best).map(|(_, x)| *x).fold(f32::NEG_INFINITY, f32::max);
-        out.push(best);
-        gaps.push(l[best as usize] - second);
-        t = Array::from_slice(&[best], &[1, 1]).unwrap();
-    }
-    (out, gaps)
-}
 
 /// Read `n` tokens (or everything, `n = usize::MAX`) of a request; returns them and the finish.
 fn read(h: &RequestHandle, n: usize) -> (Vec<u32>, Option<(FinishReason, Usage)>) {
@@ -42,14 +24,25 @@ fn greedy(n: usize) -> GenerateConfig {
     GenerateConfig { max_new_tokens: n, sampling: SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() }
 }
 
-fn check_family(name: &str) {
-    let model = load_model(fixture(name), &test_load_options()).unwrap().into_lm().unwrap();
+/// A fixture loaded with paged caches (blocks of 4 tokens, so every test prompt has a full block)
+/// or flat ones.
+fn load(name: &str, paged: bool) -> Model {
+    let kv_cache = if paged { KvCacheMode::Paged(PagedConfig { block_size: 4, memory_mb: Some(8.0), ..Default::default() }) } else { KvCacheMode::Flat };
+    load_model(fixture(name), &LoadOptions { kv_cache, ..test_load_options() }).unwrap().into_lm().unwrap()
+}
+
+/// Requests joining while others decode give each request's lone greedy tokens; with `kv`
+/// paged, each request starts on the full blocks of its prompt that its lone run left in the
+/// prefix cache (families without recurrent layers).
+fn check_family(name: &str, kv: EngineKv) {
+    let model = load(name, kv == EngineKv::Paged);
+    let recurrent = matches!(name, "qwen3_5" | "qwen3_5_moe" | "lfm2" | "lfm2_moe");
     let v = model.info().vocab_size as u32;
     let mk = |n: u32, seed: u32| (0..n).map(|i| (i * 53 + seed * 97 + 3) % v).collect::<Vec<u32>>();
     let prompts = [mk(6, 1), mk(15, 2), mk(9, 3), mk(6, 1)];
     let steps = 12;
-    let lone: Vec<_> = prompts.iter().map(|p| alone(&model, p, steps)).collect();
-    let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, max_queue: 16 }).unwrap();
+    let lone: Vec<_> = prompts.iter().map(|p| greedy_alone(&model, p, steps)).collect();
+    let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, max_queue: 16, kv }).unwrap();
     let h = engine.handle();
     // A runs alone for 3 tokens; B, C and D (A's prompt again) join while it decodes.
     let a = h.submit(prompts[0].clone(), &greedy(steps)).unwrap();
@@ -71,7 +64,9 @@ fn check_family(name: &str) {
         let (reason, usage) = fin.expect("finished");
         assert_eq!(reason, FinishReason::Length);
         if exact {
-            assert_eq!(usage, Usage { prompt_tokens: prompts[i].len(), completion_tokens: steps, cached_prompt_tokens: 0 });
+            // paged: every prompt was computed alone first, so its full blocks are cached
+            let cached = if kv == EngineKv::Paged && !recurrent { (prompts[i].len() - 1) / 4 * 4 } else { 0 };
+            assert_eq!(usage, Usage { prompt_tokens: prompts[i].len(), completion_tokens: steps, cached_prompt_tokens: cached }, "{name}, request {i}");
         }
     }
     let st = h.stats();
@@ -79,18 +74,27 @@ fn check_family(name: &str) {
     assert!(st.rows > st.forwards, "{name}: mean rows per pass above 1: {st:?}");
 }
 
-#[test]
-fn engine_equals_alone_dense() {
-    for name in ["qwen3", "llama", "qwen2", "gemma3_text", "gemma4_text"] {
-        check_family(name);
+const DENSE: [&str; 5] = ["qwen3", "llama", "qwen2", "gemma3_text", "gemma4_text"];
+const HYBRID: [&str; 5] = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "gemma4_text_moe"];
+
+/// Every family of `names` on flat batch caches, then on the paged pool (every sequence its own
+/// blocks, steps over several of them).
+fn check_families(names: [&str; 5]) {
+    for kv in [EngineKv::Flat, EngineKv::Paged] {
+        for name in names {
+            check_family(name, kv);
+        }
     }
 }
 
 #[test]
+fn engine_equals_alone_dense() {
+    check_families(DENSE);
+}
+
+#[test]
 fn engine_equals_alone_hybrid() {
-    for name in ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "gemma4_text_moe"] {
-        check_family(name);
-    }
+    check_families(HYBRID);
 }
 
 /// Cancelling a request (or dropping its receiver) ends it with `Cancelled` at its next token;
@@ -99,7 +103,7 @@ fn engine_equals_alone_hybrid() {
 fn cancellation_and_dropped_receivers() {
     let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let p = vec![5u32, 6, 7, 8, 9];
-    let (want, gaps) = alone(&model, &p, 40);
+    let (want, gaps) = greedy_alone(&model, &p, 40);
     assert!(gaps.iter().all(|&g| g > TIE));
     let engine = Engine::start(model, EngineConfig::default()).unwrap();
     let h = engine.handle();
@@ -122,7 +126,7 @@ fn cancellation_and_dropped_receivers() {
 fn invalid_requests_and_a_full_queue_are_refused() {
     let model = load_model(fixture("qwen3"), &test_load_options()).unwrap().into_lm().unwrap();
     let too_long = vec![1u32; model.info().max_position_embeddings];
-    let engine = Engine::start(model, EngineConfig { max_batch: 1, prefill_step_size: 0, max_queue: 1 }).unwrap();
+    let engine = Engine::start(model, EngineConfig { max_batch: 1, prefill_step_size: 0, max_queue: 1, ..Default::default() }).unwrap();
     let h = engine.handle();
     assert!(matches!(h.submit(vec![], &greedy(1)), Err(EngineError::Model(_))));
     assert!(matches!(h.submit(vec![1, 1 << 30], &greedy(1)), Err(EngineError::Model(_))));

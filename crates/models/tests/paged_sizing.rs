@@ -39,8 +39,9 @@ fn force_paged_per_family_takes_precedence() {
     assert!(load("qwen3", &[]).unwrap(), "qwen3: paged by default");
     assert!(!load("qwen3", &[("qwen3", false)]).unwrap(), "forced flat");
     assert!(load("qwen3", &[("lfm2", false)]).unwrap(), "another family's entry does not apply");
-    assert!(!load("lfm2", &[]).unwrap(), "lfm2: flat by default");
-    assert!(load("lfm2", &[("lfm2", true)]).unwrap());
+    assert!(load("lfm2", &[]).unwrap(), "lfm2: paged by default, as in mlx-node");
+    assert!(load("lfm2_moe", &[]).unwrap(), "lfm2_moe: paged by default");
+    assert!(!load("lfm2", &[("lfm2", false)]).unwrap(), "forced flat");
     assert!(!load("qwen3_5", &[]).unwrap(), "qwen3_5: flat by default");
     assert!(load("qwen3_5", &[("qwen3_5", true)]).unwrap());
     assert!(load("qwen3", &[("qwen9", true)]).is_err(), "an unknown family is an error");

@@ -46,7 +46,7 @@ fn batch_rows_are_independent() {
     // routing are per row).
     for name in ["lfm2", "lfm2_moe"] {
         let prompt = ids(&reference(name)["input_ids"]);
-        check_batch_rows_independent(&fixture_lm(name), &[&prompt[..24], &prompt[30..54]]);
+        check_batch_rows_independent(&flat_lm(name), &[&prompt[..24], &prompt[30..54]]);
     }
 }
 
@@ -56,7 +56,7 @@ fn batch_rows_are_independent() {
 #[test]
 fn long_moe_batch_per_expert_products_equal_gather() {
     let rows: Vec<Vec<u32>> = (0..2u32).map(|r| (0..300u32).map(|i| (i * 37 + r * 101 + 5) % 512).collect()).collect();
-    check_batch_rows_independent(&fixture_lm("lfm2_moe"), &[&rows[0], &rows[1]]);
+    check_batch_rows_independent(&flat_lm("lfm2_moe"), &[&rows[0], &rows[1]]);
 }
 
 fn session_smoke(name: &str) {
@@ -198,4 +198,11 @@ fn mlx_lm_stacked_expert_layout_loads() {
 fn last_position_prefill_equals_all_positions() {
     check_last_position_prefill("lfm2");
     check_last_position_prefill("lfm2_moe");
+}
+
+/// A fixture with flat caches (batches of several rows; LFM2 is paged by default, and a paged
+/// cache takes one sequence a forward call).
+fn flat_lm(name: &str) -> mlx_models::Model {
+    let opts = mlx_models::LoadOptions { kv_cache: mlx_models::KvCacheMode::Flat, ..test_load_options() };
+    mlx_models::load_model(fixture(name), &opts).unwrap().into_lm().unwrap()
 }

@@ -5,8 +5,9 @@
 //! Two implementations of [`Engine`]:
 //! - [`BatchEngine`] (the default): every request of the model on one continuous-batching loop
 //!   ([`mlx_models::Engine`]): sequences join the running batch between steps and leave it when
-//!   done. Its batch caches are not the paged pool, so prompts are always computed in full
-//!   (`cached_tokens` 0).
+//!   done. On a GPU its sequences live in the model's paged pool, so a prompt whose leading
+//!   blocks are cached prefills only the rest (`cached_tokens`); flat batch caches on the CPU
+//!   (`--engine-kv` chooses).
 //! - [`SequentialEngine`]: one request at a time on a dedicated thread, over
 //!   `mlx_models::generate`; it keeps a few finished sequences' KV caches and continues the one
 //!   sharing the longest prefix with a new prompt (a conversation continued through
@@ -347,10 +348,17 @@ pub struct BatchEngine {
 }
 
 impl BatchEngine {
-    /// Start the loop: at most `max_batch` sequences per forward pass, `max_queue` waiting.
-    pub fn start(model: Model, max_batch: usize, max_queue: usize) -> mlx_models::Result<Self> {
+    /// Start the loop: at most `max_batch` sequences per forward pass, `max_queue` waiting, K/V
+    /// where `kv` says.
+    pub fn start(
+        model: Model,
+        max_batch: usize,
+        max_queue: usize,
+        kv: mlx_models::EngineKv,
+    ) -> mlx_models::Result<Self> {
         let cfg = mlx_models::EngineConfig {
             max_batch,
+            kv,
             max_queue,
             ..Default::default()
         };

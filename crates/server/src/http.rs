@@ -161,38 +161,17 @@ async fn models(State(st): State<Shared>) -> Json<Value> {
 }
 
 async fn metrics(State(st): State<Shared>) -> Response {
-    let (mut g, memory) = (
-        Gauges {
-            queued: 0,
-            running: 0,
-            queue_capacity: 0,
-            kv_blocks_used: None,
-            kv_blocks_cached: None,
-            kv_blocks_total: None,
-            max_sequences_per_step: 0,
-            memory: None,
+    let engine = match &st.backend {
+        Backend::Lm(b) => b.engine.stats(),
+        Backend::Embedding(e) => crate::engine::EngineStats {
+            queue_capacity: e.slots.available_permits(),
+            ..Default::default()
         },
-        mlx_models::observe::memory_stats().ok(),
-    );
-    match &st.backend {
-        Backend::Lm(b) => {
-            let s = b.engine.stats();
-            g = Gauges {
-                queued: s.queued,
-                running: s.running,
-                queue_capacity: s.queue_capacity,
-                kv_blocks_used: s.kv_blocks_used,
-                kv_blocks_cached: s.kv_blocks_cached,
-                kv_blocks_total: s.kv_blocks_total,
-                max_sequences_per_step: s.max_sequences_per_step,
-                memory,
-            };
-        }
-        Backend::Embedding(e) => {
-            g.memory = memory;
-            g.queue_capacity = e.slots.available_permits();
-        }
-    }
+    };
+    let g = Gauges {
+        engine,
+        memory: mlx_models::observe::memory_stats().ok(),
+    };
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         st.metrics.render(&g),
@@ -348,6 +327,83 @@ pub fn sse(rx: UnboundedReceiver<String>) -> Response {
         .unwrap_or_else(|_| ApiError::internal("building the event stream failed").into_response())
 }
 
+/// How a chat or completion stream ends after its last chunk: the usage chunk (with
+/// `stream_options.include_usage`), then `data: [DONE]`.
+struct StreamEnd {
+    id: String,
+    object: &'static str,
+    created: i64,
+    model: String,
+    include_usage: bool,
+}
+
+impl StreamEnd {
+    fn new(
+        id: &str,
+        object: &'static str,
+        created: i64,
+        model: &str,
+        opts: Option<StreamOptions>,
+    ) -> Self {
+        let include_usage = opts.is_some_and(|o| o.include_usage);
+        StreamEnd {
+            id: id.to_string(),
+            object,
+            created,
+            model: model.to_string(),
+            include_usage,
+        }
+    }
+}
+
+/// Server-sent events of a generation: `first` at once, then `chunk(o)` for each output `o` of
+/// `rx` (`None`: nothing to send for it, e.g. a log-prob held for the next chunk); `Done`'s chunk
+/// is followed by [`StreamEnd`]'s; an `Error` ends the stream with an OpenAI error body.
+fn stream_chunks(
+    mut rx: UnboundedReceiver<Out>,
+    first: Option<String>,
+    end: StreamEnd,
+    mut chunk: impl FnMut(&Out) -> Option<String> + Send + 'static,
+) -> Response {
+    let (tx, out) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        if let Some(f) = first {
+            if tx.send(f).is_err() {
+                return;
+            }
+        }
+        while let Some(o) = rx.recv().await {
+            let msg = match &o {
+                Out::Error(e) => {
+                    let _ = tx.send(format!(
+                        "data: {}\n\n",
+                        ApiError::internal(e.clone()).body()
+                    ));
+                    return;
+                }
+                Out::Done(f) => {
+                    let mut s = chunk(&o).unwrap_or_default();
+                    if end.include_usage {
+                        let u = json!({ "id": end.id, "object": end.object, "created": end.created, "model": end.model, "choices": [], "usage": usage_json(f) });
+                        s.push_str(&format!("data: {u}\n\n"));
+                    }
+                    s.push_str("data: [DONE]\n\n");
+                    let _ = tx.send(s);
+                    return;
+                }
+                _ => match chunk(&o) {
+                    Some(m) => m,
+                    None => continue,
+                },
+            };
+            if tx.send(msg).is_err() {
+                return;
+            }
+        }
+    });
+    sse(out)
+}
+
 // ---------------------------------------------------------------- chat completions
 
 #[derive(Deserialize)]
@@ -476,18 +532,11 @@ pub fn convert_messages(raw: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
                         "missing name",
                     )
                 })?;
-                let arguments = match f.get("arguments") {
-                    Some(Value::String(s)) => {
-                        serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
-                    }
-                    Some(v) => v.clone(),
-                    None => json!({}),
-                };
-                list.push(ToolCall {
-                    id: c.get("id").and_then(Value::as_str).map(String::from),
-                    name: name.to_string(),
-                    arguments,
-                });
+                list.push(tool_call_from(
+                    c.get("id").and_then(Value::as_str),
+                    name,
+                    f.get("arguments"),
+                ));
             }
             msg = msg.with_tool_calls(list);
         }
@@ -499,13 +548,36 @@ pub fn convert_messages(raw: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(out)
 }
 
-/// OpenAI's form of a parsed tool call (`arguments` as a JSON string).
-pub fn tool_call_json(c: &ParsedToolCall) -> Value {
-    let args = if c.is_ok() {
+/// A tool call of a request's history: `arguments` as OpenAI sends them (a JSON string,
+/// kept as a string when it is not JSON) or as an object; `{}` when absent.
+pub fn tool_call_from(id: Option<&str>, name: &str, arguments: Option<&Value>) -> ToolCall {
+    let arguments = match arguments {
+        Some(Value::String(s)) => {
+            serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+        }
+        Some(v) => v.clone(),
+        None => json!({}),
+    };
+    ToolCall {
+        id: id.map(String::from),
+        name: name.to_string(),
+        arguments,
+    }
+}
+
+/// A parsed tool call's arguments as the JSON string OpenAI sends (the raw text when they did
+/// not parse).
+pub fn tool_arguments(c: &ParsedToolCall) -> String {
+    if c.is_ok() {
         c.arguments.to_string()
     } else {
         c.raw.clone()
-    };
+    }
+}
+
+/// OpenAI's form of a parsed tool call (`arguments` as a JSON string).
+pub fn tool_call_json(c: &ParsedToolCall) -> Value {
+    let args = tool_arguments(c);
     json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": args } })
 }
 
@@ -642,86 +714,67 @@ async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Respo
         }))
         .into_response());
     }
-    let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
+    let end = StreamEnd::new(
+        &id,
+        "chat.completion.chunk",
+        created,
+        &model,
+        r.stream_options,
+    );
     let logprobs = r.logprobs;
-    let (tx, out) = tokio::sync::mpsc::unbounded_channel::<String>();
-    tokio::spawn(async move {
-        let mut rx = rx;
-        let chunk = |delta: Value, finish: Value, lps: Value| {
-            let c = json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{ "index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish }] });
-            format!("data: {c}\n\n")
-        };
-        if tx
-            .send(chunk(
-                json!({ "role": "assistant", "content": "" }),
-                Value::Null,
-                Value::Null,
-            ))
-            .is_err()
-        {
-            return;
+    let chunk = move |delta: Value, finish: Value, lps: Value| {
+        let c = json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{ "index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish }] });
+        format!("data: {c}\n\n")
+    };
+    let first = chunk(
+        json!({ "role": "assistant", "content": "" }),
+        Value::Null,
+        Value::Null,
+    );
+    let lp_field = move |v: &mut Vec<Value>| {
+        if logprobs {
+            json!({ "content": std::mem::take(v) })
+        } else {
+            Value::Null
         }
-        let mut pending_lps: Vec<Value> = Vec::new();
-        let mut n_calls = 0usize;
-        let lp_field = |v: &mut Vec<Value>| {
-            if logprobs {
-                json!({ "content": std::mem::take(v) })
-            } else {
-                Value::Null
+    };
+    let mut pending_lps: Vec<Value> = Vec::new();
+    let mut n_calls = 0usize;
+    Ok(stream_chunks(rx, Some(first), end, move |o| {
+        Some(match o {
+            Out::Logprob(l) => {
+                pending_lps.push(logprob_json(l));
+                return None;
             }
-        };
-        while let Some(o) = rx.recv().await {
-            let msg = match o {
-                Out::Logprob(l) => {
-                    pending_lps.push(logprob_json(&l));
-                    continue;
-                }
-                Out::Text(t) => chunk(
-                    json!({ "content": t }),
+            Out::Text(t) => chunk(
+                json!({ "content": t }),
+                Value::Null,
+                lp_field(&mut pending_lps),
+            ),
+            Out::Thinking(t) => chunk(
+                json!({ "reasoning_content": t }),
+                Value::Null,
+                lp_field(&mut pending_lps),
+            ),
+            Out::ToolCall(c) => {
+                let mut tc = tool_call_json(c);
+                tc["index"] = json!(n_calls);
+                n_calls += 1;
+                chunk(
+                    json!({ "tool_calls": [tc] }),
                     Value::Null,
                     lp_field(&mut pending_lps),
-                ),
-                Out::Thinking(t) => chunk(
-                    json!({ "reasoning_content": t }),
-                    Value::Null,
-                    lp_field(&mut pending_lps),
-                ),
-                Out::ToolCall(c) => {
-                    let mut tc = tool_call_json(&c);
-                    tc["index"] = json!(n_calls);
-                    n_calls += 1;
-                    chunk(
-                        json!({ "tool_calls": [tc] }),
-                        Value::Null,
-                        lp_field(&mut pending_lps),
-                    )
-                }
-                Out::Done(f) => {
-                    let mut s = chunk(
-                        json!({}),
-                        json!(f.finish_reason),
-                        lp_field(&mut pending_lps),
-                    );
-                    if include_usage {
-                        let u = json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage_json(&f) });
-                        s.push_str(&format!("data: {u}\n\n"));
-                    }
-                    s.push_str("data: [DONE]\n\n");
-                    let _ = tx.send(s);
-                    return;
-                }
-                Out::Error(e) => {
-                    let _ = tx.send(format!("data: {}\n\n", ApiError::internal(e).body()));
-                    return;
-                }
-            };
-            if tx.send(msg).is_err() {
-                return;
+                )
             }
-        }
-    });
-    Ok(sse(out))
+            Out::Done(f) => chunk(
+                json!({}),
+                json!(f.finish_reason),
+                lp_field(&mut pending_lps),
+            ),
+            Out::Error(_) => return None,
+        })
+    }))
 }
 
 // ---------------------------------------------------------------- completions
@@ -837,52 +890,29 @@ async fn completions(State(st): State<Shared>, body: Bytes) -> Result<Response, 
         }))
         .into_response());
     }
-    let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
-    let (tx, out) = tokio::sync::mpsc::unbounded_channel::<String>();
-    tokio::spawn(async move {
-        let mut rx = rx;
-        let chunk = |text: &str, finish: Value, lps: Value| {
-            let c = json!({ "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{ "index": 0, "text": text, "logprobs": lps, "finish_reason": finish }] });
-            format!("data: {c}\n\n")
-        };
-        let mut pending: Vec<TokenLogprob> = Vec::new();
-        while let Some(o) = rx.recv().await {
-            let lps = |p: &mut Vec<TokenLogprob>| {
-                if logprobs {
-                    lp_json(&std::mem::take(p))
-                } else {
-                    Value::Null
-                }
-            };
-            let msg = match o {
-                Out::Logprob(l) => {
-                    pending.push(l);
-                    continue;
-                }
-                Out::Text(t) => chunk(&t, Value::Null, lps(&mut pending)),
-                Out::Thinking(_) | Out::ToolCall(_) => continue,
-                Out::Done(f) => {
-                    let mut s = chunk("", json!(f.finish_reason), lps(&mut pending));
-                    if include_usage {
-                        let u = json!({ "id": id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage_json(&f) });
-                        s.push_str(&format!("data: {u}\n\n"));
-                    }
-                    s.push_str("data: [DONE]\n\n");
-                    let _ = tx.send(s);
-                    return;
-                }
-                Out::Error(e) => {
-                    let _ = tx.send(format!("data: {}\n\n", ApiError::internal(e).body()));
-                    return;
-                }
-            };
-            if tx.send(msg).is_err() {
-                return;
-            }
+    let end = StreamEnd::new(&id, "text_completion", created, &model, r.stream_options);
+    let chunk = move |text: &str, finish: Value, lps: Value| {
+        let c = json!({ "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{ "index": 0, "text": text, "logprobs": lps, "finish_reason": finish }] });
+        format!("data: {c}\n\n")
+    };
+    let lps = move |p: &mut Vec<TokenLogprob>| {
+        if logprobs {
+            lp_json(&std::mem::take(p))
+        } else {
+            Value::Null
         }
-    });
-    Ok(sse(out))
+    };
+    let mut pending: Vec<TokenLogprob> = Vec::new();
+    Ok(stream_chunks(rx, None, end, move |o| match o {
+        Out::Logprob(l) => {
+            pending.push(l.clone());
+            None
+        }
+        Out::Text(t) => Some(chunk(t, Value::Null, lps(&mut pending))),
+        Out::Done(f) => Some(chunk("", json!(f.finish_reason), lps(&mut pending))),
+        Out::Thinking(_) | Out::ToolCall(_) | Out::Error(_) => None,
+    }))
 }
 
 // ---------------------------------------------------------------- embeddings

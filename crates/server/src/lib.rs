@@ -15,6 +15,7 @@ pub mod store;
 
 use crate::engine::SequentialEngine;
 use crate::http::{AppState, Backend, EmbedBackend, LmBackend, Shared};
+use axum::serve::ListenerExt;
 use mlx_models::chat::{ChatFormat, Tokenizer};
 use mlx_models::{load_model, LoadOptions, LoadedModel};
 use std::path::{Path, PathBuf};
@@ -47,6 +48,9 @@ pub struct ServeOptions {
     pub engine: EngineKind,
     /// Most sequences per forward pass of the batching engine.
     pub max_batch: usize,
+    /// Where the batching engine keeps K/V (the paged pool, flat batch caches, or the paged pool
+    /// on a GPU only).
+    pub engine_kv: mlx_models::EngineKv,
     /// Finished sequences whose KV caches the sequential engine keeps for prefix reuse.
     pub kept_sequences: usize,
     /// How long stored responses are kept, in seconds.
@@ -114,8 +118,13 @@ pub fn load(opts: &ServeOptions) -> Result<Shared, ServerError> {
             let info = model.info().clone();
             let engine: Arc<dyn engine::Engine> = match opts.engine {
                 EngineKind::Batch => Arc::new(
-                    engine::BatchEngine::start(model, opts.max_batch, opts.max_queue)
-                        .map_err(lerr)?,
+                    engine::BatchEngine::start(
+                        model,
+                        opts.max_batch,
+                        opts.max_queue,
+                        opts.engine_kv,
+                    )
+                    .map_err(lerr)?,
                 ),
                 EngineKind::Sequential => Arc::new(SequentialEngine::start(
                     model,
@@ -165,6 +174,13 @@ pub async fn serve(
             let s = store.clone();
             let _ = tokio::task::spawn_blocking(move || s.cleanup_expired()).await;
         }
+    });
+    // TCP_NODELAY on every connection: a streamed token is one small write, which Nagle's
+    // algorithm would hold back until the client acknowledges the previous one (a delayed ACK,
+    // 40 ms or more on Linux) — a floor under every token's latency of a lone stream. A socket
+    // that refuses the option still works, only with that delay.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
     });
     let r = axum::serve(listener, http::router(state))
         .with_graceful_shutdown(shutdown)

@@ -35,12 +35,23 @@ struct Cli {
     /// Most sequences per forward pass (batch engine).
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
+    /// Where the batch engine keeps K/V: auto (the paged pool on a GPU, flat batch caches on
+    /// the CPU), paged (the model's paged pool: prompt prefixes cached across requests) or flat.
+    #[arg(long, value_enum, default_value_t = EngineKvArg::Auto)]
+    engine_kv: EngineKvArg,
     /// Finished sequences whose KV caches are kept for prefix reuse (sequential engine).
     #[arg(long, default_value_t = 4)]
     kept_sequences: usize,
     /// Days stored responses are kept.
     #[arg(long, default_value_t = 7.0)]
     retention_days: f64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum EngineKvArg {
+    Auto,
+    Paged,
+    Flat,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -82,6 +93,11 @@ fn main() {
             EngineArg::Sequential => EngineKind::Sequential,
         },
         max_batch: cli.max_batch,
+        engine_kv: match cli.engine_kv {
+            EngineKvArg::Auto => mlx_models::EngineKv::Auto,
+            EngineKvArg::Paged => mlx_models::EngineKv::Paged,
+            EngineKvArg::Flat => mlx_models::EngineKv::Flat,
+        },
         kept_sequences: cli.kept_sequences,
         retention_secs: (cli.retention_days * 86400.0) as i64,
     };

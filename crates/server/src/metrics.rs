@@ -33,16 +33,10 @@ pub struct Metrics {
     inner: Mutex<Inner>,
 }
 
-/// Gauges read at render time.
+/// Gauges read at render time: the engine's counters and MLX's memory.
+#[derive(Default)]
 pub struct Gauges {
-    pub queued: usize,
-    pub running: usize,
-    pub queue_capacity: usize,
-    pub kv_blocks_used: Option<usize>,
-    pub kv_blocks_cached: Option<usize>,
-    pub kv_blocks_total: Option<usize>,
-    /// Most sequences one forward pass of the engine has carried.
-    pub max_sequences_per_step: usize,
+    pub engine: crate::engine::EngineStats,
     pub memory: Option<mlx_models::observe::MemoryStats>,
 }
 
@@ -128,21 +122,21 @@ impl Metrics {
             "gauge",
             "Requests waiting for the engine.",
         );
-        let _ = writeln!(o, "mlx_serve_queue_depth {}", g.queued);
+        let _ = writeln!(o, "mlx_serve_queue_depth {}", g.engine.queued);
         head(
             &mut o,
             "mlx_serve_queue_capacity",
             "gauge",
             "Requests that may wait before new ones are refused with 429.",
         );
-        let _ = writeln!(o, "mlx_serve_queue_capacity {}", g.queue_capacity);
+        let _ = writeln!(o, "mlx_serve_queue_capacity {}", g.engine.queue_capacity);
         head(
             &mut o,
             "mlx_serve_running_requests",
             "gauge",
             "Requests generating now.",
         );
-        let _ = writeln!(o, "mlx_serve_running_requests {}", g.running);
+        let _ = writeln!(o, "mlx_serve_running_requests {}", g.engine.running);
         head(
             &mut o,
             "mlx_serve_prompt_tokens_total",
@@ -159,7 +153,7 @@ impl Metrics {
         let _ = writeln!(
             o,
             "mlx_serve_max_sequences_per_step {}",
-            g.max_sequences_per_step
+            g.engine.max_sequences_per_step
         );
         head(
             &mut o,
@@ -228,9 +222,11 @@ impl Metrics {
             "mlx_serve_time_to_first_token_seconds_count {}",
             m.ttft_count
         );
-        if let (Some(used), Some(cached), Some(total)) =
-            (g.kv_blocks_used, g.kv_blocks_cached, g.kv_blocks_total)
-        {
+        if let (Some(used), Some(cached), Some(total)) = (
+            g.engine.kv_blocks_used,
+            g.engine.kv_blocks_cached,
+            g.engine.kv_blocks_total,
+        ) {
             head(
                 &mut o,
                 "mlx_serve_kv_blocks_used",
@@ -287,13 +283,15 @@ mod tests {
         m.request("/v1/chat/completions", 200);
         m.request("/v1/chat/completions", 200);
         let g = Gauges {
-            queued: 3,
-            running: 1,
-            queue_capacity: 64,
-            kv_blocks_used: Some(4),
-            kv_blocks_cached: Some(2),
-            kv_blocks_total: Some(10),
-            max_sequences_per_step: 1,
+            engine: crate::engine::EngineStats {
+                queued: 3,
+                running: 1,
+                queue_capacity: 64,
+                kv_blocks_used: Some(4),
+                kv_blocks_cached: Some(2),
+                kv_blocks_total: Some(10),
+                max_sequences_per_step: 1,
+            },
             memory: None,
         };
         let t = m.render(&g);

@@ -10,7 +10,8 @@
 //! items.
 use crate::error::{parse_body, ApiError};
 use crate::http::{
-    apply_tool_choice, chat_plan, convert_messages, make_id, sampling_of, ChatPlanInput, Shared,
+    apply_tool_choice, chat_plan, convert_messages, make_id, sampling_of, tool_arguments,
+    tool_call_from, ChatPlanInput, Shared,
 };
 use crate::pipeline::{self, Final, Out};
 use crate::store::{now_secs, StoredResponse};
@@ -19,7 +20,7 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use mlx_models::chat::{
-    ChatMessage, FunctionDefinition, ParsedToolCall, PromptPlan, Role, ToolCall, ToolDefinition,
+    ChatMessage, FunctionDefinition, ParsedToolCall, PromptPlan, Role, ToolDefinition,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -99,18 +100,11 @@ fn items_to_messages(items: &[Value], at: &str) -> Result<Vec<ChatMessage>, ApiE
                 let name = it.get("name").and_then(Value::as_str).ok_or_else(|| {
                     ApiError::invalid_param(&p, "function_call item without a name")
                 })?;
-                let args = match it.get("arguments") {
-                    Some(Value::String(s)) => {
-                        serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
-                    }
-                    Some(v) => v.clone(),
-                    None => json!({}),
-                };
-                let call = ToolCall {
-                    id: it.get("call_id").and_then(Value::as_str).map(String::from),
-                    name: name.to_string(),
-                    arguments: args,
-                };
+                let call = tool_call_from(
+                    it.get("call_id").and_then(Value::as_str),
+                    name,
+                    it.get("arguments"),
+                );
                 match out.last_mut() {
                     Some(last) if last.role == Role::Assistant => {
                         last.tool_calls.get_or_insert_with(Vec::new).push(call)
@@ -157,11 +151,7 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
 }
 
 fn call_item(c: &ParsedToolCall) -> Value {
-    let args = if c.is_ok() {
-        c.arguments.to_string()
-    } else {
-        c.raw.clone()
-    };
+    let args = tool_arguments(c);
     json!({ "id": format!("fc_{}", c.id), "type": "function_call", "status": "completed", "call_id": c.id, "name": c.name, "arguments": args })
 }
 

@@ -57,6 +57,19 @@ pub struct StoredResponse {
     pub expires_at: Option<i64>,
 }
 
+/// A [`StoredResponse`] from a query row whose columns are the named fields, in that order.
+macro_rules! from_row {
+    ($row:expr, $($field:ident),+) => {{
+        let mut col = 0usize;
+        StoredResponse {
+            $($field: {
+                col += 1;
+                $row.get(col - 1)?
+            }),+
+        }
+    }};
+}
+
 /// A SQLite-backed response store (`Send + Sync`; calls take turns on one connection).
 pub struct ResponseStore {
     conn: Mutex<Connection>,
@@ -168,20 +181,21 @@ impl ResponseStore {
                  previous_response_id, config_json, expires_at FROM responses WHERE id = ?1 AND (expires_at IS NULL OR expires_at > ?2)",
                 params![id, now],
                 |row| {
-                    Ok(StoredResponse {
-                        id: row.get(0)?,
-                        created_at: row.get(1)?,
-                        model: row.get(2)?,
-                        status: row.get(3)?,
-                        instructions: row.get(4)?,
-                        input_json: row.get(5)?,
-                        output_json: row.get(6)?,
-                        output_text: row.get(7)?,
-                        usage_json: row.get(8)?,
-                        previous_response_id: row.get(9)?,
-                        config_json: row.get(10)?,
-                        expires_at: row.get(11)?,
-                    })
+                    Ok(from_row!(
+                        row,
+                        id,
+                        created_at,
+                        model,
+                        status,
+                        instructions,
+                        input_json,
+                        output_json,
+                        output_text,
+                        usage_json,
+                        previous_response_id,
+                        config_json,
+                        expires_at
+                    ))
                 },
             )
             .optional()

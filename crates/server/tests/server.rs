@@ -218,78 +218,54 @@ fn tools_are_rendered_and_tool_turns_accepted() {
 #[test]
 fn errors_are_openai_shaped() {
     let (s, _d) = start(&[]);
-    let check = |body: &str, status: u16, param: Value, code: Value| {
-        let r = s.req("POST", "/v1/chat/completions", Some(body));
-        assert_eq!(r.status, status, "{body} -> {}", r.body);
+    // (body, `param`, `code`): each a 400 with an invalid_request_error body
+    let long = json!({ "model": "qwen3", "messages": [{ "role": "user", "content": "word ".repeat(600) }] }).to_string();
+    let hi = r#""model":"qwen3","messages":[{"role":"user","content":"hi"}]"#;
+    let cases: Vec<(String, Option<&str>, Option<&str>)> = vec![
+        ("{\"model\": \"qwen3\", ".into(), None, Some("invalid_json")),
+        ("[1, 2]".into(), None, Some("invalid_json")),
+        (
+            format!(r#"{{{hi},"max_tokens":"ten"}}"#),
+            Some("max_tokens"),
+            None,
+        ),
+        (
+            format!(r#"{{{hi},"temperature":[1]}}"#),
+            Some("temperature"),
+            None,
+        ),
+        (
+            format!(r#"{{{hi},"frobnicate":1}}"#),
+            Some("frobnicate"),
+            None,
+        ),
+        (
+            r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#.into(),
+            Some("model"),
+            Some("model_not_found"),
+        ),
+        (
+            r#"{"model":"qwen3","messages":[{"role":"wizard","content":"hi"}]}"#.into(),
+            Some("messages[0].role"),
+            None,
+        ),
+        (format!(r#"{{{hi},"n":2}}"#), Some("n"), None),
+        (
+            format!(r#"{{{hi},"max_tokens":100000}}"#),
+            None,
+            Some("context_length_exceeded"),
+        ),
+        (long, None, Some("context_length_exceeded")),
+    ];
+    for (body, param, code) in cases {
+        let r = s.req("POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(r.status, 400, "{body} -> {}", r.body);
         let e = &r.json()["error"];
         assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()));
-        assert_eq!(
-            e["type"],
-            if status == 400 {
-                "invalid_request_error"
-            } else {
-                "server_error"
-            }
-        );
-        assert_eq!(e["param"], param, "{}", r.body);
-        assert_eq!(e["code"], code, "{}", r.body);
-    };
-    check(
-        "{\"model\": \"qwen3\", ",
-        400,
-        Value::Null,
-        json!("invalid_json"),
-    );
-    check("[1, 2]", 400, Value::Null, json!("invalid_json"));
-    check(
-        r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"max_tokens":"ten"}"#,
-        400,
-        json!("max_tokens"),
-        Value::Null,
-    );
-    check(
-        r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"temperature":[1]}"#,
-        400,
-        json!("temperature"),
-        Value::Null,
-    );
-    check(
-        r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"frobnicate":1}"#,
-        400,
-        json!("frobnicate"),
-        Value::Null,
-    );
-    check(
-        r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#,
-        400,
-        json!("model"),
-        json!("model_not_found"),
-    );
-    check(
-        r#"{"model":"qwen3","messages":[{"role":"wizard","content":"hi"}]}"#,
-        400,
-        json!("messages[0].role"),
-        Value::Null,
-    );
-    check(
-        r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"n":2}"#,
-        400,
-        json!("n"),
-        Value::Null,
-    );
-    check(
-        r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"max_tokens":100000}"#,
-        400,
-        Value::Null,
-        json!("context_length_exceeded"),
-    );
-    let long = "word ".repeat(600);
-    check(
-        &json!({ "model": "qwen3", "messages": [{ "role": "user", "content": long }] }).to_string(),
-        400,
-        Value::Null,
-        json!("context_length_exceeded"),
-    );
+        assert_eq!(e["type"], "invalid_request_error");
+        assert_eq!(e["param"], json!(param), "{}", r.body);
+        assert_eq!(e["code"], json!(code), "{}", r.body);
+    }
     let r = s.post(
         "/v1/completions",
         &json!({ "model": "qwen3", "prompt": vec![1u32; 600] }),
@@ -363,10 +339,10 @@ fn client_disconnect_cancels_generation() {
     assert_eq!(s.post("/v1/chat/completions", &chat("hi", 2)).status, 200);
 }
 
-/// 32 concurrent streaming requests at temperature 0 each equal the same request sent alone.
-#[test]
-fn concurrent_streams_equal_lone_requests() {
-    let (s, _d) = start(&[]);
+/// 32 concurrent streaming requests at temperature 0 each equal the same request sent alone, on
+/// the batch engine with K/V where `kv` says; returns the server.
+fn concurrent_streams_equal_lone(kv: &str) -> (Server, tempfile::TempDir) {
+    let (s, d) = start(&["--engine-kv", kv]);
     let req = |i: usize| json!({ "model": "qwen3", "messages": [{ "role": "user", "content": format!("question number {i}") }], "max_tokens": 12, "temperature": 0, "stream": true });
     let text_of = |r: common::Resp| -> String {
         r.sse_data()
@@ -395,11 +371,47 @@ fn concurrent_streams_equal_lone_requests() {
     for (i, h) in handles.into_iter().enumerate() {
         let r = h.join().unwrap();
         assert_eq!(r.status, 200);
-        assert_eq!(text_of(r), alone[i], "request {i}");
+        assert_eq!(text_of(r), alone[i], "{kv}: request {i}");
     }
     // The concurrent requests shared forward passes.
     let rows = s.metric("mlx_serve_max_sequences_per_step");
-    assert!(rows > 1.0, "most sequences in one forward pass: {rows}");
+    assert!(
+        rows > 1.0,
+        "{kv}: most sequences in one forward pass: {rows}"
+    );
+    (s, d)
+}
+
+#[test]
+fn concurrent_streams_equal_lone_requests() {
+    concurrent_streams_equal_lone("flat");
+}
+
+/// The same with the sequences in the paged pool; a prompt sent again starts on its cached
+/// blocks, with the same greedy output.
+#[test]
+fn paged_engine_streams_equal_lone_requests_and_reuse_prefixes() {
+    let (s, _d) = concurrent_streams_equal_lone("paged");
+    let q = chat("Tell me a story about a lighthouse keeper and the sea", 8);
+    let (a, b) = (
+        s.post("/v1/chat/completions", &q).json(),
+        s.post("/v1/chat/completions", &q).json(),
+    );
+    assert_eq!(
+        a["choices"][0]["message"]["content"],
+        b["choices"][0]["message"]["content"]
+    );
+    let cached = |r: &Value| {
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(
+        cached(&b) > cached(&a),
+        "{} then {}",
+        a["usage"],
+        b["usage"]
+    );
 }
 
 /// The sequential engine continues a kept sequence: the same prompt again is served from its

@@ -222,3 +222,24 @@ pub fn check_reply_equals_fresh_generation(name: &str, s: &mlx_models::ChatSessi
     let fresh: Vec<u32> = generate(&model, &mut cache, prompt, cfg).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(fresh, all[prompt.len()..prompt.len() + res.num_tokens], "{name}: the reply equals generation on a fresh cache");
 }
+
+/// The top-1/top-2 logit gap (f32) at or below which a batched run may pick the other token
+/// than a lone run (the batched tests compare tokens only past such steps' absence).
+pub const TIE: f32 = 1e-4;
+
+/// Greedy decode of `prompt` alone (the model's own cache): tokens and each step's top-1/top-2
+/// logit gap.
+pub fn greedy_alone(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut cache = model.new_cache();
+    let mut t = Array::from_slice(prompt, &[1, prompt.len()]).unwrap();
+    let (mut out, mut gaps) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let l = model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap();
+        let best = argmax(&l);
+        let second = l.iter().enumerate().filter(|(i, _)| *i as u32 != best).map(|(_, x)| *x).fold(f32::NEG_INFINITY, f32::max);
+        out.push(best);
+        gaps.push(l[best as usize] - second);
+        t = Array::from_slice(&[best], &[1, 1]).unwrap();
+    }
+    (out, gaps)
+}
