@@ -618,6 +618,15 @@ impl Gemma4Model {
         };
         Ok((read(s, Some(window))?, read(f, None)?))
     }
+    /// [`ModelRuntime::forward`] over input embeddings `embeds` `[B, L, H]` (the scaled token
+    /// embeddings with media soft tokens merged in, [`super::gemma4_media::Gemma4Media::merge`]);
+    /// `tokens` `[B, L]` feed only the per-layer inputs (media placeholders as the pad id).
+    pub fn forward_embeddings(&self, tokens: &Array, embeds: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let net = self.net.as_ref().ok_or_else(|| ModelError::InvalidInput("Model not initialized (weights not loaded)".into()))?;
+        let h = self.hidden(net, tokens, Some(embeds), cache, Rows::of(logits, hidden))?;
+        net.lm_head.output(h, logits, hidden)
+    }
+
     /// Whether weights are loaded (false for [`Gemma4Model::from_config`]).
     pub fn is_initialized(&self) -> bool {
         self.net.is_some()
@@ -653,9 +662,19 @@ impl Gemma4Model {
     /// the last position for `Rows::Last` (its query attends over the full K/V), nothing at all
     /// for `Rows::None`. mlx-lm gets the same saving by evaluating only the caches of the
     /// prompt's leading tokens.
-    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, rows: Rows) -> Result<Array> {
-        let allow_prefix_skip = rows != Rows::All;
+    ///
+    /// `embeds`: input embeddings `[B, L, H]` to use instead of the scaled token embeddings
+    /// (media soft tokens merged in, [`super::gemma4_media`]); `tokens` then only feed the
+    /// per-layer inputs, and a paged cache neither reuses nor shares blocks for them.
+    fn hidden(&self, net: &Net, tokens: &Array, embeds: Option<&Array>, cache: &mut Cache, rows: Rows) -> Result<Array> {
+        let allow_prefix_skip = rows != Rows::All && embeds.is_none();
         check_tokens(tokens)?;
+        if let Some(e) = embeds {
+            let (t, h) = (tokens.dims(), self.cfg.hidden_size as i32);
+            if e.ndim() != 3 || e.dims()[..2] != t[..2] || e.dims()[2] != h {
+                return Err(ModelError::InvalidInput(format!("input embeddings {:?} for tokens {:?} (hidden {h})", e.shape(), tokens.shape())));
+            }
+        }
         let n = self.cfg.num_hidden_layers;
         check_cache_layers(cache, n)?;
         for (i, &src) in self.kv_src.iter().enumerate() {
@@ -675,7 +694,11 @@ impl Gemma4Model {
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, total)? } else { tokens.clone() };
         let tokens = &tokens;
         let l = total - skipped;
-        let mut x = net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?;
+        let mut x = match embeds {
+            Some(e) if skipped > 0 => e.slice_axis(1, skipped, total)?,
+            Some(e) => e.clone(),
+            None => net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?,
+        };
         let mut ple = self.per_layer_inputs(net, tokens, &x)?;
         let (mut full_mask, mut sliding_mask) = (causal_mask(l, None), causal_mask(l, Some(self.cfg.sliding_window)));
         let mut fetched: Vec<Option<(Array, Array)>> = vec![None; n];
@@ -746,7 +769,7 @@ impl ModelRuntime for Gemma4Model {
         })?;
         // Calls that need every position's output must not skip a cached prefix.
         let rows = Rows::of(logits, hidden);
-        let h = self.hidden(net, tokens, cache, rows)?;
+        let h = self.hidden(net, tokens, None, cache, rows)?;
         net.lm_head.output(h, logits, hidden)
     }
 
