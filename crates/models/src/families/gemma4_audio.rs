@@ -99,12 +99,12 @@ impl Gemma4AudioConfig {
     /// Checks the settings before any tensor is read.
     pub fn validate(&self) -> std::result::Result<(), String> {
         let (h, n) = (self.hidden_size, self.num_attention_heads);
-        if h == 0 || n == 0 || !h.is_multiple_of(n) || self.num_hidden_layers == 0 || self.output_proj_dims == 0 {
+        if h == 0 || n == 0 || h % n != 0 || self.num_hidden_layers == 0 || self.output_proj_dims == 0 {
             return Err(format!(
                 "audio_config: hidden_size {h} must be a positive multiple of num_attention_heads {n}, with layers and output_proj_dims positive"
             ));
         }
-        if !h.is_multiple_of(2) {
+        if h % 2 != 0 {
             return Err("audio_config: hidden_size must be even (sinusoidal positions)".into());
         }
         if self.subsampling_conv_channels.len() != 2 || self.subsampling_conv_channels.contains(&0) {

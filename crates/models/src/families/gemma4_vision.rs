@@ -80,10 +80,10 @@ impl Gemma4VisionConfig {
         if h == 0 || n == 0 || kv == 0 || self.num_hidden_layers == 0 || self.intermediate_size == 0 {
             return Err("vision_config: hidden_size, intermediate_size, num_hidden_layers and the head counts must be positive".into());
         }
-        if !n.is_multiple_of(kv) {
+        if n % kv != 0 {
             return Err(format!("vision_config: {n} attention heads over {kv} key/value heads"));
         }
-        if d == 0 || !d.is_multiple_of(4) {
+        if d == 0 || d % 4 != 0 {
             return Err(format!("vision_config: head_dim {d} must be a positive multiple of 4 (two rotated axes)"));
         }
         if self.patch_size == 0 || self.pooling_kernel_size == 0 || self.position_embedding_size == 0 {
@@ -312,7 +312,7 @@ impl Gemma4VisionTower {
         if img.patches.shape() != [ph * pw, 3 * p * p] {
             return Err(ModelError::InvalidInput(format!("image patches must be [{}, {}], got {:?}", ph * pw, 3 * p * p, img.patches.shape())));
         }
-        if ph == 0 || pw == 0 || !ph.is_multiple_of(k) || !pw.is_multiple_of(k) {
+        if ph == 0 || pw == 0 || ph % k != 0 || pw % k != 0 {
             return Err(ModelError::InvalidInput(format!("patch grid {ph}x{pw} is not a positive multiple of the {k}x{k} pooling kernel")));
         }
         if ph.max(pw) > self.cfg.position_embedding_size {
