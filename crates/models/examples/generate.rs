@@ -4,6 +4,7 @@
 //! cargo run --release -p mlx-models --example generate -- --model DIR --prompt-ids 1,2,3 \
 //!     --max-new-tokens 16 --temperature 0 --json
 //! cargo run --release -p mlx-models --example generate -- --model DIR --prompt "Hello" [--chat]
+//! cargo run --release -p mlx-models --example generate -- --model VLM_DIR --chat --prompt "Describe it." --image PATH
 //! ```
 //! With `--json` the last stdout line is one JSON object; `token_ids` lists the new token ids.
 //! `--draft-model DIR [--draft-tokens K]` decodes speculatively (mlx-speculative; the draft's
@@ -17,6 +18,7 @@
 //! output as one process, then a stderr line with the KiB each rank holds after the load).
 use clap::Parser;
 use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
+use mlx_models::media::ImageInput;
 use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, PagedConfig, QuantizedWeights};
 use mlx_array::distributed::{Backend, Group};
 use mlx_array::{memory, Array};
@@ -38,6 +40,10 @@ struct Cli {
     /// Wrap --prompt as a user message in the chat template.
     #[arg(long, requires = "prompt")]
     chat: bool,
+    /// An image file attached to the --chat message (repeatable; vision-language models). The
+    /// prompt is prefilled in one call with the tower's output at the image tokens.
+    #[arg(long, requires = "chat")]
+    image: Vec<PathBuf>,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     #[arg(long, default_value_t = 0.0)]
@@ -156,8 +162,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (None, true) => Some(Tokenizer::from_dir(dir)?),
         (None, false) => None,
     };
+    let mut media = Vec::new();
     let prompt: Vec<u32> = match (cli.prompt_ids.clone(), cli.prompt.as_deref(), &format, &tokenizer) {
         (Some(ids), _, _, _) => ids,
+        (None, Some(text), Some(f), _) if !cli.image.is_empty() => {
+            if spec.is_some() {
+                return Err("speculative decoding (--draft-model, --mtp) is off for prompts with images".into());
+            }
+            let msg = cli.image.iter().fold(ChatMessage::user(text), |m, p| m.with_image(ImageInput::path(p)));
+            let rendered = f.render(std::slice::from_ref(&msg), &RenderOptions::default())?.ids;
+            let (ids, prepared) = model.with_runtime(|rt| -> Result<_, Box<dyn std::error::Error>> {
+                let m = rt.media().ok_or_else(|| format!("{} takes no images", rt.info().model_type))?;
+                let prepared = msg.media().map(|i| m.prepare(&i)).collect::<Result<Vec<_>, _>>()?;
+                Ok((m.expand(&rendered, &prepared)?, prepared))
+            })?;
+            media = prepared;
+            ids
+        }
         (None, Some(text), Some(f), _) => f.render(&[ChatMessage::user(text)], &RenderOptions::default())?.ids,
         (None, Some(text), None, Some(t)) => t.encode(text, true)?,
         _ => return Err("give --prompt-ids or --prompt (--chat needs --prompt)".into()),
@@ -177,7 +198,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         cfg.stop_tokens = Some(stop);
     }
     let mut cache = model.new_cache();
-    let mut gen = generate(&model, &mut cache, &prompt, cfg)?;
+    let mut gen = generate(&model, &mut cache, &prompt, cfg)?.with_media(media);
     if let Some(s) = spec.as_mut() {
         gen = gen.with_speculator(s);
     }

@@ -29,6 +29,8 @@ pub struct Cache {
     last_skipped: usize,
     /// Batch caches: the rows' padding and positions ([`crate::batch`]).
     pub(crate) batch: Option<crate::batch::BatchRows>,
+    /// Rotary position minus cache position of the next token (multimodal rope after media).
+    position_delta: i64,
 }
 
 /// A cache's state at one position, from [`Cache::snapshot`].
@@ -37,6 +39,7 @@ pub struct CacheSnapshot {
     layers: Vec<LayerCache>,
     offset: usize,
     paged: bool,
+    position_delta: i64,
 }
 
 impl CacheSnapshot {
@@ -165,7 +168,7 @@ impl Cache {
                 LayerKind::Recurrent { slots } => LayerCache::Recurrent(vec![None; *slots]),
             })
             .collect();
-        Cache { layers, paged: None, last_skipped: 0, batch: None }
+        Cache { layers, paged: None, last_skipped: 0, batch: None, position_delta: 0 }
     }
 
     /// A cache whose attention layers live in the shared paged pool `shared`.
@@ -196,6 +199,16 @@ impl Cache {
         self.last_skipped = n;
     }
 
+    /// What a family adds to a cache position to get the rotary position of the next tokens
+    /// (Qwen's M-RoPE `rope_deltas` after an image; 0 otherwise).
+    pub fn position_delta(&self) -> i64 {
+        self.position_delta
+    }
+    /// Set [`Cache::position_delta`] (a family's media forward pass).
+    pub fn set_position_delta(&mut self, d: i64) {
+        self.position_delta = d;
+    }
+
     /// Whether attention K/V live in a paged block pool.
     pub fn is_paged(&self) -> bool {
         self.paged.is_some()
@@ -212,7 +225,7 @@ impl Cache {
     /// need outputs for every position) a new paged sequence is salted privately: it neither
     /// reuses nor shares cached blocks, and nothing is skipped.
     pub fn begin_forward_with(&mut self, tokens: &Array, allow_prefix_skip: bool) -> Result<(ForwardKv<'_>, usize)> {
-        let Cache { layers, paged, last_skipped, batch } = self;
+        let Cache { layers, paged, last_skipped, batch, .. } = self;
         *last_skipped = 0;
         if let Some(rows) = batch {
             rows.begin(tokens.dims()[0] as usize, tokens.dims()[1] as usize)?;
@@ -287,7 +300,7 @@ impl Cache {
     /// keeps the current arrays (no copy): flat and rotating K/V, recurrent state. A paged cache
     /// keeps its recurrent state and position; its K/V in the pool are rolled back by trimming.
     pub fn snapshot(&self) -> CacheSnapshot {
-        CacheSnapshot { layers: self.layers.clone(), offset: self.offset(), paged: self.paged.is_some() }
+        CacheSnapshot { layers: self.layers.clone(), offset: self.offset(), paged: self.paged.is_some(), position_delta: self.position_delta }
     }
 
     /// Return to `snap`, taken from this cache at an earlier (or the same) position, dropping the
@@ -298,6 +311,7 @@ impl Cache {
         if snap.offset > now || snap.paged != self.paged.is_some() || snap.layers.len() != self.layers.len() {
             return Err(ModelError::Cache(format!("snapshot at position {} does not belong to this cache (at {now})", snap.offset)));
         }
+        self.position_delta = snap.position_delta;
         match &mut self.paged {
             None => self.layers = snap.layers.clone(),
             Some(p) => {

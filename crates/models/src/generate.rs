@@ -151,6 +151,8 @@ pub struct Generator<'a> {
     first_token: Option<Duration>,
     prefill_time: Duration,
     spec: Option<SpecState<'a>>,
+    /// The media whose tokens are in the prompt ([`Generator::with_media`]).
+    media: Vec<crate::media::PreparedMedia>,
 }
 
 /// A generator's speculative decoding: the speculator and the tokens of its last cycle not yet
@@ -203,6 +205,7 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cfg:
         first_token: None,
         prefill_time: Duration::ZERO,
         spec: None,
+        media: Vec::new(),
     })
 }
 
@@ -224,6 +227,12 @@ impl<'a> Generator<'a> {
         speculator.start();
         self.lazy_feed = false;
         self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false });
+        self
+    }
+    /// The prompt holds the (expanded) tokens of `media`, in order: it is prefilled in one call
+    /// through the model's [`crate::media::MediaModel`] (tower outputs merged at those tokens).
+    pub fn with_media(mut self, media: Vec<crate::media::PreparedMedia>) -> Self {
+        self.media = media;
         self
     }
     /// Make the next token `id` whatever the model prefers (thinking budgets). While decoding
@@ -255,6 +264,22 @@ impl<'a> Generator<'a> {
     /// Run the model on `input` and queue a sample of the next token.
     fn step(&mut self, input: &Array) -> Result<(Array, Array)> {
         let out = self.model.with_runtime(|rt| rt.forward(input, self.cache, Logits::Last, false))?;
+        self.sample_queued(out)
+    }
+
+    /// The whole prompt with its media, through the model's media side.
+    fn forward_media(&mut self, logits: Logits) -> Result<crate::runtime::ForwardOutput> {
+        let (prompt, media) = (&self.prompt, &self.media);
+        let cache = &mut *self.cache;
+        self.model.with_runtime(|rt| {
+            let m = rt.media().ok_or_else(|| ModelError::UnsupportedOption(format!("{} takes no images or audio", rt.info().model_type)))?;
+            let input = m.embed(prompt, media, cache)?;
+            m.forward_embedded(&input, cache, logits, false)
+        })
+    }
+
+    /// Sample the next token from a forward call's logits, queued with the cache's writes.
+    fn sample_queued(&mut self, out: crate::runtime::ForwardOutput) -> Result<(Array, Array)> {
         let sampled = out.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into())).and_then(|l| {
             let logits = l.reshape(&[1, -1])?;
             let mut sample = |lg: &Array| self.sampler.sample(lg, &[&self.history]).map(|s| (s.tokens, s.logprobs)).map_err(|e| ModelError::InvalidInput(e.to_string()));
@@ -277,6 +302,14 @@ impl<'a> Generator<'a> {
 
     fn prefill(&mut self) -> Result<(Array, Array)> {
         let t0 = Instant::now();
+        if !self.media.is_empty() {
+            let out = self.forward_media(Logits::Last)?;
+            let r = self.sample_queued(out)?;
+            r.0.eval()?;
+            self.prefill_time = t0.elapsed();
+            crate::observe::record_phase("prefill", self.prefill_time);
+            return Ok(r);
+        }
         let p = self.prompt.clone();
         let step = if self.cfg.prefill_step_size == 0 { p.len() } else { self.cfg.prefill_step_size };
         // As mlx-lm: full chunks without logits while more than one chunk remains, then the rest
@@ -440,9 +473,13 @@ impl<'a> Generator<'a> {
 
     fn prefill_forced(&mut self) -> Result<()> {
         let t0 = Instant::now();
-        let p = self.prompt.clone();
-        let t = Array::from_slice(&p, &[1, p.len()])?;
-        self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
+        if self.media.is_empty() {
+            let p = self.prompt.clone();
+            let t = Array::from_slice(&p, &[1, p.len()])?;
+            self.model.with_runtime(|rt| rt.forward(&t, self.cache, Logits::None, false))?;
+        } else {
+            self.forward_media(Logits::None)?;
+        }
         self.cache.eval_with(&[])?;
         self.prefill_time = t0.elapsed();
         Ok(())

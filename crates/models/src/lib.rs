@@ -37,6 +37,7 @@ pub mod families;
 pub mod generate;
 pub mod kv;
 pub mod layers;
+pub mod media;
 mod model;
 pub mod observe;
 pub mod random;

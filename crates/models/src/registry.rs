@@ -64,6 +64,8 @@ pub enum FamilyKind {
     Loadable,
     /// Embeddings only: cannot become a chat session.
     Embedding,
+    /// Vision-language (images, for Gemma 4 audio too, in chat messages: [`crate::media`]).
+    Vlm,
 }
 
 /// What a probe sees of a config.
@@ -71,6 +73,8 @@ pub struct ProbeContext<'a> {
     /// The base family's canonical type, if any.
     pub model_type: Option<&'a str>,
     pub architectures: &'a HashSet<String>,
+    /// The whole config.json.
+    pub config: &'a Value,
 }
 
 /// One row of the registry: everything the loader, the random-checkpoint writer and the
@@ -149,6 +153,21 @@ pub static FAMILIES: &[Family] = &[
         sanitize: sanitize_towers,
         kv_default: KvDefault::Paged,
         ..Family::new("gemma4", &["gemma4", "gemma4_text", "gemma4_unified"], crate::families::gemma4::load, crate::families::gemma4::PRESETS)
+    },
+    // Gemma 4 ConditionalGeneration checkpoints with their vision and/or audio towers.
+    Family {
+        kind: FamilyKind::Vlm,
+        architecture_probe: Some(crate::families::gemma4_media::probe),
+        kv_default: KvDefault::Paged,
+        ..Family::new("gemma4_vlm", &[], crate::families::gemma4_media::load, &[])
+    },
+    // Qwen3.5 (dense or MoE) ConditionalGeneration checkpoints with their vision tower.
+    Family {
+        kind: FamilyKind::Vlm,
+        architecture_probe: Some(crate::families::qwen3_5_vl::probe),
+        kv_default: KvDefault::Flat,
+        paged_memory_floor_mb: Some(16384.0),
+        ..Family::new("qwen3_5_vl", &[], crate::families::qwen3_5_vl::load, crate::families::qwen3_5_vl::PRESETS)
     },
     Family {
         kind: FamilyKind::Embedding,
@@ -249,7 +268,7 @@ pub fn detect_from_value(dir: &Path, v: &Value) -> Result<&'static Family> {
     } else {
         mt.and_then(|m| m.as_str()).and_then(|m| FAMILIES.iter().find(|f| f.raw_model_types.contains(&m)))
     };
-    let ctx = ProbeContext { model_type: base.map(|b| b.model_type), architectures: &architectures };
+    let ctx = ProbeContext { model_type: base.map(|b| b.model_type), architectures: &architectures, config: v };
     FAMILIES
         .iter()
         .find(|f| f.architecture_probe.is_some_and(|p| p(&ctx)))

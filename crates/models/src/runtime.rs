@@ -162,6 +162,10 @@ pub trait ModelRuntime: Send {
     fn mtp_forward(&self, _tokens: &Array, _hidden: &Array, _cache: &mut Cache, _layer: usize) -> Result<(Array, Array)> {
         Err(ModelError::UnsupportedOption(format!("{} has no multi-token-prediction head", self.info().model_type)))
     }
+    /// The media side of a vision-language model (`None`: text only).
+    fn media(&self) -> Option<&dyn crate::media::MediaModel> {
+        None
+    }
     /// The Gemma 4 network behind this runtime, for `gemma4_assistant` drafting (`None` for
     /// other families).
     fn as_gemma4(&self) -> Option<&crate::families::gemma4::Gemma4Model> {

@@ -15,6 +15,7 @@ use crate::chat::{
     RenderOptions, StreamDecoder, ThinkingBudget, ToolDefinition,
 };
 use crate::generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, Speculator};
+use crate::media::PreparedMedia;
 use crate::model::{load_family, LoadOptions, Model};
 use crate::registry::{self, FamilyKind};
 use crate::{ModelError, Result};
@@ -116,6 +117,23 @@ pub struct ChatSession {
     turns: usize,
     /// Speculative decoding for every turn ([`ChatSession::set_speculator`]).
     speculator: Option<Box<dyn Speculator>>,
+    /// Where the media tokens in the cache are, and what they were made from.
+    cached_media: Vec<MediaSpan>,
+}
+
+/// The tokens of one media item in a prompt: `start..end`, and the item's fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MediaSpan {
+    start: usize,
+    end: usize,
+    fingerprint: u64,
+}
+
+/// A prompt after media expansion: its ids, where each item's tokens are, and the items.
+struct Expanded {
+    ids: Vec<u32>,
+    spans: Vec<MediaSpan>,
+    media: Vec<PreparedMedia>,
 }
 
 /// 48 random bits, as hex (std's randomly keyed hasher over a process-wide counter and the clock).
@@ -144,7 +162,18 @@ impl ChatSession {
             .map(|v| SamplingOverrides::from_generation_config(&v))
             .unwrap_or_default();
         let cache = model.new_cache();
-        Ok(ChatSession { model, format, defaults, cache, cached_ids: Vec::new(), history: Vec::new(), call_nonce: session_nonce(), turns: 0, speculator: None })
+        Ok(ChatSession {
+            model,
+            format,
+            defaults,
+            cache,
+            cached_ids: Vec::new(),
+            history: Vec::new(),
+            call_nonce: session_nonce(),
+            turns: 0,
+            speculator: None,
+            cached_media: Vec::new(),
+        })
     }
 
     pub fn format(&self) -> &Arc<ChatFormat> {
@@ -179,6 +208,83 @@ impl ChatSession {
         self.cache = self.model.new_cache();
         self.cached_ids.clear();
         self.history.clear();
+        self.cached_media.clear();
+    }
+
+    /// Whether the model takes images (a vision-language model).
+    pub fn supports_images(&self) -> bool {
+        self.model.with_runtime(|rt| rt.media().is_some_and(|m| m.placeholder(crate::media::MediaKind::Image).is_some()))
+    }
+
+    /// The length of the prompt `messages` render to after each media placeholder is expanded
+    /// into its tokens (what [`ChatResult::prompt_tokens`] of a start with them reports). Media
+    /// are decoded and preprocessed; no forward pass runs and the cache is untouched.
+    pub fn expanded_prompt_tokens(&self, messages: &[ChatMessage], cfg: &ChatConfig) -> Result<usize> {
+        self.check_media(messages)?;
+        let prompt = self.format.render(messages, &cfg.render_options())?;
+        Ok(self.expand(&prompt.ids, messages, 0)?.ids.len())
+    }
+
+    /// Preprocess the media of `messages` and expand the placeholders of `ids` (which start at
+    /// cache position `at`) into their tokens.
+    fn expand(&self, ids: &[u32], messages: &[ChatMessage], at: usize) -> Result<Expanded> {
+        let items: Vec<_> = messages.iter().flat_map(|m| m.media()).collect();
+        self.model.with_runtime(|rt| {
+            let Some(m) = rt.media() else {
+                return Ok(Expanded { ids: ids.to_vec(), spans: Vec::new(), media: Vec::new() });
+            };
+            let media = items.iter().map(|i| m.prepare(i)).collect::<Result<Vec<_>>>()?;
+            let out = m.expand(ids, &media)?;
+            let marks: Vec<u32> = media.iter().filter_map(|p| m.placeholder(p.kind)).collect();
+            let (mut pos, mut next, mut spans) = (at, media.iter(), Vec::new());
+            for id in ids {
+                if marks.contains(id) {
+                    if let Some(p) = next.next() {
+                        spans.push(MediaSpan { start: pos, end: pos + p.tokens, fingerprint: p.fingerprint });
+                        pos += p.tokens;
+                        continue;
+                    }
+                }
+                pos += 1;
+            }
+            if pos != at + out.len() {
+                return Err(ModelError::InvalidInput(format!("media expansion made {} tokens where the items count {}", out.len(), pos - at)));
+            }
+            Ok(Expanded { ids: out, spans, media })
+        })
+    }
+
+    /// An error when `messages` carry a media kind the model does not take (checked before the
+    /// template renders them).
+    fn check_media(&self, messages: &[ChatMessage]) -> Result<()> {
+        let Some(item) = messages.iter().flat_map(|m| m.media()).next() else { return Ok(()) };
+        self.model.with_runtime(|rt| match rt.media() {
+            Some(m) if messages.iter().flat_map(|x| x.media()).all(|i| m.placeholder(i.kind()).is_some()) => Ok(()),
+            _ => Err(ModelError::UnsupportedOption(format!("{} takes no {:?} input", rt.info().model_type, item.kind()))),
+        })
+    }
+
+    /// How many leading cached tokens an expanded prompt with media `spans` may reuse: up to
+    /// the first item that is not the cached item at the same place.
+    fn media_reuse_limit(&self, spans: &[MediaSpan]) -> usize {
+        for (i, s) in spans.iter().enumerate() {
+            if self.cached_media.get(i) != Some(s) {
+                return s.start;
+            }
+        }
+        self.cached_media.get(spans.len()).map_or(usize::MAX, |s| s.start)
+    }
+
+    /// Prefill what of `prompt` the cache lacks (reusing at most `reuse_limit` cached tokens) and
+    /// stream the reply.
+    fn begin_turn(&mut self, prompt: Expanded, starts_in_thinking: bool, reuse_limit: usize, cfg: &ChatConfig) -> Result<ChatStream<'_>> {
+        let reuse = common_prefix_len(&prompt.ids, &self.cached_ids).min(self.media_reuse_limit(&prompt.spans)).min(reuse_limit);
+        let cached = self.rewind_to(reuse, prompt.ids.len())?;
+        let delta = prompt.ids[cached..].to_vec();
+        self.cached_ids = prompt.ids[..cached].to_vec();
+        let media: Vec<PreparedMedia> = prompt.spans.iter().zip(prompt.media).filter(|(s, _)| s.start >= cached).map(|(_, m)| m).collect();
+        self.cached_media = prompt.spans;
+        ChatStream::new(self, delta, media, cached, prompt.ids.len(), starts_in_thinking, cfg)
     }
 
     /// Start (or restart) a conversation from `messages` and generate the assistant reply.
@@ -197,14 +303,12 @@ impl ChatSession {
 
     /// Streaming [`ChatSession::start`].
     pub fn start_stream(&mut self, messages: Vec<ChatMessage>, cfg: &ChatConfig) -> Result<ChatStream<'_>> {
+        self.check_media(&messages)?;
         let opts = cfg.render_options();
         let prompt = self.format.render(&messages, &opts)?;
-        let reuse = if cfg.reuse_cache { common_prefix_len(&prompt.ids, &self.cached_ids) } else { 0 };
-        let cached = self.rewind_to(reuse, prompt.ids.len())?;
+        let expanded = self.expand(&prompt.ids, &messages, 0)?;
         self.history = messages;
-        let delta = prompt.ids[cached..].to_vec();
-        self.cached_ids = prompt.ids[..cached].to_vec();
-        ChatStream::new(self, delta, cached, prompt.ids.len(), prompt.starts_in_thinking, cfg)
+        self.begin_turn(expanded, prompt.starts_in_thinking, if cfg.reuse_cache { usize::MAX } else { 0 }, cfg)
     }
 
     /// Streaming continuation with any new messages (user turns or tool results).
@@ -212,6 +316,7 @@ impl ChatSession {
         if self.history.is_empty() {
             return Err(ModelError::InvalidInput("continue: the session has no conversation yet; call start first".into()));
         }
+        self.check_media(&new_messages)?;
         let opts = cfg.render_options();
         let plan = if cfg.reuse_cache && !self.cached_ids.is_empty() {
             self.format.plan_continuation(&self.history, &self.cached_ids, &new_messages, &opts)?
@@ -220,18 +325,18 @@ impl ChatSession {
             all.extend(new_messages.iter().cloned());
             PromptPlan::Reprefill { prompt: self.format.render(&all, &opts)?, common_prefix: 0, reason: "cache reuse is off".into() }
         };
-        self.history.extend(new_messages);
+        self.history.extend(new_messages.iter().cloned());
         match plan {
             PromptPlan::Append { delta, cached_tokens, starts_in_thinking, .. } => {
-                let total = cached_tokens + delta.len();
-                ChatStream::new(self, delta, cached_tokens, total, starts_in_thinking, cfg)
+                // The delta holds the placeholders of the new messages only.
+                let e = self.expand(&delta, &new_messages, cached_tokens)?;
+                let total = cached_tokens + e.ids.len();
+                self.cached_media.extend(e.spans);
+                ChatStream::new(self, e.ids, e.media, cached_tokens, total, starts_in_thinking, cfg)
             }
-            PromptPlan::Reprefill { prompt, common_prefix, .. } => {
-                let keep = if cfg.reuse_cache { common_prefix } else { 0 };
-                let cached = self.rewind_to(keep, prompt.ids.len())?;
-                self.cached_ids.truncate(cached);
-                let delta = prompt.ids[cached..].to_vec();
-                ChatStream::new(self, delta, cached, prompt.ids.len(), prompt.starts_in_thinking, cfg)
+            PromptPlan::Reprefill { prompt, .. } => {
+                let e = self.expand(&prompt.ids, &self.history, 0)?;
+                self.begin_turn(e, prompt.starts_in_thinking, if cfg.reuse_cache { usize::MAX } else { 0 }, cfg)
             }
         }
     }
@@ -274,7 +379,8 @@ pub struct ChatStream<'a> {
 }
 
 impl<'a> ChatStream<'a> {
-    fn new(s: &'a mut ChatSession, delta: Vec<u32>, cached: usize, prompt_tokens: usize, starts_in_thinking: bool, cfg: &ChatConfig) -> Result<Self> {
+    /// `media`: the items whose tokens are in `delta`, in order.
+    fn new(s: &'a mut ChatSession, delta: Vec<u32>, media: Vec<PreparedMedia>, cached: usize, prompt_tokens: usize, starts_in_thinking: bool, cfg: &ChatConfig) -> Result<Self> {
         let opts = cfg.render_options();
         let sampling = SamplingConfig::resolve(&cfg.sampling, &s.defaults).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
         let mut stop = s.format.stop_token_ids();
@@ -290,16 +396,19 @@ impl<'a> ChatStream<'a> {
         if s.speculator.is_some() && cfg.thinking_token_budget.is_some() {
             return Err(ModelError::UnsupportedOption("a thinking token budget forces tokens, which speculative decoding does not support".into()));
         }
+        // Speculative drafts (MTP heads, draft models) see token positions only: turns of a
+        // conversation with media decode plainly.
+        let plain = !media.is_empty() || !s.cached_media.is_empty();
         let ChatSession { model, format, cache, cached_ids, history, speculator, .. } = s;
         let format: &'a ChatFormat = format;
         // The prompt delta joins the cached ids now; generated ids follow as they come.
         gcfg.context = cached_ids.clone();
         cached_ids.extend_from_slice(&delta);
         let budget = format.thinking_budget(cfg.thinking_token_budget, starts_in_thinking)?;
-        let gen = generate(model, cache, &delta, gcfg)?;
+        let gen = generate(model, cache, &delta, gcfg)?.with_media(media);
         let gen = match speculator.as_deref_mut() {
-            Some(sp) => gen.with_speculator(sp),
-            None => gen,
+            Some(sp) if !plain => gen.with_speculator(sp),
+            _ => gen,
         };
         let cancel = gen.cancel_handle();
         Ok(ChatStream {

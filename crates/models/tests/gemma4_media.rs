@@ -11,7 +11,9 @@ use common::*;
 use mlx_array::{Array, DType};
 use mlx_models::families::gemma4_media::{Gemma4Media, Gemma4MediaInputs};
 use mlx_models::families::gemma4_vision::Gemma4Image;
-use mlx_models::{load_model, Logits, Model};
+use mlx_models::chat::ChatMessage;
+use mlx_models::media::{AudioInput, MediaItem, PreparedMedia};
+use mlx_models::{generate, load_model, load_session, GenerateConfig, Logits, Model};
 use std::collections::HashMap;
 
 const NAME: &str = "gemma4_media";
@@ -198,4 +200,34 @@ fn second_audio_turn_prefills_only_its_tokens_and_matches_a_full_recompute() {
         assert!(err < 1e-4, "incremental turn vs full recompute: rel err {err}");
         assert_eq!(argmax(&inc[inc.len() - 1024..]), argmax(&tail[tail.len() - 1024..]));
     }
+}
+
+/// A chat session (registry row `gemma4_vlm`) with a clip in each user turn: the continued turn
+/// reuses the whole cached first turn, prefills only itself, and its reply equals greedy
+/// generation over the same tokens and both clips on a fresh cache.
+#[test]
+fn session_audio_turn_prefills_only_that_turn() {
+    let r = reference(NAME);
+    let samples = f32s(&r["audio_samples"]);
+    let clips = [AudioInput::Pcm(samples[..6000].to_vec()), AudioInput::Pcm(samples[5000..].to_vec())];
+    let mut s = load_session(fixture(NAME), &test_load_options()).unwrap();
+    assert!(s.supports_images());
+    let cfg = greedy_chat(6);
+    let first = s.start(vec![ChatMessage::user("Listen.").with_audio(clips[0].clone())], &cfg).unwrap();
+    assert_eq!(first.cached_tokens, 0);
+    // <boa> + 10 soft tokens + <eoa> in place of the template's <|audio|>
+    assert!(s.cached_ids().windows(12).any(|w| w[0] == 11 && w[1..11].iter().all(|&t| t == 13) && w[11] == 12), "expanded clip");
+    let held = s.cached_ids().len();
+    let second = s.continue_stream(vec![ChatMessage::user("And this?").with_audio(clips[1].clone())], &cfg).unwrap().collect_result().unwrap();
+    assert_eq!(second.cached_tokens, held, "the first turn stays in the cache");
+    assert!(second.prompt_tokens > held + 16, "the new turn holds the second clip's 16 soft tokens");
+    let all = s.cached_ids().to_vec();
+    let prompt = &all[..second.prompt_tokens];
+    let model = fixture_lm(NAME);
+    let media: Vec<PreparedMedia> =
+        clips.iter().map(|c| model.with_runtime(|rt| rt.media().unwrap().prepare(&MediaItem::Audio(c.clone())))).collect::<mlx_models::Result<_>>().unwrap();
+    let mut cache = model.new_cache();
+    let gcfg = GenerateConfig { max_new_tokens: second.num_tokens, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
+    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, gcfg).unwrap().with_media(media).map(|t| t.unwrap().id).collect();
+    assert_eq!(fresh, all[prompt.len()..prompt.len() + second.num_tokens]);
 }

@@ -10,7 +10,7 @@ use mlx_models::families::gated_delta;
 /// Dense and MoE, text-only and ConditionalGeneration layouts, per-expert and fused experts.
 #[test]
 fn every_layout_matches_transformers() {
-    for (name, model_type) in [("qwen3_5", "qwen3_5"), ("qwen3_5_vl", "qwen3_5"), ("qwen3_5_moe", "qwen3_5_moe"), ("qwen3_5_moe_vl", "qwen3_5_moe")] {
+    for (name, model_type) in [("qwen3_5", "qwen3_5"), ("qwen3_5_vl", "qwen3_5_vl"), ("qwen3_5_moe", "qwen3_5_moe"), ("qwen3_5_moe_vl", "qwen3_5_vl")] {
         check_transformers_parity(name, model_type);
     }
 }

@@ -3,6 +3,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
 use super::error::{ChatError, Result};
+use crate::media::{AudioInput, ImageInput, MediaItem};
 
 /// Prefix put in front of a tool result's content when the tool failed (`is_error: true`), inside
 /// the rendered tool block, so the model gets a text-level cue. The structured `content` stays
@@ -93,11 +94,19 @@ pub struct ChatMessage {
     /// For tool messages: the tool failed; the rendered content gets [`TOOL_ERROR_MARKER`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub is_error: Option<bool>,
+    /// Images of the message (vision-language models). The template sees the content as a list
+    /// of parts: one `{"type": "image"}` per image, one `{"type": "audio"}` per clip, then the
+    /// text, as Hugging Face processors pass it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<ImageInput>,
+    /// Sounds of the message (Gemma 4).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub audio: Vec<AudioInput>,
 }
 
 impl ChatMessage {
     pub fn new(role: Role, content: impl Into<String>) -> Self {
-        ChatMessage { role, content: content.into(), reasoning_content: None, tool_calls: None, tool_call_id: None, is_error: None }
+        ChatMessage { role, content: content.into(), reasoning_content: None, tool_calls: None, tool_call_id: None, is_error: None, images: Vec::new(), audio: Vec::new() }
     }
     pub fn system(content: impl Into<String>) -> Self {
         Self::new(Role::System, content)
@@ -124,6 +133,20 @@ impl ChatMessage {
     pub fn with_tool_calls(mut self, calls: Vec<ToolCall>) -> Self {
         self.tool_calls = Some(calls);
         self
+    }
+    /// Attach an image.
+    pub fn with_image(mut self, image: ImageInput) -> Self {
+        self.images.push(image);
+        self
+    }
+    /// Attach a sound.
+    pub fn with_audio(mut self, audio: AudioInput) -> Self {
+        self.audio.push(audio);
+        self
+    }
+    /// The message's media in template order (images, then audio).
+    pub fn media(&self) -> impl Iterator<Item = MediaItem> + '_ {
+        self.images.iter().cloned().map(MediaItem::Image).chain(self.audio.iter().cloned().map(MediaItem::Audio))
     }
 
     /// Parse a JSON array of messages, with typed errors for unknown roles and malformed entries.
@@ -159,7 +182,18 @@ impl ChatMessage {
     pub(crate) fn to_template_value(&self) -> Json {
         let mut m = serde_json::Map::new();
         m.insert("role".into(), Json::from(self.role.as_str()));
-        m.insert("content".into(), Json::from(self.rendered_content()));
+        if self.images.is_empty() && self.audio.is_empty() {
+            m.insert("content".into(), Json::from(self.rendered_content()));
+        } else {
+            let part = |t: &str| Json::Object([("type".to_string(), Json::from(t))].into_iter().collect());
+            let mut parts: Vec<Json> = self.images.iter().map(|_| part("image")).collect();
+            parts.extend(self.audio.iter().map(|_| part("audio")));
+            let mut text = serde_json::Map::new();
+            text.insert("type".into(), Json::from("text"));
+            text.insert("text".into(), Json::from(self.rendered_content()));
+            parts.push(Json::Object(text));
+            m.insert("content".into(), Json::Array(parts));
+        }
         if let Some(r) = &self.reasoning_content {
             m.insert("reasoning_content".into(), Json::from(r.as_str()));
         }

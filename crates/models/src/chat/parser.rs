@@ -209,6 +209,8 @@ impl ParsedOutput {
             tool_calls: if calls.is_empty() { None } else { Some(calls) },
             tool_call_id: None,
             is_error: None,
+            images: Vec::new(),
+            audio: Vec::new(),
         }
     }
 }

@@ -10,11 +10,16 @@
 use super::gemma4::Gemma4Model;
 use super::gemma4_audio::{Gemma4AudioConfig, Gemma4AudioFeatureExtractor, Gemma4AudioTower};
 use super::gemma4_vision::{Gemma4Image, Gemma4ImageProcessor, Gemma4VisionConfig, Gemma4VisionTower};
+use crate::cache::{Cache, CacheSpec};
+use crate::media::{expand_placeholders, fingerprint, MediaEmbeddings, MediaItem, MediaKind, MediaModel, PreparedMedia};
+use crate::registry::{Built, LoadContext, ProbeContext};
+use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use mlx_array::{ops, Array, DType};
 use serde_json::Value;
 use std::path::Path;
+use std::sync::Arc;
 
 /// The special tokens of a Gemma 4 multimodal prompt (defaults as transformers' `Gemma4Config`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -231,4 +236,135 @@ impl Gemma4Media {
         let mask = Array::from_slice(&is_media, &[1, l, 1])?;
         Ok(Gemma4Merged { ple_tokens, embeds: ops::where_(&mask, &rows, &x)? })
     }
+}
+
+/// What [`Gemma4Vlm::prepare`](MediaModel::prepare) keeps of an item.
+enum Prepared {
+    /// Patches `[rows * columns, width]` of a `(rows, columns)` grid.
+    Image { patches: Vec<f32>, width: usize, grid: (usize, usize), soft_tokens: usize },
+    /// Log-mel features `[frames, bins]`.
+    Audio { features: Vec<f32>, frames: usize, bins: usize },
+}
+
+/// A Gemma 4 conditional-generation checkpoint served with its towers: the decoder
+/// ([`Gemma4Model`], every text-only path unchanged) and [`Gemma4Media`] behind
+/// [`ModelRuntime::media`]. The template writes `<|image|>` / `<|audio|>` once per item;
+/// [`MediaModel::expand`] turns each into `<boi> image*n <eoi>` / `<boa> audio*n <eoa>`.
+pub struct Gemma4Vlm {
+    lm: Gemma4Model,
+    media: Gemma4Media,
+}
+
+impl Gemma4Vlm {
+    pub fn new(lm: Gemma4Model, media: Gemma4Media) -> Self {
+        Gemma4Vlm { lm, media }
+    }
+
+    pub fn towers(&self) -> &Gemma4Media {
+        &self.media
+    }
+}
+
+impl ModelRuntime for Gemma4Vlm {
+    fn info(&self) -> &ModelInfo {
+        self.lm.info()
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        self.lm.cache_spec()
+    }
+    fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        self.lm.forward(tokens, cache, logits, hidden)
+    }
+    fn as_gemma4(&self) -> Option<&Gemma4Model> {
+        Some(&self.lm)
+    }
+    fn media(&self) -> Option<&dyn MediaModel> {
+        Some(self)
+    }
+}
+
+impl MediaModel for Gemma4Vlm {
+    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
+        match kind {
+            MediaKind::Image => self.media.vision().map(|_| self.media.tokens.image),
+            MediaKind::Audio => self.media.audio().map(|_| self.media.tokens.audio),
+        }
+    }
+
+    fn prepare(&self, item: &MediaItem) -> Result<PreparedMedia> {
+        let (kind, tokens, fp, data) = match item {
+            MediaItem::Image(img) => {
+                let rgb = img.decode()?;
+                let g = self.media.prepare_image(&rgb.data, rgb.width as usize, rgb.height as usize)?;
+                let mut key = rgb.data.clone();
+                key.extend(rgb.width.to_le_bytes());
+                key.extend(rgb.height.to_le_bytes());
+                let prepared = Prepared::Image { patches: g.patches.to_vec::<f32>()?, width: g.patches.dim(1)?, grid: g.grid, soft_tokens: g.num_soft_tokens };
+                (MediaKind::Image, g.num_soft_tokens, fingerprint(&key), prepared)
+            }
+            MediaItem::Audio(a) => {
+                let s = a.samples()?;
+                let f = self.media.prepare_audio(&s)?;
+                let bytes: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
+                let prepared = Prepared::Audio { features: f.to_vec::<f32>()?, frames: f.dim(0)?, bins: f.dim(1)? };
+                (MediaKind::Audio, Gemma4Media::audio_tokens(&f)?, fingerprint(&bytes), prepared)
+            }
+        };
+        // the soft tokens and their begin / end markers
+        Ok(PreparedMedia { kind, tokens: tokens + 2, fingerprint: fp, data: Arc::new(data) })
+    }
+
+    fn expand(&self, ids: &[u32], media: &[PreparedMedia]) -> Result<Vec<u32>> {
+        let t = self.media.tokens;
+        expand_placeholders(
+            ids,
+            media,
+            |k| self.placeholder(k),
+            |m| match m.kind {
+                MediaKind::Image => t.image_placeholder(m.tokens - 2),
+                MediaKind::Audio => t.audio_placeholder(m.tokens - 2),
+            },
+        )
+    }
+
+    fn embed(&self, ids: &[u32], media: &[PreparedMedia], _cache: &Cache) -> Result<MediaEmbeddings> {
+        let mut inputs = Gemma4MediaInputs::default();
+        for m in media {
+            match m.data.downcast_ref::<Prepared>() {
+                Some(Prepared::Image { patches, width, grid, soft_tokens }) => inputs.images.push(Gemma4Image {
+                    patches: Array::from_slice(patches, &[patches.len() / width, *width])?,
+                    grid: *grid,
+                    num_soft_tokens: *soft_tokens,
+                }),
+                Some(Prepared::Audio { features, frames, bins }) => inputs.audio.push(Array::from_slice(features, &[*frames, *bins])?),
+                None => return Err(ModelError::InvalidInput("a media item prepared by another model".into())),
+            }
+        }
+        let merged = self.media.merge(&self.lm, ids, &inputs)?;
+        Ok(MediaEmbeddings { ids: Array::from_slice(ids, &[1, ids.len()])?, embeds: merged.embeds, positions: None, position_delta: 0 })
+    }
+
+    fn forward_embedded(&self, input: &MediaEmbeddings, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        if input.positions.is_some() {
+            return Err(ModelError::InvalidInput("Gemma 4 takes no explicit positions".into()));
+        }
+        let ids: Vec<u32> = input.ids.astype(DType::U32)?.to_vec()?;
+        let ple = Array::from_slice(&self.media.ple_ids(&ids), &[1, ids.len()])?;
+        self.lm.forward_embeddings(&ple, &input.embeds, cache, logits, hidden)
+    }
+}
+
+/// Gemma 4 conditional-generation checkpoints with a vision or audio tower (the registry's
+/// `gemma4_vlm` row; the unified architecture keeps its own row).
+pub(crate) fn probe(c: &ProbeContext) -> bool {
+    c.architectures.contains("Gemma4ForConditionalGeneration")
+        && ["vision_config", "audio_config"].iter().any(|k| c.config.get(*k).is_some_and(|v| !v.is_null()))
+}
+
+/// The registry's constructor: the decoder and the towers from one set of weights.
+pub(crate) fn load(c: &LoadContext) -> Result<Built> {
+    let cfg = super::gemma4::Gemma4Config::from_root(c.dir, c.config)?;
+    let lm = Gemma4Model::new(c.weights, cfg, c.eos.clone())?;
+    let media = Gemma4Media::new(c.dir, c.weights, c.config)?;
+    Ok(Built::Lm(Box::new(Gemma4Vlm::new(lm, media))))
 }

@@ -11,4 +11,5 @@ pub mod llama;
 pub mod moe;
 pub mod qwen3;
 pub mod qwen3_5;
+pub mod qwen3_5_vl;
 mod qwen3_5_mtp;

@@ -177,7 +177,7 @@ type Block = HybridBlock<GatedDeltaNet, SparseMoe>;
 /// A Qwen3.5 (dense or MoE) causal LM.
 pub struct Qwen35Model {
     cfg: Qwen35Config,
-    stack: HybridStack<GatedDeltaNet, SparseMoe>,
+    pub(crate) stack: HybridStack<GatedDeltaNet, SparseMoe>,
     info: ModelInfo,
     mtp: HashMap<String, Array>,
     /// The MTP head built from `mtp`, or why it could not be.

@@ -10,8 +10,8 @@
 use super::moe::{SparseMoe, SparseMoeConfig};
 use super::qwen3_5::Qwen35Config;
 use crate::cache::{Cache, CacheSpec, LayerKind};
-use crate::layers::decoder::{FeedForward, HybridBlock, LmHead, Mixer, Stack};
-use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm};
+use crate::layers::decoder::{FeedForward, HybridBlock, HybridCtx, LmHead, Mixer, Stack};
+use crate::layers::{causal_mask, Activation, Attention, AttentionConfig, Embedding, GatedMlp, Linear, RmsNorm, RopeAt};
 use crate::runtime::Rows;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
@@ -117,7 +117,7 @@ impl Mtp {
                 let x = self.pre_fc_norm_hidden.forward(&hidden.astype(e.dtype())?)?;
                 self.fc.forward(&ops::concatenate(&[&e, &x], -1)?)
             },
-            |l| causal_mask(l, None),
+            |l| HybridCtx { mask: causal_mask(l, None), at: RopeAt::Cache },
         )?;
         Ok((head.forward(&h)?, h))
     }

@@ -1,5 +1,5 @@
 use super::parallel::{per_rank, Shard};
-use super::{FusedLinear, Linear, RmsNorm, Rope};
+use super::{FusedLinear, Linear, RmsNorm, Rope, RopeAt};
 use crate::cache::{KvCache, LayerKv};
 use crate::weights::Vb;
 use crate::Result;
@@ -80,7 +80,17 @@ impl Attention {
 
     /// `x`: `[B, L, hidden]`, over either K/V store.
     pub fn forward_kv(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask) -> Result<Array> {
-        self.attend(x, cache, mask, false)
+        self.attend(x, cache, mask, false, &RopeAt::Cache)
+    }
+
+    /// [`Attention::forward_kv`] (or, with `last_only`, [`Attention::forward_kv_last`]) with the
+    /// tokens at rotary positions `at`.
+    pub fn forward_kv_at(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last_only: bool, at: &RopeAt) -> Result<Array> {
+        if last_only {
+            self.last_at(x, cache, mask, at)
+        } else {
+            self.attend(x, cache, mask, false, at)
+        }
     }
 
     /// The last row of [`Attention::forward_kv`] (`[B, 1, hidden]`): the K/V of every row go to
@@ -88,19 +98,23 @@ impl Attention {
     /// one row. For a model's last layer when only the last position is read (a prefill's
     /// logits); mlx-lm gets the same saving by prefilling all but the last token without logits.
     pub fn forward_kv_last(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask) -> Result<Array> {
+        self.last_at(x, cache, mask, &RopeAt::Cache)
+    }
+
+    fn last_at(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, at: &RopeAt) -> Result<Array> {
         let l = x.dims()[1] as usize;
         if l == 1 {
-            return self.attend(x, cache, mask, false);
+            return self.attend(x, cache, mask, false, at);
         }
         match last_query_mask(mask) {
-            Some(m) => self.attend(x, cache, m, true),
-            None => Ok(self.attend(x, cache, mask, false)?.slice_axis(1, l - 1, l)?),
+            Some(m) => self.attend(x, cache, m, true, at),
+            None => Ok(self.attend(x, cache, mask, false, at)?.slice_axis(1, l - 1, l)?),
         }
     }
 
     /// `last`: query only the last row (`mask` is then that of a query at the end:
     /// [`last_query_mask`]).
-    fn attend(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool) -> Result<Array> {
+    fn attend(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool, at: &RopeAt) -> Result<Array> {
         let c = &self.cfg;
         let (b, l) = (x.dims()[0], x.dims()[1]);
         let (mut q, k, v) = if last {
@@ -132,9 +146,21 @@ impl Attention {
         let q_off = if last { off + l as usize - 1 } else { off };
         let batch = cache.batch().filter(|r| !r.uniform());
         let (q, k) = (q.transpose(&[0, 2, 1, 3])?, k.transpose(&[0, 2, 1, 3])?);
-        let (q, k) = match batch {
-            Some(r) => (self.rope.forward_rows(&q, &r.positions(q_off)?, r.longest())?, self.rope.forward_rows(&k, &r.positions(off)?, r.longest())?),
-            None => (self.rope.forward(&q, q_off)?, self.rope.forward(&k, off)?),
+        let (q, k) = match (batch, at) {
+            (Some(r), RopeAt::Cache | RopeAt::Shift(0)) => {
+                (self.rope.forward_rows(&q, &r.positions(q_off)?, r.longest())?, self.rope.forward_rows(&k, &r.positions(off)?, r.longest())?)
+            }
+            (Some(_), _) => return Err(crate::ModelError::UnsupportedOption("batch caches take tokens at their cache positions only".into())),
+            (None, RopeAt::Cache) => (self.rope.forward(&q, q_off)?, self.rope.forward(&k, off)?),
+            (None, RopeAt::Shift(d)) => {
+                let at = |o: usize| usize::try_from(o as i64 + d).map_err(|_| crate::ModelError::InvalidInput(format!("rotary position {o} + {d} is negative")));
+                (self.rope.forward(&q, at(q_off)?)?, self.rope.forward(&k, at(off)?)?)
+            }
+            (None, RopeAt::Angles { cos, sin }) => {
+                let n = cos.dim(0)?;
+                let (qc, qs) = if last { (cos.slice_axis(0, n - 1, n)?, sin.slice_axis(0, n - 1, n)?) } else { (cos.clone(), sin.clone()) };
+                (super::rope::rotate_half_by(&q, &qc, &qs)?, super::rope::rotate_half_by(&k, cos, sin)?)
+            }
         };
         let (k, v) = cache.update_and_fetch(&k, &v)?;
         let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));

@@ -2,7 +2,7 @@
 //! which rows are computed past the last mixer, and the output head. A family supplies its
 //! embedding, its blocks ([`DecoderLayer`]) and its [`LmHead`].
 use crate::cache::{Cache, CacheSpec, ForwardKv, LayerKind};
-use crate::layers::{Attention, Embedding, GatedMlp, Linear, RmsNorm};
+use crate::layers::{Attention, Embedding, GatedMlp, Linear, RmsNorm, RopeAt};
 use crate::runtime::{check_cache_layers, check_tokens, ForwardOutput, Logits, Rows};
 use crate::weights::Vb;
 use crate::{ModelError, Result};
@@ -65,13 +65,19 @@ pub(crate) struct HybridBlock<R, E> {
     pub ffn: FeedForward<E>,
 }
 
+/// The per-call inputs of a hybrid stack: the attention mask and where the tokens sit for the
+/// rotary embedding.
+pub(crate) struct HybridCtx {
+    pub mask: AttentionMask<'static>,
+    pub at: RopeAt,
+}
+
 impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
-    type Ctx = AttentionMask<'static>;
-    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, mask: &Self::Ctx, last_only: bool) -> Result<Array> {
+    type Ctx = HybridCtx;
+    fn mixer(&self, x: &Array, kv: &mut ForwardKv, i: usize, ctx: &Self::Ctx, last_only: bool) -> Result<Array> {
         let n = self.mixer_norm.forward(x)?;
         match &self.mixer {
-            Mixer::Attention(a) if last_only => a.forward_kv_last(&n, &mut kv.layer(i)?, *mask),
-            Mixer::Attention(a) => a.forward_kv(&n, &mut kv.layer(i)?, *mask),
+            Mixer::Attention(a) => a.forward_kv_at(&n, &mut kv.layer(i)?, ctx.mask, last_only, &ctx.at),
             Mixer::Recurrent(r) => {
                 let valid = kv.batch().map(|b| b.step_valid()).transpose()?.flatten();
                 r.forward_slots(&n, kv.recurrent(i)?, i, valid.as_ref())
@@ -114,12 +120,28 @@ impl<R: RecurrentMixer, E: ExpertBlock> HybridStack<R, E> {
     /// pieces ending at multiples of [`crate::PagedConfig::snapshot_interval`] positions (past
     /// the prefix a snapshot already covers); calls that read every position run whole.
     pub fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        self.forward_at(tokens, cache, logits, hidden, &RopeAt::Cache)
+    }
+
+    /// The stack over precomputed input embeddings `embeds` (`[1, L, H]`) of the ids `ids`
+    /// (`[1, L]`, for the cache's bookkeeping) at rotary positions `at`, in one call; a paged
+    /// cache neither reuses nor shares blocks for it (the ids do not identify the inputs).
+    pub fn forward_embedded(&self, ids: &Array, embeds: &Array, cache: &mut Cache, logits: Logits, hidden: bool, at: RopeAt) -> Result<ForwardOutput> {
+        let stack = Stack { layers: &self.layers, prefix_skip: false, norm: &self.norm };
+        let (h, _) = stack.forward(ids, cache, Rows::of(logits, hidden), |_| Ok(embeds.clone()), |l| HybridCtx { mask: crate::layers::causal_mask(l, None), at })?;
+        self.lm_head.output(h, logits, hidden)
+    }
+
+    /// [`HybridStack::forward`] with the tokens at rotary positions `at` ([`RopeAt::Cache`] or a
+    /// [`RopeAt::Shift`]: positions relative to the cache, so the pieces of a paged prefill
+    /// keep them).
+    pub fn forward_at(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, at: &RopeAt) -> Result<ForwardOutput> {
         check_tokens(tokens)?;
         let stack = Stack { layers: &self.layers, prefix_skip: true, norm: &self.norm };
         let rows = Rows::of(logits, hidden);
         let (b, l) = (tokens.dims()[0] as usize, tokens.dims()[1] as usize);
         let embed = |t: &Array| self.embed.forward(t);
-        let mask = |l| crate::layers::causal_mask(l, None);
+        let mask = |l| HybridCtx { mask: crate::layers::causal_mask(l, None), at: at.clone() };
         if rows != Rows::All && b == 1 && l > 1 && cache.is_paged() {
             let start = cache.offset();
             // Host ids (a prompt's are): the pieces are made from them, so their ids are known

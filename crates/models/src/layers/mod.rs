@@ -13,7 +13,7 @@ pub(crate) use attention::{last_query_mask, mask_window, sdpa};
 pub use linear::{Embedding, FusedLinear, Linear, LoraSettings};
 pub use mlp::{Activation, GatedMlp};
 pub use norm::RmsNorm;
-pub use rope::{DynamicNtk, Rope, RopeScaling};
+pub use rope::{rotate_half_by, DynamicNtk, Rope, RopeAt, RopeScaling};
 
 /// Whether new operations run on the CPU: MLX's default device is not the GPU. The CPU-only
 /// tactics (chunked attention, per-expert MoE products) and the CPU's f32 default dtype ask this.

@@ -161,6 +161,35 @@ impl Rope {
     }
 }
 
+/// Where the tokens of a forward call sit for the rotary embedding.
+#[derive(Clone, Default)]
+pub enum RopeAt {
+    /// At their cache positions (the usual).
+    #[default]
+    Cache,
+    /// At their cache positions plus a shift (text after media under Qwen's M-RoPE).
+    Shift(i64),
+    /// Explicit angles per token: `cos` and `sin` `[L, rotary_dims / 2]` (M-RoPE over media).
+    Angles { cos: Array, sin: Array },
+}
+
+/// NeoX-style rotation of the first `2 * cos.dim(-1)` features of `x` (`[.., L, D]`) by the
+/// angles whose cosines and sines are `cos`, `sin` (`[L, half]`, cast to `x`'s dtype as
+/// transformers does); the other features pass unchanged.
+pub fn rotate_half_by(x: &Array, cos: &Array, sin: &Array) -> Result<Array> {
+    let half = cos.dim(-1)?;
+    let d = x.dim(-1)?;
+    let dt = x.dtype();
+    let (c, s) = (cos.astype(dt)?, sin.astype(dt)?);
+    let parts = if 2 * half < d { x.split_at(&[half, 2 * half], -1)? } else { x.split_at(&[half], -1)? };
+    let (x1, x2) = (&parts[0], &parts[1]);
+    let o1 = x1.mul(&c)?.sub(&x2.mul(&s)?)?;
+    let o2 = x2.mul(&c)?.add(&x1.mul(&s)?)?;
+    let mut all = vec![&o1, &o2];
+    all.extend(parts.get(2));
+    Ok(mlx_array::ops::concatenate(&all, -1)?)
+}
+
 /// transformers' `_compute_dynamic_ntk_parameters` at `seq` positions.
 pub fn dynamic_base(base: f32, dims: usize, d: DynamicNtk, seq: usize) -> f32 {
     let (seq, max) = (seq.max(d.max_position_embeddings) as f64, d.max_position_embeddings as f64);
