@@ -159,7 +159,7 @@ pub static FAMILIES: &[Family] = &[
         kind: FamilyKind::Vlm,
         architecture_probe: Some(crate::families::gemma4_media::probe),
         kv_default: KvDefault::Paged,
-        ..Family::new("gemma4_vlm", &[], crate::families::gemma4_media::load, &[])
+        ..Family::new("gemma4_vlm", &[], crate::families::gemma4_media::load, crate::families::gemma4_media::PRESETS)
     },
     // Qwen3.5 (dense or MoE) ConditionalGeneration checkpoints with their vision tower.
     Family {

@@ -12,7 +12,7 @@ use super::gemma4_audio::{Gemma4AudioConfig, Gemma4AudioFeatureExtractor, Gemma4
 use super::gemma4_vision::{Gemma4Image, Gemma4ImageProcessor, Gemma4VisionConfig, Gemma4VisionTower};
 use crate::cache::{Cache, CacheSpec};
 use crate::media::{expand_placeholders, fingerprint, MediaEmbeddings, MediaItem, MediaKind, MediaModel, PreparedMedia};
-use crate::registry::{Built, LoadContext, ProbeContext};
+use crate::registry::{Built, LoadContext, Preset, ProbeContext};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
@@ -253,11 +253,15 @@ enum Prepared {
 pub struct Gemma4Vlm {
     lm: Gemma4Model,
     media: Gemma4Media,
+    /// The decoder's, with the family `gemma4_vlm`.
+    info: ModelInfo,
 }
 
 impl Gemma4Vlm {
     pub fn new(lm: Gemma4Model, media: Gemma4Media) -> Self {
-        Gemma4Vlm { lm, media }
+        let mut info = lm.info().clone();
+        info.model_type = "gemma4_vlm".into();
+        Gemma4Vlm { lm, media, info }
     }
 
     pub fn towers(&self) -> &Gemma4Media {
@@ -267,7 +271,7 @@ impl Gemma4Vlm {
 
 impl ModelRuntime for Gemma4Vlm {
     fn info(&self) -> &ModelInfo {
-        self.lm.info()
+        &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
         self.lm.cache_spec()
@@ -368,3 +372,19 @@ pub(crate) fn load(c: &LoadContext) -> Result<Built> {
     let media = Gemma4Media::new(c.dir, c.weights, c.config)?;
     Ok(Built::Lm(Box::new(Gemma4Vlm::new(lm, media))))
 }
+
+/// `tiny`: the Gemma 4 `tiny` decoder under `text_config`, a one-layer vision tower (patch 4,
+/// pooling 2) and a one-layer audio encoder (unclipped linears).
+pub(crate) const PRESETS: &[Preset] = &[("tiny", || {
+    let text = (super::gemma4::PRESETS[0].1)();
+    serde_json::json!({
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+        "vocab_size": text["vocab_size"], "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+        "tie_word_embeddings": true, "text_config": text,
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                          "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 32},
+        "audio_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "subsampling_conv_channels": [128, 8],
+                         "attention_chunk_size": 4, "attention_context_left": 5, "use_clipped_linears": false, "output_proj_dims": 48},
+        "image_token_id": 10, "boi_token_id": 8, "eoi_token_id": 9, "audio_token_id": 13, "boa_token_id": 11, "eoa_token_index": 12, "video_token_id": 14
+    })
+})];
