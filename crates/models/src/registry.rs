@@ -154,6 +154,13 @@ pub static FAMILIES: &[Family] = &[
         kv_default: KvDefault::Paged,
         ..Family::new("gemma4", &["gemma4", "gemma4_text", "gemma4_unified"], crate::families::gemma4::load, crate::families::gemma4::PRESETS)
     },
+    // Gemma 4 ConditionalGeneration checkpoints with their vision and/or audio towers.
+    Family {
+        kind: FamilyKind::Vlm,
+        architecture_probe: Some(crate::families::gemma4_media::probe),
+        kv_default: KvDefault::Paged,
+        ..Family::new("gemma4_vlm", &[], crate::families::gemma4_media::load, crate::families::gemma4_media::PRESETS)
+    },
     // Qwen3.5 (dense or MoE) ConditionalGeneration checkpoints with their vision tower.
     Family {
         kind: FamilyKind::Vlm,

@@ -17,9 +17,11 @@ use sampling::SamplingOverrides;
 /// exercised by the cached decode.
 #[test]
 fn every_fixture_matches_transformers() {
-    for name in ["gemma4_text", "gemma4_text_moe", "gemma4"] {
+    for name in ["gemma4_text", "gemma4_text_moe"] {
         check_transformers_parity(name, "gemma4");
     }
+    // The ConditionalGeneration fixture loads with its vision tower (registry row gemma4_vlm).
+    check_transformers_parity("gemma4", "gemma4_vlm");
 }
 
 #[test]
@@ -82,8 +84,12 @@ fn registry_routes_gemma4_aliases_and_unified_probe() {
     }
     assert_eq!(registry::FAMILIES[0].model_type, "gemma4", "first in probe order");
     registry::validate_registry().unwrap();
-    for name in ["gemma4_text", "gemma4_text_moe", "gemma4"] {
+    for name in ["gemma4_text", "gemma4_text_moe"] {
         assert_eq!(registry::detect_model_type(&fixture(name)).unwrap().model_type, "gemma4");
+    }
+    // ConditionalGeneration checkpoints with a tower load with it (the vlm row).
+    for name in ["gemma4", "gemma4_media"] {
+        assert_eq!(registry::detect_model_type(&fixture(name)).unwrap().model_type, "gemma4_vlm");
     }
 }
 

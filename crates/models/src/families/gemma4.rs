@@ -618,6 +618,15 @@ impl Gemma4Model {
         };
         Ok((read(s, Some(window))?, read(f, None)?))
     }
+    /// [`ModelRuntime::forward`] over input embeddings `embeds` `[B, L, H]` (the scaled token
+    /// embeddings with media soft tokens merged in, [`super::gemma4_media::Gemma4Media::merge`]);
+    /// `tokens` `[B, L]` feed only the per-layer inputs (media placeholders as the pad id).
+    pub fn forward_embeddings(&self, tokens: &Array, embeds: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let net = self.net.as_ref().ok_or_else(|| ModelError::InvalidInput("Model not initialized (weights not loaded)".into()))?;
+        let (h, _) = self.hidden(net, tokens, Some(embeds), cache, Rows::of(logits, hidden), &[])?;
+        net.lm_head.output(h, logits, hidden)
+    }
+
     /// Whether weights are loaded (false for [`Gemma4Model::from_config`]).
     pub fn is_initialized(&self) -> bool {
         self.net.is_some()
@@ -654,12 +663,21 @@ impl Gemma4Model {
     /// for `Rows::None`. mlx-lm gets the same saving by evaluating only the caches of the
     /// prompt's leading tokens.
     ///
+    /// `embeds`: input embeddings `[B, L, H]` to use instead of the scaled token embeddings
+    /// (media soft tokens merged in, [`super::gemma4_media`]); `tokens` then only feed the
+    /// per-layer inputs, and a paged cache neither reuses nor shares blocks for them.
     /// `taps`: layers whose residual stream (after the layer scalar) is returned too; with taps
     /// every position is computed ([`ModelRuntime::forward_taps`]).
-    fn hidden(&self, net: &Net, tokens: &Array, cache: &mut Cache, rows: Rows, taps: &[usize]) -> Result<(Array, Vec<Array>)> {
+    fn hidden(&self, net: &Net, tokens: &Array, embeds: Option<&Array>, cache: &mut Cache, rows: Rows, taps: &[usize]) -> Result<(Array, Vec<Array>)> {
         let rows = if taps.is_empty() { rows } else { Rows::All };
-        let allow_prefix_skip = rows != Rows::All;
+        let allow_prefix_skip = rows != Rows::All && embeds.is_none();
         check_tokens(tokens)?;
+        if let Some(e) = embeds {
+            let (t, h) = (tokens.dims(), self.cfg.hidden_size as i32);
+            if e.ndim() != 3 || e.dims()[..2] != t[..2] || e.dims()[2] != h {
+                return Err(ModelError::InvalidInput(format!("input embeddings {:?} for tokens {:?} (hidden {h})", e.shape(), tokens.shape())));
+            }
+        }
         let n = self.cfg.num_hidden_layers;
         check_cache_layers(cache, n)?;
         crate::runtime::check_taps(taps, n)?;
@@ -681,7 +699,11 @@ impl Gemma4Model {
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, total)? } else { tokens.clone() };
         let tokens = &tokens;
         let l = total - skipped;
-        let mut x = net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?;
+        let mut x = match embeds {
+            Some(e) if skipped > 0 => e.slice_axis(1, skipped, total)?,
+            Some(e) => e.clone(),
+            None => net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?,
+        };
         let mut ple = self.per_layer_inputs(net, tokens, &x)?;
         let (mut full_mask, mut sliding_mask) = (causal_mask(l, None), causal_mask(l, Some(self.cfg.sliding_window)));
         let mut fetched: Vec<Option<(Array, Array)>> = vec![None; n];
@@ -755,12 +777,12 @@ impl ModelRuntime for Gemma4Model {
         })?;
         // Calls that need every position's output must not skip a cached prefix.
         let rows = Rows::of(logits, hidden);
-        let (h, _) = self.hidden(net, tokens, cache, rows, &[])?;
+        let (h, _) = self.hidden(net, tokens, None, cache, rows, &[])?;
         net.lm_head.output(h, logits, hidden)
     }
     fn forward_taps(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
         let net = self.net.as_ref().ok_or_else(|| ModelError::InvalidInput("Model not initialized (weights not loaded)".into()))?;
-        let (h, t) = self.hidden(net, tokens, cache, Rows::All, taps)?;
+        let (h, t) = self.hidden(net, tokens, None, cache, Rows::All, taps)?;
         Ok((net.lm_head.output(h, logits, hidden)?, t))
     }
 

@@ -2,6 +2,9 @@
 pub mod gated_delta;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gemma4_audio;
+pub mod gemma4_media;
+pub mod gemma4_vision;
 pub mod harrier;
 pub mod lfm2;
 pub mod llama;

@@ -1,0 +1,233 @@
+//! Gemma 4 vision and audio against transformers (f32, sdpa attention) on the tiny `gemma4_media` fixture
+//! (`scripts/make_gemma4_media_fixture.py`: vision tower with GQA, clipped linears and
+//! standardisation; audio encoder of two conformer layers; both towers through their
+//! projections): image processor patches equal to `Gemma4ImageProcessorPil`'s (within 1e-6),
+//! log-mel features within 1e-4 relative of `Gemma4AudioFeatureExtractor`'s, tower outputs within
+//! 1e-4 relative, the merged prompt's logits (text, 60 image and 23 audio soft tokens, 98
+//! positions, longer than the sliding window) within 1e-3 relative, and 16 greedy tokens
+//! identical through the cache.
+mod common;
+use common::*;
+use mlx_array::{Array, DType};
+use mlx_models::families::gemma4_media::{Gemma4Media, Gemma4MediaInputs};
+use mlx_models::families::gemma4_vision::Gemma4Image;
+use mlx_models::chat::ChatMessage;
+use mlx_models::media::{AudioInput, MediaItem, PreparedMedia};
+use mlx_models::{generate, load_model, load_session, GenerateConfig, Logits, Model};
+use std::collections::HashMap;
+
+const NAME: &str = "gemma4_media";
+
+fn media() -> Gemma4Media {
+    Gemma4Media::load(&fixture(NAME), Some(DType::F32)).unwrap()
+}
+
+fn f32s(a: &Array) -> Vec<f32> {
+    a.astype(DType::F32).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn rgb(r: &HashMap<String, Array>, key: &str) -> (Vec<u8>, usize, usize) {
+    let a = &r[key];
+    let s = a.shape();
+    (a.astype(DType::U8).unwrap().to_vec::<u8>().unwrap(), s[1], s[0])
+}
+
+fn reference_image(r: &HashMap<String, Array>, prefix: &str) -> Gemma4Image {
+    let grid = ids(&r[&format!("{prefix}_grid")]);
+    let (gh, gw) = (grid[0] as usize, grid[1] as usize);
+    Gemma4Image { patches: r[&format!("{prefix}_pixel_values")].clone(), grid: (gh, gw), num_soft_tokens: (gh / 2) * (gw / 2) }
+}
+
+#[test]
+fn image_processor_matches_transformers() {
+    let r = reference(NAME);
+    let m = media();
+    for prefix in ["image", "tall"] {
+        let (px, w, h) = rgb(&r, &format!("{prefix}_rgb"));
+        let got = m.prepare_image(&px, w, h).unwrap();
+        let want = reference_image(&r, prefix);
+        assert_eq!(got.grid, want.grid, "{prefix}: patch grid");
+        assert_eq!(got.num_soft_tokens, want.num_soft_tokens);
+        let (g, e) = (f32s(&got.patches), f32s(&want.patches));
+        assert_eq!(g.len(), e.len());
+        let worst = g.iter().zip(&e).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        eprintln!("{prefix}: patches max |diff| {worst}");
+        assert!(worst <= 1e-6, "{prefix}: patches differ by {worst}");
+    }
+    let p = m.image_processor().unwrap();
+    assert_eq!((p.patch_size, p.pooling_kernel_size, p.max_soft_tokens), (4, 2, 70));
+    assert!(m.prepare_image(&[0u8; 10], 2, 2).is_err(), "buffer size is checked");
+}
+
+#[test]
+fn audio_features_match_the_extractor() {
+    let r = reference(NAME);
+    let m = media();
+    let samples = f32s(&r["audio_samples"]);
+    let got = m.prepare_audio(&samples).unwrap();
+    let want = &r["audio_features"];
+    assert_eq!(got.shape(), want.shape(), "valid mel frames");
+    let err = rel_err(&f32s(&got), &f32s(want));
+    eprintln!("log-mel features: rel err {err}");
+    assert!(err < 1e-4, "log-mel features: rel err {err}");
+}
+
+#[test]
+fn towers_match_transformers() {
+    let r = reference(NAME);
+    let m = media();
+    let img = reference_image(&r, "image");
+    let vision = m.vision().unwrap();
+    for (got, key) in [(vision.encode(&img).unwrap(), "vision_hidden"), (vision.embed(&img).unwrap(), "vision_embeds")] {
+        assert_eq!(got.shape(), r[key].shape(), "{key}");
+        let err = rel_err(&f32s(&got), &f32s(&r[key]));
+        eprintln!("{key}: rel err {err}");
+        assert!(err < 1e-4, "{key}: rel err {err}");
+    }
+    let audio = m.audio().unwrap();
+    let feats = &r["audio_features"];
+    for (got, key) in [(audio.encode(feats).unwrap(), "audio_hidden"), (audio.embed(feats).unwrap(), "audio_embeds")] {
+        assert_eq!(got.shape(), r[key].shape(), "{key}");
+        let err = rel_err(&f32s(&got), &f32s(&r[key]));
+        eprintln!("{key}: rel err {err}");
+        assert!(err < 1e-4, "{key}: rel err {err}");
+    }
+}
+
+/// The merged prompt's embeddings from the fixture's raw media through our processors.
+fn merged_inputs(m: &Gemma4Media, r: &HashMap<String, Array>) -> Gemma4MediaInputs {
+    let (px, w, h) = rgb(r, "image_rgb");
+    Gemma4MediaInputs { images: vec![m.prepare_image(&px, w, h).unwrap()], audio: vec![m.prepare_audio(&f32s(&r["audio_samples"])).unwrap()] }
+}
+
+fn forward_embeddings(model: &Model, tokens: &Array, embeds: &Array, cache: &mut mlx_models::Cache, logits: Logits) -> Array {
+    model.with_runtime(|rt| rt.as_gemma4().expect("a Gemma 4 runtime").forward_embeddings(tokens, embeds, cache, logits, false)).unwrap().logits.unwrap()
+}
+
+#[test]
+fn merged_prompt_logits_and_greedy_match_transformers() {
+    let r = reference(NAME);
+    let m = media();
+    let model = load_model(fixture(NAME), &test_load_options()).unwrap().into_lm().unwrap();
+    let prompt = ids(&r["input_ids"]);
+    let inputs = merged_inputs(&m, &r);
+    let merged = model.with_runtime(|rt| m.merge(rt.as_gemma4().unwrap(), &prompt, &inputs)).unwrap();
+    let mut cache = model.new_cache();
+    let logits = forward_embeddings(&model, &merged.ple_tokens, &merged.embeds, &mut cache, Logits::All);
+    let err = rel_err(&f32s(&logits), &f32s(&r["logits"]));
+    eprintln!("merged-prompt logits: rel err {err}");
+    assert!(err < 1e-3, "merged-prompt logits: rel err {err}");
+
+    // Greedy through the cache: the media prefill, then plain decode steps.
+    let want = ids(&r["greedy_ids"])[prompt.len()..].to_vec();
+    for paged in [false, true] {
+        let kv_cache = if paged { mlx_models::KvCacheMode::Paged(Default::default()) } else { mlx_models::KvCacheMode::Flat };
+        let opts = mlx_models::LoadOptions { kv_cache, ..test_load_options() };
+        let model = load_model(fixture(NAME), &opts).unwrap().into_lm().unwrap();
+        let mut cache = model.new_cache();
+        let last = forward_embeddings(&model, &merged.ple_tokens, &merged.embeds, &mut cache, Logits::Last);
+        let mut next = argmax(&f32s(&last));
+        let mut got = vec![];
+        for _ in 0..want.len() {
+            got.push(next);
+            let t = Array::from_slice(&[next], &[1, 1]).unwrap();
+            next = argmax(&f32s(&model.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap()));
+        }
+        assert_eq!(got, want, "greedy tokens (paged cache: {paged})");
+    }
+}
+
+#[test]
+fn placeholder_counts_must_match_the_media() {
+    let r = reference(NAME);
+    let m = media();
+    let model = load_model(fixture(NAME), &test_load_options()).unwrap().into_lm().unwrap();
+    let mut prompt = ids(&r["input_ids"]);
+    let inputs = merged_inputs(&m, &r);
+    let image = m.tokens().image;
+    let pos = prompt.iter().position(|&t| t == image).unwrap();
+    prompt.remove(pos);
+    let err = model.with_runtime(|rt| m.merge(rt.as_gemma4().unwrap(), &prompt, &inputs)).err().expect("one image placeholder short");
+    assert!(err.to_string().contains("59 image"), "{err}");
+    // The placeholder runs the processor writes.
+    let t = m.tokens();
+    assert_eq!(t.image_placeholder(2), vec![t.boi, t.image, t.image, t.eoi]);
+    assert_eq!(t.audio_placeholder(1), vec![t.boa, t.audio, t.eoa]);
+}
+
+/// A two-turn conversation with a clip in each user turn: the second turn's prefill runs on
+/// its own tokens over the cache of the first (and of the reply) and gives the logits of a
+/// full recompute of the whole conversation, flat and paged.
+#[test]
+fn second_audio_turn_prefills_only_its_tokens_and_matches_a_full_recompute() {
+    let r = reference(NAME);
+    let m = media();
+    let t = *m.tokens();
+    let samples = f32s(&r["audio_samples"]);
+    let (clip1, clip2) = (m.prepare_audio(&samples[..6000]).unwrap(), m.prepare_audio(&samples[5000..]).unwrap());
+    let (n1, n2) = (Gemma4Media::audio_tokens(&clip1).unwrap(), Gemma4Media::audio_tokens(&clip2).unwrap());
+    let mut turn1 = vec![2, 105, 300, 301];
+    turn1.extend(t.audio_placeholder(n1));
+    turn1.extend([106, 107, 105, 400]);
+    for kv_cache in [mlx_models::KvCacheMode::Flat, mlx_models::KvCacheMode::Paged(Default::default())] {
+        let model = load_model(fixture(NAME), &mlx_models::LoadOptions { kv_cache, ..test_load_options() }).unwrap().into_lm().unwrap();
+        let merge = |tokens: &[u32], audio: Vec<Array>| {
+            model.with_runtime(|rt| m.merge(rt.as_gemma4().unwrap(), tokens, &Gemma4MediaInputs { images: vec![], audio })).unwrap()
+        };
+        let mut cache = model.new_cache();
+        let first = merge(&turn1, vec![clip1.clone()]);
+        let last = forward_embeddings(&model, &first.ple_tokens, &first.embeds, &mut cache, Logits::Last);
+        let mut reply = vec![argmax(&f32s(&last))];
+        for _ in 0..3 {
+            let x = Array::from_slice(&[*reply.last().unwrap()], &[1, 1]).unwrap();
+            reply.push(argmax(&f32s(&model.forward(&x, &mut cache, Logits::Last, false).unwrap().logits.unwrap())));
+        }
+        let mut turn2 = vec![*reply.last().unwrap(), 106, 107, 105, 500, 501];
+        reply.pop(); // the last sampled token is fed with the new turn
+        turn2.extend(t.audio_placeholder(n2));
+        turn2.extend([106, 107, 105]);
+        let second = merge(&turn2, vec![clip2.clone()]);
+        let inc = f32s(&forward_embeddings(&model, &second.ple_tokens, &second.embeds, &mut cache, Logits::All));
+
+        let full: Vec<u32> = turn1.iter().chain(&reply).chain(&turn2).copied().collect();
+        assert_eq!(cache.offset(), full.len(), "the cache holds the whole conversation");
+        let all = merge(&full, vec![clip1.clone(), clip2.clone()]);
+        let mut fresh = model.new_cache();
+        let whole = f32s(&forward_embeddings(&model, &all.ple_tokens, &all.embeds, &mut fresh, Logits::All));
+        let tail = &whole[whole.len() - inc.len()..];
+        let err = rel_err(&inc, tail);
+        eprintln!("incremental turn vs full recompute: rel err {err}");
+        assert!(err < 1e-4, "incremental turn vs full recompute: rel err {err}");
+        assert_eq!(argmax(&inc[inc.len() - 1024..]), argmax(&tail[tail.len() - 1024..]));
+    }
+}
+
+/// A chat session (registry row `gemma4_vlm`) with a clip in each user turn: the continued turn
+/// reuses the whole cached first turn, prefills only itself, and its reply equals greedy
+/// generation over the same tokens and both clips on a fresh cache.
+#[test]
+fn session_audio_turn_prefills_only_that_turn() {
+    let r = reference(NAME);
+    let samples = f32s(&r["audio_samples"]);
+    let clips = [AudioInput::Pcm(samples[..6000].to_vec()), AudioInput::Pcm(samples[5000..].to_vec())];
+    let mut s = load_session(fixture(NAME), &test_load_options()).unwrap();
+    assert!(s.supports_images());
+    let cfg = greedy_chat(6);
+    let first = s.start(vec![ChatMessage::user("Listen.").with_audio(clips[0].clone())], &cfg).unwrap();
+    assert_eq!(first.cached_tokens, 0);
+    // <boa> + 10 soft tokens + <eoa> in place of the template's <|audio|>
+    assert!(s.cached_ids().windows(12).any(|w| w[0] == 11 && w[1..11].iter().all(|&t| t == 13) && w[11] == 12), "expanded clip");
+    let held = s.cached_ids().len();
+    let second = s.continue_stream(vec![ChatMessage::user("And this?").with_audio(clips[1].clone())], &cfg).unwrap().collect_result().unwrap();
+    assert_eq!(second.cached_tokens, held, "the first turn stays in the cache");
+    assert!(second.prompt_tokens > held + 16, "the new turn holds the second clip's 16 soft tokens");
+    let all = s.cached_ids().to_vec();
+    let prompt = &all[..second.prompt_tokens];
+    let model = fixture_lm(NAME);
+    let media: Vec<PreparedMedia> =
+        clips.iter().map(|c| model.with_runtime(|rt| rt.media().unwrap().prepare(&MediaItem::Audio(c.clone())))).collect::<mlx_models::Result<_>>().unwrap();
+    let mut cache = model.new_cache();
+    let gcfg = GenerateConfig { max_new_tokens: second.num_tokens, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
+    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, gcfg).unwrap().with_media(media).map(|t| t.unwrap().id).collect();
+    assert_eq!(fresh, all[prompt.len()..prompt.len() + second.num_tokens]);
+}
