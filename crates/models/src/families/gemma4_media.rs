@@ -361,7 +361,8 @@ impl MediaModel for Gemma4Vlm {
 /// Gemma 4 conditional-generation checkpoints with a vision or audio tower (the registry's
 /// `gemma4_vlm` row; the unified architecture keeps its own row).
 pub(crate) fn probe(c: &ProbeContext) -> bool {
-    c.architectures.contains("Gemma4ForConditionalGeneration")
+    c.has_media_tower != Some(false)
+        && c.architectures.contains("Gemma4ForConditionalGeneration")
         && ["vision_config", "audio_config"].iter().any(|k| c.config.get(*k).is_some_and(|v| !v.is_null()))
 }
 

@@ -40,9 +40,11 @@ use serde_json::Value;
 use std::path::Path;
 use std::sync::Arc;
 
-/// The registry's probe: a Qwen3.5 ConditionalGeneration config with a `vision_config`.
+/// The registry's probe: a Qwen3.5 ConditionalGeneration config with a `vision_config`, whose
+/// weights (when there are any) hold the tower.
 pub(crate) fn probe(c: &ProbeContext) -> bool {
-    matches!(c.model_type, Some("qwen3_5" | "qwen3_5_moe"))
+    c.has_media_tower != Some(false)
+        && matches!(c.model_type, Some("qwen3_5" | "qwen3_5_moe"))
         && (c.architectures.contains("Qwen3_5ForConditionalGeneration") || c.architectures.contains("Qwen3_5MoeForConditionalGeneration"))
         && c.config.get("vision_config").is_some_and(Value::is_object)
 }
