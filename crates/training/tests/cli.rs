@@ -3,9 +3,8 @@
 //! as 3 updates, then `--resume` in a new process for the remaining 3; bad flags fail cleanly.
 mod common;
 
-use common::{example_binary, model_fixture, run_example};
+use common::{killed_run, model_fixture, run_example};
 use std::path::Path;
-use std::process::Command;
 
 fn run(args: &[&str], dir: &Path) -> (bool, String, String) {
     run_example("sft", args, dir)
@@ -69,19 +68,10 @@ fn killed_during_saves_leaves_a_loadable_checkpoint() {
     let data = tmp.path().join("d.jsonl");
     std::fs::write(&data, (0..4u32).map(|i| format!("{{\"prompt_ids\": [{}, 5], \"completion_ids\": [{}, {}]}}\n", 3 + i, 40 + i, 7 * i)).collect::<String>()).unwrap();
     let model = model_fixture("qwen3");
-    let bin = example_binary("sft");
     let mut resumed = 0;
     for (i, delay_ms) in [150u64, 300, 450, 600, 900].into_iter().enumerate() {
         let out = format!("run{i}");
-        let mut child = Command::new(&bin)
-            .args(["--model", model.to_str().unwrap(), "--data", "d.jsonl", "--out", &out, "--steps", "100000", "--batch-size", "2", "--save-every", "1", "--json"])
-            .current_dir(tmp.path())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-        child.kill().unwrap();
-        child.wait().unwrap();
+        killed_run("sft", &["--model", model.to_str().unwrap(), "--data", "d.jsonl", "--out", &out, "--steps", "100000", "--batch-size", "2", "--save-every", "1", "--json"], tmp.path(), delay_ms);
         let dir = tmp.path().join(&out);
         match mlx_training::state::resolve_checkpoint(&dir) {
             Ok(found) => {

@@ -6,9 +6,8 @@
 //! loadable checkpoint.
 mod common;
 
-use common::{example_binary, model_fixture, run_example};
+use common::{killed_run, model_fixture, run_example};
 use std::path::Path;
-use std::process::Command;
 
 fn run(args: &[&str], dir: &Path) -> (bool, String, String) {
     run_example("grpo", args, dir)
@@ -394,12 +393,12 @@ fn killed_during_saves_leaves_a_loadable_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     write_rollouts(tmp.path());
     let model = model_fixture("qwen3");
-    let bin = example_binary("grpo");
     let mut resumed = 0;
     for (i, delay_ms) in [200u64, 400, 600, 900, 1300].into_iter().enumerate() {
         let out = format!("run{i}");
-        let mut child = Command::new(&bin)
-            .args([
+        killed_run(
+            "grpo",
+            &[
                 "--model",
                 model.to_str().unwrap(),
                 "--rollouts",
@@ -413,14 +412,10 @@ fn killed_during_saves_leaves_a_loadable_checkpoint() {
                 "--save-every",
                 "1",
                 "--json",
-            ])
-            .current_dir(tmp.path())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-        child.kill().unwrap();
-        child.wait().unwrap();
+            ],
+            tmp.path(),
+            delay_ms,
+        );
         let dir = tmp.path().join(&out);
         match mlx_training::state::resolve_checkpoint(&dir) {
             Ok(found) => {

@@ -171,6 +171,20 @@ pub fn nan_old_logprobs(mut b: mlx_training::GrpoBatch, nan: bool) -> mlx_traini
     b
 }
 
+/// Example `name` started with `args` in `dir` and killed (SIGKILL) after `delay_ms`; waits for
+/// it to end.
+pub fn killed_run(name: &str, args: &[&str], dir: &std::path::Path, delay_ms: u64) {
+    let mut child = std::process::Command::new(example_binary(name))
+        .args(args)
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
 /// Example `name` run with `args` in `dir`: (success, stdout, stderr).
 pub fn run_example(name: &str, args: &[&str], dir: &std::path::Path) -> (bool, String, String) {
     let out = std::process::Command::new(example_binary(name))
