@@ -84,42 +84,13 @@ pub struct ProbeContext<'a> {
 /// layouts).
 const TOWER_MARKERS: [&str; 6] = ["visual.", "vision_tower.", "audio_tower.", "vision_model.", "embed_vision.", "embed_audio."];
 
-/// Whether the weight files under `dir` name a tower tensor ([`ProbeContext::has_media_tower`]):
-/// the names of a sharded index, else the headers of `model*.safetensors` (a text-only
+/// Whether the weight files under `dir` name a tower tensor ([`ProbeContext::has_media_tower`];
+/// `None` when there are none or they cannot be read, which the loader then reports). A text-only
 /// conversion, such as mlx-lm's of a ConditionalGeneration checkpoint, keeps `vision_config` in
-/// config.json but drops the tower).
+/// config.json but drops the tower.
 fn media_tower_in(dir: &Path) -> Option<bool> {
-    let has = |name: &str| TOWER_MARKERS.iter().any(|m| name.contains(m));
-    if let Ok(raw) = std::fs::read_to_string(dir.join("model.safetensors.index.json")) {
-        let v: Value = serde_json::from_str(&raw).ok()?;
-        return Some(v.get("weight_map")?.as_object()?.keys().any(|k| has(k)));
-    }
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors")))
-        .collect();
-    if files.is_empty() {
-        return None;
-    }
-    files.sort();
-    let mut any = false;
-    for f in files {
-        use std::io::Read;
-        let mut file = std::fs::File::open(&f).ok()?;
-        let mut len = [0u8; 8];
-        file.read_exact(&mut len).ok()?;
-        let n = u64::from_le_bytes(len);
-        // a header is JSON names and offsets: past 100 MB it is not one we can probe
-        if n > 100 << 20 {
-            return None;
-        }
-        let mut header = vec![0u8; n as usize];
-        file.read_exact(&mut header).ok()?;
-        let v: Value = serde_json::from_slice(&header).ok()?;
-        any |= v.as_object()?.keys().any(|k| has(k));
-    }
-    Some(any)
+    let ckpt = crate::weights::open_checkpoint(dir).ok()??;
+    Some(ckpt.tensors().iter().any(|t| TOWER_MARKERS.iter().any(|m| t.name.contains(m))))
 }
 
 /// One row of the registry: everything the loader, the random-checkpoint writer and the

@@ -304,15 +304,7 @@ impl Weights {
     /// copied out when a layer reads it, and a sharded layer ([`Vb::get_shard`]) copies only
     /// its slice, so a tensor-parallel rank holds about its share of the model.
     pub fn open_mapped(dir: &Path, float_dtype: Option<DType>) -> Result<Self> {
-        let ckpt = if dir.join("model.safetensors.index.json").exists() {
-            mlx_array::io::Checkpoint::open(dir)?
-        } else {
-            let files = model_files(dir)?;
-            if files.is_empty() {
-                return Err(ModelError::Checkpoint { path: dir.to_path_buf(), msg: "no safetensors weights found".into() });
-            }
-            mlx_array::io::Checkpoint::open_files(dir, &files)?
-        };
+        let ckpt = open_checkpoint(dir)?.ok_or_else(|| ModelError::Checkpoint { path: dir.to_path_buf(), msg: "no safetensors weights found".into() })?;
         let pending = ckpt
             .tensors()
             .into_iter()
@@ -746,4 +738,17 @@ fn model_files(dir: &Path) -> Result<Vec<PathBuf>> {
         .collect();
     files.sort();
     Ok(files)
+}
+
+/// The weight files of `dir` memory-mapped, headers checked, nothing copied: the sharded index
+/// when there is one, else the `model*.safetensors` files; `None` when there are none.
+pub(crate) fn open_checkpoint(dir: &Path) -> Result<Option<mlx_array::io::Checkpoint>> {
+    if dir.join("model.safetensors.index.json").exists() {
+        return Ok(Some(mlx_array::io::Checkpoint::open(dir)?));
+    }
+    let files = model_files(dir)?;
+    if files.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(mlx_array::io::Checkpoint::open_files(dir, &files)?))
 }
