@@ -14,14 +14,6 @@ use mlx_models::ParameterTree;
 use mlx_training::{Example, SftConfig, SftTrainer};
 use serde_json::Value;
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 #[test]
 fn moe_gradients_match_transformers() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
