@@ -536,6 +536,14 @@ impl Block {
         }
     }
 
+    /// Layer `i`'s slice `[B, L, P]` of the per-layer inputs `[B, L, layers, P]` (PLE layers).
+    fn per_layer_input(&self, ple: Option<&Array>, i: usize) -> Result<Option<Array>> {
+        match (&self.ple, ple) {
+            (Some(_), Some(inputs)) => Ok(Some(inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?)),
+            _ => Ok(None),
+        }
+    }
+
     /// The layer's output from `h` (the residual stream after attention): the feed-forward
     /// residual, the gated per-layer input `pli` (`[B, L, P]`, PLE layers) and the layer scalar.
     fn finish(&self, h: &Array, pli: Option<&Array>) -> Result<Array> {
@@ -803,10 +811,7 @@ impl Gemma4Model {
                     offset += l - 1; // the one query left sits at the last position
                 }
             }
-            let pli = match (&layer.ple, &ple) {
-                (Some(_), Some(inputs)) => Some(inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?),
-                _ => None,
-            };
+            let pli = layer.per_layer_input(ple.as_ref(), i)?;
             x = layer.finish(&h, pli.as_ref())?;
             if taps.contains(&i) {
                 tapped.push(x.clone());
@@ -832,10 +837,7 @@ impl Gemma4Model {
         let mut fetched: Vec<Option<(Array, Array)>> = vec![None; net.layers.len()];
         for (i, layer) in net.layers.iter().enumerate() {
             let mut xs = vec![x];
-            let pli = match (&layer.ple, &ple) {
-                (Some(_), Some(inputs)) => Some(inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?),
-                _ => None,
-            };
+            let pli = layer.per_layer_input(ple.as_ref(), i)?;
             let ctx = CheckpointCtx {
                 mask: if self.cfg.is_sliding(i) { masks.sliding } else { masks.full },
                 ple: pli.is_some(),

@@ -397,12 +397,12 @@ impl<L: DecoderLayer> Stack<'_, L> {
 }
 
 /// What a pass with [`Cache::set_gradient_checkpointing`] needs: a flat, non-batch cache at
-/// position 0, and every position computed (a checkpointed layer keeps no cache state, so a
+/// position 0 (no K/V, no recurrent state), and every position computed (a checkpointed layer keeps no cache state, so a
 /// later call could not continue from it).
 pub(crate) fn check_checkpointed(cache: &Cache, rows: Rows) -> Result<()> {
     let why = if cache.is_paged() || cache.batch.is_some() {
         "it needs a flat, non-batch cache"
-    } else if cache.offset() != 0 {
+    } else if cache.offset() != 0 || cache.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(s) if s.iter().any(Option::is_some))) {
         "a pass starts at position 0"
     } else if rows != Rows::All {
         "a pass computes every position (all logits, or the hidden states)"
