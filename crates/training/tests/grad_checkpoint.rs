@@ -186,12 +186,24 @@ fn checkpointed_grpo_step_equals_plain_one() {
     compare_grpo("gemma4_text", true);
 }
 
-/// A checkpointed layer keeps no cache state, so a pass that would continue a cache, or that
-/// computes only the last position, is refused with the reason.
+/// A checkpointed layer keeps no cache state, so a pass that would continue a cache (K/V, or
+/// only recurrent state: a Qwen3.5 variant without attention layers), or that computes only the
+/// last position, is refused with the reason.
 #[test]
 fn what_cannot_be_checkpointed_is_refused() {
-    for name in ["lfm2", "qwen3_5", "gemma4_text"] {
-        let model = ParameterTree::load(model_fixture(name), &f32_options())
+    let lin = "linear_attention";
+    let recurrent_only = random_variant(
+        "qwen3_5",
+        &[("layer_types", serde_json::json!([lin, lin, lin, lin]))],
+    );
+    let dirs = ["lfm2", "qwen3_5", "gemma4_text"].map(model_fixture);
+    for dir in dirs
+        .iter()
+        .map(|d| d.as_path())
+        .chain([recurrent_only.path()])
+    {
+        let name = dir.display();
+        let model = ParameterTree::load(dir, &f32_options())
             .unwrap()
             .build(&f32_options())
             .unwrap()
