@@ -29,6 +29,8 @@ pub struct Adaptive {
     probe_up: bool,
     /// The cycle of the next probe.
     next_probe: usize,
+    /// The depth probed by the last cycle handed out, until its time is observed.
+    probing: Option<usize>,
 }
 
 impl Adaptive {
@@ -53,6 +55,7 @@ impl Adaptive {
             cycles: 0,
             probe_up: false,
             next_probe: Self::PROBE,
+            probing: None,
         }
     }
 
@@ -110,14 +113,12 @@ impl Adaptive {
             } else {
                 lo
             };
-            self.next_probe = self.cycles + self.probe_gap(n);
+            // placed again once the probe's time is known (`observe`)
+            self.next_probe = self.cycles + Self::PROBE;
+            self.probing = Some(n);
             return n;
         }
-        // the best measured of plain decoding and the neighbourhood; plain wins: stay plain
-        let best = [0, lo, self.depth, hi]
-            .into_iter()
-            .filter(|&d| self.time[d].is_some())
-            .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b });
+        let best = self.best();
         if best == 0 {
             self.depth = 0;
             return 0;
@@ -127,6 +128,39 @@ impl Adaptive {
         }
         self.depth = best;
         best
+    }
+
+    /// The best measured of plain decoding and the current depth's neighbourhood.
+    fn best(&self) -> usize {
+        self.best_around(self.depth)
+    }
+
+    fn best_around(&self, depth: usize) -> usize {
+        let (lo, hi) = (depth.saturating_sub(1), (depth + 1).min(self.max));
+        [0, lo, self.depth, hi]
+            .into_iter()
+            .filter(|&d| self.time[d].is_some())
+            .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b })
+    }
+
+    /// How many of the next cycles are plain steps for sure: past exploring and calibrating, with
+    /// plain decoding the best measured choice, the cycles before the next probe. A caller may run them as one plain stretch and report it with
+    /// [`Adaptive::observe_plain`].
+    pub fn plain_run(&self) -> usize {
+        if self.cycles < Self::EXPLORE || self.time[0].is_none() || self.best() != 0 || self.best_around(0) != 0 {
+            return 0;
+        }
+        self.next_probe.saturating_sub(self.cycles + 1)
+    }
+
+    /// `n` plain steps ran as one stretch in `secs`: as `n` cycles at depth 0.
+    pub fn observe_plain(&mut self, n: usize, secs: f64) {
+        if n == 0 {
+            return;
+        }
+        self.cycles += n;
+        self.depth = 0;
+        self.observe(0, 0, secs / n as f64);
     }
 
     /// Cycles until the probe after one at depth `d`: [`Adaptive::PROBE`], or more when a cycle at
@@ -144,6 +178,9 @@ impl Adaptive {
         let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
         if let Some(t) = self.time.get_mut(d) {
             *t = ema(*t, secs);
+        }
+        if self.probing.take() == Some(d) {
+            self.next_probe = self.cycles + self.probe_gap(d);
         }
         for i in 0..d.min(accepted + 1).min(self.max) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
@@ -218,6 +255,28 @@ mod tests {
         // cheap probes keep the minimum gap
         let cheap = useless_overhead(1.05, 0.1, 4096);
         assert!(cheap < 1.0 + 2.0 * Adaptive::PROBE_BUDGET, "overhead {cheap}");
+    }
+
+    #[test]
+    fn a_plain_run_lasts_until_the_next_probe() {
+        let mut a = Adaptive::new(3);
+        // exploring at depth 3, then calibrating with a plain step: no plain run yet
+        for _ in 0..Adaptive::EXPLORE {
+            assert_eq!(a.plain_run(), 0);
+            let d = a.next_depth();
+            a.observe(d, 0, 4.0);
+        }
+        assert_eq!(a.next_depth(), 0);
+        a.observe(0, 0, 1.0);
+        let n = a.plain_run();
+        assert!(n > 0 && n < Adaptive::PROBE, "plain run {n}");
+        a.observe_plain(n, n as f64);
+        assert_eq!(a.plain_run(), 0, "the next cycle is a probe");
+        assert_eq!(a.next_depth(), 1);
+        a.observe(1, 0, 4.0);
+        // a probe costing 4 plain steps: the next run is at least 4 / PROBE_BUDGET cycles away
+        let n = a.plain_run();
+        assert!(n as f64 >= 4.0 / Adaptive::PROBE_BUDGET - 2.0, "plain run {n}");
     }
 
     #[test]
