@@ -118,6 +118,32 @@ impl Array {
             .map(Array::wrap)
     }
 
+    /// 2-d convolution. Input `[N, H, W, C_in]`, weight `[C_out, KH, KW, C_in / groups]` (MLX
+    /// layout); `stride`, `padding` (zeros on both sides) and `dilation` are `(h, w)`.
+    ///
+    /// The padding is a separate [`Array::pad`]: MLX 0.32.2's CPU convolution corrupts the heap
+    /// when it pads itself and the dilation exceeds the input's height or width (a 3x3 kernel of
+    /// dilation 8 over a 7x5 map, padded by 8, aborts in `free`).
+    pub fn conv2d(&self, weight: &Array, stride: (usize, usize), padding: (usize, usize), dilation: (usize, usize), groups: usize) -> Result<Array> {
+        if groups == 0 || stride.0 == 0 || stride.1 == 0 || dilation.0 == 0 || dilation.1 == 0 {
+            return Err(Error::arg("conv2d", "stride, dilation and groups must be positive"));
+        }
+        if self.ndim() != 4 {
+            return Err(Error::shape("conv2d", format!("need an [N, H, W, C] input, got {:?}", self.shape())));
+        }
+        let padded;
+        let x = if padding == (0, 0) {
+            self
+        } else {
+            padded = self.pad(&[(0, 0), (padding.0, padding.0), (padding.1, padding.1), (0, 0)], 0.0)?;
+            &padded
+        };
+        let p = |(a, b): (usize, usize)| (a as i32, b as i32);
+        mlx_rs::ops::conv2d(&x.inner, &weight.inner, p(stride), (0, 0), p(dilation), groups as i32)
+            .op("conv2d")
+            .map(Array::wrap)
+    }
+
     /// Causal 1-d convolution (stride 1): the input `[N, L, C_in]` is padded on the left with
     /// `dilation * (K - 1)` zeros, so output `t` sees inputs `..=t` only and has length `L`.
     /// With `groups == C_in == C_out` and weight `[C, K, 1]` this is the depthwise short
