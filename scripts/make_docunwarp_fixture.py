@@ -51,6 +51,10 @@ NUM_FILTER = 3
 KERNEL = 5
 IMG_SIZE = (72, 104)  # network input, [width, height]
 IMAGE_WH = (45, 61)  # the test picture, width x height
+GRID = (7, 5)  # the network's output, height x width
+# --full-size: the published network's widths and input size (7.9 M parameters, 32 MB; not
+# committed), for `cargo test -p mlx-models --test docunwarp -- --ignored` with DOCUNWARP_FULL_DIR
+FULL = {"num_filter": 32, "img_size": (488, 712), "image_wh": (620, 877), "grid": (45, 31)}
 MAP_NUM = (1, 2, 4)
 BLOCK_NUMS = (3, 4, 6)
 STRIDES = (1, 2, 2)
@@ -169,16 +173,21 @@ def write_png(path, img):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
-    out = ap.parse_args().out_dir
+    ap.add_argument("--full-size", action="store_true", help="the published widths and 488x712 input, a 620x877 picture")
+    args = ap.parse_args()
+    out = args.out_dir
+    nf, img_size, image_wh, grid_hw = NUM_FILTER, IMG_SIZE, IMAGE_WH, GRID
+    if args.full_size:
+        nf, img_size, image_wh, grid_hw = FULL["num_filter"], FULL["img_size"], FULL["image_wh"], FULL["grid"]
     os.makedirs(out, exist_ok=True)
     gen = torch.Generator().manual_seed(SEED)
-    model = UVDoc()
+    model = UVDoc(nf)
     randomize(model, gen)
     model.eval()
 
-    img = picture(*IMAGE_WH)
+    img = picture(*image_wh)
     x = torch.from_numpy(img).permute(2, 0, 1)[None].double()
-    inp = F.interpolate(x.float() / 255, size=(IMG_SIZE[1], IMG_SIZE[0]), mode="bilinear", align_corners=True)
+    inp = F.interpolate(x.float() / 255, size=(img_size[1], img_size[0]), mode="bilinear", align_corners=True)
     flow = model(inp)
     # Scale the last convolution so the grid spans about [-1.25, 1.25]: most samples land inside the
     # picture (interpolated), a few past its edges (clamped).
@@ -187,7 +196,7 @@ def main():
     last.weight.data *= scale
     last.bias.data *= scale
     flow = model(inp)
-    assert flow.shape[2:] == (7, 5), flow.shape
+    assert flow.shape[2:] == grid_hw, flow.shape
     grid = F.interpolate(flow, size=img.shape[:2], mode="bilinear", align_corners=True).permute(0, 2, 3, 1)
     sampled = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=True)
     unwarped = sampled[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8)
@@ -196,7 +205,7 @@ def main():
 
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
     save_file(sd, os.path.join(out, "model.safetensors"))
-    config = {"model_type": "uvdoc", "num_filter": NUM_FILTER, "kernel_size": KERNEL, "img_size": list(IMG_SIZE)}
+    config = {"model_type": "uvdoc", "num_filter": nf, "kernel_size": KERNEL, "img_size": list(img_size)}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")

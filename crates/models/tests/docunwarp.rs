@@ -360,3 +360,46 @@ fn original_pytorch_extras_and_mlx_kernel_layout_load() {
     assert!(err < REL_TOL, "flow rel err {err}");
     assert_eq!(DocUnwarpConfig::default().img_size, [488, 712]);
 }
+
+/// The published network's size (32 filters, 488x712 input, 45x31 grid, 7.9 M parameters) on a
+/// 620x877 picture: `scripts/make_docunwarp_fixture.py --full-size DIR`, then
+/// `DOCUNWARP_FULL_DIR=DIR cargo test -p mlx-models --test docunwarp -- --ignored --nocapture`.
+#[test]
+#[ignore = "needs a full-size checkpoint made by scripts/make_docunwarp_fixture.py --full-size (32 MB)"]
+fn full_size_network_matches_pytorch() {
+    let dir = std::env::var("DOCUNWARP_FULL_DIR")
+        .expect("set DOCUNWARP_FULL_DIR to the --full-size output");
+    let dir = Path::new(&dir);
+    let m = DocUnwarpModel::load(dir).unwrap();
+    let refs = mlx_array::io::load_safetensors(dir.join("reference.safetensors"), None).unwrap();
+    let t = std::time::Instant::now();
+    let out = m.unwarp(&ImageInput::path(dir.join("image.png"))).unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    let want_flow = refs["flow"].to_vec_f32().unwrap();
+    let err = common::rel_err(&out.displacement.data, &want_flow);
+    let want = refs["unwarped"]
+        .astype(DType::U8)
+        .unwrap()
+        .to_vec::<u8>()
+        .unwrap();
+    let diffs: Vec<u8> = out
+        .image
+        .data
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| a.abs_diff(*b))
+        .collect();
+    let worst = diffs.iter().copied().max().unwrap();
+    let off = diffs.iter().filter(|&&d| d > 0).count();
+    println!(
+        "{}x{} page, {}x{} grid in {secs:.2} s: grid rel err {err:.2e}; image max diff {worst}, {off} of {} values differ",
+        out.image.width,
+        out.image.height,
+        out.displacement.height,
+        out.displacement.width,
+        diffs.len()
+    );
+    assert_eq!((out.displacement.height, out.displacement.width), (45, 31));
+    assert!(err < REL_TOL, "grid rel err {err}");
+    assert!(worst <= PIXEL_TOL, "max pixel diff {worst}");
+}
