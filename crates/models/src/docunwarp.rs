@@ -28,8 +28,10 @@
 //! downsample.1.running_var`, `bridge_1.0.0.0.weight`, `bridge_4.2.1.bias`,
 //! `out_point_positions2D.2.weight`, ...), convolution kernels `[out, in, kh, kw]` (MLX's
 //! `[out, kh, kw, in]` is accepted too), and a `config.json` with `model_type: "uvdoc"`,
-//! `num_filter`, `kernel_size` and `img_size`. `*.num_batches_tracked` and the unused 3-D head
-//! (`out_point_positions3D.*`) of original PyTorch checkpoints are ignored; any other tensor the
+//! `num_filter`, `kernel_size` and `img_size`. The original PyTorch UVDoc state dict, saved as
+//! safetensors, loads too: its names differ where its modules nest one level less (the first
+//! block's `conv1.weight`, `bridge_1.0.0.weight`), and its `*.num_batches_tracked` and unused 3-D
+//! head (`out_point_positions3D.*`) are ignored; any other tensor the
 //! network does not read is an error.
 use crate::media::{ImageInput, MediaError, RgbImage};
 use crate::weights::{Init, Vb, Weights};
@@ -310,6 +312,17 @@ impl BatchNorm {
     }
 }
 
+/// `vb.0` (the checkpoints' nesting of a one-module `Sequential`), or `vb` itself where only it
+/// holds `probe` (the original PyTorch names, one level less).
+fn nested<'a>(vb: Vb<'a>, probe: &str) -> Vb<'a> {
+    let inner = vb.pp(0);
+    if !inner.contains(probe) && vb.contains(probe) {
+        vb
+    } else {
+        inner
+    }
+}
+
 fn relu(x: &Array) -> Result<Array> {
     Ok(x.maximum(&Array::scalar(0f32))?)
 }
@@ -360,9 +373,27 @@ impl ResidualBlock {
             None
         };
         Ok(ResidualBlock {
-            conv1: Conv::load(&vb.pp("conv1").pp(0), cin, cout, k, stride, pad, dil, true)?,
+            conv1: Conv::load(
+                &nested(vb.pp("conv1"), "weight"),
+                cin,
+                cout,
+                k,
+                stride,
+                pad,
+                dil,
+                true,
+            )?,
             bn1: BatchNorm::load(&vb.pp("bn1"), cout)?,
-            conv2: Conv::load(&vb.pp("conv2").pp(0), cout, cout, k, 1, pad, dil, true)?,
+            conv2: Conv::load(
+                &nested(vb.pp("conv2"), "weight"),
+                cout,
+                cout,
+                k,
+                1,
+                pad,
+                dil,
+                true,
+            )?,
             bn2: BatchNorm::load(&vb.pp("bn2"), cout)?,
             downsample,
         })
@@ -529,7 +560,7 @@ impl DocUnwarpModel {
         for (i, dils) in BRIDGE_DILATIONS.iter().enumerate() {
             let mut bv = vb.pp(format!("bridge_{}", i + 1));
             if dils.len() == 1 {
-                bv = bv.pp(0); // one-convolution branches sit one level deeper
+                bv = nested(bv, "0.0.weight"); // one-convolution branches sit one level deeper
             }
             let chain = dils
                 .iter()

@@ -316,47 +316,71 @@ fn checkpoint_problems_are_typed_errors() {
     );
 }
 
-#[test]
-fn original_pytorch_extras_and_mlx_kernel_layout_load() {
-    // what original PyTorch state dicts add (counters, the 3-D head) is ignored; kernels stored in
-    // MLX's [out, kh, kw, in] layout give the same network
+/// Max relative error of the grid of the fixture's checkpoint edited by `edit`, on PyTorch's input.
+fn flow_err_after(edit: impl FnOnce(&mut HashMap<String, Array>)) -> f32 {
     let dir = tempfile::tempdir().unwrap();
-    edited_checkpoint(
-        dir.path(),
-        |t| {
-            t.insert(
-                "resnet_head.1.num_batches_tracked".into(),
-                Array::from_slice(&[7i64], &[]).unwrap(),
-            );
-            t.insert(
-                "out_point_positions3D.3.weight".into(),
-                Array::ones(&[3, 3, 5, 5], DType::F32).unwrap(),
-            );
-            let names: Vec<String> = t
-                .keys()
-                .filter(|k| {
-                    k.ends_with(".weight")
-                        && t[*k].ndim() == 4
-                        && !k.starts_with("out_point_positions3D")
-                })
-                .cloned()
-                .collect();
-            for n in names {
-                let w = t[&n].transpose(&[0, 2, 3, 1]).unwrap();
-                t.insert(n, w);
-            }
-        },
-        None,
-    );
+    edited_checkpoint(dir.path(), edit, None);
     let m = DocUnwarpModel::load(dir.path()).unwrap();
-    let want = reference("flow").to_vec_f32().unwrap();
-    let err = common::rel_err(
-        &m.forward(&reference("input"))
-            .unwrap()
-            .to_vec_f32()
-            .unwrap(),
-        &want,
-    );
+    let got = m
+        .forward(&reference("input"))
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
+    common::rel_err(&got, &reference("flow").to_vec_f32().unwrap())
+}
+
+#[test]
+fn original_pytorch_names_and_extras_load() {
+    // the original UVDoc state dict: the first block of a layer has bare `conv1` / `conv2`
+    // convolutions and one-convolution bridges one level less; counters and the 3-D head are ignored
+    let err = flow_err_after(|t| {
+        let names: Vec<String> = t.keys().cloned().collect();
+        for n in names {
+            let mut renamed = n.clone();
+            for layer in 1..=3 {
+                for conv in ["conv1", "conv2"] {
+                    let nested = format!("resnet_down.layer{layer}.0.{conv}.0.");
+                    if let Some(rest) = n.strip_prefix(&nested) {
+                        renamed = format!("resnet_down.layer{layer}.0.{conv}.{rest}");
+                    }
+                }
+            }
+            for b in 1..=3 {
+                if let Some(rest) = n.strip_prefix(&format!("bridge_{b}.0.0.")) {
+                    renamed = format!("bridge_{b}.0.{rest}");
+                }
+            }
+            if renamed != n {
+                let v = t.remove(&n).unwrap();
+                t.insert(renamed, v);
+            }
+        }
+        assert!(
+            t.contains_key("resnet_down.layer2.0.conv1.weight")
+                && t.contains_key("bridge_3.0.1.running_var")
+        );
+        t.insert(
+            "resnet_head.1.num_batches_tracked".into(),
+            Array::from_slice(&[7i64], &[]).unwrap(),
+        );
+        t.insert(
+            "out_point_positions3D.3.weight".into(),
+            Array::ones(&[3, 3, 5, 5], DType::F32).unwrap(),
+        );
+    });
+    assert!(err < REL_TOL, "flow rel err {err}");
+}
+
+#[test]
+fn mlx_kernel_layout_loads() {
+    // kernels stored in MLX's [out, kh, kw, in] layout give the same network
+    let err = flow_err_after(|t| {
+        let names: Vec<String> = t.keys().filter(|k| t[*k].ndim() == 4).cloned().collect();
+        for n in names {
+            let w = t[&n].transpose(&[0, 2, 3, 1]).unwrap();
+            t.insert(n, w);
+        }
+    });
     assert!(err < REL_TOL, "flow rel err {err}");
     assert_eq!(DocUnwarpConfig::default().img_size, [488, 712]);
 }
