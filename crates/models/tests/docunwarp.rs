@@ -67,36 +67,41 @@ fn preprocess_and_grid_match_pytorch() {
     assert!(err < REL_TOL, "displacement rel err {err}");
 }
 
-#[test]
-fn unwarped_image_matches_pytorch_and_saves_as_png() {
-    let m = model();
-    let out = m.unwarp(&image()).unwrap();
-    let want = reference("unwarped").astype(DType::U8).unwrap();
-    assert_eq!(want.shape(), vec![61, 45, 3]);
-    assert_eq!((out.image.width, out.image.height), (45, 61));
-    let want = want.to_vec::<u8>().unwrap();
-    let diffs: Vec<u8> = out
-        .image
+/// (largest difference, number of differing values, number of values) between `got` and the
+/// `[h, w, 3]` 8-bit reference image.
+fn pixel_diffs(got: &RgbImage, want: &Array) -> (u8, usize, usize) {
+    assert_eq!(
+        want.shape(),
+        vec![got.height as usize, got.width as usize, 3]
+    );
+    let want = want.astype(DType::U8).unwrap().to_vec::<u8>().unwrap();
+    let diffs: Vec<u8> = got
         .data
         .iter()
         .zip(&want)
         .map(|(a, b)| a.abs_diff(*b))
         .collect();
-    let worst = diffs.iter().copied().max().unwrap();
-    let off = diffs.iter().filter(|&&d| d > 0).count();
-    println!(
-        "unwarped image: max diff {worst} level(s), {off} of {} values differ",
-        diffs.len()
-    );
+    (
+        diffs.iter().copied().max().unwrap_or(0),
+        diffs.iter().filter(|&&d| d > 0).count(),
+        diffs.len(),
+    )
+}
+
+#[test]
+fn unwarped_image_matches_pytorch_and_saves_as_png() {
+    let m = model();
+    let out = m.unwarp(&image()).unwrap();
+    assert_eq!((out.image.width, out.image.height), (45, 61));
+    let (worst, off, total) = pixel_diffs(&out.image, &reference("unwarped"));
+    println!("unwarped image: max diff {worst} level(s), {off} of {total} values differ");
     assert!(
         worst <= PIXEL_TOL,
-        "max pixel diff {worst} ({off} of {} values differ)",
-        diffs.len()
+        "max pixel diff {worst} ({off} of {total} values differ)"
     );
     assert!(
-        off * 100 < diffs.len(),
-        "{off} of {} values differ by one level",
-        diffs.len()
+        off * 100 < total,
+        "{off} of {total} values differ by one level"
     );
     // a non-trivial warp: the result is not the input
     let input = image().decode().unwrap();
@@ -107,7 +112,7 @@ fn unwarped_image_matches_pytorch_and_saves_as_png() {
             .zip(&out.image.data)
             .filter(|(a, b)| a != b)
             .count()
-            > want.len() / 2
+            > total / 2
     );
 
     // PNG bytes decode back to the same pixels; save writes them atomically
@@ -250,57 +255,45 @@ fn checkpoint_error(
 
 #[test]
 fn checkpoint_problems_are_typed_errors() {
-    let err = checkpoint_error(|t| drop(t.remove("bridge_4.1.0.weight")), None);
-    match &err {
-        DocUnwarpError::Model(ModelError::Checkpoint { msg, .. }) => {
-            assert!(msg.contains("missing tensor bridge_4.1.0.weight"), "{msg}")
-        }
+    let checkpoint_msg = |err: DocUnwarpError| match err {
+        DocUnwarpError::Model(ModelError::Checkpoint { msg, .. }) => msg,
         e => panic!("{e:?}"),
+    };
+    let msg = checkpoint_msg(checkpoint_error(
+        |t| drop(t.remove("bridge_4.1.0.weight")),
+        None,
+    ));
+    assert!(msg.contains("missing tensor bridge_4.1.0.weight"), "{msg}");
+    // a BatchNorm vector of the wrong width, and a tensor no layer reads
+    for (name, len) in [
+        ("resnet_down.layer1.0.bn1.running_var", 4),
+        ("extra.weight", 2),
+    ] {
+        let ones = Array::ones(&[len], DType::F32).unwrap();
+        let msg = checkpoint_msg(checkpoint_error(
+            |t| drop(t.insert(name.into(), ones)),
+            None,
+        ));
+        assert!(msg.contains(name), "{msg}");
     }
-    let err = checkpoint_error(
-        |t| {
-            drop(t.insert(
-                "resnet_down.layer1.0.bn1.running_var".into(),
-                Array::ones(&[4], DType::F32).unwrap(),
-            ))
-        },
-        None,
-    );
-    assert!(
-        matches!(&err, DocUnwarpError::Model(ModelError::Checkpoint { msg, .. }) if msg.contains("running_var")),
-        "{err:?}"
-    );
-    let err = checkpoint_error(
-        |t| {
-            drop(t.insert(
-                "extra.weight".into(),
-                Array::ones(&[2], DType::F32).unwrap(),
-            ))
-        },
-        None,
-    );
-    assert!(
-        matches!(&err, DocUnwarpError::Model(ModelError::Checkpoint { msg, .. }) if msg.contains("extra.weight")),
-        "{err:?}"
-    );
-    let err = checkpoint_error(
-        |_| {},
-        Some(
+    let configs = [
+        (
             r#"{"model_type": "uvdoc", "num_filter": 3, "kernel_size": 4, "img_size": [72, 104]}"#,
+            "odd",
         ),
-    );
-    assert!(
-        matches!(&err, DocUnwarpError::Model(ModelError::MalformedConfig { reason, .. }) if reason.contains("odd")),
-        "{err:?}"
-    );
-    let err = checkpoint_error(
-        |_| {},
-        Some(r#"{"model_type": "uvdoc", "num_filter": 3, "img_size": [8, 8]}"#),
-    );
-    assert!(
-        matches!(&err, DocUnwarpError::Model(ModelError::MalformedConfig { reason, .. }) if reason.contains("too small")),
-        "{err:?}"
-    );
+        (
+            r#"{"model_type": "uvdoc", "num_filter": 3, "img_size": [8, 8]}"#,
+            "too small",
+        ),
+    ];
+    for (config, why) in configs {
+        match checkpoint_error(|_| {}, Some(config)) {
+            DocUnwarpError::Model(ModelError::MalformedConfig { reason, .. }) => {
+                assert!(reason.contains(why), "{reason}")
+            }
+            e => panic!("{config}: {e:?}"),
+        }
+    }
     let err = checkpoint_error(|_| {}, Some(r#"{"model_type": "layoutlm"}"#));
     assert!(
         matches!(
@@ -401,27 +394,14 @@ fn full_size_network_matches_pytorch() {
     let secs = t.elapsed().as_secs_f64();
     let want_flow = refs["flow"].to_vec_f32().unwrap();
     let err = common::rel_err(&out.displacement.data, &want_flow);
-    let want = refs["unwarped"]
-        .astype(DType::U8)
-        .unwrap()
-        .to_vec::<u8>()
-        .unwrap();
-    let diffs: Vec<u8> = out
-        .image
-        .data
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| a.abs_diff(*b))
-        .collect();
-    let worst = diffs.iter().copied().max().unwrap();
-    let off = diffs.iter().filter(|&&d| d > 0).count();
+    let (worst, off, total) = pixel_diffs(&out.image, &refs["unwarped"]);
     println!(
         "{}x{} page, {}x{} grid in {secs:.2} s: grid rel err {err:.2e}; image max diff {worst}, {off} of {} values differ",
         out.image.width,
         out.image.height,
         out.displacement.height,
         out.displacement.width,
-        diffs.len()
+        total
     );
     assert_eq!((out.displacement.height, out.displacement.width), (45, 31));
     assert!(err < REL_TOL, "grid rel err {err}");
