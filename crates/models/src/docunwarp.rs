@@ -605,9 +605,9 @@ impl DocUnwarpModel {
     /// (bilinear, corners aligned).
     pub fn preprocess(&self, image: &RgbImage) -> Result<Array> {
         let (w, h) = (image.width as usize, image.height as usize);
-        let src: Vec<f32> = image.data.iter().map(|&v| v as f32 / 255.0).collect();
         let [ow, oh] = self.config.img_size;
-        let resized = resize_bilinear_aligned(&src, h, w, 3, oh, ow);
+        let resized =
+            resize_bilinear_aligned(&image.data, |v| v as f32 / 255.0, (h, w, 3), (oh, ow));
         Ok(Array::from_slice(&resized, &[1, oh, ow, 3])?)
     }
 
@@ -673,15 +673,14 @@ impl DocUnwarpModel {
     }
 }
 
-/// Resize `src` (`h x w x c`, row-major) to `oh x ow x c` with bilinear interpolation, corners
-/// aligned (PyTorch's `F.interpolate(mode="bilinear", align_corners=True)`).
-fn resize_bilinear_aligned(
-    src: &[f32],
-    h: usize,
-    w: usize,
-    c: usize,
-    oh: usize,
-    ow: usize,
+/// Resize `src` (`h x w x c`, row-major, each element read through `value`) to `oh x ow x c` with
+/// bilinear interpolation, corners aligned (PyTorch's `F.interpolate(mode="bilinear",
+/// align_corners=True)`).
+fn resize_bilinear_aligned<T: Copy>(
+    src: &[T],
+    value: impl Fn(T) -> f32,
+    (h, w, c): (usize, usize, usize),
+    (oh, ow): (usize, usize),
 ) -> Vec<f32> {
     // (index below, index above, weight of the one above) for each output coordinate
     let taps = |n: usize, on: usize| -> Vec<(usize, usize, f32)> {
@@ -703,7 +702,7 @@ fn resize_bilinear_aligned(
     for &(y0, y1, ly) in &ty {
         for &(x0, x1, lx) in &tx {
             for ch in 0..c {
-                let at = |y: usize, x: usize| src[(y * w + x) * c + ch];
+                let at = |y: usize, x: usize| value(src[(y * w + x) * c + ch]);
                 let top = (1.0 - lx) * at(y0, x0) + lx * at(y0, x1);
                 let bottom = (1.0 - lx) * at(y1, x0) + lx * at(y1, x1);
                 out.push((1.0 - ly) * top + ly * bottom);
@@ -729,7 +728,7 @@ pub fn remap(image: &RgbImage, grid: &Displacement) -> Result<RgbImage> {
         .into());
     }
     let (w, h) = (image.width as usize, image.height as usize);
-    let points = resize_bilinear_aligned(&grid.data, grid.height, grid.width, 2, h, w);
+    let points = resize_bilinear_aligned(&grid.data, |v| v, (grid.height, grid.width, 2), (h, w));
     let unnormalize =
         |v: f32, n: usize| ((v + 1.0) / 2.0 * (n - 1) as f32).clamp(0.0, (n - 1) as f32);
     let mut data = Vec::with_capacity(w * h * 3);
