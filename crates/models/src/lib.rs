@@ -44,6 +44,7 @@ pub mod random;
 pub mod paged;
 mod params;
 pub mod privacy;
+pub mod docunwarp;
 pub mod registry;
 mod session;
 mod runtime;
