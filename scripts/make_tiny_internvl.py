@@ -21,7 +21,7 @@ of 2 layers of 64 (tied embeddings, as Qianfan-OCR's Qwen3-4B). The tokenizer is
 fixture's (the real Qwen3 tokenizer shrunk to 512 ids) with ids 495/496/498 renamed `<img>`,
 `</img>` and `<IMG_CONTEXT>`, and a chat template that writes `<IMG_CONTEXT>\\n` for each image
 part (the placeholder the processor expands into `<img>` + `<IMG_CONTEXT>` x 4 per tile +
-`</img>`). Two images are drawn from a fixed formula: A is 90x50 pixels (2x1 tiles plus the
+`</img>`). Two images are drawn from a fixed formula: A is 100x45 pixels (2x1 tiles plus the
 thumbnail) and B 40x70 (1x2 tiles plus the thumbnail); tiling allows 1 to 6 tiles.
 
 Weights: random (HF init, 1-D tensors perturbed as make_tiny_dense.py does, the class token,
@@ -235,7 +235,7 @@ def main():
     tok = T.AutoTokenizer.from_pretrained(out)
     assert tok.convert_tokens_to_ids(["<img>", "</img>", "<IMG_CONTEXT>"]) == [IMG_START, IMG_END, IMG_CONTEXT]
     model = T.InternVLForConditionalGeneration.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
-    imgs = {"a": image(90, 50, 0), "b": image(40, 70, 1)}
+    imgs = {"a": image(100, 45, 0), "b": image(40, 70, 1)}
     for k, im in imgs.items():
         im.save(os.path.join(out, f"image_{k}.png"))
     ref, tiles = {}, {}

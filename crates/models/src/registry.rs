@@ -185,6 +185,12 @@ pub static FAMILIES: &[Family] = &[
         paged_memory_floor_mb: Some(16384.0),
         ..Family::new("qwen3_5_vl", &[], crate::families::qwen3_5_vl::load, crate::families::qwen3_5_vl::PRESETS)
     },
+    // InternVL (Qianfan-OCR, InternVL-Chat, transformers' native layout) with its vision tower.
+    Family {
+        kind: FamilyKind::Vlm,
+        kv_default: KvDefault::Flat,
+        ..Family::new("internvl", &["internvl", "internvl_chat", "qianfan-ocr"], crate::families::internvl::load, crate::families::internvl::PRESETS)
+    },
     Family {
         kind: FamilyKind::Embedding,
         architecture_probe: Some(|c| {
