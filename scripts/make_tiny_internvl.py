@@ -13,7 +13,11 @@ OUT_ROOT defaults to crates/models/tests/fixtures/tiny. Two directories are writ
   `mlp1.{0,1,3}`, `language_model.model.*`; the inverse of transformers'
   `convert_internvl_weights_to_hf.py` mapping), with `vision_config`/`llm_config` and the
   tiling settings (`force_image_size`, `min/max_dynamic_patch`, `use_thumbnail`) in config.json
-  and no preprocessor_config.json.
+  and no preprocessor_config.json;
+- `internvl/config.qianfan_ocr.json`: the config transformers' `QianfanOCRForConditionalGeneration`
+  (model_type `qianfan_ocr`) saves for the same model; that class reads the `internvl_chat`
+  weights (the hub Qianfan-OCR layout) through its key conversion, and the script checks it gives
+  the native model's prompt-1 logits (max abs diff recorded in reference.json).
 
 Shapes: InternViT of 2 layers of 32 (2 heads, 8-pixel patches of 32x32 tiles, so 16 patches and
 a class token), pixel shuffle 0.5 (4 tokens a tile), the MLP projector, and a Qwen3 language model
@@ -193,6 +197,29 @@ def chat_layout(native_dir, out):
         shutil.copy(os.path.join(native_dir, f), out)
 
 
+@torch.no_grad()
+def qianfan_ocr_config(native_dir, chat_dir, ref):
+    """transformers' `QianfanOCRForConditionalGeneration` (model_type `qianfan_ocr`) reads the
+    InternVL-Chat weights (the hub Qianfan-OCR layout, through its key conversion): its config as
+    transformers saves it goes to `internvl/config.qianfan_ocr.json`, after checking that the model
+    gives the native model's logits of prompt 1."""
+    import tempfile
+    cfg = T.QianfanOCRConfig(vision_config=dict(VISION), text_config=dict(TEXT), image_token_id=IMG_CONTEXT, image_seq_length=SEQ,
+                             downsample_ratio=0.5, projector_hidden_act="gelu", vision_feature_layer=-1,
+                             vision_feature_select_strategy="default", tie_word_embeddings=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        shutil.copy(os.path.join(chat_dir, "model.safetensors"), tmp)
+        model, info = T.QianfanOCRForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager",
+                                                                            output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        shutil.copy(os.path.join(tmp, "config.json"), os.path.join(native_dir, "config.qianfan_ocr.json"))
+    logits = model.eval()(input_ids=ref["ids_1"], pixel_values=ref["pixel_values_a"]).logits[0].float()
+    diff = (logits - ref["logits_1"]).abs().max().item()
+    assert diff < 1e-5, diff
+    return diff
+
+
 def expand(ids, tiles):
     out, k = [], 0
     for t in ids:
@@ -263,6 +290,9 @@ def main():
     chat = os.path.join(root, "internvl_chat")
     shutil.rmtree(chat, ignore_errors=True)
     chat_layout(out, chat)
+    meta["qianfan_ocr_logits_1_max_abs_diff"] = qianfan_ocr_config(out, chat, ref)
+    with open(os.path.join(out, "reference.json"), "w") as f:
+        json.dump(meta, f, indent=1)
     for d in (out, chat):
         for f in os.listdir(d):
             os.chmod(os.path.join(d, f), 0o644)

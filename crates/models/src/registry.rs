@@ -189,7 +189,7 @@ pub static FAMILIES: &[Family] = &[
     Family {
         kind: FamilyKind::Vlm,
         kv_default: KvDefault::Flat,
-        ..Family::new("internvl", &["internvl", "internvl_chat", "qianfan-ocr"], crate::families::internvl::load, crate::families::internvl::PRESETS)
+        ..Family::new("internvl", &["internvl", "internvl_chat", "qianfan-ocr", "qianfan_ocr"], crate::families::internvl::load, crate::families::internvl::PRESETS)
     },
     Family {
         kind: FamilyKind::Embedding,

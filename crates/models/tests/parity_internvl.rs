@@ -113,28 +113,61 @@ fn processor_and_tower_match_transformers() {
 /// images over two user turns (the reference keeps the last 16 positions of that one).
 #[test]
 fn merged_prompts_match_transformers() {
-    let r = reference(REF);
     for name in LAYOUTS {
-        let model = fixture_lm(name);
-        for (n, keys) in [("1", &["a"][..]), ("2", &["a", "b"][..])] {
-            let prompt = ids(&r[&format!("ids_{n}")]);
-            let media: Vec<PreparedMedia> = keys.iter().map(|k| prepare(&model, k)).collect();
-            let want = f32s(&r[&format!("logits_{n}")]);
-            let got = media_prompt_logits(&model, &prompt, &media);
-            let err = rel_err(&got[got.len() - want.len()..], &want);
-            eprintln!(
-                "{name} prompt {n}: {} tokens, logits rel err {err:e}",
-                prompt.len()
-            );
-            assert!(err < 1e-3, "{name} prompt {n}: logits rel err {err}");
-            let got = media_greedy(&model, &prompt, media, 8, vec![]);
-            assert_eq!(
-                got,
-                ids(&r[&format!("greedy_{n}")])[prompt.len()..],
-                "{name} prompt {n}: greedy tokens"
-            );
-        }
+        check_prompts(name, &fixture_lm(name));
     }
+}
+
+fn check_prompts(name: &str, model: &Model) {
+    let r = reference(REF);
+    for (n, keys) in [("1", &["a"][..]), ("2", &["a", "b"][..])] {
+        let prompt = ids(&r[&format!("ids_{n}")]);
+        let media: Vec<PreparedMedia> = keys.iter().map(|k| prepare(model, k)).collect();
+        let want = f32s(&r[&format!("logits_{n}")]);
+        let got = media_prompt_logits(model, &prompt, &media);
+        let err = rel_err(&got[got.len() - want.len()..], &want);
+        eprintln!(
+            "{name} prompt {n}: {} tokens, logits rel err {err:e}",
+            prompt.len()
+        );
+        assert!(err < 1e-3, "{name} prompt {n}: logits rel err {err}");
+        let got = media_greedy(model, &prompt, media, 8, vec![]);
+        assert_eq!(
+            got,
+            ids(&r[&format!("greedy_{n}")])[prompt.len()..],
+            "{name} prompt {n}: greedy tokens"
+        );
+    }
+}
+
+/// transformers' `qianfan_ocr` config (`config.qianfan_ocr.json`, as transformers saves it) over
+/// the InternVL-Chat weights, the form hub Qianfan-OCR checkpoints take for transformers: the same
+/// references.
+#[test]
+fn qianfan_ocr_config_over_chat_weights_matches_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (native, chat) = (fixture(REF), fixture("internvl_chat"));
+    let copy =
+        |from: std::path::PathBuf, to: &str| std::fs::copy(from, dir.path().join(to)).unwrap();
+    copy(native.join("config.qianfan_ocr.json"), "config.json");
+    copy(
+        native.join("preprocessor_config.json"),
+        "preprocessor_config.json",
+    );
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        copy(chat.join(f), f);
+    }
+    let model = mlx_models::load_model(dir.path(), &test_load_options())
+        .unwrap()
+        .into_lm()
+        .unwrap();
+    assert_eq!(model.info().model_type, "internvl");
+    check_prompts("qianfan_ocr", &model);
 }
 
 #[test]

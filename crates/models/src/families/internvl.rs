@@ -12,7 +12,12 @@
 //!   keys `vision_model.*` (a fused `attn.qkv`, `ls1/2`, `norm1/2`), `mlp1.{0,1,3}` and
 //!   `language_model.model.*`, tiling settings in config.json (`force_image_size`,
 //!   `dynamic_image_size`, `min/max_dynamic_patch`, `use_thumbnail`, `ps_version`,
-//!   `select_layer`), ImageNet mean and std.
+//!   `select_layer`), ImageNet mean and std;
+//! - **transformers' Qianfan-OCR** (model_type `qianfan_ocr`): a native-style config
+//!   (`text_config`, Qwen3 by default; biased q/k/v by default; preprocessor_config.json) over
+//!   weights in the InternVL-Chat layout, which is how transformers reads and writes them.
+//!
+//! The tensor layout is found from the weights (`vision_model.*` or `vision_tower.*`).
 //!
 //! - **Processor**: dynamic tiling. Among the grids of `min..=max` tiles, the one whose aspect
 //!   ratio is closest to the image's (on a tie the later, larger grid while the image's area
@@ -137,7 +142,9 @@ pub struct VisionConfig {
 }
 
 impl VisionConfig {
-    fn from_raw(r: RawVision, chat: bool) -> std::result::Result<Self, String> {
+    /// `chat`: an InternVL-Chat config; `bias`: whether q/k/v are biased when the config does
+    /// not say (InternViT's and Qianfan-OCR's default; transformers' InternVL has none).
+    fn from_raw(r: RawVision, chat: bool, bias: bool) -> std::result::Result<Self, String> {
         let image_size = r.image_size.square("image_size")?;
         let patch_size = r.patch_size.square("patch_size")?;
         let act = Activation::parse(&r.hidden_act)
@@ -171,11 +178,10 @@ impl VisionConfig {
             act,
             eps: r.layer_norm_eps as f32,
             rms_norm,
-            // InternViT's default is a biased qkv, transformers' an unbiased one.
             qkv_bias: if chat {
-                r.qkv_bias.or(r.attention_bias).unwrap_or(true)
+                r.qkv_bias.or(r.attention_bias).unwrap_or(bias)
             } else {
-                r.attention_bias.or(r.qkv_bias).unwrap_or(false)
+                r.attention_bias.or(r.qkv_bias).unwrap_or(bias)
             },
             qk_norm: r.use_qk_norm.or(r.qk_normalization).unwrap_or(false),
             final_norm: !chat && !r.use_mean_pooling,
@@ -810,7 +816,7 @@ fn language_model(c: &LoadContext, weights: &Weights, prefix: &str) -> Result<Qw
         .and_then(Value::as_str)
         .unwrap_or("qwen2");
     let (cfg, opts, name): (Qwen3Config, DecoderOptions, &str) = match kind {
-        "qwen3" => {
+        "qwen3" | "qianfan_ocr" => {
             let cfg: Qwen3Config = c.parse()?;
             let opts = DecoderOptions::qwen3(&cfg).map_err(bad)?;
             (cfg, opts, "qwen3")
@@ -841,9 +847,11 @@ fn language_model(c: &LoadContext, weights: &Weights, prefix: &str) -> Result<Qw
                 if kind == "llama" { "llama" } else { "qwen2" },
             )
         }
-        other => return Err(bad(format!(
+        other => {
+            return Err(bad(format!(
             "InternVL language model of model_type {other:?} (qwen3, qwen2 or llama are supported)"
-        ))),
+        )))
+        }
     };
     Qwen3Model::with_options_at(weights, cfg, &opts, name, c.eos.clone(), prefix)
 }
@@ -862,12 +870,31 @@ pub struct InternVlModel {
 
 impl InternVlModel {
     pub fn new(c: &LoadContext) -> Result<Self> {
-        let chat = c.config.get("model_type").and_then(Value::as_str) != Some("internvl");
+        let model_type = c
+            .config
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        // The config's form (InternVL-Chat's `llm_config` and tiling keys, or transformers'
+        // `text_config` and preprocessor_config.json) and the tensors' layout are independent:
+        // transformers' `qianfan_ocr` reads hub checkpoints in the InternVL-Chat layout.
+        let chat = c.config.get("llm_config").is_some_and(Value::is_object)
+            || matches!(model_type, "internvl_chat" | "qianfan-ocr");
         let raw: RawVision =
             crate::config::parse(c.dir, c.config.get("vision_config").unwrap_or(&Value::Null))?;
-        let vision = VisionConfig::from_raw(raw, chat).map_err(|r| c.bad_config(r))?;
+        let vision = VisionConfig::from_raw(raw, chat, model_type != "internvl")
+            .map_err(|r| c.bad_config(r))?;
         let root = c.weights.root();
-        let (tower_at, proj_at, lm_at) = if chat {
+        let chat_keys = if root.contains("vision_model.embeddings.patch_embedding.weight") {
+            true
+        } else if root.contains("vision_tower.embeddings.cls_token")
+            || root.contains("model.vision_tower.embeddings.cls_token")
+        {
+            false
+        } else {
+            model_type != "internvl"
+        };
+        let (tower_at, proj_at, lm_at) = if chat_keys {
             ("vision_model", "mlp1", "language_model.model")
         } else {
             let m = if root.contains("model.vision_tower.embeddings.cls_token") {
@@ -918,7 +945,7 @@ impl InternVlModel {
             &root.pp(proj_at),
             vision,
             settings,
-            chat,
+            chat_keys,
         )?;
         // One tile of zeros through the tower computes its weights while loading (the language
         // model's are computed by Model::materialize).
