@@ -6,7 +6,9 @@
 //! ```
 //! The image goes in one user message with the prompt (by default the family's OCR instruction,
 //! [`mlx_models::ocr::default_prompt`]: "Parse this document to Markdown." for InternVL); the
-//! reply is decoded greedily and printed to stdout.
+//! reply is decoded greedily and printed to stdout. A chat template that writes no image
+//! placeholder gets the InternVL-Chat prompt (`<IMG_CONTEXT>`, a newline, the instruction) instead
+//! ([`mlx_models::ocr`]).
 use clap::Parser;
 use mlx_models::media::ImageInput;
 use mlx_models::ocr::Ocr;

@@ -238,30 +238,53 @@ fn continued_turn_with_a_new_image_prefills_only_that_turn() {
     );
 }
 
-/// The OCR entry point with the reference prompt replies with the reference's greedy tokens;
-/// a text-only checkpoint is refused.
+/// The OCR entry point with the reference prompt replies with the reference's greedy tokens, both
+/// through the session (the fixture's template writes the placeholder) and, for a template that
+/// drops image parts (a text-only Qwen template), through the InternVL-Chat prompt; a text-only
+/// checkpoint is refused.
 #[test]
 fn ocr_reads_the_image_as_greedy_generation_does() {
     let r = reference(REF);
     let prompt = ids(&r["ids_1"]);
     let want = &ids(&r["greedy_1"])[prompt.len()..];
-    for name in LAYOUTS {
-        let mut ocr = Ocr::load(fixture(name), &test_load_options()).unwrap();
+    let plain = tempfile::tempdir().unwrap();
+    let chat = fixture("internvl_chat");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(chat.join(f), plain.path().join(f)).unwrap();
+    }
+    let mut tc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chat.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    tc["chat_template"] = serde_json::json!(concat!(
+        "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}",
+        "{%- if message.content is string %}{{- message.content }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}",
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    ));
+    std::fs::write(plain.path().join("tokenizer_config.json"), tc.to_string()).unwrap();
+    for (dir, templated) in [
+        (fixture("internvl"), true),
+        (chat, true),
+        (plain.path().to_path_buf(), false),
+    ] {
+        let mut ocr = Ocr::load(&dir, &test_load_options()).unwrap();
         assert_eq!(ocr.model_type(), "internvl");
         let res = ocr
             .read(image("a"), Some("Read the text in the image."), want.len())
             .unwrap();
-        assert_eq!(res.num_tokens, want.len(), "{name}");
-        assert_eq!(
-            &ocr.session().cached_ids()[prompt.len()..prompt.len() + want.len()],
-            want,
-            "{name}"
-        );
+        assert_eq!(res.templated, templated, "{}", dir.display());
+        assert_eq!(res.prompt, prompt, "{}", dir.display());
+        assert_eq!(res.tokens, want, "{}", dir.display());
         // The family's default instruction is what an OCR request without one sends.
         let res = ocr.read(image("a"), None, 2).unwrap();
         assert!(
-            res.prompt_tokens > 20,
-            "{name}: the image's tokens are in the prompt"
+            res.prompt.len() > 20 && res.tokens.len() <= 2,
+            "{}: the image's tokens are in the prompt",
+            dir.display()
         );
     }
     match Ocr::load(fixture("qwen3"), &test_load_options()) {
