@@ -40,6 +40,7 @@ pub mod layers;
 pub mod media;
 mod model;
 pub mod observe;
+pub mod ocr;
 pub mod random;
 pub mod paged;
 mod params;

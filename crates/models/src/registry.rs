@@ -222,6 +222,12 @@ pub static FAMILIES: &[Family] = &[
     // short-convolution state per sequence).
     Family::new("lfm2", &["lfm2"], crate::families::lfm2::load, crate::families::lfm2::PRESETS),
     Family::new("lfm2_moe", &["lfm2_moe"], crate::families::lfm2::load, crate::families::lfm2::MOE_PRESETS),
+    // InternVL (Qianfan-OCR, InternVL-Chat, transformers' native layout) with its vision tower.
+    Family {
+        kind: FamilyKind::Vlm,
+        kv_default: KvDefault::Flat,
+        ..Family::new("internvl", &["internvl", "internvl_chat", "qianfan-ocr", "qianfan_ocr"], crate::families::internvl::load, crate::families::internvl::PRESETS)
+    },
 ];
 
 /// Look up a family by canonical type.

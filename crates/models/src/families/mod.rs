@@ -6,6 +6,7 @@ pub mod gemma4_audio;
 pub mod gemma4_media;
 pub mod gemma4_vision;
 pub mod harrier;
+pub mod internvl;
 pub mod lfm2;
 pub mod llama;
 pub mod moe;
