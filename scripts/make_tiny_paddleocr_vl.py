@@ -200,7 +200,7 @@ def main():
             feats = model.model.get_image_features(p["pixel_values"], p["image_grid_thw"])
             ref[f"tower_{k}"] = feats.pooler_output[0].float()
             if k == "a":
-                ref["vision_a"] = feats.last_hidden_state[0].float()
+                ref["vision_a"] = feats.last_hidden_state.reshape(-1, VISION["hidden_size"]).float()
     meta = dict(seed=70, steps=STEPS, weights_dtype="bfloat16", reference_dtype="float32", attn_implementation="eager",
                 torch=torch.__version__, transformers=T.__version__, messages_1=MESSAGES_1, messages_2=MESSAGES_2,
                 grids={k: ref[f"grid_{k}"].tolist() for k in imgs})
