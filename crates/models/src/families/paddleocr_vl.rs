@@ -368,10 +368,13 @@ impl PaddleOcrVlModel {
         let processor = Processor::from_dir(c.dir, &vision)?;
         let stack = load_decoder(c.weights, &cfg, tied(&text))?;
         let root = c.weights.root();
-        let (enc, proj) = if c.weights.contains("visual.vision_model.embeddings.patch_embedding.weight") {
-            ("visual.vision_model", "mlp_AR")
-        } else {
+        // transformers' layout nests all three under `model.`; the hub's (and a random
+        // checkpoint's) has the decoder at `model.`, the encoder at `visual.`, the projector at
+        // `mlp_AR.`.
+        let (enc, proj) = if c.weights.decoder_prefix() == "model.language_model" {
             ("model.visual.vision_model", "model.projector")
+        } else {
+            ("visual.vision_model", "mlp_AR")
         };
         let tower = VisionTower::load(&root.pp(enc), &root.pp(proj), vision, h)?;
         // Compute the tower's weights on the loading thread (one merge block of zero pixels), as
