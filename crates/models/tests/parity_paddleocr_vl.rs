@@ -37,17 +37,21 @@ fn processor_encoder_and_projector_match_transformers() {
     let img = p.data.downcast_ref::<QwenImage>().unwrap();
     assert_eq!(vec![1, img.grid_h as u32, img.grid_w as u32], ids(&r["grid_a"]));
     let d = max_abs_diff(&img.pixels, &f32s(&r["pixel_values_a"]));
+    eprintln!("image a: pixel values max |diff| {d:.2e}");
     assert!(d < 1e-5, "pixel values differ by {d}");
     let t = tower(&fixture(NAME), "visual.vision_model", "mlp_AR");
     let px = Array::from_slice(&img.pixels, &[img.grid_h * img.grid_w, img.pixels.len() / (img.grid_h * img.grid_w)]).unwrap();
     let enc = t.encode(&px, img.grid_h, img.grid_w).unwrap();
     let err = rel_err(&f32s(&enc), &f32s(&r["vision_a"]));
+    eprintln!("image a: encoder rel err {err:.2e}");
     assert!(err < 1e-4, "encoder rel err {err}");
     let proj = f32s(&t.project(&enc, img.grid_h, img.grid_w).unwrap());
     let want = f32s(&r["tower_a"]);
     let err = rel_err(&proj, &want);
+    eprintln!("image a: projector rel err {err:.2e}");
     assert!(err < 1e-4, "projector rel err {err}");
     let err = rel_err(&vlm::tower_rows(&model, &p, IMAGE_TOKEN), &want);
+    eprintln!("image a: merged embeddings rel err {err:.2e}");
     assert!(err < 1e-4, "merged embeddings rel err {err}");
 }
 
@@ -61,8 +65,10 @@ fn thin_image_matches_transformers() {
     let img = p.data.downcast_ref::<QwenImage>().unwrap();
     assert_eq!(vec![1, img.grid_h as u32, img.grid_w as u32], ids(&r["grid_b"]));
     let d = max_abs_diff(&img.pixels, &f32s(&r["pixel_values_b"]));
+    eprintln!("image b: pixel values max |diff| {d:.2e}");
     assert!(d < 1e-5, "pixel values differ by {d}");
     let err = rel_err(&vlm::tower_rows(&model, &p, IMAGE_TOKEN), &f32s(&r["tower_b"]));
+    eprintln!("image b: tower rel err {err:.2e}");
     assert!(err < 1e-4, "tower rel err {err}");
 }
 
@@ -75,7 +81,13 @@ fn transformers_layout_loads_the_same_model() {
     let src = fixture(NAME);
     let dir = std::env::temp_dir().join(format!("paddleocr_vl_layout_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "image_a.png"] {
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "image_a.png",
+    ] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
     let tensors = mlx_array::io::load_safetensors(src.join("model.safetensors"), None).unwrap();
@@ -98,11 +110,21 @@ fn transformers_layout_loads_the_same_model() {
     mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None).unwrap();
     let r = reference(NAME);
     let model = mlx_models::load_model(&dir, &test_load_options()).unwrap().into_lm().unwrap();
-    let p = model.with_runtime(|rt| rt.media().unwrap().prepare(&mlx_models::media::MediaItem::Image(mlx_models::media::ImageInput::path(dir.join("image_a.png"))))).unwrap();
+    let p = model
+        .with_runtime(|rt| {
+            rt.media()
+                .unwrap()
+                .prepare(&mlx_models::media::MediaItem::Image(mlx_models::media::ImageInput::path(
+                    dir.join("image_a.png"),
+                )))
+        })
+        .unwrap();
     let err = rel_err(&vlm::tower_rows(&model, &p, IMAGE_TOKEN), &f32s(&r["tower_a"]));
+    eprintln!("transformers layout: tower rel err {err:.2e}");
     assert!(err < 1e-4, "tower rel err {err}");
     let logits = vlm::merged_logits(&model, &ids(&r["ids_1"]), std::slice::from_ref(&p));
     let err = rel_err(&logits, &f32s(&r["logits_1"]));
+    eprintln!("transformers layout: prompt 1 logits rel err {err:.2e}");
     assert!(err < 1e-3, "logits rel err {err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

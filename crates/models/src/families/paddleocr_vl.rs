@@ -86,7 +86,11 @@ impl VisionConfig {
         self.image_size / self.patch_size.max(1)
     }
     fn rope_theta(&self) -> f32 {
-        self.rope_parameters.as_ref().and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).unwrap_or(10000.0) as f32
+        self.rope_parameters
+            .as_ref()
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0) as f32
     }
     fn validate(&self) -> std::result::Result<Activation, String> {
         if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 4 != 0 {
@@ -137,10 +141,14 @@ fn text_defaults() -> Value {
 
 /// `mrope_section` of `rope_parameters` or the hub's `rope_scaling` ([16, 24, 24] when absent).
 fn mrope_section(text: &Value) -> std::result::Result<Vec<usize>, String> {
-    let given = ["rope_parameters", "rope_scaling"].iter().find_map(|k| text.get(*k).and_then(|r| r.get("mrope_section")));
+    let given = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .find_map(|k| text.get(*k).and_then(|r| r.get("mrope_section")));
     match given {
         None | Some(Value::Null) => Ok(vec![16, 24, 24]),
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some()) => Ok(a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect()),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some()) => {
+            Ok(a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect())
+        }
         Some(other) => Err(format!("mrope_section must be a list of integers, got {other}")),
     }
 }
@@ -189,7 +197,10 @@ impl VisionTower {
     /// `vb`: the encoder (`visual.vision_model`), `proj`: the projector (`mlp_AR`), into a decoder
     /// of width `out`.
     pub fn load(vb: &Vb, proj: &Vb, cfg: VisionConfig, out: usize) -> Result<Self> {
-        let act = cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: vb.weights().path().to_path_buf(), reason })?;
+        let act = cfg.validate().map_err(|reason| ModelError::MalformedConfig {
+            path: vb.weights().path().to_path_buf(),
+            reason,
+        })?;
         let (d, p, c) = (cfg.hidden_size, cfg.patch_size, cfg.num_channels);
         let e = vb.pp("embeddings");
         let pe = e.pp("patch_embedding");
@@ -198,7 +209,10 @@ impl VisionTower {
         if w.shape() == [d, p, p, c] && c != p {
             w = w.transpose(&[0, 3, 1, 2])?;
         }
-        let patch_embed = Linear::new(w.reshape(&[d as i32, (c * p * p) as i32])?, Some(pe.get_init("bias", &[d], Init::normal(0.0, 0.02))?))?;
+        let patch_embed = Linear::new(
+            w.reshape(&[d as i32, (c * p * p) as i32])?,
+            Some(pe.get_init("bias", &[d], Init::normal(0.0, 0.02))?),
+        )?;
         let side = cfg.side();
         let pos_embed = e.pp("position_embedding").get("weight", &[side * side, d])?;
         let blocks = (0..cfg.num_hidden_layers)
@@ -211,7 +225,10 @@ impl VisionTower {
                     ws.push(part(n, "weight", &[d, d])?);
                     bs.push(part(n, "bias", &[d])?);
                 }
-                let qkv = Linear::new(mlx_array::ops::concatenate(&[&ws[0], &ws[1], &ws[2]], 0)?, Some(mlx_array::ops::concatenate(&[&bs[0], &bs[1], &bs[2]], 0)?))?;
+                let qkv = Linear::new(
+                    mlx_array::ops::concatenate(&[&ws[0], &ws[1], &ws[2]], 0)?,
+                    Some(mlx_array::ops::concatenate(&[&bs[0], &bs[1], &bs[2]], 0)?),
+                )?;
                 Ok(VisionBlock {
                     norm1: LayerNorm::load_eps(&b.pp("layer_norm1"), d, cfg.layer_norm_eps)?,
                     norm2: LayerNorm::load_eps(&b.pp("layer_norm2"), d, cfg.layer_norm_eps)?,
@@ -242,7 +259,10 @@ impl VisionTower {
     pub fn encode(&self, pixels: &Array, gh: usize, gw: usize) -> Result<Array> {
         let m = self.cfg.spatial_merge_size;
         if gh % m != 0 || gw % m != 0 || pixels.dim(0)? != gh * gw {
-            return Err(ModelError::InvalidInput(format!("{} patches for a {gh}x{gw} grid (multiples of {m})", pixels.dim(0)?)));
+            return Err(ModelError::InvalidInput(format!(
+                "{} patches for a {gh}x{gw} grid (multiples of {m})",
+                pixels.dim(0)?
+            )));
         }
         let coords: Vec<(usize, usize)> = (0..gh * gw).map(|i| (i / gw, i % gw)).collect();
         let mut x = self.patch_embed.forward(&pixels.astype(self.pos_embed.dtype())?)?;
@@ -257,7 +277,12 @@ impl VisionTower {
     pub fn project(&self, x: &Array, gh: usize, gw: usize) -> Result<Array> {
         let (m, d) = (self.cfg.spatial_merge_size as i32, self.cfg.hidden_size as i32);
         let (hb, wb) = (gh as i32 / m, gw as i32 / m);
-        let y = self.pre_norm.forward(x)?.reshape(&[hb, m, wb, m, d])?.transpose(&[0, 2, 1, 3, 4])?.reshape(&[hb * wb, m * m * d])?;
+        let y = self
+            .pre_norm
+            .forward(x)?
+            .reshape(&[hb, m, wb, m, d])?
+            .transpose(&[0, 2, 1, 3, 4])?
+            .reshape(&[hb * wb, m * m * d])?;
         self.linear_2.forward(&self.linear_1.forward(&y)?.gelu()?)
     }
 
@@ -379,12 +404,36 @@ impl PaddleOcrVlModel {
         let tower = VisionTower::load(&root.pp(enc), &root.pp(proj), vision, h)?;
         // Compute the tower's weights on the loading thread (one merge block of zero pixels), as
         // Model::materialize does for the language model.
-        let (m, row) = (tower.cfg.spatial_merge_size, tower.cfg.num_channels * tower.cfg.patch_size * tower.cfg.patch_size);
+        let (m, row) = (
+            tower.cfg.spatial_merge_size,
+            tower.cfg.num_channels * tower.cfg.patch_size * tower.cfg.patch_size,
+        );
         tower.forward(&Array::zeros(&[m * m, row], DType::F32)?, m, m)?.eval()?;
         let kv_heads = crate::layers::parallel::per_rank(&root, "KV heads", cfg.num_key_value_heads)?;
-        let info = ModelInfo::decoder(c.family.model_type, cfg.vocab_size, h, cfg.num_hidden_layers, cfg.max_position_embeddings, c.eos.clone(), cfg.bos_token_id);
-        let mrope = Mrope { image_token, merge: processor.0.merge_size, inv_freq, freq_axis };
-        Ok(PaddleOcrVlModel { stack, tower, processor, mrope, kv_heads, head_dim: hd, info })
+        let info = ModelInfo::decoder(
+            c.family.model_type,
+            cfg.vocab_size,
+            h,
+            cfg.num_hidden_layers,
+            cfg.max_position_embeddings,
+            c.eos.clone(),
+            cfg.bos_token_id,
+        );
+        let mrope = Mrope {
+            image_token,
+            merge: processor.0.merge_size,
+            inv_freq,
+            freq_axis,
+        };
+        Ok(PaddleOcrVlModel {
+            stack,
+            tower,
+            processor,
+            mrope,
+            kv_heads,
+            head_dim: hd,
+            info,
+        })
     }
 
     /// The image processor.
@@ -403,8 +452,15 @@ fn load_decoder(weights: &Weights, cfg: &TextConfig, tied: bool) -> Result<Hybri
     let prefix = weights.decoder_prefix();
     let vb = root.pp(prefix);
     let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim(), cfg.rms_norm_eps);
-    let act = cfg.activation().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
-    let acfg = AttentionConfig { bias: cfg.use_bias, o_bias: cfg.use_bias, ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, hd) };
+    let act = cfg.activation().map_err(|reason| ModelError::MalformedConfig {
+        path: weights.path().to_path_buf(),
+        reason,
+    })?;
+    let acfg = AttentionConfig {
+        bias: cfg.use_bias,
+        o_bias: cfg.use_bias,
+        ..AttentionConfig::new(h, cfg.num_attention_heads, cfg.num_key_value_heads, hd)
+    };
     let rope = Rope::new(hd, cfg.rope_theta);
     let layers = (0..cfg.num_hidden_layers)
         .map(|i| {
@@ -413,7 +469,14 @@ fn load_decoder(weights: &Weights, cfg: &TextConfig, tied: bool) -> Result<Hybri
                 mixer_norm: RmsNorm::load(&lv.pp("input_layernorm"), h, eps, 0.0)?,
                 mixer: Mixer::Attention(Attention::load(&lv.pp("self_attn"), acfg.clone(), rope.clone(), ["q_norm", "k_norm"])?),
                 ffn_norm: RmsNorm::load(&lv.pp("post_attention_layernorm"), h, eps, 0.0)?,
-                ffn: FeedForward::Dense(GatedMlp::load_biased(&lv.pp("mlp"), ["gate_proj", "up_proj", "down_proj"], h, cfg.intermediate_size, act, cfg.use_bias)?),
+                ffn: FeedForward::Dense(GatedMlp::load_biased(
+                    &lv.pp("mlp"),
+                    ["gate_proj", "up_proj", "down_proj"],
+                    h,
+                    cfg.intermediate_size,
+                    act,
+                    cfg.use_bias,
+                )?),
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -428,7 +491,13 @@ impl ModelRuntime for PaddleOcrVlModel {
         &self.info
     }
     fn cache_spec(&self) -> CacheSpec {
-        self.stack.cache_spec(LayerKind::Attention { kv_heads: self.kv_heads, head_dim: self.head_dim }, 0)
+        self.stack.cache_spec(
+            LayerKind::Attention {
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+            },
+            0,
+        )
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         self.stack.forward_at(tokens, cache, logits, hidden, &qwen3_5_vl::text_rope(cache))

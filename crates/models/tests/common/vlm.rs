@@ -14,7 +14,9 @@ pub fn image(name: &str, k: &str) -> ImageInput {
 
 /// Image `k` of fixture `name`, preprocessed by `model`.
 pub fn prepare(model: &Model, name: &str, k: &str) -> PreparedMedia {
-    model.with_runtime(|rt| rt.media().expect("a vision-language model").prepare(&MediaItem::Image(image(name, k)))).unwrap()
+    model
+        .with_runtime(|rt| rt.media().expect("a vision-language model").prepare(&MediaItem::Image(image(name, k))))
+        .unwrap()
 }
 
 pub fn f32s(a: &Array) -> Vec<f32> {
@@ -32,7 +34,9 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 pub fn tower_rows(model: &Model, p: &PreparedMedia, image_token: u32) -> Vec<f32> {
     let ids: Vec<u32> = std::iter::once(1).chain(std::iter::repeat_n(image_token, p.tokens)).chain([2]).collect();
     let cache = model.new_cache();
-    let e = model.with_runtime(|rt| rt.media().unwrap().embed(&ids, std::slice::from_ref(p), &cache)).unwrap();
+    let e = model
+        .with_runtime(|rt| rt.media().unwrap().embed(&ids, std::slice::from_ref(p), &cache))
+        .unwrap();
     f32s(&e.embeds.slice_axis(1, 1, 1 + p.tokens).unwrap())
 }
 
@@ -61,10 +65,20 @@ pub fn check_prompts(name: &str, cases: &[(&str, &[&str])]) {
         let want = f32s(&r[&format!("logits_{n}")]);
         let got = merged_logits(&model, &prompt, &media);
         let err = rel_err(&got[got.len() - want.len()..], &want);
+        eprintln!("{name} prompt {n}: logits rel err {err:.2e}");
         assert!(err < 1e-3, "{name} prompt {n}: logits rel err {err}");
         let mut cache = model.new_cache();
-        let cfg = GenerateConfig { max_new_tokens: 8, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(vec![]), ..Default::default() };
-        let got: Vec<u32> = generate(&model, &mut cache, &prompt, cfg).unwrap().with_media(media).map(|t| t.unwrap().id).collect();
+        let cfg = GenerateConfig {
+            max_new_tokens: 8,
+            sampling: sampling::SamplingConfig::greedy(),
+            stop_tokens: Some(vec![]),
+            ..Default::default()
+        };
+        let got: Vec<u32> = generate(&model, &mut cache, &prompt, cfg)
+            .unwrap()
+            .with_media(media)
+            .map(|t| t.unwrap().id)
+            .collect();
         assert_eq!(got, ids(&r[&format!("greedy_{n}")])[prompt.len()..], "{name} prompt {n}: greedy tokens");
     }
 }
@@ -102,11 +116,28 @@ pub fn check_continued_turn(name: &str, first: ChatMessage, second: ChatMessage,
     let model = fixture_lm(name);
     let media = vec![prepare(&model, name, "a"), prepare(&model, name, "b")];
     let mut cache = model.new_cache();
-    let gcfg = GenerateConfig { max_new_tokens: res.num_tokens, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
-    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, gcfg).unwrap().with_media(media).map(|t| t.unwrap().id).collect();
-    assert_eq!(fresh, all[prompt.len()..prompt.len() + res.num_tokens], "{name}: the reply equals a fresh prefill's");
+    let gcfg = GenerateConfig {
+        max_new_tokens: res.num_tokens,
+        sampling: sampling::SamplingConfig::greedy(),
+        stop_tokens: Some(s.format().stop_token_ids()),
+        ..Default::default()
+    };
+    let fresh: Vec<u32> = generate(&model, &mut cache, prompt, gcfg)
+        .unwrap()
+        .with_media(media)
+        .map(|t| t.unwrap().id)
+        .collect();
+    assert_eq!(
+        fresh,
+        all[prompt.len()..prompt.len() + res.num_tokens],
+        "{name}: the reply equals a fresh prefill's"
+    );
     let res = s.start(vec![other], &cfg).unwrap();
-    assert!(res.cached_tokens < 8, "{name}: a changed image is prefilled again (cached {})", res.cached_tokens);
+    assert!(
+        res.cached_tokens < 8,
+        "{name}: a changed image is prefilled again (cached {})",
+        res.cached_tokens
+    );
 }
 
 /// A user turn of `text` with image `k` of fixture `name`.
@@ -118,6 +149,7 @@ pub fn turn(name: &str, text: &str, k: &str) -> ChatMessage {
 /// write the same conversations): `$name` the fixture, `$first` the text of the first user turn
 /// (with image A; the second is "And here?" with image B, after the assistant's "A red
 /// square.").
+#[allow(unused_macros)]
 macro_rules! session_tests {
     ($name:expr, $first:expr) => {
         /// Logits of the whole merged prompt, then 8 greedy tokens through the cache.
@@ -136,7 +168,11 @@ macro_rules! session_tests {
         #[test]
         fn chat_template_and_expansion_give_the_processor_ids() {
             use common::vlm::turn;
-            let full = vec![turn($name, $first, "a"), mlx_models::chat::ChatMessage::assistant("A red square."), turn($name, "And here?", "b")];
+            let full = vec![
+                turn($name, $first, "a"),
+                mlx_models::chat::ChatMessage::assistant("A red square."),
+                turn($name, "And here?", "b"),
+            ];
             common::vlm::check_template_expansion($name, turn($name, $first, "a"), full);
         }
 
@@ -147,4 +183,5 @@ macro_rules! session_tests {
         }
     };
 }
+#[allow(unused_imports)]
 pub(crate) use session_tests;
