@@ -6,9 +6,8 @@
 //! ids; a session continued with a second image prefills only the new turn and replies as a
 //! fresh prefill of the whole conversation does.
 mod common;
-use common::vlm::{self, f32s, max_abs_diff, prepare};
+use common::vlm::{self, f32s};
 use common::*;
-use mlx_models::families::qwen3_5_vl::QwenImage;
 use mlx_models::load_session;
 
 const NAME: &str = "qwen3_5_vl_image";
@@ -31,14 +30,7 @@ fn check_images(keys: &[&str]) {
     let model = fixture_lm(NAME);
     assert_eq!(model.info().model_type, "qwen3_5_vl");
     for &k in keys {
-        let p = prepare(&model, NAME, k);
-        let img = p.data.downcast_ref::<QwenImage>().unwrap();
-        let grid = ids(&r[&format!("grid_{k}")]);
-        assert_eq!(vec![1, img.grid_h as u32, img.grid_w as u32], grid, "image {k}: patch grid");
-        if let Some(want) = r.get(&format!("pixel_values_{k}")) {
-            let d = max_abs_diff(&img.pixels, &f32s(want));
-            assert!(d < 1e-5, "image {k}: pixel values differ by {d}");
-        }
+        let p = vlm::check_processor(&model, NAME, &r, k);
         // The tower's output is what the prompt embeddings hold at the image tokens.
         let err = rel_err(&vlm::tower_rows(&model, &p, IMAGE_TOKEN), &f32s(&r[&format!("tower_{k}")]));
         assert!(err < 1e-4, "image {k}: tower rel err {err}");

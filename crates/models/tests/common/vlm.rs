@@ -4,6 +4,7 @@
 //! prompt and greedy tokens).
 use super::*;
 use mlx_models::chat::ChatMessage;
+use mlx_models::families::qwen3_5_vl::QwenImage;
 use mlx_models::media::{ImageInput, MediaItem, PreparedMedia};
 use mlx_models::{generate, load_session, GenerateConfig};
 
@@ -27,6 +28,21 @@ pub fn f32s(a: &Array) -> Vec<f32> {
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Image `k` of fixture `name` preprocessed by `model`: its patch grid equals the reference's
+/// `grid_{k}`, its pixel values (a [`QwenImage`]) `pixel_values_{k}` within 1e-5 absolute when
+/// the reference keeps them.
+pub fn check_processor(model: &Model, name: &str, r: &HashMap<String, Array>, k: &str) -> PreparedMedia {
+    let p = prepare(model, name, k);
+    let img = p.data.downcast_ref::<QwenImage>().expect("a Qwen-style image");
+    assert_eq!(vec![1, img.grid_h as u32, img.grid_w as u32], ids(&r[&format!("grid_{k}")]), "image {k}: patch grid");
+    if let Some(want) = r.get(&format!("pixel_values_{k}")) {
+        let d = max_abs_diff(&img.pixels, &f32s(want));
+        eprintln!("{name} image {k}: pixel values max |diff| {d:.2e}");
+        assert!(d < 1e-5, "image {k}: pixel values differ by {d}");
+    }
+    p
 }
 
 /// The merged tower output of `p`: the prompt embeddings at its image tokens (`image_token`)
