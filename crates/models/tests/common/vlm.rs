@@ -36,7 +36,11 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 pub fn check_processor(model: &Model, name: &str, r: &HashMap<String, Array>, k: &str) -> PreparedMedia {
     let p = prepare(model, name, k);
     let img = p.data.downcast_ref::<QwenImage>().expect("a Qwen-style image");
-    assert_eq!(vec![1, img.grid_h as u32, img.grid_w as u32], ids(&r[&format!("grid_{k}")]), "image {k}: patch grid");
+    assert_eq!(
+        vec![1, img.grid_h as u32, img.grid_w as u32],
+        ids(&r[&format!("grid_{k}")]),
+        "image {k}: patch grid"
+    );
     if let Some(want) = r.get(&format!("pixel_values_{k}")) {
         let d = max_abs_diff(&img.pixels, &f32s(want));
         eprintln!("{name} image {k}: pixel values max |diff| {d:.2e}");
