@@ -71,17 +71,8 @@ common::vlm::session_tests!(NAME, "OCR:");
 #[test]
 fn transformers_layout_loads_the_same_model() {
     let src = fixture(NAME);
-    let dir = std::env::temp_dir().join(format!("paddleocr_vl_layout_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "preprocessor_config.json",
-        "image_a.png",
-    ] {
-        std::fs::copy(src.join(f), dir.join(f)).unwrap();
-    }
+    let tmp = copy_without_weights();
+    let dir = tmp.path();
     let tensors = mlx_array::io::load_safetensors(src.join("model.safetensors"), None).unwrap();
     let renamed: Vec<(String, Array)> = tensors
         .into_iter()
@@ -101,7 +92,7 @@ fn transformers_layout_loads_the_same_model() {
     let refs: Vec<(&str, &Array)> = renamed.iter().map(|(k, v)| (k.as_str(), v)).collect();
     mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None).unwrap();
     let r = reference(NAME);
-    let model = mlx_models::load_model(&dir, &test_load_options()).unwrap().into_lm().unwrap();
+    let model = mlx_models::load_model(dir, &test_load_options()).unwrap().into_lm().unwrap();
     let p = model
         .with_runtime(|rt| {
             rt.media()
@@ -118,5 +109,60 @@ fn transformers_layout_loads_the_same_model() {
     let err = rel_err(&logits, &f32s(&r["logits_1"]));
     eprintln!("transformers layout: prompt 1 logits rel err {err:.2e}");
     assert!(err < 1e-3, "logits rel err {err}");
-    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The fixture's files but its weights, in a temporary directory.
+fn copy_without_weights() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "image_a.png",
+    ] {
+        std::fs::copy(fixture(NAME).join(f), tmp.path().join(f)).unwrap();
+    }
+    tmp
+}
+
+/// Configs the model cannot follow are config errors naming the key; sounds are refused.
+#[test]
+fn bad_configs_and_audio_are_typed_errors() {
+    let load = |edit: &dyn Fn(&std::path::Path)| {
+        let tmp = copy_without_weights();
+        std::fs::copy(fixture(NAME).join("model.safetensors"), tmp.path().join("model.safetensors")).unwrap();
+        edit(tmp.path());
+        mlx_models::load_model(tmp.path(), &test_load_options()).err().map(|e| e.to_string())
+    };
+    let set = |file: &'static str, key: &'static str, value: serde_json::Value| {
+        move |dir: &std::path::Path| {
+            let path = dir.join(file);
+            let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let (outer, inner) = key.split_once('.').unwrap_or((key, ""));
+            if inner.is_empty() {
+                v[outer] = value.clone();
+            } else {
+                v[outer][inner] = value.clone();
+            }
+            std::fs::write(&path, v.to_string()).unwrap();
+        }
+    };
+    let err = load(&set("config.json", "rope_scaling.mrope_section", serde_json::json!([16, 24, 24]))).unwrap();
+    assert!(err.contains("mrope_section [16, 24, 24] must sum to head_dim / 2 = 8"), "{err}");
+    let err = load(&set("preprocessor_config.json", "temporal_patch_size", serde_json::json!(2))).unwrap();
+    assert!(err.contains("temporal_patch_size 2"), "{err}");
+    let err = load(&set(
+        "config.json",
+        "vision_config.rope_parameters",
+        serde_json::json!({"rope_type": "default"}),
+    ))
+    .unwrap();
+    assert!(err.contains("only axial rope"), "{err}");
+    let err = load(&set("config.json", "image_token_id", serde_json::json!(600))).unwrap();
+    assert!(err.contains("image_token_id 600"), "{err}");
+    let model = fixture_lm(NAME);
+    let audio = mlx_models::media::MediaItem::Audio(mlx_models::media::AudioInput::Pcm(vec![0.0; 160]));
+    let err = model.with_runtime(|rt| rt.media().unwrap().prepare(&audio)).unwrap_err().to_string();
+    assert!(err.contains("takes images"), "{err}");
 }
