@@ -204,11 +204,8 @@ impl VisionTower {
         let (d, p, c) = (cfg.hidden_size, cfg.patch_size, cfg.num_channels);
         let e = vb.pp("embeddings");
         let pe = e.pp("patch_embedding");
-        // PyTorch's [D, C, P, P], or MLX's channels-last [D, P, P, C].
-        let mut w = pe.get_either("weight", &[&[d, c, p, p], &[d, p, p, c]], Init::normal(0.0, 0.02))?;
-        if w.shape() == [d, p, p, c] && c != p {
-            w = w.transpose(&[0, 3, 1, 2])?;
-        }
+        // The Conv2d's [D, C, P, P] as a [D, C * P * P] product over flattened patches.
+        let w = pe.get("weight", &[d, c, p, p])?;
         let patch_embed = Linear::new(
             w.reshape(&[d as i32, (c * p * p) as i32])?,
             Some(pe.get_init("bias", &[d], Init::normal(0.0, 0.02))?),
