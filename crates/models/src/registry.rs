@@ -185,6 +185,13 @@ pub static FAMILIES: &[Family] = &[
         paged_memory_floor_mb: Some(16384.0),
         ..Family::new("qwen3_5_vl", &[], crate::families::qwen3_5_vl::load, crate::families::qwen3_5_vl::PRESETS)
     },
+    // PaddleOCR-VL: vision encoder, projector and ERNIE-4.5 language model.
+    Family {
+        kind: FamilyKind::Vlm,
+        sanitize: crate::families::paddleocr_vl::sanitize,
+        kv_default: KvDefault::Flat,
+        ..Family::new("paddleocr_vl", &["paddleocr_vl"], crate::families::paddleocr_vl::load, crate::families::paddleocr_vl::PRESETS)
+    },
     Family {
         kind: FamilyKind::Embedding,
         architecture_probe: Some(|c| {

@@ -10,6 +10,7 @@ pub mod internvl;
 pub mod lfm2;
 pub mod llama;
 pub mod moe;
+pub mod paddleocr_vl;
 pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_5_vl;

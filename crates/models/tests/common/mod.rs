@@ -5,6 +5,8 @@ use mlx_models::{Cache, Logits, Model};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+pub mod vlm;
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name)
 }
