@@ -164,9 +164,17 @@ fn frequency_axes(section: &[usize], half: usize) -> std::result::Result<Vec<u8>
 
 /// The decoder has attention layers and dense MLPs only: no recurrent mixer or expert block
 /// ever exists.
+#[derive(Clone)]
 pub(crate) enum Never {}
 
+impl crate::layers::LayerArrays for Never {
+    fn visit_arrays(&mut self, _f: &mut dyn FnMut(&mut Array)) {
+        match *self {}
+    }
+}
+
 impl RecurrentMixer for Never {
+    const SLOTS: usize = 0;
     fn forward_slots(&self, _x: &Array, _slots: &mut [Option<Array>], _i: usize, _valid: Option<&Array>) -> Result<Array> {
         match *self {}
     }
