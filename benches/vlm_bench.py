@@ -9,7 +9,7 @@ same random checkpoint, the same image and the same prompt, alternating run by r
 
 `make` scales each committed tiny fixture's hub-style config (tests/fixtures/tiny/<family>) to a
 benchmark size (a 1024-wide, 8-layer language model and a 12-layer vision tower of width 768 for
-Qwen3.5-VL; the same widths for Gemma 4's tower), keeps the fixture's tokenizer and processor
+every family), keeps the fixture's tokenizer and processor
 files, and saves random f32 weights (f32: both sides run the CPU's f32 products; bf16 products
 are slow on x86 for both). `run` reports, per family, the expanded prompt length and prefill
 tok/s (expanded prompt tokens over the time from the start of the forward to the first token,
@@ -64,9 +64,24 @@ FAMILIES = {
             "processor": {"patch_size": 16, "max_soft_tokens": 280},
         },
     ),
+    "internvl": (
+        "internvl",
+        {
+            "text_config": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+                                num_key_value_heads=2, head_dim=128, layer_types=["full_attention"] * 8,
+                                # InternVL2.5's Qwen2 LM: mlx-vlm 0.7.6's internvl_chat has no Qwen3 (q/k norm) LM
+                                model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+            "vision_config": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                                  image_size=[448, 448], patch_size=[14, 14]),
+            "top": {"image_seq_length": 256},
+            "hub_text": {"rope_theta": 1000000.0},  # mlx-vlm's InternVL reads it at the top of text_config
+            "preprocessor": {"size": {"height": 448, "width": 448}},
+        },
+    ),
 }
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json")
+               "preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json",
+               "image_a.png", "image_b.png")
 
 
 def make(a):
@@ -82,6 +97,7 @@ def make(a):
         cfg = json.load(open(os.path.join(src, "config.json")))
         for k in ("text_config", "vision_config"):
             cfg[k].update(edits.get(k, {}))
+        cfg.update(edits.get("top", {}))
         for k in edits.get("drop", []):
             cfg.pop(k, None)
         cfg["dtype"] = "float32"
@@ -113,6 +129,9 @@ def make(a):
         os.replace(tmp, dst)
         n = sum(p.numel() for p in model.parameters())
         print(f"{fam}: {n / 1e6:.0f} M parameters -> {dst}", file=sys.stderr)
+    chat = os.path.join(a.out, "internvl_chat")
+    if os.path.isdir(os.path.join(a.out, "internvl")) and not os.path.exists(chat):
+        internvl_chat(os.path.join(a.out, "internvl"), chat)
     img = os.path.join(a.out, "image.png")
     if not os.path.exists(img):
         from PIL import Image
@@ -122,6 +141,27 @@ def make(a):
         arr = (rng.random((a.height, a.width, 3)) * 255).astype("uint8")
         Image.fromarray(arr).save(img + ".tmp.png")
         os.replace(img + ".tmp.png", img)
+
+
+def internvl_chat(native, out):
+    """The InternVL checkpoint re-keyed to the internvl_chat layout Qianfan-OCR ships (the one mlx-vlm
+    reads with its own processor; its native-InternVL path needs torchvision), by the fixture
+    generator's own re-keying with the benchmark sizes."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_tiny_internvl as m
+
+    cfg = json.load(open(os.path.join(native, "config.json")))
+    v, t = cfg["vision_config"], cfg["text_config"]
+    m.VISION = dict(m.VISION, **{k: v[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")},
+                    image_size=v["image_size"][0], patch_size=v["patch_size"][0])
+    m.TEXT = dict(m.TEXT, **{k: t[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                               "num_key_value_heads", "head_dim", "model_type")},
+                  architectures=[{"qwen2": "Qwen2ForCausalLM"}.get(t["model_type"], "Qwen3ForCausalLM")])
+    m.TILE = v["image_size"][0]
+    shutil.rmtree(out + ".tmp", ignore_errors=True)
+    m.chat_layout(native, out + ".tmp")
+    os.replace(out + ".tmp", out)
+    print(f"internvl_chat: -> {out}", file=sys.stderr)
 
 
 def ours(exe, model, img):
@@ -164,7 +204,9 @@ def run(a):
         os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, LD_PRELOAD=want, VLM_BENCH_OURS_PRELOAD=os.environ.get("LD_PRELOAD", "")))
     exe = a.exe or os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "examples", "generate")
     img = os.path.join(a.out, "image.png")
-    models = {f: os.path.join(a.out, f) for f in FAMILIES if os.path.isdir(os.path.join(a.out, f))}
+    # InternVL runs in the InternVL-Chat layout (Qianfan-OCR's), the one mlx-vlm reads
+    names = [f for f in FAMILIES if f != "internvl"] + ["internvl_chat"]
+    models = {f: os.path.join(a.out, f) for f in names if os.path.isdir(os.path.join(a.out, f))}
     from mlx_vlm import stream_generate
 
     loaded = load_peer(models)
