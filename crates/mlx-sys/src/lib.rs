@@ -120,11 +120,11 @@ unsafe extern "C" {
     pub fn mlx_models_cpu_kernels_threads() -> std::ffi::c_int;
     /// Use `name`'s kernels from now on; returns the set in use (lower when the CPU lacks `name`).
     pub fn mlx_models_cpu_kernels_select(name: *const std::ffi::c_char) -> *const std::ffi::c_char;
-    /// `fast::rms_norm(x, w, eps)` (`w` may be empty): one primitive for f32 `x` on a CPU stream
+    /// `fast::rms_norm(x, w, eps)` (`w` may be empty): one primitive for float `x` on a CPU stream
     /// (`src/cpukern/ops.cpp`), MLX's op otherwise.
     pub fn mlx_models_rms_norm(res: *mut mlx_array, x: mlx_array, w: mlx_array, eps: f32, s: mlx_stream) -> std::ffi::c_int;
     /// `fast::rope(x, dims, traditional, base if has_base, scale, offset, freqs)` (`freqs` may be
-    /// empty): one primitive for f32 `x` on a CPU stream, MLX's op otherwise.
+    /// empty): one primitive for float `x` on a CPU stream, MLX's op otherwise.
     pub fn mlx_models_rope(
         res: *mut mlx_array,
         x: mlx_array,
@@ -138,12 +138,12 @@ unsafe extern "C" {
         s: mlx_stream,
     ) -> std::ffi::c_int;
     /// `fast::scaled_dot_product_attention(q, k, v, scale, causal ? "causal" : "")`: one primitive
-    /// for f32 inputs of at most 8 queries on a CPU stream, MLX's op otherwise. `merge`: the
+    /// for float inputs (one dtype) of at most 8 queries on a CPU stream, MLX's op otherwise. `merge`: the
     /// output is `[B, L, Hq * Dv]` (heads joined) instead of `[B, Hq, L, Dv]`.
     pub fn mlx_models_sdpa(res: *mut mlx_array, q: mlx_array, k: mlx_array, v: mlx_array, scale: f32, causal: bool, merge: bool, s: mlx_stream) -> std::ffi::c_int;
     /// Attention's heads: `n_out` (1 to 3) outputs `[B, heads[i], L, head_dim]`, output `i` the
     /// columns from `col[i]` of projection `input[i]` (`x0`, `x1`, `x2`: `[B, L, C]`, `x1`/`x2`
-    /// empty when unused), rotated as by `mlx_models_rope` when `rotate[i]`. One primitive for f32
+    /// empty when unused), rotated as by `mlx_models_rope` when `rotate[i]`. One primitive for float
     /// on a CPU stream, MLX's slices, reshapes, transposes and ropes otherwise.
     pub fn mlx_models_heads(
         out0: *mut mlx_array,

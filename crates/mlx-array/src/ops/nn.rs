@@ -46,8 +46,9 @@ fn empty() -> mlx_sys::mlx_array {
 impl Array {
     /// RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight`.
     ///
-    /// On a CPU stream an f32 input runs as one primitive (`mlx-sys`'s `cpukern/ops.cpp`)
-    /// instead of the eleven ops MLX's CPU backend builds it from; the same values in f32.
+    /// On a CPU stream a float input runs as one primitive (`mlx-sys`'s `cpukern/ops.cpp`)
+    /// instead of the eleven ops MLX's CPU backend builds it from: the same arithmetic in f32,
+    /// rounded to bf16/f16 where those ops round.
     pub fn rms_norm(&self, weight: Option<&Array>, eps: f32) -> Result<Array> {
         if let Some(w) = weight {
             // MLX's checks (the primitive's own validation falls back to MLX for anything else)
@@ -72,7 +73,7 @@ impl Array {
             return Err(Error::arg("rope", format!("rotary dims {} for head dim {d}", cfg.dims)));
         }
         let offset = i32::try_from(offset).map_err(|_| Error::arg("rope", format!("offset {offset} exceeds i32")))?;
-        // one primitive for f32 on a CPU stream (as rms_norm), MLX's op otherwise
+        // one primitive for float input on a CPU stream (as rms_norm), MLX's op otherwise
         let (x, f, s) = (self.inner.as_ptr(), cfg.freqs.map_or_else(empty, |f| f.inner.as_ptr()), crate::ffi::stream());
         let (dims, trad, has_base, base, scale) = (cfg.dims as i32, cfg.traditional, cfg.freqs.is_none(), cfg.base, cfg.scale);
         crate::ffi::call("rope", |res| unsafe { mlx_sys::mlx_models_rope(res, x, dims, trad, has_base, base, scale, offset, f, s.as_ptr()) })
@@ -124,7 +125,7 @@ impl Array {
             Some(M::Causal) => true,
             Some(m) => return fast::scaled_dot_product_attention(&self.inner, &keys.inner, &values.inner, scale, m, None).op("sdpa").map(Array::wrap),
         };
-        // few f32 queries on a CPU stream: one primitive (as rms_norm); MLX's op otherwise
+        // few float queries on a CPU stream: one primitive (as rms_norm); MLX's op otherwise
         let (qp, kp, vp, s) = (self.inner.as_ptr(), keys.inner.as_ptr(), values.inner.as_ptr(), crate::ffi::stream());
         crate::ffi::call("sdpa", |res| unsafe { mlx_sys::mlx_models_sdpa(res, qp, kp, vp, scale, causal, false, s.as_ptr()) })
     }
@@ -198,7 +199,7 @@ pub struct HeadGroup {
 
 /// Attention's heads from its projection outputs `xs` (1 to 3 arrays `[B, L, C]`): one
 /// `[B, heads, L, head_dim]` array per group (at most 3), the rotated ones by `rope` at
-/// positions `offset + l`. On a CPU stream with f32 inputs this is one primitive (`mlx-sys`'s
+/// positions `offset + l`. On a CPU stream with float inputs of one dtype this is one primitive (`mlx-sys`'s
 /// `cpukern/ops.cpp`), instead of a slice, reshape and transpose per group and a rope per
 /// rotated group (MLX's ops, what it runs elsewhere).
 pub fn heads(xs: &[&Array], groups: &[HeadGroup], head_dim: usize, rope: &RopeConfig, offset: usize) -> Result<Vec<Array>> {

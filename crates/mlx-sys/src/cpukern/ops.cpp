@@ -4,8 +4,8 @@
 // `fast::scaled_dot_product_attention`: it builds them from its general ops (11, 27-29 and about
 // 12 graph nodes), and every node costs a scheduling round trip. A small model's decode step is
 // dominated by that per-node cost, not by arithmetic. These primitives compute the same values
-// (MLX's formulas, f32 throughout) in one node each, for f32 inputs on a CPU stream; anything else
-// goes to MLX's own op. Gradients are MLX's: the vjp of the op each one replaces.
+// (MLX's formulas in f32, rounded to bf16/f16 where MLX's ops of those dtypes round) in one node
+// each, for float inputs on a CPU stream; anything else goes to MLX's own op. Gradients are MLX's: the vjp of the op each one replaces.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -51,9 +51,52 @@ void dispatch(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::arr
   enc.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), f = std::forward<F>(f)]() mutable { f(ins, out); });
 }
 
-bool float_dtype(const mx::array& a) { return a.dtype() == mx::float32 || a.dtype() == mx::bfloat16 || a.dtype() == mx::float16; }
+// sum_i a[i] b[i] in 16 independent partial sums (the compiler vectorises them; one running sum
+// is a serial chain of dependent additions).
+inline float dot(const float* a, const float* b, int n) {
+  float acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+  float s = 0.0f;
+  for (int j = 0; j < 16; j++) s += acc[j];
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
 
-// ---- RMSNorm: y = x * rsqrt(mean(x^2) + eps) * w over the last axis (x f32).
+bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
+bool float_dtype(const mx::array& a) { return float_dtype(a.dtype()); }
+
+// `v` rounded to `t` (bf16, f16; f32 unchanged), as an MLX op with outputs of dtype `t` stores it:
+// the primitives round where the ops they replace round, so bf16/f16 results match those ops'.
+inline float rnd(float v, mx::Dtype t) {
+  if (t == mx::bfloat16) return static_cast<float>(mx::bfloat16_t(v));
+  if (t == mx::float16) return static_cast<float>(mx::float16_t(v));
+  return v;
+}
+
+// `n` values (already rounded to `o`'s dtype) into row-contiguous `o` from element `at`.
+inline void store(mx::array& o, size_t at, const float* v, size_t n) {
+  if (o.dtype() == mx::float32) {
+    std::copy(v, v + n, o.data<float>() + at);
+  } else if (o.dtype() == mx::bfloat16) {
+    auto* p = o.data<mx::bfloat16_t>() + at;
+    for (size_t i = 0; i < n; i++) p[i] = mx::bfloat16_t(v[i]);
+  } else {
+    auto* p = o.data<mx::float16_t>() + at;
+    for (size_t i = 0; i < n; i++) p[i] = mx::float16_t(v[i]);
+  }
+}
+
+// Row `off` (stride `ls`) of `a` as f32: in place for contiguous f32, else copied into `buf`.
+inline const float* row_f32(const mx::array& a, int64_t off, int64_t ls, int n, std::vector<float>& buf) {
+  if (a.dtype() == mx::float32 && ls == 1) return a.data<float>() + off;
+  load_f32(a, off, ls, n, buf.data());
+  return buf.data();
+}
+
+// ---- RMSNorm: y = x * rsqrt(mean(x^2) + eps) * w over the last axis, in f32, rounded to the
+// output dtype where MLX's op rounds (before and after the weight).
 
 class CpuRmsNorm : public mx::UnaryPrimitive {
  public:
@@ -62,25 +105,22 @@ class CpuRmsNorm : public mx::UnaryPrimitive {
     dispatch(stream(), inputs, out, [eps = eps_, has_w = has_w_](std::vector<mx::array>& in, mx::array& o) {
       const mx::array& x = in[0];
       const int d = int(x.shape(-1));
+      const mx::Dtype ot = o.dtype();
       std::vector<float> w(size_t(d), 1.0f);
-      if (has_w) load_f32(in[1], 0, in[1].strides()[0], d, w.data());
+      if (has_w) {
+        load_f32(in[1], 0, in[1].strides()[0], d, w.data());
+        for (auto& v : w) v = rnd(v, ot);
+      }
       const auto offs = row_offsets(x);
       const int64_t ls = x.strides().back();
-      const float* xd = x.data<float>();
-      float* y = o.data<float>();
-      std::vector<float> row(static_cast<size_t>(d));
+      std::vector<float> row(static_cast<size_t>(d)), yr(static_cast<size_t>(d));
       const float inv_d = 1.0f / float(d);
       for (size_t r = 0; r < offs.size(); r++) {
-        const float* xr = xd + offs[r];
-        if (ls != 1) {
-          for (int k = 0; k < d; k++) row[size_t(k)] = xr[int64_t(k) * ls];
-          xr = row.data();
-        }
-        float ss = 0.0f;
-        for (int k = 0; k < d; k++) ss += xr[k] * xr[k];
+        const float* xr = row_f32(x, offs[r], ls, d, row);
+        const float ss = dot(xr, xr, d);
         const float n = 1.0f / std::sqrt(ss * inv_d + eps);
-        float* yr = y + r * size_t(d);
-        for (int k = 0; k < d; k++) yr[k] = (xr[k] * n) * w[size_t(k)];
+        for (int k = 0; k < d; k++) yr[size_t(k)] = rnd(rnd(xr[k] * n, ot) * w[size_t(k)], ot);
+        store(o, r * size_t(d), yr.data(), size_t(d));
       }
     });
   }
@@ -107,7 +147,8 @@ class CpuRmsNorm : public mx::UnaryPrimitive {
 };
 
 mx::array rms_norm(const mx::array& x, const mx::array* w, float eps, mx::Stream s) {
-  const bool ok = s.device == mx::Device::cpu && x.dtype() == mx::float32 && x.ndim() >= 1 && x.shape(-1) > 0 &&
+  const mx::Dtype ot = w ? mx::promote_types(x.dtype(), w->dtype()) : x.dtype();
+  const bool ok = s.device == mx::Device::cpu && float_dtype(x) && float_dtype(ot) && x.ndim() >= 1 && x.shape(-1) > 0 &&
                   (!w || (w->ndim() == 1 && w->shape(0) == x.shape(-1) && float_dtype(*w)));
   if (!ok) {
     std::optional<mx::array> wo;
@@ -116,7 +157,7 @@ mx::array rms_norm(const mx::array& x, const mx::array* w, float eps, mx::Stream
   }
   std::vector<mx::array> inputs{x};
   if (w) inputs.push_back(*w);
-  return mx::array(x.shape(), mx::float32, std::make_shared<CpuRmsNorm>(s, eps, w != nullptr), std::move(inputs));
+  return mx::array(x.shape(), ot, std::make_shared<CpuRmsNorm>(s, eps, w != nullptr), std::move(inputs));
 }
 
 // ---- RoPE at positions offset + t (t the second-to-last axis), MLX's fast::rope semantics.
@@ -124,8 +165,9 @@ mx::array rms_norm(const mx::array& x, const mx::array* w, float eps, mx::Stream
 // cos and sin of the angles of positions offset + t, t < t_len ([t_len, dims / 2] each), as MLX
 // computes them: f32 positions (t + offset) * scale times the inverse frequencies (1 / freqs, or
 // exp(-j * log(base) / (dims / 2))).
-void rope_tables(int dims, float base, float scale, int offset, const mx::array* freqs, int t_len, std::vector<float>& cs,
-                 std::vector<float>& sn) {
+// The tables are rounded to `t` (MLX casts them to the input's dtype).
+void rope_tables(int dims, float base, float scale, int offset, const mx::array* freqs, int t_len, mx::Dtype dt,
+                 std::vector<float>& cs, std::vector<float>& sn) {
   const int half = dims / 2;
   std::vector<float> inv(static_cast<size_t>(half));
   if (freqs) {
@@ -141,27 +183,22 @@ void rope_tables(int dims, float base, float scale, int offset, const mx::array*
     const float pos = (float(t) + float(offset)) * scale;
     for (int j = 0; j < half; j++) {
       const float th = pos * inv[size_t(j)];
-      cs[size_t(t) * half + j] = std::cos(th);
-      sn[size_t(t) * half + j] = std::sin(th);
+      cs[size_t(t) * half + j] = rnd(std::cos(th), dt);
+      sn[size_t(t) * half + j] = rnd(std::sin(th), dt);
     }
   }
 }
 
-// One row of `d` features rotated by the angles c, sv (the first `dims` features; the rest copied).
-inline void rotate_row(const float* xr, float* yr, int d, int dims, bool trad, const float* c, const float* sv) {
+// One row of `d` features rotated by the angles c, sv (the first `dims` features; the rest copied),
+// each product and sum rounded to `t` as MLX's ops of that dtype round them.
+inline void rotate_row(const float* xr, float* yr, int d, int dims, bool trad, const float* c, const float* sv, mx::Dtype t) {
   const int half = dims / 2;
-  if (trad) {
-    for (int j = 0; j < half; j++) {
-      const float a = xr[2 * j], b = xr[2 * j + 1];
-      yr[2 * j] = a * c[j] - b * sv[j];
-      yr[2 * j + 1] = a * sv[j] + b * c[j];
-    }
-  } else {
-    for (int j = 0; j < half; j++) {
-      const float a = xr[j], b = xr[half + j];
-      yr[j] = a * c[j] - b * sv[j];
-      yr[half + j] = a * sv[j] + b * c[j];
-    }
+  const int step = trad ? 2 : 1, other = trad ? 1 : half;
+  for (int j = 0; j < half; j++) {
+    const int i = j * step;
+    const float a = xr[i], b = xr[i + other];
+    yr[i] = rnd(rnd(a * c[j], t) - rnd(b * sv[j], t), t);
+    yr[i + other] = rnd(rnd(a * sv[j], t) + rnd(b * c[j], t), t);
   }
   for (int k = dims; k < d; k++) yr[k] = xr[k];
 }
@@ -177,21 +214,17 @@ class CpuRope : public mx::UnaryPrimitive {
       const int d = int(x.shape(-1));
       const int t_len = int(x.shape(-2));
       const int half = dims / 2;
+      const mx::Dtype dt = x.dtype();
       std::vector<float> cs, sn;
-      rope_tables(dims, base, scale, offset, has_f ? &in[1] : nullptr, t_len, cs, sn);
+      rope_tables(dims, base, scale, offset, has_f ? &in[1] : nullptr, t_len, dt, cs, sn);
       const auto offs = row_offsets(x);
       const int64_t ls = x.strides().back();
-      const float* xd = x.data<float>();
-      float* y = o.data<float>();
-      std::vector<float> row(static_cast<size_t>(d));
+      std::vector<float> row(static_cast<size_t>(d)), yr(static_cast<size_t>(d));
       for (size_t r = 0; r < offs.size(); r++) {
-        const float* xr = xd + offs[r];
-        if (ls != 1) {
-          for (int k = 0; k < d; k++) row[size_t(k)] = xr[int64_t(k) * ls];
-          xr = row.data();
-        }
+        const float* xr = row_f32(x, offs[r], ls, d, row);
         const size_t t = r % size_t(t_len);
-        rotate_row(xr, y + r * size_t(d), d, dims, trad, cs.data() + t * half, sn.data() + t * half);
+        rotate_row(xr, yr.data(), d, dims, trad, cs.data() + t * half, sn.data() + t * half, dt);
+        store(o, r * size_t(d), yr.data(), size_t(d));
       }
     });
   }
@@ -226,7 +259,7 @@ class CpuRope : public mx::UnaryPrimitive {
 
 mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale, int offset,
                const mx::array* freqs, mx::Stream s) {
-  const bool ok = s.device == mx::Device::cpu && x.dtype() == mx::float32 && x.ndim() >= 3 && dims > 0 && dims % 2 == 0 &&
+  const bool ok = s.device == mx::Device::cpu && float_dtype(x) && x.ndim() >= 3 && dims > 0 && dims % 2 == 0 &&
                   dims <= x.shape(-1) && (freqs ? (!base && freqs->ndim() == 1 && freqs->shape(0) == dims / 2 && float_dtype(*freqs)) : base.has_value());
   if (!ok) {
     std::optional<mx::array> fr;
@@ -235,7 +268,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
   }
   std::vector<mx::array> inputs{x};
   if (freqs) inputs.push_back(*freqs);
-  return mx::array(x.shape(), mx::float32,
+  return mx::array(x.shape(), x.dtype(),
                    std::make_shared<CpuRope>(s, dims, traditional, base.value_or(1.0f), scale, offset, freqs != nullptr),
                    std::move(inputs));
 }
@@ -296,28 +329,25 @@ class CpuHeads : public mx::Primitive {
     enc.dispatch([ins = std::move(ins), outs = std::move(outs), spec = spec_, d = d_, r = r_]() mutable {
       const int b_n = int(ins[0].shape(0)), l_n = int(ins[0].shape(1));
       const bool has_f = !r.base.has_value();
-      std::vector<float> cs, sn, row(static_cast<size_t>(d));
-      rope_tables(r.dims, r.base.value_or(1.0f), r.scale, r.offset, has_f ? &ins.back() : nullptr, l_n, cs, sn);
+      const mx::Dtype dt = ins[0].dtype();
+      std::vector<float> cs, sn, row(static_cast<size_t>(d)), yr(static_cast<size_t>(d));
+      rope_tables(r.dims, r.base.value_or(1.0f), r.scale, r.offset, has_f ? &ins.back() : nullptr, l_n, dt, cs, sn);
       const int half = r.dims / 2;
       for (size_t o = 0; o < spec.size(); o++) {
         const Head& h = spec[o];
         const mx::array& x = ins[size_t(h.input)];
         const auto& st = x.strides();
-        const float* xd = x.data<float>();
-        float* y = outs[o].data<float>();
         for (int b = 0; b < b_n; b++)
           for (int hh = 0; hh < h.heads; hh++)
             for (int l = 0; l < l_n; l++) {
-              const float* src = xd + b * st[0] + l * st[1] + int64_t(h.col + hh * d) * st[2];
-              if (st[2] != 1) {
-                for (int i = 0; i < d; i++) row[size_t(i)] = src[int64_t(i) * st[2]];
-                src = row.data();
+              const float* src = row_f32(x, b * st[0] + l * st[1] + int64_t(h.col + hh * d) * st[2], st[2], d, row);
+              const size_t at = ((size_t(b) * h.heads + hh) * l_n + l) * d;
+              if (h.rotate) {
+                rotate_row(src, yr.data(), d, r.dims, r.traditional, cs.data() + size_t(l) * half, sn.data() + size_t(l) * half, dt);
+                store(outs[o], at, yr.data(), size_t(d));
+              } else {
+                store(outs[o], at, src, size_t(d));
               }
-              float* dst = y + ((size_t(b) * h.heads + hh) * l_n + l) * d;
-              if (h.rotate)
-                rotate_row(src, dst, d, r.dims, r.traditional, cs.data() + size_t(l) * half, sn.data() + size_t(l) * half);
-              else
-                std::copy(src, src + d, dst);
             }
       }
     });
@@ -360,10 +390,10 @@ std::vector<mx::array> heads(std::vector<mx::array> xs, std::vector<Head> spec, 
   if (freqs ? r.base.has_value() : !r.base.has_value()) bad("give either a rope base or frequencies");
   if (r.dims <= 0 || r.dims % 2 != 0 || r.dims > d) bad("rotary dims " + std::to_string(r.dims) + " for head dim " + std::to_string(d));
   if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != r.dims / 2)) bad("frequencies must be [dims / 2]");
-  bool f32 = s.device == mx::Device::cpu && (!freqs || float_dtype(*freqs));
+  bool ours = s.device == mx::Device::cpu && (!freqs || float_dtype(*freqs)) && float_dtype(xs[0]);
   for (auto& x : xs) {
     if (x.ndim() != 3 || x.shape(0) != xs[0].shape(0) || x.shape(1) != xs[0].shape(1)) bad("projections must be [B, L, C] alike");
-    f32 = f32 && x.dtype() == mx::float32;
+    ours = ours && x.dtype() == xs[0].dtype();
   }
   std::vector<mx::Shape> shapes;
   for (const Head& h : spec) {
@@ -372,8 +402,8 @@ std::vector<mx::array> heads(std::vector<mx::array> xs, std::vector<Head> spec, 
     shapes.push_back({xs[0].shape(0), h.heads, xs[0].shape(1), d});
   }
   if (freqs) xs.push_back(*freqs);
-  if (!f32) return heads_by_ops(xs, spec, d, r, freqs != nullptr, s);
-  std::vector<mx::Dtype> dtypes(spec.size(), mx::float32);
+  if (!ours) return heads_by_ops(xs, spec, d, r, freqs != nullptr, s);
+  std::vector<mx::Dtype> dtypes(spec.size(), xs[0].dtype());
   return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<CpuHeads>(s, std::move(spec), d, r), xs);
 }
 
@@ -403,51 +433,40 @@ class CpuSdpa : public mx::UnaryPrimitive {
       const auto& qs = q.strides();
       const auto& ks = k.strides();
       const auto& vs = v.strides();
-      const float* qd = q.data<float>();
-      const float* kd = k.data<float>();
-      const float* vd = v.data<float>();
-      float* y = o.data<float>();
+      // MLX's fallback in dtype t: q scaled (and rounded), scores rounded, softmax in f32 rounded,
+      // the weighted sum rounded; all identity for f32.
+      const mx::Dtype t = q.dtype();
+      const float sc_t = rnd(scale, t);
       const size_t du = static_cast<size_t>(d), dvu = static_cast<size_t>(dv);
       std::vector<float> qrow(du), p(static_cast<size_t>(std::max(1, s_n))), acc(dvu), krow(du), vrow(dvu);
       for (int b = 0; b < b_n; b++)
         for (int h = 0; h < hq; h++) {
           const int kh = h / rep;
-          const float* kb = kd + b * ks[0] + kh * ks[1];
-          const float* vb = vd + b * vs[0] + kh * vs[1];
+          const int64_t kb = b * ks[0] + kh * ks[1], vb = b * vs[0] + kh * vs[1];
           for (int l = 0; l < l_n; l++) {
-            const float* qr = qd + b * qs[0] + h * qs[1] + l * qs[2];
-            for (int i = 0; i < d; i++) qrow[size_t(i)] = scale * qr[int64_t(i) * qs[3]];
+            load_f32(q, b * qs[0] + h * qs[1] + l * qs[2], qs[3], d, qrow.data());
+            for (auto& e : qrow) e = rnd(sc_t * e, t);
             const int lim = causal ? s_n - l_n + l + 1 : s_n;
             float mx_s = -std::numeric_limits<float>::infinity();
             for (int j = 0; j < lim; j++) {
-              const float* kr = kb + int64_t(j) * ks[2];
-              if (ks[3] != 1) {
-                for (int i = 0; i < d; i++) krow[size_t(i)] = kr[int64_t(i) * ks[3]];
-                kr = krow.data();
-              }
-              float dot = 0.0f;
-              for (int i = 0; i < d; i++) dot += qrow[size_t(i)] * kr[i];
-              p[size_t(j)] = dot;
-              mx_s = std::max(mx_s, dot);
+              const float sc = rnd(dot(qrow.data(), row_f32(k, kb + int64_t(j) * ks[2], ks[3], d, krow), d), t);
+              p[size_t(j)] = sc;
+              mx_s = std::max(mx_s, sc);
             }
             float sum = 0.0f;
             for (int j = 0; j < lim; j++) {
               p[size_t(j)] = std::exp(p[size_t(j)] - mx_s);
               sum += p[size_t(j)];
             }
-            const float inv = 1.0f / sum;
             std::fill(acc.begin(), acc.end(), 0.0f);
             for (int j = 0; j < lim; j++) {
-              const float w = p[size_t(j)] * inv;
-              const float* vr = vb + int64_t(j) * vs[2];
-              if (vs[3] != 1) {
-                for (int i = 0; i < dv; i++) vrow[size_t(i)] = vr[int64_t(i) * vs[3]];
-                vr = vrow.data();
-              }
+              const float w = rnd(p[size_t(j)] / sum, t);
+              const float* vr = row_f32(v, vb + int64_t(j) * vs[2], vs[3], dv, vrow);
               for (int i = 0; i < dv; i++) acc[size_t(i)] += w * vr[i];
             }
+            for (auto& e : acc) e = rnd(e, t);
             const size_t at = merge ? (size_t(b) * l_n + l) * hq + h : (size_t(b) * hq + h) * l_n + l;
-            std::copy(acc.begin(), acc.end(), y + at * dv);
+            store(o, at * dvu, acc.data(), dvu);
           }
         }
     });
@@ -473,8 +492,8 @@ class CpuSdpa : public mx::UnaryPrimitive {
 };
 
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal, bool merge, mx::Stream s) {
-  bool ok = s.device == mx::Device::cpu && q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && q.dtype() == mx::float32 &&
-            k.dtype() == mx::float32 && v.dtype() == mx::float32;
+  bool ok = s.device == mx::Device::cpu && q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && float_dtype(q) &&
+            k.dtype() == q.dtype() && v.dtype() == q.dtype();
   if (ok) {
     const int l = int(q.shape(2)), n = int(k.shape(2));
     ok = l >= 1 && l <= SDPA_MAX_QUERIES && n >= 1 && (!causal || l <= n) && q.shape(0) == k.shape(0) && v.shape(0) == q.shape(0) &&
@@ -482,7 +501,7 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float
   }
   if (!ok) return sdpa_by_ops(q, k, v, scale, causal, merge, s);
   mx::Shape shape = merge ? mx::Shape{q.shape(0), q.shape(2), q.shape(1) * v.shape(3)} : mx::Shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
-  return mx::array(std::move(shape), mx::float32, std::make_shared<CpuSdpa>(s, scale, causal, merge), {q, k, v});
+  return mx::array(std::move(shape), q.dtype(), std::make_shared<CpuSdpa>(s, scale, causal, merge), {q, k, v});
 }
 
 template <class F>
@@ -529,7 +548,7 @@ int mlx_models_heads(mlx_array* out0, mlx_array* out1, mlx_array* out2, const ml
   return 0;
 }
 
-// fast::rms_norm (`w` may be an empty array): one primitive for f32 input on a CPU stream.
+// fast::rms_norm (`w` may be an empty array): one primitive for float input on a CPU stream.
 int mlx_models_rms_norm(mlx_array* res, const mlx_array x, const mlx_array w, float eps, const mlx_stream s) {
   return mlxm::guarded(res, [&] {
     return mlxm::rms_norm(mlx_array_get_(x), w.ctx ? &mlx_array_get_(w) : nullptr, eps, mlx_stream_get_(s));
@@ -537,7 +556,7 @@ int mlx_models_rms_norm(mlx_array* res, const mlx_array x, const mlx_array w, fl
 }
 
 // fast::rope at an integer offset: `base` is used when `has_base`, else `freqs` (MLX's rule: one
-// of the two). One primitive for f32 input on a CPU stream.
+// of the two). One primitive for float input on a CPU stream.
 int mlx_models_rope(mlx_array* res, const mlx_array x, int dims, bool traditional, bool has_base, float base, float scale,
                     int offset, const mlx_array freqs, const mlx_stream s) {
   return mlxm::guarded(res, [&] {
@@ -549,7 +568,7 @@ int mlx_models_rope(mlx_array* res, const mlx_array x, int dims, bool traditiona
 }
 
 // fast::scaled_dot_product_attention without a mask array (no mask, or causal): one primitive for
-// f32 inputs with at most 8 queries on a CPU stream. `merge`: the output's heads joined,
+// float inputs of one dtype with at most 8 queries on a CPU stream. `merge`: the output's heads joined,
 // [B, L, Hq * Dv].
 int mlx_models_sdpa(mlx_array* res, const mlx_array q, const mlx_array k, const mlx_array v, float scale, bool causal,
                     bool merge, const mlx_stream s) {
