@@ -29,6 +29,25 @@ fn view_and_copy(v: &[f32], shape: &[usize], axes: &[i32]) -> (Array, Array) {
     (view, copy)
 }
 
+/// Two rotations of `dims`-wide heads: NeoX over all of them (base 1e4), and GPT-J pairs over
+/// the first 8 (base 100, positions scaled by 2).
+fn ropes(dims: usize) -> [RopeConfig<'static>; 2] {
+    [
+        RopeConfig {
+            dims,
+            base: 10000.0,
+            ..Default::default()
+        },
+        RopeConfig {
+            dims: 8,
+            traditional: true,
+            base: 100.0,
+            scale: 2.0,
+            ..Default::default()
+        },
+    ]
+}
+
 #[test]
 fn strided_inputs_match_contiguous_copies() {
     // rms_norm over a [4, 3, 8] view of a [3, 4, 8] array, and over a view strided in the last axis
@@ -45,20 +64,7 @@ fn strided_inputs_match_contiguous_copies() {
     );
     // rope over [B, H, L, D] views of [B, L, H, D] (the layout attention transposes from)
     let (view, copy) = view_and_copy(&seq(2 * 3 * 4 * 16, 0.19), &[2, 3, 4, 16], &[0, 2, 1, 3]);
-    for cfg in [
-        RopeConfig {
-            dims: 16,
-            base: 10000.0,
-            ..Default::default()
-        },
-        RopeConfig {
-            dims: 8,
-            traditional: true,
-            base: 500.0,
-            scale: 0.5,
-            ..Default::default()
-        },
-    ] {
+    for cfg in ropes(16) {
         assert_eq!(
             out(&view.rope(&cfg, 7).unwrap()),
             out(&copy.rope(&cfg, 7).unwrap())
@@ -111,20 +117,7 @@ fn rope_gradient_is_the_inverse_rotation() {
     // loss = sum(rope(x) * g) is linear in x with gradient R^T g, so rope(gradient) = g
     let x = arr(&seq(2 * 3 * 12, 0.5), &[2, 3, 12]);
     let g = arr(&seq(2 * 3 * 12, 0.9), &[2, 3, 12]);
-    for cfg in [
-        RopeConfig {
-            dims: 12,
-            base: 10000.0,
-            ..Default::default()
-        },
-        RopeConfig {
-            dims: 8,
-            traditional: true,
-            base: 100.0,
-            scale: 2.0,
-            ..Default::default()
-        },
-    ] {
+    for cfg in ropes(12) {
         let (_, grads) = value_and_grad(
             |p| p[0].rope(&cfg, 5)?.mul(&g)?.sum(&[], false),
             &[x.clone()],

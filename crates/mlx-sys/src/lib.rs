@@ -123,20 +123,9 @@ unsafe extern "C" {
     /// `fast::rms_norm(x, w, eps)` (`w` may be empty): one primitive for float `x` on a CPU stream
     /// (`src/cpukern/ops.cpp`), MLX's op otherwise.
     pub fn mlx_models_rms_norm(res: *mut mlx_array, x: mlx_array, w: mlx_array, eps: f32, s: mlx_stream) -> std::ffi::c_int;
-    /// `fast::rope(x, dims, traditional, base if has_base, scale, offset, freqs)` (`freqs` may be
-    /// empty): one primitive for float `x` on a CPU stream, MLX's op otherwise.
-    pub fn mlx_models_rope(
-        res: *mut mlx_array,
-        x: mlx_array,
-        dims: std::ffi::c_int,
-        traditional: bool,
-        has_base: bool,
-        base: f32,
-        scale: f32,
-        offset: std::ffi::c_int,
-        freqs: mlx_array,
-        s: mlx_stream,
-    ) -> std::ffi::c_int;
+    /// `fast::rope(x, r.dims, r.traditional, r.base if r.has_base, r.scale, r.offset, freqs)`
+    /// (`freqs` may be empty): one primitive for float `x` on a CPU stream, MLX's op otherwise.
+    pub fn mlx_models_rope(res: *mut mlx_array, x: mlx_array, r: *const MlxModelsRopeArgs, freqs: mlx_array, s: mlx_stream) -> std::ffi::c_int;
     /// `fast::scaled_dot_product_attention(q, k, v, scale, causal ? "causal" : "")`: one primitive
     /// for float inputs (one dtype) of at most 8 queries on a CPU stream, MLX's op otherwise. `merge`: the
     /// output is `[B, L, Hq * Dv]` (heads joined) instead of `[B, Hq, L, Dv]`.
@@ -158,13 +147,21 @@ unsafe extern "C" {
         heads: *const std::ffi::c_int,
         rotate: *const bool,
         head_dim: std::ffi::c_int,
-        dims: std::ffi::c_int,
-        traditional: bool,
-        has_base: bool,
-        base: f32,
-        scale: f32,
-        offset: std::ffi::c_int,
+        rope: *const MlxModelsRopeArgs,
         freqs: mlx_array,
         s: mlx_stream,
     ) -> std::ffi::c_int;
+}
+
+/// The rotation arguments of [`mlx_models_rope`] and [`mlx_models_heads`] (`src/cpukern/ops.cpp`'s
+/// `mlx_models_rope_args`): `base` when `has_base`, else the call's frequencies array.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlxModelsRopeArgs {
+    pub dims: std::ffi::c_int,
+    pub traditional: bool,
+    pub has_base: bool,
+    pub base: f32,
+    pub scale: f32,
+    pub offset: std::ffi::c_int,
 }

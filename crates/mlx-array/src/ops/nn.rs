@@ -38,6 +38,12 @@ impl Default for RopeConfig<'_> {
     }
 }
 
+/// The C entry points' rotation arguments for `cfg` at `offset`.
+fn rope_args(op: &'static str, cfg: &RopeConfig, offset: usize) -> Result<mlx_sys::MlxModelsRopeArgs> {
+    let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::arg(op, format!("{what} {v} exceeds i32")));
+    Ok(mlx_sys::MlxModelsRopeArgs { dims: int(cfg.dims, "rotary dims")?, traditional: cfg.traditional, has_base: cfg.freqs.is_none(), base: cfg.base, scale: cfg.scale, offset: int(offset, "offset")? })
+}
+
 /// An absent optional array argument of the C entry points.
 fn empty() -> mlx_sys::mlx_array {
     mlx_sys::mlx_array { ctx: std::ptr::null_mut() }
@@ -72,11 +78,10 @@ impl Array {
         if cfg.dims == 0 || cfg.dims > d || cfg.dims % 2 != 0 {
             return Err(Error::arg("rope", format!("rotary dims {} for head dim {d}", cfg.dims)));
         }
-        let offset = i32::try_from(offset).map_err(|_| Error::arg("rope", format!("offset {offset} exceeds i32")))?;
         // one primitive for float input on a CPU stream (as rms_norm), MLX's op otherwise
+        let r = rope_args("rope", cfg, offset)?;
         let (x, f, s) = (self.inner.as_ptr(), cfg.freqs.map_or_else(empty, |f| f.inner.as_ptr()), crate::ffi::stream());
-        let (dims, trad, has_base, base, scale) = (cfg.dims as i32, cfg.traditional, cfg.freqs.is_none(), cfg.base, cfg.scale);
-        crate::ffi::call("rope", |res| unsafe { mlx_sys::mlx_models_rope(res, x, dims, trad, has_base, base, scale, offset, f, s.as_ptr()) })
+        crate::ffi::call("rope", |res| unsafe { mlx_sys::mlx_models_rope(res, x, &r, f, s.as_ptr()) })
     }
 
     /// [`Array::rope`] with one start position per batch row: `self` is `[B, .., L, D]` and
@@ -211,7 +216,7 @@ pub fn heads(xs: &[&Array], groups: &[HeadGroup], head_dim: usize, rope: &RopeCo
     let col: Vec<i32> = groups.iter().map(|g| int(g.col, "column")).collect::<Result<_>>()?;
     let nh: Vec<i32> = groups.iter().map(|g| int(g.heads, "heads")).collect::<Result<_>>()?;
     let rot: Vec<bool> = groups.iter().map(|g| g.rotate).collect();
-    let (hd, dims, off) = (int(head_dim, "head dim")?, int(rope.dims, "rotary dims")?, int(offset, "offset")?);
+    let (hd, ra) = (int(head_dim, "head dim")?, rope_args("heads", rope, offset)?);
     let x = |i: usize| xs.get(i).map_or_else(empty, |a| a.inner.as_ptr());
     let f = rope.freqs.map_or_else(empty, |f| f.inner.as_ptr());
     let s = crate::ffi::stream();
@@ -219,7 +224,7 @@ pub fn heads(xs: &[&Array], groups: &[HeadGroup], head_dim: usize, rope: &RopeCo
     let outs = crate::ffi::call_n::<3>("heads", |r| {
         let [r0, r1, r2] = r;
         unsafe {
-            mlx_sys::mlx_models_heads(r0, r1, r2, x(0), x(1), x(2), n as i32, input.as_ptr(), col.as_ptr(), nh.as_ptr(), rot.as_ptr(), hd, dims, rope.traditional, rope.freqs.is_none(), rope.base, rope.scale, off, f, s.as_ptr())
+            mlx_sys::mlx_models_heads(r0, r1, r2, x(0), x(1), x(2), n as i32, input.as_ptr(), col.as_ptr(), nh.as_ptr(), rot.as_ptr(), hd, &ra, f, s.as_ptr())
         }
     })?;
     Ok(outs.into_iter().take(n).collect())

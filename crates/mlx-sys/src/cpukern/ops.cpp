@@ -520,14 +520,23 @@ int guarded(mlx_array* res, F&& f) {
 
 extern "C" {
 
+// The rotation of mlx_models_rope and mlx_models_heads.
+struct mlx_models_rope_args {
+  int dims;
+  bool traditional;
+  bool has_base;  // else the frequencies array gives the wavelengths
+  float base;
+  float scale;
+  int offset;
+};
+
 // Attention's q, k, v heads (`mlxm::heads`): `x0`, `x1`, `x2` the projection outputs [B, L, C]
 // (`x1`/`x2` empty when the heads come from fewer arrays; outputs past `n_out` are left unset),
 // head `i` from input `input[i]` at column `col[i]` with `heads[i]` heads, rotated when
-// `rotate[i]`; rope as in mlx_models_rope.
+// `rotate[i]` by `rope` (as mlx_models_rope).
 int mlx_models_heads(mlx_array* out0, mlx_array* out1, mlx_array* out2, const mlx_array x0, const mlx_array x1,
                      const mlx_array x2, int n_out, const int* input, const int* col, const int* heads, const bool* rotate,
-                     int head_dim, int dims, bool traditional, bool has_base, float base, float scale, int offset,
-                     const mlx_array freqs, const mlx_stream s) {
+                     int head_dim, const mlx_models_rope_args* rope, const mlx_array freqs, const mlx_stream s) {
   try {
     std::vector<mx::array> xs{mlx_array_get_(x0)};
     if (x1.ctx) xs.push_back(mlx_array_get_(x1));
@@ -535,8 +544,8 @@ int mlx_models_heads(mlx_array* out0, mlx_array* out1, mlx_array* out2, const ml
     if (n_out < 1 || n_out > 3) throw std::invalid_argument("[heads] 1 to 3 outputs");
     std::vector<mlxm::Head> spec;
     for (int i = 0; i < n_out; i++) spec.push_back({input[i], col[i], heads[i], rotate[i]});
-    mlxm::RopeArgs r{dims, traditional, std::nullopt, scale, offset};
-    if (has_base) r.base = base;
+    mlxm::RopeArgs r{rope->dims, rope->traditional, std::nullopt, rope->scale, rope->offset};
+    if (rope->has_base) r.base = rope->base;
     auto outs = mlxm::heads(std::move(xs), std::move(spec), head_dim, r, freqs.ctx ? &mlx_array_get_(freqs) : nullptr,
                             mlx_stream_get_(s));
     mlx_array* res[3] = {out0, out1, out2};
@@ -555,14 +564,13 @@ int mlx_models_rms_norm(mlx_array* res, const mlx_array x, const mlx_array w, fl
   });
 }
 
-// fast::rope at an integer offset: `base` is used when `has_base`, else `freqs` (MLX's rule: one
-// of the two). One primitive for float input on a CPU stream.
-int mlx_models_rope(mlx_array* res, const mlx_array x, int dims, bool traditional, bool has_base, float base, float scale,
-                    int offset, const mlx_array freqs, const mlx_stream s) {
+// fast::rope at an integer offset (`r`; `freqs` when `r->has_base` is false, MLX's rule: one of
+// the two). One primitive for float input on a CPU stream.
+int mlx_models_rope(mlx_array* res, const mlx_array x, const mlx_models_rope_args* r, const mlx_array freqs, const mlx_stream s) {
   return mlxm::guarded(res, [&] {
     std::optional<float> b;
-    if (has_base) b = base;
-    return mlxm::rope(mlx_array_get_(x), dims, traditional, b, scale, offset, freqs.ctx ? &mlx_array_get_(freqs) : nullptr,
+    if (r->has_base) b = r->base;
+    return mlxm::rope(mlx_array_get_(x), r->dims, r->traditional, b, r->scale, r->offset, freqs.ctx ? &mlx_array_get_(freqs) : nullptr,
                       mlx_stream_get_(s));
   });
 }
