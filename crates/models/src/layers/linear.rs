@@ -265,8 +265,9 @@ const FUSED_MAX_ROWS: usize = 16;
 /// GPU each one is a kernel launch: one `[in, sum out_i]` product reads the same bytes with
 /// fewer launches and better occupancy for small outputs (Qwen3-8B's k/v are 1024 wide; H200
 /// kernel time per decode step 6.20 -> 5.62 ms, see BENCHMARKS.md). On the CPU (OpenBLAS) the
-/// separate products measured as fast or faster, and their outputs are contiguous, so the
-/// projections stay separate there. The device is the default device at load, where the
+/// separate float products measured as fast or faster, and their outputs are contiguous, so
+/// float projections stay separate there; packed ones are joined on the CPU
+/// ([`FusedLinear::load_packed`]: one graph node and one pass over the threads per step). The device is the default device at load, where the
 /// weights live; [`crate::LoadOptions::fuse_projections`] overrides it.
 #[derive(Clone)]
 pub enum FusedLinear {
