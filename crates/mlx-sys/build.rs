@@ -435,12 +435,10 @@ fn compile_mlxc(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
     commit_dir(&tmp, dir)
 }
 
-const KERNEL_SRC: [&str; 5] = [
+const KERNEL_SRC: [&str; 3] = [
     "src/cpukern/kernels.h",
     "src/cpukern/kernels.cpp",
     "src/cpukern/primitive.cpp",
-    "src/cpukern/strided.h",
-    "src/cpukern/ops.cpp",
 ];
 
 /// Compile `src/cpukern` to `libmlxmkern.a`: `primitive.cpp` once, `kernels.cpp` once per
@@ -511,8 +509,7 @@ fn compile_kernels(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
         let mut b = base();
         b.include(mlxc)
             .include(mlx_inc)
-            .file(dir.join("src/cpukern/primitive.cpp"))
-            .file(dir.join("src/cpukern/ops.cpp"));
+            .file(dir.join("src/cpukern/primitive.cpp"));
         objs.extend(
             b.out_dir(objs_dir.join("primitive"))
                 .try_compile_intermediates()
