@@ -44,15 +44,14 @@ import os
 import shutil
 import sys
 
-import numpy as np
 import torch
 import transformers as T
-from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_tiny_dense import margins, perturb  # noqa: E402
+from make_tiny_qwen35_vl import image  # noqa: E402  (the same deterministic pictures)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "..", "crates", "models", "tests", "fixtures", "tiny")
@@ -91,13 +90,6 @@ TEXT = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=
             bos_token_id=486, eos_token_id=488, pad_token_id=486, hidden_act="silu", initializer_range=0.1)
 
 
-def image(w, h, k):
-    """Smooth colour gradients with a diagonal stripe (deterministic)."""
-    y, x = np.mgrid[0:h, 0:w]
-    r = (x * 255 // max(w - 1, 1) + k * 40) % 256
-    g = (y * 255 // max(h - 1, 1) + k * 90) % 256
-    b = np.where((x + y * 2 + k) % 17 < 6, 230, 20 + k * 30)
-    return Image.fromarray(np.stack([r, g, b], -1).astype(np.uint8), "RGB")
 
 
 def config():

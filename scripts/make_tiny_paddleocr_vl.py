@@ -36,21 +36,19 @@ import os
 import shutil
 import sys
 
-import numpy as np
 import torch
 import transformers as T
-from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import PaddleOCRVLImageProcessorPil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_tiny_dense import margins, perturb  # noqa: E402
+from make_tiny_dense import perturb  # noqa: E402
+from make_tiny_qwen35_vl import IMAGE, image, prompt_references  # noqa: E402  (same image token, images, prompt loop)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "..", "crates", "models", "tests", "fixtures", "tiny")
 STEPS = 8
-TAIL_2 = 16
-IMAGE, START, END, VIDEO = 498, 495, 496, 499
+START, END, VIDEO = 495, 496, 499
 BOS, EOS = 487, 488
 
 TEMPLATE = (
@@ -90,13 +88,6 @@ PROCESSOR = dict(min_pixels=32 * 32, max_pixels=80 * 80, patch_size=8, merge_siz
                  image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
-def image(w, h, k):
-    """Smooth colour gradients with a diagonal stripe (deterministic)."""
-    y, x = np.mgrid[0:h, 0:w]
-    r = (x * 255 // max(w - 1, 1) + k * 40) % 256
-    g = (y * 255 // max(h - 1, 1) + k * 90) % 256
-    b = np.where((x + y * 2 + k) % 17 < 6, 230, 20 + k * 30)
-    return Image.fromarray(np.stack([r, g, b], -1).astype(np.uint8), "RGB")
 
 
 def config():
@@ -123,35 +114,8 @@ def hub_name(k):
     return k
 
 
-def expand(ids, grids, merge):
-    out, k = [], 0
-    for t in ids:
-        if t == IMAGE:
-            n = int(grids[k].prod()) // (merge * merge)
-            out.extend([IMAGE] * n)
-            k += 1
-        else:
-            out.append(t)
-    assert k == len(grids)
-    return torch.tensor([out], dtype=torch.long)
 
 
-@torch.no_grad()
-def run(model, ids, pixel_values, grids):
-    """Full-prompt logits, and the prompt with STEPS greedy tokens decoded through the cache (the
-    3-D positions of the prompt, then its rope delta)."""
-    kw = dict(pixel_values=pixel_values, image_grid_thw=grids, mm_token_type_ids=(ids == IMAGE).long())
-    model.model.rope_deltas = None
-    logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
-    model.model.rope_deltas = None
-    out = model(input_ids=ids, use_cache=True, **kw)
-    seq = ids
-    for _ in range(STEPS):
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], dim=1)
-        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-    model.model.rope_deltas = None
-    return logits, seq
 
 
 def write_checkpoint(model, out):
@@ -204,17 +168,7 @@ def main():
     meta = dict(seed=70, steps=STEPS, weights_dtype="bfloat16", reference_dtype="float32", attn_implementation="eager",
                 torch=torch.__version__, transformers=T.__version__, messages_1=MESSAGES_1, messages_2=MESSAGES_2,
                 grids={k: ref[f"grid_{k}"].tolist() for k in imgs})
-    for n, (msgs, keys) in {"1": (MESSAGES_1, "a"), "2": (MESSAGES_2, "ab")}.items():
-        raw = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        raw = raw["input_ids"] if isinstance(raw, dict) else raw
-        grids = torch.cat([ref[f"grid_{k}"] for k in keys])
-        ids = expand(list(raw), grids, VISION["spatial_merge_size"])
-        pixels = torch.cat([ref[f"pixel_values_{k}"] for k in keys])
-        logits, seq = run(model, ids, pixels, grids)
-        ref[f"ids_{n}"], ref[f"logits_{n}"], ref[f"greedy_{n}"] = ids, logits if n == "1" else logits[-TAIL_2:], seq
-        meta[f"text_{n}"] = tok.decode(raw)
-        meta[f"greedy_new_{n}"] = seq[0, ids.shape[1]:].tolist()
-        meta[f"prefill_top1_top2_margin_min_{n}"] = min(margins(logits))
+    prompt_references(model, tok, ref, meta, VISION["spatial_merge_size"], MESSAGES_1, MESSAGES_2)
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "reference.safetensors"))
     for f in os.listdir(out):
         os.chmod(os.path.join(out, f), 0o644)
