@@ -152,14 +152,13 @@ def internvl_chat(native, out):
 
     cfg = json.load(open(os.path.join(native, "config.json")))
     v, t = cfg["vision_config"], cfg["text_config"]
-    m.VISION = dict(m.VISION, **{k: v[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")},
-                    image_size=v["image_size"][0], patch_size=v["patch_size"][0])
-    m.TEXT = dict(m.TEXT, **{k: t[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                               "num_key_value_heads", "head_dim", "model_type")},
-                  architectures=[{"qwen2": "Qwen2ForCausalLM"}.get(t["model_type"], "Qwen3ForCausalLM")])
-    m.TILE = v["image_size"][0]
+    vision = dict(m.VISION, **{k: v[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")},
+                  image_size=v["image_size"][0], patch_size=v["patch_size"][0])
+    text = dict(m.TEXT, **{k: t[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                             "num_key_value_heads", "head_dim", "model_type")},
+                architectures=[{"qwen2": "Qwen2ForCausalLM"}.get(t["model_type"], "Qwen3ForCausalLM")])
     shutil.rmtree(out + ".tmp", ignore_errors=True)
-    m.chat_layout(native, out + ".tmp")
+    m.chat_layout(native, out + ".tmp", vision, text, v["image_size"][0])
     os.replace(out + ".tmp", out)
     print(f"internvl_chat: -> {out}", file=sys.stderr)
 

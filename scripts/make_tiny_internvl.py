@@ -130,12 +130,14 @@ def tokenizer_files(out):
         json.dump(tc, f, indent=1, ensure_ascii=False)
 
 
-def chat_layout(native_dir, out):
-    """The native checkpoint re-keyed to the internvl_chat layout (config and weights)."""
+def chat_layout(native_dir, out, vision=None, text=None, tile=None):
+    """The native checkpoint re-keyed to the internvl_chat layout (config and weights); `vision`,
+    `text` and `tile` describe it (default: this fixture's VISION, TEXT and TILE)."""
+    vision, text, tile = vision or VISION, text or TEXT, tile or TILE
     os.makedirs(out, exist_ok=True)
     sd = load_file(os.path.join(native_dir, "model.safetensors"))
     new = {}
-    d = VISION["hidden_size"]
+    d = vision["hidden_size"]
     # transformers saves InternVL in the hub layout (`vision_tower.*`, `multi_modal_projector.*`,
     # `language_model.model.*`); its in-memory names carry a `model.` prefix instead.
     sd = {(k[len("model."):] if k.startswith(("model.vision_tower.", "model.multi_modal_projector.")) else k): v for k, v in sd.items()}
@@ -173,13 +175,13 @@ def chat_layout(native_dir, out):
         else:
             raise SystemExit(f"unexpected key {k}")
     save_file({k: v.contiguous() for k, v in new.items()}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    vision = {k: v for k, v in VISION.items() if k not in ("attention_bias", "use_qk_norm", "use_mean_pooling", "layer_scale_init_value")}
+    vision = {k: v for k, v in vision.items() if k not in ("attention_bias", "use_qk_norm", "use_mean_pooling", "layer_scale_init_value")}
     vision.update(model_type="intern_vit_6b", architectures=["InternVisionModel"], qkv_bias=True, qk_normalization=False,
                   use_flash_attn=False, drop_path_rate=0.0, initializer_factor=1.0)
     cfg = {
-        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat", "vision_config": vision, "llm_config": dict(TEXT),
+        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat", "vision_config": vision, "llm_config": dict(text),
         "select_layer": -1, "ps_version": "v2", "downsample_ratio": 0.5, "template": "internvl2_5", "dynamic_image_size": True,
-        "use_thumbnail": True, "max_dynamic_patch": 6, "min_dynamic_patch": 1, "force_image_size": TILE,
+        "use_thumbnail": True, "max_dynamic_patch": 6, "min_dynamic_patch": 1, "force_image_size": tile,
         "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     }
     with open(os.path.join(out, "config.json"), "w") as f:
