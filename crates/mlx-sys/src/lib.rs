@@ -120,6 +120,9 @@ unsafe extern "C" {
     pub fn mlx_models_cpu_kernels_threads() -> std::ffi::c_int;
     /// Use `name`'s kernels from now on; returns the set in use (lower when the CPU lacks `name`).
     pub fn mlx_models_cpu_kernels_select(name: *const std::ffi::c_char) -> *const std::ffi::c_char;
+    /// Enter (`true`) or leave (`false`) a scope on this thread in which `mlx_models_rms_norm`,
+    /// `_rope`, `_heads` and `_sdpa` build MLX's own ops (as they do while MLX traces a function).
+    pub fn mlx_models_mlx_ops_only(enter: bool);
     /// `fast::rms_norm(x, w, eps)` (`w` may be empty): one primitive for float `x` on a CPU stream
     /// (`src/cpukern/ops.cpp`), MLX's op otherwise.
     pub fn mlx_models_rms_norm(res: *mut mlx_array, x: mlx_array, w: mlx_array, eps: f32, s: mlx_stream) -> std::ffi::c_int;

@@ -49,6 +49,28 @@ fn empty() -> mlx_sys::mlx_array {
     mlx_sys::mlx_array { ctx: std::ptr::null_mut() }
 }
 
+/// While alive, [`Array::rms_norm`], [`Array::rope`], [`Array::sdpa`], [`Array::sdpa_merged`] and
+/// [`heads`] build MLX's own ops on this thread instead of their single CPU primitives, as they
+/// always do inside a function transform (`value_and_grad`, `vjp`, `compile`). A trainer holds one
+/// around its untraced forwards (old and reference log-probabilities) so that they compute exactly
+/// what its traced forward does. Scopes nest; the guard is tied to its thread.
+#[must_use = "the scope ends when the guard is dropped"]
+pub struct MlxOpsScope {
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+/// Open an [`MlxOpsScope`] on this thread.
+pub fn mlx_ops_only() -> MlxOpsScope {
+    unsafe { mlx_sys::mlx_models_mlx_ops_only(true) };
+    MlxOpsScope { _thread: std::marker::PhantomData }
+}
+
+impl Drop for MlxOpsScope {
+    fn drop(&mut self) {
+        unsafe { mlx_sys::mlx_models_mlx_ops_only(false) };
+    }
+}
+
 impl Array {
     /// RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight`.
     ///

@@ -5,7 +5,8 @@
 // 12 graph nodes), and every node costs a scheduling round trip. A small model's decode step is
 // dominated by that per-node cost, not by arithmetic. These primitives compute the same values
 // (MLX's formulas in f32, rounded to bf16/f16 where MLX's ops of those dtypes round) in one node
-// each, for float inputs on a CPU stream; anything else goes to MLX's own op. Gradients are MLX's: the vjp of the op each one replaces.
+// each, for float inputs on a CPU stream outside function transforms and MLX-ops scopes
+// (`use_mlx_ops`); anything else goes to MLX's own op. Gradients are MLX's: the vjp of the op each one replaces.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -66,6 +67,23 @@ inline float dot(const float* a, const float* b, int n) {
 
 bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
 bool float_dtype(const mx::array& a) { return float_dtype(a.dtype()); }
+
+// True while MLX traces a function (grad, vjp, vmap, compile). The primitives then step aside and
+// the traced graph is built from MLX's own ops, so training and other transformed computations
+// keep MLX's numerics exactly; only plain evaluation (inference) runs the primitives. MLX's
+// tracing flag is not exported, but a tracer-marked array reports it through `is_tracer`.
+bool tracing() {
+  mx::array probe(0.0f);
+  probe.set_tracer(true);
+  return probe.is_tracer();
+}
+
+// Scopes (`mlx_models_mlx_ops_only`) on this thread in which graphs are built from MLX's ops even
+// outside a trace: a trainer's untraced forwards then compute what its traced ones do.
+thread_local int mlx_ops_scopes = 0;
+
+// Whether a graph node built now takes MLX's own ops rather than a primitive of this file.
+bool use_mlx_ops() { return mlx_ops_scopes > 0 || tracing(); }
 
 // `v` rounded to `t` (bf16, f16; f32 unchanged), as an MLX op with outputs of dtype `t` stores it:
 // the primitives round where the ops they replace round, so bf16/f16 results match those ops'.
@@ -148,7 +166,7 @@ class CpuRmsNorm : public mx::UnaryPrimitive {
 
 mx::array rms_norm(const mx::array& x, const mx::array* w, float eps, mx::Stream s) {
   const mx::Dtype ot = w ? mx::promote_types(x.dtype(), w->dtype()) : x.dtype();
-  const bool ok = s.device == mx::Device::cpu && float_dtype(x) && float_dtype(ot) && x.ndim() >= 1 && x.shape(-1) > 0 &&
+  const bool ok = s.device == mx::Device::cpu && !use_mlx_ops() && float_dtype(x) && float_dtype(ot) && x.ndim() >= 1 && x.shape(-1) > 0 &&
                   (!w || (w->ndim() == 1 && w->shape(0) == x.shape(-1) && float_dtype(*w)));
   if (!ok) {
     std::optional<mx::array> wo;
@@ -259,7 +277,7 @@ class CpuRope : public mx::UnaryPrimitive {
 
 mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale, int offset,
                const mx::array* freqs, mx::Stream s) {
-  const bool ok = s.device == mx::Device::cpu && float_dtype(x) && x.ndim() >= 3 && dims > 0 && dims % 2 == 0 &&
+  const bool ok = s.device == mx::Device::cpu && !use_mlx_ops() && float_dtype(x) && x.ndim() >= 3 && dims > 0 && dims % 2 == 0 &&
                   dims <= x.shape(-1) && (freqs ? (!base && freqs->ndim() == 1 && freqs->shape(0) == dims / 2 && float_dtype(*freqs)) : base.has_value());
   if (!ok) {
     std::optional<mx::array> fr;
@@ -390,7 +408,7 @@ std::vector<mx::array> heads(std::vector<mx::array> xs, std::vector<Head> spec, 
   if (freqs ? r.base.has_value() : !r.base.has_value()) bad("give either a rope base or frequencies");
   if (r.dims <= 0 || r.dims % 2 != 0 || r.dims > d) bad("rotary dims " + std::to_string(r.dims) + " for head dim " + std::to_string(d));
   if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != r.dims / 2)) bad("frequencies must be [dims / 2]");
-  bool ours = s.device == mx::Device::cpu && (!freqs || float_dtype(*freqs)) && float_dtype(xs[0]);
+  bool ours = s.device == mx::Device::cpu && !use_mlx_ops() && (!freqs || float_dtype(*freqs)) && float_dtype(xs[0]);
   for (auto& x : xs) {
     if (x.ndim() != 3 || x.shape(0) != xs[0].shape(0) || x.shape(1) != xs[0].shape(1)) bad("projections must be [B, L, C] alike");
     ours = ours && x.dtype() == xs[0].dtype();
@@ -492,7 +510,7 @@ class CpuSdpa : public mx::UnaryPrimitive {
 };
 
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal, bool merge, mx::Stream s) {
-  bool ok = s.device == mx::Device::cpu && q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && float_dtype(q) &&
+  bool ok = s.device == mx::Device::cpu && !use_mlx_ops() && q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && float_dtype(q) &&
             k.dtype() == q.dtype() && v.dtype() == q.dtype();
   if (ok) {
     const int l = int(q.shape(2)), n = int(k.shape(2));
@@ -519,6 +537,10 @@ int guarded(mlx_array* res, F&& f) {
 }  // namespace mlxm
 
 extern "C" {
+
+// Enter (`enter` true) or leave a scope on this thread in which the functions below build MLX's
+// own ops (see use_mlx_ops). Scopes nest.
+void mlx_models_mlx_ops_only(bool enter) { mlxm::mlx_ops_scopes += enter ? 1 : -1; }
 
 // The rotation of mlx_models_rope and mlx_models_heads.
 struct mlx_models_rope_args {
