@@ -152,3 +152,24 @@ fn sdpa_gradients_match_the_composed_op() {
         close_to(n, &fast[i], &want[i], 1e-5);
     }
 }
+
+/// Inside `mlx_ops_only` an untraced forward builds MLX's own ops, as every traced one does
+/// (`value_and_grad`): both give the same bits. Outside the scope the primitive's partial sums
+/// round differently on this input, so a scope that changed nothing fails here.
+#[test]
+fn mlx_ops_scope_computes_what_traced_forwards_compute() {
+    let d = 4096;
+    let x = arr(&seq(4 * d, 0.37), &[4, d]);
+    let w = arr(&seq(d, 0.11), &[d]);
+    let g = arr(&seq(4 * d, 1.3), &[4, d]);
+    let f = |x: &Array, w: &Array| x.rms_norm(Some(w), 1e-5)?.mul(&g)?.sum(&[], false);
+    let (traced, _) = value_and_grad(|p| f(&p[0], &p[1]), &[x.clone(), w.clone()]).unwrap();
+    let scoped = {
+        let _ops = mlx_array::ops::mlx_ops_only();
+        f(&x, &w).unwrap()
+    };
+    let primitive = f(&x, &w).unwrap();
+    let bits = |a: &Array| out(a)[0].to_bits();
+    assert_eq!(bits(&scoped), bits(&traced), "scoped {:?} vs traced {:?}", out(&scoped), out(&traced));
+    assert_ne!(bits(&primitive), bits(&traced), "the primitive rounds as MLX's op does on this input");
+}
