@@ -5,7 +5,10 @@
 //! log-mel features within 1e-4 relative of `Gemma4AudioFeatureExtractor`'s, tower outputs within
 //! 1e-4 relative, the merged prompt's logits (text, 60 image and 23 audio soft tokens, 98
 //! positions, longer than the sliding window) within 1e-3 relative, and 16 greedy tokens
-//! identical through the cache.
+//! identical through the cache. With `use_bidirectional_attention = "vision"` (each image's soft
+//! tokens attending to each other both ways in sliding layers): the same prompt's logits within
+//! 1e-3 and its greedy tokens, the last logits of a two-image prompt, and a continued turn with
+//! a new image equal to a full recompute, flat and paged.
 mod common;
 use common::*;
 use mlx_array::{Array, DType};
@@ -230,4 +233,122 @@ fn session_audio_turn_prefills_only_that_turn() {
     let gcfg = GenerateConfig { max_new_tokens: second.num_tokens, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(s.format().stop_token_ids()), ..Default::default() };
     let fresh: Vec<u32> = generate(&model, &mut cache, prompt, gcfg).unwrap().with_media(media).map(|t| t.unwrap().id).collect();
     assert_eq!(fresh, all[prompt.len()..prompt.len() + second.num_tokens]);
+}
+
+/// The fixture with `text_config.use_bidirectional_attention = "vision"`: its config with that
+/// one field changed, next to copies of its weights, tokenizer and processor files, in a
+/// temporary directory (the references of that variant: `reference_bidirectional.safetensors`).
+fn bidirectional_fixture() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(NAME)).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name();
+        if name != "config.json" && !name.to_string_lossy().starts_with("reference") {
+            std::fs::copy(e.path(), dir.path().join(&name)).unwrap();
+        }
+    }
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(NAME).join("config.json")).unwrap()).unwrap();
+    cfg["text_config"]["use_bidirectional_attention"] = "vision".into();
+    std::fs::write(dir.path().join("config.json"), serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    dir
+}
+
+fn bidirectional_reference() -> HashMap<String, Array> {
+    mlx_array::io::load_safetensors(fixture(NAME).join("reference_bidirectional.safetensors"), Some(DType::F32)).unwrap()
+}
+
+fn load_lm(dir: &std::path::Path, kv_cache: mlx_models::KvCacheMode) -> Model {
+    load_model(dir, &mlx_models::LoadOptions { kv_cache, ..test_load_options() }).unwrap().into_lm().unwrap()
+}
+
+const CACHES: [fn() -> mlx_models::KvCacheMode; 2] = [|| mlx_models::KvCacheMode::Flat, || mlx_models::KvCacheMode::Paged(Default::default())];
+
+/// A reference image (`[h, w, 3]` u8) prepared by the model's media side.
+fn prepared_image(model: &Model, r: &HashMap<String, Array>, key: &str) -> PreparedMedia {
+    let (px, w, h) = rgb(r, key);
+    let img = mlx_models::media::RgbImage::new(w as u32, h as u32, px).unwrap();
+    model.with_runtime(|rt| rt.media().unwrap().prepare(&MediaItem::Image(mlx_models::media::ImageInput::Rgb(img)))).unwrap()
+}
+
+/// `tokens` with their `media` through the model's media side (as a session prefills a turn).
+fn media_forward(model: &Model, tokens: &[u32], media: &[PreparedMedia], cache: &mut mlx_models::Cache, logits: Logits) -> Vec<f32> {
+    let out = model
+        .with_runtime(|rt| {
+            let m = rt.media().unwrap();
+            let input = m.embed(tokens, media, cache)?;
+            m.forward_embedded(&input, cache, logits, false)
+        })
+        .unwrap();
+    f32s(&out.logits.unwrap())
+}
+
+/// `use_bidirectional_attention == "vision"`: the merged prompt (an image and a clip) against
+/// transformers with `mm_token_type_ids`: all logits within 1e-3 relative and 16 greedy tokens
+/// identical through the cache, flat and paged; a prompt with two images, the logits of its
+/// last 4 positions within 1e-3. The causal reference lies far from the bidirectional one
+/// (1.02 by this measure), so a causal mask fails the bound.
+#[test]
+fn bidirectional_vision_matches_transformers() {
+    let (r, rc) = (bidirectional_reference(), reference(NAME));
+    let dir = bidirectional_fixture();
+    let samples = f32s(&rc["audio_samples"]);
+    let prompt = ids(&r["input_ids"]);
+    let want = ids(&r["greedy_ids"])[prompt.len()..].to_vec();
+    for cache in CACHES {
+        let model = load_lm(dir.path(), cache());
+        let media = vec![
+            prepared_image(&model, &rc, "image_rgb"),
+            model.with_runtime(|rt| rt.media().unwrap().prepare(&MediaItem::Audio(AudioInput::Pcm(samples.clone())))).unwrap(),
+        ];
+        let logits = media_forward(&model, &prompt, &media, &mut model.new_cache(), Logits::All);
+        let (err, causal) = (rel_err(&logits, &f32s(&r["logits"])), rel_err(&f32s(&rc["logits"]), &f32s(&r["logits"])));
+        eprintln!("bidirectional merged-prompt logits: rel err {err} (causal reference: {causal})");
+        assert!(err < 1e-3, "bidirectional merged-prompt logits: rel err {err}");
+        assert!(causal > 0.1, "the fixture tells causal from bidirectional attention");
+        assert_eq!(media_greedy(&model, &prompt, media, want.len(), vec![]), want, "greedy tokens");
+
+        let two = ids(&r["two_images_ids"]);
+        let media = vec![prepared_image(&model, &rc, "image_rgb"), prepared_image(&model, &r, "second_rgb")];
+        let logits = media_forward(&model, &two, &media, &mut model.new_cache(), Logits::All);
+        let tail = &f32s(&r["two_images_logits_tail"]);
+        let err = rel_err(&logits[logits.len() - tail.len()..], tail);
+        eprintln!("two images, last positions: rel err {err}");
+        assert!(err < 1e-3, "two images, last positions: rel err {err}");
+    }
+}
+
+/// `use_bidirectional_attention == "vision"`, a two-turn conversation with an image in each
+/// user turn: the second turn's prefill over the cache of the first (and of the reply) gives
+/// the logits of a full recompute of the whole conversation with both images, flat and paged.
+#[test]
+fn bidirectional_second_image_turn_matches_a_full_recompute() {
+    let (r, rc) = (bidirectional_reference(), reference(NAME));
+    let dir = bidirectional_fixture();
+    let t = *media().tokens();
+    for cache in CACHES {
+        let model = load_lm(dir.path(), cache());
+        let (img1, img2) = (prepared_image(&model, &rc, "image_rgb"), prepared_image(&model, &r, "second_rgb"));
+        let mut turn1 = vec![2, 105, 300, 301];
+        turn1.extend(t.image_placeholder(img1.tokens - 2));
+        turn1.extend([106, 107, 105, 400]);
+        let mut cache = model.new_cache();
+        let mut reply = vec![argmax(&media_forward(&model, &turn1, std::slice::from_ref(&img1), &mut cache, Logits::Last))];
+        for _ in 0..3 {
+            let x = Array::from_slice(&[*reply.last().unwrap()], &[1, 1]).unwrap();
+            reply.push(argmax(&f32s(&model.forward(&x, &mut cache, Logits::Last, false).unwrap().logits.unwrap())));
+        }
+        let mut turn2 = vec![reply.pop().unwrap(), 106, 107, 105, 500, 501];
+        turn2.extend(t.image_placeholder(img2.tokens - 2));
+        turn2.extend([106, 107, 105]);
+        let inc = media_forward(&model, &turn2, std::slice::from_ref(&img2), &mut cache, Logits::All);
+
+        let full: Vec<u32> = turn1.iter().chain(&reply).chain(&turn2).copied().collect();
+        assert_eq!(cache.offset(), full.len(), "the cache holds the whole conversation");
+        let whole = media_forward(&model, &full, &[img1, img2], &mut model.new_cache(), Logits::All);
+        let tail = &whole[whole.len() - inc.len()..];
+        let err = rel_err(&inc, tail);
+        eprintln!("incremental image turn vs full recompute: rel err {err}");
+        assert!(err < 1e-4, "incremental image turn vs full recompute: rel err {err}");
+        assert_eq!(argmax(&inc[inc.len() - 1024..]), argmax(&tail[tail.len() - 1024..]));
+    }
 }
