@@ -423,7 +423,7 @@ pub fn expand_placeholders(
     }
     if found != media.len() {
         return Err(ModelError::InvalidInput(format!(
-            "the prompt has {found} media placeholders for {} media items (does the chat template render images?)",
+            "the prompt has {found} media placeholders for {} media items (a chat template that writes something else for a media part, a text marker such as `<image>`, needs the placeholder token's text in the message content)",
             media.len()
         )));
     }

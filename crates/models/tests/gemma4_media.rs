@@ -235,22 +235,27 @@ fn session_audio_turn_prefills_only_that_turn() {
     assert_eq!(fresh, all[prompt.len()..prompt.len() + second.num_tokens]);
 }
 
-/// The fixture with `text_config.use_bidirectional_attention = "vision"`: its config with that
-/// one field changed, next to copies of its weights, tokenizer and processor files, in a
-/// temporary directory (the references of that variant: `reference_bidirectional.safetensors`).
-fn bidirectional_fixture() -> tempfile::TempDir {
+/// A copy of the fixture (references left out) in a temporary directory, with `edit` applied to
+/// the JSON file `file` (`config.json`, `tokenizer_config.json`).
+fn fixture_variant(file: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     for e in std::fs::read_dir(fixture(NAME)).unwrap() {
         let e = e.unwrap();
         let name = e.file_name();
-        if name != "config.json" && !name.to_string_lossy().starts_with("reference") {
+        if !name.to_string_lossy().starts_with("reference") {
             std::fs::copy(e.path(), dir.path().join(&name)).unwrap();
         }
     }
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(NAME).join("config.json")).unwrap()).unwrap();
-    cfg["text_config"]["use_bidirectional_attention"] = "vision".into();
-    std::fs::write(dir.path().join("config.json"), serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(NAME).join(file)).unwrap()).unwrap();
+    edit(&mut json);
+    std::fs::write(dir.path().join(file), serde_json::to_string_pretty(&json).unwrap()).unwrap();
     dir
+}
+
+/// The fixture with `text_config.use_bidirectional_attention = "vision"` (the references of that
+/// variant: `reference_bidirectional.safetensors`).
+fn bidirectional_fixture() -> tempfile::TempDir {
+    fixture_variant("config.json", |c| c["text_config"]["use_bidirectional_attention"] = "vision".into())
 }
 
 fn bidirectional_reference() -> HashMap<String, Array> {
@@ -351,4 +356,44 @@ fn bidirectional_second_image_turn_matches_a_full_recompute() {
         assert!(err < 1e-4, "incremental image turn vs full recompute: rel err {err}");
         assert_eq!(argmax(&inc[inc.len() - 1024..]), argmax(&tail[tail.len() - 1024..]));
     }
+}
+
+/// A chat template that writes the text `<image>` for an image part instead of the model's
+/// `<|image|>` placeholder: a session refuses such a turn with a typed error and is left as it
+/// was (start and continue); with the placeholder's text in the message content the image is
+/// expanded where that text stands and the reply equals a fresh generation over the prompt.
+#[test]
+fn session_with_a_text_image_marker_template() {
+    let dir = fixture_variant("tokenizer_config.json", |t| {
+        let tpl = t["chat_template"].as_str().unwrap();
+        let from = "{%- if item['type'] == 'image' -%}\n                {{ '<|image|>' }}";
+        assert!(tpl.contains(from), "chat template layout changed");
+        t["chat_template"] = tpl.replace(from, "{%- if item['type'] == 'image' -%}\n                {{ '<image>' }}").into();
+    });
+    let r = reference(NAME);
+    let (px, w, h) = rgb(&r, "image_rgb");
+    let image = mlx_models::media::ImageInput::Rgb(mlx_models::media::RgbImage::new(w as u32, h as u32, px).unwrap());
+    let mut s = load_session(dir.path(), &test_load_options()).unwrap();
+    let cfg = greedy_chat(4);
+    let refused = |e: mlx_models::ModelError| assert!(matches!(&e, mlx_models::ModelError::InvalidInput(m) if m.contains("0 media placeholders for 1")), "{e}");
+    refused(s.start(vec![ChatMessage::user("Look.").with_image(image.clone())], &cfg).err().expect("no placeholder rendered"));
+    assert!(s.history().is_empty() && s.cached_ids().is_empty(), "a refused start leaves the session empty");
+
+    let first = s.start(vec![ChatMessage::user("Hello.")], &cfg).unwrap();
+    let (history, cached) = (s.history().len(), s.cached_ids().to_vec());
+    refused(s.continue_stream(vec![ChatMessage::user("Look.").with_image(image.clone())], &cfg).err().expect("no placeholder rendered"));
+    assert_eq!((s.history().len(), s.cached_ids()), (history, &cached[..]), "a refused turn leaves the session as it was");
+
+    // The placeholder's text in the content: expanded to <boi> image*60 <eoi>.
+    let t = *media().tokens();
+    let res = s.continue_stream(vec![ChatMessage::user("<|image|> Look.").with_image(image)], &cfg).unwrap().collect_result().unwrap();
+    assert_eq!(res.cached_tokens, cached.len(), "the first turn stays in the cache");
+    let ids = &s.cached_ids()[..res.prompt_tokens];
+    assert!(ids.windows(62).any(|w| w[0] == t.boi && w[1..61].iter().all(|&x| x == t.image) && w[61] == t.eoi), "expanded image");
+    assert_eq!(ids.iter().filter(|&&x| x == t.image).count(), 60, "one image");
+    assert!(first.num_tokens > 0 && res.num_tokens > 0);
+    let model = load_model(dir.path(), &test_load_options()).unwrap().into_lm().unwrap();
+    let media = vec![prepared_image(&model, &r, "image_rgb")];
+    let all = s.cached_ids();
+    assert_eq!(media_greedy(&model, ids, media, res.num_tokens, s.format().stop_token_ids()), all[ids.len()..ids.len() + res.num_tokens]);
 }
