@@ -163,40 +163,36 @@ fn placeholder_counts_must_match_the_media() {
 /// full recompute of the whole conversation, flat and paged.
 #[test]
 fn second_audio_turn_prefills_only_its_tokens_and_matches_a_full_recompute() {
-    let r = reference(NAME);
-    let m = media();
-    let t = *m.tokens();
-    let samples = f32s(&r["audio_samples"]);
-    let (clip1, clip2) = (m.prepare_audio(&samples[..6000]).unwrap(), m.prepare_audio(&samples[5000..]).unwrap());
-    let (n1, n2) = (Gemma4Media::audio_tokens(&clip1).unwrap(), Gemma4Media::audio_tokens(&clip2).unwrap());
-    let mut turn1 = vec![2, 105, 300, 301];
-    turn1.extend(t.audio_placeholder(n1));
-    turn1.extend([106, 107, 105, 400]);
-    for kv_cache in [mlx_models::KvCacheMode::Flat, mlx_models::KvCacheMode::Paged(Default::default())] {
-        let model = load_model(fixture(NAME), &mlx_models::LoadOptions { kv_cache, ..test_load_options() }).unwrap().into_lm().unwrap();
-        let merge = |tokens: &[u32], audio: Vec<Array>| {
-            model.with_runtime(|rt| m.merge(rt.as_gemma4().unwrap(), tokens, &Gemma4MediaInputs { images: vec![], audio })).unwrap()
-        };
+    let samples = f32s(&reference(NAME)["audio_samples"]);
+    let clips = [&samples[..6000], &samples[5000..]].map(|s| MediaItem::Audio(AudioInput::Pcm(s.to_vec())));
+    second_turn_matches_a_full_recompute(&fixture(NAME), clips);
+}
+
+/// A conversation of a user turn with `items[0]`, a 4-token greedy reply and a user turn with
+/// `items[1]`, through the model's media side: the second turn prefilled over the cache of the
+/// rest gives the logits (within 1e-4 relative) and next token of a full recompute of the
+/// whole conversation, flat and paged.
+fn second_turn_matches_a_full_recompute(dir: &std::path::Path, items: [MediaItem; 2]) {
+    let t = *media().tokens();
+    for cache in CACHES {
+        let model = load_lm(dir, cache());
+        let prepared: Vec<PreparedMedia> = items.iter().map(|i| model.with_runtime(|rt| rt.media().unwrap().prepare(i))).collect::<mlx_models::Result<_>>().unwrap();
+        let mark = |p: &PreparedMedia| if p.kind == mlx_models::media::MediaKind::Image { t.image } else { t.audio };
+        let expand = |ids: Vec<u32>, p: &[PreparedMedia]| model.with_runtime(|rt| rt.media().unwrap().expand(&ids, p)).unwrap();
+        let turn1 = expand(vec![2, 105, 300, 301, mark(&prepared[0]), 106, 107, 105, 400], &prepared[..1]);
         let mut cache = model.new_cache();
-        let first = merge(&turn1, vec![clip1.clone()]);
-        let last = forward_embeddings(&model, &first.ple_tokens, &first.embeds, &mut cache, Logits::Last);
-        let mut reply = vec![argmax(&f32s(&last))];
+        let mut reply = vec![argmax(&media_forward(&model, &turn1, &prepared[..1], &mut cache, Logits::Last))];
         for _ in 0..3 {
             let x = Array::from_slice(&[*reply.last().unwrap()], &[1, 1]).unwrap();
             reply.push(argmax(&f32s(&model.forward(&x, &mut cache, Logits::Last, false).unwrap().logits.unwrap())));
         }
-        let mut turn2 = vec![*reply.last().unwrap(), 106, 107, 105, 500, 501];
-        reply.pop(); // the last sampled token is fed with the new turn
-        turn2.extend(t.audio_placeholder(n2));
-        turn2.extend([106, 107, 105]);
-        let second = merge(&turn2, vec![clip2.clone()]);
-        let inc = f32s(&forward_embeddings(&model, &second.ple_tokens, &second.embeds, &mut cache, Logits::All));
+        // the last sampled token is fed with the new turn
+        let turn2 = expand(vec![reply.pop().unwrap(), 106, 107, 105, 500, 501, mark(&prepared[1]), 106, 107, 105], &prepared[1..]);
+        let inc = media_forward(&model, &turn2, &prepared[1..], &mut cache, Logits::All);
 
         let full: Vec<u32> = turn1.iter().chain(&reply).chain(&turn2).copied().collect();
         assert_eq!(cache.offset(), full.len(), "the cache holds the whole conversation");
-        let all = merge(&full, vec![clip1.clone(), clip2.clone()]);
-        let mut fresh = model.new_cache();
-        let whole = f32s(&forward_embeddings(&model, &all.ple_tokens, &all.embeds, &mut fresh, Logits::All));
+        let whole = media_forward(&model, &full, &prepared, &mut model.new_cache(), Logits::All);
         let tail = &whole[whole.len() - inc.len()..];
         let err = rel_err(&inc, tail);
         eprintln!("incremental turn vs full recompute: rel err {err}");
@@ -270,9 +266,13 @@ const CACHES: [fn() -> mlx_models::KvCacheMode; 2] = [|| mlx_models::KvCacheMode
 
 /// A reference image (`[h, w, 3]` u8) prepared by the model's media side.
 fn prepared_image(model: &Model, r: &HashMap<String, Array>, key: &str) -> PreparedMedia {
+    model.with_runtime(|rt| rt.media().unwrap().prepare(&MediaItem::Image(image_input(r, key)))).unwrap()
+}
+
+/// A reference image (`[h, w, 3]` u8) as decoded pixels.
+fn image_input(r: &HashMap<String, Array>, key: &str) -> mlx_models::media::ImageInput {
     let (px, w, h) = rgb(r, key);
-    let img = mlx_models::media::RgbImage::new(w as u32, h as u32, px).unwrap();
-    model.with_runtime(|rt| rt.media().unwrap().prepare(&MediaItem::Image(mlx_models::media::ImageInput::Rgb(img)))).unwrap()
+    mlx_models::media::ImageInput::Rgb(mlx_models::media::RgbImage::new(w as u32, h as u32, px).unwrap())
 }
 
 /// `tokens` with their `media` through the model's media side (as a session prefills a turn).
@@ -328,34 +328,8 @@ fn bidirectional_vision_matches_transformers() {
 #[test]
 fn bidirectional_second_image_turn_matches_a_full_recompute() {
     let (r, rc) = (bidirectional_reference(), reference(NAME));
-    let dir = bidirectional_fixture();
-    let t = *media().tokens();
-    for cache in CACHES {
-        let model = load_lm(dir.path(), cache());
-        let (img1, img2) = (prepared_image(&model, &rc, "image_rgb"), prepared_image(&model, &r, "second_rgb"));
-        let mut turn1 = vec![2, 105, 300, 301];
-        turn1.extend(t.image_placeholder(img1.tokens - 2));
-        turn1.extend([106, 107, 105, 400]);
-        let mut cache = model.new_cache();
-        let mut reply = vec![argmax(&media_forward(&model, &turn1, std::slice::from_ref(&img1), &mut cache, Logits::Last))];
-        for _ in 0..3 {
-            let x = Array::from_slice(&[*reply.last().unwrap()], &[1, 1]).unwrap();
-            reply.push(argmax(&f32s(&model.forward(&x, &mut cache, Logits::Last, false).unwrap().logits.unwrap())));
-        }
-        let mut turn2 = vec![reply.pop().unwrap(), 106, 107, 105, 500, 501];
-        turn2.extend(t.image_placeholder(img2.tokens - 2));
-        turn2.extend([106, 107, 105]);
-        let inc = media_forward(&model, &turn2, std::slice::from_ref(&img2), &mut cache, Logits::All);
-
-        let full: Vec<u32> = turn1.iter().chain(&reply).chain(&turn2).copied().collect();
-        assert_eq!(cache.offset(), full.len(), "the cache holds the whole conversation");
-        let whole = media_forward(&model, &full, &[img1, img2], &mut model.new_cache(), Logits::All);
-        let tail = &whole[whole.len() - inc.len()..];
-        let err = rel_err(&inc, tail);
-        eprintln!("incremental image turn vs full recompute: rel err {err}");
-        assert!(err < 1e-4, "incremental image turn vs full recompute: rel err {err}");
-        assert_eq!(argmax(&inc[inc.len() - 1024..]), argmax(&tail[tail.len() - 1024..]));
-    }
+    let images = [image_input(&rc, "image_rgb"), image_input(&r, "second_rgb")].map(MediaItem::Image);
+    second_turn_matches_a_full_recompute(bidirectional_fixture().path(), images);
 }
 
 /// A chat template that writes the text `<image>` for an image part instead of the model's
@@ -371,8 +345,7 @@ fn session_with_a_text_image_marker_template() {
         t["chat_template"] = tpl.replace(from, "{%- if item['type'] == 'image' -%}\n                {{ '<image>' }}").into();
     });
     let r = reference(NAME);
-    let (px, w, h) = rgb(&r, "image_rgb");
-    let image = mlx_models::media::ImageInput::Rgb(mlx_models::media::RgbImage::new(w as u32, h as u32, px).unwrap());
+    let image = image_input(&r, "image_rgb");
     let mut s = load_session(dir.path(), &test_load_options()).unwrap();
     let cfg = greedy_chat(4);
     let refused = |e: mlx_models::ModelError| assert!(matches!(&e, mlx_models::ModelError::InvalidInput(m) if m.contains("0 media placeholders for 1")), "{e}");
