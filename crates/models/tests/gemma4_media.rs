@@ -349,7 +349,7 @@ fn session_with_a_text_image_marker_template() {
     let mut s = load_session(dir.path(), &test_load_options()).unwrap();
     let cfg = greedy_chat(4);
     let refused = |e: mlx_models::ModelError| assert!(matches!(&e, mlx_models::ModelError::InvalidInput(m) if m.contains("0 media placeholders for 1")), "{e}");
-    refused(s.start(vec![ChatMessage::user("Look.").with_image(image.clone())], &cfg).err().expect("no placeholder rendered"));
+    refused(s.start(vec![ChatMessage::user("Look.").with_image(image.clone())], &cfg).expect_err("no placeholder rendered"));
     assert!(s.history().is_empty() && s.cached_ids().is_empty(), "a refused start leaves the session empty");
 
     let first = s.start(vec![ChatMessage::user("Hello.")], &cfg).unwrap();
