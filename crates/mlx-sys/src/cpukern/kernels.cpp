@@ -273,8 +273,10 @@ inline F decode_at(I q) {
   }
 }
 
-template <int KIND, int GS, class S, int MT>
-void rows_q(const Job& j, int m0, int n0, int n1) {
+// Rows n0..n1 of the product, NR weight rows at a time: the rows share each load of x and
+// stream NR weight rows at once; each row's arithmetic (and so its rounding) is the same for any NR.
+template <int KIND, int GS, class S, int MT, int NR>
+void rows_qr(const Job& j, int m0, int n0, int n1) {
   constexpr int E = elems_per_word(KIND);
   constexpr int B = W * E;  // elements per block
   constexpr bool AFF = KIND != KIND_MXFP4;
@@ -289,62 +291,87 @@ void rows_q(const Job& j, int m0, int n0, int n1) {
   const S* scales = static_cast<const S*>(j.scales);
   const S* biases = static_cast<const S*>(j.biases);
   const size_t xsum_off = size_t(nb) * E * W;  // per-lane sums of x follow the permuted x
-  for (int n = n0; n < n1; n++) {
-    const uint32_t* wr = w + size_t(n) * KW;
-    const S* sr = scales + size_t(n) * G;
-    const S* br = AFF ? biases + size_t(n) * G : nullptr;
-    F acc[MT], accb[MT];
-    for (int m = 0; m < MT; m++) acc[m] = accb[m] = V::zero();
+  for (int n = n0; n + NR <= n1; n += NR) {
+    const uint32_t* wr[NR];
+    const S* sr[NR];
+    const S* br[NR];
+    for (int r = 0; r < NR; r++) {
+      wr[r] = w + size_t(n + r) * KW;
+      sr[r] = scales + size_t(n + r) * G;
+      br[r] = AFF ? biases + size_t(n + r) * G : nullptr;
+    }
+    F acc[NR][MT], accb[NR][MT];
+    for (int r = 0; r < NR; r++)
+      for (int m = 0; m < MT; m++) acc[r][m] = accb[r][m] = V::zero();
     for (int b = 0; b < nb; b++) {
       const int lanes = std::min(W, KW - b * W);
-      const I q = V::loadi(wr + size_t(b) * W, lanes);
-      F p0[MT], p1[MT];
-      for (int m = 0; m < MT; m++) p0[m] = p1[m] = V::zero();
+      I q[NR];
+      for (int r = 0; r < NR; r++) q[r] = V::loadi(wr[r] + size_t(b) * W, lanes);
+      F p0[NR][MT], p1[NR][MT];
+      for (int r = 0; r < NR; r++)
+        for (int m = 0; m < MT; m++) p0[r][m] = p1[r][m] = V::zero();
       const size_t xoff = size_t(b) * E * W;
       [&]<int... T>(std::integer_sequence<int, T...>) {
         (
             [&] {
-              const F wv = decode_at<KIND, T>(q);
+              F wv[NR];
+              for (int r = 0; r < NR; r++) wv[r] = decode_at<KIND, T>(q[r]);
               for (int m = 0; m < MT; m++) {
-                const float* xb = j.xp + size_t(m0 + m) * j.xp_stride + xoff + size_t(T) * W;
-                if constexpr (T % 2 == 0)
-                  p0[m] = V::fma(wv, V::loadf(xb), p0[m]);
-                else
-                  p1[m] = V::fma(wv, V::loadf(xb), p1[m]);
+                const F xv = V::loadf(j.xp + size_t(m0 + m) * j.xp_stride + xoff + size_t(T) * W);
+                for (int r = 0; r < NR; r++) {
+                  if constexpr (T % 2 == 0)
+                    p0[r][m] = V::fma(wv[r], xv, p0[r][m]);
+                  else
+                    p1[r][m] = V::fma(wv[r], xv, p1[r][m]);
+                }
               }
             }(),
             ...);
       }(std::make_integer_sequence<int, E>{});
-      F sc, bv = V::zero();
-      if constexpr (B >= GS) {
-        constexpr int C = B / GS;
-        const int g0 = b * C;
-        if constexpr (C == 1) {
-          sc = V::set1(to_f32(sr[g0]));
-          if constexpr (AFF) bv = V::set1(to_f32(br[g0]));
+      for (int r = 0; r < NR; r++) {
+        F sc, bv = V::zero();
+        if constexpr (B >= GS) {
+          constexpr int C = B / GS;
+          const int g0 = b * C;
+          if constexpr (C == 1) {
+            sc = V::set1(to_f32(sr[r][g0]));
+            if constexpr (AFF) bv = V::set1(to_f32(br[r][g0]));
+          } else {
+            // lanes map to the block's groups by a fixed permutation; a ragged last block has
+            // fewer groups (its missing lanes hold zero weights)
+            const int c = std::min(C, G - g0);
+            // full blocks with a constant count (constant masks / copy sizes once inlined)
+            sc = V::perm(c == C ? V::lscale(sr[r] + g0, C) : V::lscale(sr[r] + g0, c), gidx);
+            if constexpr (AFF) bv = V::perm(c == C ? V::lscale(br[r] + g0, C) : V::lscale(br[r] + g0, c), gidx);
+          }
         } else {
-          // lanes map to the block's groups by a fixed permutation; a ragged last block has
-          // fewer groups (its missing lanes hold zero weights)
-          const int c = std::min(C, G - g0);
-          // full blocks with a constant count (constant masks / copy sizes once inlined)
-          sc = V::perm(c == C ? V::lscale(sr + g0, C) : V::lscale(sr + g0, c), gidx);
-          if constexpr (AFF) bv = V::perm(c == C ? V::lscale(br + g0, C) : V::lscale(br + g0, c), gidx);
+          const int g = (b * B) / GS;
+          sc = V::set1(to_f32(sr[r][g]));
+          if constexpr (AFF) bv = V::set1(to_f32(br[r][g]));
         }
-      } else {
-        const int g = (b * B) / GS;
-        sc = V::set1(to_f32(sr[g]));
-        if constexpr (AFF) bv = V::set1(to_f32(br[g]));
-      }
-      for (int m = 0; m < MT; m++) {
-        acc[m] = V::fma(V::add(p0[m], p1[m]), sc, acc[m]);
-        if constexpr (AFF) {
-          const float* xs = j.xp + size_t(m0 + m) * j.xp_stride + xsum_off + size_t(b) * W;
-          accb[m] = V::fma(bv, V::loadf(xs), accb[m]);
+        for (int m = 0; m < MT; m++) {
+          acc[r][m] = V::fma(V::add(p0[r][m], p1[r][m]), sc, acc[r][m]);
+          if constexpr (AFF) {
+            const float* xs = j.xp + size_t(m0 + m) * j.xp_stride + xsum_off + size_t(b) * W;
+            accb[r][m] = V::fma(bv, V::loadf(xs), accb[r][m]);
+          }
         }
       }
     }
-    for (int m = 0; m < MT; m++) j.out[size_t(m0 + m) * j.out_stride + n] = V::hsum(V::add(acc[m], accb[m]));
+    for (int r = 0; r < NR; r++)
+      for (int m = 0; m < MT; m++) j.out[size_t(m0 + m) * j.out_stride + n + r] = V::hsum(V::add(acc[r][m], accb[r][m]));
   }
+}
+
+// 8-bit rows two at a time where the accumulators fit the registers (MT <= 2), the odd row
+// alone (`benches/packed_matmul.rs`, M = 1: 8-bit 13.3 -> 15.0 GB/s; 4-bit and mxfp4, whose
+// decoding is a lane permutation, ran slower in pairs: 12.2 -> 8.2 GB/s).
+template <int KIND, int GS, class S, int MT>
+void rows_q(const Job& j, int m0, int n0, int n1) {
+  constexpr int NR = KIND == KIND_AFFINE8 && MT <= 2 ? 2 : 1;
+  const int even = n0 + (n1 - n0) / NR * NR;
+  rows_qr<KIND, GS, S, MT, NR>(j, m0, n0, even);
+  if (even < n1) rows_qr<KIND, GS, S, MT, 1>(j, m0, even, n1);
 }
 
 template <class Fn>
