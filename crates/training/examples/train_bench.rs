@@ -5,6 +5,7 @@
 //! ```text
 //! cargo run --release -p mlx-training --example train_bench -- --model DIR --batch-size 4 \
 //!     --seq-len 128 --steps 10 --warmup 3 [--lora-rank 8] [--full-logits] [--head-chunk N] [--grad-checkpoint]
+//!     [--cpu-fusion on|off]
 //! ```
 //!
 //! Batches are `batch-size` sequences of `seq-len` tokens drawn from a fixed generator, the loss
@@ -48,6 +49,10 @@ struct Args {
     /// Compute dtype (f32 or bf16).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Whether the CPU backend compiles fused elementwise kernels (the AdamW update, SwiGLU;
+    /// `mlx_array::ops::CpuFusion`, needs `g++` on the PATH), as mlx-lm's compiled step does.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    cpu_fusion: String,
 }
 
 fn main() {
@@ -66,6 +71,7 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     if a.seq_len < 2 || a.batch_size == 0 || a.steps == 0 {
         return Err("--seq-len must be >= 2, --batch-size and --steps >= 1".into());
     }
+    mlx_array::ops::set_cpu_fusion(if a.cpu_fusion == "on" { mlx_array::ops::CpuFusion::On } else { mlx_array::ops::CpuFusion::Off });
     let opts = LoadOptions { dtype: Some(dtype), kv_cache: KvCacheMode::Flat, ..Default::default() };
     let mut tree = ParameterTree::load(&a.model, &opts)?;
     let vocab = tree.iter().find(|(n, _)| n.ends_with("embed_tokens.weight")).map(|(_, p)| p.array.shape()[0]).ok_or("no embed_tokens.weight")?;
@@ -116,6 +122,7 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         "mode": if a.lora_rank.is_some() { "lora" } else { "full" },
         "head": if !t.uses_chunked_head() { "full logits".to_string() } else if t.config().head_chunk >= a.batch_size * a.seq_len { "one piece".to_string() } else { format!("chunks of {}", t.config().head_chunk) },
         "grad_checkpoint": a.grad_checkpoint,
+        "cpu_fusion": a.cpu_fusion,
         "trainable_params": trainable,
         "tokens_per_second": tokens as f64 / secs,
         "peak_memory_gb": peak as f64 / 1e9,
