@@ -12,7 +12,9 @@
 //! on every position (as mlx-lm's trainer on unmasked text); AdamW (lr 1e-5, weight decay 0.01),
 //! no gradient clipping (mlx-lm's trainer has none). Tokens/s counts the positions with a next
 //! token (mlx-lm's `ntoks`) over the steps after the warm-up; peak memory is MLX's peak since
-//! the process started (the model's weights included), as mlx-lm reports it.
+//! the process started (the model's weights included), as mlx-lm reports it. Tokens per CPU
+//! second divide the same tokens by the CPU time (all threads) the measured steps used: on a
+//! loaded machine it moves less than the wall-clock rate.
 use clap::Parser;
 use mlx_array::DType;
 use mlx_models::{KvCacheMode, LoadOptions, ParameterTree};
@@ -62,6 +64,18 @@ fn main() {
     }
 }
 
+/// CPU time (user + system, every thread) this process has used: `/proc/self/stat`'s utime and
+/// stime, in clock ticks of 1/100 s (Linux's USER_HZ).
+fn cpu_seconds() -> Result<f64, Box<dyn std::error::Error>> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // the fields after the command name (which ends with the last ')'): utime and stime are
+    // the 12th and 13th of them
+    let rest = stat.rsplit_once(')').ok_or("/proc/self/stat: no command name")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> Result<f64, Box<dyn std::error::Error>> { Ok(f.get(i).ok_or("/proc/self/stat: too few fields")?.parse::<f64>()?) };
+    Ok((ticks(11)? + ticks(12)?) / 100.0)
+}
+
 fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let dtype = match a.dtype.as_str() {
         "f32" => DType::F32,
@@ -109,13 +123,17 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut t = SftTrainer::new(tree, &opts, examples, cfg)?;
     let (mut tokens, mut secs, mut loss) = (0usize, 0f64, 0f32);
+    let mut cpu_start = if a.warmup == 0 { Some(cpu_seconds()?) } else { None };
     while let Some(m) = t.step()? {
         if m.step > a.warmup {
             tokens += m.tokens;
             secs += m.seconds;
             loss = m.loss;
+        } else if m.step == a.warmup {
+            cpu_start = Some(cpu_seconds()?);
         }
     }
+    let cpu = cpu_seconds()? - cpu_start.ok_or("no measured step")?;
     let peak = mlx_array::memory::peak()?;
     let out = serde_json::json!({
         "impl": "mlx-models",
@@ -125,6 +143,7 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         "cpu_fusion": a.cpu_fusion,
         "trainable_params": trainable,
         "tokens_per_second": tokens as f64 / secs,
+        "tokens_per_cpu_second": tokens as f64 / cpu,
         "peak_memory_gb": peak as f64 / 1e9,
         "last_loss": loss,
     });
