@@ -152,40 +152,52 @@ impl Optimizer {
         for ((name, p), g) in names.iter().zip(params).zip(grads) {
             let dt = p.dtype();
             let s = |x: f64| Array::scalar_as(x as f32, dt);
-            let g = g.astype(dt)?;
+            // A parameter stored column-major ([`column_major_linears`]) is updated through the
+            // transposed views of itself, its gradient and state: with a column-major gradient (a
+            // linear weight's is the transpose of the product that computed it) every operand
+            // and result is then contiguous in memory. An elementwise update gives the same
+            // values in any layout; the results are transposed back, so parameters keep their
+            // layout (and a resumed run's products see the layouts an uninterrupted run's do).
+            let flip = column_major(p);
+            let view = |a: &Array| if flip { a.transpose(&[1, 0]) } else { Ok(a.clone()) };
+            let (p, g) = (&view(p)?, view(&g.astype(dt)?)?);
             let new_p = match self.config {
                 OptimizerConfig::AdamW(c) => {
                     let (m0, v0) = match self.slots.get(*name) {
-                        Some(Slot::Adam { m, v }) => (m.clone(), v.clone()),
+                        Some(Slot::Adam { m, v }) => (view(m)?, view(v)?),
                         Some(Slot::Momentum(_)) => return Err(TrainError::InvalidInput(format!("{name}: SGD state in an AdamW optimizer"))),
-                        None => (Array::zeros(&p.shape(), dt)?, Array::zeros(&p.shape(), dt)?),
+                        None => {
+                            let z = Array::zeros(&p.shape(), dt)?;
+                            (z.clone(), z)
+                        }
                     };
                     let bc1 = 1.0 - c.beta1.powi(t as i32);
                     let bc2_sqrt = (1.0 - c.beta2.powi(t as i32)).sqrt();
                     let k = [s(1.0 - lr * c.weight_decay)?, s(c.beta1)?, s(1.0 - c.beta1)?, s(c.beta2)?, s(1.0 - c.beta2)?, s(bc2_sqrt)?, s(c.eps)?, s(lr / bc1)?];
                     let mut inputs: Vec<&Array> = vec![p, &g, &m0, &v0];
                     inputs.extend(k.iter());
-                    let mut r = mlx_array::ops::fused(adamw_fn, false, &inputs)?.into_iter();
+                    let r = mlx_array::ops::fused(adamw_fn, false, &inputs)?;
+                    let mut r = r.iter().map(view);
                     let (Some(new_p), Some(m), Some(v)) = (r.next(), r.next(), r.next()) else {
                         return Err(TrainError::InvalidInput(format!("{name}: the AdamW update returned too few arrays")));
                     };
-                    slots.push((name.to_string(), Slot::Adam { m, v }));
-                    new_p
+                    slots.push((name.to_string(), Slot::Adam { m: m?, v: v? }));
+                    new_p?
                 }
                 OptimizerConfig::Sgd(c) => {
                     let g = if c.weight_decay != 0.0 { g.add(&p.mul(&s(c.weight_decay)?)?)? } else { g };
                     let d = if c.momentum != 0.0 {
                         let buf = match self.slots.get(*name) {
-                            Some(Slot::Momentum(b)) => b.mul(&s(c.momentum)?)?.add(&g.mul(&s(1.0 - c.dampening)?)?)?,
+                            Some(Slot::Momentum(b)) => view(b)?.mul(&s(c.momentum)?)?.add(&g.mul(&s(1.0 - c.dampening)?)?)?,
                             Some(Slot::Adam { .. }) => return Err(TrainError::InvalidInput(format!("{name}: AdamW state in an SGD optimizer"))),
                             None => g,
                         };
-                        slots.push((name.to_string(), Slot::Momentum(buf.clone())));
+                        slots.push((name.to_string(), Slot::Momentum(view(&buf)?)));
                         buf
                     } else {
                         g
                     };
-                    p.sub(&d.mul(&s(lr)?)?)?
+                    view(&p.sub(&d.mul(&s(lr)?)?)?)?
                 }
             };
             out.push(new_p);
@@ -243,6 +255,34 @@ impl PendingUpdate {
     pub fn params(&self) -> &[Array] {
         &self.params
     }
+}
+
+/// Store `tree`'s trainable linear-projection weights ([`crate::lora::linear_projections`])
+/// column-major (same values, transposed memory layout), as their gradients come: their AdamW
+/// updates then run over contiguous memory ([`Optimizer::prepare`]), and keep the layout. A
+/// trainer does this when it is made (new or resumed), so a run's products see the same layouts
+/// at every step whether or not it was resumed (resume stays bit-exact).
+pub fn column_major_linears(tree: &mut ParameterTree) -> Result<()> {
+    let names: Vec<String> = crate::lora::linear_projections(tree)?.into_iter().map(|t| format!("{}.weight", t.prefix)).collect();
+    for name in names {
+        let Some(p) = tree.get(&name).filter(|p| p.trainable && !p.packed && p.array.ndim() == 2) else { continue };
+        if column_major(&p.array) {
+            continue;
+        }
+        let t = p.array.transpose(&[1, 0])?;
+        let copy = Array::from_mlx(t.as_mlx().contiguous().map_err(|e| mlx_array::Error::Mlx { op: "contiguous", msg: e.to_string() })?);
+        let col = copy.transpose(&[1, 0])?;
+        col.eval()?;
+        tree.set(&name, col)?;
+    }
+    Ok(())
+}
+
+/// Whether `a` is an evaluated matrix stored column-major (the transposed view of a row-major
+/// one), not also row-major.
+fn column_major(a: &Array) -> bool {
+    let shape = a.shape();
+    a.ndim() == 2 && shape[0] > 1 && shape[1] > 1 && a.is_available() && a.as_mlx().strides() == [1, shape[0]]
 }
 
 /// AdamW for one parameter: inputs `p, g, m, v` and the scalars `1 - lr wd, b1, 1 - b1, b2,

@@ -302,7 +302,8 @@ impl SftTrainer {
         Self::assemble(tree, opts, examples, config, optimizer, progress)
     }
 
-    fn assemble(tree: ParameterTree, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig, optimizer: Optimizer, progress: Progress) -> Result<Self> {
+    fn assemble(mut tree: ParameterTree, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig, optimizer: Optimizer, progress: Progress) -> Result<Self> {
+        crate::optim::column_major_linears(&mut tree)?;
         let opts = LoadOptions { kv_cache: KvCacheMode::Flat, ..opts.clone() };
         let cfg: serde_json::Value = {
             let p = tree.dir().join("config.json");
