@@ -9,7 +9,9 @@ position), AdamW (lr 1e-5, weight decay 0.01), no gradient clipping, --warmup up
 defaults). The model is first written in --dtype (f32 on the CPU, bf16 on a GPU) so both load the
 same weights; --random CONFIG.json writes weights drawn by mlx-lm's own initialisation for that
 config instead of reading --model (the GPU machine has no model files).
-Peak memory: MLX's peak since the process started, as mlx-lm's trainer reports it.
+Peak memory: MLX's peak since the process started, as mlx-lm's trainer reports it. Each side
+also reports tokens per CPU second (the measured steps' tokens over the CPU time, all threads,
+they used), which a loaded machine disturbs less than the wall-clock rate ("CPU-s ratio").
 
   python3 benches/train_bench.py --model ~/.cache/mlx-models/SmolLM2-135M-Instruct \
       [--batch-size 4] [--seq-len 128] [--steps 10] [--warmup 3] [--bin PATH] [--dtype f32|bf16]
@@ -46,11 +48,13 @@ def mlx_lm_run(a):
     n = a.batch_size * (a.steps + a.warmup)
     data = [(rng.integers(0, vocab, a.seq_len).tolist(), 0) for _ in range(n)]
 
+    import time
+
     class Cb(TrainingCallback):
         reports = []
 
         def on_train_loss_report(self, info):
-            self.reports.append(info)
+            self.reports.append(dict(info, cpu_seconds=time.process_time()))
 
     cb = Cb()
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +71,9 @@ def mlx_lm_run(a):
     # the reports after the warm-up window cover the measured steps
     after = [r for r in cb.reports if r["iteration"] > a.warmup]
     tok = sum(r["tokens_per_second"] * 1 for r in after) / len(after)
-    print(json.dumps({"impl": "mlx-lm", "mode": a.mode, "trainable_params": int(trainable), "tokens_per_second": tok,
+    start = [r for r in cb.reports if r["iteration"] == a.warmup]
+    cpu_tok = (after[-1]["trained_tokens"] - start[0]["trained_tokens"]) / (after[-1]["cpu_seconds"] - start[0]["cpu_seconds"]) if start else float("nan")
+    print(json.dumps({"impl": "mlx-lm", "mode": a.mode, "trainable_params": int(trainable), "tokens_per_second": tok, "tokens_per_cpu_second": cpu_tok,
                       "peak_memory_gb": mx.get_peak_memory() / 1e9, "last_loss": after[-1]["train_loss"]}))
 
 
@@ -146,9 +152,10 @@ def main():
             print(json.dumps({"mode": mode, "ours": ours, "mlx_lm": theirs}), flush=True)
     import mlx.core as mx
     print(f"batch {a.batch_size} x {a.seq_len} tokens, {a.steps} measured steps after {a.warmup}, {a.dtype}, {mx.default_device()}")
-    print(f"{'mode':6} {'our head':16} {'ours tok/s':>10} {'mlx-lm tok/s':>12} {'ratio':>6} {'ours peak GB':>12} {'mlx-lm peak GB':>14} {'ratio':>6}")
+    print(f"{'mode':6} {'our head':16} {'ours tok/s':>10} {'mlx-lm tok/s':>12} {'ratio':>6} {'CPU-s ratio':>11} {'ours peak GB':>12} {'mlx-lm peak GB':>14} {'ratio':>6}")
     for mode, o, t in rows:
-        print(f"{mode:6} {o['head'] + (' +ckpt' if o.get('grad_checkpoint') else ''):16} {o['tokens_per_second']:10.1f} {t['tokens_per_second']:12.1f} {o['tokens_per_second'] / t['tokens_per_second']:6.2f} "
+        cpu_ratio = o.get("tokens_per_cpu_second", float("nan")) / t.get("tokens_per_cpu_second", float("nan"))
+        print(f"{mode:6} {o['head'] + (' +ckpt' if o.get('grad_checkpoint') else ''):16} {o['tokens_per_second']:10.1f} {t['tokens_per_second']:12.1f} {o['tokens_per_second'] / t['tokens_per_second']:6.2f} {cpu_ratio:11.2f} "
               f"{o['peak_memory_gb']:12.3f} {t['peak_memory_gb']:14.3f} {o['peak_memory_gb'] / t['peak_memory_gb']:6.2f}")
         if o["trainable_params"] != t["trainable_params"]:
             print(f"  note: trainable parameters differ: ours {o['trainable_params']}, mlx-lm {t['trainable_params']}")

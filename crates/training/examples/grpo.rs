@@ -319,6 +319,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         .steps
         .unwrap_or(available.div_ceil(args.prompts_per_step) as u64);
     let optimizer = args.optim.config()?;
+    args.optim.apply_cpu_fusion();
     let config = GrpoConfig {
         group_size: args.group_size,
         loss: match args.loss {

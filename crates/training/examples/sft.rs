@@ -130,6 +130,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let lora_config = args.lora.config(args.seed);
     let examples = mlx_training::load_dataset(&args.data, &TextEncoder::from_dir(&source), args.max_seq_len)?;
     let optimizer = args.optim.config()?;
+    args.optim.apply_cpu_fusion();
     let updates_per_epoch = (examples.len().div_ceil(args.batch_size.max(1)).div_ceil(args.grad_accumulation.max(1))) as u64;
     let total = args.steps.unwrap_or(updates_per_epoch * args.epochs);
     let kind = match args.schedule {

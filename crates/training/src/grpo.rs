@@ -1280,17 +1280,7 @@ impl GrpoTrainer {
             .check(out.loss, unclipped_norm.unwrap_or(grad_norm))
         {
             Verdict::Apply => {
-                let names: Vec<String> = self
-                    .tree
-                    .trainable_names()
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect();
-                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-                let new =
-                    self.optimizer
-                        .update(&refs, &self.tree.trainable_arrays(), &grads, lr)?;
-                self.tree = self.tree.with_trainable(&new)?;
+                self.optimizer.update_tree(&mut self.tree, grads, lr)?;
                 self.step += 1;
                 self.batches += 1;
                 false

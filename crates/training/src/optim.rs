@@ -10,6 +10,7 @@
 //! by `lr * buf` (by `lr * g` without momentum).
 use crate::error::{Result, TrainError};
 use mlx_array::{Array, DType};
+use mlx_models::ParameterTree;
 use std::collections::BTreeMap;
 
 /// AdamW hyper-parameters (the learning rate comes from the schedule). Defaults: β 0.9/0.999,
@@ -119,6 +120,18 @@ impl Optimizer {
     /// Apply one update with learning rate `lr` to `params` (named by `names`) given `grads`;
     /// returns the new parameters (evaluated) in the same order.
     pub fn update(&mut self, names: &[&str], params: &[Array], grads: &[Array], lr: f64) -> Result<Vec<Array>> {
+        let pending = self.prepare(names, params, grads, lr)?;
+        mlx_array::eval(&pending.arrays())?;
+        Ok(self.commit(pending))
+    }
+
+    /// The update [`Optimizer::update`] would apply, as lazy arrays (new parameters and
+    /// per-parameter state), without changing the optimizer: evaluate them together with
+    /// whatever else the step computes ([`PendingUpdate::arrays`]), then
+    /// [`Optimizer::commit`] them, or drop them to skip the update. AdamW's arithmetic per
+    /// parameter is one [`mlx_array::ops::fused`] function (one kernel where MLX compiles on
+    /// this device; the same ops one by one otherwise).
+    pub fn prepare(&self, names: &[&str], params: &[Array], grads: &[Array], lr: f64) -> Result<PendingUpdate> {
         if names.len() != params.len() || params.len() != grads.len() {
             return Err(TrainError::InvalidInput(format!("{} names, {} parameters and {} gradients", names.len(), params.len(), grads.len())));
         }
@@ -135,53 +148,156 @@ impl Optimizer {
         }
         let t = self.step + 1;
         let mut out = Vec::with_capacity(params.len());
-        let mut to_eval: Vec<Array> = Vec::new();
+        let mut slots = Vec::with_capacity(params.len());
         for ((name, p), g) in names.iter().zip(params).zip(grads) {
             let dt = p.dtype();
             let s = |x: f64| Array::scalar_as(x as f32, dt);
-            let g = g.astype(dt)?;
+            // A parameter stored column-major ([`column_major_linears`]) is updated through the
+            // transposed views of itself, its gradient and state: with a column-major gradient (a
+            // linear weight's is the transpose of the product that computed it) every operand
+            // and result is then contiguous in memory. An elementwise update gives the same
+            // values in any layout; the results are transposed back, so parameters keep their
+            // layout (and a resumed run's products see the layouts an uninterrupted run's do).
+            let flip = column_major(p);
+            let view = |a: &Array| if flip { a.transpose(&[1, 0]) } else { Ok(a.clone()) };
+            let (p, g) = (&view(p)?, view(&g.astype(dt)?)?);
             let new_p = match self.config {
                 OptimizerConfig::AdamW(c) => {
                     let (m0, v0) = match self.slots.get(*name) {
-                        Some(Slot::Adam { m, v }) => (m.clone(), v.clone()),
+                        Some(Slot::Adam { m, v }) => (view(m)?, view(v)?),
                         Some(Slot::Momentum(_)) => return Err(TrainError::InvalidInput(format!("{name}: SGD state in an AdamW optimizer"))),
-                        None => (Array::zeros(&p.shape(), dt)?, Array::zeros(&p.shape(), dt)?),
+                        None => {
+                            let z = Array::zeros(&p.shape(), dt)?;
+                            (z.clone(), z)
+                        }
                     };
-                    let decayed = p.mul(&s(1.0 - lr * c.weight_decay)?)?;
-                    let m = m0.mul(&s(c.beta1)?)?.add(&g.mul(&s(1.0 - c.beta1)?)?)?;
-                    let v = v0.mul(&s(c.beta2)?)?.add(&g.square()?.mul(&s(1.0 - c.beta2)?)?)?;
                     let bc1 = 1.0 - c.beta1.powi(t as i32);
                     let bc2_sqrt = (1.0 - c.beta2.powi(t as i32)).sqrt();
-                    let denom = v.sqrt()?.div(&s(bc2_sqrt)?)?.add(&s(c.eps)?)?;
-                    let new_p = decayed.sub(&m.div(&denom)?.mul(&s(lr / bc1)?)?)?;
-                    to_eval.extend([m.clone(), v.clone()]);
-                    self.slots.insert(name.to_string(), Slot::Adam { m, v });
-                    new_p
+                    let k = [s(1.0 - lr * c.weight_decay)?, s(c.beta1)?, s(1.0 - c.beta1)?, s(c.beta2)?, s(1.0 - c.beta2)?, s(bc2_sqrt)?, s(c.eps)?, s(lr / bc1)?];
+                    let mut inputs: Vec<&Array> = vec![p, &g, &m0, &v0];
+                    inputs.extend(k.iter());
+                    let r = mlx_array::ops::fused(adamw_fn, false, &inputs)?;
+                    let mut r = r.iter().map(view);
+                    let (Some(new_p), Some(m), Some(v)) = (r.next(), r.next(), r.next()) else {
+                        return Err(TrainError::InvalidInput(format!("{name}: the AdamW update returned too few arrays")));
+                    };
+                    slots.push((name.to_string(), Slot::Adam { m: m?, v: v? }));
+                    new_p?
                 }
                 OptimizerConfig::Sgd(c) => {
                     let g = if c.weight_decay != 0.0 { g.add(&p.mul(&s(c.weight_decay)?)?)? } else { g };
                     let d = if c.momentum != 0.0 {
                         let buf = match self.slots.get(*name) {
-                            Some(Slot::Momentum(b)) => b.mul(&s(c.momentum)?)?.add(&g.mul(&s(1.0 - c.dampening)?)?)?,
+                            Some(Slot::Momentum(b)) => view(b)?.mul(&s(c.momentum)?)?.add(&g.mul(&s(1.0 - c.dampening)?)?)?,
                             Some(Slot::Adam { .. }) => return Err(TrainError::InvalidInput(format!("{name}: AdamW state in an SGD optimizer"))),
                             None => g,
                         };
-                        to_eval.push(buf.clone());
-                        self.slots.insert(name.to_string(), Slot::Momentum(buf.clone()));
+                        slots.push((name.to_string(), Slot::Momentum(view(&buf)?)));
                         buf
                     } else {
                         g
                     };
-                    p.sub(&d.mul(&s(lr)?)?)?
+                    view(&p.sub(&d.mul(&s(lr)?)?)?)?
                 }
             };
             out.push(new_p);
         }
-        let all: Vec<&Array> = out.iter().chain(to_eval.iter()).collect();
-        mlx_array::eval(&all)?;
-        self.step = t;
-        Ok(out)
+        Ok(PendingUpdate { params: out, slots, step: t })
     }
+
+    /// One update of `tree`'s trainable parameters with `grads` (in
+    /// [`ParameterTree::trainable_names`] order) and learning rate `lr`, evaluated. The tree
+    /// and the optimizer take the new (lazy) arrays before they are evaluated: the old
+    /// parameters, moments and gradients are then held by the update's graph alone (unless
+    /// something else holds them), and MLX writes the new values into their buffers (donation)
+    /// instead of allocating new ones.
+    pub fn update_tree(&mut self, tree: &mut ParameterTree, grads: Vec<Array>, lr: f64) -> Result<()> {
+        let names: Vec<String> = tree.trainable_names().iter().map(|s| s.to_string()).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let update = self.prepare(&refs, &tree.trainable_arrays(), &grads, lr)?;
+        drop(grads);
+        let pending: Vec<Array> = update.arrays().into_iter().cloned().collect();
+        let new = self.commit(update);
+        *tree = tree.with_trainable(&new)?;
+        drop(new);
+        mlx_array::eval(&pending.iter().collect::<Vec<_>>())?;
+        Ok(())
+    }
+
+    /// Install a [`Optimizer::prepare`]d update (its state, one more step); returns the new
+    /// parameters.
+    pub fn commit(&mut self, pending: PendingUpdate) -> Vec<Array> {
+        let PendingUpdate { params, slots, step } = pending;
+        self.slots.extend(slots);
+        self.step = step;
+        params
+    }
+}
+
+/// An update computed by [`Optimizer::prepare`] and not yet applied.
+pub struct PendingUpdate {
+    params: Vec<Array>,
+    slots: Vec<(String, Slot)>,
+    step: u64,
+}
+
+impl PendingUpdate {
+    /// Every array of the update (new parameters, then new state), to evaluate.
+    pub fn arrays(&self) -> Vec<&Array> {
+        let state = self.slots.iter().flat_map(|(_, s)| match s {
+            Slot::Adam { m, v } => vec![m, v],
+            Slot::Momentum(b) => vec![b],
+        });
+        self.params.iter().chain(state).collect()
+    }
+
+    /// The new parameters, in the order given to [`Optimizer::prepare`].
+    pub fn params(&self) -> &[Array] {
+        &self.params
+    }
+}
+
+/// Store `tree`'s trainable linear-projection weights ([`crate::lora::linear_projections`])
+/// column-major (same values, transposed memory layout), as their gradients come: their AdamW
+/// updates then run over contiguous memory ([`Optimizer::prepare`]), and keep the layout. A
+/// trainer does this when it is made (new or resumed), so a run's products see the same layouts
+/// at every step whether or not it was resumed (resume stays bit-exact).
+pub fn column_major_linears(tree: &mut ParameterTree) -> Result<()> {
+    let names: Vec<String> = crate::lora::linear_projections(tree)?.into_iter().map(|t| format!("{}.weight", t.prefix)).collect();
+    for name in names {
+        let Some(p) = tree.get(&name).filter(|p| p.trainable && !p.packed && p.array.ndim() == 2) else { continue };
+        if column_major(&p.array) {
+            continue;
+        }
+        let t = p.array.transpose(&[1, 0])?;
+        let copy = Array::from_mlx(t.as_mlx().contiguous().map_err(|e| mlx_array::Error::Mlx { op: "contiguous", msg: e.to_string() })?);
+        let col = copy.transpose(&[1, 0])?;
+        col.eval()?;
+        tree.set(&name, col)?;
+    }
+    Ok(())
+}
+
+/// Whether `a` is an evaluated matrix stored column-major (the transposed view of a row-major
+/// one), not also row-major.
+fn column_major(a: &Array) -> bool {
+    let shape = a.shape();
+    a.ndim() == 2 && shape[0] > 1 && shape[1] > 1 && a.is_available() && a.as_mlx().strides() == [1, shape[0]]
+}
+
+/// AdamW for one parameter: inputs `p, g, m, v` and the scalars `1 - lr wd, b1, 1 - b1, b2,
+/// 1 - b2, sqrt(1 - b2^t), eps, lr / (1 - b1^t)` (in the parameter's dtype); outputs the new
+/// `p, m, v`. The torch formula of the module docs, op for op.
+fn adamw_fn(x: &[Array]) -> mlx_array::Result<Vec<Array>> {
+    let [p, g, m0, v0, decay, b1, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, step_size] = x else {
+        return Err(mlx_array::Error::InvalidArgument { op: "adamw", msg: format!("12 inputs expected, got {}", x.len()) });
+    };
+    let decayed = p.mul(decay)?;
+    let m = m0.mul(b1)?.add(&g.mul(one_minus_b1)?)?;
+    let v = v0.mul(b2)?.add(&g.square()?.mul(one_minus_b2)?)?;
+    let denom = v.sqrt()?.div(bc2_sqrt)?.add(eps)?;
+    let new_p = decayed.sub(&m.div(&denom)?.mul(step_size)?)?;
+    Ok(vec![new_p, m, v])
 }
 
 /// Gradient clipping. Both may be set: values are clipped first, then the global norm.
@@ -210,13 +326,20 @@ pub fn global_norm(grads: &[Array]) -> Result<Array> {
 /// Clip `grads` as `config` says. Returns the clipped gradients and the global norm measured
 /// before norm clipping (after value clipping, as torch measures when both run in that order).
 pub fn clip_gradients(grads: Vec<Array>, config: &ClipConfig) -> Result<(Vec<Array>, f32)> {
+    let (grads, norm) = clip_gradients_lazy(grads, config)?;
+    let norm_value = norm.item::<f32>()?;
+    Ok((grads, norm_value))
+}
+
+/// [`clip_gradients`] without evaluating anything: the norm is returned as an f32 scalar array,
+/// to be evaluated with the rest of the step.
+pub fn clip_gradients_lazy(grads: Vec<Array>, config: &ClipConfig) -> Result<(Vec<Array>, Array)> {
     let grads = match config.max_value {
         Some(v) if v.is_nan() || v <= 0.0 => return Err(TrainError::Config(format!("clip value {v} must be > 0"))),
         Some(v) => grads.iter().map(|g| g.clip(-v as f32, v as f32)).collect::<mlx_array::Result<Vec<_>>>()?,
         None => grads,
     };
     let norm = global_norm(&grads)?;
-    let norm_value = norm.item::<f32>()?;
     let grads = match config.max_norm {
         Some(m) if m.is_nan() || m <= 0.0 => return Err(TrainError::Config(format!("max grad norm {m} must be > 0 (None turns clipping off)"))),
         Some(m) => {
@@ -226,7 +349,7 @@ pub fn clip_gradients(grads: Vec<Array>, config: &ClipConfig) -> Result<(Vec<Arr
         }
         None => grads,
     };
-    Ok((grads, norm_value))
+    Ok((grads, norm))
 }
 
 /// How the learning rate changes over the updates.

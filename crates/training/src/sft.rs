@@ -23,7 +23,7 @@ use crate::data::{make_batch, Batch, Example};
 use crate::error::{Result, TrainError};
 use crate::guard::{NanGuard, Verdict};
 use crate::lora::LoraConfig;
-use crate::optim::{clip_gradients, ClipConfig, Optimizer, OptimizerConfig, Schedule};
+use crate::optim::{clip_gradients_lazy, ClipConfig, Optimizer, OptimizerConfig, Schedule};
 use crate::state::{self, CheckpointContents, TrainerState};
 use mlx_array::grad::value_and_grad;
 use mlx_array::{Array, DType};
@@ -302,7 +302,8 @@ impl SftTrainer {
         Self::assemble(tree, opts, examples, config, optimizer, progress)
     }
 
-    fn assemble(tree: ParameterTree, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig, optimizer: Optimizer, progress: Progress) -> Result<Self> {
+    fn assemble(mut tree: ParameterTree, opts: &LoadOptions, examples: Vec<Example>, config: SftConfig, optimizer: Optimizer, progress: Progress) -> Result<Self> {
+        crate::optim::column_major_linears(&mut tree)?;
         let opts = LoadOptions { kv_cache: KvCacheMode::Flat, ..opts.clone() };
         let cfg: serde_json::Value = {
             let p = tree.dir().join("config.json");
@@ -448,21 +449,28 @@ impl SftTrainer {
     }
 
     fn batch_gradients(&self, batch: &Batch) -> Result<(f32, Vec<Array>)> {
+        let (loss, grads) = self.batch_gradients_lazy(batch)?;
+        let mut all: Vec<&Array> = grads.iter().collect();
+        all.push(&loss);
+        mlx_array::eval(&all)?;
+        Ok((loss.item::<f32>()?, grads))
+    }
+
+    /// [`SftTrainer::batch_gradients`] with the loss (an f32 scalar) and gradients not evaluated
+    /// (except on the chunked path, which evaluates chunk by chunk).
+    fn batch_gradients_lazy(&self, batch: &Batch) -> Result<(Array, Vec<Array>)> {
         // the untraced forward of the chunked head computes what the traced one does
         let _ops = mlx_array::ops::mlx_ops_only();
         if let Head::Chunked { weight, softcap } = &self.head {
             if batch.positions.len() > self.config.head_chunk {
-                return self.chunked_gradients(batch, weight, *softcap);
+                let (loss, grads) = self.chunked_gradients(batch, weight, *softcap)?;
+                return Ok((Array::scalar(loss), grads));
             }
         }
         let b = BatchArrays::of(batch)?;
         let params = self.tree.trainable_arrays();
         let f = self.loss_fn();
-        let (loss, grads) = value_and_grad(|p| f.loss(p, &b), &params)?;
-        let mut all: Vec<&Array> = grads.iter().collect();
-        all.push(&loss);
-        mlx_array::eval(&all)?;
-        Ok((loss.item::<f32>()?, grads))
+        Ok(value_and_grad(|p| f.loss(p, &b), &params)?)
     }
 
     /// Whether the run is over (`max_steps` updates applied, or the last epoch's data used).
@@ -481,7 +489,12 @@ impl SftTrainer {
         }
         let started = Instant::now();
         let mut acc: Option<Vec<Array>> = None;
-        let (mut count, mut loss_sum, mut loss_tokens, mut tokens) = (0usize, 0f64, 0usize, 0usize);
+        // One micro-batch on one process: its loss and gradients are evaluated together with the
+        // gradient norms. Otherwise each micro-batch is evaluated on its own (the ranks exchange
+        // values; accumulated sums stay bounded).
+        let one_eval = self.config.grad_accumulation == 1 && self.data_parallel.is_none();
+        let mut losses: Vec<Array> = Vec::new();
+        let (mut count, mut loss_tokens, mut tokens) = (0usize, 0usize, 0usize);
         while count < self.config.grad_accumulation {
             let p = &mut self.progress;
             if p.position >= p.order.len() {
@@ -509,17 +522,17 @@ impl SftTrainer {
             let batch = make_batch(&picked, self.pad_id)?;
             let dropout_seed = lora_dropout_seed(self.config.seed, self.progress.step, count);
             self.set_lora_dropout(Some(dropout_seed));
-            let result = self.batch_gradients(&batch);
+            let result = if one_eval { self.batch_gradients_lazy(&batch) } else { self.batch_gradients(&batch).map(|(l, g)| (Array::scalar(l), g)) };
             self.set_lora_dropout(None);
             let (loss, grads) = result?;
             let (loss, grads, positions, batch_tokens) = match &self.data_parallel {
                 Some(g) => {
-                    let r = crate::distributed::reduce_gradients(g, loss, batch.positions.len(), batch.tokens, &grads)?;
-                    (r.loss, r.grads, r.positions, r.tokens)
+                    let r = crate::distributed::reduce_gradients(g, loss.item::<f32>()?, batch.positions.len(), batch.tokens, &grads)?;
+                    (Array::scalar(r.loss), r.grads, r.positions, r.tokens)
                 }
                 None => (loss, grads, batch.positions.len(), batch.tokens),
             };
-            loss_sum += loss as f64;
+            losses.push(loss);
             loss_tokens += positions;
             tokens += batch_tokens;
             count += 1;
@@ -539,10 +552,20 @@ impl SftTrainer {
         }
         // clipping by value would hide infinities: judge the unclipped gradients then
         let unclipped_norm = match self.config.clip.max_value {
-            Some(_) => Some(crate::optim::global_norm(&grads)?.item::<f32>()?),
+            Some(_) => Some(crate::optim::global_norm(&grads)?),
             None => None,
         };
-        let (grads, grad_norm) = clip_gradients(grads, &self.config.clip)?;
+        let (grads, grad_norm) = clip_gradients_lazy(grads, &self.config.clip)?;
+        // the loss, gradients and norms in one evaluation; the update (below) in a second one,
+        // once the guard has let it through
+        let all: Vec<&Array> = grads.iter().chain(&losses).chain([&grad_norm]).chain(unclipped_norm.as_ref()).collect();
+        mlx_array::eval(&all)?;
+        let mut loss_sum = 0f64;
+        for l in &losses {
+            loss_sum += l.item::<f32>()? as f64;
+        }
+        let grad_norm = grad_norm.item::<f32>()?;
+        let unclipped_norm = unclipped_norm.map(|n| n.item::<f32>()).transpose()?;
         let lr = self.config.schedule.lr_at(self.progress.step);
         let loss = (loss_sum / count as f64) as f32;
         let mut metrics = StepMetrics {
@@ -565,10 +588,7 @@ impl SftTrainer {
             }
             Verdict::Stop { skipped } => return Err(TrainError::NanGradients { skipped, max: self.guard.max_nan_gradients() }),
         }
-        let names: Vec<String> = self.tree.trainable_names().iter().map(|s| s.to_string()).collect();
-        let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let new = self.optimizer.update(&name_refs, &self.tree.trainable_arrays(), &grads, lr)?;
-        self.tree = self.tree.with_trainable(&new)?;
+        self.optimizer.update_tree(&mut self.tree, grads, lr)?;
         self.progress.step += 1;
         metrics.step = self.progress.step;
         metrics.seconds = started.elapsed().as_secs_f64();

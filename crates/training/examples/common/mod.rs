@@ -48,9 +48,18 @@ pub struct OptimizerArgs {
     /// Clip the global gradient norm (0 = off).
     #[arg(long, default_value_t = 1.0)]
     pub max_grad_norm: f64,
+    /// On the CPU, compile chains of elementwise ops (the AdamW update, SwiGLU) into one kernel
+    /// each (`mlx_array::ops::CpuFusion`; needs g++ on the PATH); off runs the same ops one by one.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    pub cpu_fusion: String,
 }
 
 impl OptimizerArgs {
+    /// Apply `--cpu-fusion` (process-wide).
+    pub fn apply_cpu_fusion(&self) {
+        mlx_array::ops::set_cpu_fusion(if self.cpu_fusion == "on" { mlx_array::ops::CpuFusion::On } else { mlx_array::ops::CpuFusion::Off });
+    }
+
     pub fn config(&self) -> CliResult<OptimizerConfig> {
         Ok(match self.optimizer {
             Opt::Adamw => {
