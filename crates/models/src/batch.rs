@@ -11,12 +11,18 @@
 //! padding at all ([`BatchRows::uniform`]: prompts of one length, or rows left after the padded
 //! ones) runs attention exactly as a single-sequence cache does.
 //!
+//! A step may give each row its own number of new tokens ([`Cache::set_step_padding`]: a row
+//! decoding one token beside another's prompt chunk): the row's tokens are the step's last
+//! columns, the ones before are padding, and a row that already holds tokens has them moved
+//! right by its step padding when the step's K/V are stored ([`BatchRows::realign`]), so every
+//! row stays right-aligned with all its padding on the left.
+//!
 //! Recurrent mixers (GatedDeltaNet, LFM2's short convolution) see the step's validity
-//! ([`BatchRows::step_valid`]) and zero their inputs at padding positions: a padding position
-//! then leaves a fresh (zero) state as it found it, so a row's state is what the row alone
-//! would have. Padding only ever comes before a row's first token, where the state is still
-//! zero: rows are prefilled together from empty caches, and [`Cache::merge_batch`] adds the
-//! padding of a merged row to its attention K/V only.
+//! ([`BatchRows::step_valid`]) and zero their inputs at padding positions, which come before a
+//! row's tokens in the step: the gates leave the state as it was there, and the convolution
+//! window of a row's tokens skips them ([`conv_input`]), so a row's state is what the row alone
+//! would have. [`Cache::merge_batch`] adds the padding of a merged row to its attention K/V
+//! only (a row that has not stepped yet has a zero state).
 //!
 //! Rows join ([`Cache::merge_batch`]) and leave ([`Cache::select_rows`]) between forward calls.
 //!
@@ -52,6 +58,14 @@ pub struct BatchRows {
     /// A step over rows of the paged pool ([`Cache::paged_rows`]): nothing is stored in
     /// columns, each row's keys are read from its own blocks.
     paged: Option<PagedKeys>,
+    /// Flat batch caches: each row's padding columns at the start of the next step
+    /// ([`Cache::set_step_padding`]), taken by [`BatchRows::begin`].
+    next_step_pad: Option<Vec<usize>>,
+    /// The current step's per-row leading padding (i32 `[B]`), when some row has any.
+    step_pad: Option<Array>,
+    /// The current step's realignment of the stored columns (i32 `[B, 1, T, 1]`), when a row
+    /// that holds tokens starts the step with padding ([`BatchRows::realign`]).
+    realign: Option<Array>,
 }
 
 /// The keys a step over paged rows attends to.
@@ -75,6 +89,9 @@ impl BatchRows {
             step: (cols, 0),
             masks: RefCell::new(Vec::new()),
             paged: None,
+            next_step_pad: None,
+            step_pad: None,
+            realign: None,
         })
     }
 
@@ -94,6 +111,9 @@ impl BatchRows {
             step: (0, l),
             masks: RefCell::new(Vec::new()),
             paged: Some(PagedKeys { groups, longest }),
+            next_step_pad: None,
+            step_pad: None,
+            realign: None,
         })
     }
 
@@ -129,7 +149,11 @@ impl BatchRows {
         self.cols - self.pad[b]
     }
 
-    /// Start a forward step over `l` columns.
+    /// Start a forward step over `l` columns. With step padding set
+    /// ([`Cache::set_step_padding`]), row `b`'s tokens are the last `l - step_pad[b]` columns of
+    /// the step: its padding grows by `step_pad[b]`, and a row that already holds tokens has
+    /// them moved right by as many columns when the step's K/V are stored ([`BatchRows::realign`]),
+    /// so every row stays right-aligned.
     pub(crate) fn begin(&mut self, b: usize, l: usize) -> Result<()> {
         if b != self.pad.len() {
             return Err(ModelError::InvalidInput(format!(
@@ -137,10 +161,51 @@ impl BatchRows {
                 self.pad.len()
             )));
         }
+        self.step_pad = None;
+        self.realign = None;
+        if let Some(sp) = self.next_step_pad.take() {
+            if sp.len() != b || sp.iter().any(|&p| p > l) {
+                return Err(ModelError::InvalidInput(format!("step padding {sp:?} for {b} rows of {l} columns")));
+            }
+            if sp.iter().any(|&p| p > 0) {
+                let t = self.cols;
+                let moved = sp.iter().zip(&self.pad).any(|(&p, &pd)| p > 0 && pd < t);
+                if moved {
+                    // row b: stored column j (< t + p) comes from column j - p; the step's own
+                    // columns stay where they are
+                    let n = t + l;
+                    let idx: Vec<i32> = sp.iter().flat_map(|&p| (0..n).map(move |j| if j >= p && j < t + p { (j - p) as i32 } else { j as i32 })).collect();
+                    self.realign = Some(Array::from_slice(&idx, &[b, 1, n, 1])?);
+                }
+                let i32s: Vec<i32> = sp.iter().map(|&p| p as i32).collect();
+                self.step_pad = Some(Array::from_slice(&i32s, &[b])?);
+                for (pd, &p) in self.pad.iter_mut().zip(&sp) {
+                    *pd += p;
+                }
+                let p: Vec<i32> = self.pad.iter().map(|&p| p as i32).collect();
+                self.pad_arr = Array::from_slice(&p, &[b])?;
+                self.origin = self.pad_arr.clone();
+            }
+        }
         self.step = (self.cols, l);
         self.cols += l;
         self.masks.borrow_mut().clear();
         Ok(())
+    }
+
+    /// Set the padding of each row at the start of the next step (flat batch caches).
+    pub(crate) fn set_step_padding(&mut self, pad: Vec<usize>) -> Result<()> {
+        if self.paged.is_some() || pad.len() != self.pad.len() {
+            return Err(ModelError::InvalidInput(format!("step padding for {} rows of a batch of {}", pad.len(), self.pad.len())));
+        }
+        self.next_step_pad = Some(pad);
+        Ok(())
+    }
+
+    /// The current step's realignment of a flat batch layer (i32 `[B, 1, T, 1]`: stored column
+    /// `j` of row `b` takes column `idx[b, j]`), when a row holding tokens has step padding.
+    pub(crate) fn realign(&self) -> Option<&Array> {
+        self.realign.as_ref()
     }
 
     /// Per-row rope offsets (i32 `[B]`) of column `col`: `col - pad[b]` (a step over paged
@@ -209,17 +274,42 @@ impl BatchRows {
     }
 
     /// Boolean `[B, L, 1]`: which positions of the current step are tokens (not padding), or
-    /// `None` when every one is.
+    /// `None` when every one is. A row's padding in a step always comes before its tokens.
     pub fn step_valid(&self) -> Result<Option<Array>> {
         let (start, l) = self.step;
-        if self.pad.iter().all(|&p| p <= start) {
+        if self.step_pad.is_none() && self.pad.iter().all(|&p| p <= start) {
             return Ok(None);
         }
         let b = self.pad.len() as i32;
         let col = Array::arange(start as i64, (start + l) as i64, DType::I32)?
             .reshape(&[1, l as i32, 1])?;
-        Ok(Some(col.ge(&self.pad_arr.reshape(&[b, 1, 1])?)?))
+        let mut valid = col.ge(&self.pad_arr.reshape(&[b, 1, 1])?)?;
+        if let Some(sp) = &self.step_pad {
+            let i = Array::arange(0, l as i64, DType::I32)?.reshape(&[1, l as i32, 1])?;
+            valid = valid.logical_and(&i.ge(&sp.reshape(&[b, 1, 1])?)?)?;
+        }
+        Ok(Some(valid))
     }
+}
+
+/// The input of a causal depthwise convolution over `[prev | x]`: `prev` (`[B, K-1, C]`, the
+/// last inputs before this step) then `x` (`[B, L, C]`, zero at the positions `valid` marks
+/// false). Padding comes before a row's tokens; a row with `p` padding positions gets them moved
+/// before its `prev`, so its tokens' windows see `prev` and the state kept after the step (the
+/// last `K - 1` inputs) is the row's own: a padded step leaves a non-zero state as the row
+/// alone would.
+pub(crate) fn conv_input(prev: &Array, x: &Array, valid: Option<&Array>) -> Result<Array> {
+    let full = ops::concatenate(&[prev, x], 1)?;
+    let Some(v) = valid else { return Ok(full) };
+    let (b, k1, l) = (x.dim(0)?, prev.dim(1)?, x.dim(1)?);
+    let n = k1 + l;
+    // each row's padding count [B, 1]; positions before it read column k1 (padding: zero)
+    let p = Array::scalar(l as i32).sub(&v.astype(DType::I32)?.sum(&[1], false)?)?;
+    let j = Array::arange(0, n as i64, DType::I32)?.reshape(&[1, n as i32])?;
+    let shifted = ops::where_(&j.lt(&p.add(&Array::scalar(k1 as i32))?)?, &j.sub(&p)?, &j)?;
+    let idx = ops::where_(&j.lt(&p)?, &Array::scalar(k1 as i32), &shifted)?;
+    let idx = idx.reshape(&[b as i32, n as i32, 1])?.broadcast_to(&full.shape())?;
+    Ok(full.take_along_axis(&idx, 1)?)
 }
 
 /// `x` (`[B, L, ..]`) with the positions `valid` (`[B, L, 1]`) marks false set to zero.
@@ -333,14 +423,17 @@ impl Cache {
                 (LayerCache::Kv(x), LayerCache::Kv(y)) => x.batch_concat(y, da, db, na, nb)?,
                 (LayerCache::Recurrent(x), LayerCache::Recurrent(y)) => {
                     for (sx, sy) in x.iter_mut().zip(y) {
+                        // rows that have not stepped yet hold no state: zeros
+                        let zeros = |like: &Array, rows: usize| -> Result<Array> {
+                            let mut s = like.shape();
+                            s[0] = rows;
+                            Ok(Array::zeros(&s, like.dtype())?)
+                        };
                         *sx = match (sx.take(), sy) {
                             (Some(p), Some(q)) => Some(ops::concatenate(&[&p, &q], 0)?),
+                            (Some(p), None) => Some(ops::concatenate(&[&p, &zeros(&p, nb)?], 0)?),
+                            (None, Some(q)) => Some(ops::concatenate(&[&zeros(&q, na)?, &q], 0)?),
                             (None, None) => None,
-                            _ => {
-                                return Err(ModelError::Cache(
-                                    "merge_batch: recurrent state written in one cache only".into(),
-                                ))
-                            }
                         };
                     }
                 }

@@ -101,7 +101,14 @@ impl<'a> LayerKv<'a> {
     /// Store this step's `k`, `v` (`[B, H, L, D]`) and return all keys/values to attend to.
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
         match self {
-            LayerKv::Flat(c) | LayerKv::Batch(c, _) => c.update_and_fetch(k, v),
+            LayerKv::Flat(c) => c.update_and_fetch(k, v),
+            LayerKv::Batch(c, r) => {
+                let out = c.update_and_fetch(k, v)?;
+                match r.realign() {
+                    Some(idx) => c.batch_realign(idx),
+                    None => Ok(out),
+                }
+            }
             LayerKv::Paged(p) => p.update_and_fetch(k, v),
             LayerKv::Rows(p, _) => p.update_and_fetch(k, v),
         }
@@ -169,7 +176,11 @@ impl ForwardKv<'_> {
     /// [`PagedStep::finish`]). A forward pass dropped without `finish` (an error) still queues
     /// what it wrote.
     pub fn finish(mut self) -> Result<()> {
-        if let Some(step) = self.rows.take() {
+        if let Some(mut step) = self.rows.take() {
+            if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
+                let layers = &*self.layers;
+                step.keep_snapshots(|b, n| row_snapshot(layers, b, n))?;
+            }
             return step.finish();
         }
         match self.paged.take() {
@@ -298,7 +309,8 @@ impl Cache {
             }
             let steps = std::mem::take(&mut r.steps);
             let starts: Vec<usize> = steps.iter().map(|s| s.start).collect();
-            let step = RowsStep::begin(&r.shared, &steps, &r.pad, r.cols, r.later)?;
+            let prefix_shared: Vec<bool> = r.seqs.iter().map(PagedSeq::prefix_shared).collect();
+            let step = RowsStep::begin(&r.shared, &steps, &r.pad, r.cols, r.later, &prefix_shared)?;
             *batch = Some(crate::batch::BatchRows::paged(r.pad.clone(), &starts, r.cols, step.key_groups())?);
             return Ok((ForwardKv { layers, paged: None, rows: Some(step), batch: batch.as_ref() }, 0));
         }
@@ -464,8 +476,8 @@ impl Cache {
 /// left-padded to the longest, and attention reads every row's keys from its own blocks (per-row
 /// rope positions and mask: [`crate::batch::BatchRows`]). Padding is not stored: it costs only
 /// the step's compute. Recurrent layers keep each row's state, stacked along the batch axis
-/// while the rows are joined; a row's padding must come before its first token (its state is
-/// still zero there), so a row with recurrent state steps without padding.
+/// while the rows are joined; a row's padding in a step comes before its tokens and leaves its
+/// state as it was ([`crate::batch::conv_input`], zero gates at padding positions).
 /// [`Cache::into_rows`] gives the row caches back; [`Cache::select_rows`] and
 /// [`Cache::merge_batch`] keep and add rows as for flat batch caches.
 impl Cache {
@@ -547,8 +559,23 @@ impl Cache {
         if prompt.is_empty() {
             return Err(ModelError::InvalidInput("a paged sequence needs at least one prompt token".into()));
         }
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_)));
         let p = self.paged.as_mut().ok_or_else(|| ModelError::Cache("begin_paged needs a paged cache".into()))?;
-        p.begin_row(prompt, allow_prefix_skip)
+        let (skipped, snapshot) = p.begin_row(prompt, allow_prefix_skip, recurrent)?;
+        // A skipped prefix of a model with recurrent layers starts from their state there.
+        for (i, slots) in snapshot.into_iter().flatten() {
+            if let Some(l) = self.layers.get_mut(i) {
+                *l = LayerCache::Recurrent(slots);
+            }
+        }
+        Ok(skipped)
+    }
+
+    /// Set the padding each row of a flat batch cache has at the start of the next forward
+    /// pass: row `b`'s tokens are then the last `columns - pad[b]` of the pass (a row decoding
+    /// one token beside a prompt chunk); see [`crate::batch::BatchRows::begin`].
+    pub(crate) fn set_step_padding(&mut self, pad: Vec<usize>) -> Result<()> {
+        self.batch.as_mut().ok_or_else(|| ModelError::Cache("step padding needs a flat batch cache".into()))?.set_step_padding(pad)
     }
 
     /// Plan the next forward pass of a view: row `b` registers `inputs[b].0` and computes at
@@ -609,6 +636,19 @@ impl Cache {
         let layers = self.layers.iter().map(|l| if let LayerCache::Kv(_) = l { LayerCache::Kv(KvCache::new(None)) } else { l.clone() }).collect();
         Ok(Cache { layers, paged: Some(p), last_skipped: 0, batch: None, rows: None, position_delta: 0, gradient_checkpointing: false })
     }
+}
+
+/// Row `b` of `n` of a view's recurrent layers (stacked along the batch axis): every recurrent
+/// layer's slots, `[1, ..]` each.
+fn row_snapshot(layers: &[LayerCache], b: usize, n: usize) -> Result<crate::paged::Snapshot> {
+    let mut out = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        if let LayerCache::Recurrent(s) = l {
+            let slots = s.iter().map(|a| a.as_ref().map(|a| if n == 1 { Ok(a.clone()) } else { a.slice_axis(0, b, b + 1) }).transpose()).collect::<mlx_array::Result<Vec<_>>>()?;
+            out.push((i, slots));
+        }
+    }
+    Ok(out)
 }
 
 /// One recurrent slot of each row (`[1, ..]`, `None` before it is written) stacked along the

@@ -146,7 +146,8 @@ impl GatedDeltaNet {
     }
 
     /// [`GatedDeltaNet::forward`] over a batch whose positions `valid` (`[B, L, 1]`) marks
-    /// false are padding: there the conv input, `β` and `g` are zero, so the state is left as it
+    /// false are padding (before each row's tokens): there the conv input, `β` and `g` are zero
+    /// and the conv window skips them ([`crate::batch::conv_input`]), so the state is left as it
     /// was (no write, no decay).
     pub fn forward_valid(&self, x: &Array, state: &mut [Option<Array>], valid: Option<&Array>) -> Result<Array> {
         let c = &self.cfg;
@@ -169,7 +170,7 @@ impl GatedDeltaNet {
             Some(s) => s,
             None => Array::zeros(&[b as usize, k1, c.conv_dim()], qkv.dtype())?,
         };
-        let xin = ops::concatenate(&[&prev, &qkv], 1)?;
+        let xin = crate::batch::conv_input(&prev, &qkv, valid)?;
         let t = xin.dim(1)?;
         state[0] = Some(xin.slice_axis(1, t - k1, t)?);
         let mixed = xin.conv1d(&self.conv_w, 1, 0, 1, c.conv_dim())?.silu()?; // [B, L, C]

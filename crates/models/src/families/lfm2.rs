@@ -16,7 +16,7 @@ use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp,
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, DType, Quantized};
+use mlx_array::{Array, DType, Quantized};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -281,7 +281,7 @@ impl ShortConv {
             Some(s) => s,
             None => Array::zeros(&[bx.dim(0)?, keep, self.hidden], bx.dtype())?,
         };
-        let full = ops::concatenate(&[&prev, &bx], 1)?;
+        let full = crate::batch::conv_input(&prev, &bx, valid)?;
         let t = full.dim(1)?;
         *state = Some(full.slice_axis(1, t - keep, t)?);
         let mut conv = full.conv1d(&self.weight, 1, 0, 1, self.hidden)?;
