@@ -6,7 +6,7 @@
 //! late prompts held the decoding rows up), and the engine's pass counters.
 //!
 //! ```sh
-//! cargo run --release -p mlx-models-bench --bin engine_bench -- --model DIR [--streams 8] [--late 4] [--prompt 256] [--gen 64] [--kv flat|paged] [--chunk 512] [--runs 3]
+//! cargo run --release -p mlx-models-bench --bin engine_bench -- --model DIR [--streams 8] [--late 4] [--prompt 256] [--gen 64] [--kv flat|paged] [--chunk 512] [--mixed-chunk 64] [--runs 3]
 //! ```
 //! Greedy decoding, no stop tokens; distinct prompts (no shared prefix, no identical prompts).
 use clap::{Parser, ValueEnum};
@@ -45,9 +45,14 @@ struct Args {
     /// Where the K/V live.
     #[arg(long, value_enum, default_value = "flat")]
     kv: Kv,
-    /// Prompt tokens a row computes per forward pass ([`EngineConfig::prefill_step_size`]).
+    /// Prompt tokens a row computes per forward pass without decoding rows
+    /// ([`EngineConfig::prefill_step_size`]).
     #[arg(long, default_value_t = EngineConfig::default().prefill_step_size)]
     chunk: usize,
+    /// Prompt tokens a row computes per forward pass beside decoding rows
+    /// ([`EngineConfig::mixed_step_size`]).
+    #[arg(long, default_value_t = EngineConfig::default().mixed_step_size)]
+    mixed_chunk: usize,
     /// Repetitions (each printed).
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -124,6 +129,7 @@ fn main() -> Res<()> {
         EngineConfig {
             max_batch: a.streams,
             prefill_step_size: a.chunk,
+            mixed_step_size: a.mixed_chunk,
             max_queue: a.streams,
             kv,
         },
@@ -141,13 +147,14 @@ fn main() -> Res<()> {
         Instant::now(),
     )?;
     println!(
-        "model {} streams {} late {} prompt {} gen {} chunk {}",
+        "model {} streams {} late {} prompt {} gen {} chunk {} mixed chunk {}",
         a.model.display(),
         a.streams,
         a.late,
         a.prompt,
         a.gen,
-        a.chunk
+        a.chunk,
+        a.mixed_chunk
     );
     for run in 0..a.runs {
         let salt = a.seed + run as u64 * 1_000_003;

@@ -6,9 +6,9 @@
 //! [`EngineConfig::max_batch`] live sequences; identical prompts admitted together are computed
 //! once, and the row is copied to each of them when its prompt is done), then runs one forward
 //! pass over all rows:
-//! - while some row still computes its prompt, a mixed pass `[B, L]`: each such row's next
-//!   chunk of at most [`EngineConfig::prefill_step_size`] prompt tokens beside one token of
-//!   every decoding row, each row's tokens right-aligned in the pass (its left padding is not
+//! - while some row still computes its prompt, a pass `[B, L]` of each such row's next chunk
+//!   of at most [`EngineConfig::prefill_step_size`] prompt tokens, or (a mixed pass) of at
+//!   most [`EngineConfig::mixed_step_size`] beside one token of every decoding row, each row's tokens right-aligned in the pass (its left padding is not
 //!   kept: [`crate::batch::BatchRows::begin`] for flat caches, not stored at all for paged
 //!   ones). Decoding rows sample as in any step; a row whose prompt ends in the pass samples its
 //!   first token and decodes from then on. Running sequences thus keep producing a token every
@@ -55,10 +55,17 @@ use std::time::{Duration, Instant};
 pub struct EngineConfig {
     /// Most sequences in one forward pass (running plus the ones being prefilled).
     pub max_batch: usize,
-    /// Prompt tokens a row computes per forward pass (the prefill chunk; 0 = whole prompts).
-    /// It bounds activation memory and how long the decoding rows that share the pass wait for
-    /// their next token.
+    /// Prompt tokens a row computes per forward pass that carries no decoding row (the prefill
+    /// chunk; 0 = whole prompts). It bounds activation memory.
     pub prefill_step_size: usize,
+    /// Prompt tokens a row computes per forward pass that also carries decoding rows (0 = whole
+    /// prompts). Every row of a pass is padded to its widest, so each decoding row costs this
+    /// many columns of compute in such a pass, and waits for the pass for its next token: a
+    /// narrow chunk keeps the decoding rows going, a wide one finishes a prompt in fewer passes.
+    /// Default 64: on the CPU (BENCHMARKS.md, "Continuous batching with late joiners") 4
+    /// prompts of 256 tokens joining 4 decoding streams cost those streams a 5 s pause with 64
+    /// against 19-26 s with 512, and reached their first token no later.
+    pub mixed_step_size: usize,
     /// Most requests waiting for a slot; [`EngineHandle::submit`] refuses more with
     /// [`EngineError::QueueFull`].
     pub max_queue: usize,
@@ -68,7 +75,7 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_step_size: 512, max_queue: 256, kv: EngineKv::Auto }
+        EngineConfig { max_batch: 32, prefill_step_size: 512, mixed_step_size: 64, max_queue: 256, kv: EngineKv::Auto }
     }
 }
 
@@ -535,11 +542,14 @@ impl Scheduler {
     }
 
     /// Tokens each row computes in the next pass: one for a decoding row; a prompt row its next
-    /// chunk of at most [`EngineConfig::prefill_step_size`] (flat caches: right-aligned on the
-    /// longest prompt left, so the prompts end in the same pass; paged: from its own position,
-    /// ending at a snapshot boundary of a hybrid model).
+    /// chunk of at most [`EngineConfig::prefill_step_size`] ([`EngineConfig::mixed_step_size`]
+    /// beside decoding rows; flat caches: right-aligned on the longest prompt left, so the
+    /// prompts end in the same pass; paged: from its own position, ending at a snapshot boundary
+    /// of a hybrid model).
     fn counts(&self) -> Vec<usize> {
-        let chunk = if self.cfg.prefill_step_size == 0 { usize::MAX } else { self.cfg.prefill_step_size };
+        let decoding = self.rows.iter().any(|r| !r.prefilling());
+        let chunk = if decoding { self.cfg.mixed_step_size } else { self.cfg.prefill_step_size };
+        let chunk = if chunk == 0 { usize::MAX } else { chunk };
         let most = self.rows.iter().filter(|r| r.prefilling()).map(|r| r.len - r.at).max().unwrap_or(0);
         let l = most.min(chunk);
         self.rows

@@ -43,7 +43,7 @@ fn check_family(name: &str, kv: EngineKv) {
     let prompts = [mk(6, 1), mk(15, 2), mk(9, 3), mk(6, 1), mk(15, 2)];
     let steps = 12;
     let lone: Vec<_> = prompts.iter().map(|p| greedy_alone(&model, p, steps)).collect();
-    let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, max_queue: 16, kv }).unwrap();
+    let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, mixed_step_size: 4, max_queue: 16, kv }).unwrap();
     let h = engine.handle();
     // A runs alone for 3 tokens; B, C, D (A's prompt again) and E (B's: computed once for both
     // when the loop admits them in one turn) join while it decodes.
@@ -126,7 +126,7 @@ fn prompt_chunks_share_passes_with_decode_rows() {
             let b: Vec<u32> = (0..11u32).map(|i| (i * 29 + 5) % v).collect();
             let (want_a, gaps_a) = greedy_alone(&model, &a, 40);
             let (want_b, gaps_b) = greedy_alone(&model, &b, 8);
-            let engine = Engine::start(model, EngineConfig { max_batch: 4, prefill_step_size: 4, max_queue: 4, kv }).unwrap();
+            let engine = Engine::start(model, EngineConfig { max_batch: 4, prefill_step_size: 8, mixed_step_size: 4, max_queue: 4, kv }).unwrap();
             let h = engine.handle();
             // A decodes long enough to still be running while B's prompt is computed.
             let ra = h.submit(a, &greedy(400)).unwrap();
@@ -142,7 +142,8 @@ fn prompt_chunks_share_passes_with_decode_rows() {
             assert_prefix(&format!("{name} {kv:?}: A"), &got_a, &want_a, &gaps_a);
             assert_prefix(&format!("{name} {kv:?}: B"), &got_b, &want_b, &gaps_b);
             // B's prompt tokens not served by the prefix cache (paged: the full blocks its lone
-            // run left, for the dense family), in chunks of 4, each pass with A's decode row
+            // run left, for the dense family), in mixed chunks of 4 (not the 8 of passes without
+            // decoding rows), each pass with A's decode row
             let computed = 11 - usage.cached_prompt_tokens;
             assert_eq!(usage.cached_prompt_tokens, if kv == EngineKv::Paged && name == "qwen3" { 8 } else { 0 }, "{name} {kv:?}");
             let mixed = h.stats().mixed_forwards - before.mixed_forwards;
@@ -163,7 +164,7 @@ fn hybrid_repeated_system_prompt_skips_its_prefill() {
         let system: Vec<u32> = (0..21u32).map(|i| (i * 31 + 11) % v).collect();
         let with = |user: &[u32]| system.iter().chain(user).copied().collect::<Vec<u32>>();
         let (a, b) = (with(&[3, 1, 4, 1, 5]), with(&[9, 2, 6, 5, 3, 5]));
-        let engine = Engine::start(paged, EngineConfig { max_batch: 4, prefill_step_size: 4, max_queue: 4, kv: EngineKv::Paged }).unwrap();
+        let engine = Engine::start(paged, EngineConfig { max_batch: 4, prefill_step_size: 4, mixed_step_size: 4, max_queue: 4, kv: EngineKv::Paged }).unwrap();
         let h = engine.handle();
         let run = |p: &[u32]| read(&h.submit(p.to_vec(), &greedy(6)).unwrap(), usize::MAX);
         let (_, fin) = run(&a);
