@@ -62,9 +62,9 @@ pub struct EngineConfig {
     /// prompts). Every row of a pass is padded to its widest, so each decoding row costs this
     /// many columns of compute in such a pass, and waits for the pass for its next token: a
     /// narrow chunk keeps the decoding rows going, a wide one finishes a prompt in fewer passes.
-    /// Default 64: on the CPU (BENCHMARKS.md, "Continuous batching with late joiners") 4
-    /// prompts of 256 tokens joining 4 decoding streams cost those streams a 5 s pause with 64
-    /// against 19-26 s with 512, and reached their first token no later.
+    /// Default 64: of 16, 64 and 512 it gave the best aggregate tok/s, time to first token and
+    /// longest pause of the decoding streams on the CPU (BENCHMARKS.md, "Continuous batching:
+    /// prompts joining decoding streams").
     pub mixed_step_size: usize,
     /// Most requests waiting for a slot; [`EngineHandle::submit`] refuses more with
     /// [`EngineError::QueueFull`].
