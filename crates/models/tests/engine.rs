@@ -32,9 +32,10 @@ fn load(name: &str, paged: bool) -> Model {
     load_model(fixture(name), &LoadOptions { kv_cache, ..test_load_options() }).unwrap().into_lm().unwrap()
 }
 
-/// Requests joining while others decode give each request's lone greedy tokens; with `kv`
-/// paged, each request starts on the full blocks of its prompt that its lone run left in the
-/// prefix cache (families without recurrent layers).
+/// Requests joining while others decode give each request's lone greedy tokens, their prompt
+/// chunks sharing passes with the decoding row; with `kv` paged, each request starts on the full
+/// blocks of its prompt that its lone run left in the prefix cache (hybrids: on the snapshots
+/// the engine kept).
 fn check_family(name: &str, kv: EngineKv) {
     let model = load(name, kv == EngineKv::Paged);
     let recurrent = matches!(name, "qwen3_5" | "qwen3_5_moe" | "lfm2" | "lfm2_moe");
@@ -46,19 +47,22 @@ fn check_family(name: &str, kv: EngineKv) {
     let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, mixed_step_size: 4, max_queue: 16, kv }).unwrap();
     let h = engine.handle();
     // A runs alone for 3 tokens; B, C, D (A's prompt again) and E (B's: computed once for both
-    // when the loop admits them in one turn) join while it decodes.
-    let a = h.submit(prompts[0].clone(), &greedy(steps)).unwrap();
+    // when the loop admits them in one turn) join while it decodes. A asks for many tokens, so
+    // it still decodes while their prompts are computed, and is cancelled after its first 12.
+    let a = h.submit(prompts[0].clone(), &greedy(300)).unwrap();
     let (mut got_a, _) = read(&a, 3);
     let others: Vec<RequestHandle> = prompts[1..].iter().map(|p| h.submit(p.clone(), &greedy(steps)).unwrap()).collect();
-    let (rest, fin) = read(&a, usize::MAX);
-    got_a.extend(rest);
-    let mut got = vec![(got_a, fin)];
+    let mut got = vec![(Vec::new(), None)];
     got.extend(others.iter().map(|r| read(r, usize::MAX)));
+    got_a.extend(read(&a, steps - 3).0);
+    a.cancel.cancel();
+    assert_eq!(read(&a, usize::MAX).1.unwrap().0, FinishReason::Cancelled);
+    got[0].0 = got_a;
     for (i, (toks, fin)) in got.iter().enumerate() {
         let (want, gaps) = &lone[i];
         let exact = gaps.iter().all(|&g| g > TIE);
         assert_prefix(&format!("{name}, request {i}"), toks, want, gaps);
-        let (reason, usage) = fin.expect("finished");
+        let Some((reason, usage)) = *fin else { continue };
         assert_eq!(reason, FinishReason::Length);
         if exact {
             // paged: every prompt was computed alone first, so its full blocks are cached; the
@@ -77,6 +81,7 @@ fn check_family(name: &str, kv: EngineKv) {
     let st = h.stats();
     assert!(st.max_rows >= 3, "{name}: passes carry several sequences: {st:?}");
     assert!(st.rows > st.forwards, "{name}: mean rows per pass above 1: {st:?}");
+    assert!(st.mixed_forwards >= 1, "{name}: a pass carried prompt chunks and A's decode row: {st:?}");
 }
 
 const DENSE: [&str; 5] = ["qwen3", "llama", "qwen2", "gemma3_text", "gemma4_text"];
