@@ -112,6 +112,23 @@ def run(model, ids, pixel_values, grids):
     return logits, seq
 
 
+def prompt_references(model, tok, ref, meta, merge, messages_1, messages_2):
+    """`ids_N`, `logits_N` (the last TAIL_2 rows for N = 2) and `greedy_N` into `ref`, the rendered
+    text, greedy tail and smallest top-1/top-2 margin into `meta`, for [messages_1 with image A] and
+    [messages_2 with images A and B] (`ref` holds their `pixel_values_*` and `grid_*`)."""
+    for n, (msgs, keys) in {"1": (messages_1, "a"), "2": (messages_2, "ab")}.items():
+        raw = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        raw = raw["input_ids"] if isinstance(raw, dict) else raw
+        grids = torch.cat([ref[f"grid_{k}"] for k in keys])
+        ids = expand(list(raw), grids, merge)
+        pixels = torch.cat([ref[f"pixel_values_{k}"] for k in keys])
+        logits, seq = run(model, ids, pixels, grids)
+        ref[f"ids_{n}"], ref[f"logits_{n}"], ref[f"greedy_{n}"] = ids, logits if n == "1" else logits[-TAIL_2:], seq
+        meta[f"text_{n}"] = tok.decode(raw)
+        meta[f"greedy_new_{n}"] = seq[0, ids.shape[1]:].tolist()
+        meta[f"prefill_top1_top2_margin_min_{n}"] = min(margins(logits))
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(FIXTURES, "qwen3_5_vl_image")
     shutil.rmtree(out, ignore_errors=True)
@@ -143,17 +160,7 @@ def main():
             ref[f"tower_{k}"] = model.model.get_image_features(p["pixel_values"], p["image_grid_thw"]).pooler_output[0].float()
     meta = dict(seed=50, steps=STEPS, weights_dtype="bfloat16", reference_dtype="float32", attn_implementation="eager",
                 torch=torch.__version__, transformers=T.__version__, messages_1=MESSAGES_1, messages_2=MESSAGES_2)
-    for n, (msgs, keys) in {"1": (MESSAGES_1, "a"), "2": (MESSAGES_2, "ab")}.items():
-        raw = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        raw = raw["input_ids"] if isinstance(raw, dict) else raw
-        grids = torch.cat([ref[f"grid_{k}"] for k in keys])
-        ids = expand(list(raw), grids, 2)
-        pixels = torch.cat([ref[f"pixel_values_{k}"] for k in keys])
-        logits, seq = run(model, ids, pixels, grids)
-        ref[f"ids_{n}"], ref[f"logits_{n}"], ref[f"greedy_{n}"] = ids, logits if n == "1" else logits[-TAIL_2:], seq
-        meta[f"text_{n}"] = tok.decode(raw)
-        meta[f"greedy_new_{n}"] = seq[0, ids.shape[1]:].tolist()
-        meta[f"prefill_top1_top2_margin_min_{n}"] = min(margins(logits))
+    prompt_references(model, tok, ref, meta, 2, MESSAGES_1, MESSAGES_2)
     del ref["pixel_values_b"]
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "reference.safetensors"))
     for f in os.listdir(out):

@@ -3,6 +3,23 @@ use crate::error::{Error, OpExt, Result};
 use crate::Array;
 use std::cell::RefCell;
 
+/// `a` unchanged, as a constant to gradient transforms: nothing flows back through it. Integer
+/// results that index (top-k routing ids) need it before a gather, whose gradient with
+/// respect to its indices MLX refuses.
+///
+/// ```
+/// use mlx_array::{grad::{stop_gradient, value_and_grad}, Array};
+/// # fn main() -> mlx_array::Result<()> {
+/// let x = Array::from_slice(&[1.0f32, 2., 3.], &[3])?;
+/// // loss = sum(x * stop_gradient(x)): d loss / dx = x
+/// let (_, grads) = value_and_grad(|p| p[0].mul(&stop_gradient(&p[0])?)?.sum(&[], false), &[x])?;
+/// assert_eq!(grads[0].to_vec::<f32>()?, vec![1., 2., 3.]);
+/// # Ok(()) }
+/// ```
+pub fn stop_gradient(a: &Array) -> Result<Array> {
+    mlx_rs::stop_gradient(&a.inner).op("stop_gradient").map(Array::wrap)
+}
+
 /// The value of a scalar loss `f(params)` and its gradient with respect to every parameter
 /// (`grads[i]` has `params[i]`'s shape).
 ///

@@ -232,3 +232,49 @@ fn nn_argument_errors() {
     assert!(q.sdpa(&kv, &kv, 1.0, AttentionMask::None).is_err(), "3 query heads over 2 kv heads");
     assert!(q.sdpa(&kv, &kv, 1.0, AttentionMask::SlidingWindow(0)).is_err());
 }
+
+/// 2-d convolution from the 1-d reference: output row `y` sums, over kernel rows `i`, the 1-d
+/// convolution of input row `y*s + i*d - p` (zeros outside the input) with kernel row `i`.
+#[allow(clippy::too_many_arguments)]
+fn conv2d_ref(x: &[f32], w: &[f32], n: usize, (h, wd): (usize, usize), (cin, cout, groups): (usize, usize, usize), (kh, kw): (usize, usize), s: (usize, usize), p: (usize, usize), d: (usize, usize)) -> (usize, usize, Vec<f64>) {
+    let oh = (h + 2 * p.0 - d.0 * (kh - 1) - 1) / s.0 + 1;
+    let cg = cin / groups;
+    let mut o: Vec<f64> = Vec::new();
+    for b in 0..n {
+        for y in 0..oh {
+            let mut acc: Vec<f64> = Vec::new();
+            for i in 0..kh {
+                let r = (y * s.0 + i * d.0) as isize - p.0 as isize;
+                let row: Vec<f32> = if r < 0 || r >= h as isize { vec![0.0; wd * cin] } else { x[(b * h + r as usize) * wd * cin..(b * h + r as usize + 1) * wd * cin].to_vec() };
+                let wi: Vec<f32> = (0..cout).flat_map(|oc| (0..kw).flat_map(move |k| (0..cg).map(move |c| ((oc * kh + i) * kw + k) * cg + c))).map(|j| w[j]).collect();
+                let (_, part) = conv_ref(&row, &wi, 1, wd, cin, cout, kw, s.1, p.1, d.1, groups);
+                acc = if acc.is_empty() { part } else { acc.iter().zip(&part).map(|(a, b)| a + b).collect() };
+            }
+            o.extend(acc);
+        }
+    }
+    let ow = o.len() / (n * oh * cout);
+    (oh, ow, o)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// Strides, zero padding, groups and dilations up to twice the input size (MLX's own padding
+    /// corrupts the heap there; `conv2d` pads separately, and dilated ungrouped kernels run as im2col).
+    #[test]
+    fn conv2d_strided_dilated_grouped(
+        (n, h, wd, groups, cg, og) in (1usize..3, 1usize..7, 1usize..7, 1usize..3, 1usize..3, 1usize..3),
+        (kh, kw, s, p, d) in (1usize..4, 1usize..4, (1usize..3, 1usize..3), (0usize..9, 0usize..9), (1usize..13, 1usize..13)),
+        seed in vals(2 * 6 * 6 * 4 + 4 * 3 * 3 * 2, -1.0, 1.0),
+    ) {
+        let (cin, cout) = (groups * cg, groups * og);
+        prop_assume!(h + 2 * p.0 > d.0 * (kh - 1) && wd + 2 * p.1 > d.1 * (kw - 1));
+        let x = &seed[..n * h * wd * cin];
+        let w = &seed[n * h * wd * cin..n * h * wd * cin + cout * kh * kw * cg];
+        let y = arr(x, &[n, h, wd, cin]).conv2d(&arr(w, &[cout, kh, kw, cg]), s, p, d, groups).unwrap();
+        let (oh, ow, want) = conv2d_ref(x, w, n, (h, wd), (cin, cout, groups), (kh, kw), s, p, d);
+        prop_assert_eq!(y.shape(), vec![n, oh, ow, cout]);
+        close("conv2d", &out(&y), &want, Tol { atol: 1e-5, rtol: 1e-5 })?;
+    }
+}

@@ -269,8 +269,9 @@ impl Cache {
     /// under [`mlx_array::grad::checkpoint`] with its arrays as explicit inputs, so a gradient
     /// transform keeps only the layers' inputs and recomputes each layer's activations in the
     /// backward pass. Such a pass starts at position 0 of a flat, non-batch cache, computes
-    /// every position, and stores no K/V (the cache stays empty). Models whose forward does not
-    /// support it return [`ModelError::UnsupportedOption`].
+    /// every position, and stores no K/V or recurrent state (the cache stays empty); other
+    /// passes, and models whose forward does not support it, return
+    /// [`ModelError::UnsupportedOption`] with the reason.
     pub fn set_gradient_checkpointing(&mut self, on: bool) {
         self.gradient_checkpointing = on;
     }

@@ -19,7 +19,8 @@ pub fn read_config_json(dir: &Path) -> Result<Value> {
 /// The decoder's settings: `text_config` merged over the top level (top-level keys fill gaps).
 pub fn text_config(root: &Value) -> Value {
     let mut out = root.clone();
-    if let (Some(obj), Some(Value::Object(text))) = (out.as_object_mut(), root.get("text_config")) {
+    // `llm_config`: InternVL-Chat checkpoints (model_type `internvl_chat`).
+    if let (Some(obj), Some(Value::Object(text))) = (out.as_object_mut(), root.get("text_config").or_else(|| root.get("llm_config"))) {
         for (k, v) in text {
             obj.insert(k.clone(), v.clone());
         }

@@ -116,6 +116,16 @@ pub trait Speculator: Send {
     fn settle(&mut self, model: &Model, cache: &mut Cache, history: &[u32]) -> Result<()>;
     /// Counters since [`Speculator::start`].
     fn stats(&self) -> SpeculativeStats;
+    /// How many of the next tokens to leave to plain decoding (a policy settled on no drafts until
+    /// its next probe), asked between cycles with the cache holding every token but the newest:
+    /// the generator decodes them its own pipelined way, then calls [`Speculator::resume`].
+    /// Default: none (every token comes from [`Speculator::cycle`]).
+    fn plain_tokens(&mut self, _history: &[u32]) -> usize {
+        0
+    }
+    /// A plain stretch of `n` tokens that took `secs` has ended: the cache holds `history` but its
+    /// newest token, as after a cycle.
+    fn resume(&mut self, _history: &[u32], _n: usize, _secs: f64) {}
 }
 
 /// One generated token.
@@ -163,6 +173,11 @@ struct SpecState<'a> {
     /// The cache does not hold `history` exactly (tokens handed out but not fed, or rolled-back
     /// tokens still in it).
     unsettled: bool,
+    /// Tokens of the current plain stretch ([`Speculator::plain_tokens`]) not yet produced, its
+    /// length and start.
+    plain_left: usize,
+    plain_len: usize,
+    plain_started: Option<Instant>,
 }
 
 /// Start generating after `prompt` (appended to `cache`; pass only the tokens not yet in it).
@@ -226,7 +241,7 @@ impl<'a> Generator<'a> {
     pub fn with_speculator(mut self, speculator: &'a mut dyn Speculator) -> Self {
         speculator.start();
         self.lazy_feed = false;
-        self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false });
+        self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false, plain_left: 0, plain_len: 0, plain_started: None });
         self
     }
     /// The prompt holds the (expanded) tokens of `media`, in order: it is prefilled in one call
@@ -343,9 +358,11 @@ impl<'a> Generator<'a> {
             self.settle_speculation()?;
             return Ok(None);
         }
-        if self.spec.is_some() && self.first_token.is_some() {
+        if self.first_token.is_some() && self.spec.is_some() && !self.plain_stretch()? {
             return self.next_speculative();
         }
+        // the last token of a plain stretch stays out of the cache (the speculator's invariant)
+        let last_plain = self.spec.as_ref().is_some_and(|s| s.plain_left == 1);
         let (id, logprob) = match self.forced.take() {
             Some(id) => (id, 0.0),
             None => {
@@ -357,7 +374,7 @@ impl<'a> Generator<'a> {
                 // Pipelining (as mlx-lm's generate_step): queue step n + 1 on the still-lazy
                 // token n before reading token n back, so the device never waits for the host.
                 // Penalties need id n in the history first, so they take the plain path.
-                if self.lazy_feed {
+                if self.lazy_feed && !last_plain {
                     self.pending = Some(self.step(&tok.reshape(&[1, 1])?)?);
                     self.queued_on_lazy = true;
                 }
@@ -384,6 +401,14 @@ impl<'a> Generator<'a> {
         self.history.push(id);
         let is_stop = self.stop.contains(&id);
         let guard = self.guard.push(id);
+        let plain = self.spec.as_ref().map_or(0, |s| s.plain_left);
+        if let Some(spec) = self.spec.as_mut().filter(|_| plain > 0) {
+            spec.plain_left -= 1;
+            if spec.plain_left == 0 {
+                let secs = spec.plain_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
+                spec.speculator.resume(&self.history, spec.plain_len, secs);
+            }
+        }
         // Queue the next step before handing this token out (pipelining); a stop token is fed
         // too, so the cache ends on a turn boundary.
         if fed {
@@ -392,7 +417,7 @@ impl<'a> Generator<'a> {
                 self.pending = None;
                 self.cache.eval_with(&[])?;
             }
-        } else if let Some(spec) = &mut self.spec {
+        } else if let Some(spec) = self.spec.as_mut().filter(|_| plain <= 1) {
             // Speculation: the newest token stays out of the cache until the next cycle.
             spec.unsettled = true;
             if is_stop || guard.is_some() || self.produced + 1 >= self.cfg.max_new_tokens {
@@ -417,6 +442,30 @@ impl<'a> Generator<'a> {
             self.finish = Some(FinishReason::Repetition);
         }
         Ok(Some(Token { id, logprob }))
+    }
+
+    /// Whether the next token comes from a plain stretch: one under way, or one the speculator
+    /// asks for now (between cycles), which starts by feeding the newest token as plain decoding
+    /// does.
+    fn plain_stretch(&mut self) -> Result<bool> {
+        let max = self.cfg.max_new_tokens - self.produced;
+        let Some(spec) = self.spec.as_mut() else { return Ok(false) };
+        if spec.plain_left > 0 {
+            return Ok(true);
+        }
+        if !spec.queue.is_empty() || self.pending.is_some() || self.forced.is_some() {
+            return Ok(false);
+        }
+        let n = spec.speculator.plain_tokens(&self.history).min(max);
+        if n == 0 {
+            return Ok(false);
+        }
+        (spec.plain_left, spec.plain_len, spec.plain_started) = (n, n, Some(Instant::now()));
+        // the cache holds the history but its newest token, and nothing rolled back
+        spec.unsettled = false;
+        let last = *self.history.last().ok_or_else(|| ModelError::Cache("a plain stretch needs a history (internal error)".into()))?;
+        self.pending = Some(self.step(&Array::from_slice(&[last], &[1, 1])?)?);
+        Ok(true)
     }
 
     /// The next token of a speculative generation: from the last cycle's tokens, or a new cycle.

@@ -185,6 +185,13 @@ pub static FAMILIES: &[Family] = &[
         paged_memory_floor_mb: Some(16384.0),
         ..Family::new("qwen3_5_vl", &[], crate::families::qwen3_5_vl::load, crate::families::qwen3_5_vl::PRESETS)
     },
+    // PaddleOCR-VL: vision encoder, projector and ERNIE-4.5 language model.
+    Family {
+        kind: FamilyKind::Vlm,
+        sanitize: crate::families::paddleocr_vl::sanitize,
+        kv_default: KvDefault::Flat,
+        ..Family::new("paddleocr_vl", &["paddleocr_vl"], crate::families::paddleocr_vl::load, crate::families::paddleocr_vl::PRESETS)
+    },
     Family {
         kind: FamilyKind::Embedding,
         architecture_probe: Some(|c| {
@@ -222,6 +229,12 @@ pub static FAMILIES: &[Family] = &[
     // short-convolution state per sequence).
     Family::new("lfm2", &["lfm2"], crate::families::lfm2::load, crate::families::lfm2::PRESETS),
     Family::new("lfm2_moe", &["lfm2_moe"], crate::families::lfm2::load, crate::families::lfm2::MOE_PRESETS),
+    // InternVL (Qianfan-OCR, InternVL-Chat, transformers' native layout) with its vision tower.
+    Family {
+        kind: FamilyKind::Vlm,
+        kv_default: KvDefault::Flat,
+        ..Family::new("internvl", &["internvl", "internvl_chat", "qianfan-ocr", "qianfan_ocr"], crate::families::internvl::load, crate::families::internvl::PRESETS)
+    },
 ];
 
 /// Look up a family by canonical type.

@@ -19,7 +19,7 @@ SRC=${SRC:-$HOME/.cache/mlx-models/SmolLM2-135M-Instruct}
 Q4=${Q4:-/tmp/smollm2-q4}
 PY=${PY:-/tmp/mlxlm/bin/python}
 EXTRA=${EXTRA:-60}
-TOKENS=${TOKENS:-128}
+TOKENS=${TOKENS:-64}
 RUNS=${RUNS:-3}
 B=$(dirname "$0")
 mkdir -p "$OUT"

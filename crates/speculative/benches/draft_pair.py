@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
@@ -67,6 +68,7 @@ def mlx_lm_run(target, draft, prompt, n, k, runs=1):
         r = res.setdefault(name, {"tokens": toks, "rates": []})
         r["rates"].append((len(toks) - 1) / dt)
         r["decode_tokens_per_sec"] = median(r["rates"])
+        print(f"mlx-lm {name}: {r['rates'][-1]:.1f} tok/s", file=sys.stderr, flush=True)
         if flags:
             r["from_draft_fraction"] = sum(flags) / len(flags)
     return res
@@ -98,6 +100,7 @@ def main():
             o = ours(a.exe, a.target, None if mode == "plain" else a.draft, prompt, a.tokens, a.draft_tokens, mode)
             runs[mode].append(o["performance"]["decode_tokens_per_sec"])
             outs[mode] = o
+            print(f"ours {mode}: {runs[mode][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     plain = median(runs["plain"])
     report = {"load_before": os.getloadavg(), "ours": {"plain_tok_s": plain, "runs": a.runs}}
     for mode in ["fixed", "adaptive"]:

@@ -11,9 +11,12 @@
 //! then **climb**: each cycle moves to the best of plain decoding, `depth - 1`, `depth` and
 //! `depth + 1` (a neighbour never measured is tried once while speculation is ahead), where
 //! speculating must beat plain decoding by [`Adaptive::MARGIN`] (the expected-value gate; a
-//! cycle's time is taken as at least a plain step's); every [`Adaptive::PROBE`] cycles a
-//! neighbour is **probed** again so that stale estimates (plain decoding's included) are
-//! refreshed. Depth 0 with a useless draft therefore costs one probe cycle in `PROBE`.
+//! cycle's time is taken as at least a plain step's); a neighbour is **probed** again every
+//! [`Adaptive::PROBE`] cycles or more, so that stale estimates (plain decoding's included) are
+//! refreshed: the gap between probes grows until a probe's measured time is at most
+//! [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
+//! costs several plain steps, as multi-row forwards do on some GPUs, is probed that much more
+//! rarely). Depth 0 with a useless draft therefore costs at most that share of the time.
 
 /// The adaptive depth policy of one generation.
 #[derive(Debug, Clone)]
@@ -24,6 +27,10 @@ pub struct Adaptive {
     accept: Vec<f64>,
     cycles: usize,
     probe_up: bool,
+    /// The cycle of the next probe.
+    next_probe: usize,
+    /// The depth probed by the last cycle handed out, until its time is observed.
+    probing: Option<usize>,
 }
 
 impl Adaptive {
@@ -31,8 +38,10 @@ impl Adaptive {
     pub const ALPHA: f64 = 0.25;
     /// Speculation must promise this many times plain decoding's tokens per second.
     pub const MARGIN: f64 = 1.05;
-    /// Cycles between probes of a neighbouring depth.
+    /// Fewest cycles between probes of a neighbouring depth.
     pub const PROBE: usize = 16;
+    /// Most of the time a probe may take, as a share of the cycles until the next probe.
+    pub const PROBE_BUDGET: f64 = 1.0 / 32.0;
     /// Cycles drafting at the maximum depth first.
     pub const EXPLORE: usize = 2;
 
@@ -45,6 +54,8 @@ impl Adaptive {
             accept: vec![0.5; max],
             cycles: 0,
             probe_up: false,
+            next_probe: Self::PROBE,
+            probing: None,
         }
     }
 
@@ -95,20 +106,19 @@ impl Adaptive {
             return 0;
         }
         let (lo, hi) = (self.depth.saturating_sub(1), (self.depth + 1).min(self.max));
-        if self.cycles % Self::PROBE == 0 {
+        if self.cycles >= self.next_probe {
             self.probe_up = !self.probe_up;
             let n = if (self.probe_up && hi != self.depth) || lo == self.depth {
                 hi
             } else {
                 lo
             };
+            // placed again once the probe's time is known (`observe`)
+            self.next_probe = self.cycles + Self::PROBE;
+            self.probing = Some(n);
             return n;
         }
-        // the best measured of plain decoding and the neighbourhood; plain wins: stay plain
-        let best = [0, lo, self.depth, hi]
-            .into_iter()
-            .filter(|&d| self.time[d].is_some())
-            .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b });
+        let best = self.best();
         if best == 0 {
             self.depth = 0;
             return 0;
@@ -120,11 +130,57 @@ impl Adaptive {
         best
     }
 
+    /// The best measured of plain decoding and the current depth's neighbourhood.
+    fn best(&self) -> usize {
+        self.best_around(self.depth)
+    }
+
+    fn best_around(&self, depth: usize) -> usize {
+        let (lo, hi) = (depth.saturating_sub(1), (depth + 1).min(self.max));
+        [0, lo, self.depth, hi]
+            .into_iter()
+            .filter(|&d| self.time[d].is_some())
+            .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b })
+    }
+
+    /// How many of the next cycles are plain steps for sure: past exploring and calibrating, with
+    /// plain decoding the best measured choice, the cycles before the next probe. A caller may run them as one plain stretch and report it with
+    /// [`Adaptive::observe_plain`].
+    pub fn plain_run(&self) -> usize {
+        if self.cycles < Self::EXPLORE || self.time[0].is_none() || self.best() != 0 || self.best_around(0) != 0 {
+            return 0;
+        }
+        self.next_probe.saturating_sub(self.cycles + 1)
+    }
+
+    /// `n` plain steps ran as one stretch in `secs`: as `n` cycles at depth 0.
+    pub fn observe_plain(&mut self, n: usize, secs: f64) {
+        if n == 0 {
+            return;
+        }
+        self.cycles += n;
+        self.depth = 0;
+        self.observe(0, 0, secs / n as f64);
+    }
+
+    /// Cycles until the probe after one at depth `d`: [`Adaptive::PROBE`], or more when a cycle at
+    /// `d` is measured to cost more than [`Adaptive::PROBE_BUDGET`] of that many cycles at the
+    /// current depth.
+    fn probe_gap(&self, d: usize) -> usize {
+        match (self.time[d], self.time[self.depth]) {
+            (Some(tp), Some(tc)) if tc > 0.0 => Self::PROBE.max((tp / (Self::PROBE_BUDGET * tc)).ceil() as usize),
+            _ => Self::PROBE,
+        }
+    }
+
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
     pub fn observe(&mut self, d: usize, accepted: usize, secs: f64) {
         let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
         if let Some(t) = self.time.get_mut(d) {
             *t = ema(*t, secs);
+        }
+        if self.probing.take() == Some(d) {
+            self.next_probe = self.cycles + self.probe_gap(d);
         }
         for i in 0..d.min(accepted + 1).min(self.max) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
@@ -172,6 +228,55 @@ mod tests {
         // every draft costs as much as a plain step: speculation cannot pay
         let (d, _) = settle(0.97, 1.05, 1.0, 1.0);
         assert!(d <= 1, "depth {d}");
+    }
+
+    /// Plain decoding's time with this policy against plain decoding alone, for a useless draft
+    /// whose cycles cost `base + d * per_draft` plain steps.
+    fn useless_overhead(base: f64, per_draft: f64, n: usize) -> f64 {
+        let mut a = Adaptive::new(5);
+        let mut total = 0.0;
+        for _ in 0..n {
+            let d = a.next_depth();
+            let t = if d == 0 { 1.0 } else { base + d as f64 * per_draft };
+            total += t;
+            a.observe(d, 0, t);
+        }
+        total / n as f64
+    }
+
+    #[test]
+    fn costly_probes_are_spaced_out() {
+        // a verify forward that costs 6 plain steps (+ 0.8 a draft), as multi-row forwards do on
+        // some GPUs: beyond the opening cycles, probing stays within the budget
+        let short = useless_overhead(6.0, 0.8, 128);
+        let long = useless_overhead(6.0, 0.8, 4096);
+        assert!(long < 1.0 + 2.0 * Adaptive::PROBE_BUDGET, "overhead {long}");
+        assert!(short > long, "the opening cycles dominate short runs: {short} vs {long}");
+        // cheap probes keep the minimum gap
+        let cheap = useless_overhead(1.05, 0.1, 4096);
+        assert!(cheap < 1.0 + 2.0 * Adaptive::PROBE_BUDGET, "overhead {cheap}");
+    }
+
+    #[test]
+    fn a_plain_run_lasts_until_the_next_probe() {
+        let mut a = Adaptive::new(3);
+        // exploring at depth 3, then calibrating with a plain step: no plain run yet
+        for _ in 0..Adaptive::EXPLORE {
+            assert_eq!(a.plain_run(), 0);
+            let d = a.next_depth();
+            a.observe(d, 0, 4.0);
+        }
+        assert_eq!(a.next_depth(), 0);
+        a.observe(0, 0, 1.0);
+        let n = a.plain_run();
+        assert!(n > 0 && n < Adaptive::PROBE, "plain run {n}");
+        a.observe_plain(n, n as f64);
+        assert_eq!(a.plain_run(), 0, "the next cycle is a probe");
+        assert_eq!(a.next_depth(), 1);
+        a.observe(1, 0, 4.0);
+        // a probe costing 4 plain steps: the next run is at least 4 / PROBE_BUDGET cycles away
+        let n = a.plain_run();
+        assert!(n as f64 >= 4.0 / Adaptive::PROBE_BUDGET - 2.0, "plain run {n}");
     }
 
     #[test]

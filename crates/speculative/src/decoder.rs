@@ -300,4 +300,27 @@ impl Speculator for SpeculativeDecoder {
     fn stats(&self) -> SpeculativeStats {
         self.counters.stats()
     }
+
+    /// With adaptive depth settled on plain decoding, the cycles until its next probe; none for
+    /// drafters that follow the target's hidden states (they need every step's).
+    fn plain_tokens(&mut self, _history: &[u32]) -> usize {
+        if self.target.is_none() || self.drafter.wants_target_hidden() || !self.drafter.target_taps().is_empty() {
+            return 0;
+        }
+        self.policy.as_ref().map_or(0, crate::Adaptive::plain_run)
+    }
+
+    fn resume(&mut self, history: &[u32], n: usize, secs: f64) {
+        let held = history[..history.len().saturating_sub(1)].to_vec();
+        match self.target.as_mut() {
+            Some(t) => t.reset(held),
+            None => self.target = Some(Tracked::new(held)),
+        }
+        for _ in 0..n {
+            self.counters.record(0, 0);
+        }
+        if let Some(p) = &mut self.policy {
+            p.observe_plain(n, secs);
+        }
+    }
 }

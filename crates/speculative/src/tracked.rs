@@ -51,6 +51,12 @@ impl Tracked {
         }
     }
 
+    /// The cache was fed outside [`Tracked::sync`] and now holds `tokens`; no snapshot reaches it.
+    pub(crate) fn reset(&mut self, tokens: Vec<u32>) {
+        self.tokens = tokens;
+        self.snap = None;
+    }
+
     /// Remember the cache's current state as a rollback point.
     pub(crate) fn snapshot(&mut self, cache: &Cache) {
         self.snap = Some((cache.snapshot(), self.tokens.len()));

@@ -152,6 +152,10 @@ struct Args {
     /// Always run the model's full logits (default: the chunked head where it applies).
     #[arg(long)]
     full_logits: bool,
+    /// Recompute each decoder layer's activations in the backward pass instead of keeping
+    /// them (less memory, one more forward pass through the layers).
+    #[arg(long)]
+    grad_checkpoint: bool,
     /// Completion positions per head chunk.
     #[arg(long, default_value_t = 1024)]
     head_chunk: usize,
@@ -348,6 +352,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         },
         max_nan_gradients: args.max_nan_gradients,
         chunked_head: !args.full_logits,
+        gradient_checkpointing: args.grad_checkpoint,
         head_chunk: args.head_chunk,
         pad_id: None,
     };

@@ -36,6 +36,8 @@
 //! hidden rows chunk by chunk; `dL/dz = g (onehot - softmax(z))` (times the softcap's
 //! derivative), `dL/dh = dz W` and the head's `dL/dW += dzᵀ h` per chunk; the body's gradients
 //! are those of `sum(h(θ) · dL/dh)`. Otherwise the model's full `[N, L, V]` logits are used.
+//! With [`GrpoConfig::gradient_checkpointing`] the model pass of the gradients runs every
+//! decoder layer checkpointed (the log-prob pass before it, which keeps no graph, runs plain).
 //!
 //! Each update clips the global gradient norm and applies the optimizer. An update whose loss
 //! or gradients are not finite is skipped (parameters and optimizer state unchanged) and counted
@@ -116,6 +118,11 @@ pub struct GrpoConfig {
     pub head_chunk: usize,
     /// Padding id (`None`: the config's `pad_token_id`, else 0).
     pub pad_id: Option<u32>,
+    /// Per-layer gradient checkpointing in the policy's gradient pass
+    /// ([`mlx_models::Cache::set_gradient_checkpointing`]): each decoder layer keeps only its
+    /// inputs and is recomputed in the backward pass (less memory, one more forward pass
+    /// through the layers). Default false.
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for GrpoConfig {
@@ -143,6 +150,7 @@ impl Default for GrpoConfig {
             chunked_head: true,
             head_chunk: 1024,
             pad_id: None,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -531,9 +539,10 @@ fn pack(completions: &[&Completion], pad_id: u32) -> Result<Packed> {
 }
 
 /// `[n, t]` log-probs of the completion tokens under `model` (temperature 1; 0-masked rows hold
-/// a finite placeholder).
-fn token_logprobs(model: &Model, p: &Packed) -> mlx_array::Result<Array> {
+/// a finite placeholder), the layers checkpointed when `checkpointed`.
+fn token_logprobs(model: &Model, p: &Packed, checkpointed: bool) -> mlx_array::Result<Array> {
     let mut cache = model.new_cache();
+    cache.set_gradient_checkpointing(checkpointed);
     let out = model
         .forward(&p.inputs, &mut cache, Logits::All, false)
         .map_err(model_err)?;
@@ -563,9 +572,11 @@ enum Head {
     Model,
 }
 
-/// `[M, H]` f32 final hidden rows of the positions predicting the completion tokens.
-fn hidden_rows(model: &Model, p: &Packed) -> mlx_array::Result<Array> {
+/// `[M, H]` f32 final hidden rows of the positions predicting the completion tokens, the
+/// layers checkpointed when `checkpointed`.
+fn hidden_rows(model: &Model, p: &Packed, checkpointed: bool) -> mlx_array::Result<Array> {
     let mut cache = model.new_cache();
+    cache.set_gradient_checkpointing(checkpointed);
     let out = model
         .forward(&p.inputs, &mut cache, Logits::None, true)
         .map_err(model_err)?;
@@ -1085,12 +1096,12 @@ impl GrpoTrainer {
             // the policy's hidden rows and head weight, kept for the chunked backward pass
             let (lp0, hidden) = match &self.head {
                 Head::Chunked { weight, softcap } => {
-                    let h = hidden_rows(&policy, &p)?;
+                    let h = hidden_rows(&policy, &p, false)?;
                     h.eval()?;
                     let w = head_weight(&self.tree, weight)?;
                     (chunked_logprobs(&h, &w, *softcap, &p, chunk)?, Some((h, w)))
                 }
-                Head::Model => (token_logprobs(&policy, &p)?, None),
+                Head::Model => (token_logprobs(&policy, &p, false)?, None),
             };
             lp0.eval()?;
             let old = match &batch.old_logprobs {
@@ -1105,7 +1116,7 @@ impl GrpoTrainer {
             };
             let ref_lp = match (&reference, &self.reference, &self.head) {
                 (Some(m), Some(rt), Head::Chunked { weight, softcap }) => {
-                    let h = hidden_rows(m, &p)?;
+                    let h = hidden_rows(m, &p, false)?;
                     h.eval()?;
                     Some(chunked_logprobs(
                         &h,
@@ -1116,7 +1127,7 @@ impl GrpoTrainer {
                     )?)
                 }
                 (Some(m), _, _) => {
-                    let r = token_logprobs(m, &p)?;
+                    let r = token_logprobs(m, &p, false)?;
                     r.eval()?;
                     Some(r)
                 }
@@ -1153,7 +1164,7 @@ impl GrpoTrainer {
                     let (_, mut gk) = value_and_grad(
                         |ps| {
                             let tree = self.tree.with_trainable(ps).map_err(model_err)?;
-                            hidden_rows(&self.build(&tree)?, &p)?
+                            hidden_rows(&self.build(&tree)?, &p, cfg.gradient_checkpointing)?
                                 .mul(&dh)?
                                 .sum(&[], false)
                         },
@@ -1168,7 +1179,7 @@ impl GrpoTrainer {
                     value_and_grad(
                         |ps| {
                             let tree = self.tree.with_trainable(ps).map_err(model_err)?;
-                            token_logprobs(&self.build(&tree)?, &p)?
+                            token_logprobs(&self.build(&tree)?, &p, cfg.gradient_checkpointing)?
                                 .mul(&g_lp)?
                                 .sum(&[], false)
                         },

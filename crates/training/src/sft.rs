@@ -63,8 +63,9 @@ pub struct SftConfig {
     /// Gradient checkpointing per decoder layer (default false): the backward pass recomputes
     /// each layer's activations from the layer's input instead of keeping them
     /// ([`mlx_models::Cache::set_gradient_checkpointing`]): less memory, one more forward pass
-    /// through the layers. For families whose layers do not support it (the hybrid
-    /// attention/recurrent stacks, Gemma 4), gradient computations fail with an error saying so.
+    /// through the layers. Every LM family's layers support it (attention, short-conv and
+    /// GatedDeltaNet mixers, dense and MoE feed-forwards, Gemma 4's per-layer inputs and
+    /// KV-shared layers).
     pub gradient_checkpointing: bool,
 }
 

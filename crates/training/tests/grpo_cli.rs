@@ -1,7 +1,8 @@
 //! The `grpo` example end to end in separate processes: `--rollouts` and `--prompts` with
 //! `--json` print one object per step (`step`, `loss`, `reward_mean`) and nothing else; recorded
 //! rollouts give the same steps twice (deterministic); the output store's JSONL export replays
-//! through `--rollouts`; bad flag combinations fail cleanly; `--resume` in a new process
+//! through `--rollouts`; `--grad-checkpoint` gives the same losses up to rounding; bad flag
+//! combinations fail cleanly; `--resume` in a new process
 //! continues exactly (rollouts and seeded sampling) and a run killed while saving leaves a
 //! loadable checkpoint.
 mod common;
@@ -122,6 +123,23 @@ fn rollouts_prompts_store_and_replay() {
         without_time(&a),
         "exported rows replay as recorded"
     );
+
+    // per-layer gradient checkpointing: the same steps, up to rounding
+    let (ok, stdout, stderr) = run(
+        &[&replay[..], &["--out", "d", "--grad-checkpoint"]].concat(),
+        tmp.path(),
+    );
+    assert!(ok, "{stderr}");
+    let d = steps_of(&stdout);
+    assert_eq!(d.len(), a.len(), "{stdout}");
+    for (x, y) in d.iter().zip(&a) {
+        let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!(
+            (lx - ly).abs() <= 1e-6 + 1e-5 * ly.abs(),
+            "--grad-checkpoint: loss {lx} vs {ly}"
+        );
+        assert_eq!(x["reward_mean"], y["reward_mean"]);
+    }
 
     // sampling mode: prompts, length reward
     std::fs::write(

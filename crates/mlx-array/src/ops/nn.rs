@@ -118,6 +118,66 @@ impl Array {
             .map(Array::wrap)
     }
 
+    /// 2-d convolution. Input `[N, H, W, C_in]`, weight `[C_out, KH, KW, C_in / groups]` (MLX
+    /// layout); `stride`, `padding` (zeros on both sides) and `dilation` are `(h, w)`.
+    ///
+    /// The padding is a separate [`Array::pad`]: MLX 0.32.2's CPU convolution corrupts the heap
+    /// when it pads itself and the dilation exceeds the input's height or width (a 3x3 kernel of
+    /// dilation 8 over a 7x5 map, padded by 8, aborts in `free`). A dilated convolution without
+    /// groups runs as one matrix product over the `KH * KW` shifted views of the input (im2col):
+    /// MLX's CPU kernel for dilation loops per element, about 3x slower.
+    pub fn conv2d(&self, weight: &Array, stride: (usize, usize), padding: (usize, usize), dilation: (usize, usize), groups: usize) -> Result<Array> {
+        if groups == 0 || stride.0 == 0 || stride.1 == 0 || dilation.0 == 0 || dilation.1 == 0 {
+            return Err(Error::arg("conv2d", "stride, dilation and groups must be positive"));
+        }
+        if self.ndim() != 4 {
+            return Err(Error::shape("conv2d", format!("need an [N, H, W, C] input, got {:?}", self.shape())));
+        }
+        let padded;
+        let x = if padding == (0, 0) {
+            self
+        } else {
+            padded = self.pad(&[(0, 0), (padding.0, padding.0), (padding.1, padding.1), (0, 0)], 0.0)?;
+            &padded
+        };
+        if dilation != (1, 1) && groups == 1 {
+            return x.conv2d_im2col(weight, stride, dilation);
+        }
+        let p = |(a, b): (usize, usize)| (a as i32, b as i32);
+        mlx_rs::ops::conv2d(&x.inner, &weight.inner, p(stride), (0, 0), p(dilation), groups as i32)
+            .op("conv2d")
+            .map(Array::wrap)
+    }
+
+    /// [`Array::conv2d`] of an already padded input, without groups, as one matrix product:
+    /// the `KH * KW` strided views of `self` concatenated on channels times the weight flattened
+    /// to `[KH * KW * C_in, C_out]` (MLX's layout is already tap-major).
+    fn conv2d_im2col(&self, weight: &Array, stride: (usize, usize), dilation: (usize, usize)) -> Result<Array> {
+        let (x, w) = (self.shape(), weight.shape());
+        if w.len() != 4 || w[3] != x[3] {
+            return Err(Error::shape("conv2d", format!("weight {w:?} does not fit input {x:?}")));
+        }
+        let (n, c, o, kh, kw) = (x[0], x[3], w[0], w[1], w[2]);
+        let span = |k: usize, d: usize| d * (k.max(1) - 1) + 1;
+        let (sh, sw) = (span(kh, dilation.0), span(kw, dilation.1));
+        if x[1] < sh || x[2] < sw || kh == 0 || kw == 0 {
+            return Err(Error::shape("conv2d", format!("kernel of {sh}x{sw} (dilated) is larger than the padded input {x:?}")));
+        }
+        let (oh, ow) = ((x[1] - sh) / stride.0 + 1, (x[2] - sw) / stride.1 + 1);
+        let mut views = Vec::with_capacity(kh * kw);
+        for i in 0..kh {
+            for j in 0..kw {
+                let (y0, x0) = (i * dilation.0, j * dilation.1);
+                let stop = [n, y0 + (oh - 1) * stride.0 + 1, x0 + (ow - 1) * stride.1 + 1, c];
+                views.push(self.slice(&[0, y0, x0, 0], &stop, &[1, stride.0, stride.1, 1])?);
+            }
+        }
+        let cols = super::concatenate(&views.iter().collect::<Vec<_>>(), 3)?;
+        let k = (kh * kw * c) as i32;
+        let y = cols.reshape(&[-1, k])?.matmul(&weight.reshape(&[o as i32, k])?.transpose(&[1, 0])?)?;
+        y.reshape(&[n as i32, oh as i32, ow as i32, o as i32])
+    }
+
     /// Causal 1-d convolution (stride 1): the input `[N, L, C_in]` is padded on the left with
     /// `dilation * (K - 1)` zeros, so output `t` sees inputs `..=t` only and has length `L`.
     /// With `groups == C_in == C_out` and weight `[C, K, 1]` this is the depthwise short

@@ -332,7 +332,10 @@ fn unit_lower_inverse(a: &Array, c: usize) -> Result<Array> {
     Ok(ops::concatenate(&refs, nd - 2)?)
 }
 
+crate::layers::layer_arrays!(GatedDeltaNet { in_proj, conv_w, neg_a, dt_bias, norm_w, out });
+
 impl RecurrentMixer for GatedDeltaNet {
+    const SLOTS: usize = SLOTS;
     fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], _i: usize, valid: Option<&Array>) -> Result<Array> {
         self.forward_valid(x, slots, valid)
     }

@@ -273,6 +273,7 @@ impl Gemma4Config {
     }
 }
 
+#[derive(Clone)]
 struct Attn {
     /// `q_proj`, then (own-K/V layers) `k_proj`, then (unless k_eq_v) `v_proj`, as one product
     /// on the GPU.
@@ -289,6 +290,8 @@ struct Attn {
     n_kv: usize,
     head_dim: usize,
 }
+
+crate::layers::layer_arrays!(Attn { proj, k_norm, o, q_norm, v_norm });
 
 impl Attn {
     fn load(vb: &Vb, cfg: &Gemma4Config, i: usize) -> Result<Self> {
@@ -382,6 +385,7 @@ impl Attn {
 
 /// Top-k routed experts (Gemma 4's router: RMS-normed input, softmax over the top k, scaled per
 /// expert) over the shared [`SwitchGlu`].
+#[derive(Clone)]
 struct Experts {
     proj: Linear,
     /// `router.scale * hidden^-0.5`, the router's RMSNorm weight.
@@ -392,6 +396,8 @@ struct Experts {
     n_experts: usize,
     eps: f32,
 }
+
+crate::layers::layer_arrays!(Experts { proj, router_norm, per_expert_scale, experts });
 
 impl Experts {
     fn load(vb: &Vb, cfg: &Gemma4Config, act: Activation) -> Result<Self> {
@@ -422,7 +428,7 @@ impl Experts {
     fn forward(&self, route: &Array, x: &Array) -> Result<Array> {
         let (e, k) = (self.n_experts, self.top_k);
         let scores = self.proj.forward(&route.rms_norm(Some(&self.router_norm), self.eps)?)?;
-        let idx = scores.argpartition((e - k) as i32, -1)?.slice_axis(-1, e - k, e)?;
+        let idx = mlx_array::grad::stop_gradient(&scores.argpartition((e - k) as i32, -1)?.slice_axis(-1, e - k, e)?)?;
         let w = scores.take_along_axis(&idx, -1)?.softmax(-1, true)?.mul(&self.per_expert_scale.take(&idx, 0)?)?;
         let shape = x.dims();
         let h = shape[shape.len() - 1];
@@ -431,6 +437,7 @@ impl Experts {
     }
 }
 
+#[derive(Clone)]
 struct Moe {
     experts: Experts,
     pre_norm_2: RmsNorm,
@@ -438,12 +445,18 @@ struct Moe {
     post_norm_2: RmsNorm,
 }
 
+crate::layers::layer_arrays!(Moe { experts, pre_norm_2, post_norm_1, post_norm_2 });
+
+#[derive(Clone)]
 struct Ple {
     gate: Linear,
     proj: Linear,
     norm: RmsNorm,
 }
 
+crate::layers::layer_arrays!(Ple { gate, proj, norm });
+
+#[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
     attn: Attn,
@@ -455,6 +468,19 @@ struct Block {
     ple: Option<Ple>,
     layer_scalar: Array,
     act: Activation,
+}
+
+crate::layers::layer_arrays!(Block { input_norm, attn, post_attn_norm, pre_ffn_norm, mlp, post_ffn_norm, moe, ple, layer_scalar });
+
+/// What a checkpointed layer's inputs are besides its hidden states
+/// ([`Gemma4Model::hidden_checkpointed`]).
+#[derive(Clone)]
+struct CheckpointCtx {
+    mask: AttentionMask<'static>,
+    /// The layer's per-layer input follows the hidden states.
+    ple: bool,
+    /// The layer's K/V are returned too (KV-shared layers attend over them).
+    anchor: bool,
 }
 
 impl Block {
@@ -508,6 +534,48 @@ impl Block {
                 Ok(h1.add(&h2)?)
             }
         }
+    }
+
+    /// Layer `i`'s slice `[B, L, P]` of the per-layer inputs `[B, L, layers, P]` (PLE layers).
+    fn per_layer_input(&self, ple: Option<&Array>, i: usize) -> Result<Option<Array>> {
+        match (&self.ple, ple) {
+            (Some(_), Some(inputs)) => Ok(Some(inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// The layer's output from `h` (the residual stream after attention): the feed-forward
+    /// residual, the gated per-layer input `pli` (`[B, L, P]`, PLE layers) and the layer scalar.
+    fn finish(&self, h: &Array, pli: Option<&Array>) -> Result<Array> {
+        let mut y = h.add(&self.post_ffn_norm.forward(&self.ffn(h)?)?)?;
+        if let (Some(p), Some(pli)) = (&self.ple, pli) {
+            let g = self.act.gated(&p.gate.forward(&y)?, pli)?;
+            y = y.add(&p.norm.forward(&p.proj.forward(&g)?)?)?;
+        }
+        Ok(y.mul(&self.layer_scalar)?)
+    }
+
+    /// The whole layer over every position from 0, keeping no cache state: `xs` is the hidden
+    /// states, then the per-layer input when `c.ple`, then (KV-shared layers) the anchor's K
+    /// and V. Returns the output, and the layer's K and V when `c.anchor`.
+    fn forward_checkpointed(&self, xs: &[Array], c: &CheckpointCtx) -> Result<Vec<Array>> {
+        let x = &xs[0];
+        let pli = if c.ple { xs.get(1) } else { None };
+        let h = self.input_norm.forward(x)?;
+        let (a, (k, v)) = if self.attn.own_kv() {
+            let mut scratch = crate::kv::KvCache::new(None);
+            self.attn.forward(&h, Some(&mut LayerKv::Flat(&mut scratch)), None, 0, c.mask, false, None)?
+        } else {
+            let at = 1 + c.ple as usize;
+            let shared = match xs.get(at..at + 2) {
+                Some([k, v]) => (k.clone(), v.clone()),
+                _ => return Err(ModelError::InvalidInput("a checkpointed KV-shared layer without its anchor's K/V".into())),
+            };
+            self.attn.forward(&h, None, Some(&shared), 0, c.mask, false, None)?
+        };
+        let h = x.add(&self.post_attn_norm.forward(&a)?)?;
+        let y = self.finish(&h, pli)?;
+        Ok(if c.anchor { vec![y, k, v] } else { vec![y] })
     }
 }
 
@@ -692,6 +760,13 @@ impl Gemma4Model {
                 return Err(ModelError::Cache(format!("layer {i}: cache layout does not match the model's cache_spec")));
             }
         }
+        if cache.gradient_checkpointing() {
+            if !taps.is_empty() {
+                return Err(ModelError::UnsupportedOption("gradient checkpointing: residual-stream taps".into()));
+            }
+            crate::layers::decoder::check_checkpointed(cache, rows)?;
+            return Ok((self.hidden_checkpointed(net, tokens, embeds)?, tapped));
+        }
         // Paged caches may serve a prefix of `tokens` from the block pool: compute the rest.
         let (mut kvs, skipped) = cache.begin_forward_with(tokens, allow_prefix_skip)?;
         let batch = kvs.batch().filter(|r| !r.uniform());
@@ -736,19 +811,50 @@ impl Gemma4Model {
                     offset += l - 1; // the one query left sits at the last position
                 }
             }
-            let mut y = h.add(&layer.post_ffn_norm.forward(&layer.ffn(&h)?)?)?;
-            if let (Some(p), Some(inputs)) = (&layer.ple, &ple) {
-                let pli = inputs.slice_axis(2, i, i + 1)?.squeeze(&[2])?;
-                let g = layer.act.gated(&p.gate.forward(&y)?, &pli)?;
-                y = y.add(&p.norm.forward(&p.proj.forward(&g)?)?)?;
-            }
-            x = y.mul(&layer.layer_scalar)?;
+            let pli = layer.per_layer_input(ple.as_ref(), i)?;
+            x = layer.finish(&h, pli.as_ref())?;
             if taps.contains(&i) {
                 tapped.push(x.clone());
             }
         }
         kvs.finish()?;
         Ok((net.norm.forward(&x)?, tapped))
+    }
+
+    /// [`Gemma4Model::hidden`] with every layer under [`mlx_array::grad::checkpoint`]
+    /// ([`Cache::set_gradient_checkpointing`]): every position from 0, no cache written. A
+    /// layer's checkpoint inputs are its hidden states, its slice of the per-layer inputs and,
+    /// for a KV-shared layer, the K/V its anchor's checkpoint returned, so gradients reach the
+    /// PLE projection and the anchor through them.
+    fn hidden_checkpointed(&self, net: &Net, tokens: &Array, embeds: Option<&Array>) -> Result<Array> {
+        let l = tokens.dims()[1] as usize;
+        let mut x = match embeds {
+            Some(e) => e.clone(),
+            None => net.embed.forward(tokens)?.mul_scalar((self.cfg.hidden_size as f32).sqrt())?,
+        };
+        let ple = self.per_layer_inputs(net, tokens, &x)?;
+        let masks = crate::layers::decoder::Masks::new(l, Some(self.cfg.sliding_window));
+        let mut fetched: Vec<Option<(Array, Array)>> = vec![None; net.layers.len()];
+        for (i, layer) in net.layers.iter().enumerate() {
+            let mut xs = vec![x];
+            let pli = layer.per_layer_input(ple.as_ref(), i)?;
+            let ctx = CheckpointCtx {
+                mask: if self.cfg.is_sliding(i) { masks.sliding } else { masks.full },
+                ple: pli.is_some(),
+                anchor: layer.attn.own_kv() && self.kv_src.iter().enumerate().any(|(j, &s)| s == i && j != i),
+            };
+            xs.extend(pli);
+            if !layer.attn.own_kv() {
+                let (k, v) = fetched[self.kv_src[i]].clone().ok_or_else(|| ModelError::Cache("KV-shared layer ran before its anchor".into()))?;
+                xs.extend([k, v]);
+            }
+            let mut out = crate::layers::decoder::checkpoint_layer_with(layer, &xs, &ctx, |l, xs, c| l.forward_checkpointed(xs, c))?.into_iter();
+            x = out.next().ok_or_else(|| ModelError::InvalidInput("the checkpointed layer returned no output".into()))?;
+            if let (Some(k), Some(v)) = (out.next(), out.next()) {
+                fetched[i] = Some((k, v));
+            }
+        }
+        net.norm.forward(&x)
     }
 }
 

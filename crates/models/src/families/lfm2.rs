@@ -198,6 +198,7 @@ impl Lfm2Config {
 }
 
 /// Gated short convolution: `out_proj(C · conv(B · x))` with a depthwise causal conv of width K.
+#[derive(Clone)]
 struct ShortConv {
     in_proj: Linear,
     out_proj: Linear,
@@ -207,6 +208,8 @@ struct ShortConv {
     hidden: usize,
     k: usize,
 }
+
+crate::layers::layer_arrays!(ShortConv { in_proj, out_proj, weight, bias });
 
 impl ShortConv {
     fn load(vb: &Vb, cfg: &Lfm2Config) -> Result<Self> {
@@ -297,6 +300,7 @@ impl ShortConv {
 /// by `routed_scaling_factor`). The experts are the generic [`SwitchGlu`] (`gather_mm`, tokens
 /// sorted by expert for larger batches; on the CPU, long prompts run one product per chosen
 /// expert).
+#[derive(Clone)]
 struct MoeBlock {
     gate: Linear,
     expert_bias: Option<Array>,
@@ -305,6 +309,8 @@ struct MoeBlock {
     norm_topk_prob: bool,
     scaling: f32,
 }
+
+crate::layers::layer_arrays!(MoeBlock { gate, expert_bias, experts });
 
 impl MoeBlock {
     fn load(vb: &Vb, cfg: &Lfm2Config) -> Result<Self> {
@@ -342,7 +348,8 @@ impl ExpertBlock for MoeBlock {
             Some(bias) => scores.astype(DType::F32)?.add(bias)?,
             None => scores.clone(),
         };
-        let inds = select.argpartition((e - k) as i32, 1)?.slice_axis(1, e - k, e)?; // [T, k]
+        // the choice is a constant to gradients ([`super::moe::route_topk_probs`])
+        let inds = mlx_array::grad::stop_gradient(&select.argpartition((e - k) as i32, 1)?.slice_axis(1, e - k, e)?)?; // [T, k]
         let mut w = scores.take_along_axis(&inds, 1)?;
         if self.norm_topk_prob {
             w = w.div(&w.sum(&[1], true)?.add_scalar(1e-6)?)?;
@@ -355,6 +362,8 @@ impl ExpertBlock for MoeBlock {
 }
 
 impl RecurrentMixer for ShortConv {
+    /// The last `K - 1` gated inputs.
+    const SLOTS: usize = 1;
     fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>) -> Result<Array> {
         match slots.first_mut() {
             Some(state) => self.forward(x, state, valid),

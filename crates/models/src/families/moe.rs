@@ -39,7 +39,9 @@ pub fn route_topk(logits: &Array, k: usize, normalize: bool) -> Result<(Array, A
 /// [`route_topk`] on already-computed scores `[T, E]` (e.g. sigmoid routers, or scores with a
 /// selection bias): picks the `k` largest and returns them (renormalized when `normalize`).
 pub fn route_topk_probs(scores: &Array, k: usize, normalize: bool) -> Result<(Array, Array)> {
-    let idx = scores.topk_indices(k, -1)?;
+    // the choice is a constant to gradients (as mlx-lm's stop_gradient): a gather's gradient
+    // with respect to its indices does not exist
+    let idx = mlx_array::grad::stop_gradient(&scores.topk_indices(k, -1)?)?;
     let mut w = scores.take_along_axis(&idx, -1)?;
     if normalize {
         w = w.div(&w.sum(&[-1], true)?)?;
@@ -404,6 +406,25 @@ impl FloorDivU32 for Array {
     }
 }
 
+/// Float expert weights are the trainable arrays; packed ones stay constants.
+impl crate::layers::LayerArrays for SwitchGlu {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
+        match &mut self.w {
+            ExpertWeights::Dense { gate_up, down } => {
+                f(gate_up);
+                f(down);
+            }
+            ExpertWeights::Split(s) => {
+                for p in [&mut s.gate, &mut s.up, &mut s.down] {
+                    if let ExpertProj::Dense(w) = p {
+                        f(w);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A Qwen-style sparse MoE block (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE).
 #[derive(Clone)]
 pub struct SparseMoe {
@@ -414,6 +435,8 @@ pub struct SparseMoe {
     top_k: usize,
     norm_topk_prob: bool,
 }
+
+crate::layers::layer_arrays!(SparseMoe { router, experts, shared, shared_gate });
 
 /// How a family's published checkpoints store routed experts (both load; a random checkpoint
 /// writes this one).

@@ -169,12 +169,29 @@ impl Qwen3Model {
 
     /// A dense decoder LM with the given options, reported as `model_type`.
     pub fn with_options(weights: &Weights, cfg: Qwen3Config, opts: &DecoderOptions, model_type: &str, eos: Vec<u32>) -> Result<Self> {
+        Self::with_options_at(weights, cfg, opts, model_type, eos, "model")
+    }
+
+    /// [`Qwen3Model::with_options`] with the decoder's tensors under `decoder_prefix` (e.g.
+    /// `language_model.model` in a vision-language checkpoint; the untied head as
+    /// [`LmHead::load`] finds it).
+    pub fn with_options_at(weights: &Weights, cfg: Qwen3Config, opts: &DecoderOptions, model_type: &str, eos: Vec<u32>, decoder_prefix: &str) -> Result<Self> {
         cfg.validate().map_err(|reason| ModelError::MalformedConfig { path: weights.path().to_path_buf(), reason })?;
         let root = weights.root();
-        let backbone = Qwen3Backbone::load_with(&root.pp("model"), &cfg, opts)?;
-        let lm_head = LmHead::load(&root, "model", backbone.embed(), cfg.tie_word_embeddings, cfg.hidden_size, cfg.vocab_size)?;
+        let backbone = Qwen3Backbone::load_with(&root.pp(decoder_prefix), &cfg, opts)?;
+        let lm_head = LmHead::load(&root, decoder_prefix, backbone.embed(), cfg.tie_word_embeddings, cfg.hidden_size, cfg.vocab_size)?;
         let info = ModelInfo::decoder(model_type, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.max_position_embeddings, eos, cfg.bos_token_id);
         Ok(Qwen3Model { backbone, lm_head, info })
+    }
+
+    /// The LM over precomputed input embeddings `embeds` (`[1, L, H]`) of the ids `ids`
+    /// (`[1, L]`, for the cache's bookkeeping) at the cache's positions; a paged cache serves no
+    /// prefix for it (the ids do not identify the inputs).
+    pub fn forward_embedded(&self, ids: &Array, embeds: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        let b = &self.backbone;
+        let stack = Stack { layers: &b.layers, prefix_skip: false, norm: &b.norm };
+        let (h, _) = stack.forward(ids, cache, Rows::of(logits, hidden), |_| Ok(embeds.clone()), |l| causal_mask(l, None))?;
+        self.lm_head.output(h, logits, hidden)
     }
 }
 

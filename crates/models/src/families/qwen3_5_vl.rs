@@ -28,7 +28,8 @@
 //! Videos are not supported. A prompt piece with images is prefilled in one call.
 use super::qwen3_5::{Qwen35Config, Qwen35Model};
 use crate::cache::{Cache, CacheSpec};
-use crate::layers::{Activation, Linear, RopeAt};
+use crate::layers::decoder::{ExpertBlock, HybridStack, RecurrentMixer};
+use crate::layers::{Activation, Embedding, Linear, RopeAt};
 use crate::media::{self, MediaEmbeddings, MediaItem, MediaKind, MediaModel, PreparedMedia, RgbImage};
 use crate::registry::{Built, LoadContext, Preset, ProbeContext};
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
@@ -104,6 +105,10 @@ impl VisionConfig {
     }
 }
 
+/// OpenAI CLIP's normalization, the processors' default.
+pub(crate) const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+pub(crate) const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
+
 /// The image processor's settings (`preprocessor_config.json`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProcessorConfig {
@@ -121,15 +126,32 @@ impl ProcessorConfig {
     /// `size.longest_edge`, or `min_pixels` / `max_pixels`), else transformers' defaults
     /// (56² to 28²·1280 pixels, CLIP mean and std) with the vision config's patch sizes.
     pub fn from_dir(dir: &Path, v: &VisionConfig) -> Result<Self> {
-        let mut p = ProcessorConfig {
+        let defaults = ProcessorConfig {
             min_pixels: 56 * 56,
             max_pixels: 28 * 28 * 1280,
             patch_size: v.patch_size,
             merge_size: v.spatial_merge_size,
             temporal_patch_size: v.temporal_patch_size,
-            image_mean: [0.481_454_66, 0.457_827_5, 0.408_210_73],
-            image_std: [0.268_629_54, 0.261_302_6, 0.275_777_1],
+            image_mean: CLIP_MEAN,
+            image_std: CLIP_STD,
         };
+        let p = Self::read(dir, defaults)?;
+        if p.patch_size != v.patch_size || p.merge_size != v.spatial_merge_size || p.temporal_patch_size != v.temporal_patch_size {
+            return Err(ModelError::MalformedConfig {
+                path: dir.join("preprocessor_config.json"),
+                reason: format!(
+                    "patch_size {} / merge_size {} / temporal_patch_size {} differ from the vision config's {} / {} / {}",
+                    p.patch_size, p.merge_size, p.temporal_patch_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
+                ),
+            });
+        }
+        Ok(p)
+    }
+
+    /// The settings of `preprocessor_config.json` in `dir` over `p` (all of `p` when the file is
+    /// absent): `size.shortest_edge` / `size.longest_edge` or `min_pixels` / `max_pixels`, the
+    /// patch sizes, `image_mean` and `image_std`.
+    pub(crate) fn read(dir: &Path, mut p: ProcessorConfig) -> Result<Self> {
         let path = dir.join("preprocessor_config.json");
         let raw = match std::fs::read_to_string(&path) {
             Ok(s) => s,
@@ -166,11 +188,8 @@ impl ProcessorConfig {
         if let Some(s) = triple("image_std")? {
             p.image_std = s;
         }
-        if p.patch_size != v.patch_size || p.merge_size != v.spatial_merge_size || p.temporal_patch_size != v.temporal_patch_size {
-            return Err(bad(format!(
-                "patch_size {} / merge_size {} / temporal_patch_size {} differ from the vision config's {} / {} / {}",
-                p.patch_size, p.merge_size, p.temporal_patch_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
-            )));
+        if p.patch_size == 0 || p.merge_size == 0 || p.temporal_patch_size == 0 {
+            return Err(bad("patch_size, merge_size and temporal_patch_size must be positive".into()));
         }
         if p.min_pixels == 0 || p.min_pixels > p.max_pixels || p.image_std.contains(&0.0) {
             return Err(bad(format!("need 0 < min_pixels {} <= max_pixels {} and nonzero image_std", p.min_pixels, p.max_pixels)));
@@ -204,6 +223,12 @@ impl ProcessorConfig {
     /// image, as the Hugging Face processor makes them.
     pub fn preprocess(&self, img: &RgbImage) -> Result<(Vec<f32>, usize, usize)> {
         let (h, w) = self.smart_resize(img.height as usize, img.width as usize)?;
+        self.patches(img, h, w)
+    }
+
+    /// [`ProcessorConfig::preprocess`] at a given size: `img` resized to `h` x `w` (multiples of
+    /// `patch_size * merge_size`), normalized and cut into patches in merge-block order.
+    pub fn patches(&self, img: &RgbImage, h: usize, w: usize) -> Result<(Vec<f32>, usize, usize)> {
         let img = media::resize(img, w as u32, h as u32, media::Filter::Bicubic)?;
         let (p, m, t) = (self.patch_size, self.merge_size, self.temporal_patch_size);
         let (gh, gw) = (h / p, w / p);
@@ -241,35 +266,108 @@ impl ProcessorConfig {
     }
 }
 
-/// A preprocessed image ([`PreparedMedia::data`]).
+/// A preprocessed image ([`PreparedMedia::data`]) of the Qwen-style image families.
 pub struct QwenImage {
-    /// `[grid_h * grid_w, C * T * P * P]`.
+    /// `[grid_h * grid_w, C * T * P * P]`: merge-block order for Qwen3.5, raster order for
+    /// PaddleOCR-VL ([`super::paddleocr_vl`]).
     pub pixels: Vec<f32>,
     pub grid_h: usize,
     pub grid_w: usize,
 }
 
-struct LayerNorm {
+/// LayerNorm with weight and bias.
+pub(crate) struct LayerNorm {
     weight: Array,
     bias: Array,
+    eps: f32,
 }
 
 impl LayerNorm {
     fn load(vb: &Vb, dim: usize) -> Result<Self> {
-        Ok(LayerNorm { weight: vb.get_init("weight", &[dim], Init::normal(1.0, 0.02))?, bias: vb.get_init("bias", &[dim], Init::normal(0.0, 0.02))? })
+        Self::load_eps(vb, dim, 1e-6)
     }
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(x.layer_norm(Some(&self.weight), Some(&self.bias), 1e-6)?)
+    pub(crate) fn load_eps(vb: &Vb, dim: usize, eps: f32) -> Result<Self> {
+        Ok(LayerNorm { weight: vb.get_init("weight", &[dim], Init::normal(1.0, 0.02))?, bias: vb.get_init("bias", &[dim], Init::normal(0.0, 0.02))?, eps })
+    }
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(x.layer_norm(Some(&self.weight), Some(&self.bias), self.eps)?)
     }
 }
 
-struct VisionBlock {
-    norm1: LayerNorm,
-    norm2: LayerNorm,
-    qkv: Linear,
-    proj: Linear,
-    fc1: Linear,
-    fc2: Linear,
+/// A pre-norm ViT block: LayerNorm, bidirectional attention (fused q/k/v projection, 2-D
+/// rotary positions), LayerNorm, MLP.
+pub(crate) struct VisionBlock {
+    pub norm1: LayerNorm,
+    pub norm2: LayerNorm,
+    pub qkv: Linear,
+    pub proj: Linear,
+    pub fc1: Linear,
+    pub fc2: Linear,
+}
+
+/// `blocks` over the patch embeddings `x` (`[N, heads * hd]`, one image) with the rotary
+/// cosines and sines `cos`, `sin` (`[N, hd / 2]`, f32; [`axial_rotary`]) and MLP activation `act`.
+pub(crate) fn encode(blocks: &[VisionBlock], mut x: Array, cos: &Array, sin: &Array, heads: usize, hd: usize, act: Activation) -> Result<Array> {
+    let n = x.dim(0)? as i32;
+    let scale = (hd as f32).powf(-0.5);
+    for b in blocks {
+        let h = b.norm1.forward(&x)?;
+        // [N, 3, H, hd] -> three [H, N, hd]
+        let qkv = b.qkv.forward(&h)?.reshape(&[n, 3, heads as i32, hd as i32])?.transpose(&[1, 2, 0, 3])?;
+        let parts = qkv.split(3, 0)?;
+        let rot = |a: &Array| -> Result<Array> { crate::layers::rotate_half_by(&a.reshape(&[heads as i32, n, hd as i32])?.astype(DType::F32)?, cos, sin)?.astype(a.dtype()).map_err(Into::into) };
+        let (q, k) = (rot(&parts[0])?.expand_dims(0)?, rot(&parts[1])?.expand_dims(0)?);
+        let v = parts[2].reshape(&[1, heads as i32, n, hd as i32])?;
+        let o = crate::layers::sdpa(&q, &k, &v, scale, AttentionMask::None)?.transpose(&[0, 2, 1, 3])?.reshape(&[n, (heads * hd) as i32])?;
+        x = x.add(&b.proj.forward(&o)?)?;
+        let h = b.norm2.forward(&x)?;
+        x = x.add(&b.fc2.forward(&act.apply(&b.fc1.forward(&h)?)?)?)?;
+    }
+    Ok(x)
+}
+
+/// Rows of the square position table `table` (`[side², D]`) resampled bilinearly (align
+/// corners) to a `gh` x `gw` grid, at the patches' (row, column) `coords`: `[coords.len(), D]`, f32.
+pub(crate) fn interpolated_positions(table: &Array, side: usize, coords: &[(usize, usize)], gh: usize, gw: usize) -> Result<Array> {
+    let taps = |idx: usize, size: usize| -> [(usize, f32); 2] {
+        let src = idx as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
+        let f = src.floor();
+        [0, 1].map(|o| (((f as i64 + o).clamp(0, side as i64 - 1)) as usize, (1.0 - (src - f - o as f32).abs()).max(0.0)))
+    };
+    let n = coords.len();
+    let (mut idx, mut wts) = (Vec::with_capacity(4 * n), Vec::with_capacity(4 * n));
+    for &(r, c) in coords {
+        for (hi, hw) in taps(r, gh) {
+            for (wi, ww) in taps(c, gw) {
+                idx.push((hi * side + wi) as u32);
+                wts.push(hw * ww);
+            }
+        }
+    }
+    let d = table.dim(1)? as i32;
+    let rows = table.take(&Array::from_slice(&idx, &[4 * n])?, 0)?.reshape(&[n as i32, 4, d])?;
+    let w = Array::from_slice(&wts, &[n, 4, 1])?;
+    Ok(rows.astype(DType::F32)?.mul(&w)?.sum(&[1], false)?)
+}
+
+/// The inverse frequencies of 2-D rotary positions over heads of `head_dim`: `head_dim / 4` of
+/// them, each used for the row and the column.
+pub(crate) fn axial_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
+    let spatial = head_dim / 2;
+    (0..spatial / 2).map(|j| 1.0 / theta.powf((2 * j) as f32 / spatial as f32)).collect()
+}
+
+/// Cosines and sines of 2-D rotary angles at the patches' (row, column) `coords`:
+/// `[coords.len(), 2 * inv_freq.len()]` each (row frequencies, then column ones).
+pub(crate) fn axial_rotary(inv_freq: &[f32], coords: &[(usize, usize)]) -> Result<(Array, Array)> {
+    let q = inv_freq.len();
+    let mut ang = Vec::with_capacity(coords.len() * 2 * q);
+    for &(r, c) in coords {
+        ang.extend(inv_freq.iter().map(|f| r as f32 * f));
+        ang.extend(inv_freq.iter().map(|f| c as f32 * f));
+    }
+    let a = Array::from_slice(&ang, &[coords.len(), 2 * q])?;
+    Ok((a.cos()?, a.sin()?))
 }
 
 /// The Qwen3.5 vision transformer and patch merger.
@@ -309,9 +407,7 @@ impl VisionTower {
         let merged = d * cfg.spatial_merge_size * cfg.spatial_merge_size;
         let m = vb.pp("merger");
         let act = Activation::parse(&cfg.hidden_act).ok_or_else(|| ModelError::InvalidInput(format!("unknown vision hidden_act {:?}", cfg.hidden_act)))?;
-        let spatial = cfg.head_dim() / 2;
-        let theta = cfg.rope_theta();
-        let inv_freq = (0..spatial / 2).map(|j| 1.0 / theta.powf((2 * j) as f32 / spatial as f32)).collect();
+        let inv_freq = axial_inv_freq(cfg.head_dim(), cfg.rope_theta());
         Ok(VisionTower {
             merger_norm: LayerNorm::load(&m.pp("norm"), d)?,
             merger_fc1: Linear::load(&m.pp("linear_fc1"), merged, merged, true)?,
@@ -334,44 +430,9 @@ impl VisionTower {
         (block_row * m + in_row, block_col * m + in_col)
     }
 
-    /// The learned position table resampled to the grid (bilinear, align corners), `[N, D]`.
-    fn position_embeddings(&self, gh: usize, gw: usize) -> Result<Array> {
-        let side = (self.cfg.num_position_embeddings as f64).sqrt() as usize;
-        let taps = |idx: usize, size: usize| -> [(usize, f32); 2] {
-            let src = idx as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
-            let f = src.floor();
-            [0, 1].map(|o| (((f as i64 + o).clamp(0, side as i64 - 1)) as usize, (1.0 - (src - f - o as f32).abs()).max(0.0)))
-        };
-        let n = gh * gw;
-        let (mut idx, mut wts) = (Vec::with_capacity(4 * n), Vec::with_capacity(4 * n));
-        for i in 0..n {
-            let (r, c) = self.patch_rc(i, gw);
-            for (hi, hw) in taps(r, gh) {
-                for (wi, ww) in taps(c, gw) {
-                    idx.push((hi * side + wi) as u32);
-                    wts.push(hw * ww);
-                }
-            }
-        }
-        let d = self.cfg.hidden_size as i32;
-        let rows = self.pos_embed.take(&Array::from_slice(&idx, &[4 * n])?, 0)?.reshape(&[n as i32, 4, d])?;
-        let w = Array::from_slice(&wts, &[n, 4, 1])?;
-        Ok(rows.astype(DType::F32)?.mul(&w)?.sum(&[1], false)?)
-    }
-
-    /// Cosines and sines of the 2-D rotary angles, `[N, head_dim / 2]` each (row then column
-    /// frequencies).
-    fn rotary(&self, gh: usize, gw: usize) -> Result<(Array, Array)> {
-        let n = gh * gw;
-        let q = self.inv_freq.len();
-        let mut ang = Vec::with_capacity(n * 2 * q);
-        for i in 0..n {
-            let (r, c) = self.patch_rc(i, gw);
-            ang.extend(self.inv_freq.iter().map(|f| r as f32 * f));
-            ang.extend(self.inv_freq.iter().map(|f| c as f32 * f));
-        }
-        let a = Array::from_slice(&ang, &[n, 2 * q])?;
-        Ok((a.cos()?, a.sin()?))
+    /// The (row, column) of every patch, in merge-block order.
+    fn coords(&self, gh: usize, gw: usize) -> Vec<(usize, usize)> {
+        (0..gh * gw).map(|i| self.patch_rc(i, gw)).collect()
     }
 
     /// The merged embeddings of one image: `pixels` `[grid_h * grid_w, C * T * P * P]` to
@@ -383,23 +444,12 @@ impl VisionTower {
         }
         let dtype = self.pos_embed.dtype();
         let n = (gh * gw) as i32;
+        let coords = self.coords(gh, gw);
+        let side = (self.cfg.num_position_embeddings as f64).sqrt() as usize;
         let mut x = self.patch_embed.forward(&pixels.astype(dtype)?)?;
-        x = x.add(&self.position_embeddings(gh, gw)?.astype(x.dtype())?)?;
-        let (cos, sin) = self.rotary(gh, gw)?;
-        let scale = (hd as f32).powf(-0.5);
-        for b in &self.blocks {
-            let h = b.norm1.forward(&x)?;
-            // [N, 3, H, hd] -> three [H, N, hd]
-            let qkv = b.qkv.forward(&h)?.reshape(&[n, 3, heads as i32, hd as i32])?.transpose(&[1, 2, 0, 3])?;
-            let parts = qkv.split(3, 0)?;
-            let rot = |a: &Array| -> Result<Array> { crate::layers::rotate_half_by(&a.reshape(&[heads as i32, n, hd as i32])?.astype(DType::F32)?, &cos, &sin)?.astype(a.dtype()).map_err(Into::into) };
-            let (q, k) = (rot(&parts[0])?.expand_dims(0)?, rot(&parts[1])?.expand_dims(0)?);
-            let v = parts[2].reshape(&[1, heads as i32, n, hd as i32])?;
-            let o = crate::layers::sdpa(&q, &k, &v, scale, AttentionMask::None)?.transpose(&[0, 2, 1, 3])?.reshape(&[n, d as i32])?;
-            x = x.add(&b.proj.forward(&o)?)?;
-            let h = b.norm2.forward(&x)?;
-            x = x.add(&b.fc2.forward(&self.act.apply(&b.fc1.forward(&h)?)?)?)?;
-        }
+        x = x.add(&interpolated_positions(&self.pos_embed, side, &coords, gh, gw)?.astype(x.dtype())?)?;
+        let (cos, sin) = axial_rotary(&self.inv_freq, &coords)?;
+        let x = encode(&self.blocks, x, &cos, &sin, heads, hd, self.act)?;
         let y = self.merger_norm.forward(&x)?.reshape(&[n / (m * m) as i32, (d * m * m) as i32])?;
         self.merger_fc2.forward(&self.merger_fc1.forward(&y)?.gelu()?)
     }
@@ -410,10 +460,7 @@ pub struct Qwen35VlModel {
     lm: Qwen35Model,
     tower: VisionTower,
     processor: ProcessorConfig,
-    image_token: u32,
-    /// Which rotary frequency reads which axis (0 temporal, 1 height, 2 width).
-    freq_axis: Vec<u8>,
-    inv_freq: Vec<f32>,
+    mrope: Mrope,
     info: ModelInfo,
 }
 
@@ -459,7 +506,8 @@ impl Qwen35VlModel {
         let (m, row) = (tower.cfg.spatial_merge_size, tower.cfg.in_channels * tower.cfg.temporal_patch_size * tower.cfg.patch_size * tower.cfg.patch_size);
         tower.forward(&Array::zeros(&[m * m, row], DType::F32)?, m, m)?.eval()?;
         let info = ModelInfo { model_type: c.family.model_type.into(), ..ModelRuntime::info(&lm).clone() };
-        Ok(Qwen35VlModel { lm, tower, processor, image_token, freq_axis, inv_freq, info })
+        let mrope = Mrope { image_token, merge: processor.merge_size, inv_freq, freq_axis };
+        Ok(Qwen35VlModel { lm, tower, processor, mrope, info })
     }
 
     /// The image processor's settings.
@@ -474,13 +522,6 @@ impl Qwen35VlModel {
     pub fn language_model(&self) -> &Qwen35Model {
         &self.lm
     }
-
-    fn text_rope(cache: &Cache) -> RopeAt {
-        match cache.position_delta() {
-            0 => RopeAt::Cache,
-            d => RopeAt::Shift(d),
-        }
-    }
 }
 
 impl ModelRuntime for Qwen35VlModel {
@@ -491,7 +532,7 @@ impl ModelRuntime for Qwen35VlModel {
         self.lm.cache_spec()
     }
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
-        self.lm.stack.forward_at(tokens, cache, logits, hidden, &Self::text_rope(cache))
+        self.lm.stack.forward_at(tokens, cache, logits, hidden, &text_rope(cache))
     }
     fn has_mtp_weights(&self) -> bool {
         self.lm.has_mtp_weights()
@@ -510,18 +551,48 @@ impl ModelRuntime for Qwen35VlModel {
     }
 }
 
-impl MediaModel for Qwen35VlModel {
-    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
-        (kind == MediaKind::Image).then_some(self.image_token)
-    }
+/// `impl MediaModel for $ty` through [`Mrope`]: the type's `mrope`, `info`, `processor` (its
+/// `preprocess`), `tower` (its `forward`) and decoder stack at field path `$stack`.
+macro_rules! mrope_media_model {
+    ($ty:ty, $($stack:ident).+) => {
+        impl MediaModel for $ty {
+            fn placeholder(&self, kind: MediaKind) -> Option<u32> {
+                (kind == MediaKind::Image).then_some(self.mrope.image_token)
+            }
+            fn prepare(&self, item: &MediaItem) -> Result<PreparedMedia> {
+                self.mrope.prepare(item, &self.info.model_type, |img| self.processor.preprocess(img))
+            }
+            fn embed(&self, ids: &[u32], media: &[PreparedMedia], cache: &Cache) -> Result<MediaEmbeddings> {
+                self.mrope.embed(ids, media, cache, &self.$($stack).+.embed, |px, gh, gw| self.tower.forward(px, gh, gw))
+            }
+            fn forward_embedded(&self, input: &MediaEmbeddings, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+                self.mrope.forward_embedded(&self.$($stack).+, input, cache, logits, hidden)
+            }
+        }
+    };
+}
+pub(crate) use mrope_media_model;
 
-    fn prepare(&self, item: &MediaItem) -> Result<PreparedMedia> {
+mrope_media_model!(Qwen35VlModel, lm.stack);
+
+/// What the image families with Qwen-style M-RoPE share between [`MediaModel`] calls: the image
+/// placeholder, the processor's merge size and the decoder's rotary frequencies.
+pub(crate) struct Mrope {
+    pub image_token: u32,
+    pub merge: usize,
+    pub inv_freq: Vec<f32>,
+    /// Which rotary frequency reads which axis (0 temporal, 1 height, 2 width).
+    pub freq_axis: Vec<u8>,
+}
+
+impl Mrope {
+    /// [`MediaModel::prepare`]: decode an image and `preprocess` it into a [`QwenImage`].
+    pub fn prepare(&self, item: &MediaItem, model_type: &str, preprocess: impl FnOnce(&RgbImage) -> Result<(Vec<f32>, usize, usize)>) -> Result<PreparedMedia> {
         let MediaItem::Image(image) = item else {
-            return Err(ModelError::UnsupportedOption(format!("{} takes images, not {:?}", self.info.model_type, item.kind())));
+            return Err(ModelError::UnsupportedOption(format!("{model_type} takes images, not {:?}", item.kind())));
         };
-        let img = image.decode()?;
-        let (pixels, grid_h, grid_w) = self.processor.preprocess(&img)?;
-        let m = self.processor.merge_size;
+        let (pixels, grid_h, grid_w) = preprocess(&image.decode()?)?;
+        let m = self.merge;
         let bytes: Vec<u8> = pixels.iter().flat_map(|v| v.to_le_bytes()).chain((grid_h as u64).to_le_bytes()).chain((grid_w as u64).to_le_bytes()).collect();
         Ok(PreparedMedia {
             kind: MediaKind::Image,
@@ -531,85 +602,111 @@ impl MediaModel for Qwen35VlModel {
         })
     }
 
-    fn embed(&self, ids: &[u32], media: &[PreparedMedia], cache: &Cache) -> Result<MediaEmbeddings> {
-        let l = ids.len();
-        if l == 0 {
+    /// [`MediaModel::embed`]: the text embeddings of `ids` with each image's `tower` output
+    /// (pixels `[grid_h * grid_w, row]`, grid_h, grid_w) merged in ([`merge_mrope`]).
+    pub fn embed(&self, ids: &[u32], media: &[PreparedMedia], cache: &Cache, embed: &Embedding, tower: impl Fn(&Array, usize, usize) -> Result<Array>) -> Result<MediaEmbeddings> {
+        if ids.is_empty() {
             return Err(ModelError::InvalidInput("an empty prompt piece".into()));
         }
-        let ids_a = Array::from_slice(ids, &[1, l])?;
-        let text = self.lm.stack.embed.forward(&ids_a)?.reshape(&[l as i32, -1])?;
-        let m = self.processor.merge_size;
-        let images: Vec<&QwenImage> = media
-            .iter()
-            .map(|p| p.data.downcast_ref::<QwenImage>().ok_or_else(|| ModelError::InvalidInput("media item was not prepared by this model".into())))
-            .collect::<Result<_>>()?;
-        let mut feats = Vec::with_capacity(images.len());
-        for img in &images {
-            let px = Array::from_slice(&img.pixels, &[img.grid_h * img.grid_w, img.pixels.len() / (img.grid_h * img.grid_w)])?;
-            feats.push(self.tower.forward(&px, img.grid_h, img.grid_w)?.astype(text.dtype())?);
-        }
-        // Rows: text embeddings, then every image's features; `pick` selects one per token.
-        let start = cache.offset() as i64 + cache.position_delta();
-        let (mut pos, mut pick) = ([Vec::with_capacity(l), Vec::with_capacity(l), Vec::with_capacity(l)], Vec::with_capacity(l));
-        let (mut cur, mut feat_row, mut i) = (start, l, 0);
-        let mut next_image = images.iter();
-        while i < l {
-            if ids[i] != self.image_token {
-                for a in &mut pos {
-                    a.push(cur as i32);
-                }
-                pick.push(i as u32);
-                cur += 1;
-                i += 1;
-                continue;
+        let text = embed.forward(&Array::from_slice(ids, &[1, ids.len()])?)?.reshape(&[ids.len() as i32, -1])?;
+        let m = self.merge;
+        let mut images = Vec::with_capacity(media.len());
+        for p in media {
+            let img = p.data.downcast_ref::<QwenImage>().ok_or_else(|| ModelError::InvalidInput("media item was not prepared by this model".into()))?;
+            let n = img.grid_h * img.grid_w;
+            if n == 0 || img.pixels.len() % n != 0 {
+                return Err(ModelError::InvalidInput(format!("{} pixel values for a {}x{} patch grid", img.pixels.len(), img.grid_h, img.grid_w)));
             }
-            let img = next_image.next().ok_or_else(|| ModelError::InvalidInput("more image tokens than images".into()))?;
-            let (rows, cols) = (img.grid_h / m, img.grid_w / m);
-            if i + rows * cols > l || ids[i..i + rows * cols].iter().any(|&t| t != self.image_token) {
-                return Err(ModelError::InvalidInput(format!("image {} needs {} consecutive image tokens at position {i}", pick.len(), rows * cols)));
-            }
-            for r in 0..rows {
-                for c in 0..cols {
-                    pos[0].push(cur as i32);
-                    pos[1].push((cur + r as i64) as i32);
-                    pos[2].push((cur + c as i64) as i32);
-                    pick.push(feat_row as u32);
-                    feat_row += 1;
-                }
-            }
-            cur += rows.max(cols) as i64;
-            i += rows * cols;
+            let px = Array::from_slice(&img.pixels, &[n, img.pixels.len() / n])?;
+            images.push((tower(&px, img.grid_h, img.grid_w)?.astype(text.dtype())?, img.grid_h / m, img.grid_w / m));
         }
-        if next_image.next().is_some() {
-            return Err(ModelError::InvalidInput(format!("{} images for fewer image tokens", images.len())));
-        }
-        let mut rows: Vec<&Array> = vec![&text];
-        rows.extend(feats.iter());
-        let embeds = ops::concatenate(&rows, 0)?.take(&Array::from_slice(&pick, &[l])?, 0)?.expand_dims(0)?;
-        let flat: Vec<i32> = pos.concat();
-        Ok(MediaEmbeddings { ids: ids_a, embeds, positions: Some(Array::from_slice(&flat, &[3, l])?), position_delta: cur - (cache.offset() + l) as i64 })
+        merge_mrope(ids, self.image_token, text, &images, cache)
     }
 
-    fn forward_embedded(&self, input: &MediaEmbeddings, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+    /// [`MediaModel::forward_embedded`] on `stack`: the M-RoPE angles of the input's positions (or
+    /// the text positions after the cache's delta), then the input's delta kept in the cache.
+    pub fn forward_embedded<R: RecurrentMixer, E: ExpertBlock>(&self, stack: &HybridStack<R, E>, input: &MediaEmbeddings, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         let at = match &input.positions {
-            None => Self::text_rope(cache),
-            Some(p) => {
-                let p = p.astype(DType::I32)?.to_vec::<i32>()?;
-                let l = p.len() / 3;
-                let half = self.inv_freq.len();
-                let mut ang = Vec::with_capacity(l * half);
-                for t in 0..l {
-                    for (j, f) in self.inv_freq.iter().enumerate() {
-                        ang.push(p[self.freq_axis[j] as usize * l + t] as f32 * f);
-                    }
-                }
-                let a = Array::from_slice(&ang, &[l, half])?;
-                RopeAt::Angles { cos: a.cos()?, sin: a.sin()? }
-            }
+            None => text_rope(cache),
+            Some(p) => mrope_angles(p, &self.inv_freq, &self.freq_axis)?,
         };
-        let out = self.lm.stack.forward_embedded(&input.ids, &input.embeds, cache, logits, hidden, at)?;
+        let out = stack.forward_embedded(&input.ids, &input.embeds, cache, logits, hidden, at)?;
         cache.set_position_delta(input.position_delta);
         Ok(out)
+    }
+}
+
+/// The input of a prompt piece under Qwen-style M-RoPE: the text embeddings `text` (`[L, H]`) of
+/// `ids`, with each run of `image_token`s replaced by the rows of the next of `images` (merged
+/// features `[rows * cols, H]`, the merged grid's rows and columns). Text tokens sit at one
+/// position on all three axes; an image's tokens at (start, start + row, start + column), the
+/// text after it at start + max(rows, columns); positions start at the cache's position plus its
+/// [`Cache::position_delta`].
+pub(crate) fn merge_mrope(ids: &[u32], image_token: u32, text: Array, images: &[(Array, usize, usize)], cache: &Cache) -> Result<MediaEmbeddings> {
+    let l = ids.len();
+    // Rows: text embeddings, then every image's features; `pick` selects one per token.
+    let start = cache.offset() as i64 + cache.position_delta();
+    let (mut pos, mut pick) = ([Vec::with_capacity(l), Vec::with_capacity(l), Vec::with_capacity(l)], Vec::with_capacity(l));
+    let (mut cur, mut feat_row, mut i) = (start, l, 0);
+    let mut next_image = images.iter();
+    while i < l {
+        if ids[i] != image_token {
+            for a in &mut pos {
+                a.push(cur as i32);
+            }
+            pick.push(i as u32);
+            cur += 1;
+            i += 1;
+            continue;
+        }
+        let (_, rows, cols) = next_image.next().ok_or_else(|| ModelError::InvalidInput("more image tokens than images".into()))?;
+        let (rows, cols) = (*rows, *cols);
+        if i + rows * cols > l || ids[i..i + rows * cols].iter().any(|&t| t != image_token) {
+            return Err(ModelError::InvalidInput(format!("image {} needs {} consecutive image tokens at position {i}", pick.len(), rows * cols)));
+        }
+        for r in 0..rows {
+            for c in 0..cols {
+                pos[0].push(cur as i32);
+                pos[1].push((cur + r as i64) as i32);
+                pos[2].push((cur + c as i64) as i32);
+                pick.push(feat_row as u32);
+                feat_row += 1;
+            }
+        }
+        cur += rows.max(cols) as i64;
+        i += rows * cols;
+    }
+    if next_image.next().is_some() {
+        return Err(ModelError::InvalidInput(format!("{} images for fewer image tokens", images.len())));
+    }
+    let mut rows: Vec<&Array> = vec![&text];
+    rows.extend(images.iter().map(|(f, _, _)| f));
+    let embeds = ops::concatenate(&rows, 0)?.take(&Array::from_slice(&pick, &[l])?, 0)?.expand_dims(0)?;
+    let flat: Vec<i32> = pos.concat();
+    Ok(MediaEmbeddings { ids: Array::from_slice(ids, &[1, l])?, embeds, positions: Some(Array::from_slice(&flat, &[3, l])?), position_delta: cur - (cache.offset() + l) as i64 })
+}
+
+/// The rotary angles of M-RoPE `positions` (`[3, L]`): frequency `j` (of `inv_freq`) reads the
+/// axis `freq_axis[j]` (0 temporal, 1 height, 2 width).
+pub(crate) fn mrope_angles(positions: &Array, inv_freq: &[f32], freq_axis: &[u8]) -> Result<RopeAt> {
+    let p = positions.astype(DType::I32)?.to_vec::<i32>()?;
+    let l = p.len() / 3;
+    let mut ang = Vec::with_capacity(l * inv_freq.len());
+    for t in 0..l {
+        for (j, f) in inv_freq.iter().enumerate() {
+            ang.push(p[freq_axis[j] as usize * l + t] as f32 * f);
+        }
+    }
+    let a = Array::from_slice(&ang, &[l, inv_freq.len()])?;
+    Ok(RopeAt::Angles { cos: a.cos()?, sin: a.sin()? })
+}
+
+/// Where text sits for the rotary embedding after media: at its cache position plus the cache's
+/// [`Cache::position_delta`].
+pub(crate) fn text_rope(cache: &Cache) -> RopeAt {
+    match cache.position_delta() {
+        0 => RopeAt::Cache,
+        d => RopeAt::Shift(d),
     }
 }
 

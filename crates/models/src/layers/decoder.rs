@@ -35,6 +35,12 @@ pub(crate) trait DecoderLayer {
     fn checkpointed(&self, _x: &Array, _ctx: &Self::Ctx) -> Option<Result<Array>> {
         None
     }
+
+    /// The empty cache of this layer that a checkpointed pass runs its mixer over
+    /// ([`checkpoint_block`]): K/V storage unless the layer says otherwise.
+    fn scratch_cache(&self) -> LayerCache {
+        LayerCache::Kv(KvCache::new(None))
+    }
 }
 
 /// `run(layer, x, ctx)` under [`mlx_array::grad::checkpoint`], with `x` and every array of
@@ -46,45 +52,63 @@ where
     L: LayerArrays + Clone + 'static,
     C: Clone + 'static,
 {
-    let mut inputs = vec![x.clone()];
+    let mut out = checkpoint_layer_with(layer, std::slice::from_ref(x), ctx, move |l, xs, c| Ok(vec![run(l, &xs[0], c)?]))?;
+    out.pop().ok_or_else(|| ModelError::InvalidInput("the checkpointed layer returned no output".into()))
+}
+
+/// [`checkpoint_layer`] with several activation inputs `xs` (the layer's input and whatever else
+/// it reads that depends on the parameters: per-layer inputs, K/V shared from another layer)
+/// and several outputs: `run(layer, xs, ctx)` under [`mlx_array::grad::checkpoint`], with `xs`
+/// and every array of `layer` as the checkpoint's inputs.
+pub(crate) fn checkpoint_layer_with<L, C, F>(layer: &L, xs: &[Array], ctx: &C, run: F) -> Result<Vec<Array>>
+where
+    L: LayerArrays + Clone + 'static,
+    C: Clone + 'static,
+    F: Fn(&L, &[Array], &C) -> Result<Vec<Array>> + 'static,
+{
+    let n = xs.len();
+    let mut inputs = xs.to_vec();
     let mut base = layer.clone();
     base.visit_arrays(&mut |a| inputs.push(a.clone()));
     let ctx = ctx.clone();
     let f = move |ins: &[Array]| -> mlx_array::Result<Vec<Array>> {
         let mut copy = base.clone();
-        let mut given = ins.iter().skip(1);
+        let mut given = ins.iter().skip(n);
         let mut missing = false;
         copy.visit_arrays(&mut |a| match given.next() {
             Some(g) => *a = g.clone(),
             None => missing = true,
         });
-        if missing || given.next().is_some() || ins.is_empty() {
+        if missing || given.next().is_some() || ins.len() < n {
             return Err(mlx_array::Error::InvalidArgument { op: "checkpoint_layer", msg: format!("{} inputs do not match the layer's arrays", ins.len()) });
         }
-        let out = run(&copy, &ins[0], &ctx).map_err(|e| mlx_array::Error::InvalidArgument { op: "checkpoint_layer", msg: e.to_string() })?;
-        Ok(vec![out])
+        run(&copy, &ins[..n], &ctx).map_err(|e| mlx_array::Error::InvalidArgument { op: "checkpoint_layer", msg: e.to_string() })
     };
-    let mut out = mlx_array::grad::checkpoint(f, &inputs)?;
-    out.pop().ok_or_else(|| ModelError::InvalidInput("the checkpointed layer returned no output".into()))
+    Ok(mlx_array::grad::checkpoint(f, &inputs)?)
 }
 
-/// [`DecoderLayer::checkpointed`] of an attention block: [`checkpoint_layer`] over its mixer
-/// (attending over a scratch K/V cache from position 0) and channel mixer, with the residuals.
+/// [`DecoderLayer::checkpointed`] of a pre-norm block: [`checkpoint_layer`] over its mixer
+/// (from position 0, over the layer's empty [`DecoderLayer::scratch_cache`]: K/V storage for
+/// attention, no state yet for a recurrence) and channel mixer, with the residuals.
 pub(crate) fn checkpoint_block<L>(layer: &L, x: &Array, ctx: &L::Ctx) -> Result<Array>
 where
     L: DecoderLayer + LayerArrays + Clone + 'static,
     L::Ctx: Clone + 'static,
 {
     checkpoint_layer(layer, x, ctx, |l, x, ctx| {
-        let mut scratch = vec![LayerCache::Kv(KvCache::new(None))];
+        let mut scratch = vec![l.scratch_cache()];
         let h = x.add(&l.mixer(x, &mut ForwardKv::scratch(&mut scratch), 0, ctx, false)?)?;
         Ok(h.add(&l.ffn(&h)?)?)
     })
 }
 
 /// A token mixer that carries state from call to call in its layer's recurrent cache slots (a
-/// short convolution, a linear-attention recurrence).
-pub(crate) trait RecurrentMixer {
+/// short convolution, a linear-attention recurrence). Its arrays ([`LayerArrays`]) are what a
+/// checkpointed pass differentiates.
+pub(crate) trait RecurrentMixer: LayerArrays + Clone + 'static {
+    /// The recurrent cache slots of one layer.
+    const SLOTS: usize;
+
     /// The output for the normed `x` (`[B, L, H]`), reading and updating `slots` (layer `i`'s).
     /// `valid` (`[B, L, 1]` booleans, batch caches only): the positions that are tokens; the
     /// mixer zeroes its recurrent inputs at the others (left padding), leaving the state as it
@@ -93,24 +117,45 @@ pub(crate) trait RecurrentMixer {
 }
 
 /// A routed expert block: `[B, L, H]` to `[B, L, H]`.
-pub(crate) trait ExpertBlock {
+pub(crate) trait ExpertBlock: LayerArrays + Clone + 'static {
     fn forward_experts(&self, x: &Array) -> Result<Array>;
 }
 
 /// The token mixer of a [`HybridBlock`].
+#[derive(Clone)]
 pub(crate) enum Mixer<R> {
     Attention(Attention),
     Recurrent(R),
 }
 
 /// The channel mixer of a [`HybridBlock`].
+#[derive(Clone)]
 pub(crate) enum FeedForward<E> {
     Dense(GatedMlp),
     Experts(E),
 }
 
+impl<R: LayerArrays> LayerArrays for Mixer<R> {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
+        match self {
+            Mixer::Attention(a) => a.visit_arrays(f),
+            Mixer::Recurrent(r) => r.visit_arrays(f),
+        }
+    }
+}
+
+impl<E: LayerArrays> LayerArrays for FeedForward<E> {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
+        match self {
+            FeedForward::Dense(m) => m.visit_arrays(f),
+            FeedForward::Experts(e) => e.visit_arrays(f),
+        }
+    }
+}
+
 /// A pre-norm block of a hybrid stack (Qwen3.5, LFM2): attention or a recurrent mixer, then a
 /// dense MLP or an expert block, each behind its own RMSNorm.
+#[derive(Clone)]
 pub(crate) struct HybridBlock<R, E> {
     pub mixer_norm: RmsNorm,
     pub mixer: Mixer<R>,
@@ -118,8 +163,18 @@ pub(crate) struct HybridBlock<R, E> {
     pub ffn: FeedForward<E>,
 }
 
+impl<R: LayerArrays, E: LayerArrays> LayerArrays for HybridBlock<R, E> {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
+        self.mixer_norm.visit_arrays(f);
+        self.mixer.visit_arrays(f);
+        self.ffn_norm.visit_arrays(f);
+        self.ffn.visit_arrays(f);
+    }
+}
+
 /// The per-call inputs of a hybrid stack: the attention mask and where the tokens sit for the
 /// rotary embedding.
+#[derive(Clone)]
 pub(crate) struct HybridCtx {
     pub mask: AttentionMask<'static>,
     pub at: RopeAt,
@@ -145,6 +200,15 @@ impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
         match &self.ffn {
             FeedForward::Dense(m) => m.forward(&n),
             FeedForward::Experts(m) => m.forward_experts(&n),
+        }
+    }
+    fn checkpointed(&self, x: &Array, ctx: &HybridCtx) -> Option<Result<Array>> {
+        Some(checkpoint_block(self, x, ctx))
+    }
+    fn scratch_cache(&self) -> LayerCache {
+        match self.mixer {
+            Mixer::Attention(_) => LayerCache::Kv(KvCache::new(None)),
+            Mixer::Recurrent(_) => LayerCache::Recurrent(vec![None; R::SLOTS]),
         }
     }
 }
@@ -319,26 +383,33 @@ impl<L: DecoderLayer> Stack<'_, L> {
     /// A training forward pass with every layer checkpointed
     /// ([`Cache::set_gradient_checkpointing`]): from position 0, every position, no K/V stored.
     fn forward_checkpointed(&self, tokens: &Array, cache: &Cache, rows: Rows, embed: impl FnOnce(&Array) -> Result<Array>, ctx: impl FnOnce(usize) -> L::Ctx) -> Result<Array> {
-        let unsupported = |why: &str| Err(ModelError::UnsupportedOption(format!("gradient checkpointing: {why}")));
-        if cache.is_paged() || cache.batch.is_some() {
-            return unsupported("it needs a flat, non-batch cache");
-        }
-        if cache.offset() != 0 {
-            return unsupported("a pass starts at position 0");
-        }
-        if rows != Rows::All {
-            return unsupported("a pass computes every position (all logits, or the hidden states)");
-        }
+        check_checkpointed(cache, rows)?;
         let mut x = embed(tokens)?;
         let ctx = ctx(tokens.dims()[1] as usize);
         for layer in self.layers {
             x = match layer.checkpointed(&x, &ctx) {
                 Some(r) => r?,
-                None => return unsupported("this model's layers do not support it"),
+                None => return Err(ModelError::UnsupportedOption("gradient checkpointing: this model's layers do not support it".into())),
             };
         }
         self.norm.forward(&x)
     }
+}
+
+/// What a pass with [`Cache::set_gradient_checkpointing`] needs: a flat, non-batch cache at
+/// position 0 (no K/V, no recurrent state), and every position computed (a checkpointed layer keeps no cache state, so a
+/// later call could not continue from it).
+pub(crate) fn check_checkpointed(cache: &Cache, rows: Rows) -> Result<()> {
+    let why = if cache.is_paged() || cache.batch.is_some() {
+        "it needs a flat, non-batch cache"
+    } else if cache.offset() != 0 || cache.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(s) if s.iter().any(Option::is_some))) {
+        "a pass starts at position 0"
+    } else if rows != Rows::All {
+        "a pass computes every position (all logits, or the hidden states)"
+    } else {
+        return Ok(());
+    };
+    Err(ModelError::UnsupportedOption(format!("gradient checkpointing: {why}")))
 }
 
 /// The output projection: the tied embedding or its own `lm_head`, with an optional final

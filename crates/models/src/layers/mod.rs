@@ -30,6 +30,12 @@ pub(crate) trait LayerArrays {
     fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut mlx_array::Array));
 }
 
+impl LayerArrays for mlx_array::Array {
+    fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut mlx_array::Array)) {
+        f(self);
+    }
+}
+
 impl<T: LayerArrays> LayerArrays for Option<T> {
     fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut mlx_array::Array)) {
         if let Some(t) = self {

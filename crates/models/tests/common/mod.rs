@@ -5,6 +5,8 @@ use mlx_models::{Cache, Logits, Model};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+pub mod vlm;
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name)
 }
@@ -242,4 +244,36 @@ pub fn greedy_alone(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, V
         t = Array::from_slice(&[best], &[1, 1]).unwrap();
     }
     (out, gaps)
+}
+
+/// All the logits (f32, row-major) of an expanded `prompt` whose media tokens belong to `media`,
+/// prefilled in one call through the model's media side.
+pub fn media_prompt_logits(model: &Model, prompt: &[u32], media: &[mlx_models::media::PreparedMedia]) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    let out = model
+        .with_runtime(|rt| {
+            let m = rt.media().expect("a vision-language model");
+            let input = m.embed(prompt, media, &cache)?;
+            m.forward_embedded(&input, &mut cache, Logits::All, false)
+        })
+        .unwrap();
+    f32s(&out.logits.unwrap())
+}
+
+/// `n` greedy tokens after an expanded `prompt` with `media` on a fresh cache (`stop` ends early).
+pub fn media_greedy(model: &Model, prompt: &[u32], media: Vec<mlx_models::media::PreparedMedia>, n: usize, stop: Vec<u32>) -> Vec<u32> {
+    let mut cache = model.new_cache();
+    let cfg = mlx_models::GenerateConfig { max_new_tokens: n, sampling: sampling::SamplingConfig::greedy(), stop_tokens: Some(stop), ..Default::default() };
+    mlx_models::generate(model, &mut cache, prompt, cfg).unwrap().with_media(media).map(|t| t.unwrap().id).collect()
+}
+
+/// The values of `a` as f32.
+pub fn f32s(a: &Array) -> Vec<f32> {
+    a.astype(DType::F32).unwrap().to_vec::<f32>().unwrap()
+}
+
+/// The image file `path` preprocessed by a vision-language model.
+pub fn prepare_image(model: &Model, path: PathBuf) -> mlx_models::media::PreparedMedia {
+    let item = mlx_models::media::MediaItem::Image(mlx_models::media::ImageInput::path(path));
+    model.with_runtime(|rt| rt.media().expect("a vision-language model").prepare(&item)).unwrap()
 }

@@ -37,7 +37,8 @@ pub fn reference() -> (serde_json::Value, HashMap<String, Array>) {
     (meta, tensors)
 }
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
+/// A JSON array of token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
         .iter()
