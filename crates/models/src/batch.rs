@@ -11,7 +11,7 @@
 //! padding at all ([`BatchRows::uniform`]: prompts of one length, or rows left after the padded
 //! ones) runs attention exactly as a single-sequence cache does.
 //!
-//! A step may give each row its own number of new tokens ([`Cache::set_step_padding`]: a row
+//! A step may give each row its own number of new tokens ([`Cache::set_step_tokens`]: a row
 //! decoding one token beside another's prompt chunk): the row's tokens are the step's last
 //! columns, the ones before are padding, and a row that already holds tokens has them moved
 //! right by its step padding when the step's K/V are stored ([`BatchRows::realign`]), so every
@@ -23,6 +23,12 @@
 //! window of a row's tokens skips them ([`conv_input`]), so a row's state is what the row alone
 //! would have. [`Cache::merge_batch`] adds the padding of a merged row to its attention K/V
 //! only (a row that has not stepped yet has a zero state).
+//!
+//! A step may also take its tokens packed ([`Cache::set_step_tokens`]: `[1, T]`, each row's
+//! tokens after the previous row's, no padding; [`Ragged`]). Layers that work token by token
+//! run over the packed tokens; attention stores the step's K/V laid out as above (right-aligned,
+//! padding only there) and runs each row's queries against its own keys, and a recurrence runs
+//! over the rows laid out with padding ([`Ragged::to_rows`]).
 //!
 //! Rows join ([`Cache::merge_batch`]) and leave ([`Cache::select_rows`]) between forward calls.
 //!
@@ -59,13 +65,18 @@ pub struct BatchRows {
     /// columns, each row's keys are read from its own blocks.
     paged: Option<PagedKeys>,
     /// Flat batch caches: each row's padding columns at the start of the next step
-    /// ([`Cache::set_step_padding`]), taken by [`BatchRows::begin`].
+    /// ([`Cache::set_step_tokens`]), taken by [`BatchRows::begin`].
     next_step_pad: Option<Vec<usize>>,
     /// The current step's per-row leading padding (i32 `[B]`), when some row has any.
     step_pad: Option<Array>,
     /// The current step's realignment of the stored columns (i32 `[B, 1, T, 1]`), when a row
     /// that holds tokens starts the step with padding ([`BatchRows::realign`]).
     realign: Option<Array>,
+    /// Flat batch caches: each row's token count in the next step when it takes them packed
+    /// ([`Cache::set_step_tokens`]), taken by [`BatchRows::begin_tokens`].
+    next_packed: Option<Vec<usize>>,
+    /// The current step's packed layout, when its tokens come packed ([`Ragged`]).
+    ragged: Option<Ragged>,
 }
 
 /// The keys a step over paged rows attends to.
@@ -92,16 +103,37 @@ impl BatchRows {
             next_step_pad: None,
             step_pad: None,
             realign: None,
+            next_packed: None,
+            ragged: None,
         })
     }
 
     /// One step of `l` columns over rows of the paged pool: row `b` has `pad[b]` padding columns,
     /// then its tokens from position `start[b]`; `groups` gives, per kind of attention, each
     /// row's first key position and key count.
-    pub(crate) fn paged(pad: Vec<usize>, start: &[usize], l: usize, groups: Vec<(Option<usize>, Vec<usize>, Vec<usize>)>) -> Result<Self> {
+    /// With `packed`, the step takes each row's tokens packed ([`Ragged`]) instead of `[B, l]`.
+    pub(crate) fn paged(pad: Vec<usize>, start: &[usize], l: usize, groups: Vec<(Option<usize>, Vec<usize>, Vec<usize>)>, packed: bool) -> Result<Self> {
         let i32s = |v: &[usize]| -> Result<Array> { Ok(Array::from_slice(&v.iter().map(|&x| x as i32).collect::<Vec<_>>(), &[v.len()])?) };
         let origin: Vec<i32> = pad.iter().zip(start).map(|(&p, &s)| p as i32 - s as i32).collect();
         let longest = pad.iter().zip(start).map(|(&p, &s)| s + l - p).max().unwrap_or(0);
+        let ragged = if packed {
+            let counts: Vec<usize> = pad.iter().map(|&p| l - p).collect();
+            let mut keys = Vec::with_capacity(groups.len());
+            for (w, ks, kl) in &groups {
+                let mut ranges = Vec::with_capacity(counts.len());
+                for b in 0..counts.len() {
+                    // the row's queries are the last of its keys
+                    if ks[b] + kl[b] != start[b] + counts[b] {
+                        return Err(ModelError::Cache(format!("paged row {b}: keys {}..{} do not end at its last query {} (internal error)", ks[b], ks[b] + kl[b], start[b] + counts[b])));
+                    }
+                    ranges.push((0, kl[b]));
+                }
+                keys.push((Some(*w), ranges));
+            }
+            Some(Ragged::new(counts, start.to_vec(), keys))
+        } else {
+            None
+        };
         let groups = groups.into_iter().map(|(w, ks, kl)| Ok((w, i32s(&ks)?, i32s(&kl)?))).collect::<Result<Vec<_>>>()?;
         Ok(BatchRows {
             pad_arr: i32s(&pad)?,
@@ -114,6 +146,8 @@ impl BatchRows {
             next_step_pad: None,
             step_pad: None,
             realign: None,
+            next_packed: None,
+            ragged,
         })
     }
 
@@ -150,7 +184,7 @@ impl BatchRows {
     }
 
     /// Start a forward step over `l` columns. With step padding set
-    /// ([`Cache::set_step_padding`]), row `b`'s tokens are the last `l - step_pad[b]` columns of
+    /// ([`BatchRows::begin_tokens`]), row `b`'s tokens are the last `l - step_pad[b]` columns of
     /// the step: its padding grows by `step_pad[b]`, and a row that already holds tokens has
     /// them moved right by as many columns when the step's K/V are stored ([`BatchRows::realign`]),
     /// so every row stays right-aligned.
@@ -193,13 +227,38 @@ impl BatchRows {
         Ok(())
     }
 
-    /// Set the padding of each row at the start of the next step (flat batch caches).
-    pub(crate) fn set_step_padding(&mut self, pad: Vec<usize>) -> Result<()> {
-        if self.paged.is_some() || pad.len() != self.pad.len() {
-            return Err(ModelError::InvalidInput(format!("step padding for {} rows of a batch of {}", pad.len(), self.pad.len())));
+    /// Start a forward step over `tokens`: `[B, L]`, or `[1, T]` packed when
+    /// [`Cache::set_step_tokens`] set each row's count (the step is then `[B, widest]` with each
+    /// row's tokens right-aligned in storage, and [`BatchRows::ragged`] describes the packing).
+    pub(crate) fn begin_tokens(&mut self, tokens: &Array) -> Result<()> {
+        self.ragged = None;
+        let (b, l) = (tokens.dims()[0] as usize, tokens.dims()[1] as usize);
+        let Some(counts) = self.next_packed.take() else { return self.begin(b, l) };
+        let total: usize = counts.iter().sum();
+        if b != 1 || l != total {
+            return Err(ModelError::InvalidInput(format!("a packed step of {total} tokens over {} rows takes [1, {total}] tokens, got {:?}", counts.len(), tokens.shape())));
         }
-        self.next_step_pad = Some(pad);
+        let cols = counts.iter().copied().max().unwrap_or(0);
+        self.next_step_pad = Some(counts.iter().map(|&c| cols - c).collect());
+        self.begin(counts.len(), cols)?;
+        let first: Vec<usize> = counts.iter().zip(&self.pad).map(|(&c, &p)| self.step.0 + cols - c - p).collect();
+        let keys = vec![(None, self.pad.iter().map(|&p| (p, self.cols)).collect())];
+        self.ragged = Some(Ragged::new(counts, first, keys));
         Ok(())
+    }
+
+    /// Take the next step's tokens packed, `counts[b]` for row `b` (flat batch caches).
+    pub(crate) fn set_step_tokens(&mut self, counts: Vec<usize>) -> Result<()> {
+        if self.paged.is_some() || counts.len() != self.pad.len() || counts.iter().all(|&c| c == 0) {
+            return Err(ModelError::InvalidInput(format!("packed step of {counts:?} tokens for a batch of {} rows", self.pad.len())));
+        }
+        self.next_packed = Some(counts);
+        Ok(())
+    }
+
+    /// The current step's packed layout, when its tokens come packed.
+    pub fn ragged(&self) -> Option<&Ragged> {
+        self.ragged.as_ref()
     }
 
     /// The current step's realignment of a flat batch layer (i32 `[B, 1, T, 1]`: stored column
@@ -289,6 +348,123 @@ impl BatchRows {
             valid = valid.logical_and(&i.ge(&sp.reshape(&[b, 1, 1])?)?)?;
         }
         Ok(Some(valid))
+    }
+}
+
+/// The layout of a step whose tokens come packed, `[1, T, ..]` with no padding: row `b`'s
+/// `counts[b]` tokens (possibly none) follow the rows before it. Per-token layers (embeddings,
+/// norms, projections, MLPs, experts) run over the packed tokens as they are; attention splits
+/// them by row ([`Ragged::rope`], [`Ragged::attend`]: each row's queries against its own keys,
+/// a row of one query without a mask), and a recurrence runs over them laid out as rows
+/// ([`Ragged::to_rows`], [`Ragged::to_packed`]).
+#[derive(Clone)]
+pub struct Ragged {
+    counts: Vec<usize>,
+    /// Each row's first packed column.
+    offsets: Vec<usize>,
+    /// The position of each row's first token in the step.
+    first: Vec<usize>,
+    /// Per kind of attention (`Some(window)`; `None`: every kind), each row's keys in the K/V the
+    /// step fetches: columns `from..to` of its row, the row's queries being the last of them.
+    keys: Vec<(Option<Option<usize>>, Vec<(usize, usize)>)>,
+}
+
+impl Ragged {
+    fn new(counts: Vec<usize>, first: Vec<usize>, keys: Vec<(Option<Option<usize>>, Vec<(usize, usize)>)>) -> Self {
+        let offsets = counts.iter().scan(0, |o, &c| {
+            let at = *o;
+            *o += c;
+            Some(at)
+        }).collect();
+        Ragged { counts, offsets, first, keys }
+    }
+
+    /// Tokens of each row.
+    pub fn counts(&self) -> &[usize] {
+        &self.counts
+    }
+
+    /// The widest row's token count.
+    fn widest(&self) -> usize {
+        self.counts.iter().copied().max().unwrap_or(0)
+    }
+
+    /// The step past a cut to each row's last token ([`Ragged::last_tokens`]): one token a row,
+    /// at its last position, with the same keys.
+    pub fn last_only(&self) -> Ragged {
+        let first = self.first.iter().zip(&self.counts).map(|(&f, &c)| f + c.max(1) - 1).collect();
+        Ragged::new(vec![1; self.counts.len()], first, self.keys.clone())
+    }
+
+    /// Each row's last token of packed `x` (`[1, T, ..]`), packed: `[1, B, ..]` (a row without
+    /// tokens in the step gets some other row's, never read).
+    pub fn last_tokens(&self, x: &Array) -> Result<Array> {
+        let idx: Vec<i32> = self.offsets.iter().zip(&self.counts).map(|(&o, &c)| (o + c).max(1) as i32 - 1).collect();
+        Ok(x.take(&Array::from_slice(&idx, &[idx.len()])?, 1)?)
+    }
+
+    /// Packed `x` (`[1, T, ..]`, or `[1, H, T, D]` with `axis` 2) laid out as rows: `[B, L, ..]`
+    /// (`[B, H, L, D]`), `L` the widest row, each row's tokens right-aligned after zeros.
+    pub fn to_rows(&self, x: &Array, axis: usize) -> Result<Array> {
+        let (b, l) = (self.counts.len(), self.widest());
+        let total: usize = self.counts.iter().sum();
+        let mut zshape = x.shape();
+        if !(axis == 1 || axis == 2 && zshape.len() == 4) || zshape[0] != 1 || zshape[axis] != total {
+            return Err(ModelError::InvalidInput(format!("packed step of {total} tokens: input {:?} on axis {axis}", x.shape())));
+        }
+        zshape[axis] = 1;
+        let xz = mlx_array::ops::concatenate(&[x, &Array::zeros(&zshape, x.dtype())?], axis as i32)?;
+        let idx: Vec<i32> = self.counts.iter().zip(&self.offsets).flat_map(|(&c, &o)| (0..l).map(move |j| if j + c < l { total as i32 } else { (o + j + c - l) as i32 })).collect();
+        let y = xz.take(&Array::from_slice(&idx, &[b * l])?, axis as i32)?;
+        let mut shape: Vec<i32> = x.shape().iter().map(|&d| d as i32).collect();
+        if axis == 1 {
+            shape.splice(0..2, [b as i32, l as i32]);
+            return Ok(y.reshape(&shape)?);
+        }
+        Ok(y.reshape(&[shape[1], b as i32, l as i32, shape[3]])?.transpose(&[1, 0, 2, 3])?)
+    }
+
+    /// Rows `y` (`[B, L, ..]`, each row's tokens right-aligned) packed: `[1, T, ..]`.
+    pub fn to_packed(&self, y: &Array) -> Result<Array> {
+        let l = self.widest();
+        let idx: Vec<i32> = self.counts.iter().enumerate().flat_map(|(b, &c)| (l - c..l).map(move |j| (b * l + j) as i32)).collect();
+        let mut shape: Vec<i32> = y.shape().iter().map(|&d| d as i32).collect();
+        if shape.len() < 2 || shape[0] as usize != self.counts.len() || shape[1] as usize != l {
+            return Err(ModelError::InvalidInput(format!("rows {:?} of a packed step of {:?} tokens", y.shape(), self.counts)));
+        }
+        shape.splice(0..2, [-1]);
+        Ok(y.reshape(&shape)?.take(&Array::from_slice(&idx, &[idx.len()])?, 0)?.expand_dims(0)?)
+    }
+
+    /// Packed `x` (`[1, H, T, D]`) with each row's tokens rotated by `rope(part, first
+    /// position)`.
+    pub fn rope(&self, x: &Array, rope: impl Fn(&Array, usize) -> Result<Array>) -> Result<Array> {
+        let parts = self.counts.iter().zip(&self.offsets).zip(&self.first).filter(|((&c, _), _)| c > 0).map(|((&c, &o), &p)| rope(&x.slice_axis(2, o, o + c)?, p)).collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&Array> = parts.iter().collect();
+        Ok(mlx_array::ops::concatenate(&refs, 2)?)
+    }
+
+    /// Attention of packed queries `q` (`[1, Hq, T, D]`) over the step's fetched keys and values
+    /// (`[B, Hkv, K, D]`, as the cache returns them): each row's queries against its own keys
+    /// (causal, or a sliding `window`), one query without a mask. Returns `[1, Hq, T, D]`.
+    pub fn attend(&self, q: &Array, k: &Array, v: &Array, scale: f32, window: Option<usize>) -> Result<Array> {
+        let keys = &self.keys.iter().find(|(w, _)| w.is_none() || *w == Some(window)).ok_or_else(|| ModelError::Cache(format!("no keys for attention window {window:?} (internal error)")))?.1;
+        let mut outs = Vec::with_capacity(self.counts.len());
+        for (b, ((&c, &o), &(from, to))) in self.counts.iter().zip(&self.offsets).zip(keys).enumerate() {
+            if c == 0 {
+                continue;
+            }
+            // a window needs only the keys of its queries' windows
+            let from = match window {
+                Some(w) => from.max(to.saturating_sub(c + w - 1)),
+                None => from,
+            };
+            let row = |a: &Array| -> Result<Array> { Ok(a.slice_axis(0, b, b + 1)?.slice_axis(2, from, to)?) };
+            let mask = crate::layers::causal_mask(c, window);
+            outs.push(crate::layers::sdpa(&q.slice_axis(2, o, o + c)?, &row(k)?, &row(v)?, scale, mask)?);
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        Ok(mlx_array::ops::concatenate(&refs, 2)?)
     }
 }
 
@@ -447,5 +623,39 @@ impl Cache {
         }
         self.batch = Some(BatchRows::new(pad, cols)?);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of 2, 0 and 3 tokens: laid out as rows, each right-aligned after zeros, and packed
+    /// back; each row's last token; the rope and key ranges of the step past the cut.
+    #[test]
+    fn packed_steps_lay_out_as_rows_and_back() {
+        let g = Ragged::new(vec![2, 0, 3], vec![5, 9, 0], vec![(None, vec![(1, 8), (8, 8), (5, 8)])]);
+        let x = Array::from_slice(&[1f32, 2., 3., 4., 5.], &[1, 5, 1]).unwrap();
+        let rows = g.to_rows(&x, 1).unwrap();
+        assert_eq!(rows.shape(), vec![3, 3, 1]);
+        assert_eq!(rows.to_vec::<f32>().unwrap(), vec![0., 1., 2., 0., 0., 0., 3., 4., 5.]);
+        assert_eq!(g.to_packed(&rows).unwrap().to_vec::<f32>().unwrap(), vec![1., 2., 3., 4., 5.]);
+        // [1, H, T, D] with H = 2, D = 1 on axis 2
+        let h = Array::from_slice(&[1f32, 2., 3., 4., 5., 10., 20., 30., 40., 50.], &[1, 2, 5, 1]).unwrap();
+        let hr = g.to_rows(&h, 2).unwrap();
+        assert_eq!(hr.shape(), vec![3, 2, 3, 1]);
+        assert_eq!(hr.to_vec::<f32>().unwrap(), vec![0., 1., 2., 0., 10., 20., 0., 0., 0., 0., 0., 0., 3., 4., 5., 30., 40., 50.]);
+        // row 1 has no token: it gets row 0's last, never read
+        assert_eq!(g.last_tokens(&x).unwrap().to_vec::<f32>().unwrap(), vec![2., 2., 5.]);
+        let seen = RefCell::new(Vec::new());
+        g.rope(&h, |a, p| {
+            seen.borrow_mut().push((a.dim(2)?, p));
+            Ok(a.clone())
+        })
+        .unwrap();
+        assert_eq!(seen.into_inner(), vec![(2, 5), (3, 0)]);
+        let cut = g.last_only();
+        assert_eq!((cut.counts(), &cut.first[..]), (&[1, 1, 1][..], &[6, 9, 2][..]));
+        assert!(g.to_rows(&x.slice_axis(1, 0, 4).unwrap(), 1).is_err());
     }
 }

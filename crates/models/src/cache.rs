@@ -51,6 +51,8 @@ pub(crate) struct PagedRows {
     cols: usize,
     /// [`Cache::set_queue_with_outputs`].
     later: bool,
+    /// The planned step takes its tokens packed ([`Cache::set_step_tokens`]).
+    packed: bool,
 }
 
 /// A cache's state at one position, from [`Cache::snapshot`].
@@ -299,12 +301,13 @@ impl Cache {
         *last_skipped = 0;
         if let Some(r) = rows {
             let (b, l) = (tokens.dims()[0] as usize, tokens.dims()[1] as usize);
-            if r.steps.len() != r.seqs.len() || b != r.seqs.len() || l != r.cols {
+            let packed = std::mem::take(&mut r.packed);
+            let want = if packed { (1, r.pad.iter().map(|p| r.cols - p).sum()) } else { (r.seqs.len(), r.cols) };
+            if r.steps.len() != r.seqs.len() || (b, l) != want {
                 return Err(ModelError::InvalidInput(format!(
-                    "a step over {} paged rows takes the [{}, {}] tokens schedule_rows planned, got {:?}",
+                    "a step over {} paged rows takes the {:?} tokens schedule_rows planned, got {:?}",
                     r.seqs.len(),
-                    r.seqs.len(),
-                    r.cols,
+                    [want.0, want.1],
                     tokens.shape()
                 )));
             }
@@ -312,11 +315,11 @@ impl Cache {
             let starts: Vec<usize> = steps.iter().map(|s| s.start).collect();
             let prefix_shared: Vec<bool> = r.seqs.iter().map(PagedSeq::prefix_shared).collect();
             let step = RowsStep::begin(&r.shared, &steps, &r.pad, r.cols, r.later, &prefix_shared)?;
-            *batch = Some(crate::batch::BatchRows::paged(r.pad.clone(), &starts, r.cols, step.key_groups())?);
+            *batch = Some(crate::batch::BatchRows::paged(r.pad.clone(), &starts, r.cols, step.key_groups(), packed)?);
             return Ok((ForwardKv { layers, paged: None, rows: Some(step), batch: batch.as_ref() }, 0));
         }
         if let Some(rows) = batch {
-            rows.begin(tokens.dims()[0] as usize, tokens.dims()[1] as usize)?;
+            rows.begin_tokens(tokens)?;
         }
         let batch = batch.as_ref();
         match paged {
@@ -524,7 +527,7 @@ impl Cache {
                 }
             });
         }
-        let rows = PagedRows { shared, seqs, row_layers, steps: Vec::new(), pad: Vec::new(), cols: 0, later: false };
+        let rows = PagedRows { shared, seqs, row_layers, steps: Vec::new(), pad: Vec::new(), cols: 0, later: false, packed: false };
         Ok(Cache { layers, paged: None, last_skipped: 0, batch: None, rows: Some(rows), position_delta: 0, gradient_checkpointing: false })
     }
 
@@ -572,11 +575,20 @@ impl Cache {
         Ok(skipped)
     }
 
-    /// Set the padding each row of a flat batch cache has at the start of the next forward
-    /// pass: row `b`'s tokens are then the last `columns - pad[b]` of the pass (a row decoding
-    /// one token beside a prompt chunk); see [`crate::batch::BatchRows::begin`].
-    pub(crate) fn set_step_padding(&mut self, pad: Vec<usize>) -> Result<()> {
-        self.batch.as_mut().ok_or_else(|| ModelError::Cache("step padding needs a flat batch cache".into()))?.set_step_padding(pad)
+    /// Take the next forward pass's tokens packed (`[1, T]`, row `b`'s `counts[b]` tokens after
+    /// the rows before it; [`crate::batch::Ragged`]) instead of `[B, L]` rows: flat batch
+    /// caches, or a view over paged rows whose planned step ([`Cache::schedule_rows`]) has these
+    /// counts.
+    pub(crate) fn set_step_tokens(&mut self, counts: Vec<usize>) -> Result<()> {
+        if let Some(r) = self.rows.as_mut() {
+            let planned: Vec<usize> = r.steps.iter().map(|s| s.len).collect();
+            if planned != counts {
+                return Err(ModelError::InvalidInput(format!("packed step of {counts:?} tokens, planned {planned:?}")));
+            }
+            r.packed = true;
+            return Ok(());
+        }
+        self.batch.as_mut().ok_or_else(|| ModelError::Cache("a packed step needs a batch cache".into()))?.set_step_tokens(counts)
     }
 
     /// Plan the next forward pass of a view: row `b` registers `inputs[b].0` and computes at

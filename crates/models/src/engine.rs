@@ -6,16 +6,21 @@
 //! [`EngineConfig::max_batch`] live sequences; identical prompts admitted together are computed
 //! once, and the row is copied to each of them when its prompt is done), then runs one forward
 //! pass over all rows:
-//! - while some row still computes its prompt, a pass `[B, L]` of each such row's next chunk
-//!   of at most [`EngineConfig::prefill_step_size`] prompt tokens, or (a mixed pass) of at
-//!   most [`EngineConfig::mixed_step_size`] beside one token of every decoding row, each row's tokens right-aligned in the pass (its left padding is not
-//!   kept: [`crate::batch::BatchRows::begin`] for flat caches, not stored at all for paged
-//!   ones). Decoding rows sample as in any step; a row whose prompt ends in the pass samples its
+//! - while some row still computes its prompt, a pass of each such row's next chunk of at most
+//!   [`EngineConfig::prefill_step_size`] prompt tokens, or (a mixed pass) of at most
+//!   [`EngineConfig::mixed_step_size`] beside one token of every decoding row. The pass takes
+//!   the rows' tokens packed, `[1, T]` with `T` the tokens of all rows
+//!   ([`crate::batch::Ragged`]): embeddings, norms, projections and MLPs compute real tokens
+//!   only, and only attention (each row's queries against its own keys, a decoding row's one
+//!   query without a mask) and the recurrences of the hybrid families split them by row.
+//!   Decoding rows sample as in any step; a row whose prompt ends in the pass samples its
 //!   first token and decodes from then on. Running sequences thus keep producing a token every
 //!   pass while a new prompt is computed, and the prompt shares their forward pass
 //!   ([`EngineStats::mixed_forwards`] counts such passes);
-//! - otherwise a decode step: one token for every row, `[B, 1]`, pipelined (the next step is
-//!   queued on the lazy tokens of this one before they are read back).
+//! - otherwise a decode step: one token for every row (flat caches: packed `[1, B]`, so each
+//!   row attends to its own keys whatever padding the batch storage holds; paged: `[B, 1]`),
+//!   pipelined (the next step is queued on the lazy tokens of this one before they are read
+//!   back).
 //!
 //! Each sequence has its own sampler (its request's settings; its own random stream), penalty
 //! history, stop tokens, stop guard and cancel flag; a finished or cancelled sequence leaves the
@@ -25,11 +30,10 @@
 //! `Sync`, `Clone`) to submit requests; each request streams [`Event`]s on its own channel.
 //! [`crate::generate_batch`] runs the same loop on the caller's thread.
 //!
-//! Attention K/V live in flat batch storage ([`EngineKv::Flat`]: a request's prompt is always
-//! computed in full; prompt rows are right-aligned on the longest so they end in the same pass,
-//! and requests that arrive meanwhile wait for that pass) or in the model's paged pool
-//! ([`EngineKv::Paged`], the default on a GPU): every sequence then has its own blocks and
-//! position and computes its prompt at its own pace, the rows are one view
+//! Every row computes its prompt at its own pace. Attention K/V live in flat batch storage
+//! ([`EngineKv::Flat`]: a request's prompt is always computed in full) or in the model's paged
+//! pool ([`EngineKv::Paged`], the default on a GPU): every sequence then has its own blocks and
+//! position, the rows are one view
 //! ([`crate::Cache::paged_rows`]) whose steps read each row's keys from its blocks, and a prompt
 //! whose leading blocks are cached (a repeated system prompt, a conversation sent again) skips
 //! them ([`Usage::cached_prompt_tokens`]). For the hybrid families (Qwen3.5, LFM2) a skip
@@ -59,9 +63,8 @@ pub struct EngineConfig {
     /// chunk; 0 = whole prompts). It bounds activation memory.
     pub prefill_step_size: usize,
     /// Prompt tokens a row computes per forward pass that also carries decoding rows (0 = whole
-    /// prompts). Every row of a pass is padded to its widest, so each decoding row costs this
-    /// many columns of compute in such a pass, and waits for the pass for its next token: a
-    /// narrow chunk keeps the decoding rows going, a wide one finishes a prompt in fewer passes.
+    /// prompts). A decoding row waits for the pass for its next token: a narrow chunk keeps the
+    /// decoding rows going, a wide one finishes a prompt in fewer passes.
     /// Default 64: of 16, 64 and 512 it gave the best aggregate tok/s, time to first token and
     /// longest pause of the decoding streams on the CPU (BENCHMARKS.md, "Continuous batching:
     /// prompts joining decoding streams").
@@ -419,10 +422,8 @@ impl Scheduler {
                 i += 1;
             }
         }
-        // Flat caches keep the prompt rows right-aligned on the longest, so new ones wait until
-        // the current prompts are done; paged rows each go at their own pace.
-        let prefilling = self.rows.iter().any(Row::prefilling);
-        if !self.waiting.is_empty() && (self.paged || !prefilling) {
+        // Every row computes its prompt at its own pace (passes take the rows' tokens packed).
+        if !self.waiting.is_empty() {
             let live: usize = self.rows.iter().map(|r| 1 + r.copies.len()).sum();
             let room = self.cfg.max_batch.max(1).saturating_sub(live);
             if room > 0 {
@@ -543,26 +544,19 @@ impl Scheduler {
 
     /// Tokens each row computes in the next pass: one for a decoding row; a prompt row its next
     /// chunk of at most [`EngineConfig::prefill_step_size`] ([`EngineConfig::mixed_step_size`]
-    /// beside decoding rows; flat caches: right-aligned on the longest prompt left, so the
-    /// prompts end in the same pass; paged: from its own position, ending at a snapshot boundary
-    /// of a hybrid model).
+    /// beside decoding rows), from its own position (paged: ending at a snapshot boundary of a
+    /// hybrid model).
     fn counts(&self) -> Vec<usize> {
         let decoding = self.rows.iter().any(|r| !r.prefilling());
         let chunk = if decoding { self.cfg.mixed_step_size } else { self.cfg.prefill_step_size };
         let chunk = if chunk == 0 { usize::MAX } else { chunk };
-        let most = self.rows.iter().filter(|r| r.prefilling()).map(|r| r.len - r.at).max().unwrap_or(0);
-        let l = most.min(chunk);
         self.rows
             .iter()
             .map(|r| {
                 if !r.prefilling() {
                     return 1;
                 }
-                let left = r.len - r.at;
-                if !self.paged {
-                    return (left + l).saturating_sub(most);
-                }
-                let n = left.min(chunk);
+                let n = (r.len - r.at).min(chunk);
                 match self.snapshot_interval {
                     Some(iv) => n.min((r.at / iv + 1) * iv - r.at),
                     None => n,
@@ -572,8 +566,7 @@ impl Scheduler {
     }
 
     /// One forward pass over every row while some compute their prompt: each decoding row's
-    /// next token beside each prompt row's next chunk (`[B, L]`, every row's tokens
-    /// right-aligned). Decoding rows and rows whose prompt ends here sample; a prompt that ends
+    /// next token beside each prompt row's next chunk (packed, `[1, T]`). Decoding rows and rows whose prompt ends here sample; a prompt that ends
     /// gives a row to each sequence that shares it.
     fn mixed(&mut self) -> Result<()> {
         self.flush_pending()?;
@@ -594,21 +587,19 @@ impl Scheduler {
             }
             plan.iter().map(|&(pos, _)| pos).collect()
         } else {
-            let cols = counts.iter().copied().max().unwrap_or(1);
-            cache.set_step_padding(counts.iter().map(|&c| cols - c).collect())?;
             self.rows.iter().map(|r| r.at).collect()
         };
-        let cols = counts.iter().copied().max().unwrap_or(1);
-        let mut ids = Vec::with_capacity(n * cols);
+        // The rows' tokens packed, [1, T]: per-token layers compute real tokens only.
+        cache.set_step_tokens(counts.clone())?;
+        let mut ids = Vec::with_capacity(counts.iter().sum());
         for ((r, &c), &pos) in self.rows.iter().zip(&counts).zip(&starts) {
-            ids.extend(std::iter::repeat_n(0u32, cols - c));
             if r.prefilling() {
                 ids.extend_from_slice(&self.live(r.seq).prompt[pos..pos + c]);
             } else {
                 ids.push(self.live(r.seq).last());
             }
         }
-        let t = Array::from_slice(&ids, &[n, cols])?;
+        let t = Array::from_slice(&ids, &[1, ids.len()])?;
         let out = self.model.with_runtime(|rt| rt.forward(&t, &mut cache, Logits::Last, false))?;
         self.rows_per_forward.push(n);
         let decoding = self.rows.iter().any(|r| !r.prefilling());
@@ -713,8 +704,10 @@ impl Scheduler {
     fn queue_step(&mut self, input: &Array, host: Option<&[u32]>) -> Result<(Array, Array)> {
         let n = input.dims()[0];
         let mut cache = self.running.take().ok_or_else(|| ModelError::Cache("running rows without a cache (internal error)".into()))?;
-        let planned = if self.paged { schedule_decode(&mut cache, input, host) } else { Ok(()) };
-        let out = planned.and_then(|_| self.model.with_runtime(|rt| rt.forward(input, &mut cache, Logits::Last, false)));
+        // Flat rows step packed ([1, B]): each row's one query attends to its own keys only,
+        // whatever padding the batch storage holds.
+        let planned = if self.paged { schedule_decode(&mut cache, input, host).map(|_| input.clone()) } else { cache.set_step_tokens(vec![1; n as usize]).and_then(|_| Ok(input.reshape(&[1, n])?)) };
+        let out = planned.and_then(|input| self.model.with_runtime(|rt| rt.forward(&input, &mut cache, Logits::Last, false)));
         let sampled = out.and_then(|o| {
             self.rows_per_forward.push(n as usize);
             let logits = o.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into()))?;
