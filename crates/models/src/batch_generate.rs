@@ -56,10 +56,11 @@ pub(crate) fn row_seed(seed: u64, row: usize) -> u64 {
 /// is no earlier cache here).
 ///
 /// It runs the continuous-batching loop of [`crate::engine`] on the caller's thread with room
-/// for every sequence: the distinct prompts are prefilled together, left-padded to the longest
-/// ([`crate::batch`]), in `[P, L]` passes; each prefilled row is then copied to its
-/// `group_size` sequences, and every decode step is one `[B, 1]` forward over all sequences
-/// still running (finished ones leave the batch). The model's own cache mode does not matter:
+/// for every sequence: the distinct prompts are prefilled together, each in chunks at its own
+/// pace, in passes that take their tokens packed ([`crate::batch::Ragged`]); each prefilled row
+/// is then copied to its `group_size` sequences and decodes beside the prompts still computed,
+/// and every decode step is one forward over all sequences still running (finished ones leave
+/// the batch). The model's own cache mode does not matter:
 /// the batch cache is flat.
 ///
 /// Sampling follows the sampling crate, row by row: each sequence has its own penalty history
