@@ -17,10 +17,9 @@
 //!   first token and decodes from then on. Running sequences thus keep producing a token every
 //!   pass while a new prompt is computed, and the prompt shares their forward pass
 //!   ([`EngineStats::mixed_forwards`] counts such passes);
-//! - otherwise a decode step: one token for every row (flat caches: packed `[1, B]`, so each
-//!   row attends to its own keys whatever padding the batch storage holds; paged: `[B, 1]`),
-//!   pipelined (the next step is queued on the lazy tokens of this one before they are read
-//!   back).
+//! - otherwise a decode step: one token for every row, `[B, 1]` (one attention call over the
+//!   rows, padding masked), pipelined (the next step is queued on the lazy tokens of this one
+//!   before they are read back).
 //!
 //! Each sequence has its own sampler (its request's settings; its own random stream), penalty
 //! history, stop tokens, stop guard and cancel flag; a finished or cancelled sequence leaves the
@@ -704,10 +703,8 @@ impl Scheduler {
     fn queue_step(&mut self, input: &Array, host: Option<&[u32]>) -> Result<(Array, Array)> {
         let n = input.dims()[0];
         let mut cache = self.running.take().ok_or_else(|| ModelError::Cache("running rows without a cache (internal error)".into()))?;
-        // Flat rows step packed ([1, B]): each row's one query attends to its own keys only,
-        // whatever padding the batch storage holds.
-        let planned = if self.paged { schedule_decode(&mut cache, input, host).map(|_| input.clone()) } else { cache.set_step_tokens(vec![1; n as usize]).and_then(|_| Ok(input.reshape(&[1, n])?)) };
-        let out = planned.and_then(|input| self.model.with_runtime(|rt| rt.forward(&input, &mut cache, Logits::Last, false)));
+        let planned = if self.paged { schedule_decode(&mut cache, input, host) } else { Ok(()) };
+        let out = planned.and_then(|_| self.model.with_runtime(|rt| rt.forward(input, &mut cache, Logits::Last, false)));
         let sampled = out.and_then(|o| {
             self.rows_per_forward.push(n as usize);
             let logits = o.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into()))?;
