@@ -6,13 +6,13 @@
 //! late prompts held the decoding rows up), and the engine's pass counters.
 //!
 //! ```sh
-//! cargo run --release -p mlx-models-bench --bin engine_bench -- --model DIR [--streams 8] [--late 4] [--prompt 256] [--gen 64] [--kv flat|paged] [--chunk 512] [--mixed-chunk 64] [--runs 3]
+//! cargo run --release -p mlx-models-bench --bin engine_bench -- --model DIR [--streams 8] [--late 4] [--prompt 256] [--gen 64] [--kv flat|paged] [--chunk 512] [--mixed-chunk 64] [--prompt-passes auto|mixed|separate] [--runs 3]
 //! ```
 //! Greedy decoding, no stop tokens; distinct prompts (no shared prefix, no identical prompts).
 use clap::{Parser, ValueEnum};
 use mlx_models::{
     load_model, Engine, EngineConfig, EngineKv, Event, GenerateConfig, KvCacheMode, LoadOptions,
-    PagedConfig, RequestHandle,
+    PagedConfig, PromptPasses, RequestHandle,
 };
 use sampling::SamplingConfig;
 use std::path::PathBuf;
@@ -22,6 +22,13 @@ use std::time::{Duration, Instant};
 enum Kv {
     Flat,
     Paged,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Passes {
+    Auto,
+    Mixed,
+    Separate,
 }
 
 #[derive(Parser)]
@@ -53,6 +60,9 @@ struct Args {
     /// ([`EngineConfig::mixed_step_size`]).
     #[arg(long, default_value_t = EngineConfig::default().mixed_step_size)]
     mixed_chunk: usize,
+    /// Whether prompt chunks share passes with decoding rows ([`EngineConfig::prompt_passes`]).
+    #[arg(long, value_enum, default_value = "auto")]
+    prompt_passes: Passes,
     /// Repetitions (each printed).
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -130,6 +140,11 @@ fn main() -> Res<()> {
             max_batch: a.streams,
             prefill_step_size: a.chunk,
             mixed_step_size: a.mixed_chunk,
+            prompt_passes: match a.prompt_passes {
+                Passes::Auto => PromptPasses::Auto,
+                Passes::Mixed => PromptPasses::Mixed,
+                Passes::Separate => PromptPasses::Separate,
+            },
             max_queue: a.streams,
             kv,
         },

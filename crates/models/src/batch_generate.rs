@@ -77,7 +77,7 @@ pub fn generate_batch(model: &Model, prompts: &[Vec<u32>], group_size: usize, cf
     let seed = (!cfg.sampling.is_greedy()).then(|| {
         cfg.sampling.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0))
     });
-    let mut s = Scheduler::new(model.clone(), EngineConfig { max_batch: n, prefill_step_size: cfg.prefill_step_size, mixed_step_size: cfg.prefill_step_size, max_queue: n, kv: EngineKv::Flat });
+    let mut s = Scheduler::new(model.clone(), EngineConfig { max_batch: n, prefill_step_size: cfg.prefill_step_size, mixed_step_size: cfg.prefill_step_size, max_queue: n, kv: EngineKv::Flat, prompt_passes: crate::engine::PromptPasses::Mixed });
     for r in 0..n {
         let p = prompts[r / group_size].clone();
         let seq = Seq::new(model, p, cfg, seed.map(|s| row_seed(s, r)), CancelHandle::default(), None).map_err(|e| match e {

@@ -73,12 +73,33 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Where the sequences' K/V live.
     pub kv: EngineKv,
+    /// Whether prompt chunks share passes with decoding rows.
+    pub prompt_passes: PromptPasses,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_step_size: 512, mixed_step_size: 64, max_queue: 256, kv: EngineKv::Auto }
+        EngineConfig { max_batch: 32, prefill_step_size: 512, mixed_step_size: 64, max_queue: 256, kv: EngineKv::Auto, prompt_passes: PromptPasses::Auto }
     }
+}
+
+/// How an [`Engine`] computes the prompts of requests that join while others decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptPasses {
+    /// [`PromptPasses::Mixed`] over the paged pool, [`PromptPasses::Separate`] over flat batch
+    /// caches: on the CPU, mixed passes over flat caches gave fewer tok/s and a later first
+    /// token than separate ones (each mixed pass moves every decoding row's stored K/V right
+    /// to keep the rows aligned), over the paged pool as many tok/s or more (BENCHMARKS.md,
+    /// "Continuous batching: prompts joining decoding streams").
+    #[default]
+    Auto,
+    /// A prompt's chunks of [`EngineConfig::mixed_step_size`] tokens share passes with one
+    /// token of every decoding row.
+    Mixed,
+    /// Prompts joining decoding rows are computed in passes of their own (chunks of
+    /// [`EngineConfig::prefill_step_size`]), each followed by a decode step of the running
+    /// rows; a prompt row joins the running rows once its first token is sampled.
+    Separate,
 }
 
 /// Where an [`Engine`]'s sequences keep their K/V.
@@ -343,6 +364,11 @@ pub(crate) struct Scheduler {
     /// positions, where the rows' state is kept as a prefix snapshot
     /// ([`crate::PagedConfig::snapshot_interval`]).
     snapshot_interval: Option<usize>,
+    /// [`PromptPasses::Separate`]: prompts that joined decoding rows, computed in passes of
+    /// their own (their rows and cache) until their first tokens.
+    joining: Option<(Vec<Row>, Cache)>,
+    /// Prompt passes are separate from decode steps ([`PromptPasses`]).
+    separate: bool,
 }
 
 impl Scheduler {
@@ -354,7 +380,12 @@ impl Scheduler {
                 EngineKv::Paged => true,
                 EngineKv::Auto => !crate::layers::runs_on_cpu(),
             };
-        Scheduler { model, cfg, seqs: Vec::new(), waiting: VecDeque::new(), running: None, rows: Vec::new(), pending: None, rows_per_forward: Vec::new(), mixed_forwards: 0, paged, snapshot_interval: None }
+        let separate = match cfg.prompt_passes {
+            PromptPasses::Auto => !paged,
+            PromptPasses::Mixed => false,
+            PromptPasses::Separate => true,
+        };
+        Scheduler { model, cfg, seqs: Vec::new(), waiting: VecDeque::new(), running: None, rows: Vec::new(), pending: None, rows_per_forward: Vec::new(), mixed_forwards: 0, paged, snapshot_interval: None, joining: None, separate }
     }
 
     /// Queue `seq`; returns its slab id.
@@ -375,7 +406,7 @@ impl Scheduler {
 
     /// Whether any sequence waits or runs.
     pub(crate) fn busy(&self) -> bool {
-        !self.waiting.is_empty() || !self.rows.is_empty()
+        !self.waiting.is_empty() || !self.rows.is_empty() || self.joining.is_some()
     }
 
     pub(crate) fn waiting(&self) -> usize {
@@ -422,12 +453,17 @@ impl Scheduler {
             }
         }
         // Every row computes its prompt at its own pace (passes take the rows' tokens packed).
-        if !self.waiting.is_empty() {
-            let live: usize = self.rows.iter().map(|r| 1 + r.copies.len()).sum();
+        // Separate prompt passes: prompts that would join decoding rows go to a batch of their
+        // own, admitted when it is empty.
+        let decoding = self.rows.iter().any(|r| !r.prefilling());
+        if !self.waiting.is_empty() && !(self.separate && decoding && self.joining.is_some()) {
+            let joining: usize = self.joining.iter().flat_map(|(r, _)| r).map(|r| 1 + r.copies.len()).sum();
+            let live: usize = self.rows.iter().map(|r| 1 + r.copies.len()).sum::<usize>() + joining;
             let room = self.cfg.max_batch.max(1).saturating_sub(live);
             if room > 0 {
                 let take: Vec<usize> = (0..room.min(self.waiting.len())).filter_map(|_| self.waiting.pop_front()).collect();
                 match self.prepare(&take) {
+                    Ok((rows, cache)) if self.separate && decoding => self.joining = Some((rows, cache)),
                     Ok((rows, cache)) => {
                         if let Err(e) = self.join(rows, cache) {
                             self.fail_rows(&e);
@@ -444,6 +480,10 @@ impl Scheduler {
                 }
             }
         }
+        if let Err(e) = self.joining_pass() {
+            self.fail_rows(&e);
+            return Err(e);
+        }
         if self.rows.is_empty() {
             return Ok(());
         }
@@ -455,9 +495,37 @@ impl Scheduler {
         Ok(())
     }
 
+    /// [`PromptPasses::Separate`]: one pass of the joining prompts' own batch (the running rows'
+    /// queued step is read first); once none of them computes its prompt any more, they join
+    /// the running rows.
+    fn joining_pass(&mut self) -> Result<()> {
+        let Some((rows, cache)) = self.joining.take() else { return Ok(()) };
+        self.flush_pending()?;
+        let running = (std::mem::replace(&mut self.rows, rows), std::mem::replace(&mut self.running, Some(cache)));
+        let r = self.mixed();
+        let joined = (std::mem::replace(&mut self.rows, running.0), std::mem::replace(&mut self.running, running.1));
+        if let Err(e) = r {
+            // the joining rows fail with the running ones
+            self.rows.extend(joined.0);
+            return Err(e);
+        }
+        match joined {
+            (rows, Some(cache)) if !rows.is_empty() => {
+                if rows.iter().any(Row::prefilling) {
+                    self.joining = Some((rows, cache));
+                } else {
+                    self.join(rows, cache)?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// Every live row fails with `e`.
     fn fail_rows(&mut self, e: &ModelError) {
-        for row in std::mem::take(&mut self.rows) {
+        let joining = self.joining.take().map(|(r, _)| r).unwrap_or_default();
+        for row in std::mem::take(&mut self.rows).into_iter().chain(joining) {
             for id in row.members() {
                 if let Some(s) = self.seqs[id].as_mut() {
                     if !s.done() {

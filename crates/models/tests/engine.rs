@@ -5,7 +5,7 @@
 //! cancellation, dropped receivers, usage and the bounded queue.
 mod common;
 use common::*;
-use mlx_models::{load_model, Engine, EngineConfig, EngineError, EngineKv, Event, FinishReason, GenerateConfig, KvCacheMode, LoadOptions, Model, PagedConfig, RequestHandle, Usage};
+use mlx_models::{load_model, Engine, EngineConfig, EngineError, EngineKv, Event, FinishReason, GenerateConfig, KvCacheMode, LoadOptions, Model, PagedConfig, PromptPasses, RequestHandle, Usage};
 use sampling::SamplingConfig;
 
 /// Read `n` tokens (or everything, `n = usize::MAX`) of a request; returns them and the finish.
@@ -44,7 +44,7 @@ fn check_family(name: &str, kv: EngineKv) {
     let prompts = [mk(6, 1), mk(15, 2), mk(9, 3), mk(6, 1), mk(15, 2)];
     let steps = 12;
     let lone: Vec<_> = prompts.iter().map(|p| greedy_alone(&model, p, steps)).collect();
-    let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, mixed_step_size: 4, max_queue: 16, kv }).unwrap();
+    let engine = Engine::start(model.clone(), EngineConfig { max_batch: 8, prefill_step_size: 4, mixed_step_size: 4, max_queue: 16, kv, prompt_passes: PromptPasses::Mixed }).unwrap();
     let h = engine.handle();
     // A runs alone for 3 tokens; B, C, D (A's prompt again) and E (B's: computed once for both
     // when the loop admits them in one turn) join while it decodes. A asks for many tokens, so
@@ -120,10 +120,11 @@ fn assert_prefix(what: &str, got: &[u32], want: &[u32], gaps: &[f32]) {
 /// A prompt submitted while another request decodes is computed in chunks inside the decoding
 /// row's passes (flat and paged; a dense and a hybrid family, whose conv state must survive the
 /// padded columns of its decode row): each chunk pass also carries the decode row, and both
-/// requests give their lone greedy tokens.
+/// requests give their lone greedy tokens. With [`PromptPasses::Separate`] the chunks run in
+/// passes of their own: the same tokens, no mixed pass.
 #[test]
 fn prompt_chunks_share_passes_with_decode_rows() {
-    for kv in [EngineKv::Flat, EngineKv::Paged] {
+    for (kv, prompt_passes) in [(EngineKv::Flat, PromptPasses::Mixed), (EngineKv::Paged, PromptPasses::Mixed), (EngineKv::Flat, PromptPasses::Separate), (EngineKv::Paged, PromptPasses::Separate)] {
         for name in ["qwen3", "lfm2", "qwen3_5"] {
             let model = load(name, kv == EngineKv::Paged);
             let v = model.info().vocab_size as u32;
@@ -131,7 +132,7 @@ fn prompt_chunks_share_passes_with_decode_rows() {
             let b: Vec<u32> = (0..11u32).map(|i| (i * 29 + 5) % v).collect();
             let (want_a, gaps_a) = greedy_alone(&model, &a, 40);
             let (want_b, gaps_b) = greedy_alone(&model, &b, 8);
-            let engine = Engine::start(model, EngineConfig { max_batch: 4, prefill_step_size: 8, mixed_step_size: 4, max_queue: 4, kv }).unwrap();
+            let engine = Engine::start(model, EngineConfig { max_batch: 4, prefill_step_size: 8, mixed_step_size: 4, max_queue: 4, kv, prompt_passes }).unwrap();
             let h = engine.handle();
             // A decodes long enough to still be running while B's prompt is computed.
             let ra = h.submit(a, &greedy(400)).unwrap();
@@ -152,7 +153,8 @@ fn prompt_chunks_share_passes_with_decode_rows() {
             let computed = 11 - usage.cached_prompt_tokens;
             assert_eq!(usage.cached_prompt_tokens, if kv == EngineKv::Paged && name == "qwen3" { 8 } else { 0 }, "{name} {kv:?}");
             let mixed = h.stats().mixed_forwards - before.mixed_forwards;
-            assert_eq!(mixed, computed.div_ceil(4), "{name} {kv:?}: passes carrying B's prompt chunks and A's decode row");
+            let want = if prompt_passes == PromptPasses::Mixed { computed.div_ceil(4) } else { 0 };
+            assert_eq!(mixed, want, "{name} {kv:?} {prompt_passes:?}: passes carrying B's prompt chunks and A's decode row");
         }
     }
 }
@@ -169,7 +171,7 @@ fn hybrid_repeated_system_prompt_skips_its_prefill() {
         let system: Vec<u32> = (0..21u32).map(|i| (i * 31 + 11) % v).collect();
         let with = |user: &[u32]| system.iter().chain(user).copied().collect::<Vec<u32>>();
         let (a, b) = (with(&[3, 1, 4, 1, 5]), with(&[9, 2, 6, 5, 3, 5]));
-        let engine = Engine::start(paged, EngineConfig { max_batch: 4, prefill_step_size: 4, mixed_step_size: 4, max_queue: 4, kv: EngineKv::Paged }).unwrap();
+        let engine = Engine::start(paged, EngineConfig { max_batch: 4, prefill_step_size: 4, mixed_step_size: 4, max_queue: 4, kv: EngineKv::Paged, ..Default::default() }).unwrap();
         let h = engine.handle();
         let run = |p: &[u32]| read(&h.submit(p.to_vec(), &greedy(6)).unwrap(), usize::MAX);
         let (_, fin) = run(&a);
