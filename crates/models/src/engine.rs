@@ -8,7 +8,9 @@
 //! pass over all rows:
 //! - while some row still computes its prompt, a pass of each such row's next chunk of at most
 //!   [`EngineConfig::prefill_step_size`] prompt tokens, or (a mixed pass) of at most
-//!   [`EngineConfig::mixed_step_size`] beside one token of every decoding row. The pass takes
+//!   [`EngineConfig::mixed_step_size`] beside one token of every decoding row (with
+//!   [`PromptPasses::Separate`], prompts that join decoding rows run in passes of their own
+//!   instead, each followed by a decode step, and join the rows once sampled). The pass takes
 //!   the rows' tokens packed, `[1, T]` with `T` the tokens of all rows
 //!   ([`crate::batch::Ragged`]): embeddings, norms, projections and MLPs compute real tokens
 //!   only, and only attention (each row's queries against its own keys, a decoding row's one
@@ -62,11 +64,9 @@ pub struct EngineConfig {
     /// chunk; 0 = whole prompts). It bounds activation memory.
     pub prefill_step_size: usize,
     /// Prompt tokens a row computes per forward pass that also carries decoding rows (0 = whole
-    /// prompts). A decoding row waits for the pass for its next token: a narrow chunk keeps the
-    /// decoding rows going, a wide one finishes a prompt in fewer passes.
-    /// Default 64: of 16, 64 and 512 it gave the best aggregate tok/s, time to first token and
-    /// longest pause of the decoding streams on the CPU (BENCHMARKS.md, "Continuous batching:
-    /// prompts joining decoding streams").
+    /// prompts; [`PromptPasses::Mixed`]). A decoding row waits for the pass for its next token:
+    /// a narrow chunk keeps the decoding rows going, a wide one finishes a prompt in fewer
+    /// passes. Default 64.
     pub mixed_step_size: usize,
     /// Most requests waiting for a slot; [`EngineHandle::submit`] refuses more with
     /// [`EngineError::QueueFull`].
@@ -88,17 +88,19 @@ impl Default for EngineConfig {
 pub enum PromptPasses {
     /// [`PromptPasses::Mixed`] over the paged pool, [`PromptPasses::Separate`] over flat batch
     /// caches: on the CPU, mixed passes over flat caches gave fewer tok/s and a later first
-    /// token than separate ones (each mixed pass moves every decoding row's stored K/V right
-    /// to keep the rows aligned), over the paged pool as many tok/s or more (BENCHMARKS.md,
-    /// "Continuous batching: prompts joining decoding streams").
+    /// token than separate ones (a mixed pass also moves every decoding row's stored K/V right
+    /// to keep the rows aligned; not profiled), over the paged pool about as many tok/s and an
+    /// earlier first token (BENCHMARKS.md, "Continuous batching: prompts joining decoding
+    /// streams").
     #[default]
     Auto,
     /// A prompt's chunks of [`EngineConfig::mixed_step_size`] tokens share passes with one
     /// token of every decoding row.
     Mixed,
-    /// Prompts joining decoding rows are computed in passes of their own (chunks of
-    /// [`EngineConfig::prefill_step_size`]), each followed by a decode step of the running
-    /// rows; a prompt row joins the running rows once its first token is sampled.
+    /// Prompts joining decoding rows are computed in a batch of their own (chunks of
+    /// [`EngineConfig::prefill_step_size`]), each pass followed by a decode step of the running
+    /// rows; the batch joins the running rows once none of its prompts is left to compute
+    /// (requests arriving meanwhile wait for that).
     Separate,
 }
 
