@@ -22,7 +22,9 @@ Then, with the release builds of `llm_bench` and mlx-convert's `convert` example
     /work/venvs/llamacpp/bin/python benches/llama_cpp_compare.py \
         ~/.cache/mlx-models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --target-dir TARGET_DIR
 
-(the GGUF is the one `scripts/fetch_gguf.sh` and the chat example fetch).
+(the GGUF is the one `scripts/fetch_gguf.sh` and the chat example fetch). `--before-target-dir
+DIR` adds a second `llm_bench` (DIR/release/llm_bench, e.g. a build of an earlier commit) to the
+alternation, on the same converted weights, for a before/after measured in the same run.
 """
 import argparse
 import json
@@ -71,10 +73,12 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--before-target-dir", help="a second target directory whose release/llm_bench joins the alternation")
     a = ap.parse_args()
     rel = os.path.join(a.target_dir, "release")
     llm_bench, convert = os.path.join(rel, "llm_bench"), os.path.join(rel, "examples", "convert")
-    for b in (llm_bench, convert):
+    before = os.path.join(a.before_target_dir, "release", "llm_bench") if a.before_target_dir else None
+    for b in (llm_bench, convert) + ((before,) if before else ()):
         if not os.path.isfile(b):
             sys.exit(f"{b} is missing: build it with cargo build --release (see the script's docs)")
     with tempfile.TemporaryDirectory() as work:
@@ -88,18 +92,27 @@ def main():
         prompt = [(i * 7919) % (vocab - 200) + 100 for i in range(a.prompt)]
         llama_cpp_run(llm, prompt, a.gen)  # warm-up
         ours_run(llm_bench, q4, a.prompt, a.gen, a.threads)
-        theirs, ours = [], []
+        if before:
+            ours_run(before, q4, a.prompt, a.gen, a.threads)
+        theirs, ours, earlier = [], [], []
         for r in range(a.runs):
             theirs.append(llama_cpp_run(llm, prompt, a.gen))
             ours.append(ours_run(llm_bench, q4, a.prompt, a.gen, a.threads))
-            print(f"run {r + 1}: llama.cpp prefill {theirs[-1][0]:.1f} decode {theirs[-1][1]:.2f} tok/s | "
-                  f"ours prefill {ours[-1][0]:.1f} decode {ours[-1][1]:.2f} tok/s", flush=True)
+            line = (f"run {r + 1}: llama.cpp prefill {theirs[-1][0]:.1f} decode {theirs[-1][1]:.2f} tok/s | "
+                    f"ours prefill {ours[-1][0]:.1f} decode {ours[-1][1]:.2f} tok/s")
+            if before:
+                earlier.append(ours_run(before, q4, a.prompt, a.gen, a.threads))
+                line += f" | before prefill {earlier[-1][0]:.1f} decode {earlier[-1][1]:.2f} tok/s"
+            print(line, flush=True)
     med = lambda xs, i: statistics.median(x[i] for x in xs)
     print(f"{os.path.basename(a.gguf)}, {a.threads} threads, prompt {a.prompt}, {a.gen} new tokens, "
           f"median of {a.runs} runs (load {os.getloadavg()[0]:.2f}):")
     print(f"  llama.cpp (GGUF): prefill {med(theirs, 0):.1f} tok/s, decode {med(theirs, 1):.2f} tok/s")
     print(f"  ours (MLX 4-bit g32): prefill {med(ours, 0):.1f} tok/s, decode {med(ours, 1):.2f} tok/s")
     print(f"  decode ours / llama.cpp: {med(ours, 1) / med(theirs, 1):.2f}x")
+    if before:
+        print(f"  before ({a.before_target_dir}): prefill {med(earlier, 0):.1f} tok/s, decode {med(earlier, 1):.2f} tok/s, "
+              f"{med(earlier, 1) / med(theirs, 1):.2f}x llama.cpp; ours / before {med(ours, 1) / med(earlier, 1):.2f}x")
 
 
 if __name__ == "__main__":

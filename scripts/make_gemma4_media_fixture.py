@@ -24,6 +24,16 @@ clipping happens, the vision standardisation buffers set), rounded to bf16, save
 
 The seed is retried until every top-1/top-2 logit gap of the prefill's last position and of
 the greedy steps is at least 0.02.
+
+`reference_bidirectional.safetensors` (and `.json`) hold the same model's references with
+`text_config.use_bidirectional_attention = "vision"` (the checkpoint's config with that one
+field changed; the tests write that config next to the fixture's weights): transformers then
+lets each image's soft tokens attend to each other both ways in the sliding layers
+(`mm_token_type_ids` marks them; full-attention layers and every other token stay causal).
+`input_ids`, `logits` and `greedy_ids` as above on the same prompt (generated tokens are text),
+and `two_images_ids` (text, the 100x60 image, text, a 64x48 noise image `second_rgb`, text)
+with the logits of its last `TAIL` positions (`two_images_logits_tail`). The JSON records how far the causal
+logits lie from the bidirectional ones.
 """
 import json
 import os
@@ -42,6 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TOKENIZER_FROM = os.path.join(REPO, "crates/models/tests/fixtures/tiny/gemma4")
 STEPS = 16
+TAIL = 4
 
 # Media tokens on unused ids of the tiny vocabulary, renamed as Gemma 4 names them.
 MEDIA_TOKENS = {
@@ -226,7 +237,57 @@ def build(out, seed):
         media_tokens={k: v[0] for k, v in MEDIA_TOKENS.items()},
     )
     json.dump(meta, open(os.path.join(out, "reference.json"), "w"), indent=1)
+    bidirectional_references(out, model, ids, media, logits, tid, n_img, proc)
     return meta
+
+
+def mm_token_type_ids(seq, image_token):
+    """What `Gemma4Processor` returns: 1 at image soft tokens, 0 elsewhere (no video here;
+    audio tokens, 3, take no part in the bidirectional mask)."""
+    return (seq == image_token).long()
+
+
+@torch.no_grad()
+def bidirectional_references(out, model, ids, media, causal_logits, tid, n_img, proc):
+    model.config.text_config.use_bidirectional_attention = "vision"
+    img_tok = tid["image_token_id"]
+    seq = torch.tensor([ids])
+    logits = model(input_ids=seq, mm_token_type_ids=mm_token_type_ids(seq, img_tok), use_cache=False, **media).logits.float()
+    margins = []
+    for _ in range(STEPS):
+        last = model(input_ids=seq, mm_token_type_ids=mm_token_type_ids(seq, img_tok), use_cache=False, **media).logits[0, -1].float()
+        top = torch.topk(last, 2).values
+        margins.append(float(top[0] - top[1]))
+        seq = torch.cat([seq, last.argmax().view(1, 1)], dim=1)
+
+    second = np.random.RandomState(5).randint(0, 256, size=(48, 64, 3), dtype=np.uint8)
+    second_in, _, _ = process_image(proc, second)
+    n_second = int((second_in["image_position_ids"][0] >= 0).all(-1).sum()) // 4  # pooling 2x2
+    rs = np.random.RandomState(99)
+    text = lambda n: rs.randint(240, 1000, size=n).tolist()
+    two = ([2] + text(3) + [tid["boi_token_id"]] + [img_tok] * n_img + [tid["eoi_token_id"]] + text(2)
+           + [tid["boi_token_id"]] + [img_tok] * n_second + [tid["eoi_token_id"]] + text(3))
+    img_in = dict(pixel_values=media["pixel_values"], image_position_ids=media["image_position_ids"])
+    pv = torch.cat([img_in["pixel_values"], second_in["pixel_values"]])
+    pos = torch.cat([img_in["image_position_ids"], second_in["image_position_ids"]])
+    two_seq = torch.tensor([two])
+    two_logits = model(input_ids=two_seq, mm_token_type_ids=mm_token_type_ids(two_seq, img_tok), use_cache=False,
+                       pixel_values=pv, image_position_ids=pos).logits[0, -TAIL:].float()
+    two_causal = model(input_ids=two_seq, use_cache=False, pixel_values=pv, image_position_ids=pos).logits[0, -TAIL:].float()
+    model.config.text_config.use_bidirectional_attention = None
+
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    ref = dict(input_ids=torch.tensor([ids], dtype=torch.int32), logits=logits, greedy_ids=seq.to(torch.int32),
+               second_rgb=torch.from_numpy(second), two_images_ids=torch.tensor([two], dtype=torch.int32),
+               two_images_logits_tail=two_logits)
+    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "reference_bidirectional.safetensors"))
+    meta = dict(
+        use_bidirectional_attention="vision", prompt_len=len(ids), greedy_new_ids=seq[0, len(ids):].tolist(),
+        decode_top1_top2_margin_min=min(margins), causal_vs_bidirectional_logits_rel=rel(causal_logits, logits),
+        two_images_len=len(two), two_images_soft_tokens=[n_img, n_second], tail=TAIL,
+        two_images_causal_vs_bidirectional_tail_rel=rel(two_causal, two_logits),
+    )
+    json.dump(meta, open(os.path.join(out, "reference_bidirectional.json"), "w"), indent=1)
 
 
 def main():

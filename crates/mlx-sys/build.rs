@@ -435,10 +435,12 @@ fn compile_mlxc(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
     commit_dir(&tmp, dir)
 }
 
-const KERNEL_SRC: [&str; 3] = [
+const KERNEL_SRC: [&str; 5] = [
     "src/cpukern/kernels.h",
     "src/cpukern/kernels.cpp",
     "src/cpukern/primitive.cpp",
+    "src/cpukern/strided.h",
+    "src/cpukern/ops.cpp",
 ];
 
 /// Compile `src/cpukern` to `libmlxmkern.a`: `primitive.cpp` once, `kernels.cpp` once per
@@ -509,7 +511,8 @@ fn compile_kernels(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
         let mut b = base();
         b.include(mlxc)
             .include(mlx_inc)
-            .file(dir.join("src/cpukern/primitive.cpp"));
+            .file(dir.join("src/cpukern/primitive.cpp"))
+            .file(dir.join("src/cpukern/ops.cpp"));
         objs.extend(
             b.out_dir(objs_dir.join("primitive"))
                 .try_compile_intermediates()

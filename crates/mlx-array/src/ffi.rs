@@ -62,6 +62,19 @@ pub(crate) fn call(op: &'static str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> 
     Ok(Array::wrap(out))
 }
 
+/// Run an mlx-c op that writes `N` arrays (all of them set on success).
+pub(crate) fn call_n<const N: usize>(op: &'static str, f: impl FnOnce(&mut [mlx_sys::mlx_array; N]) -> i32) -> Result<[Array; N]> {
+    ensure_handler();
+    LAST_ERROR.with(|l| l.borrow_mut().take());
+    let mut res: [mlx_sys::mlx_array; N] = std::array::from_fn(|_| unsafe { mlx_sys::mlx_array_new() });
+    let st = f(&mut res);
+    let out = res.map(|r| Array::wrap(unsafe { mlx_rs::Array::from_ptr(r) })); // frees every handle
+    if st != 0 {
+        return Err(take_error(op, st));
+    }
+    Ok(out)
+}
+
 /// Run an mlx-c call that only returns a status.
 pub(crate) fn status(op: &'static str, f: impl FnOnce() -> i32) -> Result<()> {
     ensure_handler();

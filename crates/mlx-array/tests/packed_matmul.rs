@@ -308,6 +308,14 @@ fn leading_dims_and_dtypes() {
         }
         let xb = x.astype(DType::BF16).unwrap();
         assert_eq!(q.cpu_matmul(&xb).unwrap().dtype(), DType::BF16);
+        // inputs are read in place: a strided view and a bf16 input give what their
+        // contiguous f32 copies give
+        let xt = Array::from_slice(&vals(3 * 2 * k, 9), &[3, 2, k]).unwrap().transpose(&[1, 0, 2]).unwrap();
+        let xt_copy = Array::from_slice(&xt.to_vec::<f32>().unwrap(), &[2, 3, k]).unwrap();
+        assert_eq!(q.cpu_matmul(&xt).unwrap().to_vec::<f32>().unwrap(), q.cpu_matmul(&xt_copy).unwrap().to_vec::<f32>().unwrap());
+        let from_bf16 = q.cpu_matmul(&xb).unwrap().astype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+        let from_f32 = q.cpu_matmul(&xb.astype(DType::F32).unwrap()).unwrap().astype(DType::BF16).unwrap().astype(DType::F32).unwrap();
+        assert_eq!(from_bf16, from_f32.to_vec::<f32>().unwrap());
         let wb = w.astype(DType::BF16).unwrap();
         assert_eq!(xb.cpu_matmul_bf16(&wb).unwrap().dtype(), DType::BF16);
         assert_eq!(x.cpu_matmul_bf16(&wb).unwrap().shape(), vec![2, 3, n]);
@@ -530,5 +538,45 @@ fn products_split_over_threads() {
         for (i, (p, r)) in a.iter().zip(&b).enumerate() {
             assert!((p - r).abs() <= 1e-4 * r.abs().max(1.0), "expert row output {i}: {p} vs {r}");
         }
+    })
+}
+
+/// The gated product `cpu_swiglu` over `[Wg; Wu]` against the plain product's halves through
+/// MLX's silu and multiply, in value and in gradient, for f32 and bf16 inputs. Tolerances are
+/// relative to the largest output (gradient): the products differ in f32 accumulation order
+/// only, which moves every element by a share of the magnitudes summed into it.
+#[test]
+fn swiglu_matches_the_plain_product() {
+    with_device(Device::Cpu, || {
+        let (n, k) = (2 * 96, 128);
+        let w = Array::from_slice(&vals(n * k, 51), &[n, k]).unwrap();
+        let q = w.quantize(QuantMode::Affine { bits: 4, group_size: 32 }).unwrap();
+        let x = Array::from_slice(&vals(3 * k, 52), &[1, 3, k]).unwrap();
+        let plain = |x: &Array| -> mlx_array::Result<Array> {
+            let y = q.cpu_matmul(x)?;
+            let h = y.split_at(&[n / 2], -1)?;
+            h[0].silu()?.mul(&h[1])
+        };
+        for dt in [DType::F32, DType::BF16] {
+            let xd = x.astype(dt).unwrap();
+            let (got, want) = (q.cpu_swiglu(&xd).unwrap(), plain(&xd).unwrap());
+            assert_eq!((got.shape(), got.dtype()), (vec![1, 3, n / 2], want.dtype()));
+            let tol = if dt == DType::F32 { 1e-5 } else { 1.6e-2 };
+            let (got, want) = (f64s(&got), f64s(&want));
+            let top = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= tol * (b.abs() + top), "{dt:?} output {i}: {a} vs {b}");
+            }
+        }
+        let (_, g) = mlx_array::grad::value_and_grad(|p| q.cpu_swiglu(&p[0])?.sum(&[], false), std::slice::from_ref(&x)).unwrap();
+        let (_, g2) = mlx_array::grad::value_and_grad(|p| plain(&p[0])?.sum(&[], false), std::slice::from_ref(&x)).unwrap();
+        let (g, g2) = (f64s(&g[0]), f64s(&g2[0]));
+        let top = g2.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        for (a, b) in g.iter().zip(&g2) {
+            assert!((a - b).abs() <= 1e-5 * top, "gradient {a} vs {b} (largest {top})");
+        }
+        let rows = |a: &Array| a.slice_axis(0, 0, n - 1).unwrap();
+        let odd = Quantized { weight: rows(&q.weight), scales: rows(&q.scales), biases: q.biases.as_ref().map(rows), mode: q.mode };
+        assert!(odd.cpu_matmul(&x).is_ok() && odd.cpu_swiglu(&x).is_err(), "odd row count");
     })
 }

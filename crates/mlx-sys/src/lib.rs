@@ -102,10 +102,69 @@ unsafe extern "C" {
         group_size: std::ffi::c_int,
         s: mlx_stream,
     ) -> std::ffi::c_int;
+    /// `silu(x @ Wg^T) * (x @ Wu^T)` for `W` = `[Wg; Wu]` (`2N` rows, `N` outputs): the forms of
+    /// [`mlx_models_cpu_packed_matmul`] without `idx`, in one primitive.
+    pub fn mlx_models_cpu_packed_swiglu(
+        res: *mut mlx_array,
+        x: mlx_array,
+        w: mlx_array,
+        scales: mlx_array,
+        biases: mlx_array,
+        kind: std::ffi::c_int,
+        group_size: std::ffi::c_int,
+        s: mlx_stream,
+    ) -> std::ffi::c_int;
     /// The instruction set of the kernels in this process: "avx512", "avx2" or "portable".
     pub fn mlx_models_cpu_kernels_isa() -> *const std::ffi::c_char;
     /// Threads one product uses (`OPENBLAS_NUM_THREADS`, else `OMP_NUM_THREADS`, else all).
     pub fn mlx_models_cpu_kernels_threads() -> std::ffi::c_int;
     /// Use `name`'s kernels from now on; returns the set in use (lower when the CPU lacks `name`).
     pub fn mlx_models_cpu_kernels_select(name: *const std::ffi::c_char) -> *const std::ffi::c_char;
+    /// Enter (`true`) or leave (`false`) a scope on this thread in which `mlx_models_rms_norm`,
+    /// `_rope`, `_heads` and `_sdpa` build MLX's own ops (as they do while MLX traces a function).
+    pub fn mlx_models_mlx_ops_only(enter: bool);
+    /// `fast::rms_norm(x, w, eps)` (`w` may be empty): one primitive for float `x` on a CPU stream
+    /// (`src/cpukern/ops.cpp`), MLX's op otherwise.
+    pub fn mlx_models_rms_norm(res: *mut mlx_array, x: mlx_array, w: mlx_array, eps: f32, s: mlx_stream) -> std::ffi::c_int;
+    /// `fast::rope(x, r.dims, r.traditional, r.base if r.has_base, r.scale, r.offset, freqs)`
+    /// (`freqs` may be empty): one primitive for float `x` on a CPU stream, MLX's op otherwise.
+    pub fn mlx_models_rope(res: *mut mlx_array, x: mlx_array, r: *const MlxModelsRopeArgs, freqs: mlx_array, s: mlx_stream) -> std::ffi::c_int;
+    /// `fast::scaled_dot_product_attention(q, k, v, scale, causal ? "causal" : "")`: one primitive
+    /// for float inputs (one dtype) of at most 8 queries on a CPU stream, MLX's op otherwise. `merge`: the
+    /// output is `[B, L, Hq * Dv]` (heads joined) instead of `[B, Hq, L, Dv]`.
+    pub fn mlx_models_sdpa(res: *mut mlx_array, q: mlx_array, k: mlx_array, v: mlx_array, scale: f32, causal: bool, merge: bool, s: mlx_stream) -> std::ffi::c_int;
+    /// Attention's heads: `n_out` (1 to 3) outputs `[B, heads[i], L, head_dim]`, output `i` the
+    /// columns from `col[i]` of projection `input[i]` (`x0`, `x1`, `x2`: `[B, L, C]`, `x1`/`x2`
+    /// empty when unused), rotated as by `mlx_models_rope` when `rotate[i]`. One primitive for float
+    /// on a CPU stream, MLX's slices, reshapes, transposes and ropes otherwise.
+    pub fn mlx_models_heads(
+        out0: *mut mlx_array,
+        out1: *mut mlx_array,
+        out2: *mut mlx_array,
+        x0: mlx_array,
+        x1: mlx_array,
+        x2: mlx_array,
+        n_out: std::ffi::c_int,
+        input: *const std::ffi::c_int,
+        col: *const std::ffi::c_int,
+        heads: *const std::ffi::c_int,
+        rotate: *const bool,
+        head_dim: std::ffi::c_int,
+        rope: *const MlxModelsRopeArgs,
+        freqs: mlx_array,
+        s: mlx_stream,
+    ) -> std::ffi::c_int;
+}
+
+/// The rotation arguments of [`mlx_models_rope`] and [`mlx_models_heads`] (`src/cpukern/ops.cpp`'s
+/// `mlx_models_rope_args`): `base` when `has_base`, else the call's frequencies array.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlxModelsRopeArgs {
+    pub dims: std::ffi::c_int,
+    pub traditional: bool,
+    pub has_base: bool,
+    pub base: f32,
+    pub scale: f32,
+    pub offset: std::ffi::c_int,
 }

@@ -168,9 +168,9 @@ impl BatchRows {
 
     /// Whether no row has padding: every row then sits at the same positions, and attention
     /// runs as over a single-sequence cache (scalar rope offset, the family's own mask). Never
-    /// for a step over paged rows (each row has its own positions and keys).
+    /// for a step over paged rows (each row has its own positions and keys) or a packed step.
     pub fn uniform(&self) -> bool {
-        self.paged.is_none() && self.pad.iter().all(|&p| p == 0)
+        self.paged.is_none() && self.ragged.is_none() && self.pad.iter().all(|&p| p == 0)
     }
 
     /// Columns stored (the longest row's positions, padding included for the others).

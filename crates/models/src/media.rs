@@ -7,7 +7,7 @@
 //!   or 32/64-bit float PCM at 16 kHz; several channels are averaged to mono); any other rate
 //!   is an error (nothing is resampled).
 //! - [`resize`]: Pillow's `Image.resize` (antialiased separable convolution, 8-bit fixed-point
-//!   accumulation, clipping between the passes, the pass order by intermediate size) for the
+//!   accumulation, clipping between the passes, Pillow 13's pass order) for the
 //!   bicubic and bilinear filters, the resize the Hugging Face image processors run on PIL
 //!   images.
 //! - [`MediaModel`]: what a vision-language family implements. The chat template writes one
@@ -240,9 +240,10 @@ fn coefficients(in_size: usize, out_size: usize, filter: Filter) -> Vec<(usize, 
     (0..out_size)
         .map(|xx| {
             let center = (xx as f64 + 0.5) * scale;
-            let xmin = ((center - support + 0.5) as i64).max(0) as usize;
+            // C's (int) truncates toward zero, as `as` does; the reciprocal multiplies as in Pillow
+            let (xmin, ss) = (((center - support + 0.5) as i64).max(0) as usize, 1.0 / filterscale);
             let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
-            let w: Vec<f64> = (xmin..xmax).map(|x| filter.weight((x as f64 - center + 0.5) / filterscale)).collect();
+            let w: Vec<f64> = (xmin..xmax).map(|x| filter.weight((x as f64 - center + 0.5) * ss)).collect();
             let total: f64 = w.iter().sum();
             let k = w
                 .iter()
@@ -265,18 +266,22 @@ fn clip8(v: i64) -> u8 {
     }
 }
 
-/// Resize as Pillow's `Image.resize(size, filter)` does for an RGB image: two separable passes,
-/// each rounded to 8 bits, the one that leaves the smaller intermediate image first (the
-/// horizontal one on a tie). The same size returns a copy.
+/// Resize as Pillow 13's `Image.resize(size, filter)` does for an RGB image
+/// (`ImagingResampleInner` over the whole image): a horizontal pass where the width changes and
+/// a vertical one where the height changes, each rounded to 8 bits. The vertical pass runs first
+/// when the height shrinks by more than twice as many pixels as the width does
+/// (`ih - oh > 0 && ih - oh > 2 * (iw - ow)`), the horizontal one first otherwise (Pillow 12 and
+/// older always run it first). The same size returns a copy.
 pub fn resize(img: &RgbImage, width: u32, height: u32, filter: Filter) -> std::result::Result<RgbImage, MediaError> {
     if width == 0 || height == 0 {
         return Err(MediaError::Empty("resize target"));
     }
-    let (iw, ih, ow, oh) = (img.width as usize, img.height as usize, width as usize, height as usize);
-    Ok(if ow * ih <= iw * oh {
-        pass(&pass(img, ow, true, filter), oh, false, filter)
-    } else {
+    let (shrink_w, shrink_h) = (img.width as i64 - width as i64, img.height as i64 - height as i64);
+    let (ow, oh) = (width as usize, height as usize);
+    Ok(if shrink_h > 0 && shrink_h > 2 * shrink_w {
         pass(&pass(img, oh, false, filter), ow, true, filter)
+    } else {
+        pass(&pass(img, ow, true, filter), oh, false, filter)
     })
 }
 
@@ -418,7 +423,7 @@ pub fn expand_placeholders(
     }
     if found != media.len() {
         return Err(ModelError::InvalidInput(format!(
-            "the prompt has {found} media placeholders for {} media items (does the chat template render images?)",
+            "the prompt has {found} media placeholders for {} media items (a chat template that writes something else for a media part, a text marker such as `<image>`, needs the placeholder token's text in the message content)",
             media.len()
         )));
     }

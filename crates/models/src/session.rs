@@ -325,17 +325,21 @@ impl ChatSession {
             all.extend(new_messages.iter().cloned());
             PromptPlan::Reprefill { prompt: self.format.render(&all, &opts)?, common_prefix: 0, reason: "cache reuse is off".into() }
         };
-        self.history.extend(new_messages.iter().cloned());
+        // Expanded before the history grows: a refused turn (media placeholders the template did
+        // not write, say) leaves the session as it was.
         match plan {
             PromptPlan::Append { delta, cached_tokens, starts_in_thinking, .. } => {
                 // The delta holds the placeholders of the new messages only.
                 let e = self.expand(&delta, &new_messages, cached_tokens)?;
+                self.history.extend(new_messages);
                 let total = cached_tokens + e.ids.len();
                 self.cached_media.extend(e.spans);
                 ChatStream::new(self, e.ids, e.media, cached_tokens, total, starts_in_thinking, cfg)
             }
             PromptPlan::Reprefill { prompt, .. } => {
-                let e = self.expand(&prompt.ids, &self.history, 0)?;
+                let all: Vec<ChatMessage> = self.history.iter().chain(&new_messages).cloned().collect();
+                let e = self.expand(&prompt.ids, &all, 0)?;
+                self.history = all;
                 self.begin_turn(e, prompt.starts_in_thinking, if cfg.reuse_cache { usize::MAX } else { 0 }, cfg)
             }
         }

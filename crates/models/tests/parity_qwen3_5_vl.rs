@@ -18,8 +18,8 @@ fn processor_and_tower_match_transformers() {
     check_images(&["a"]);
 }
 
-/// Image B (50x70 to 64x64: Pillow resamples the columns first, as that leaves the smaller
-/// intermediate image).
+/// Image B (50x70 to 64x64: the height shrinks while the width grows, so Pillow 13 runs the
+/// vertical pass first, [`mlx_models::media::resize`]).
 #[test]
 fn second_image_matches_transformers() {
     check_images(&["b"]);

@@ -1044,6 +1044,8 @@ impl GrpoTrainer {
     /// Loss, advantages and metrics of `batch` and the gradients of the trainable parameters (in
     /// [`ParameterTree::trainable_names`] order), without updating anything.
     pub fn loss_and_gradients(&self, batch: &GrpoBatch) -> Result<(GrpoLoss, Vec<Array>)> {
+        // untraced forwards (log-probabilities, reference model) compute what the traced ones do
+        let _ops = mlx_array::ops::mlx_ops_only();
         let cfg = &self.config;
         batch.validate(cfg.group_size, cfg.max_completion_length)?;
         let advantages =

@@ -448,6 +448,8 @@ impl SftTrainer {
     }
 
     fn batch_gradients(&self, batch: &Batch) -> Result<(f32, Vec<Array>)> {
+        // the untraced forward of the chunked head computes what the traced one does
+        let _ops = mlx_array::ops::mlx_ops_only();
         if let Head::Chunked { weight, softcap } = &self.head {
             if batch.positions.len() > self.config.head_chunk {
                 return self.chunked_gradients(batch, weight, *softcap);

@@ -38,10 +38,54 @@ impl Default for RopeConfig<'_> {
     }
 }
 
+/// The C entry points' rotation arguments for `cfg` at `offset`.
+fn rope_args(op: &'static str, cfg: &RopeConfig, offset: usize) -> Result<mlx_sys::MlxModelsRopeArgs> {
+    let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::arg(op, format!("{what} {v} exceeds i32")));
+    Ok(mlx_sys::MlxModelsRopeArgs { dims: int(cfg.dims, "rotary dims")?, traditional: cfg.traditional, has_base: cfg.freqs.is_none(), base: cfg.base, scale: cfg.scale, offset: int(offset, "offset")? })
+}
+
+/// An absent optional array argument of the C entry points.
+fn empty() -> mlx_sys::mlx_array {
+    mlx_sys::mlx_array { ctx: std::ptr::null_mut() }
+}
+
+/// While alive, [`Array::rms_norm`], [`Array::rope`], [`Array::sdpa`], [`Array::sdpa_merged`] and
+/// [`heads`] build MLX's own ops on this thread instead of their single CPU primitives, as they
+/// always do inside a function transform (`value_and_grad`, `vjp`, `compile`). A trainer holds one
+/// around its untraced forwards (old and reference log-probabilities) so that they compute exactly
+/// what its traced forward does. Scopes nest; the guard is tied to its thread.
+#[must_use = "the scope ends when the guard is dropped"]
+pub struct MlxOpsScope {
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+/// Open an [`MlxOpsScope`] on this thread.
+pub fn mlx_ops_only() -> MlxOpsScope {
+    unsafe { mlx_sys::mlx_models_mlx_ops_only(true) };
+    MlxOpsScope { _thread: std::marker::PhantomData }
+}
+
+impl Drop for MlxOpsScope {
+    fn drop(&mut self) {
+        unsafe { mlx_sys::mlx_models_mlx_ops_only(false) };
+    }
+}
+
 impl Array {
     /// RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight`.
+    ///
+    /// On a CPU stream a float input runs as one primitive (`mlx-sys`'s `cpukern/ops.cpp`)
+    /// instead of the eleven ops MLX's CPU backend builds it from: the same arithmetic in f32,
+    /// rounded to bf16/f16 where those ops round.
     pub fn rms_norm(&self, weight: Option<&Array>, eps: f32) -> Result<Array> {
-        fast::rms_norm(&self.inner, weight.map(|w| &w.inner), eps).op("rms_norm").map(Array::wrap)
+        if let Some(w) = weight {
+            // MLX's checks (the primitive's own validation falls back to MLX for anything else)
+            if w.ndim() != 1 || self.ndim() == 0 || w.dims()[0] != *self.dims().last().unwrap_or(&0) {
+                return fast::rms_norm(&self.inner, Some(&w.inner), eps).op("rms_norm").map(Array::wrap);
+            }
+        }
+        let (x, w, s) = (self.inner.as_ptr(), weight.map_or_else(empty, |w| w.inner.as_ptr()), crate::ffi::stream());
+        crate::ffi::call("rms_norm", |res| unsafe { mlx_sys::mlx_models_rms_norm(res, x, w, eps, s.as_ptr()) })
     }
     /// LayerNorm over the last axis.
     pub fn layer_norm(&self, weight: Option<&Array>, bias: Option<&Array>, eps: f32) -> Result<Array> {
@@ -56,10 +100,10 @@ impl Array {
         if cfg.dims == 0 || cfg.dims > d || cfg.dims % 2 != 0 {
             return Err(Error::arg("rope", format!("rotary dims {} for head dim {d}", cfg.dims)));
         }
-        let base = if cfg.freqs.is_some() { None } else { Some(cfg.base) };
-        fast::rope(&self.inner, cfg.dims as i32, cfg.traditional, base, cfg.scale, offset as i32, cfg.freqs.map(|f| &f.inner))
-            .op("rope")
-            .map(Array::wrap)
+        // one primitive for float input on a CPU stream (as rms_norm), MLX's op otherwise
+        let r = rope_args("rope", cfg, offset)?;
+        let (x, f, s) = (self.inner.as_ptr(), cfg.freqs.map_or_else(empty, |f| f.inner.as_ptr()), crate::ffi::stream());
+        crate::ffi::call("rope", |res| unsafe { mlx_sys::mlx_models_rope(res, x, &r, f, s.as_ptr()) })
     }
 
     /// [`Array::rope`] with one start position per batch row: `self` is `[B, .., L, D]` and
@@ -103,9 +147,35 @@ impl Array {
                 Some(M::Array(&owned.inner))
             }
         };
-        fast::scaled_dot_product_attention(&self.inner, &keys.inner, &values.inner, scale, m, None)
-            .op("sdpa")
-            .map(Array::wrap)
+        let causal = match m {
+            None => false,
+            Some(M::Causal) => true,
+            Some(m) => return fast::scaled_dot_product_attention(&self.inner, &keys.inner, &values.inner, scale, m, None).op("sdpa").map(Array::wrap),
+        };
+        // few float queries on a CPU stream: one primitive (as rms_norm); MLX's op otherwise
+        let (qp, kp, vp, s) = (self.inner.as_ptr(), keys.inner.as_ptr(), values.inner.as_ptr(), crate::ffi::stream());
+        crate::ffi::call("sdpa", |res| unsafe { mlx_sys::mlx_models_sdpa(res, qp, kp, vp, scale, causal, false, s.as_ptr()) })
+    }
+
+    /// [`Array::sdpa`] with the output's heads joined: `[B, L, Hq * D]` (what attention's output
+    /// projection reads), in the same single primitive on the CPU for no mask or a causal one.
+    pub fn sdpa_merged(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
+        let causal = match mask {
+            AttentionMask::None => false,
+            AttentionMask::Causal if self.ndim() == 4 && self.dims()[2] > 1 => true,
+            AttentionMask::Causal => false, // one query sees every key
+            _ => {
+                let o = self.sdpa(keys, values, scale, mask)?;
+                let d = o.dims();
+                return o.transpose(&[0, 2, 1, 3])?.reshape(&[d[0], d[2], d[1] * d[3]]);
+            }
+        };
+        let (q, k) = (self.dims(), keys.dims());
+        if q.len() != 4 || k.len() != 4 || values.ndim() != 4 || k[1] == 0 || q[1] % k[1] != 0 {
+            return self.sdpa(keys, values, scale, mask); // its shape errors
+        }
+        let (qp, kp, vp, s) = (self.inner.as_ptr(), keys.inner.as_ptr(), values.inner.as_ptr(), crate::ffi::stream());
+        crate::ffi::call("sdpa", |res| unsafe { mlx_sys::mlx_models_sdpa(res, qp, kp, vp, scale, causal, true, s.as_ptr()) })
     }
 
     /// 1-d convolution. Input `[N, L, C_in]`, weight `[C_out, K, C_in / groups]` (MLX layout).
@@ -202,4 +272,42 @@ pub fn sliding_window_mask(l: usize, k: usize, window: usize) -> Result<Array> {
     let causal = kpos.le(&qpos)?;
     let recent = kpos.gt(&qpos.sub(&Array::scalar(window as i32))?)?;
     causal.logical_and(&recent)
+}
+
+/// One head group of [`heads`]: `heads` heads of `head_dim` features from column `col` of
+/// projection output `input`, rotated when `rotate`.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadGroup {
+    pub input: usize,
+    pub col: usize,
+    pub heads: usize,
+    pub rotate: bool,
+}
+
+/// Attention's heads from its projection outputs `xs` (1 to 3 arrays `[B, L, C]`): one
+/// `[B, heads, L, head_dim]` array per group (at most 3), the rotated ones by `rope` at
+/// positions `offset + l`. On a CPU stream with float inputs of one dtype this is one primitive (`mlx-sys`'s
+/// `cpukern/ops.cpp`), instead of a slice, reshape and transpose per group and a rope per
+/// rotated group (MLX's ops, what it runs elsewhere).
+pub fn heads(xs: &[&Array], groups: &[HeadGroup], head_dim: usize, rope: &RopeConfig, offset: usize) -> Result<Vec<Array>> {
+    if xs.is_empty() || xs.len() > 3 || groups.is_empty() || groups.len() > 3 {
+        return Err(Error::arg("heads", format!("{} projections and {} head groups (1 to 3 each)", xs.len(), groups.len())));
+    }
+    let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::arg("heads", format!("{what} {v} exceeds i32")));
+    let input: Vec<i32> = groups.iter().map(|g| int(g.input, "input")).collect::<Result<_>>()?;
+    let col: Vec<i32> = groups.iter().map(|g| int(g.col, "column")).collect::<Result<_>>()?;
+    let nh: Vec<i32> = groups.iter().map(|g| int(g.heads, "heads")).collect::<Result<_>>()?;
+    let rot: Vec<bool> = groups.iter().map(|g| g.rotate).collect();
+    let (hd, ra) = (int(head_dim, "head dim")?, rope_args("heads", rope, offset)?);
+    let x = |i: usize| xs.get(i).map_or_else(empty, |a| a.inner.as_ptr());
+    let f = rope.freqs.map_or_else(empty, |f| f.inner.as_ptr());
+    let s = crate::ffi::stream();
+    let n = groups.len();
+    let outs = crate::ffi::call_n::<3>("heads", |r| {
+        let [r0, r1, r2] = r;
+        unsafe {
+            mlx_sys::mlx_models_heads(r0, r1, r2, x(0), x(1), x(2), n as i32, input.as_ptr(), col.as_ptr(), nh.as_ptr(), rot.as_ptr(), hd, &ra, f, s.as_ptr())
+        }
+    })?;
+    Ok(outs.into_iter().take(n).collect())
 }

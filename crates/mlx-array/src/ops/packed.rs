@@ -131,6 +131,19 @@ impl Quantized {
         self.cpu_call("cpu_packed_matmul", x, None)
     }
 
+    /// `silu(x @ Wg^T) * (x @ Wu^T)` (SwiGLU) where this weight is `[Wg; Wu]` (`2N` rows, gate
+    /// rows first): `[..., N]`, one primitive instead of a product, two slices and the gate's
+    /// ops. The thread's stream must be a CPU stream.
+    pub fn cpu_swiglu(&self, x: &Array) -> Result<Array> {
+        let op = "cpu_packed_swiglu";
+        let kind = kind_of(self.mode).ok_or_else(|| Error::arg(op, format!("the CPU kernels do not take {:?}", self.mode)))?;
+        let p = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(none);
+        let (s, gs) = (stream(), self.mode.group_size() as i32);
+        ffi(op, |res| unsafe {
+            mlx_sys::mlx_models_cpu_packed_swiglu(res, x.inner.as_ptr(), self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), p(self.biases.as_ref()), kind, gs, s.as_ptr())
+        })
+    }
+
     /// MoE expert products: `x` `[..., 1, K]`, `idx` integer expert ids broadcast with `x`'s
     /// leading dims, `W` `[E, N, ..]`: row r is `x[r] @ W[idx[r]]^T`, out `[..., 1, N]` (the same
     /// product as [`crate::ops::gather_qmm`] with `rhs_indices = idx`, `transpose = true`).

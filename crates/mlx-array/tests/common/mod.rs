@@ -49,15 +49,30 @@ pub struct Tol {
     pub rtol: f64,
 }
 
-pub const F32: Tol = Tol { atol: 1e-5, rtol: 1e-5 };
+pub const F32: Tol = Tol {
+    atol: 1e-5,
+    rtol: 1e-5,
+};
 /// bf16 has an 8-bit significand: one rounding is a relative 2^-9; allow a few.
-pub const BF16: Tol = Tol { atol: 1e-2, rtol: 1.6e-2 };
+pub const BF16: Tol = Tol {
+    atol: 1e-2,
+    rtol: 1.6e-2,
+};
 
 pub fn close(what: &str, got: &[f32], want: &[f64], tol: Tol) -> Result<(), TestCaseError> {
     prop_assert_eq!(got.len(), want.len(), "{}: length", what);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let err = (g as f64 - w).abs();
-        prop_assert!(err <= tol.atol + tol.rtol * w.abs(), "{}: element {} is {} but the reference is {} (err {:e}, tol {:?})", what, i, g, w, err, tol);
+        prop_assert!(
+            err <= tol.atol + tol.rtol * w.abs(),
+            "{}: element {} is {} but the reference is {} (err {:e}, tol {:?})",
+            what,
+            i,
+            g,
+            w,
+            err,
+            tol
+        );
     }
     Ok(())
 }
@@ -91,7 +106,9 @@ pub fn matmul_ref(a: &[f32], b: &[f32], batch: usize, m: usize, k: usize, n: usi
     for z in 0..batch {
         for i in 0..m {
             for j in 0..n {
-                o[(z * m + i) * n + j] = (0..k).map(|p| a[(z * m + i) * k + p] as f64 * b[(z * k + p) * n + j] as f64).sum();
+                o[(z * m + i) * n + j] = (0..k)
+                    .map(|p| a[(z * m + i) * k + p] as f64 * b[(z * k + p) * n + j] as f64)
+                    .sum();
             }
         }
     }
@@ -124,13 +141,25 @@ pub fn perm(keys: &[f32]) -> Vec<usize> {
 /// E2M1 (fp4) code to its value.
 pub fn e2m1(c: u32) -> f64 {
     let mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(c & 7) as usize];
-    if c & 8 != 0 { -mag } else { mag }
+    if c & 8 != 0 {
+        -mag
+    } else {
+        mag
+    }
 }
 
 pub fn e4m3(c: u32) -> f64 {
     let (s, e, m) = ((c >> 7) & 1, (c >> 3) & 15, c & 7);
-    let mag = if e == 0 { m as f64 / 8.0 * 2f64.powi(-6) } else { (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7) };
-    if s == 1 { -mag } else { mag }
+    let mag = if e == 0 {
+        m as f64 / 8.0 * 2f64.powi(-6)
+    } else {
+        (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
+    };
+    if s == 1 {
+        -mag
+    } else {
+        mag
+    }
 }
 
 /// Decode `q` (rows of `cols` elements) with our own reading of the format.

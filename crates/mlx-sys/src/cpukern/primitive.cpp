@@ -6,6 +6,7 @@
 // per row with an expert index (W `[E, N, ..]`, row r uses W[idx[r]]: MoE expert products).
 // It runs on the CPU only: eval_gpu throws, and the caller builds it on a CPU stream only.
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/c/error.h"
 #include "mlx/c/private/array.h"
@@ -105,17 +107,21 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> serial(run_mu_);
-    job_ = &f;
-    parts_ = parts;
-    next_.store(0);
-    done_.store(0);
+    // Parts are claimed from `next_`, which carries this run's number in its high half: a worker
+    // still leaving an earlier run cannot claim (and count) a part of this one before it is
+    // published, nor reset anything under it.
+    job_.store(&f, std::memory_order_relaxed);
+    parts_.store(parts, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    run_id_++;
+    next_.store(uint64_t(run_id_) << 32, std::memory_order_release);
     {
       std::lock_guard<std::mutex> g(mu_);
       gen_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     work();
-    while (done_.load(std::memory_order_acquire) < parts_) pause();
+    while (done_.load(std::memory_order_acquire) < parts) pause();
   }
 
  private:
@@ -127,11 +133,14 @@ class Pool {
 #endif
   }
   void work() {
+    uint64_t v = next_.load(std::memory_order_acquire);
+    const uint64_t run = v >> 32;
     for (;;) {
-      int p = next_.fetch_add(1);
-      if (p >= parts_) return;
-      (*job_)(p);
+      if ((v >> 32) != run || int(uint32_t(v)) >= parts_.load(std::memory_order_relaxed)) return;
+      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      (*job_.load(std::memory_order_relaxed))(int(uint32_t(v)));
       done_.fetch_add(1, std::memory_order_release);
+      v = next_.load(std::memory_order_acquire);
     }
   }
   void loop(int) {
@@ -156,9 +165,10 @@ class Pool {
   std::mutex mu_, run_mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> gen_{0};
-  std::atomic<int> next_{0}, done_{0};
-  int parts_ = 0;
-  const std::function<void(int)>* job_ = nullptr;
+  std::atomic<uint64_t> next_{0};  // run number << 32 | next unclaimed part
+  std::atomic<int> done_{0}, parts_{0};
+  uint32_t run_id_ = 0;
+  std::atomic<const std::function<void(int)>*> job_{nullptr};
   bool stop_ = false;
 };
 
@@ -194,19 +204,25 @@ int stype_of(const mx::array& a) {
 
 int bits_of(int kind) { return kind == KIND_BF16 ? 16 : kind == KIND_AFFINE8 ? 8 : 4; }
 
-// Evaluate: x f32 [R, K] (row-contiguous), W [.., N, K'] (row-contiguous), out f32/bf16/f16 [R, N].
+// Evaluate: x [..., K] (any float dtype and strides; R rows), W [.., N, K'] (row-contiguous),
+// out f32/bf16/f16 [..., N] (R rows).
+// With `glu`, W has 2N' rows and out[.., j] = silu(y[.., j]) * y[.., N' + j] (N' = N / 2).
 void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx::array* scales,
-             const mx::array* biases, const mx::array* idx, mx::array& out) {
+             const mx::array* biases, const mx::array* idx, bool glu, mx::array& out) {
   const KernelSet& ks = kernels();
-  const int R = int(x.shape(0));
-  const int K = int(x.shape(1));
-  const int N = int(out.shape(-1));
+  const int K = int(x.shape(-1));
+  const int R = int(x.size() / std::max<size_t>(1, size_t(K)));
+  const int N = int(out.shape(-1)) * (glu ? 2 : 1);
+  if (R == 0 || N == 0) return;
+  for (const mx::array* a : {&w, scales, biases, idx})
+    if (a && !a->flags().row_contiguous) throw std::invalid_argument("[cpu_packed_matmul] weights must be row-contiguous");
   const size_t xps = ks.xp_floats(kind, K);
   std::vector<float> xp(std::max<size_t>(1, xps * R));
-  const float* xd = x.data<float>();
+  std::vector<float> xbuf;
+  const float* xd = rows_f32(x, xbuf);
   for (int r = 0; r < R; r++) ks.prep(kind, xd + size_t(r) * K, K, xp.data() + size_t(r) * xps);
 
-  const bool f32_out = out.dtype() == mx::float32;
+  const bool f32_out = out.dtype() == mx::float32 && !glu;
   std::vector<float> tmp;
   float* y = f32_out ? out.data<float>() : (tmp.resize(size_t(R) * N), tmp.data());
 
@@ -265,8 +281,24 @@ void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx:
       }
     });
   }
+  if (glu) {
+    // silu(g) * u as MLX computes it: (g * sigmoid(g)) * u, sigmoid = 1 / (1 + exp(-g))
+    const int h = N / 2;
+    for (int r = 0; r < R; r++) {
+      float* yr = y + size_t(r) * N;
+      float* dst = y + size_t(r) * h;  // in place: row r's outputs land at or before its inputs
+      for (int j = 0; j < h; j++) {
+        const float g = yr[j], u = yr[h + j];
+        dst[j] = (g * (1.0f / (1.0f + std::exp(-g)))) * u;
+      }
+    }
+    if (out.dtype() == mx::float32) {
+      std::memcpy(out.data<float>(), y, size_t(R) * h * sizeof(float));
+      return;
+    }
+  }
   if (!f32_out) {
-    const size_t n = size_t(R) * N;
+    const size_t n = size_t(R) * (glu ? N / 2 : N);
     if (out.dtype() == mx::bfloat16) {
       auto* o = out.data<mx::bfloat16_t>();
       for (size_t i = 0; i < n; i++) o[i] = mx::bfloat16_t(y[i]);
@@ -279,8 +311,8 @@ void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx:
 
 class CpuPackedMatmul : public mx::UnaryPrimitive {
  public:
-  CpuPackedMatmul(mx::Stream s, int kind, int gs, bool has_scales, bool has_biases, bool has_idx)
-      : mx::UnaryPrimitive(s), kind_(kind), gs_(gs), scales_(has_scales), biases_(has_biases), idx_(has_idx) {}
+  CpuPackedMatmul(mx::Stream s, int kind, int gs, bool has_scales, bool has_biases, bool has_idx, bool glu = false)
+      : mx::UnaryPrimitive(s), kind_(kind), gs_(gs), scales_(has_scales), biases_(has_biases), idx_(has_idx), glu_(glu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -290,12 +322,12 @@ class CpuPackedMatmul : public mx::UnaryPrimitive {
     std::vector<mx::array> ins;
     for (auto& a : inputs) ins.push_back(mx::array::unsafe_weak_copy(a));
     enc.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), kind = kind_, gs = gs_,
-                  s = scales_, b = biases_, i = idx_]() mutable {
+                  s = scales_, b = biases_, i = idx_, glu = glu_]() mutable {
       int at = 2;
       const mx::array* sc = s ? &ins[at++] : nullptr;
       const mx::array* bi = b ? &ins[at++] : nullptr;
       const mx::array* id = i ? &ins[at++] : nullptr;
-      compute(kind, gs, ins[0], ins[1], sc, bi, id, out);
+      compute(kind, gs, ins[0], ins[1], sc, bi, id, glu, out);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -306,12 +338,12 @@ class CpuPackedMatmul : public mx::UnaryPrimitive {
   const char* name() const override { return "CpuPackedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CpuPackedMatmul&>(other);
-    return kind_ == o.kind_ && gs_ == o.gs_ && scales_ == o.scales_ && biases_ == o.biases_ && idx_ == o.idx_;
+    return kind_ == o.kind_ && gs_ == o.gs_ && scales_ == o.scales_ && biases_ == o.biases_ && idx_ == o.idx_ && glu_ == o.glu_;
   }
 
  private:
   int kind_, gs_;
-  bool scales_, biases_, idx_;
+  bool scales_, biases_, idx_, glu_;
 };
 
 const char* mode_name(int kind) { return kind == KIND_MXFP4 ? "mxfp4" : "affine"; }
@@ -332,8 +364,22 @@ std::vector<mx::array> CpuPackedMatmul::vjp(const std::vector<mx::array>& primal
     if (a != 0) throw std::invalid_argument("[cpu_packed_matmul] gradients flow to the input only, not to packed weights");
     if (idx_) throw std::invalid_argument("[cpu_packed_matmul] no gradient for expert-indexed products");
     // x [R, K] f32, cotangent [R, N]: dx = cot @ W.
-    auto w = float_weight(kind_, gs_, primals, biases_, stream());
-    grads.push_back(mx::matmul(mx::astype(cotangents[0], mx::float32, stream()), w, stream()));
+    auto s = stream();
+    auto w = float_weight(kind_, gs_, primals, biases_, s);
+    if (glu_) {
+      // through MLX's ops: y = x W^T, out = silu(y[.., :N']) * y[.., N':]
+      auto f = [w, s](const std::vector<mx::array>& in) {
+        auto y = mx::matmul(mx::astype(in[0], mx::float32, s), mx::transpose(w, s), s);
+        auto parts = mx::split(y, 2, -1, s);
+        auto g = parts[0];
+        return std::vector<mx::array>{mx::multiply(mx::multiply(g, mx::sigmoid(g, s), s), parts[1], s)};
+      };
+      auto dx = mx::vjp(f, {primals[0]}, {mx::astype(cotangents[0], mx::float32, s)}).second[0];
+      grads.push_back(mx::astype(dx, primals[0].dtype(), s));
+      continue;
+    }
+    auto g = mx::matmul(mx::astype(cotangents[0], mx::float32, s), w, s);
+    grads.push_back(mx::astype(g, primals[0].dtype(), s));
   }
   return grads;
 }
@@ -352,7 +398,7 @@ std::string shape_str(const mx::array& a) {
 
 // Validate and build the graph node: y[..., N] = x[..., K] W^T.
 mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scales0, const mx::array* biases0,
-                const mx::array* idx0, int kind, int gs, mx::Stream s) {
+                const mx::array* idx0, int kind, int gs, mx::Stream s, bool glu = false) {
   check(s.device == mx::Device::cpu, "runs on a CPU stream only");
   check(kind >= KIND_BF16 && kind <= KIND_MXFP4, "unknown weight kind");
   check(x0.ndim() >= 1, "0-d input");
@@ -393,14 +439,22 @@ mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scale
   }
   check(out_t == mx::float32 || out_t == mx::bfloat16 || out_t == mx::float16, "output dtype must be float32, bfloat16 or float16");
 
+  // Weights already evaluated and row-contiguous (a loaded model's) are taken as they are: no
+  // graph node per product for them. The input is read in any float dtype and layout.
+  auto as_is = [&](const mx::array& a) { return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, s); };
   std::vector<mx::array> inputs;
   mx::Shape out_shape;
+  check(!glu || (!idx0 && N % 2 == 0), "a gated product needs an even number of weight rows and no expert index");
   if (!idx0) {
     out_shape = x0.shape();
-    out_shape.back() = N;
-    int64_t R = 1;
-    for (size_t i = 0; i + 1 < x0.ndim(); i++) R *= x0.shape(int(i));
-    inputs.push_back(mx::contiguous(mx::astype(mx::reshape(x0, {int(R), K}, s), mx::float32, s), false, s));
+    out_shape.back() = glu ? N / 2 : N;
+    inputs.push_back(x0);
+    inputs.push_back(as_is(w0));
+    if (scales0) inputs.push_back(as_is(*scales0));
+    if (biases0) inputs.push_back(as_is(*biases0));
+    return mx::array(std::move(out_shape), out_t,
+                     std::make_shared<CpuPackedMatmul>(s, kind, gs, scales0 != nullptr, biases0 != nullptr, false, glu),
+                     std::move(inputs));
   } else {
     // x [..., 1, K] with idx [...] (broadcast together): out [..., 1, N].
     check(mx::issubdtype(idx0->dtype(), mx::integer), "expert indices must be integers");
@@ -418,9 +472,9 @@ mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scale
     out_shape.push_back(1);
     out_shape.push_back(N);
   }
-  inputs.push_back(mx::contiguous(w0, false, s));
-  if (scales0) inputs.push_back(mx::contiguous(*scales0, false, s));
-  if (biases0) inputs.push_back(mx::contiguous(*biases0, false, s));
+  inputs.push_back(as_is(w0));
+  if (scales0) inputs.push_back(as_is(*scales0));
+  if (biases0) inputs.push_back(as_is(*biases0));
   if (idx0) {
     auto bshape = mx::broadcast_shapes(mx::Shape(x0.shape().begin(), x0.shape().end() - 2), idx0->shape());
     int64_t R = 1;
@@ -450,6 +504,21 @@ int mlx_models_cpu_packed_matmul(mlx_array* res, const mlx_array x, const mlx_ar
     const mx::array* bi = biases.ctx ? &mlx_array_get_(biases) : nullptr;
     const mx::array* id = idx.ctx ? &mlx_array_get_(idx) : nullptr;
     mlx_array_set_(*res, mlxm::build(mlx_array_get_(x), mlx_array_get_(w), sc, bi, id, kind, group_size, mlx_stream_get_(s)));
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+  return 0;
+}
+
+// silu(x @ Wg^T) * (x @ Wu^T) for W = [Wg; Wu] (2N rows, N outputs), the same forms as
+// mlx_models_cpu_packed_matmul without `idx`.
+int mlx_models_cpu_packed_swiglu(mlx_array* res, const mlx_array x, const mlx_array w, const mlx_array scales,
+                                 const mlx_array biases, int kind, int group_size, const mlx_stream s) {
+  try {
+    const mx::array* sc = scales.ctx ? &mlx_array_get_(scales) : nullptr;
+    const mx::array* bi = biases.ctx ? &mlx_array_get_(biases) : nullptr;
+    mlx_array_set_(*res, mlxm::build(mlx_array_get_(x), mlx_array_get_(w), sc, bi, nullptr, kind, group_size, mlx_stream_get_(s), true));
   } catch (std::exception& e) {
     mlx_error(e.what());
     return 1;

@@ -334,15 +334,19 @@ impl Attn {
     /// it is queried; the K/V of all are cached.
     /// `batch`: the rows of a batch cache (per-row rope offsets and mask, [`crate::batch`]).
     #[allow(clippy::too_many_arguments)]
-    /// `ragged`: the step's tokens come packed (`x`: `[1, T, H]`, [`crate::batch::Ragged`]);
-    /// `last` is then ignored (the caller cuts to each row's last token).
-    fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask, last: bool, batch: Option<&crate::batch::BatchRows>, ragged: Option<&crate::batch::Ragged>) -> Result<(Array, (Array, Array))> {
+    fn forward(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask, last: bool, batch: Option<&crate::batch::BatchRows>) -> Result<(Array, (Array, Array))> {
+        self.forward_blocks(x, cache, shared, offset, mask, None, last, batch)
+    }
+
+    /// [`Self::forward`] where `blocks` (one entry per position of `x`) marks the image soft
+    /// tokens that attend to each other both ways under the sliding `mask`
+    /// ([`vision_block_mask`]).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_blocks(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, offset: usize, mask: AttentionMask, blocks: Option<&[i32]>, last: bool, batch: Option<&crate::batch::BatchRows>) -> Result<(Array, (Array, Array))> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
-        if let Some(g) = ragged {
-            return self.forward_packed(x, cache, shared, mask, g);
-        }
         let want_last = last && l > 1;
-        let narrowed = if want_last { last_query_mask(mask) } else { None };
+        // every query of an image block may see keys after it: no narrowing to the last query
+        let narrowed = if want_last && blocks.is_none() { last_query_mask(mask) } else { None };
         let (last, mask) = (narrowed.is_some(), narrowed.unwrap_or(mask));
         let lq = if last { 1 } else { l };
         let heads = |a: &Array, n: usize, rows: i32| a.reshape(&[b, rows, n as i32, self.head_dim as i32]);
@@ -380,8 +384,14 @@ impl Attn {
             (None, Some((k, v))) => (k.clone(), v.clone()),
             (None, None) => return Err(ModelError::Cache("KV-shared layer ran before its anchor".into())),
         };
+        let block_mask = match (blocks, mask_window(mask)) {
+            (None, _) => None,
+            (Some(_), _) if batch.is_some() => return Err(ModelError::UnsupportedOption("image blocks attending both ways in a batch cache".into())),
+            (Some(bl), Some(w)) => Some(vision_block_mask(bl, k.dims()[2] as usize, w)?),
+            (Some(_), None) => return Err(ModelError::InvalidInput("image blocks attend both ways only under a sliding-window mask".into())),
+        };
         let batch_mask = batch.map(|r| r.mask(lq as usize, k.dims()[2] as usize, mask_window(mask))).transpose()?;
-        let mask = batch_mask.as_ref().map_or(mask, AttentionMask::Array);
+        let mask = block_mask.as_ref().or(batch_mask.as_ref()).map_or(mask, AttentionMask::Array);
         let o = sdpa(&q, &k, &v, 1.0, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
         let o = if want_last && !last { o.slice_axis(1, l as usize - 1, l as usize)? } else { o };
         Ok((self.o.forward(&o)?, (k, v)))
@@ -413,6 +423,27 @@ impl Attn {
         let o = g.attend(&q, &k, &v, 1.0, mask_window(mask))?.transpose(&[0, 2, 1, 3])?.reshape(&[1, t, -1])?;
         Ok((self.o.forward(&o)?, (k, v)))
     }
+}
+
+/// The sliding-window mask of `blocks.len()` queries over `k` keys (the queries being the last
+/// of the keys) with image soft tokens attending both ways, as transformers builds it for
+/// `text_config.use_bidirectional_attention == "vision"`: query position `p` sees key position
+/// `s` when `s > p - window` and either `s <= p` or both belong to the same block. `blocks`:
+/// each query's block (one id per run of consecutive image soft tokens), -1 for every other
+/// token. Boolean `[L, K]`, true = attend.
+pub(crate) fn vision_block_mask(blocks: &[i32], k: usize, window: usize) -> Result<Array> {
+    let l = blocks.len();
+    let first = k.checked_sub(l).ok_or_else(|| ModelError::InvalidInput(format!("{l} queries over {k} keys")))?;
+    let mut m = vec![false; l * k];
+    for (i, &bq) in blocks.iter().enumerate() {
+        let (p, row) = (first + i, &mut m[i * k..(i + 1) * k]);
+        row[(p + 1).saturating_sub(window)..=p].fill(true);
+        if bq >= 0 {
+            let later = blocks[i + 1..].iter().take_while(|&&b| b == bq).count();
+            row[p + 1..=p + later].fill(true);
+        }
+    }
+    Ok(Array::from_slice(&m, &[l, k])?)
 }
 
 /// Top-k routed experts (Gemma 4's router: RMS-normed input, softmax over the top k, scaled per
@@ -596,14 +627,14 @@ impl Block {
         let h = self.input_norm.forward(x)?;
         let (a, (k, v)) = if self.attn.own_kv() {
             let mut scratch = crate::kv::KvCache::new(None);
-            self.attn.forward(&h, Some(&mut LayerKv::Flat(&mut scratch)), None, 0, c.mask, false, None, None)?
+            self.attn.forward(&h, Some(&mut LayerKv::Flat(&mut scratch)), None, 0, c.mask, false, None)?
         } else {
             let at = 1 + c.ple as usize;
             let shared = match xs.get(at..at + 2) {
                 Some([k, v]) => (k.clone(), v.clone()),
                 _ => return Err(ModelError::InvalidInput("a checkpointed KV-shared layer without its anchor's K/V".into())),
             };
-            self.attn.forward(&h, None, Some(&shared), 0, c.mask, false, None, None)?
+            self.attn.forward(&h, None, Some(&shared), 0, c.mask, false, None)?
         };
         let h = x.add(&self.post_attn_norm.forward(&a)?)?;
         let y = self.finish(&h, pli)?;
@@ -722,8 +753,21 @@ impl Gemma4Model {
     /// embeddings with media soft tokens merged in, [`super::gemma4_media::Gemma4Media::merge`]);
     /// `tokens` `[B, L]` feed only the per-layer inputs (media placeholders as the pad id).
     pub fn forward_embeddings(&self, tokens: &Array, embeds: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
+        self.forward_embeddings_blocks(tokens, embeds, None, cache, logits, hidden)
+    }
+
+    /// [`Self::forward_embeddings`] with image soft tokens attending to each other both ways in
+    /// the sliding layers (`use_bidirectional_attention == "vision"`): `blocks` gives each of
+    /// the `L` positions its image block (one id per run of consecutive image soft tokens) or
+    /// -1 ([`vision_block_mask`]); full-attention layers stay causal.
+    pub fn forward_embeddings_blocks(&self, tokens: &Array, embeds: &Array, blocks: Option<&[i32]>, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         let net = self.net.as_ref().ok_or_else(|| ModelError::InvalidInput("Model not initialized (weights not loaded)".into()))?;
-        let (h, _) = self.hidden(net, tokens, Some(embeds), cache, Rows::of(logits, hidden), &[])?;
+        if let Some(b) = blocks {
+            if b.len() != tokens.dims()[1] as usize || tokens.dims()[0] != 1 {
+                return Err(ModelError::InvalidInput(format!("{} image-block ids for tokens {:?}", b.len(), tokens.shape())));
+            }
+        }
+        let (h, _) = self.hidden(net, tokens, Some(embeds), blocks, cache, Rows::of(logits, hidden), &[])?;
         net.lm_head.output(h, logits, hidden)
     }
 
@@ -768,7 +812,9 @@ impl Gemma4Model {
     /// per-layer inputs, and a paged cache neither reuses nor shares blocks for them.
     /// `taps`: layers whose residual stream (after the layer scalar) is returned too; with taps
     /// every position is computed ([`ModelRuntime::forward_taps`]).
-    fn hidden(&self, net: &Net, tokens: &Array, embeds: Option<&Array>, cache: &mut Cache, rows: Rows, taps: &[usize]) -> Result<(Array, Vec<Array>)> {
+    /// `blocks`: image blocks attending both ways in sliding layers ([`Self::forward_embeddings_blocks`]).
+    #[allow(clippy::too_many_arguments)]
+    fn hidden(&self, net: &Net, tokens: &Array, embeds: Option<&Array>, blocks: Option<&[i32]>, cache: &mut Cache, rows: Rows, taps: &[usize]) -> Result<(Array, Vec<Array>)> {
         let rows = if taps.is_empty() { rows } else { Rows::All };
         let allow_prefix_skip = rows != Rows::All && embeds.is_none();
         check_tokens(tokens)?;
@@ -796,6 +842,9 @@ impl Gemma4Model {
             if !taps.is_empty() {
                 return Err(ModelError::UnsupportedOption("gradient checkpointing: residual-stream taps".into()));
             }
+            if blocks.is_some() {
+                return Err(ModelError::UnsupportedOption("gradient checkpointing: image blocks attending both ways".into()));
+            }
             crate::layers::decoder::check_checkpointed(cache, rows)?;
             return Ok((self.hidden_checkpointed(net, tokens, embeds)?, tapped));
         }
@@ -806,6 +855,7 @@ impl Gemma4Model {
         let tokens = if skipped > 0 { tokens.slice_axis(1, skipped, total)? } else { tokens.clone() };
         let tokens = &tokens;
         let l = total - skipped;
+        let mut blocks = blocks.map(|b| &b[skipped..]);
         let mut x = match embeds {
             Some(e) if skipped > 0 => e.slice_axis(1, skipped, total)?,
             Some(e) => e.clone(),
@@ -821,6 +871,7 @@ impl Gemma4Model {
         let mut ragged = kvs.batch().and_then(|r| r.ragged()).cloned();
         for (i, layer) in net.layers.iter().enumerate() {
             let mask = if self.cfg.is_sliding(i) { sliding_mask } else { full_mask };
+            let layer_blocks = if self.cfg.is_sliding(i) { blocks } else { None };
             let h = layer.input_norm.forward(&x)?;
             // Past the last cache-writing layer only the last position is read: query just it.
             let last_only = ragged.is_none() && i == last_own && rows.query_last_only(x.dim(1)?);
@@ -828,9 +879,15 @@ impl Gemma4Model {
                 let mut c = kvs.layer(i)?;
                 // Every layer of a sequence is at the same position (shared layers: the anchor's).
                 offset = c.offset();
-                layer.attn.forward(&h, Some(&mut c), None, offset, mask, last_only, batch, ragged.as_ref())?
+                match &ragged {
+                    Some(g) => layer.attn.forward_packed(&h, Some(&mut c), None, mask, g)?,
+                    None => layer.attn.forward_blocks(&h, Some(&mut c), None, offset, mask, layer_blocks, last_only, batch)?,
+                }
             } else {
-                layer.attn.forward(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, last_only, batch, ragged.as_ref())?
+                match &ragged {
+                    Some(g) => layer.attn.forward_packed(&h, None, fetched[self.kv_src[i]].as_ref(), mask, g)?,
+                    None => layer.attn.forward_blocks(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, layer_blocks, last_only, batch)?,
+                }
             };
             fetched[i] = Some(kv);
             let mut h = Rows::residual(&x, last_only)?.add(&layer.post_attn_norm.forward(&a)?)?;
@@ -853,6 +910,7 @@ impl Gemma4Model {
                     // only the last position goes on: its per-layer inputs, masks and rope offset
                     ple = ple.map(|p| p.slice_axis(1, l - 1, l)).transpose()?;
                     (full_mask, sliding_mask) = (causal_mask(1, None), causal_mask(1, Some(self.cfg.sliding_window)));
+                    blocks = None; // one query at the end: no key after it to see
                     offset += l - 1; // the one query left sits at the last position
                 }
             }
@@ -930,12 +988,12 @@ impl ModelRuntime for Gemma4Model {
         })?;
         // Calls that need every position's output must not skip a cached prefix.
         let rows = Rows::of(logits, hidden);
-        let (h, _) = self.hidden(net, tokens, None, cache, rows, &[])?;
+        let (h, _) = self.hidden(net, tokens, None, None, cache, rows, &[])?;
         net.lm_head.output(h, logits, hidden)
     }
     fn forward_taps(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
         let net = self.net.as_ref().ok_or_else(|| ModelError::InvalidInput("Model not initialized (weights not loaded)".into()))?;
-        let (h, t) = self.hidden(net, tokens, None, cache, Rows::All, taps)?;
+        let (h, t) = self.hidden(net, tokens, None, None, cache, Rows::All, taps)?;
         Ok((net.lm_head.output(h, logits, hidden)?, t))
     }
 
@@ -1079,7 +1137,7 @@ impl Gemma4Assistant {
         for (i, layer) in self.layers.iter().enumerate() {
             let kv = if self.cfg.is_sliding(i) { sliding } else { full };
             let h = layer.input_norm.forward(&x)?;
-            let (a, _) = layer.attn.forward(&h, None, Some(kv), pos, AttentionMask::None, false, None, None)?;
+            let (a, _) = layer.attn.forward(&h, None, Some(kv), pos, AttentionMask::None, false, None)?;
             let h = x.add(&layer.post_attn_norm.forward(&a)?)?;
             let y = h.add(&layer.post_ffn_norm.forward(&layer.ffn(&h)?)?)?;
             x = y.mul(&layer.layer_scalar)?;

@@ -88,8 +88,8 @@ pub struct Gemma4Media {
     tokens: Gemma4MediaTokens,
     vision: Option<(Gemma4VisionTower, Gemma4ImageProcessor)>,
     audio: Option<(Gemma4AudioTower, Gemma4AudioFeatureExtractor)>,
-    /// `text_config.use_bidirectional_attention == "vision"`: image tokens would attend to each
-    /// other both ways in sliding layers, which the decoder does not implement.
+    /// `text_config.use_bidirectional_attention == "vision"`: each image's soft tokens attend to
+    /// each other both ways in the sliding layers ([`Gemma4Media::vision_blocks`]).
     bidirectional_vision: bool,
 }
 
@@ -183,6 +183,41 @@ impl Gemma4Media {
         tokens.iter().map(|&x| if t.is_placeholder(x) { t.pad } else { x }).collect()
     }
 
+    /// Whether each image's soft tokens attend to each other both ways
+    /// (`text_config.use_bidirectional_attention == "vision"`).
+    pub fn bidirectional_vision(&self) -> bool {
+        self.bidirectional_vision
+    }
+
+    /// The image blocks of `tokens` for [`Gemma4Model::forward_embeddings_blocks`] when the
+    /// checkpoint lets image soft tokens attend both ways and `tokens` hold any: each run of
+    /// consecutive image placeholders is one block (ids 0, 1, ... in order; `<boi>` and `<eoi>`
+    /// are not part of it), every other token -1, as transformers'
+    /// `get_block_sequence_ids_for_mask` numbers them. `None` otherwise (causal attention).
+    pub fn vision_blocks(&self, tokens: &[u32]) -> Option<Vec<i32>> {
+        let image = self.tokens.image;
+        if !self.bidirectional_vision || !tokens.contains(&image) {
+            return None;
+        }
+        let (mut next, mut prev) = (0, false);
+        let blocks = tokens
+            .iter()
+            .map(|&t| {
+                let id = match (t == image, prev) {
+                    (false, _) => -1,
+                    (true, true) => next - 1,
+                    (true, false) => {
+                        next += 1;
+                        next - 1
+                    }
+                };
+                prev = t == image;
+                id
+            })
+            .collect();
+        Some(blocks)
+    }
+
     /// Replace the placeholders of `tokens` by the media's soft tokens (see the module docs).
     /// The count of image (audio) placeholders must equal the images' (clips') soft tokens.
     pub fn merge(&self, lm: &Gemma4Model, tokens: &[u32], media: &Gemma4MediaInputs) -> Result<Gemma4Merged> {
@@ -198,9 +233,6 @@ impl Gemma4Media {
         }
         if count(t.video) > 0 {
             return Err(ModelError::UnsupportedOption("video placeholders are not supported".into()));
-        }
-        if n_img > 0 && self.bidirectional_vision {
-            return Err(ModelError::UnsupportedOption("use_bidirectional_attention \"vision\" (image tokens attending both ways) is not supported".into()));
         }
         let l = tokens.len();
         let ple_tokens = Array::from_slice(&self.ple_ids(tokens), &[1, l])?;
@@ -354,7 +386,8 @@ impl MediaModel for Gemma4Vlm {
         }
         let ids: Vec<u32> = input.ids.astype(DType::U32)?.to_vec()?;
         let ple = Array::from_slice(&self.media.ple_ids(&ids), &[1, ids.len()])?;
-        self.lm.forward_embeddings(&ple, &input.embeds, cache, logits, hidden)
+        let blocks = self.media.vision_blocks(&ids);
+        self.lm.forward_embeddings_blocks(&ple, &input.embeds, blocks.as_deref(), cache, logits, hidden)
     }
 }
 

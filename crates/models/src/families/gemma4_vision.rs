@@ -447,7 +447,8 @@ impl Gemma4ImageProcessor {
             return Err(ModelError::InvalidInput(format!("RGB buffer of {} bytes for a {width}x{height} image (want {})", rgb.len(), width * height * 3)));
         }
         let (th, tw) = self.target_size(height, width)?;
-        let img = if (th, tw) == (height, width) { rgb.to_vec() } else { resize_bicubic_u8(rgb, width, height, tw, th) };
+        let img = crate::media::RgbImage::new(width as u32, height as u32, rgb.to_vec())?;
+        let img = crate::media::resize(&img, tw as u32, th as u32, crate::media::Filter::Bicubic)?.data;
         let p = self.patch_size;
         let (ph, pw) = (th / p, tw / p);
         let mut out = Vec::with_capacity(th * tw * 3);
@@ -466,95 +467,6 @@ impl Gemma4ImageProcessor {
     }
 }
 
-/// PIL's bicubic kernel (`a = -0.5`).
-fn bicubic(x: f64) -> f64 {
-    let a = -0.5;
-    let x = x.abs();
-    if x < 1.0 {
-        ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
-    } else if x < 2.0 {
-        (((x - 5.0) * x + 8.0) * x - 4.0) * a
-    } else {
-        0.0
-    }
-}
-
-/// Fixed-point precision of PIL's 8-bit resampling.
-const PRECISION_BITS: u32 = 32 - 8 - 2;
-
-/// PIL's `precompute_coeffs` + `normalize_coeffs_8bpc` for one axis: per output index, the
-/// first input index and the fixed-point weights.
-fn resample_coeffs(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i64>)> {
-    let scale = in_size as f64 / out_size as f64;
-    let filterscale = scale.max(1.0);
-    let support = 2.0 * filterscale;
-    (0..out_size)
-        .map(|xx| {
-            let center = (xx as f64 + 0.5) * scale;
-            let ss = 1.0 / filterscale;
-            // C's (int) truncates toward zero, as `as` does.
-            let xmin = ((center - support + 0.5) as i64).max(0);
-            let xmax = ((center + support + 0.5) as i64).min(in_size as i64) - xmin;
-            let w: Vec<f64> = (0..xmax.max(0)).map(|x| bicubic((x as f64 + xmin as f64 - center + 0.5) * ss)).collect();
-            let ww: f64 = w.iter().sum();
-            let fixed = w
-                .iter()
-                .map(|&k| {
-                    let k = if ww != 0.0 { k / ww } else { k };
-                    let s = k * (1i64 << PRECISION_BITS) as f64;
-                    (if k < 0.0 { -0.5 + s } else { 0.5 + s }) as i64
-                })
-                .collect();
-            (xmin as usize, fixed)
-        })
-        .collect()
-}
-
-fn clip8(v: i64) -> u8 {
-    (v >> PRECISION_BITS).clamp(0, 255) as u8
-}
-
-/// PIL's `Image.resize(BICUBIC)` of an 8-bit RGB image: a horizontal then a vertical pass
-/// (each only where that side changes), rounding to 8 bits after each, as `ImagingResample`.
-fn resize_bicubic_u8(src: &[u8], w: usize, h: usize, tw: usize, th: usize) -> Vec<u8> {
-    let half = 1i64 << (PRECISION_BITS - 1);
-    let horiz = if tw != w {
-        let cs = resample_coeffs(w, tw);
-        let mut out = vec![0u8; h * tw * 3];
-        for y in 0..h {
-            for (x, (xmin, k)) in cs.iter().enumerate() {
-                for c in 0..3 {
-                    let mut s = half;
-                    for (i, kv) in k.iter().enumerate() {
-                        s += src[(y * w + xmin + i) * 3 + c] as i64 * kv;
-                    }
-                    out[(y * tw + x) * 3 + c] = clip8(s);
-                }
-            }
-        }
-        out
-    } else {
-        src.to_vec()
-    };
-    if th == h {
-        return horiz;
-    }
-    let cs = resample_coeffs(h, th);
-    let mut out = vec![0u8; th * tw * 3];
-    for (y, (ymin, k)) in cs.iter().enumerate() {
-        for x in 0..tw {
-            for c in 0..3 {
-                let mut s = half;
-                for (i, kv) in k.iter().enumerate() {
-                    s += horiz[((ymin + i) * tw + x) * 3 + c] as i64 * kv;
-                }
-                out[(y * tw + x) * 3 + c] = clip8(s);
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -569,15 +481,5 @@ mod tests {
         assert_eq!(p.target_size(10, 5000).unwrap(), (48, 70 * 48));
         assert!(Gemma4ImageProcessor::new(16, 3, 100).is_err());
         assert!(p.target_size(0, 10).is_err());
-    }
-
-    #[test]
-    fn resize_keeps_a_flat_image_flat_and_identity_is_exact() {
-        let src = vec![77u8; 40 * 30 * 3];
-        let out = resize_bicubic_u8(&src, 40, 30, 17, 11);
-        assert_eq!(out.len(), 17 * 11 * 3);
-        assert!(out.iter().all(|&v| v == 77));
-        let grad: Vec<u8> = (0..20 * 10 * 3).map(|i| (i % 251) as u8).collect();
-        assert_eq!(resize_bicubic_u8(&grad, 20, 10, 20, 10), grad);
     }
 }

@@ -112,11 +112,56 @@ impl Attention {
         }
     }
 
+    /// On the CPU, the q, k and v heads (`[B, H, L, D]`, q and k rotated) of a plain step in one
+    /// primitive ([`mlx_array::ops::heads`]): every position queried, no output gate or q/k
+    /// norms, one rotary offset for the batch, no YaRN factor. `None` when the step is not one.
+    fn cpu_heads(&self, x: &Array, cache: &LayerKv, last: bool, at: &RopeAt) -> Result<Option<(Array, Array, Array)>> {
+        let c = &self.cfg;
+        let plain = !last && !c.output_gate && self.q_norm.is_none() && self.k_norm.is_none() && super::runs_on_cpu() && x.ndim() == 3;
+        if !plain || cache.batch().is_some_and(|r| !r.uniform()) {
+            return Ok(None);
+        }
+        let off = cache.offset();
+        let pos = match at {
+            RopeAt::Cache => off,
+            RopeAt::Shift(d) => match usize::try_from(off as i64 + d) {
+                Ok(p) => p,
+                Err(_) => return Ok(None), // attend reports it
+            },
+            RopeAt::Angles { .. } => return Ok(None),
+        };
+        let Some(rope) = self.rope.plain_config(pos + x.dims()[1] as usize) else { return Ok(None) };
+        let (ys, cols) = self.qkv.forward_for_heads(x)?;
+        let d = c.head_dim;
+        // one joined product: the parts at their columns; else part i is product i
+        let group = |i: usize, heads: usize, rotate: bool| match ys.len() {
+            1 => mlx_array::ops::HeadGroup { input: 0, col: cols[i], heads, rotate },
+            _ => mlx_array::ops::HeadGroup { input: i, col: 0, heads, rotate },
+        };
+        let groups = [group(0, c.n_heads, true), group(1, c.n_kv_heads, true), group(2, c.n_kv_heads, false)];
+        let refs: Vec<&Array> = ys.iter().collect();
+        let mut hs = mlx_array::ops::heads(&refs, &groups, d, &rope, pos)?.into_iter();
+        match (hs.next(), hs.next(), hs.next()) {
+            (Some(q), Some(k), Some(v)) => Ok(Some((q, k, v))),
+            _ => Err(crate::ModelError::InvalidInput("attention heads: three outputs expected".into())),
+        }
+    }
+
     /// `last`: query only the last row (`mask` is then that of a query at the end:
     /// [`last_query_mask`]).
     fn attend(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool, at: &RopeAt) -> Result<Array> {
         let c = &self.cfg;
         let (b, l) = (x.dims()[0], x.dims()[1]);
+        if let Some((q, k, v)) = self.cpu_heads(x, cache, last, at)? {
+            let (k, v) = cache.update_and_fetch(&k, &v)?;
+            let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
+            let o = if l as usize <= CPU_QUERY_CHUNK {
+                q.sdpa_merged(&k, &v, scale, mask)?
+            } else {
+                sdpa(&q, &k, &v, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?
+            };
+            return self.o.forward(&o);
+        }
         let (mut q, k, v) = if last {
             let xq = x.slice_axis(1, l as usize - 1, l as usize)?;
             (self.qkv.part(0, &xq)?, self.qkv.part(1, x)?, self.qkv.part(2, x)?)

@@ -265,8 +265,9 @@ const FUSED_MAX_ROWS: usize = 16;
 /// GPU each one is a kernel launch: one `[in, sum out_i]` product reads the same bytes with
 /// fewer launches and better occupancy for small outputs (Qwen3-8B's k/v are 1024 wide; H200
 /// kernel time per decode step 6.20 -> 5.62 ms, see BENCHMARKS.md). On the CPU (OpenBLAS) the
-/// separate products measured as fast or faster, and their outputs are contiguous, so the
-/// projections stay separate there. The device is the default device at load, where the
+/// separate float products measured as fast or faster, and their outputs are contiguous, so
+/// float projections stay separate there; packed ones are joined on the CPU
+/// ([`FusedLinear::load_packed`]: one graph node and one pass over the threads per step). The device is the default device at load, where the
 /// weights live; [`crate::LoadOptions::fuse_projections`] overrides it.
 #[derive(Clone)]
 pub enum FusedLinear {
@@ -286,6 +287,11 @@ impl FusedLinear {
         // Quantized projections stay separate (each is its own quantized product).
         // So do projections with LoRA adapters (each adds its own low-rank product).
         let quantized = names.iter().any(|n| vb.pp(n).is_quantized() || vb.pp(n).is_fp8() || vb.pp(n).contains("lora_a"));
+        if names.len() > 1 && super::runs_on_cpu() && vb.weights().fuse_projections != Some(false) {
+            if let Some(f) = Self::load_packed(vb, names, in_dim, outs, bias)? {
+                return Ok(f);
+            }
+        }
         let fuse = names.len() > 1 && !quantized && vb.weights().fuse_projections()?;
         if fuse {
             // float projections: an input_amax on one of them is an error, as in Linear::load
@@ -324,6 +330,66 @@ impl FusedLinear {
             splits.push(acc);
         }
         Ok(FusedLinear::Fused { lin: Linear::new(w, b)?, splits })
+    }
+
+    /// On the CPU, packed projections of one input kept packed and all in the same mode the CPU
+    /// kernels run (`q/k/v`, `gate/up`): their rows joined into one packed weight, so a decode
+    /// step runs one product (one graph node, one pass over the threads) instead of one per
+    /// projection. `None` when they do not qualify (then they load as before).
+    fn load_packed(vb: &Vb, names: &[&str], in_dim: usize, outs: &[usize], bias: bool) -> Result<Option<Self>> {
+        let plain = |n: &&str| {
+            let v = vb.pp(n);
+            v.is_quantized() && !v.contains("lora_a")
+        };
+        if vb.weights().dequantize_to.is_some() || !names.iter().all(plain) {
+            return Ok(None);
+        }
+        for n in names {
+            if ActSite::for_layer(&vb.pp(n))?.is_some() {
+                return Ok(None);
+            }
+        }
+        let qs = names.iter().zip(outs).map(|(n, &o)| vb.pp(n).quantized(&[o, in_dim])).collect::<Result<Vec<_>>>()?;
+        let (mode, sdt) = (qs[0].mode, qs[0].scales.dtype());
+        if !mlx_array::ops::cpu_packed_supports(mode) || qs.iter().any(|q| q.mode != mode || q.scales.dtype() != sdt) {
+            return Ok(None);
+        }
+        let held = vb.weights().sources_held;
+        let cat = |parts: Vec<&Array>| -> Result<Array> {
+            let a = mlx_array::ops::concatenate(&parts, 0)?;
+            if !held {
+                a.eval()?; // materialise now: the parts are freed below
+            }
+            Ok(a)
+        };
+        let weight = cat(qs.iter().map(|q| &q.weight).collect())?;
+        let scales = cat(qs.iter().map(|q| &q.scales).collect())?;
+        let biases = match qs.iter().map(|q| q.biases.as_ref()).collect::<Option<Vec<_>>>() {
+            Some(b) => Some(cat(b)?),
+            None => None,
+        };
+        let b = if bias { Some(cat(names.iter().zip(outs).map(|(n, &o)| vb.pp(n).get("bias", &[o])).collect::<Result<Vec<_>>>()?.iter().collect())?) } else { None };
+        if !held {
+            // the joined copies replace the parts (as `take` does for float projections)
+            for ((n, q), &o) in names.iter().zip(&qs).zip(outs) {
+                let v = vb.pp(n);
+                v.take("weight", &q.weight.shape())?;
+                v.take("scales", &q.scales.shape())?;
+                if let Some(b) = &q.biases {
+                    v.take("biases", &b.shape())?;
+                }
+                if bias {
+                    v.take("bias", &[o])?;
+                }
+            }
+        }
+        let mut splits = Vec::with_capacity(outs.len() - 1);
+        let mut acc = 0;
+        for &o in &outs[..outs.len() - 1] {
+            acc += o;
+            splits.push(acc);
+        }
+        Ok(Some(FusedLinear::Fused { lin: Linear::quantized(mlx_array::Quantized { weight, scales, biases, mode }, b), splits }))
     }
 
     /// [`FusedLinear::load`] with every part output-sharded over a tensor-parallel load's ranks
@@ -365,10 +431,51 @@ impl FusedLinear {
     pub fn part(&self, i: usize, x: &Array) -> Result<Array> {
         match self {
             FusedLinear::Separate(parts) => parts[i].forward(x),
+            FusedLinear::Fused { lin, splits } if lin.is_quantized() => {
+                // packed rows: the whole product, then the part's columns
+                let start = if i == 0 { 0 } else { splits[i - 1] };
+                let end = splits.get(i).copied().unwrap_or(lin.out_dim());
+                Ok(lin.forward(x)?.slice_axis(-1, start, end)?)
+            }
             FusedLinear::Fused { lin, splits } => {
                 let start = if i == 0 { 0 } else { splits[i - 1] };
                 let end = splits.get(i).copied().unwrap_or(lin.out_dim());
                 lin.forward_cols(x, start, end)
+            }
+        }
+    }
+
+    /// `silu(gate(x)) * up(x)` in one CPU primitive, for a packed `[gate; up]` pair
+    /// ([`FusedLinear::load_packed`]) and inputs of few rows on the CPU; `None` otherwise.
+    pub(crate) fn swiglu_packed(&self, x: &Array) -> Result<Option<Array>> {
+        let FusedLinear::Fused { lin, splits } = self else { return Ok(None) };
+        let LinearWeight::Quantized(q) = &lin.w else { return Ok(None) };
+        let halves = splits.len() == 1 && 2 * splits[0] == lin.out_dim();
+        if !halves || lin.bias.is_some() || lin.act.is_some() || lin.lora.is_some() || lin.reduce.is_some() || cpu_rows(x) != Some(true) {
+            return Ok(None);
+        }
+        Ok(Some(q.cpu_swiglu(x)?))
+    }
+
+    /// The projections of `x` for [`mlx_array::ops::heads`]: the joined product of a fused
+    /// layer when it runs as one (the parts then sit at their split points), else one product
+    /// per part.
+    pub(crate) fn forward_for_heads(&self, x: &Array) -> Result<(Vec<Array>, Vec<usize>)> {
+        match self {
+            FusedLinear::Fused { lin, splits } => {
+                let rows = x.size() / x.dims().last().map_or(1, |&d| d.max(1) as usize);
+                if rows <= FUSED_MAX_ROWS || lin.is_quantized() {
+                    let mut cols = vec![0];
+                    cols.extend_from_slice(splits);
+                    return Ok((vec![lin.forward(x)?], cols));
+                }
+                let parts = self.forward(x)?;
+                let n = parts.len();
+                Ok((parts, vec![0; n]))
+            }
+            FusedLinear::Separate(parts) => {
+                let ys = parts.iter().map(|l| l.forward(x)).collect::<Result<Vec<_>>>()?;
+                Ok((ys, vec![0; parts.len()]))
             }
         }
     }
@@ -379,7 +486,7 @@ impl FusedLinear {
             FusedLinear::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
             FusedLinear::Fused { lin, splits } => {
                 let rows = x.size() / x.dims().last().map_or(1, |&d| d.max(1) as usize);
-                if rows <= FUSED_MAX_ROWS {
+                if rows <= FUSED_MAX_ROWS || lin.is_quantized() {
                     return Ok(lin.forward(x)?.split_at(splits, -1)?);
                 }
                 let mut bounds = Vec::with_capacity(splits.len() + 2);

@@ -64,6 +64,11 @@ impl GatedMlp {
         Self::load_named(vb, ["gate_proj", "up_proj", "down_proj"], hidden, inter, act)
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if self.act == Activation::Silu {
+            if let Some(h) = self.gate_up.swiglu_packed(x)? {
+                return self.down.forward(&h);
+            }
+        }
         let gu = self.gate_up.forward(x)?;
         self.down.forward(&self.act.gated(&gu[0], &gu[1])?)
     }

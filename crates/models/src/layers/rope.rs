@@ -129,6 +129,19 @@ impl Rope {
         Ok(x.rope_rows(&cfg, offsets)?)
     }
 
+    /// The rotation settings for a call reaching position `longest - 1` when they are all of it
+    /// (no YaRN attention factor to apply to the rotated features).
+    pub(crate) fn plain_config(&self, longest: usize) -> Option<RopeConfig<'_>> {
+        if self.mscale != 1.0 {
+            return None;
+        }
+        let base = match self.dynamic {
+            Some(d) => dynamic_base(self.base, self.dims, d, longest),
+            None => self.base,
+        };
+        Some(RopeConfig { dims: self.dims, traditional: self.traditional, base, scale: self.scale, freqs: self.freqs.as_ref() })
+    }
+
     /// The rotation settings for a call reaching position `longest - 1`, and `x` with the YaRN
     /// attention factor applied to its rotated dimensions.
     fn prepare(&self, x: &Array, longest: usize) -> Result<(Array, RopeConfig<'_>)> {

@@ -1,0 +1,175 @@
+//! The single-primitive CPU paths of rms_norm, rope and few-query sdpa (`mlx-sys`'s
+//! `cpukern/ops.cpp`) beyond what `ops_nn.rs` checks against f64 references: strided inputs
+//! (views read in place) give exactly what their contiguous copies give, and gradients flow
+//! through them as through the ops they replace (composed from MLX's general ops here).
+mod common;
+use common::*;
+use mlx_array::grad::value_and_grad;
+use mlx_array::{Array, AttentionMask, RopeConfig};
+
+fn close_to(what: &str, got: &Array, want: &Array, tol: f32) {
+    let (g, w) = (out(got), out(want));
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * (1.0 + b.abs()),
+            "{what}: element {i} is {a}, expected {b}"
+        );
+    }
+}
+
+fn seq(n: usize, f: f32) -> Vec<f32> {
+    (0..n).map(|i| ((i as f32 * f).sin() * 1.7) + 0.1).collect()
+}
+
+/// A transposed view (non-contiguous) and its contiguous copy hold the same values.
+fn view_and_copy(v: &[f32], shape: &[usize], axes: &[i32]) -> (Array, Array) {
+    let view = arr(v, shape).transpose(axes).unwrap();
+    let copy = arr(&out(&view), &view.shape());
+    (view, copy)
+}
+
+/// Two rotations of `dims`-wide heads: NeoX over all of them (base 1e4), and GPT-J pairs over
+/// the first 8 (base 100, positions scaled by 2).
+fn ropes(dims: usize) -> [RopeConfig<'static>; 2] {
+    [
+        RopeConfig {
+            dims,
+            base: 10000.0,
+            ..Default::default()
+        },
+        RopeConfig {
+            dims: 8,
+            traditional: true,
+            base: 100.0,
+            scale: 2.0,
+            ..Default::default()
+        },
+    ]
+}
+
+#[test]
+fn strided_inputs_match_contiguous_copies() {
+    // rms_norm over a [4, 3, 8] view of a [3, 4, 8] array, and over a view strided in the last axis
+    let (view, copy) = view_and_copy(&seq(96, 0.37), &[3, 4, 8], &[1, 0, 2]);
+    let w = arr(&seq(8, 0.11), &[8]);
+    assert_eq!(
+        out(&view.rms_norm(Some(&w), 1e-5).unwrap()),
+        out(&copy.rms_norm(Some(&w), 1e-5).unwrap())
+    );
+    let (view, copy) = view_and_copy(&seq(96, 0.23), &[8, 12], &[1, 0]);
+    assert_eq!(
+        out(&view.rms_norm(None, 1e-6).unwrap()),
+        out(&copy.rms_norm(None, 1e-6).unwrap())
+    );
+    // rope over [B, H, L, D] views of [B, L, H, D] (the layout attention transposes from)
+    let (view, copy) = view_and_copy(&seq(2 * 3 * 4 * 16, 0.19), &[2, 3, 4, 16], &[0, 2, 1, 3]);
+    for cfg in ropes(16) {
+        assert_eq!(
+            out(&view.rope(&cfg, 7).unwrap()),
+            out(&copy.rope(&cfg, 7).unwrap())
+        );
+    }
+    // sdpa over strided q, k and v (k and v: the first positions of a longer cache)
+    let (q, qc) = view_and_copy(&seq(2 * 6 * 16, 0.41), &[1, 2, 6, 16], &[0, 2, 1, 3]);
+    let cache = arr(&seq(3 * 9 * 16, 0.13), &[1, 3, 9, 16]);
+    let k = cache.slice_axis(2, 0, 5).unwrap();
+    let v = cache.slice_axis(2, 1, 6).unwrap();
+    let (kc, vc) = (arr(&out(&k), &k.shape()), arr(&out(&v), &v.shape()));
+    let (q, qc) = (
+        q.slice_axis(1, 0, 3).unwrap(),
+        qc.slice_axis(1, 0, 3).unwrap(),
+    );
+    for mask in [AttentionMask::None, AttentionMask::Causal] {
+        assert_eq!(
+            out(&q.sdpa(&k, &v, 0.25, mask).unwrap()),
+            out(&qc.sdpa(&kc, &vc, 0.25, mask).unwrap())
+        );
+    }
+}
+
+#[test]
+fn rms_norm_gradients_match_the_composed_op() {
+    let x = arr(&seq(3 * 10, 0.7), &[3, 10]);
+    let w = arr(&seq(10, 0.3), &[10]);
+    let g = arr(&seq(30, 1.3), &[3, 10]);
+    let loss = |y: Array| y.mul(&g)?.sum(&[], false);
+    let (_, fast) = value_and_grad(
+        |p| loss(p[0].rms_norm(Some(&p[1]), 1e-5)?),
+        &[x.clone(), w.clone()],
+    )
+    .unwrap();
+    let composed = |p: &[Array]| {
+        let n = p[0]
+            .square()?
+            .mean(&[-1], true)?
+            .add_scalar(1e-5)?
+            .rsqrt()?;
+        loss(p[0].mul(&n)?.mul(&p[1])?)
+    };
+    let (_, want) = value_and_grad(composed, &[x, w]).unwrap();
+    close_to("d/dx", &fast[0], &want[0], 1e-5);
+    close_to("d/dw", &fast[1], &want[1], 1e-5);
+}
+
+#[test]
+fn rope_gradient_is_the_inverse_rotation() {
+    // loss = sum(rope(x) * g) is linear in x with gradient R^T g, so rope(gradient) = g
+    let x = arr(&seq(2 * 3 * 12, 0.5), &[2, 3, 12]);
+    let g = arr(&seq(2 * 3 * 12, 0.9), &[2, 3, 12]);
+    for cfg in ropes(12) {
+        let (_, grads) = value_and_grad(
+            |p| p[0].rope(&cfg, 5)?.mul(&g)?.sum(&[], false),
+            &[x.clone()],
+        )
+        .unwrap();
+        close_to("rope(grad)", &grads[0].rope(&cfg, 5).unwrap(), &g, 1e-5);
+    }
+}
+
+#[test]
+fn sdpa_gradients_match_the_composed_op() {
+    let q = arr(&seq(2 * 3 * 8, 0.31), &[1, 2, 3, 8]);
+    let k = arr(&seq(2 * 5 * 8, 0.17), &[1, 2, 5, 8]);
+    let v = arr(&seq(2 * 5 * 8, 0.53), &[1, 2, 5, 8]);
+    let g = arr(&seq(2 * 3 * 8, 1.1), &[1, 2, 3, 8]);
+    let loss = |y: Array| y.mul(&g)?.sum(&[], false);
+    let (_, fast) = value_and_grad(
+        |p| loss(p[0].sdpa(&p[1], &p[2], 0.3, AttentionMask::None)?),
+        &[q.clone(), k.clone(), v.clone()],
+    )
+    .unwrap();
+    let composed = |p: &[Array]| {
+        loss(
+            p[0].mul_scalar(0.3)?
+                .matmul(&p[1].swap_axes(-1, -2)?)?
+                .softmax(-1, true)?
+                .matmul(&p[2])?,
+        )
+    };
+    let (_, want) = value_and_grad(composed, &[q, k, v]).unwrap();
+    for (i, n) in ["d/dq", "d/dk", "d/dv"].iter().enumerate() {
+        close_to(n, &fast[i], &want[i], 1e-5);
+    }
+}
+
+/// Inside `mlx_ops_only` an untraced forward builds MLX's own ops, as every traced one does
+/// (`value_and_grad`): both give the same bits. Outside the scope the primitive's partial sums
+/// round differently on this input, so a scope that changed nothing fails here.
+#[test]
+fn mlx_ops_scope_computes_what_traced_forwards_compute() {
+    let d = 4096;
+    let x = arr(&seq(4 * d, 0.37), &[4, d]);
+    let w = arr(&seq(d, 0.11), &[d]);
+    let g = arr(&seq(4 * d, 1.3), &[4, d]);
+    let f = |x: &Array, w: &Array| x.rms_norm(Some(w), 1e-5)?.mul(&g)?.sum(&[], false);
+    let (traced, _) = value_and_grad(|p| f(&p[0], &p[1]), &[x.clone(), w.clone()]).unwrap();
+    let scoped = {
+        let _ops = mlx_array::ops::mlx_ops_only();
+        f(&x, &w).unwrap()
+    };
+    let primitive = f(&x, &w).unwrap();
+    let bits = |a: &Array| out(a)[0].to_bits();
+    assert_eq!(bits(&scoped), bits(&traced), "scoped {:?} vs traced {:?}", out(&scoped), out(&traced));
+    assert_ne!(bits(&primitive), bits(&traced), "the primitive rounds as MLX's op does on this input");
+}
