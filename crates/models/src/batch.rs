@@ -366,11 +366,14 @@ pub struct Ragged {
     first: Vec<usize>,
     /// Per kind of attention (`Some(window)`; `None`: every kind), each row's keys in the K/V the
     /// step fetches: columns `from..to` of its row, the row's queries being the last of them.
-    keys: Vec<(Option<Option<usize>>, Vec<(usize, usize)>)>,
+    keys: RowKeys,
 }
 
+/// [`Ragged`]'s keys of each row per kind of attention.
+type RowKeys = Vec<(Option<Option<usize>>, Vec<(usize, usize)>)>;
+
 impl Ragged {
-    fn new(counts: Vec<usize>, first: Vec<usize>, keys: Vec<(Option<Option<usize>>, Vec<(usize, usize)>)>) -> Self {
+    fn new(counts: Vec<usize>, first: Vec<usize>, keys: RowKeys) -> Self {
         let offsets = counts.iter().scan(0, |o, &c| {
             let at = *o;
             *o += c;

@@ -458,7 +458,7 @@ impl Scheduler {
         // Separate prompt passes: prompts that would join decoding rows go to a batch of their
         // own, admitted when it is empty.
         let decoding = self.rows.iter().any(|r| !r.prefilling());
-        if !self.waiting.is_empty() && !(self.separate && decoding && self.joining.is_some()) {
+        if !self.waiting.is_empty() && (!self.separate || !decoding || self.joining.is_none()) {
             let joining: usize = self.joining.iter().flat_map(|(r, _)| r).map(|r| 1 + r.copies.len()).sum();
             let live: usize = self.rows.iter().map(|r| 1 + r.copies.len()).sum::<usize>() + joining;
             let room = self.cfg.max_batch.max(1).saturating_sub(live);
@@ -503,7 +503,7 @@ impl Scheduler {
     fn joining_pass(&mut self) -> Result<()> {
         let Some((rows, cache)) = self.joining.take() else { return Ok(()) };
         self.flush_pending()?;
-        let running = (std::mem::replace(&mut self.rows, rows), std::mem::replace(&mut self.running, Some(cache)));
+        let running = (std::mem::replace(&mut self.rows, rows), self.running.replace(cache));
         let r = self.mixed();
         let joined = (std::mem::replace(&mut self.rows, running.0), std::mem::replace(&mut self.running, running.1));
         if let Err(e) = r {
