@@ -56,10 +56,11 @@ pub(crate) fn row_seed(seed: u64, row: usize) -> u64 {
 /// is no earlier cache here).
 ///
 /// It runs the continuous-batching loop of [`crate::engine`] on the caller's thread with room
-/// for every sequence: the distinct prompts are prefilled together, left-padded to the longest
-/// ([`crate::batch`]), in `[P, L]` passes; each prefilled row is then copied to its
-/// `group_size` sequences, and every decode step is one `[B, 1]` forward over all sequences
-/// still running (finished ones leave the batch). The model's own cache mode does not matter:
+/// for every sequence: the distinct prompts are prefilled together, each in chunks at its own
+/// pace, in passes that take their tokens packed ([`crate::batch::Ragged`]); each prefilled row
+/// is then copied to its `group_size` sequences and decodes beside the prompts still computed,
+/// and every decode step is one forward over all sequences still running (finished ones leave
+/// the batch). The model's own cache mode does not matter:
 /// the batch cache is flat.
 ///
 /// Sampling follows the sampling crate, row by row: each sequence has its own penalty history
@@ -76,7 +77,7 @@ pub fn generate_batch(model: &Model, prompts: &[Vec<u32>], group_size: usize, cf
     let seed = (!cfg.sampling.is_greedy()).then(|| {
         cfg.sampling.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0))
     });
-    let mut s = Scheduler::new(model.clone(), EngineConfig { max_batch: n, prefill_step_size: cfg.prefill_step_size, max_queue: n, kv: EngineKv::Flat });
+    let mut s = Scheduler::new(model.clone(), EngineConfig { max_batch: n, prefill_step_size: cfg.prefill_step_size, mixed_step_size: cfg.prefill_step_size, max_queue: n, kv: EngineKv::Flat, prompt_passes: crate::engine::PromptPasses::Mixed });
     for r in 0..n {
         let p = prompts[r / group_size].clone();
         let seq = Seq::new(model, p, cfg, seed.map(|s| row_seed(s, r)), CancelHandle::default(), None).map_err(|e| match e {

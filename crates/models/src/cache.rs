@@ -51,6 +51,8 @@ pub(crate) struct PagedRows {
     cols: usize,
     /// [`Cache::set_queue_with_outputs`].
     later: bool,
+    /// The planned step takes its tokens packed ([`Cache::set_step_tokens`]).
+    packed: bool,
 }
 
 /// A cache's state at one position, from [`Cache::snapshot`].
@@ -101,7 +103,14 @@ impl<'a> LayerKv<'a> {
     /// Store this step's `k`, `v` (`[B, H, L, D]`) and return all keys/values to attend to.
     pub fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
         match self {
-            LayerKv::Flat(c) | LayerKv::Batch(c, _) => c.update_and_fetch(k, v),
+            LayerKv::Flat(c) => c.update_and_fetch(k, v),
+            LayerKv::Batch(c, r) => {
+                let out = c.update_and_fetch(k, v)?;
+                match r.realign() {
+                    Some(idx) => c.batch_realign(idx),
+                    None => Ok(out),
+                }
+            }
             LayerKv::Paged(p) => p.update_and_fetch(k, v),
             LayerKv::Rows(p, _) => p.update_and_fetch(k, v),
         }
@@ -169,7 +178,11 @@ impl ForwardKv<'_> {
     /// [`PagedStep::finish`]). A forward pass dropped without `finish` (an error) still queues
     /// what it wrote.
     pub fn finish(mut self) -> Result<()> {
-        if let Some(step) = self.rows.take() {
+        if let Some(mut step) = self.rows.take() {
+            if self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_))) {
+                let layers = &*self.layers;
+                step.keep_snapshots(|b, n| row_snapshot(layers, b, n))?;
+            }
             return step.finish();
         }
         match self.paged.take() {
@@ -288,23 +301,25 @@ impl Cache {
         *last_skipped = 0;
         if let Some(r) = rows {
             let (b, l) = (tokens.dims()[0] as usize, tokens.dims()[1] as usize);
-            if r.steps.len() != r.seqs.len() || b != r.seqs.len() || l != r.cols {
+            let packed = std::mem::take(&mut r.packed);
+            let want = if packed { (1, r.pad.iter().map(|p| r.cols - p).sum()) } else { (r.seqs.len(), r.cols) };
+            if r.steps.len() != r.seqs.len() || (b, l) != want {
                 return Err(ModelError::InvalidInput(format!(
-                    "a step over {} paged rows takes the [{}, {}] tokens schedule_rows planned, got {:?}",
+                    "a step over {} paged rows takes the {:?} tokens schedule_rows planned, got {:?}",
                     r.seqs.len(),
-                    r.seqs.len(),
-                    r.cols,
+                    [want.0, want.1],
                     tokens.shape()
                 )));
             }
             let steps = std::mem::take(&mut r.steps);
             let starts: Vec<usize> = steps.iter().map(|s| s.start).collect();
-            let step = RowsStep::begin(&r.shared, &steps, &r.pad, r.cols, r.later)?;
-            *batch = Some(crate::batch::BatchRows::paged(r.pad.clone(), &starts, r.cols, step.key_groups())?);
+            let prefix_shared: Vec<bool> = r.seqs.iter().map(PagedSeq::prefix_shared).collect();
+            let step = RowsStep::begin(&r.shared, &steps, &r.pad, r.cols, r.later, &prefix_shared)?;
+            *batch = Some(crate::batch::BatchRows::paged(r.pad.clone(), &starts, r.cols, step.key_groups(), packed)?);
             return Ok((ForwardKv { layers, paged: None, rows: Some(step), batch: batch.as_ref() }, 0));
         }
         if let Some(rows) = batch {
-            rows.begin(tokens.dims()[0] as usize, tokens.dims()[1] as usize)?;
+            rows.begin_tokens(tokens)?;
         }
         let batch = batch.as_ref();
         match paged {
@@ -465,8 +480,8 @@ impl Cache {
 /// left-padded to the longest, and attention reads every row's keys from its own blocks (per-row
 /// rope positions and mask: [`crate::batch::BatchRows`]). Padding is not stored: it costs only
 /// the step's compute. Recurrent layers keep each row's state, stacked along the batch axis
-/// while the rows are joined; a row's padding must come before its first token (its state is
-/// still zero there), so a row with recurrent state steps without padding.
+/// while the rows are joined; a row's padding in a step comes before its tokens and leaves its
+/// state as it was ([`crate::batch::conv_input`], zero gates at padding positions).
 /// [`Cache::into_rows`] gives the row caches back; [`Cache::select_rows`] and
 /// [`Cache::merge_batch`] keep and add rows as for flat batch caches.
 impl Cache {
@@ -512,7 +527,7 @@ impl Cache {
                 }
             });
         }
-        let rows = PagedRows { shared, seqs, row_layers, steps: Vec::new(), pad: Vec::new(), cols: 0, later: false };
+        let rows = PagedRows { shared, seqs, row_layers, steps: Vec::new(), pad: Vec::new(), cols: 0, later: false, packed: false };
         Ok(Cache { layers, paged: None, last_skipped: 0, batch: None, rows: Some(rows), position_delta: 0, gradient_checkpointing: false })
     }
 
@@ -548,8 +563,32 @@ impl Cache {
         if prompt.is_empty() {
             return Err(ModelError::InvalidInput("a paged sequence needs at least one prompt token".into()));
         }
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_)));
         let p = self.paged.as_mut().ok_or_else(|| ModelError::Cache("begin_paged needs a paged cache".into()))?;
-        p.begin_row(prompt, allow_prefix_skip)
+        let (skipped, snapshot) = p.begin_row(prompt, allow_prefix_skip, recurrent)?;
+        // A skipped prefix of a model with recurrent layers starts from their state there.
+        for (i, slots) in snapshot.into_iter().flatten() {
+            if let Some(l) = self.layers.get_mut(i) {
+                *l = LayerCache::Recurrent(slots);
+            }
+        }
+        Ok(skipped)
+    }
+
+    /// Take the next forward pass's tokens packed (`[1, T]`, row `b`'s `counts[b]` tokens after
+    /// the rows before it; [`crate::batch::Ragged`]) instead of `[B, L]` rows: flat batch
+    /// caches, or a view over paged rows whose planned step ([`Cache::schedule_rows`]) has these
+    /// counts.
+    pub(crate) fn set_step_tokens(&mut self, counts: Vec<usize>) -> Result<()> {
+        if let Some(r) = self.rows.as_mut() {
+            let planned: Vec<usize> = r.steps.iter().map(|s| s.len).collect();
+            if planned != counts {
+                return Err(ModelError::InvalidInput(format!("packed step of {counts:?} tokens, planned {planned:?}")));
+            }
+            r.packed = true;
+            return Ok(());
+        }
+        self.batch.as_mut().ok_or_else(|| ModelError::Cache("a packed step needs a batch cache".into()))?.set_step_tokens(counts)
     }
 
     /// Plan the next forward pass of a view: row `b` registers `inputs[b].0` and computes at
@@ -610,6 +649,19 @@ impl Cache {
         let layers = self.layers.iter().map(|l| if let LayerCache::Kv(_) = l { LayerCache::Kv(KvCache::new(None)) } else { l.clone() }).collect();
         Ok(Cache { layers, paged: Some(p), last_skipped: 0, batch: None, rows: None, position_delta: 0, gradient_checkpointing: false })
     }
+}
+
+/// Row `b` of `n` of a view's recurrent layers (stacked along the batch axis): every recurrent
+/// layer's slots, `[1, ..]` each.
+fn row_snapshot(layers: &[LayerCache], b: usize, n: usize) -> Result<crate::paged::Snapshot> {
+    let mut out = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        if let LayerCache::Recurrent(s) = l {
+            let slots = s.iter().map(|a| a.as_ref().map(|a| if n == 1 { Ok(a.clone()) } else { a.slice_axis(0, b, b + 1) }).transpose()).collect::<mlx_array::Result<Vec<_>>>()?;
+            out.push((i, slots));
+        }
+    }
+    Ok(out)
 }
 
 /// One recurrent slot of each row (`[1, ..]`, `None` before it is written) stacked along the

@@ -1,18 +1,29 @@
 //! Continuous batching: one loop per model runs every live sequence in shared `[B, L]` forward
 //! passes, and sequences join and leave between steps.
 //!
-//! The loop ([`Scheduler`]) alternates two kinds of forward pass over batch caches
-//! ([`crate::batch`]):
-//! - a prefill chunk: the waiting requests admitted together (up to
-//!   [`EngineConfig::max_batch`] live sequences), left-padded to their longest prompt, at most
-//!   [`EngineConfig::prefill_step_size`] columns per pass; identical prompts are computed once
-//!   and copied; after the last chunk each sequence samples its first token and the rows join
-//!   the running batch ([`crate::Cache::merge_batch`]);
-//! - a decode step: one token for every running sequence, `[B, 1]`.
+//! Every live sequence is a row of one running batch cache ([`crate::batch`]). Each loop turn
+//! ([`Scheduler`]) admits waiting requests while there is room (up to
+//! [`EngineConfig::max_batch`] live sequences; identical prompts admitted together are computed
+//! once, and the row is copied to each of them when its prompt is done), then runs one forward
+//! pass over all rows:
+//! - while some row still computes its prompt, a pass of each such row's next chunk of at most
+//!   [`EngineConfig::prefill_step_size`] prompt tokens, or (a mixed pass) of at most
+//!   [`EngineConfig::mixed_step_size`] beside one token of every decoding row (with
+//!   [`PromptPasses::Separate`], prompts that join decoding rows run in passes of their own
+//!   instead, each followed by a decode step, and join the rows once sampled). The pass takes
+//!   the rows' tokens packed, `[1, T]` with `T` the tokens of all rows
+//!   ([`crate::batch::Ragged`]): embeddings, norms, projections and MLPs compute real tokens
+//!   only, and only attention (each row's queries against its own keys, a decoding row's one
+//!   query without a mask) and the recurrences of the hybrid families split them by row.
+//!   Decoding rows sample as in any step; a row whose prompt ends in the pass samples its
+//!   first token and decodes from then on. Running sequences thus keep producing a token every
+//!   pass while a new prompt is computed, and the prompt shares their forward pass
+//!   ([`EngineStats::mixed_forwards`] counts such passes);
+//! - otherwise a decode step: one token for every row, `[B, 1]` (one attention call over the
+//!   rows, padding masked), pipelined (the next step is queued on the lazy tokens of this one
+//!   before they are read back).
 //!
-//! While a prefill is in progress, each loop turn runs one of its chunks and then one decode
-//! step, so running sequences keep producing tokens while a long prompt is prefilled. Each
-//! sequence has its own sampler (its request's settings; its own random stream), penalty
+//! Each sequence has its own sampler (its request's settings; its own random stream), penalty
 //! history, stop tokens, stop guard and cancel flag; a finished or cancelled sequence leaves the
 //! batch before the next step ([`crate::Cache::select_rows`]).
 //!
@@ -20,13 +31,16 @@
 //! `Sync`, `Clone`) to submit requests; each request streams [`Event`]s on its own channel.
 //! [`crate::generate_batch`] runs the same loop on the caller's thread.
 //!
-//! Attention K/V live in flat batch storage ([`EngineKv::Flat`]: a request's prompt is always
-//! computed in full) or in the model's paged pool ([`EngineKv::Paged`], the default on a GPU):
-//! every sequence then has its own blocks and position, the running rows are one view
+//! Every row computes its prompt at its own pace. Attention K/V live in flat batch storage
+//! ([`EngineKv::Flat`]: a request's prompt is always computed in full) or in the model's paged
+//! pool ([`EngineKv::Paged`], the default on a GPU): every sequence then has its own blocks and
+//! position, the rows are one view
 //! ([`crate::Cache::paged_rows`]) whose steps read each row's keys from its blocks, and a prompt
 //! whose leading blocks are cached (a repeated system prompt, a conversation sent again) skips
-//! them ([`Usage::cached_prompt_tokens`]; attention-only families: recurrent state has no
-//! snapshots here). A prefill chunk and a decode step are separate forward passes.
+//! them ([`Usage::cached_prompt_tokens`]). For the hybrid families (Qwen3.5, LFM2) a skip
+//! stops at the last block boundary with a recurrent-state snapshot: prompt chunks end at
+//! multiples of [`crate::PagedConfig::snapshot_interval`], and a chunk that ends on a block
+//! boundary keeps its row's state there, keyed like that prefix's blocks.
 use crate::cache::Cache;
 use crate::paged::RowTokens;
 use crate::generate::{CancelHandle, FinishReason, GenerateConfig, Performance, Token};
@@ -46,19 +60,48 @@ use std::time::{Duration, Instant};
 pub struct EngineConfig {
     /// Most sequences in one forward pass (running plus the ones being prefilled).
     pub max_batch: usize,
-    /// Prompt columns per prefill pass (bounds activation memory); 0 = whole prompts.
+    /// Prompt tokens a row computes per forward pass that carries no decoding row (the prefill
+    /// chunk; 0 = whole prompts). It bounds activation memory.
     pub prefill_step_size: usize,
+    /// Prompt tokens a row computes per forward pass that also carries decoding rows (0 = whole
+    /// prompts; [`PromptPasses::Mixed`]). A decoding row waits for the pass for its next token:
+    /// a narrow chunk keeps the decoding rows going, a wide one finishes a prompt in fewer
+    /// passes. Default 64.
+    pub mixed_step_size: usize,
     /// Most requests waiting for a slot; [`EngineHandle::submit`] refuses more with
     /// [`EngineError::QueueFull`].
     pub max_queue: usize,
     /// Where the sequences' K/V live.
     pub kv: EngineKv,
+    /// Whether prompt chunks share passes with decoding rows.
+    pub prompt_passes: PromptPasses,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_step_size: 512, max_queue: 256, kv: EngineKv::Auto }
+        EngineConfig { max_batch: 32, prefill_step_size: 512, mixed_step_size: 64, max_queue: 256, kv: EngineKv::Auto, prompt_passes: PromptPasses::Auto }
     }
+}
+
+/// How an [`Engine`] computes the prompts of requests that join while others decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptPasses {
+    /// [`PromptPasses::Mixed`] over the paged pool, [`PromptPasses::Separate`] over flat batch
+    /// caches: on the CPU, mixed passes over flat caches gave fewer tok/s and a later first
+    /// token than separate ones (a mixed pass also moves every decoding row's stored K/V right
+    /// to keep the rows aligned; not profiled), over the paged pool about as many tok/s and an
+    /// earlier first token (BENCHMARKS.md, "Continuous batching: prompts joining decoding
+    /// streams").
+    #[default]
+    Auto,
+    /// A prompt's chunks of [`EngineConfig::mixed_step_size`] tokens share passes with one
+    /// token of every decoding row.
+    Mixed,
+    /// Prompts joining decoding rows are computed in a batch of their own (chunks of
+    /// [`EngineConfig::prefill_step_size`]), each pass followed by a decode step of the running
+    /// rows; the batch joins the running rows once none of its prompts is left to compute
+    /// (requests arriving meanwhile wait for that).
+    Separate,
 }
 
 /// Where an [`Engine`]'s sequences keep their K/V.
@@ -96,7 +139,7 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     /// Prompt tokens served from the paged prefix cache instead of computed (0 with flat
-    /// caches: see [`crate::engine`]).
+    /// caches; hybrid families: up to the last recurrent-state snapshot, see [`crate::engine`]).
     pub cached_prompt_tokens: usize,
 }
 
@@ -141,6 +184,8 @@ pub(crate) struct Seq {
     cancel: CancelHandle,
     sink: Sink,
     submitted: Instant,
+    /// When the loop took the request into a batch.
+    admitted: Instant,
     pub(crate) first_token: Option<Duration>,
     pub(crate) finished_at: Duration,
     prefill_time: Duration,
@@ -190,6 +235,7 @@ impl Seq {
                 None => Sink::Collect,
             },
             submitted: Instant::now(),
+            admitted: Instant::now(),
             first_token: None,
             finished_at: Duration::ZERO,
             prefill_time: Duration::ZERO,
@@ -272,27 +318,29 @@ impl Seq {
     }
 }
 
-/// A prefill in progress.
-struct Prefill {
-    rows: PrefillRows,
-    /// Each row's padding before its first token to compute, in columns: rows are right-aligned
-    /// on the longest, so every row's last token falls in the last chunk.
-    pad: Vec<usize>,
-    /// The sequences (slab ids).
-    seqs: Vec<usize>,
-    next: usize,
-    longest: usize,
-    started: Instant,
+/// A row of the running cache.
+#[derive(Clone)]
+struct Row {
+    /// The sequence (slab id).
+    seq: usize,
+    /// Sequences admitted with the same prompt: each gets a copy of this row when its prompt is
+    /// done (one prompt computed once for a group).
+    copies: Vec<usize>,
+    /// Prompt positions computed so far (or served by the prefix cache).
+    at: usize,
+    /// The prompt's length: the row decodes once `at` reaches it.
+    len: usize,
 }
 
-/// Where a prefill's rows live.
-enum PrefillRows {
-    /// One flat batch cache with a row per distinct prompt (`prompts`); sequence `i` is row
-    /// `row_of[i]`.
-    Flat { cache: Cache, prompts: Vec<Vec<u32>>, row_of: Vec<usize> },
-    /// Each sequence's paged cache (joined into a view for each chunk, for the rows with tokens
-    /// in it).
-    Paged(Vec<Option<Cache>>),
+impl Row {
+    fn prefilling(&self) -> bool {
+        self.at < self.len
+    }
+
+    /// The row's sequence and its copies.
+    fn members(&self) -> impl Iterator<Item = usize> + '_ {
+        std::iter::once(self.seq).chain(self.copies.iter().copied())
+    }
 }
 
 /// The continuous-batching loop over one model (see [`crate::engine`]).
@@ -301,19 +349,28 @@ pub(crate) struct Scheduler {
     cfg: EngineConfig,
     pub(crate) seqs: Vec<Option<Seq>>,
     waiting: VecDeque<usize>,
-    prefill: Option<Prefill>,
+    /// Every live row: decoding ones and ones still computing their prompt.
     running: Option<Cache>,
-    /// Slab ids of the running cache's rows, in row order.
-    run: Vec<usize>,
+    /// The running cache's rows, in row order.
+    rows: Vec<Row>,
     /// A decode step queued on the running rows whose tokens are not read yet (pipelining:
     /// step `n + 1` is queued on the lazy tokens of step `n` before they are read back).
     pending: Option<(Array, Array)>,
     /// Rows of every forward pass, in order.
     pub(crate) rows_per_forward: Vec<usize>,
+    /// Forward passes that carried prompt-chunk rows and decode rows together, since last read.
+    pub(crate) mixed_forwards: usize,
     /// The sequences live in the model's paged pool ([`EngineKv`]).
     paged: bool,
-    /// Paged: new sequences may start on cached prompt blocks (no recurrent layers).
-    prefix_skip: bool,
+    /// Paged caches of models with recurrent layers: prompt chunks end at multiples of this many
+    /// positions, where the rows' state is kept as a prefix snapshot
+    /// ([`crate::PagedConfig::snapshot_interval`]).
+    snapshot_interval: Option<usize>,
+    /// [`PromptPasses::Separate`]: prompts that joined decoding rows, computed in passes of
+    /// their own (their rows and cache) until their first tokens.
+    joining: Option<(Vec<Row>, Cache)>,
+    /// Prompt passes are separate from decode steps ([`PromptPasses`]).
+    separate: bool,
 }
 
 impl Scheduler {
@@ -325,8 +382,12 @@ impl Scheduler {
                 EngineKv::Paged => true,
                 EngineKv::Auto => !crate::layers::runs_on_cpu(),
             };
-        let prefix_skip = !model.with_runtime(|rt| rt.cache_spec()).layers.iter().any(|l| matches!(l, crate::kv::LayerKind::Recurrent { .. }));
-        Scheduler { model, cfg, seqs: Vec::new(), waiting: VecDeque::new(), prefill: None, running: None, run: Vec::new(), pending: None, rows_per_forward: Vec::new(), paged, prefix_skip }
+        let separate = match cfg.prompt_passes {
+            PromptPasses::Auto => !paged,
+            PromptPasses::Mixed => false,
+            PromptPasses::Separate => true,
+        };
+        Scheduler { model, cfg, seqs: Vec::new(), waiting: VecDeque::new(), running: None, rows: Vec::new(), pending: None, rows_per_forward: Vec::new(), mixed_forwards: 0, paged, snapshot_interval: None, joining: None, separate }
     }
 
     /// Queue `seq`; returns its slab id.
@@ -347,7 +408,7 @@ impl Scheduler {
 
     /// Whether any sequence waits or runs.
     pub(crate) fn busy(&self) -> bool {
-        !self.waiting.is_empty() || self.prefill.is_some() || !self.run.is_empty()
+        !self.waiting.is_empty() || !self.rows.is_empty() || self.joining.is_some()
     }
 
     pub(crate) fn waiting(&self) -> usize {
@@ -358,6 +419,10 @@ impl Scheduler {
         self.seqs[id].as_mut().expect("live slab id")
     }
 
+    fn live(&self, id: usize) -> &Seq {
+        self.seqs[id].as_ref().expect("live slab id")
+    }
+
     /// Remove finished sequences from the slab when they stream to a channel (collected ones
     /// stay for the caller).
     fn release(&mut self, id: usize) {
@@ -366,7 +431,9 @@ impl Scheduler {
         }
     }
 
-    /// One turn: start a prefill if there is room, run one prefill chunk, run one decode step.
+    /// One turn: admit waiting requests if there is room, then one forward pass over every
+    /// row: a decode step, or (while some row computes its prompt) a pass that carries each
+    /// such row's next prompt chunk beside one token of every decoding row.
     pub(crate) fn step(&mut self) -> Result<()> {
         // Cancelled waiting requests leave the queue at once.
         let mut i = 0;
@@ -387,176 +454,289 @@ impl Scheduler {
                 i += 1;
             }
         }
-        if self.prefill.is_none() && !self.waiting.is_empty() {
-            let room = self.cfg.max_batch.max(1).saturating_sub(self.run.len());
+        // Every row computes its prompt at its own pace (passes take the rows' tokens packed).
+        // Separate prompt passes: prompts that would join decoding rows go to a batch of their
+        // own, admitted when it is empty.
+        let decoding = self.rows.iter().any(|r| !r.prefilling());
+        if !self.waiting.is_empty() && (!self.separate || !decoding || self.joining.is_none()) {
+            let joining: usize = self.joining.iter().flat_map(|(r, _)| r).map(|r| 1 + r.copies.len()).sum();
+            let live: usize = self.rows.iter().map(|r| 1 + r.copies.len()).sum::<usize>() + joining;
+            let room = self.cfg.max_batch.max(1).saturating_sub(live);
             if room > 0 {
                 let take: Vec<usize> = (0..room.min(self.waiting.len())).filter_map(|_| self.waiting.pop_front()).collect();
-                if let Err(e) = self.start_prefill(take.clone()) {
-                    for id in take {
-                        self.seq(id).fail(&e.to_string());
-                        self.release(id);
+                match self.prepare(&take) {
+                    Ok((rows, cache)) if self.separate && decoding => self.joining = Some((rows, cache)),
+                    Ok((rows, cache)) => {
+                        if let Err(e) = self.join(rows, cache) {
+                            self.fail_rows(&e);
+                            return Err(e);
+                        }
                     }
-                    return Err(e);
+                    Err(e) => {
+                        for id in take {
+                            self.seq(id).fail(&e.to_string());
+                            self.release(id);
+                        }
+                        return Err(e);
+                    }
                 }
             }
         }
-        if self.prefill.is_some() {
-            if let Err(e) = self.prefill_chunk() {
-                let p = self.prefill.take().expect("prefill in progress");
-                for id in p.seqs {
-                    self.seq(id).fail(&e.to_string());
-                    self.release(id);
-                }
-                return Err(e);
-            }
+        if let Err(e) = self.joining_pass() {
+            self.fail_rows(&e);
+            return Err(e);
         }
-        if !self.run.is_empty() {
-            if let Err(e) = self.decode() {
-                for id in std::mem::take(&mut self.run) {
-                    self.seq(id).fail(&e.to_string());
-                    self.release(id);
-                }
-                self.running = None;
-                self.pending = None;
-                return Err(e);
-            }
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        let r = if self.rows.iter().any(Row::prefilling) { self.mixed() } else { self.decode() };
+        if let Err(e) = r {
+            self.fail_rows(&e);
+            return Err(e);
         }
         Ok(())
     }
 
-    fn start_prefill(&mut self, ids: Vec<usize>) -> Result<()> {
-        if self.paged {
-            return self.start_prefill_paged(ids);
+    /// [`PromptPasses::Separate`]: one pass of the joining prompts' own batch (the running rows'
+    /// queued step is read first); once none of them computes its prompt any more, they join
+    /// the running rows.
+    fn joining_pass(&mut self) -> Result<()> {
+        let Some((rows, cache)) = self.joining.take() else { return Ok(()) };
+        self.flush_pending()?;
+        let running = (std::mem::replace(&mut self.rows, rows), self.running.replace(cache));
+        let r = self.mixed();
+        let joined = (std::mem::replace(&mut self.rows, running.0), std::mem::replace(&mut self.running, running.1));
+        if let Err(e) = r {
+            // the joining rows fail with the running ones
+            self.rows.extend(joined.0);
+            return Err(e);
         }
-        let mut prompts: Vec<Vec<u32>> = Vec::new();
-        let mut row_of = Vec::with_capacity(ids.len());
-        for &id in &ids {
-            let p = &self.seqs[id].as_ref().expect("live").prompt;
-            let r = match prompts.iter().position(|q| q == p) {
-                Some(r) => r,
-                None => {
-                    prompts.push(p.clone());
-                    prompts.len() - 1
+        match joined {
+            (rows, Some(cache)) if !rows.is_empty() => {
+                if rows.iter().any(Row::prefilling) {
+                    self.joining = Some((rows, cache));
+                } else {
+                    self.join(rows, cache)?;
                 }
-            };
-            row_of.push(r);
+            }
+            _ => {}
         }
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let pad: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
-        let spec = self.model.with_runtime(|rt| rt.cache_spec());
-        let cache = Cache::new_batch(&spec, pad.clone())?;
-        self.prefill = Some(Prefill { rows: PrefillRows::Flat { cache, prompts, row_of }, pad, seqs: ids, next: 0, longest, started: Instant::now() });
         Ok(())
     }
 
-    /// A paged prefill: each sequence starts in the pool on its whole prompt (its cached
-    /// prefix, if any, is not computed again) and the rest is right-aligned on the longest.
-    fn start_prefill_paged(&mut self, ids: Vec<usize>) -> Result<()> {
-        let (mut caches, mut rest) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
-        for &id in &ids {
+    /// Every live row fails with `e`.
+    fn fail_rows(&mut self, e: &ModelError) {
+        let joining = self.joining.take().map(|(r, _)| r).unwrap_or_default();
+        for row in std::mem::take(&mut self.rows).into_iter().chain(joining) {
+            for id in row.members() {
+                if let Some(s) = self.seqs[id].as_mut() {
+                    if !s.done() {
+                        s.fail(&e.to_string());
+                    }
+                }
+                self.release(id);
+            }
+        }
+        self.running = None;
+        self.pending = None;
+    }
+
+    /// Rows for the sequences `ids` (one per distinct prompt, the others its copies) and their
+    /// cache: flat rows holding nothing yet, or paged sequences begun on their prompts (a cached
+    /// prefix, with its recurrent-state snapshot for hybrid models, is not computed again).
+    fn prepare(&mut self, ids: &[usize]) -> Result<(Vec<Row>, Cache)> {
+        let mut rows: Vec<Row> = Vec::new();
+        for &id in ids {
+            let len = self.live(id).prompt.len();
+            match rows.iter().position(|r| self.live(r.seq).prompt == self.live(id).prompt) {
+                Some(r) => rows[r].copies.push(id),
+                None => rows.push(Row { seq: id, copies: Vec::new(), at: 0, len }),
+            }
+            self.seq(id).admitted = Instant::now();
+        }
+        if !self.paged {
+            let spec = self.model.with_runtime(|rt| rt.cache_spec());
+            let cache = Cache::new_batch(&spec, vec![0; rows.len()])?;
+            return Ok((rows, cache));
+        }
+        let mut caches = Vec::with_capacity(rows.len());
+        for r in &mut rows {
             let mut c = self.model.new_cache();
-            let s = self.seqs[id].as_mut().expect("live");
-            let skipped = c.begin_paged(&s.prompt, self.prefix_skip)?;
-            s.cached = skipped;
-            rest.push(s.prompt.len() - skipped);
-            caches.push(Some(c));
+            if self.snapshot_interval.is_none() {
+                self.snapshot_interval = c.snapshot_plan(None).map(|(interval, _)| interval);
+            }
+            let skipped = c.begin_paged(&self.live(r.seq).prompt, true)?;
+            r.at = skipped;
+            for id in r.members().collect::<Vec<_>>() {
+                self.seq(id).cached = skipped;
+            }
+            caches.push(c);
         }
-        let longest = rest.iter().copied().max().unwrap_or(0);
-        let pad = rest.iter().map(|r| longest - r).collect();
-        self.prefill = Some(Prefill { rows: PrefillRows::Paged(caches), pad, seqs: ids, next: 0, longest, started: Instant::now() });
-        Ok(())
+        let mut view = Cache::paged_rows(caches)?;
+        view.set_queue_with_outputs(true);
+        Ok((rows, view))
     }
 
-    /// One prefill pass; after the last, sample the first tokens and join the running batch.
-    fn prefill_chunk(&mut self) -> Result<()> {
-        let p = self.prefill.as_mut().expect("prefill in progress");
-        let step = if self.cfg.prefill_step_size == 0 { p.longest } else { self.cfg.prefill_step_size };
-        let (start, end) = (p.next, (p.next + step).min(p.longest));
-        let last = end == p.longest;
-        let want = if last { Logits::Last } else { Logits::None };
-        let mut joined = None;
-        let (out, rows) = match &mut p.rows {
-            PrefillRows::Flat { cache, prompts, .. } => {
-                let mut ids = Vec::with_capacity(prompts.len() * (end - start));
-                for (q, &pd) in prompts.iter().zip(&p.pad) {
-                    ids.extend((start..end).map(|c| if c < pd { 0 } else { q[c - pd] }));
-                }
-                let t = Array::from_slice(&ids, &[prompts.len(), end - start])?;
-                let out = self.model.with_runtime(|rt| rt.forward(&t, cache, want, false))?;
-                if !last {
-                    cache.eval_with(&[])?;
-                }
-                (out, prompts.len())
-            }
-            PrefillRows::Paged(caches) => {
-                // The rows with tokens in columns start..end (every row in the last chunk).
-                let part: Vec<usize> = (0..caches.len()).filter(|&b| p.pad[b] < end).collect();
-                let counts: Vec<(RowTokens, usize)> = part.iter().map(|&b| (RowTokens::Next, end - start.max(p.pad[b]))).collect();
-                let taken = part.iter().map(|&b| caches[b].take().ok_or_else(|| ModelError::Cache("a prefill row is missing (internal error)".into()))).collect::<Result<Vec<_>>>()?;
-                let mut view = Cache::paged_rows(taken)?;
-                view.set_queue_with_outputs(true);
-                let plan = view.schedule_rows(&counts)?;
-                let cols = plan.iter().map(|&(_, n)| n).max().unwrap_or(0);
-                let mut ids = Vec::with_capacity(part.len() * cols);
-                for (&b, &(pos, n)) in part.iter().zip(&plan) {
-                    let prompt = &self.seqs[p.seqs[b]].as_ref().expect("live").prompt;
-                    ids.extend(std::iter::repeat_n(0u32, cols - n));
-                    ids.extend_from_slice(&prompt[pos..pos + n]);
-                }
-                let t = Array::from_slice(&ids, &[part.len(), cols])?;
-                let out = self.model.with_runtime(|rt| rt.forward(&t, &mut view, want, false))?;
-                if last {
-                    joined = Some(view);
-                } else {
-                    view.eval_with(&[])?;
-                    for (c, &b) in view.into_rows()?.into_iter().zip(&part) {
-                        caches[b] = Some(c);
-                    }
-                }
-                (out, part.len())
-            }
-        };
-        self.rows_per_forward.push(rows);
-        p.next = end;
-        if !last {
-            return Ok(());
-        }
-        let p = self.prefill.take().expect("prefill in progress");
-        let logits = out.logits.ok_or_else(|| ModelError::Cache("prefill returned no logits (internal error)".into()))?;
-        let logits = logits.reshape(&[rows as i32, -1])?;
-        let (mut cache, logits) = match p.rows {
-            PrefillRows::Flat { mut cache, row_of, .. } => {
-                let identity = row_of.len() == rows && row_of.iter().enumerate().all(|(i, &r)| i == r);
-                if identity {
-                    (cache, logits)
-                } else {
-                    cache.select_rows(&row_of)?;
-                    (cache, logits.take(&index(&row_of)?, 0)?)
-                }
-            }
-            PrefillRows::Paged(_) => (joined.ok_or_else(|| ModelError::Cache("paged prefill without its rows (internal error)".into()))?, logits),
-        };
-        let elapsed = p.started.elapsed();
-        for &id in &p.seqs {
-            self.seq(id).prefill_time = elapsed;
-        }
-        let (toks, lps) = self.sample(&logits, &p.seqs)?;
-        cache.eval_with(&[&toks, &lps])?;
-        let keep = self.accept(&toks, &lps, &p.seqs)?;
-        let kept: Vec<usize> = keep.iter().map(|&b| p.seqs[b]).collect();
-        if kept.is_empty() {
-            return Ok(());
-        }
-        if keep.len() != p.seqs.len() {
-            cache.select_rows(&keep)?;
-        }
+    /// Add `rows` (in `cache`) after the running rows.
+    fn join(&mut self, rows: Vec<Row>, cache: Cache) -> Result<()> {
         // The running rows' queued step is read first: the merged batch starts from host tokens.
         self.flush_pending()?;
         match self.running.as_mut() {
             Some(r) => r.merge_batch(cache)?,
             None => self.running = Some(cache),
         }
-        self.run.extend(kept);
+        self.rows.extend(rows);
+        Ok(())
+    }
+
+    /// Rows whose sequences were all cancelled leave; a cancelled sequence of a row that goes on
+    /// (a copy, or the row's own while copies remain) ends at once.
+    fn drop_cancelled(&mut self) -> Result<()> {
+        let mut keep = Vec::with_capacity(self.rows.len());
+        for b in 0..self.rows.len() {
+            let members: Vec<usize> = self.rows[b].members().collect();
+            let (gone, left): (Vec<usize>, Vec<usize>) = members.into_iter().partition(|&id| self.live(id).cancel.is_cancelled());
+            for &id in &gone {
+                self.seq(id).end(FinishReason::Cancelled);
+                self.release(id);
+            }
+            if let Some((&first, rest)) = left.split_first() {
+                (self.rows[b].seq, self.rows[b].copies) = (first, rest.to_vec());
+                keep.push(b);
+            }
+        }
+        if keep.len() != self.rows.len() {
+            self.filter(&keep)?;
+        }
+        Ok(())
+    }
+
+    /// Tokens each row computes in the next pass: one for a decoding row; a prompt row its next
+    /// chunk of at most [`EngineConfig::prefill_step_size`] ([`EngineConfig::mixed_step_size`]
+    /// beside decoding rows), from its own position (paged: ending at a snapshot boundary of a
+    /// hybrid model).
+    fn counts(&self) -> Vec<usize> {
+        let decoding = self.rows.iter().any(|r| !r.prefilling());
+        let chunk = if decoding { self.cfg.mixed_step_size } else { self.cfg.prefill_step_size };
+        let chunk = if chunk == 0 { usize::MAX } else { chunk };
+        self.rows
+            .iter()
+            .map(|r| {
+                if !r.prefilling() {
+                    return 1;
+                }
+                let n = (r.len - r.at).min(chunk);
+                match self.snapshot_interval {
+                    Some(iv) => n.min((r.at / iv + 1) * iv - r.at),
+                    None => n,
+                }
+            })
+            .collect()
+    }
+
+    /// One forward pass over every row while some compute their prompt: each decoding row's
+    /// next token beside each prompt row's next chunk (packed, `[1, T]`). Decoding rows and rows whose prompt ends here sample; a prompt that ends
+    /// gives a row to each sequence that shares it.
+    fn mixed(&mut self) -> Result<()> {
+        self.flush_pending()?;
+        self.drop_cancelled()?;
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        let counts = self.counts();
+        let n = self.rows.len();
+        let mut cache = self.running.take().ok_or_else(|| ModelError::Cache("running rows without a cache (internal error)".into()))?;
+        let starts: Vec<usize> = if self.paged {
+            let inputs: Vec<(RowTokens, usize)> = self.rows.iter().zip(&counts).map(|(r, &c)| if r.prefilling() { (RowTokens::Next, c) } else { (RowTokens::Host(vec![self.live(r.seq).last()]), 1) }).collect();
+            let plan = cache.schedule_rows(&inputs)?;
+            for ((r, &c), &(pos, got)) in self.rows.iter().zip(&counts).zip(&plan) {
+                if got != c || (r.prefilling() && pos != r.at) {
+                    return Err(ModelError::Cache(format!("paged row planned {got} tokens from {pos}, expected {c} from {} (internal error)", r.at)));
+                }
+            }
+            plan.iter().map(|&(pos, _)| pos).collect()
+        } else {
+            self.rows.iter().map(|r| r.at).collect()
+        };
+        // The rows' tokens packed, [1, T]: per-token layers compute real tokens only.
+        cache.set_step_tokens(counts.clone())?;
+        let mut ids = Vec::with_capacity(counts.iter().sum());
+        for ((r, &c), &pos) in self.rows.iter().zip(&counts).zip(&starts) {
+            if r.prefilling() {
+                ids.extend_from_slice(&self.live(r.seq).prompt[pos..pos + c]);
+            } else {
+                ids.push(self.live(r.seq).last());
+            }
+        }
+        let t = Array::from_slice(&ids, &[1, ids.len()])?;
+        let out = self.model.with_runtime(|rt| rt.forward(&t, &mut cache, Logits::Last, false))?;
+        self.rows_per_forward.push(n);
+        let decoding = self.rows.iter().any(|r| !r.prefilling());
+        if decoding && counts.iter().zip(&self.rows).any(|(&c, r)| r.prefilling() && c > 0) {
+            self.mixed_forwards += 1;
+        }
+        // Rows that sample: decoding ones, and every sequence of a prompt that ends here.
+        let (mut pick, mut who) = (Vec::new(), Vec::new());
+        for (b, (r, &c)) in self.rows.iter().zip(&counts).enumerate() {
+            if !r.prefilling() {
+                pick.push(b);
+                who.push(r.seq);
+            } else if r.at + c == r.len {
+                for id in r.members() {
+                    pick.push(b);
+                    who.push(id);
+                }
+            }
+        }
+        let alive = if pick.is_empty() {
+            cache.eval_with(&[])?;
+            Vec::new()
+        } else {
+            let logits = out.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into()))?;
+            let logits = logits.reshape(&[n as i32, -1])?;
+            let identity = pick.len() == n && pick.iter().enumerate().all(|(i, &b)| i == b);
+            let logits = if identity { logits } else { logits.take(&index(&pick)?, 0)? };
+            for (&b, &id) in pick.iter().zip(&who) {
+                if self.rows[b].prefilling() {
+                    let s = self.seq(id);
+                    s.prefill_time = s.admitted.elapsed();
+                }
+            }
+            let (toks, lps) = self.sample(&logits, &who)?;
+            cache.eval_with(&[&toks, &lps])?;
+            let keep = self.accept(&toks, &lps, &who)?;
+            let mut alive = vec![false; who.len()];
+            for k in keep {
+                alive[k] = true;
+            }
+            alive
+        };
+        // The rows after this pass: a prompt that ended becomes a decoding row per sequence still
+        // going; finished rows leave.
+        let (mut keep, mut rows) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut k = 0;
+        for (b, (r, &c)) in self.rows.iter().zip(&counts).enumerate() {
+            if r.prefilling() && r.at + c < r.len {
+                keep.push(b);
+                rows.push(Row { at: r.at + c, ..r.clone() });
+                continue;
+            }
+            for id in r.members() {
+                if alive[k] {
+                    keep.push(b);
+                    rows.push(Row { seq: id, copies: Vec::new(), at: r.len, len: r.len });
+                }
+                k += 1;
+            }
+        }
+        self.rows = rows;
+        if keep.is_empty() {
+            return Ok(());
+        }
+        if keep.len() != n || keep.iter().enumerate().any(|(i, &b)| i != b) {
+            cache.select_rows(&keep)?;
+        }
+        self.running = Some(cache);
         Ok(())
     }
 
@@ -565,33 +745,23 @@ impl Scheduler {
     /// history), then read the tokens back and hand them out.
     fn decode(&mut self) -> Result<()> {
         // Rows cancelled since the last step leave first.
-        let keep: Vec<usize> = (0..self.run.len()).filter(|&b| !self.seqs[self.run[b]].as_ref().expect("live").cancel.is_cancelled()).collect();
-        if keep.len() != self.run.len() {
-            for b in 0..self.run.len() {
-                if !keep.contains(&b) {
-                    let id = self.run[b];
-                    self.seq(id).end(FinishReason::Cancelled);
-                    self.release(id);
-                }
-            }
-            self.filter(&keep)?;
-            if self.run.is_empty() {
-                return Ok(());
-            }
+        self.drop_cancelled()?;
+        if self.rows.is_empty() {
+            return Ok(());
         }
+        let run: Vec<usize> = self.rows.iter().map(|r| r.seq).collect();
         let (toks, lps) = match self.pending.take() {
             Some(p) => p,
             None => {
-                let input: Vec<u32> = self.run.iter().map(|&id| self.seqs[id].as_ref().expect("live").last()).collect();
+                let input: Vec<u32> = run.iter().map(|&id| self.live(id).last()).collect();
                 self.queue_step(&Array::from_slice(&input, &[input.len(), 1])?, Some(input.as_slice()))?
             }
         };
-        let lazy = self.run.iter().all(|&id| self.seqs[id].as_ref().expect("live").lazy_feed);
-        let next = if lazy { Some(self.queue_step(&toks.reshape(&[self.run.len() as i32, 1])?, None)?) } else { None };
+        let lazy = run.iter().all(|&id| self.live(id).lazy_feed);
+        let next = if lazy { Some(self.queue_step(&toks.reshape(&[run.len() as i32, 1])?, None)?) } else { None };
         self.pending = next;
-        let run = self.run.clone();
         let keep = self.accept(&toks, &lps, &run)?;
-        if keep.len() != self.run.len() {
+        if keep.len() != run.len() {
             self.filter(&keep)?;
         }
         Ok(())
@@ -608,7 +778,7 @@ impl Scheduler {
         let sampled = out.and_then(|o| {
             self.rows_per_forward.push(n as usize);
             let logits = o.logits.ok_or_else(|| ModelError::Cache("forward returned no logits (internal error)".into()))?;
-            let run = self.run.clone();
+            let run: Vec<usize> = self.rows.iter().map(|r| r.seq).collect();
             self.sample(&logits.reshape(&[n, -1])?, &run)
         });
         let r = sampled.and_then(|(t, l)| {
@@ -622,9 +792,9 @@ impl Scheduler {
     /// Read the queued step's tokens back and hand them out (before the batch changes shape).
     fn flush_pending(&mut self) -> Result<()> {
         if let Some((toks, lps)) = self.pending.take() {
-            let run = self.run.clone();
+            let run: Vec<usize> = self.rows.iter().map(|r| r.seq).collect();
             let keep = self.accept(&toks, &lps, &run)?;
-            if keep.len() != self.run.len() {
+            if keep.len() != run.len() {
                 self.filter(&keep)?;
             }
         }
@@ -639,7 +809,7 @@ impl Scheduler {
                 c.eval_with(&[&t, &l])?;
             }
             self.running = None;
-            self.run.clear();
+            self.rows.clear();
             return Ok(());
         }
         if let Some(c) = self.running.as_mut() {
@@ -649,7 +819,7 @@ impl Scheduler {
             let idx = index(keep)?;
             self.pending = Some((t.take(&idx, 0)?, l.take(&idx, 0)?));
         }
-        self.run = keep.iter().map(|&b| self.run[b]).collect();
+        self.rows = keep.iter().map(|&b| self.rows[b].clone()).collect();
         Ok(())
     }
 
@@ -716,6 +886,7 @@ struct Shared {
     forwards: AtomicUsize,
     rows: AtomicUsize,
     max_rows: AtomicUsize,
+    mixed: AtomicUsize,
 }
 
 /// Forward-pass counters of an [`Engine`] since it started.
@@ -727,6 +898,8 @@ pub struct EngineStats {
     pub rows: usize,
     /// The most sequences one pass carried.
     pub max_rows: usize,
+    /// Passes that carried prompt-chunk rows and decode rows together.
+    pub mixed_forwards: usize,
 }
 
 /// Submits requests to an [`Engine`]'s loop. Cheap to clone; `Send + Sync`.
@@ -767,7 +940,7 @@ impl EngineHandle {
     /// Forward-pass counters.
     pub fn stats(&self) -> EngineStats {
         let g = |a: &AtomicUsize| a.load(Ordering::SeqCst);
-        EngineStats { forwards: g(&self.shared.forwards), rows: g(&self.shared.rows), max_rows: g(&self.shared.max_rows) }
+        EngineStats { forwards: g(&self.shared.forwards), rows: g(&self.shared.rows), max_rows: g(&self.shared.max_rows), mixed_forwards: g(&self.shared.mixed) }
     }
 }
 
@@ -840,6 +1013,7 @@ fn run_loop(model: Model, cfg: EngineConfig, rx: Receiver<Submit>, shared: Arc<S
         // A failed step has already sent `Error` to the requests it carried.
         let _ = s.step();
         shared.queued.fetch_sub(before.saturating_sub(s.waiting()).min(shared.queued.load(Ordering::SeqCst)), Ordering::SeqCst);
+        shared.mixed.fetch_add(std::mem::take(&mut s.mixed_forwards), Ordering::SeqCst);
         for n in s.rows_per_forward.drain(..) {
             shared.forwards.fetch_add(1, Ordering::SeqCst);
             shared.rows.fetch_add(n, Ordering::SeqCst);

@@ -267,14 +267,45 @@ impl KvCache {
         Ok(())
     }
 
+    /// Batch caches: the stored positions reordered along the time axis by `idx` (i32
+    /// `[B, 1, T, 1]`, `T` the positions stored; [`crate::batch::BatchRows::realign`]). Returns the
+    /// new keys and values.
+    pub(crate) fn batch_realign(&mut self, idx: &Array) -> Result<(Array, Array)> {
+        let (Some(k), Some(v)) = (self.keys.take(), self.values.take()) else {
+            return Err(ModelError::Cache("batch_realign: an empty layer cache".into()));
+        };
+        let n = self.offset;
+        let pick = |a: Array| -> Result<Array> {
+            let a = a.slice_axis(2, 0, n)?;
+            let s = a.shape();
+            Ok(a.take_along_axis(&idx.broadcast_to(&[s[0], s[1], n, s[3]])?, 2)?)
+        };
+        let (k, v) = (pick(k)?, pick(v)?);
+        self.keys = Some(k.clone());
+        self.values = Some(v.clone());
+        self.first = 0;
+        Ok((k, v))
+    }
+
     /// Batch caches: the `na` rows of `self` left-padded by `da` positions, then the `nb` rows of
-    /// `other` left-padded by `db` (both then hold the same number of positions).
+    /// `other` left-padded by `db` (both then hold the same number of positions). A side that
+    /// has stored nothing yet (rows that join before their first step) is all padding.
     pub(crate) fn batch_concat(&mut self, other: KvCache, da: usize, db: usize, na: usize, nb: usize) -> Result<()> {
         if self.window.is_some() || other.window.is_some() || self.offset + da != other.offset + db {
             return Err(ModelError::Cache(format!("batch_concat: {} + {da} and {} + {db} positions (flat caches only)", self.offset, other.offset)));
         }
-        let part = |a: Option<Array>, used: usize, pad: usize, rows: usize| -> Result<Array> {
-            let a = a.ok_or_else(|| ModelError::Cache("batch_concat: an empty layer cache".into()))?;
+        if self.keys.is_none() && other.keys.is_none() {
+            self.offset += da;
+            return Ok(());
+        }
+        // (shape, dtype) of the side that has storage, for the other's padding
+        let like = |a: &Option<Array>, b: &Option<Array>| a.as_ref().or(b.as_ref()).map(|x| (x.shape(), x.dtype()));
+        let (lk, lv) = (like(&self.keys, &other.keys), like(&self.values, &other.values));
+        let part = |a: Option<Array>, used: usize, pad: usize, rows: usize, like: &Option<(Vec<usize>, mlx_array::DType)>| -> Result<Array> {
+            let Some(a) = a else {
+                let (s, dt) = like.as_ref().ok_or_else(|| ModelError::Cache("batch_concat: an empty layer cache".into()))?;
+                return Ok(Array::zeros(&[rows, s[1], used + pad, s[3]], *dt)?);
+            };
             let a = a.slice_axis(2, 0, used)?;
             if a.dim(0)? != rows {
                 return Err(ModelError::Cache(format!("batch_concat: {} rows where {rows} were expected", a.dim(0)?)));
@@ -286,8 +317,8 @@ impl KvCache {
             let z = Array::zeros(&[s[0], s[1], pad, s[3]], a.dtype())?;
             Ok(ops::concatenate(&[&z, &a], 2)?)
         };
-        let (ka, va) = (part(self.keys.take(), self.offset, da, na)?, part(self.values.take(), self.offset, da, na)?);
-        let (kb, vb) = (part(other.keys, other.offset, db, nb)?, part(other.values, other.offset, db, nb)?);
+        let (ka, va) = (part(self.keys.take(), self.offset, da, na, &lk)?, part(self.values.take(), self.offset, da, na, &lv)?);
+        let (kb, vb) = (part(other.keys, other.offset, db, nb, &lk)?, part(other.values, other.offset, db, nb, &lv)?);
         self.keys = Some(ops::concatenate(&[&ka, &kb], 0)?);
         self.values = Some(ops::concatenate(&[&va, &vb], 0)?);
         self.offset += da;

@@ -52,7 +52,7 @@ mod runtime;
 pub mod weights;
 
 pub use batch_generate::{generate_batch, BatchGenerationResult, BatchSequence};
-pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineKv, EngineStats, Event, RequestHandle, Usage};
+pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineKv, EngineStats, PromptPasses, Event, RequestHandle, Usage};
 pub use cache::{Cache, CacheSnapshot, CacheSpec, LayerKind};
 pub use error::{ModelError, Result};
 pub use generate::{generate, CancelHandle, FinishReason, GenerateConfig, Generator, Performance, SpeculativeStats, Speculator, Token};

@@ -286,6 +286,41 @@ impl PagedKv {
     }
 }
 
+impl PagedKv {
+    /// Start a sequence of a model with recurrent layers on all of `ids`, skipping only up to a
+    /// block boundary that has a recurrent-state snapshot: returns the sequence, the positions
+    /// skipped and that snapshot.
+    fn begin_on_snapshot(&mut self, ids: &[u32], extra: ExtraKeys) -> Result<(SeqId, usize, Option<Snapshot>)> {
+        let g = self;
+        // Skip only up to a boundary with a snapshot: begin over the prefix up to the last such
+        // boundary (and one token), so no further block is reused.
+        let bs = g.manager.block_size();
+        let keys = prefix_keys(&ids[..ids.len() - 1], bs);
+        let has: Vec<bool> = keys.iter().map(|k| g.snapshots.map.contains_key(k)).collect();
+        let snap = |n: usize| n > 0 && has[n - 1];
+        let limit = (1..=keys.len()).rev().find(|&n| snap(n)).unwrap_or(0);
+        let b = g.manager.begin(&ids[..limit * bs + 1], extra).map_err(err)?;
+        // Fewer blocks cached than snapshotted: back to the last boundary with one.
+        let mut n = b.cached_tokens / bs;
+        while n > 0 && !snap(n) {
+            n -= 1;
+        }
+        let known = if n * bs < b.cached_tokens {
+            let copies = g.manager.trim(b.seq, n * bs).map_err(err)?;
+            g.pool.copy_blocks(&copies).map_err(err)?;
+            n * bs
+        } else {
+            limit * bs + 1
+        };
+        let restore = if n > 0 { g.snapshots.map.get(&keys[n - 1]).cloned() } else { None };
+        let rest = &ids[known..];
+        if !rest.is_empty() {
+            g.manager.append(b.seq, rest).map_err(err)?;
+        }
+        Ok((b.seq, n * bs, restore))
+    }
+}
+
 /// One sequence in a shared [`PagedKv`]; its blocks return to the pool's cache when dropped.
 pub(crate) struct PagedSeq {
     shared: Arc<Mutex<PagedKv>>,
@@ -395,32 +430,9 @@ impl SeqState {
                     let b = g.manager.begin(&ids, extra).map_err(err)?;
                     (b.seq, b.cached_tokens)
                 } else {
-                    // Skip only up to a boundary with a snapshot: begin over the prefix up to the
-                    // last such boundary (and one token), so no further block is reused.
-                    let bs = g.manager.block_size();
-                    let keys = prefix_keys(&ids[..ids.len() - 1], bs);
-                    let has: Vec<bool> = keys.iter().map(|k| g.snapshots.map.contains_key(k)).collect();
-                    let snap = |n: usize| n > 0 && has[n - 1];
-                    let limit = (1..=keys.len()).rev().find(|&n| snap(n)).unwrap_or(0);
-                    let b = g.manager.begin(&ids[..limit * bs + 1], extra).map_err(err)?;
-                    // Fewer blocks cached than snapshotted: back to the last boundary with one.
-                    let mut n = b.cached_tokens / bs;
-                    while n > 0 && !snap(n) {
-                        n -= 1;
-                    }
-                    let known = if n * bs < b.cached_tokens {
-                        let copies = g.manager.trim(b.seq, n * bs).map_err(err)?;
-                        g.pool.copy_blocks(&copies).map_err(err)?;
-                        n * bs
-                    } else {
-                        limit * bs + 1
-                    };
-                    restore = if n > 0 { g.snapshots.map.get(&keys[n - 1]).cloned() } else { None };
-                    let rest = &ids[known..];
-                    if !rest.is_empty() {
-                        g.manager.append(b.seq, rest).map_err(err)?;
-                    }
-                    (b.seq, n * bs)
+                    let (seq, skipped, snap) = g.begin_on_snapshot(&ids, extra)?;
+                    restore = snap;
+                    (seq, skipped)
                 }
             }
             Some(s) => {
@@ -666,15 +678,23 @@ pub(crate) enum RowTokens {
 impl SeqState {
     /// Start the sequence on all of `prompt` (computed by later steps), reusing its cached prefix
     /// when `allow_prefix_skip`; returns how many leading tokens the prefix cache serves.
-    fn begin_row(&mut self, g: &mut PagedKv, prompt: &[u32], allow_prefix_skip: bool) -> Result<usize> {
+    /// `recurrent`: the model has recurrent layers; the skip then stops at a block boundary with
+    /// a snapshot of their state, returned with it ([`PagedKv::begin_on_snapshot`]).
+    fn begin_row(&mut self, g: &mut PagedKv, prompt: &[u32], allow_prefix_skip: bool, recurrent: bool) -> Result<(usize, Option<Snapshot>)> {
         if self.seq.is_some() {
             return Err(ModelError::Cache("a paged sequence can begin only once".into()));
         }
-        let b = g.manager.begin(prompt, extra_keys(allow_prefix_skip)).map_err(err)?;
+        let extra = extra_keys(allow_prefix_skip);
+        let (seq, cached, snap) = if recurrent && allow_prefix_skip {
+            g.begin_on_snapshot(prompt, extra)?
+        } else {
+            let b = g.manager.begin(prompt, extra).map_err(err)?;
+            (b.seq, b.cached_tokens, None)
+        };
         self.shared = allow_prefix_skip;
-        self.seq = Some(b.seq);
-        self.offset = b.cached_tokens;
-        Ok(b.cached_tokens)
+        self.seq = Some(seq);
+        self.offset = cached;
+        Ok((cached, snap))
     }
 
     /// Register `input` and schedule the next (at most `max`) tokens not yet computed.
@@ -707,10 +727,15 @@ impl PagedSeq {
         &self.shared
     }
 
+    /// Whether the sequence's blocks are shared by prefix (not privately salted).
+    pub(crate) fn prefix_shared(&self) -> bool {
+        self.state.shared
+    }
+
     /// [`SeqState::begin_row`].
-    pub(crate) fn begin_row(&mut self, prompt: &[u32], allow_prefix_skip: bool) -> Result<usize> {
+    pub(crate) fn begin_row(&mut self, prompt: &[u32], allow_prefix_skip: bool, recurrent: bool) -> Result<(usize, Option<Snapshot>)> {
         let mut g = PagedKv::claim(&self.shared);
-        self.state.begin_row(&mut g, prompt, allow_prefix_skip)
+        self.state.begin_row(&mut g, prompt, allow_prefix_skip, recurrent)
     }
 
     /// A second sequence with the same tokens and position, sharing the blocks (the partial
@@ -750,6 +775,9 @@ pub(crate) struct RowsStep<'a> {
     /// Leave the pool writes to the caller's queueing call.
     later: bool,
     finished: bool,
+    /// Each row's sequence, position after the step, tokens in the step, and whether its blocks
+    /// are shared by prefix (for recurrent-state snapshots).
+    rows: Vec<(SeqId, usize, usize, bool)>,
 }
 
 impl Drop for RowsStep<'_> {
@@ -764,7 +792,7 @@ impl Drop for RowsStep<'_> {
 impl<'a> RowsStep<'a> {
     /// Lock the pool and build the step of `steps` (one per row, from [`schedule_rows`]): row `b`
     /// fills the last `columns - pad[b]` of the step's columns.
-    pub(crate) fn begin(shared: &'a Mutex<PagedKv>, steps: &[Step], pad: &[usize], columns: usize, later: bool) -> Result<Self> {
+    pub(crate) fn begin(shared: &'a Mutex<PagedKv>, steps: &[Step], pad: &[usize], columns: usize, later: bool, prefix_shared: &[bool]) -> Result<Self> {
         let mut guard = PagedKv::claim(shared);
         guard.settle()?;
         let refs: Vec<&Step> = steps.iter().collect();
@@ -775,7 +803,35 @@ impl<'a> RowsStep<'a> {
             let idx: Vec<i32> = pad.iter().enumerate().flat_map(|(b, &p)| (p..columns).map(move |c| (b * columns + c) as i32)).collect();
             Some(Array::from_slice(&idx, &[idx.len()])?)
         };
-        Ok(RowsStep { guard, batch, tokens, later, finished: false })
+        let rows = steps.iter().zip(prefix_shared).map(|(s, &sh)| (s.seq, s.start + s.len, s.len, sh)).collect();
+        Ok(RowsStep { guard, batch, tokens, later, finished: false, rows })
+    }
+
+    /// Keep a recurrent-state snapshot for each row whose step ends on a block boundary of a
+    /// prefix-shared sequence whose ids are known and spanned several positions (a prompt
+    /// chunk), as [`PagedStep::keep_snapshot`] does for one sequence. `snapshot(b, n)` gives row
+    /// `b` of `n`'s state after the step; it is evaluated now, so another thread can restore it.
+    pub(crate) fn keep_snapshots(&mut self, snapshot: impl Fn(usize, usize) -> Result<Snapshot>) -> Result<()> {
+        let g = &mut *self.guard;
+        let (bs, n) = (g.manager.block_size(), self.rows.len());
+        if g.snapshots.cap == 0 {
+            return Ok(());
+        }
+        for (b, &(seq, end, len, shared)) in self.rows.iter().enumerate() {
+            if !shared || len < 2 || end == 0 || end % bs != 0 || g.manager.num_known(seq).map_err(err)? < end {
+                continue;
+            }
+            let ids = g.manager.tokens(seq).map_err(err)?;
+            let key = *prefix_keys(&ids[..end], bs).last().expect("end > 0");
+            if g.snapshots.map.contains_key(&key) {
+                continue;
+            }
+            let s = snapshot(b, n)?;
+            let arrays: Vec<&Array> = s.iter().flat_map(|(_, slots)| slots.iter().flatten()).collect();
+            mlx_array::eval(&arrays)?;
+            g.snapshots.insert(key, s);
+        }
+        Ok(())
     }
 
     /// Per kind of attention (`None` full, `Some(w)` a sliding window of `w`): each row's first

@@ -146,18 +146,27 @@ impl GatedDeltaNet {
     }
 
     /// [`GatedDeltaNet::forward`] over a batch whose positions `valid` (`[B, L, 1]`) marks
-    /// false are padding: there the conv input, `β` and `g` are zero, so the state is left as it
+    /// false are padding (before each row's tokens): there the conv input, `β` and `g` are zero
+    /// and the conv window skips them ([`crate::batch::conv_input`]), so the state is left as it
     /// was (no write, no decay).
     pub fn forward_valid(&self, x: &Array, state: &mut [Option<Array>], valid: Option<&Array>) -> Result<Array> {
+        self.forward_rows(x, state, valid, None)
+    }
+
+    /// [`GatedDeltaNet::forward_valid`]; with `packed`, `x` is a packed step (`[1, T, H]`): the
+    /// projections run over its tokens, the convolution and the recurrence over its rows.
+    fn forward_rows(&self, x: &Array, state: &mut [Option<Array>], valid: Option<&Array>, packed: Option<&crate::batch::Ragged>) -> Result<Array> {
         let c = &self.cfg;
         if state.len() != SLOTS {
             return Err(ModelError::Cache(format!("GatedDeltaNet needs {SLOTS} recurrent slots, cache has {}", state.len())));
         }
-        let (b, l) = (x.dims()[0], x.dims()[1]);
         let (hk, hv, dk, dv) = (c.num_k_heads as i32, c.num_v_heads as i32, c.head_k_dim as i32, c.head_v_dim as i32);
         let mut proj = self.in_proj.forward(x)?.into_iter();
         let mut next = || proj.next().ok_or_else(|| ModelError::Cache("fused projection parts".into()));
         let (qkv, z, b_in, a_in) = (next()?, next()?, next()?, next()?);
+        let rows = |a: Array| -> Result<Array> { packed.map_or(Ok(a.clone()), |g| g.to_rows(&a, 1)) };
+        let (qkv, b_in, a_in) = (rows(qkv)?, rows(b_in)?, rows(a_in)?);
+        let (b, l) = (qkv.dims()[0], qkv.dims()[1]);
         let qkv = crate::batch::zero_padding(&qkv, valid)?;
         let beta = crate::batch::zero_padding(&f32(&b_in)?.sigmoid()?, valid)?; // [B, L, Hv]
         let a = f32(&a_in)?.add(&self.dt_bias)?;
@@ -169,7 +178,7 @@ impl GatedDeltaNet {
             Some(s) => s,
             None => Array::zeros(&[b as usize, k1, c.conv_dim()], qkv.dtype())?,
         };
-        let xin = ops::concatenate(&[&prev, &qkv], 1)?;
+        let xin = crate::batch::conv_input(&prev, &qkv, valid)?;
         let t = xin.dim(1)?;
         state[0] = Some(xin.slice_axis(1, t - k1, t)?);
         let mixed = xin.conv1d(&self.conv_w, 1, 0, 1, c.conv_dim())?.silu()?; // [B, L, C]
@@ -190,6 +199,11 @@ impl GatedDeltaNet {
         state[1] = Some(s);
 
         // Gated norm per head, in f32, then back to the compute dtype.
+        let y = match packed {
+            Some(g) => g.to_packed(&y)?,
+            None => y,
+        };
+        let (b, l) = (x.dims()[0], x.dims()[1]);
         let z = f32(&z.reshape(&[b, l, hv, dv])?)?;
         let y = y.rms_norm(Some(&self.norm_w), c.eps)?.mul(&z.silu()?)?;
         let y = y.reshape(&[b, l, -1])?.astype(x.dtype())?;
@@ -337,5 +351,8 @@ impl RecurrentMixer for GatedDeltaNet {
     const SLOTS: usize = SLOTS;
     fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], _i: usize, valid: Option<&Array>) -> Result<Array> {
         self.forward_valid(x, slots, valid)
+    }
+    fn forward_packed(&self, x: &Array, slots: &mut [Option<Array>], _i: usize, valid: Option<&Array>, g: &crate::batch::Ragged) -> Result<Array> {
+        self.forward_rows(x, slots, valid, Some(g))
     }
 }

@@ -398,6 +398,33 @@ impl Attn {
     }
 }
 
+impl Attn {
+    /// [`Attn::forward`] of a packed step: each row's tokens at its own positions, against
+    /// its own keys.
+    fn forward_packed(&self, x: &Array, cache: Option<&mut LayerKv>, shared: Option<&(Array, Array)>, mask: AttentionMask, g: &crate::batch::Ragged) -> Result<(Array, (Array, Array))> {
+        let t = x.dims()[1];
+        let heads = |a: &Array, n: usize| a.reshape(&[1, t, n as i32, self.head_dim as i32]);
+        let rope = |x: &Array, p: usize| self.rope.forward(x, p);
+        let mut parts = self.proj.forward(x)?.into_iter();
+        let q = self.q_norm.forward(&heads(&parts.next().expect("q part"), self.n_heads)?)?;
+        let q = g.rope(&q.transpose(&[0, 2, 1, 3])?, rope)?;
+        let (k, v) = match (&self.k_norm, shared) {
+            (Some(k_norm), _) => {
+                let raw = heads(&parts.next().expect("k part"), self.n_kv)?;
+                let v = if self.k_eq_v { raw.clone() } else { heads(&parts.next().expect("v part"), self.n_kv)? };
+                let k = g.rope(&k_norm.forward(&raw)?.transpose(&[0, 2, 1, 3])?, rope)?;
+                let v = self.v_norm.forward(&v)?.transpose(&[0, 2, 1, 3])?;
+                let cache = cache.ok_or_else(|| ModelError::Cache("Gemma 4 attention layer without a K/V cache".into()))?;
+                cache.update_and_fetch(&g.to_rows(&k, 2)?, &g.to_rows(&v, 2)?)?
+            }
+            (None, Some((k, v))) => (k.clone(), v.clone()),
+            (None, None) => return Err(ModelError::Cache("KV-shared layer ran before its anchor".into())),
+        };
+        let o = g.attend(&q, &k, &v, 1.0, mask_window(mask))?.transpose(&[0, 2, 1, 3])?.reshape(&[1, t, -1])?;
+        Ok((self.o.forward(&o)?, (k, v)))
+    }
+}
+
 /// The sliding-window mask of `blocks.len()` queries over `k` keys (the queries being the last
 /// of the keys) with image soft tokens attending both ways, as transformers builds it for
 /// `text_config.use_bidirectional_attention == "vision"`: query position `p` sees key position
@@ -840,23 +867,42 @@ impl Gemma4Model {
         let mut offset = 0;
         // The last layer that writes a cache: past its mixer only the rows the caller reads matter.
         let last_own = if self.cfg.is_kv_shared(n - 1) { self.cfg.first_shared() - 1 } else { n - 1 };
+        // A packed step ([`crate::batch::Ragged`]): past the cut, one token a row.
+        let mut ragged = kvs.batch().and_then(|r| r.ragged()).cloned();
         for (i, layer) in net.layers.iter().enumerate() {
             let mask = if self.cfg.is_sliding(i) { sliding_mask } else { full_mask };
             let layer_blocks = if self.cfg.is_sliding(i) { blocks } else { None };
             let h = layer.input_norm.forward(&x)?;
             // Past the last cache-writing layer only the last position is read: query just it.
-            let last_only = i == last_own && rows.query_last_only(x.dim(1)?);
+            let last_only = ragged.is_none() && i == last_own && rows.query_last_only(x.dim(1)?);
             let (a, kv) = if layer.attn.own_kv() {
                 let mut c = kvs.layer(i)?;
                 // Every layer of a sequence is at the same position (shared layers: the anchor's).
                 offset = c.offset();
-                layer.attn.forward_blocks(&h, Some(&mut c), None, offset, mask, layer_blocks, last_only, batch)?
+                match &ragged {
+                    Some(g) => layer.attn.forward_packed(&h, Some(&mut c), None, mask, g)?,
+                    None => layer.attn.forward_blocks(&h, Some(&mut c), None, offset, mask, layer_blocks, last_only, batch)?,
+                }
             } else {
-                layer.attn.forward_blocks(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, layer_blocks, last_only, batch)?
+                match &ragged {
+                    Some(g) => layer.attn.forward_packed(&h, None, fetched[self.kv_src[i]].as_ref(), mask, g)?,
+                    None => layer.attn.forward_blocks(&h, None, fetched[self.kv_src[i]].as_ref(), offset, mask, layer_blocks, last_only, batch)?,
+                }
             };
             fetched[i] = Some(kv);
             let mut h = Rows::residual(&x, last_only)?.add(&layer.post_attn_norm.forward(&a)?)?;
-            if i == last_own {
+            if let (true, Some(g)) = (i == last_own, ragged.as_ref()) {
+                match rows {
+                    Rows::None => break,
+                    // each row's last token (and its per-layer inputs) goes on
+                    Rows::Last => {
+                        h = g.last_tokens(&h)?;
+                        ple = ple.map(|p| g.last_tokens(&p)).transpose()?;
+                        ragged = Some(g.last_only());
+                    }
+                    Rows::All => {}
+                }
+            } else if i == last_own {
                 if !rows.cut(&mut h)? {
                     break;
                 }
@@ -875,6 +921,8 @@ impl Gemma4Model {
             }
         }
         kvs.finish()?;
+        // a packed step cut to each row's last token: [B, 1, H]
+        let x = if ragged.is_some() && rows == Rows::Last { x.swap_axes(0, 1)? } else { x };
         Ok((net.norm.forward(&x)?, tapped))
     }
 

@@ -16,7 +16,7 @@ use crate::layers::{Activation, Attention, AttentionConfig, Embedding, GatedMlp,
 use crate::runtime::{ForwardOutput, Logits, ModelInfo, ModelRuntime};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx_array::{ops, Array, DType, Quantized};
+use mlx_array::{Array, DType, Quantized};
 use crate::registry::{Built, LoadContext, Preset};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -275,21 +275,28 @@ impl ShortConv {
 
     /// `x`: `[B, L, H]`; `state` holds the last `K - 1` gated inputs of earlier calls.
     /// `valid`: see [`RecurrentMixer::forward_slots`] (padding positions feed zeros to the conv).
-    fn forward(&self, x: &Array, state: &mut Option<Array>, valid: Option<&Array>) -> Result<Array> {
+    /// With `packed`, `x` is a packed step (`[1, T, H]`): the projections and gates run over its
+    /// tokens, the convolution over its rows.
+    fn forward(&self, x: &Array, state: &mut Option<Array>, valid: Option<&Array>, packed: Option<&crate::batch::Ragged>) -> Result<Array> {
         let parts = self.in_proj.forward(x)?.split(3, -1)?;
         let (b, c, xx) = (&parts[0], &parts[1], &parts[2]);
-        let bx = crate::batch::zero_padding(&b.mul(xx)?, valid)?;
+        let bx = b.mul(xx)?;
+        let bx = packed.map_or(Ok(bx.clone()), |g| g.to_rows(&bx, 1))?;
+        let bx = crate::batch::zero_padding(&bx, valid)?;
         let keep = self.k - 1;
         let prev = match state.take() {
             Some(s) => s,
             None => Array::zeros(&[bx.dim(0)?, keep, self.hidden], bx.dtype())?,
         };
-        let full = ops::concatenate(&[&prev, &bx], 1)?;
+        let full = crate::batch::conv_input(&prev, &bx, valid)?;
         let t = full.dim(1)?;
         *state = Some(full.slice_axis(1, t - keep, t)?);
         let mut conv = full.conv1d(&self.weight, 1, 0, 1, self.hidden)?;
         if let Some(bias) = &self.bias {
             conv = conv.add(bias)?;
+        }
+        if let Some(g) = packed {
+            conv = g.to_packed(&conv)?;
         }
         self.out_proj.forward(&c.mul(&conv)?)
     }
@@ -366,7 +373,13 @@ impl RecurrentMixer for ShortConv {
     const SLOTS: usize = 1;
     fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>) -> Result<Array> {
         match slots.first_mut() {
-            Some(state) => self.forward(x, state, valid),
+            Some(state) => self.forward(x, state, valid, None),
+            None => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
+        }
+    }
+    fn forward_packed(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>, g: &crate::batch::Ragged) -> Result<Array> {
+        match slots.first_mut() {
+            Some(state) => self.forward(x, state, valid, Some(g)),
             None => Err(ModelError::Cache(format!("layer {i} (short conv) has no recurrent state slot"))),
         }
     }

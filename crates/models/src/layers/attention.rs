@@ -187,6 +187,23 @@ impl Attention {
         if let Some(n) = &self.k_norm {
             k = n.forward(&k)?;
         }
+        if let Some(g) = cache.batch().and_then(|r| r.ragged()) {
+            // a packed step: each row's tokens at its own positions, against its own keys
+            if last || !matches!(at, RopeAt::Cache | RopeAt::Shift(0)) {
+                return Err(crate::ModelError::UnsupportedOption("packed steps take every token at its cache position".into()));
+            }
+            let rope = |x: &Array, p: usize| self.rope.forward(x, p);
+            let q = g.rope(&q.transpose(&[0, 2, 1, 3])?, rope)?;
+            let k = g.rope(&k.transpose(&[0, 2, 1, 3])?, rope)?;
+            let (k, v) = cache.update_and_fetch(&g.to_rows(&k, 2)?, &g.to_rows(&v, 2)?)?;
+            let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
+            let o = g.attend(&q, &k, &v, scale, mask_window(mask))?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+            let o = match gate {
+                Some(g) => o.mul(&g.sigmoid()?)?,
+                None => o,
+            };
+            return self.o.forward(&o);
+        }
         let off = cache.offset();
         let q_off = if last { off + l as usize - 1 } else { off };
         let batch = cache.batch().filter(|r| !r.uniform());

@@ -114,6 +114,13 @@ pub(crate) trait RecurrentMixer: LayerArrays + Clone + 'static {
     /// mixer zeroes its recurrent inputs at the others (left padding), leaving the state as it
     /// was ([`crate::batch`]).
     fn forward_slots(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>) -> Result<Array>;
+
+    /// [`RecurrentMixer::forward_slots`] of a packed step (`x`: `[1, T, H]`, laid out by `g`;
+    /// `valid` that of the rows): here the tokens are laid out as rows around it; a mixer whose
+    /// projections work token by token runs them over the packed tokens instead.
+    fn forward_packed(&self, x: &Array, slots: &mut [Option<Array>], i: usize, valid: Option<&Array>, g: &crate::batch::Ragged) -> Result<Array> {
+        g.to_packed(&self.forward_slots(&g.to_rows(x, 1)?, slots, i, valid)?)
+    }
 }
 
 /// A routed expert block: `[B, L, H]` to `[B, L, H]`.
@@ -188,7 +195,11 @@ impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
             Mixer::Attention(a) => a.forward_kv_at(&n, &mut kv.layer(i)?, ctx.mask, last_only, &ctx.at),
             Mixer::Recurrent(r) => {
                 let valid = kv.batch().map(|b| b.step_valid()).transpose()?.flatten();
-                r.forward_slots(&n, kv.recurrent(i)?, i, valid.as_ref())
+                match kv.batch().and_then(|b| b.ragged()) {
+                    // a packed step: the recurrence runs over the rows
+                    Some(g) => r.forward_packed(&n, kv.recurrent(i)?, i, valid.as_ref(), g),
+                    None => r.forward_slots(&n, kv.recurrent(i)?, i, valid.as_ref()),
+                }
             }
         }
     }
@@ -362,12 +373,24 @@ impl<L: DecoderLayer> Stack<'_, L> {
         let mut x = embed(&tokens)?;
         let ctx = ctx(l - skipped);
         let n = self.layers.len();
+        // A packed step ([`crate::batch::Ragged`]): the last position read is each row's own.
+        let ragged = kv.batch().and_then(|b| b.ragged());
         for (i, layer) in self.layers.iter().enumerate() {
             let last = i + 1 == n;
-            let last_only = last && layer.can_query_last_only() && rows.query_last_only(x.dim(1)?);
+            let last_only = last && ragged.is_none() && layer.can_query_last_only() && rows.query_last_only(x.dim(1)?);
             let a = layer.mixer(&x, &mut kv, i, &ctx, last_only)?;
             let mut h = Rows::residual(&x, last_only)?.add(&a)?;
-            if last && !rows.cut(&mut h)? {
+            if let (true, Some(g)) = (last, ragged) {
+                match rows {
+                    Rows::None => {
+                        x = h;
+                        break;
+                    }
+                    // [B, 1, H]: each row's last token
+                    Rows::Last => h = g.last_tokens(&h)?.swap_axes(0, 1)?,
+                    Rows::All => {}
+                }
+            } else if last && !rows.cut(&mut h)? {
                 x = h;
                 break;
             }
