@@ -87,11 +87,12 @@ impl Default for EngineConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PromptPasses {
     /// [`PromptPasses::Mixed`] over the paged pool, [`PromptPasses::Separate`] over flat batch
-    /// caches: on the CPU, mixed passes over flat caches gave fewer tok/s and a later first
-    /// token than separate ones (a mixed pass also moves every decoding row's stored K/V right
-    /// to keep the rows aligned; not profiled), over the paged pool about as many tok/s and an
-    /// earlier first token (BENCHMARKS.md, "Continuous batching: prompts joining decoding
-    /// streams").
+    /// caches. Measured on the CPU (BENCHMARKS.md, "Continuous batching: prompts joining
+    /// decoding streams"): over flat caches mixed passes gave fewer tok/s (0.85x) and a later
+    /// first token (1.7x) than separate ones (a mixed pass also moves every decoding row's
+    /// stored K/V right to keep the rows aligned; not profiled); over the paged pool the same
+    /// tok/s within noise, a later first token (1.25x) and 2-3x shorter stalls of the streams
+    /// already decoding, which is what mixing is for.
     #[default]
     Auto,
     /// A prompt's chunks of [`EngineConfig::mixed_step_size`] tokens share passes with one
