@@ -11,7 +11,7 @@ largest level has a GPU backend build the kernels of every batch shape before th
 Then for each concurrency level C, C streaming chat requests (distinct prompts, temperature 0,
 `max_tokens`) are sent at once. Per level: aggregate tok/s = completion tokens of all C
 requests / wall time from sending the first to finishing the last; TTFT = request sent to the
-first streamed token (a chunk with text), p50 and p99 over the C requests. Completion tokens
+first streamed token (a chunk with answer or reasoning text), p50 and p99 over the C requests. Completion tokens
 come from the final usage chunk (`stream_options.include_usage`), else from the number of
 chunks with text. `--json` is rewritten after every level, so a run stopped by a time limit
 keeps the levels it finished; SIGTERM stops the server before exiting. Standard library only
@@ -122,7 +122,9 @@ async def stream_one(port, body):
                 if obj.get("usage"):
                     usage = obj["usage"]
                 for ch in obj.get("choices") or []:
-                    if (ch.get("delta") or {}).get("content"):
+                    d = ch.get("delta") or {}
+                    # answer or reasoning text (a thinking template streams the latter first)
+                    if d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
                         chunks += 1
                         if ttft is None:
                             ttft = time.perf_counter() - t0
