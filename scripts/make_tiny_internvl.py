@@ -51,7 +51,7 @@ from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2Im
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_tiny_dense import margins, perturb  # noqa: E402
-from make_tiny_qwen35_vl import image  # noqa: E402  (the same deterministic pictures)
+from make_tiny_qwen35_vl import image, image_turns  # noqa: E402  (the same deterministic pictures and conversations)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "..", "crates", "models", "tests", "fixtures", "tiny")
@@ -75,11 +75,7 @@ TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-MESSAGES_1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Read the text in the image."}]}]
-MESSAGES_2 = MESSAGES_1 + [
-    {"role": "assistant", "content": "A red square."},
-    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And here?"}]},
-]
+MESSAGES_1, MESSAGES_2 = image_turns("Read the text in the image.")
 
 VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=TILE,
               patch_size=PATCH, attention_bias=True, use_qk_norm=False, norm_type="layer_norm", layer_norm_eps=1e-6,

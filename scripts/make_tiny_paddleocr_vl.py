@@ -43,7 +43,7 @@ from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_tiny_dense import perturb  # noqa: E402
-from make_tiny_qwen35_vl import IMAGE, image, prompt_references  # noqa: E402  (same image token, images, prompt loop)
+from make_tiny_qwen35_vl import IMAGE, image, image_turns, prompt_references  # noqa: E402  (same image token, images, conversations, prompt loop)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "..", "crates", "models", "tests", "fixtures", "tiny")
@@ -71,11 +71,7 @@ TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- 'Assistant: ' -}}{%- endif -%}"
 )
 
-MESSAGES_1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "OCR:"}]}]
-MESSAGES_2 = MESSAGES_1 + [
-    {"role": "assistant", "content": "A red square."},
-    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And here?"}]},
-]
+MESSAGES_1, MESSAGES_2 = image_turns("OCR:")
 
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,

@@ -58,11 +58,16 @@ TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-MESSAGES_1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
-MESSAGES_2 = MESSAGES_1 + [
-    {"role": "assistant", "content": "A red square."},
-    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And here?"}]},
-]
+def image_turns(prompt):
+    """The fixtures' conversations: one image with `prompt`, then a reply and a second image."""
+    one = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    return one, one + [
+        {"role": "assistant", "content": "A red square."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And here?"}]},
+    ]
+
+
+MESSAGES_1, MESSAGES_2 = image_turns("What is in the picture?")
 
 
 def image(w, h, k):
