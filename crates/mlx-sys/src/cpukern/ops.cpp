@@ -72,10 +72,15 @@ bool float_dtype(const mx::array& a) { return float_dtype(a.dtype()); }
 // the traced graph is built from MLX's own ops, so training and other transformed computations
 // keep MLX's numerics exactly; only plain evaluation (inference) runs the primitives. MLX's
 // tracing flag is not exported, but a tracer-marked array reports it through `is_tracer`.
+// The probe is made once per thread and never freed (no array outlives MLX at exit), so the
+// check on every op of a decode step allocates nothing.
 bool tracing() {
-  mx::array probe(0.0f);
-  probe.set_tracer(true);
-  return probe.is_tracer();
+  static thread_local const mx::array* probe = [] {
+    auto* p = new mx::array(0.0f);
+    p->set_tracer(true);
+    return p;
+  }();
+  return probe->is_tracer();
 }
 
 // Scopes (`mlx_models_mlx_ops_only`) on this thread in which graphs are built from MLX's ops even
