@@ -3,7 +3,8 @@
 llama.cpp (through llama-cpp-python) decodes a GGUF; ours (`llm_bench --no-mlx-lm`) decodes the
 same GGUF converted to MLX affine 4-bit (`convert gguf`, then `convert quantize --bits 4
 --group-size 32`: Q4_1's blocks are 32 weights with a scale and a minimum, MLX's affine groups a
-scale and a bias). Both sides: a prompt of --prompt tokens, then --gen greedy tokens one at a time
+scale and a bias), computing in f32 (the loader's CPU default; llama.cpp's activations are f32
+too). Both sides: a prompt of --prompt tokens, then --gen greedy tokens one at a time
 on --threads threads; runs alternate (llama.cpp, ours) after one warm-up each. Prints each run,
 the medians and the ratio ours / llama.cpp of the median decode tok/s.
 
@@ -57,7 +58,7 @@ def ours_run(llm_bench, model, prompt, gen, threads):
     """One request of llm_bench (it times the same way: decode = (gen - 1) / (t_last - t_first))."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-        subprocess.run([llm_bench, "--model", model, "--no-mlx-lm", "--runs", "1", "--gen", str(gen),
+        subprocess.run([llm_bench, "--model", model, "--dtype", "f32", "--no-mlx-lm", "--runs", "1", "--gen", str(gen),
                         "--prompts", str(prompt), "--json", f.name], check=True, env=env,
                        stdout=subprocess.DEVNULL)
         r = json.load(open(f.name))["ours"][0][0]

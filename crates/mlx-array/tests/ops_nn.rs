@@ -219,6 +219,33 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+    /// Real head sizes over long caches: the CPU primitive's vector dot products, their tails (d
+    /// not a multiple of the vector width) and its split of the heads over threads.
+    #[test]
+    fn sdpa_long_caches(
+        (b, hkv, rep, l, kl, d) in (1usize..3, 1usize..4, 1usize..4, 1usize..9, 9usize..400, prop_oneof![Just(64usize), Just(80), Just(128), 17usize..40]),
+        causal in any::<bool>(), bfl in any::<bool>(), salt in 0u32..1000,
+    ) {
+        let hq = hkv * rep;
+        let (nq, nk) = (b * hq * l * d, b * hkv * kl * d);
+        let gen = |n: usize, k: u32| -> Vec<f32> { (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(k * 97 + salt) % 2001) as f32 / 1000.0) - 1.0).collect() };
+        let (mut q, mut k, mut v) = (gen(nq, 1), gen(nk, 2), gen(nk, 3));
+        let (dtype, tol) = if bfl { q = bfv(&q); k = bfv(&k); v = bfv(&v); (DType::BF16, Tol { atol: 2e-2, rtol: 2e-2 }) } else { (DType::F32, Tol { atol: 2e-5, rtol: 1e-4 }) };
+        let scale = 1.0 / (d as f32).sqrt();
+        let (qa, ka, va) = (arr_as(&q, &[b, hq, l, d], dtype), arr_as(&k, &[b, hkv, kl, d], dtype), arr_as(&v, &[b, hkv, kl, d], dtype));
+        let shift = kl - l;
+        let allowed = |i: usize, j: usize| !causal || j <= shift + i;
+        let y = qa.sdpa(&ka, &va, scale, if causal { AttentionMask::Causal } else { AttentionMask::None }).unwrap();
+        let mut want = Vec::new();
+        for bb in 0..b {
+            want.extend(sdpa_ref(&q[bb * hq * l * d..(bb + 1) * hq * l * d], &k[bb * hkv * kl * d..(bb + 1) * hkv * kl * d], &v[bb * hkv * kl * d..(bb + 1) * hkv * kl * d], hq, hkv, l, kl, d, scale as f64, &allowed, &|_, _| 0.0));
+        }
+        close("sdpa", &out(&y), &want, tol)?;
+    }
+}
+
 #[test]
 fn nn_argument_errors() {
     let x = Array::zeros(&[1, 4, 8], DType::F32).unwrap();

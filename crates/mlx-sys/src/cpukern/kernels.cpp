@@ -93,6 +93,7 @@ struct V {
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, F a) { _mm512_storeu_ps(p, a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static float hsum(F a) { return _mm512_reduce_add_ps(a); }
@@ -131,6 +132,7 @@ struct V {
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, F a) { _mm256_storeu_ps(p, a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static float hsum(F a) {
@@ -194,6 +196,7 @@ struct V {
   static F zero() { return F{{0, 0, 0, 0}}; }
   static F set1(float a) { return F{{a, a, a, a}}; }
   static F loadf(const float* p) { F r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static void storef(float* p, F a) { std::memcpy(p, a.v, sizeof a.v); }
   static F fma(F a, F b, F c) { for (int i = 0; i < 4; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
   static F add(F a, F b) { for (int i = 0; i < 4; i++) a.v[i] += b.v[i]; return a; }
   static float hsum(F a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
@@ -451,11 +454,31 @@ void prep(int kind, const float* x, int K, float* xp) {
     }
 }
 
+float dot(const float* a, const float* b, int n) {
+  V::F s0 = V::zero(), s1 = V::zero();
+  int i = 0;
+  for (; i + 2 * V::W <= n; i += 2 * V::W) {
+    s0 = V::fma(V::loadf(a + i), V::loadf(b + i), s0);
+    s1 = V::fma(V::loadf(a + i + V::W), V::loadf(b + i + V::W), s1);
+  }
+  for (; i + V::W <= n; i += V::W) s0 = V::fma(V::loadf(a + i), V::loadf(b + i), s0);
+  float s = V::hsum(V::add(s0, s1));
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(float a, const float* x, float* y, int n) {
+  const V::F av = V::set1(a);
+  int i = 0;
+  for (; i + V::W <= n; i += V::W) V::storef(y + i, V::fma(av, V::loadf(x + i), V::loadf(y + i)));
+  for (; i < n; i++) y[i] += a * x[i];
+}
+
 }  // namespace
 
 #define STR2(x) #x
 #define STR(x) STR2(x)
-const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows};
+const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows, dot, axpy};
 
 }  // namespace KERN_NS
 }  // namespace mlxm

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 namespace mlxm {
 
@@ -44,7 +45,16 @@ struct KernelSet {
   void (*prep)(int kind, const float* x, int K, float* xp);
   // Rows [n0, n1) of the product.
   void (*rows)(const Job& j, int n0, int n1);
+  // sum_i a[i] b[i] over n floats (attention scores).
+  float (*dot)(const float* a, const float* b, int n);
+  // y[i] += a x[i] over n floats (attention's weighted sum of values).
+  void (*axpy)(float a, const float* x, float* y, int n);
 };
+
+// The set chosen for this CPU (primitive.cpp), and `f(a, b)` over chunks of rows [0, total) of at
+// least `min_rows` on the products' thread pool.
+const KernelSet& cpu_kernels();
+void parallel_for(int total, int min_rows, const std::function<void(int, int)>& f);
 
 namespace avx512 { extern const KernelSet set; }
 namespace avx2 { extern const KernelSet set; }

@@ -22,6 +22,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "kernels.h"
 #include "strided.h"
 
 namespace mx = mlx::core;
@@ -459,11 +460,19 @@ class CpuSdpa : public mx::UnaryPrimitive {
       // MLX's fallback in dtype t: q scaled (and rounded), scores rounded, softmax in f32 rounded,
       // the weighted sum rounded; all identity for f32.
       const mx::Dtype t = q.dtype();
+      const bool f32 = t == mx::float32;
       const float sc_t = rnd(scale, t);
       const size_t du = static_cast<size_t>(d), dvu = static_cast<size_t>(dv);
-      std::vector<float> qrow(du), p(static_cast<size_t>(std::max(1, s_n))), acc(dvu), krow(du), vrow(dvu);
-      for (int b = 0; b < b_n; b++)
-        for (int h = 0; h < hq; h++) {
+      const KernelSet& ks_ = cpu_kernels();
+      // One unit is one (batch, query head) pair; the heads of a K/V head are consecutive units,
+      // so a chunk of units reads each K/V row it needs while it is in cache.
+      const int units = b_n * hq;
+      const int64_t work = int64_t(l_n) * s_n * (d + dv);
+      const int min_units = int(std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work)));
+      parallel_for(units, min_units, [&](int u0, int u1) {
+        std::vector<float> qrow(du), p(static_cast<size_t>(std::max(1, s_n))), acc(dvu), krow(du), vrow(dvu);
+        for (int u = u0; u < u1; u++) {
+          const int b = u / hq, h = u % hq;
           const int kh = h / rep;
           const int64_t kb = b * ks[0] + kh * ks[1], vb = b * vs[0] + kh * vs[1];
           for (int l = 0; l < l_n; l++) {
@@ -472,7 +481,8 @@ class CpuSdpa : public mx::UnaryPrimitive {
             const int lim = causal ? s_n - l_n + l + 1 : s_n;
             float mx_s = -std::numeric_limits<float>::infinity();
             for (int j = 0; j < lim; j++) {
-              const float sc = rnd(dot(qrow.data(), row_f32(k, kb + int64_t(j) * ks[2], ks[3], d, krow), d), t);
+              float sc = ks_.dot(qrow.data(), row_f32(k, kb + int64_t(j) * ks[2], ks[3], d, krow), d);
+              if (!f32) sc = rnd(sc, t);
               p[size_t(j)] = sc;
               mx_s = std::max(mx_s, sc);
             }
@@ -482,16 +492,18 @@ class CpuSdpa : public mx::UnaryPrimitive {
               sum += p[size_t(j)];
             }
             std::fill(acc.begin(), acc.end(), 0.0f);
+            const float inv = 1.0f / sum;
             for (int j = 0; j < lim; j++) {
-              const float w = rnd(p[size_t(j)] / sum, t);
-              const float* vr = row_f32(v, vb + int64_t(j) * vs[2], vs[3], dv, vrow);
-              for (int i = 0; i < dv; i++) acc[size_t(i)] += w * vr[i];
+              const float w = f32 ? p[size_t(j)] * inv : rnd(p[size_t(j)] / sum, t);
+              ks_.axpy(w, row_f32(v, vb + int64_t(j) * vs[2], vs[3], dv, vrow), acc.data(), dv);
             }
-            for (auto& e : acc) e = rnd(e, t);
+            if (!f32)
+              for (auto& e : acc) e = rnd(e, t);
             const size_t at = merge ? (size_t(b) * l_n + l) * hq + h : (size_t(b) * hq + h) * l_n + l;
             store(o, at * dvu, acc.data(), dvu);
           }
         }
+      });
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override { throw std::runtime_error("[cpu_sdpa] runs on the CPU only"); }

@@ -490,6 +490,10 @@ mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scale
 }
 
 }  // namespace
+
+const KernelSet& cpu_kernels() { return kernels(); }
+void parallel_for(int total, int min_rows, const std::function<void(int, int)>& f) { parallel_rows(total, min_rows, f); }
+
 }  // namespace mlxm
 
 extern "C" {
