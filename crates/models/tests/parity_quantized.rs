@@ -106,3 +106,48 @@ fn our_quantize_writes_mlx_lm_tensors() {
         }
     }
 }
+
+/// On the CPU (f32 compute) the scales and biases of quantized layers load in their stored dtype:
+/// a checkpoint with bf16 scales computes exactly what the same checkpoint with those values
+/// stored as f32 computes, through prefill (dequantized products, more rows than the packed
+/// kernels take), cached decode steps (the packed kernels reading bf16 scales) and MoE experts.
+#[test]
+fn bf16_scales_compute_as_their_f32_copies() {
+    use mlx_array::DType;
+    if std::env::var("MLX_MODELS_TEST_DTYPE").is_ok_and(|d| d != "f32") {
+        return;
+    }
+    for name in ["llama_q4", "qwen3_untied_q8g32", "lfm2_moe_q4"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = [tmp.path().join("bf16"), tmp.path().join("f32")];
+        let src = fixture(name);
+        let tensors = mlx_array::io::load_dir(&src, None).unwrap();
+        for (dir, dt) in dirs.iter().zip([DType::BF16, DType::F32]) {
+            std::fs::create_dir_all(dir).unwrap();
+            for f in std::fs::read_dir(&src).unwrap() {
+                let p = f.unwrap().path();
+                let n = p.file_name().unwrap().to_str().unwrap().to_string();
+                if n.ends_with(".json") && !n.starts_with("model.safetensors.index") && !n.starts_with("reference") {
+                    std::fs::copy(&p, dir.join(&n)).unwrap();
+                }
+            }
+            let mut out: Vec<(String, mlx_array::Array)> = Vec::new();
+            for (k, a) in &tensors {
+                let q = (k.ends_with(".scales") || k.ends_with(".biases")) && a.dtype() == DType::F32;
+                out.push((k.clone(), if q { a.astype(DType::BF16).unwrap().astype(dt).unwrap() } else { a.clone() }));
+            }
+            let refs: Vec<(&str, &mlx_array::Array)> = out.iter().map(|(k, a)| (k.as_str(), a)).collect();
+            mlx_array::io::save_safetensors(dir.join("model.safetensors"), &refs, None).unwrap();
+        }
+        let opts = LoadOptions { quantized: QuantizedWeights::Keep, ..test_load_options() };
+        let (a, b) = (load_model(&dirs[0], &opts).unwrap().into_lm().unwrap(), load_model(&dirs[1], &opts).unwrap().into_lm().unwrap());
+        let prompt: Vec<u32> = (0..12u32).map(|i| (i * 37 + 5) % 200 + 3).collect();
+        let differ = |x: &[Vec<f32>], y: &[Vec<f32>]| x.concat().iter().zip(y.concat()).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+        let (pa, pb) = (full_logits(&a, &prompt), full_logits(&b, &prompt));
+        assert_eq!(differ(&pa, &pb), 0, "{name}: prefill logits differ (rel err {})", rel_err(&pa.concat(), &pb.concat()));
+        let (ta, la) = greedy_cached(&a, &mut a.new_cache(), &prompt[..5], 6);
+        let (tb, lb) = greedy_cached(&b, &mut b.new_cache(), &prompt[..5], 6);
+        assert_eq!(ta, tb, "{name}: greedy tokens");
+        assert_eq!(differ(&la, &lb), 0, "{name}: decode logits differ ({})", rel_err(&la.concat(), &lb.concat()));
+    }
+}

@@ -174,6 +174,19 @@ impl Quantized {
     pub fn dequantize_scaled(&self, dtype: Option<DType>, global_scale: Option<&Array>) -> Result<Array> {
         self.check("dequantize")?;
         check_global_scale("dequantize", self.mode, global_scale)?;
+        // Float scales of another dtype than the output's are converted first, so the result is
+        // computed in `dtype` (bf16 scales widen to f32 exactly).
+        if let Some(dt) = dtype {
+            if self.scales.dtype().is_float() && self.scales.dtype() != dt {
+                let q = Quantized {
+                    weight: self.weight.clone(),
+                    scales: self.scales.astype(dt)?,
+                    biases: self.biases.as_ref().map(|b| b.astype(dt)).transpose()?,
+                    mode: self.mode,
+                };
+                return q.dequantize_scaled(dtype, global_scale);
+            }
+        }
         let (bits, gs, name) = self.mode.parts();
         let dt = mlx_sys::mlx_optional_dtype {
             value: dtype.map(|d| d.to_mlx() as mlx_sys::mlx_dtype).unwrap_or(0),

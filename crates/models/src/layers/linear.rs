@@ -536,8 +536,9 @@ impl Embedding {
             match vb.weights().dequantize_to {
                 Some(dt) => EmbeddingTable::Dense(q.dequantize(Some(dt))?),
                 None => {
-                    // Rows come out in the scales' float dtype (affine), else the compute dtype.
-                    let dt = if q.scales.dtype().is_float() { q.scales.dtype() } else { vb.weights().float_dtype().unwrap_or(mlx_array::DType::F32) };
+                    // Rows come out in the compute dtype (the checkpoint's other floats; scales
+                    // kept bf16 on the CPU do not set it), else the scales' float dtype.
+                    let dt = vb.weights().float_dtype().or_else(|| q.scales.dtype().is_float().then(|| q.scales.dtype())).unwrap_or(mlx_array::DType::F32);
                     EmbeddingTable::Quantized(q, dt)
                 }
             }
