@@ -107,13 +107,17 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> serial(run_mu_);
-    // Parts are claimed from `next_`, which carries this run's number in its high half: a worker
-    // still leaving an earlier run cannot claim (and count) a part of this one before it is
-    // published, nor reset anything under it.
-    job_.store(&f, std::memory_order_relaxed);
-    parts_.store(parts, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
+    // Parts are claimed from `next_`, which carries this run's number in its high half. Before
+    // this run's job and part count are written, `next_` moves to this run's number with no
+    // claimable part: a worker still leaving the previous run holds that run's value of `next_`,
+    // and its compare-exchange fails from here on. (Without this step such a worker could read
+    // this run's larger part count, claim "part N" of the previous run, run this run's job with
+    // it and count it done: the run returned while a part still ran on its stack.)
     run_id_++;
+    next_.store(uint64_t(run_id_) << 32 | 0xffffffffu, std::memory_order_seq_cst);
+    job_.store(&f, std::memory_order_relaxed);
+    parts_.store(parts, std::memory_order_release);  // a worker that reads it has seen the blocker too
+    done_.store(0, std::memory_order_relaxed);
     next_.store(uint64_t(run_id_) << 32, std::memory_order_release);
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -136,7 +140,7 @@ class Pool {
     uint64_t v = next_.load(std::memory_order_acquire);
     const uint64_t run = v >> 32;
     for (;;) {
-      if ((v >> 32) != run || int(uint32_t(v)) >= parts_.load(std::memory_order_relaxed)) return;
+      if ((v >> 32) != run || uint32_t(v) >= uint32_t(parts_.load(std::memory_order_acquire))) return;
       if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       (*job_.load(std::memory_order_relaxed))(int(uint32_t(v)));
       done_.fetch_add(1, std::memory_order_release);
