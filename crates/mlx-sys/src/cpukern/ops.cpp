@@ -481,8 +481,7 @@ class CpuSdpa : public mx::UnaryPrimitive {
             const int lim = causal ? s_n - l_n + l + 1 : s_n;
             float mx_s = -std::numeric_limits<float>::infinity();
             for (int j = 0; j < lim; j++) {
-              float sc = ks_.dot(qrow.data(), row_f32(k, kb + int64_t(j) * ks[2], ks[3], d, krow), d);
-              if (!f32) sc = rnd(sc, t);
+              const float sc = rnd(ks_.dot(qrow.data(), row_f32(k, kb + int64_t(j) * ks[2], ks[3], d, krow), d), t);
               p[size_t(j)] = sc;
               mx_s = std::max(mx_s, sc);
             }
@@ -497,8 +496,7 @@ class CpuSdpa : public mx::UnaryPrimitive {
               const float w = f32 ? p[size_t(j)] * inv : rnd(p[size_t(j)] / sum, t);
               ks_.axpy(w, row_f32(v, vb + int64_t(j) * vs[2], vs[3], dv, vrow), acc.data(), dv);
             }
-            if (!f32)
-              for (auto& e : acc) e = rnd(e, t);
+            for (auto& e : acc) e = rnd(e, t);
             const size_t at = merge ? (size_t(b) * l_n + l) * hq + h : (size_t(b) * hq + h) * l_n + l;
             store(o, at * dvu, acc.data(), dvu);
           }
