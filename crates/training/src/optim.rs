@@ -250,11 +250,6 @@ impl PendingUpdate {
         });
         self.params.iter().chain(state).collect()
     }
-
-    /// The new parameters, in the order given to [`Optimizer::prepare`].
-    pub fn params(&self) -> &[Array] {
-        &self.params
-    }
 }
 
 /// Store `tree`'s trainable linear-projection weights ([`crate::lora::linear_projections`])
