@@ -444,7 +444,7 @@ const KERNEL_SRC: [&str; 5] = [
 ];
 
 /// Compile `src/cpukern` to `libmlxmkern.a`: `primitive.cpp` once, `kernels.cpp` once per
-/// instruction set (AVX-512 and AVX2 copies on x86_64 only; the portable copy everywhere), reusing
+/// instruction set (AVX-512 with VNNI, AVX-512 and AVX2 copies on x86_64 only; the portable copy everywhere), reusing
 /// a cached archive built from the same inputs.
 fn compile_kernels(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
     let dir = Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap()).to_path_buf();
@@ -489,6 +489,19 @@ fn compile_kernels(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
                     "-mavx512bw",
                     "-mavx512vl",
                     "-mavx512dq",
+                    "-mfma",
+                    "-mf16c",
+                ],
+            ));
+            sets.push((
+                "avx512vnni",
+                &[
+                    "-mavx512f",
+                    "-mavx512bw",
+                    "-mavx512vl",
+                    "-mavx512dq",
+                    "-mavx512vnni",
+                    "-mavx512vbmi",
                     "-mfma",
                     "-mf16c",
                 ],

@@ -77,7 +77,7 @@ fn assert_close(what: &str, got: &[f64], want: &[f64], mag: &[f64]) {
 /// The instruction sets this CPU runs (each a distinct kernel copy).
 fn isas() -> Vec<&'static str> {
     let mut v = Vec::new();
-    for isa in ["avx512", "avx2", "portable"] {
+    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
         if set_cpu_kernels_isa(isa).unwrap() == isa {
             v.push(isa);
         }
@@ -121,12 +121,15 @@ const MODES: [QuantMode; 7] = [
 /// dequantize + f32 matmul, and against MLX's quantized_matmul; also MLX's dequantize against
 /// our decoding (the layout).
 fn check_quantized(mode: QuantMode, sdt: DType, m: usize, n: usize, k: usize, seed: u64) {
+    check_quantized_x(mode, sdt, m, n, k, seed, vals(m * k, seed ^ 0x55));
+}
+
+fn check_quantized_x(mode: QuantMode, sdt: DType, m: usize, n: usize, k: usize, seed: u64, xv: Vec<f32>) {
     let w = Array::from_slice(&vals(n * k, seed), &[n, k])
         .unwrap()
         .astype(sdt)
         .unwrap();
     let q = w.quantize(mode).unwrap();
-    let xv = vals(m * k, seed ^ 0x55);
     let x = Array::from_slice(&xv, &[m, k]).unwrap();
     let ours = q.cpu_matmul(&x).unwrap();
     assert_eq!(ours.shape(), vec![m, n]);
@@ -246,7 +249,56 @@ fn every_kernel_and_instruction_set_matches_f64_and_mlx() {
                 }
             }
         }
-        set_cpu_kernels_isa("avx512").unwrap();
+        set_cpu_kernels_isa("avx512vnni").unwrap();
+    })
+}
+
+/// Inputs spanning many orders of magnitude next to each other (the VNNI kernels write x as
+/// integers scaled per 4 or 8 consecutive elements), all-zero and tiny stretches, and a row
+/// holding an infinity (its outputs are not finite, the other rows' still match f64).
+#[test]
+fn wide_ranges_zeros_and_infinities_in_x() {
+    with_device(Device::Cpu, || {
+        let (m, n, k) = (3, 7, 256);
+        let base = vals(m * k, 11);
+        let wide: Vec<f32> = base
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| match (i / 8) % 4 {
+                0 => v * if i % 8 == 3 { 1e4 } else { 1e-3 },
+                1 => 0.0,
+                2 => v * 1e-30,
+                _ => v * 10f32.powi((i % 13) as i32 - 6),
+            })
+            .collect();
+        for isa in isas() {
+            set_cpu_kernels_isa(isa).unwrap();
+            for mode in [
+                QuantMode::Affine { bits: 4, group_size: 32 },
+                QuantMode::Affine { bits: 4, group_size: 128 },
+                QuantMode::Affine { bits: 8, group_size: 64 },
+                QuantMode::Mxfp4,
+            ] {
+                check_quantized_x(mode, DType::F32, m, n, k, 5, wide.clone());
+                let mut inf = base.clone();
+                inf[k + 17] = f32::INFINITY;
+                let w = Array::from_slice(&vals(n * k, 5), &[n, k]).unwrap();
+                let q = w.quantize(mode).unwrap();
+                let y = q.cpu_matmul(&Array::from_slice(&inf, &[m, k]).unwrap()).unwrap();
+                let y = y.to_vec::<f32>().unwrap();
+                let xd: Vec<f64> = base.iter().map(|&v| v as f64).collect();
+                let (want, mag) = reference(&decode(&q, n, k), &xd, m, n, k);
+                for i in 0..m * n {
+                    if i / n == 1 {
+                        assert!(!y[i].is_finite(), "{isa} {mode:?}: output {i} of the row with an infinity: {}", y[i]);
+                    } else {
+                        let tol = REL * mag[i];
+                        assert!((y[i] as f64 - want[i]).abs() <= tol, "{isa} {mode:?}: output {i} of a finite row: {} vs {}", y[i], want[i]);
+                    }
+                }
+            }
+        }
+        set_cpu_kernels_isa("avx512vnni").unwrap();
     })
 }
 
@@ -504,7 +556,7 @@ fn python_mlx_quantize_output() {
             let (_, mag) = reference(&f64s(w), &xv, m, n, k);
             assert_close(&format!("{isa} bf16 vs Python f32 matmul"), &got, &f64s(&t["bf16.y"]), &mag);
         }
-        set_cpu_kernels_isa("avx512").unwrap();
+        set_cpu_kernels_isa("avx512vnni").unwrap();
     })
 }
 

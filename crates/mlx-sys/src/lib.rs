@@ -114,7 +114,7 @@ unsafe extern "C" {
         group_size: std::ffi::c_int,
         s: mlx_stream,
     ) -> std::ffi::c_int;
-    /// The instruction set of the kernels in this process: "avx512", "avx2" or "portable".
+    /// The instruction set of the kernels in this process: "avx512vnni", "avx512", "avx2" or "portable".
     pub fn mlx_models_cpu_kernels_isa() -> *const std::ffi::c_char;
     /// Threads one product uses (`OPENBLAS_NUM_THREADS`, else `OMP_NUM_THREADS`, else all).
     pub fn mlx_models_cpu_kernels_threads() -> std::ffi::c_int;

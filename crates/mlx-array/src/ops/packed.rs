@@ -52,20 +52,21 @@ fn kind_of(mode: QuantMode) -> Option<i32> {
     }
 }
 
-/// The instruction set the kernels use in this process (`avx512`, `avx2` or `portable`): the
-/// widest the CPU supports unless [`set_cpu_kernels_isa`] chose another.
+/// The instruction set the kernels use in this process (`avx512vnni`, `avx512`, `avx2` or
+/// `portable`): the widest the CPU supports unless [`set_cpu_kernels_isa`] chose another.
 pub fn cpu_kernels_isa() -> &'static str {
     let p = unsafe { mlx_sys::mlx_models_cpu_kernels_isa() };
     unsafe { CStr::from_ptr(p) }.to_str().unwrap_or("unknown")
 }
 
-/// Use the kernels of `isa` (`avx512`, `avx2`, `portable`) from now on, process-wide; returns
-/// the set in use, a lower one when this CPU lacks `isa`'s instructions (for tests and benches).
+/// Use the kernels of `isa` (`avx512vnni`, `avx512`, `avx2`, `portable`) from now on,
+/// process-wide; returns the set in use, a lower one when this CPU lacks `isa`'s instructions (for
+/// tests and benches).
 pub fn set_cpu_kernels_isa(isa: &str) -> Result<&'static str> {
-    if !["avx512", "avx2", "portable"].contains(&isa) {
+    if !["avx512vnni", "avx512", "avx2", "portable"].contains(&isa) {
         return Err(Error::arg(
             "set_cpu_kernels_isa",
-            format!("unknown instruction set {isa:?} (avx512, avx2, portable)"),
+            format!("unknown instruction set {isa:?} (avx512vnni, avx512, avx2, portable)"),
         ));
     }
     let c = std::ffi::CString::new(isa)

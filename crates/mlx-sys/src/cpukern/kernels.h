@@ -1,7 +1,7 @@
 // kernels.h: matrix-vector / small-M products over bf16 and MLX-quantized weights (CPU).
 //
-// kernels.cpp is compiled once per instruction set (AVX-512, AVX2+FMA, portable C++), each copy in
-// its own namespace (KERN_NS); primitive.cpp picks one at run time from cpuid.
+// kernels.cpp is compiled once per instruction set (AVX-512 with VNNI, AVX-512, AVX2+FMA, portable
+// C++), each copy in its own namespace (KERN_NS); primitive.cpp picks one at run time from cpuid.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -29,8 +29,8 @@ struct Job {
   const void* scales;
   const void* biases;  // affine only
   int stype;
-  const float* xp;  // prepared x, M rows of xp_stride floats (KernelSet::prep)
-  size_t xp_stride;
+  const float* xp;  // prepared x, M rows of xp_stride floats (KernelSet::prep), 64-byte aligned
+  size_t xp_stride;  // a multiple of 16
   const float* x;  // x itself, f32 [M, K]
   float* out;      // f32, row m at out + m * out_stride
   size_t out_stride;
@@ -39,10 +39,10 @@ struct Job {
 // The vector-width-dependent half of a kernel set.
 struct KernelSet {
   const char* name;
-  // Floats of prepared x per row (xp_stride).
-  size_t (*xp_floats)(int kind, int K);
+  // Floats of prepared x per row (xp_stride) for group size gs (quantized kinds).
+  size_t (*xp_floats)(int kind, int gs, int K);
   // Prepare one row of x.
-  void (*prep)(int kind, const float* x, int K, float* xp);
+  void (*prep)(int kind, int gs, const float* x, int K, float* xp);
   // Rows [n0, n1) of the product.
   void (*rows)(const Job& j, int n0, int n1);
   // sum_i a[i] b[i] over n floats (attention scores).
@@ -56,6 +56,7 @@ struct KernelSet {
 const KernelSet& cpu_kernels();
 void parallel_for(int total, int min_rows, const std::function<void(int, int)>& f);
 
+namespace avx512vnni { extern const KernelSet set; }
 namespace avx512 { extern const KernelSet set; }
 namespace avx2 { extern const KernelSet set; }
 namespace portable { extern const KernelSet set; }

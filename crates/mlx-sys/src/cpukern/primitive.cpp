@@ -34,22 +34,22 @@ namespace {
 
 // ---- instruction set, chosen once from cpuid (AMX is never used).
 
-// The best set this CPU runs that is not above `f` ("" = the best).
+// The best set this CPU runs that is not above `f` ("" = the best). Sets from the widest down:
+// avx512vnni (with VBMI), avx512, avx2, portable.
 const KernelSet* pick(const std::string& f) {
+  const int cap = f == "avx512" ? 1 : f == "avx2" ? 2 : f == "portable" ? 3 : 0;
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool vnni = has512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (f == "portable") return &portable::set;
-  if (f == "avx2" && has2) return &avx2::set;
-  if (f == "avx512" && has512) return &avx512::set;
-  if (has512 && f.empty()) return &avx512::set;
-  if (has2 && (f.empty() || f == "avx512")) return &avx2::set;
-  return &portable::set;
-#else
-  return &portable::set;
+  if (cap <= 0 && vnni) return &avx512vnni::set;
+  if (cap <= 1 && has512) return &avx512::set;
+  if (cap <= 2 && has2) return &avx2::set;
 #endif
+  (void)cap;
+  return &portable::set;
 }
 
 // The widest instruction set this CPU supports; `set_isa` (mlx-array's `set_cpu_kernels_isa`)
@@ -220,11 +220,13 @@ void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx:
   if (R == 0 || N == 0) return;
   for (const mx::array* a : {&w, scales, biases, idx})
     if (a && !a->flags().row_contiguous) throw std::invalid_argument("[cpu_packed_matmul] weights must be row-contiguous");
-  const size_t xps = ks.xp_floats(kind, K);
-  std::vector<float> xp(std::max<size_t>(1, xps * R));
+  // prepared rows start on 64-byte boundaries (the kernels' aligned vector loads)
+  const size_t xps = (ks.xp_floats(kind, gs, K) + 15) / 16 * 16;
+  std::vector<float> xpbuf(std::max<size_t>(1, xps * R) + 16);
+  float* const xp0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xpbuf.data()) + 63) & ~uintptr_t(63));
   std::vector<float> xbuf;
   const float* xd = rows_f32(x, xbuf);
-  for (int r = 0; r < R; r++) ks.prep(kind, xd + size_t(r) * K, K, xp.data() + size_t(r) * xps);
+  for (int r = 0; r < R; r++) ks.prep(kind, gs, xd + size_t(r) * K, K, xp0 + size_t(r) * xps);
 
   const bool f32_out = out.dtype() == mx::float32 && !glu;
   std::vector<float> tmp;
@@ -255,7 +257,7 @@ void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx:
     j.w = wd;
     j.scales = sd;
     j.biases = bd;
-    j.xp = xp.data();
+    j.xp = xp0;
     j.x = xd;
     j.out = y;
     parallel_rows(N, std::max(4, min_rows / std::max(1, R)), [&](int a, int b) { ks.rows(j, a, b); });
@@ -277,7 +279,7 @@ void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx:
         j.w = wd + e * N * w_bytes_per_row;
         j.scales = sd ? sd + e * N * groups_per_row * s_size : nullptr;
         j.biases = bd ? bd + e * N * groups_per_row * s_size : nullptr;
-        j.xp = xp.data() + size_t(r) * xps;
+        j.xp = xp0 + size_t(r) * xps;
         j.x = xd + size_t(r) * K;
         j.out = y + size_t(r) * N;
         ks.rows(j, n0, n1);
@@ -534,12 +536,12 @@ int mlx_models_cpu_packed_swiglu(mlx_array* res, const mlx_array x, const mlx_ar
   return 0;
 }
 
-// The instruction set the kernels use in this process: "avx512", "avx2" or "portable"
-// (`MLX_MODELS_CPU_KERNELS` may lower it), and the number of threads a product uses.
+// The instruction set the kernels use in this process ("avx512vnni", "avx512", "avx2" or
+// "portable"), and the number of threads a product uses.
 const char* mlx_models_cpu_kernels_isa(void) { return mlxm::kernels().name; }
 int mlx_models_cpu_kernels_threads(void) { return mlxm::thread_count(); }
 
-// Use `name`'s kernels from now on ("avx512", "avx2", "portable"); returns the set now in use,
+// Use `name`'s kernels from now on ("avx512vnni", "avx512", "avx2", "portable"); returns the set now in use,
 // which is a lower one when this CPU lacks `name`'s instructions.
 const char* mlx_models_cpu_kernels_select(const char* name) {
   const mlxm::KernelSet* k = mlxm::pick(name ? name : "");
