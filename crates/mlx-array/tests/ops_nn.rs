@@ -216,6 +216,16 @@ proptest! {
             want.extend(sdpa_ref(&q[bb * hq * l * d..(bb + 1) * hq * l * d], &k[bb * hkv * kl * d..(bb + 1) * hkv * kl * d], &v[bb * hkv * kl * d..(bb + 1) * hkv * kl * d], hq, hkv, l, kl, d, scale as f64, &allowed, &bias));
         }
         close("sdpa", &out(&y), &want, tol)?;
+        // the same attention as matrix products, with the mask per query head too
+        let yp = qa.sdpa_by_products(&ka, &va, scale, mask).unwrap();
+        prop_assert_eq!(yp.dtype(), dtype);
+        close("sdpa_by_products", &out(&yp), &want, tol)?;
+        if mask_kind >= 3 {
+            let m = if mask_kind == 3 { &add_arr } else { &bool_arr };
+            let per_head = m.reshape(&[1, 1, l as i32, kl as i32]).unwrap().broadcast_to(&[b, hq, l, kl]).unwrap();
+            let yh = qa.sdpa_by_products(&ka, &va, scale, AttentionMask::Array(&per_head)).unwrap();
+            close("sdpa_by_products, [B, Hq, L, K] mask", &out(&yh), &want, tol)?;
+        }
     }
 }
 
@@ -237,12 +247,14 @@ proptest! {
         let (qa, ka, va) = (arr_as(&q, &[b, hq, l, d], dtype), arr_as(&k, &[b, hkv, kl, d], dtype), arr_as(&v, &[b, hkv, kl, d], dtype));
         let shift = kl - l;
         let allowed = |i: usize, j: usize| !causal || j <= shift + i;
-        let y = qa.sdpa(&ka, &va, scale, if causal { AttentionMask::Causal } else { AttentionMask::None }).unwrap();
+        let mask = if causal { AttentionMask::Causal } else { AttentionMask::None };
+        let y = qa.sdpa(&ka, &va, scale, mask).unwrap();
         let mut want = Vec::new();
         for bb in 0..b {
             want.extend(sdpa_ref(&q[bb * hq * l * d..(bb + 1) * hq * l * d], &k[bb * hkv * kl * d..(bb + 1) * hkv * kl * d], &v[bb * hkv * kl * d..(bb + 1) * hkv * kl * d], hq, hkv, l, kl, d, scale as f64, &allowed, &|_, _| 0.0));
         }
         close("sdpa", &out(&y), &want, tol)?;
+        close("sdpa_by_products", &out(&qa.sdpa_by_products(&ka, &va, scale, mask).unwrap()), &want, tol)?;
     }
 }
 
@@ -258,6 +270,12 @@ fn nn_argument_errors() {
     let kv = Array::zeros(&[1, 2, 2, 4], DType::F32).unwrap();
     assert!(q.sdpa(&kv, &kv, 1.0, AttentionMask::None).is_err(), "3 query heads over 2 kv heads");
     assert!(q.sdpa(&kv, &kv, 1.0, AttentionMask::SlidingWindow(0)).is_err());
+    assert!(q.sdpa_by_products(&kv, &kv, 1.0, AttentionMask::None).is_err(), "3 query heads over 2 kv heads");
+    let q4 = Array::zeros(&[1, 4, 3, 4], DType::F32).unwrap();
+    assert!(q4.sdpa_by_products(&kv, &kv, 1.0, AttentionMask::SlidingWindow(0)).is_err());
+    assert!(q4.sdpa_by_products(&kv, &kv, 1.0, AttentionMask::Causal).is_err(), "3 causal queries after 2 keys");
+    let m3 = Array::zeros(&[1, 3, 3, 2], DType::F32).unwrap();
+    assert!(q4.sdpa_by_products(&kv, &kv, 1.0, AttentionMask::Array(&m3)).is_err(), "a mask over 3 heads for 4");
 }
 
 /// 2-d convolution from the 1-d reference: output row `y` sums, over kernel rows `i`, the 1-d

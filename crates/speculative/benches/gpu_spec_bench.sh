@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
+#   STAGE=DIR [NEW=N] [ADAPTIVE=K] bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # run from the repository root (scripts/gpu/unpack_payload.sh); gpu_pair.py is read next to
 # this script, so both may be staged together.
@@ -37,6 +37,7 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
 {
   echo "plain $(run)"
   for k in "${KS[@]}"; do echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"; done
+  [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   echo "plain2 $(run)"
 } 2>&1 | tee "$OUT/ours.log"
 PYTHONPATH=$R python3 - "$P" "$IDS" "$NEW" "${KS[@]}" <<'EOF' 2>&1 | tee "$OUT/mlx_lm.log"

@@ -1,5 +1,6 @@
 //! Neural-network kernels: norms, rotary embeddings, attention, convolution.
 use crate::error::{Error, OpExt, Result};
+use crate::ops::where_;
 use crate::{Array, DType};
 use mlx_rs::fast;
 
@@ -15,6 +16,10 @@ pub enum AttentionMask<'a> {
     /// A mask broadcastable to `[B, H, L, K]`: boolean (true = attend) or additive (added to scores).
     Array(&'a Array),
 }
+
+/// Most queries of a GPU attention call computed as matrix products instead of MLX's fused
+/// kernel (see [`Array::sdpa`]).
+pub const GPU_PRODUCT_ATTENTION_MAX_QUERIES: usize = 16;
 
 /// Rotary position embedding settings (see [`Array::rope`]).
 #[derive(Debug, Clone, Copy)]
@@ -124,10 +129,19 @@ impl Array {
 
     /// Scaled dot-product attention. `self` = queries `[B, Hq, L, D]`, keys/values `[B, Hkv, K, D]`
     /// with `Hq` a multiple of `Hkv` (grouped-query attention).
+    ///
+    /// On a GPU, 2 to [`GPU_PRODUCT_ATTENTION_MAX_QUERIES`] queries run as matrix products
+    /// ([`Array::sdpa_by_products`]): the CUDA backend's fused attention for more than one query
+    /// builds a cuDNN graph for every new (queries, keys) shape, about 37 ms on an H100, and a
+    /// speculative verify step or a block draft meets a new key count every cycle (the products
+    /// take 0.3 ms there).
     pub fn sdpa(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
         let (q, k) = (self.dims(), keys.dims());
         if q.len() != 4 || k.len() != 4 || values.ndim() != 4 {
             return Err(Error::shape("sdpa", format!("need 4-d q/k/v, got {:?} {:?} {:?}", q, k, values.dims())));
+        }
+        if (2..=GPU_PRODUCT_ATTENTION_MAX_QUERIES as i32).contains(&q[2]) && crate::default_device()? == crate::Device::Gpu {
+            return self.sdpa_by_products(keys, values, scale, mask);
         }
         if k[1] == 0 || q[1] % k[1] != 0 {
             return Err(Error::shape("sdpa", format!("{} query heads for {} kv heads", q[1], k[1])));
@@ -155,6 +169,66 @@ impl Array {
         // few float queries on a CPU stream: one primitive (as rms_norm); MLX's op otherwise
         let (qp, kp, vp, s) = (self.inner.as_ptr(), keys.inner.as_ptr(), values.inner.as_ptr(), crate::ffi::stream());
         crate::ffi::call("sdpa", |res| unsafe { mlx_sys::mlx_models_sdpa(res, qp, kp, vp, scale, causal, false, s.as_ptr()) })
+    }
+
+    /// [`Array::sdpa`] computed as matrix products (what MLX's own fallback runs): queries scaled,
+    /// scores `q kᵀ` per key-value head group, the mask applied, a softmax in f32, then the
+    /// weighted sum of the values. Same arguments and result as [`Array::sdpa`].
+    ///
+    /// For a few queries over a growing cache on the CUDA backend: its fused attention for more
+    /// than one query builds a cuDNN graph per (queries, keys) shape, so a step whose key count
+    /// is new each time (speculative verification) pays that build in every layer.
+    pub fn sdpa_by_products(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
+        let (q, k, vd) = (self.dims(), keys.dims(), values.dims());
+        if q.len() != 4 || k.len() != 4 || vd.len() != 4 {
+            return Err(Error::shape("sdpa", format!("need 4-d q/k/v, got {q:?} {k:?} {vd:?}")));
+        }
+        if k[1] == 0 || q[1] % k[1] != 0 || vd[1] != k[1] || vd[2] != k[2] || k[3] != q[3] || k[0] != q[0] || vd[0] != q[0] {
+            return Err(Error::shape("sdpa", format!("queries {q:?} against keys {k:?} and values {vd:?}")));
+        }
+        let (b, hq, l, d) = (q[0], q[1], q[2], q[3]);
+        let (hkv, kn, dv) = (k[1], k[2], vd[3]);
+        let rep = hq / hkv;
+        if l > kn && !matches!(mask, AttentionMask::None | AttentionMask::Array(_)) {
+            return Err(Error::shape("sdpa", format!("{l} queries after {kn} keys under a causal mask")));
+        }
+        // [B, Hkv, rep * L, D]: the query heads of one key-value head are consecutive
+        let qs = self.mul_scalar(scale)?.reshape(&[b, hkv, rep * l, d])?;
+        let scores = qs.matmul(&keys.transpose(&[0, 1, 3, 2])?)?.reshape(&[b, hkv, rep, l, kn])?;
+        let visible = match mask {
+            AttentionMask::None => None,
+            AttentionMask::Causal => {
+                let qpos = Array::arange((kn - l) as i64, kn as i64, DType::I32)?.reshape(&[l, 1])?;
+                let kpos = Array::arange(0, kn as i64, DType::I32)?.reshape(&[1, kn])?;
+                Some(kpos.le(&qpos)?)
+            }
+            AttentionMask::SlidingWindow(w) => Some(sliding_window_mask(l as usize, kn as usize, w)?),
+            AttentionMask::Array(m) => Some(m.clone()),
+        };
+        // a mask over [B, Hq, L, K] (or a broadcastable shape) as [B, Hkv, rep, L, K]
+        let grouped = |m: Array| -> Result<Array> {
+            let m = match m.ndim() {
+                0..=2 => return Ok(m),
+                3 => m.expand_dims(0)?,
+                4 => m,
+                n => return Err(Error::shape("sdpa", format!("a {n}-d mask"))),
+            };
+            let md = m.dims();
+            if md[1] == hq && hq > 1 {
+                m.reshape(&[md[0], hkv, rep, md[2], md[3]])
+            } else if md[1] == 1 {
+                m.expand_dims(2)
+            } else {
+                Err(Error::shape("sdpa", format!("mask {md:?} for {hq} query heads")))
+            }
+        };
+        let scores = match visible {
+            None => scores,
+            Some(m) if m.dtype() == DType::Bool => where_(&grouped(m)?, &scores, &Array::scalar_as(f32::NEG_INFINITY, scores.dtype())?)?,
+            Some(m) => scores.add(&grouped(m)?)?,
+        };
+        let p = scores.softmax(-1, true)?.reshape(&[b, hkv, rep * l, kn])?;
+        p.matmul(values)?.reshape(&[b, hq, l, dv])
     }
 
     /// [`Array::sdpa`] with the output's heads joined: `[B, L, Hq * D]` (what attention's output
