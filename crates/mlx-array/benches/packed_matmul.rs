@@ -4,12 +4,13 @@
 //! `cargo bench -p mlx-array --bench packed_matmul`
 //!
 //! 1. Read bandwidth: the better of a multi-threaded sum over a buffer of 4x the last-level cache
-//!    (the same thread count as the kernels) and the f32 BLAS product's rate below.
+//!    (the same thread count as the kernels) and the f32 BLAS product of the upcast weights (the
+//!    f32 floor the kernels are meant to beat), measured again before each of a kernel's
+//!    `ROUNDS` passes; a kernel's share is its best pass against the best bandwidth of its rounds.
 //! 2. Matrix-vector products (M = 1) over `[N, 4096]` weights, enough distinct matrices to total
 //!    at least 4x the last-level cache, used in turn so that no weight byte comes from cache:
 //!    GB/s of weight bytes read (packed words, scales and biases) for ours, for MLX's
-//!    `quantized_matmul` / bf16 matmul on the same bytes, and for the f32 BLAS product of the
-//!    upcast weight (the f32 floor the kernels are meant to beat).
+//!    `quantized_matmul` / bf16 matmul on the same bytes.
 //! 3. Small M: time per product for M = 1..64 at `[8192, 2048]`, ours against the f32 BLAS product
 //!    of the dequantized weight and MLX's quantized_matmul (where the packed path stops paying:
 //!    `CPU_PACKED_MAX_ROWS`).
@@ -37,36 +38,38 @@ fn llc_bytes() -> usize {
     best
 }
 
-/// GB/s of a multi-threaded read of `bytes` (best of 3).
-fn read_bandwidth(bytes: usize, threads: usize) -> f64 {
-    let n = bytes / 8;
-    let buf: Vec<u64> = (0..n as u64).collect();
-    let mut best = 0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let chunk = n.div_ceil(threads);
-        let total: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(chunk)
-                .map(|c| {
-                    s.spawn(move || {
-                        let mut acc = [0u64; 8];
-                        for w in c.chunks_exact(8) {
-                            for i in 0..8 {
-                                acc[i] = acc[i].wrapping_add(w[i]);
-                            }
+/// GB/s of one multi-threaded pass over `buf` (prefetching ahead where the architecture allows).
+fn read_pass(buf: &[u64], threads: usize) -> f64 {
+    let t = Instant::now();
+    let chunk = buf.len().div_ceil(threads);
+    let total: u64 = std::thread::scope(|s| {
+        let hs: Vec<_> = buf
+            .chunks(chunk)
+            .map(|c| {
+                s.spawn(move || {
+                    let mut acc = [0u64; 8];
+                    for (j, w) in c.chunks_exact(8).enumerate() {
+                        // 8 KiB ahead into L2, as the kernels read their weights
+                        #[cfg(target_arch = "x86_64")]
+                        if let Some(ahead) = c.get(j * 8 + 1024) {
+                            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>((ahead as *const u64).cast()) };
                         }
-                        acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-                    })
+                        for i in 0..8 {
+                            acc[i] = acc[i].wrapping_add(w[i]);
+                        }
+                    }
+                    acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
                 })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).fold(0u64, |a, b| a.wrapping_add(b))
-        });
-        std::hint::black_box(total);
-        best = best.max(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).fold(0u64, |a, b| a.wrapping_add(b))
+    });
+    std::hint::black_box(total);
+    (buf.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
+
+/// Rounds of each kernel's passes, each round next to a measurement of the read bandwidth.
+const ROUNDS: usize = 4;
 
 fn key(s: u64) -> Key {
     Key::new(s).unwrap()
@@ -119,33 +122,46 @@ fn run() {
     if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
         println!("load average at start: {}", l.trim());
     }
-    let read = read_bandwidth(target, threads);
     let k = 4096;
     let x = random::normal(&[1, k], DType::F32, &key(9)).unwrap();
     x.eval().unwrap();
 
-    // f32 BLAS floor: W^T view of [N, K] f32 (MLX's CPU products over upcast/dequantized weights)
-    let sgemv = {
-        let n = 8192;
-        let bytes = n * k * 4;
-        let count = target.div_ceil(bytes);
-        let ws: Vec<Array> = (0..count)
-            .map(|i| {
-                let w = random::normal(&[n, k], DType::F32, &key(100 + i as u64)).unwrap();
-                w.eval().unwrap();
-                w.swap_axes(0, 1).unwrap()
-            })
-            .collect();
-        pass(count, bytes, 3, |i| x.matmul(&ws[i % count]).unwrap().eval().unwrap())
+    // The machine's read bandwidth, measured in every round next to the kernel's passes (a
+    // shared machine's bandwidth drifts): the better of a plain multi-threaded read and the f32
+    // BLAS matrix-vector product over W^T views of [N, K] f32 (MLX's CPU product over upcast or
+    // dequantized weights), which also reads every byte once and outruns the plain loop on
+    // some machines.
+    let buf: Vec<u64> = (0..(target / 8) as u64).collect();
+    let sg_bytes = 8192 * k * 4;
+    let sg_count = target.div_ceil(sg_bytes);
+    let sg_ws: Vec<Array> = (0..sg_count)
+        .map(|i| {
+            let w = random::normal(&[8192, k], DType::F32, &key(100 + i as u64)).unwrap();
+            w.eval().unwrap();
+            w.swap_axes(0, 1).unwrap()
+        })
+        .collect();
+    let (mut read_best, mut sgemv_best) = (0f64, 0f64);
+    let mut bandwidth = || -> f64 {
+        let read = read_pass(&buf, threads);
+        let sgemv = pass(sg_count, sg_bytes, 1, |i| x.matmul(&sg_ws[i % sg_count]).unwrap().eval().unwrap());
+        read_best = read_best.max(read);
+        sgemv_best = sgemv_best.max(sgemv);
+        read.max(sgemv)
     };
-    // The machine's read bandwidth: the better of a plain multi-threaded read and the f32 BLAS
-    // matrix-vector product, which also reads every byte once (OpenBLAS's sgemv outruns the
-    // plain loop on some machines).
-    let bw = read.max(sgemv);
-    println!("read bandwidth: {bw:.1} GB/s ({threads} threads, {} MiB): plain read {read:.1}, f32 BLAS sgemv {sgemv:.1}", target >> 20);
-    println!();
-    println!("{:<26} {:>10} {:>8} {:>10} {:>12} {:>8}", "product (M=1, K=4096)", "bytes/mat", "mats", "ours GB/s", "MLX GB/s", "of bw");
-    println!("{:<26} {:>10} {:>8} {:>10} {:>12.1} {:>7.0}%", "f32 sgemv (BLAS)", 8192 * k * 4, target.div_ceil(8192 * k * 4), "-", sgemv, 100.0 * sgemv / bw);
+    // best of ROUNDS passes of `f`, and the best bandwidth measured between them
+    let mut rounds = |count: usize, bytes: usize, f: &mut dyn FnMut(usize)| -> (f64, f64) {
+        let (mut ours, mut bw) = (0f64, 0f64);
+        for _ in 0..ROUNDS {
+            bw = bw.max(bandwidth());
+            ours = ours.max(pass(count, bytes, 1, &mut *f));
+        }
+        (ours, bw)
+    };
+    println!("{:<26} {:>10} {:>8} {:>10} {:>12} {:>9} {:>8}", "product (M=1, K=4096)", "bytes/mat", "mats", "ours GB/s", "MLX GB/s", "bw GB/s", "of bw");
+    let row = |name: &str, bytes: usize, count: usize, ours: f64, mlx: f64, bw: f64| {
+        println!("{:<26} {:>10} {:>8} {:>10.1} {:>12.1} {:>9.1} {:>7.0}%", name, bytes, count, ours, mlx, bw, 100.0 * ours / bw);
+    };
     // bf16
     {
         let n = 16384;
@@ -158,12 +174,12 @@ fn run() {
                 w
             })
             .collect();
-        let ours = pass(count, bytes, 3, |i| x.cpu_matmul_bf16(&ws[i % count]).unwrap().eval().unwrap());
+        let (ours, bw) = rounds(count, bytes, &mut |i| x.cpu_matmul_bf16(&ws[i % count]).unwrap().eval().unwrap());
         // MLX's bf16 matmul is far slower: one pass over a quarter of the set
         let xb = x.astype(DType::BF16).unwrap();
         let few = count.div_ceil(4);
         let mlx = pass(few, bytes, 1, |i| xb.matmul(&ws[i % count].swap_axes(0, 1).unwrap()).unwrap().eval().unwrap());
-        println!("{:<26} {:>10} {:>8} {:>10.1} {:>12.1} {:>7.0}%", "bf16", bytes, count, ours, mlx, 100.0 * ours / bw);
+        row("bf16", bytes, count, ours, mlx, bw);
     }
     for (name, mode) in [
         ("affine 4-bit g64", QuantMode::Affine { bits: 4, group_size: 64 }),
@@ -177,12 +193,13 @@ fn run() {
         drop(probe);
         let count = target.div_ceil(bytes);
         let qs: Vec<Quantized> = (0..count).map(|i| packed(n, k, mode, 300 + 7 * i as u64)).collect();
-        let ours = pass(count, bytes, 3, |i| qs[i % count].cpu_matmul(&x).unwrap().eval().unwrap());
+        let (ours, bw) = rounds(count, bytes, &mut |i| qs[i % count].cpu_matmul(&x).unwrap().eval().unwrap());
         let few = count.div_ceil(4);
         let mlx = pass(few, bytes, 1, |i| qs[i % count].matmul(&x, true).unwrap().eval().unwrap());
-        println!("{:<26} {:>10} {:>8} {:>10.1} {:>12.1} {:>7.0}%", name, bytes, count, ours, mlx, 100.0 * ours / bw);
+        row(name, bytes, count, ours, mlx, bw);
     }
-
+    drop(rounds);
+    println!("read bandwidth over the rounds: plain read {read_best:.1} GB/s, f32 BLAS sgemv {sgemv_best:.1} GB/s ({threads} threads, {} MiB)", target >> 20);
     println!();
     println!("small M at [N=8192, K=2048], ms per product (weights in cache or not: same set for all)");
     println!("{:<18} {:>4} {:>10} {:>16} {:>18}", "weights", "M", "ours", "f32 BLAS (deq.)", "MLX quantized_mm");
