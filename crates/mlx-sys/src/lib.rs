@@ -123,6 +123,25 @@ unsafe extern "C" {
     /// Enter (`true`) or leave (`false`) a scope on this thread in which `mlx_models_rms_norm`,
     /// `_rope`, `_heads` and `_sdpa` build MLX's own ops (as they do while MLX traces a function).
     pub fn mlx_models_mlx_ops_only(enter: bool);
+    /// Whether graph nodes built now on this thread take MLX's own ops (inside a scope of
+    /// [`mlx_models_mlx_ops_only`] or while MLX traces a function transform).
+    pub fn mlx_models_uses_mlx_ops() -> bool;
+    /// `x @ w.T` (`x` `[M, K]` with 1 <= M <= 16, `w` `[N, K]`, one 16-bit float dtype, any strides)
+    /// by the CUDA kernel of `src/cudakern/rows_matmul.cu`, on a GPU stream.
+    pub fn mlx_models_cuda_rows_matmul(res: *mut mlx_array, x: mlx_array, w: mlx_array, s: mlx_stream) -> std::ffi::c_int;
+    /// Attention of `q` `[B, Hq, M, D]` over `k`, `v` `[B, Hk, N, D]` (causal: the queries are the
+    /// last M positions; `window` > 0: only that many most recent keys) by the CUDA kernel of
+    /// `src/cudakern/few_query_attention.cu`, on a GPU stream. Output `[B, Hq, M, D]`.
+    pub fn mlx_models_cuda_few_query_attention(
+        res: *mut mlx_array,
+        q: mlx_array,
+        k: mlx_array,
+        v: mlx_array,
+        scale: f32,
+        causal: bool,
+        window: std::ffi::c_int,
+        s: mlx_stream,
+    ) -> std::ffi::c_int;
     /// `fast::rms_norm(x, w, eps)` (`w` may be empty): one primitive for float `x` on a CPU stream
     /// (`src/cpukern/ops.cpp`), MLX's op otherwise.
     pub fn mlx_models_rms_norm(res: *mut mlx_array, x: mlx_array, w: mlx_array, eps: f32, s: mlx_stream) -> std::ffi::c_int;

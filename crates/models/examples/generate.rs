@@ -90,6 +90,10 @@ struct Cli {
     /// MTP drafts per cycle (default: adaptive, up to 5).
     #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
     mtp_depth: Option<u64>,
+    /// On a CUDA GPU, run products of 2-8 rows and attention of 2-16 queries (verify steps,
+    /// short prompts) with our kernels instead of MLX's ops (`mlx_array::ops::CudaFewRowKernels`).
+    #[arg(long)]
+    cuda_few_row_kernels: bool,
     /// Join an MLX distributed group over this backend (started by the `launch` example, or
     /// by `mlx.launch`) and run tensor parallel over its ranks.
     #[arg(long, value_enum)]
@@ -120,6 +124,9 @@ enum Quantized {
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
+    if cli.cuda_few_row_kernels {
+        mlx_array::ops::set_cuda_few_row_kernels(mlx_array::ops::CudaFewRowKernels::On);
+    }
     let dir = &cli.model;
     let quantized = match cli.quantized {
         Quantized::Auto => QuantizedWeights::Auto,

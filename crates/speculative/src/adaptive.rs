@@ -7,13 +7,18 @@
 //! `1 + E(d)` tokens, `E(d) = sum_{i<d} prod_{j<=i} a_j`, at `(1 + E(d)) / t(d)` tokens per second.
 //!
 //! States, in order: **explore** (the first cycles draft at the maximum depth, to measure
-//! acceptance at every position), **calibrate** (one plain step: the break-even reference),
-//! then **climb**: each cycle moves to the best of plain decoding, `depth - 1`, `depth` and
-//! `depth + 1` (a neighbour never measured is tried once while speculation is ahead), where
+//! acceptance at every position; the first cycle's time is not counted, since a first forward
+//! of a new shape pays one-time costs such as kernel compilation), **calibrate** (one plain
+//! step: the break-even reference), then **climb**: each cycle moves to the best of plain
+//! decoding, `depth - 1`, `depth`, `depth + 1` and the maximum depth (a neighbour never measured
+//! is tried once while speculation is ahead), where
 //! speculating must beat plain decoding by [`Adaptive::MARGIN`] (the expected-value gate; a
 //! cycle's time is taken as at least a plain step's); a neighbour is **probed** again every
 //! [`Adaptive::PROBE`] cycles or more, so that stale estimates (plain decoding's included) are
-//! refreshed: the gap between probes grows until a probe's measured time is at most
+//! refreshed, and every other probe from below `max - 1` goes to the maximum depth (a cycle's
+//! fixed cost, such as a verify forward of several rows, can make shallow depths lose to plain
+//! decoding while deep ones win: a climb from plain decoding alone would never get there);
+//! the gap between probes grows until a probe's measured time is at most
 //! [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
 //! costs several plain steps, as multi-row forwards do on some GPUs, is probed that much more
 //! rarely). Depth 0 with a useless draft therefore costs at most that share of the time.
@@ -31,6 +36,8 @@ pub struct Adaptive {
     next_probe: usize,
     /// The depth probed by the last cycle handed out, until its time is observed.
     probing: Option<usize>,
+    /// Whether the next probe from below `max - 1` goes to the maximum depth.
+    probe_far: bool,
 }
 
 impl Adaptive {
@@ -42,8 +49,8 @@ impl Adaptive {
     pub const PROBE: usize = 16;
     /// Most of the time a probe may take, as a share of the cycles until the next probe.
     pub const PROBE_BUDGET: f64 = 1.0 / 32.0;
-    /// Cycles drafting at the maximum depth first.
-    pub const EXPLORE: usize = 2;
+    /// Cycles drafting at the maximum depth first (the first one's time is not counted).
+    pub const EXPLORE: usize = 3;
 
     pub fn new(max: usize) -> Self {
         let max = max.max(1);
@@ -56,6 +63,7 @@ impl Adaptive {
             probe_up: false,
             next_probe: Self::PROBE,
             probing: None,
+            probe_far: true,
         }
     }
 
@@ -107,11 +115,19 @@ impl Adaptive {
         }
         let (lo, hi) = (self.depth.saturating_sub(1), (self.depth + 1).min(self.max));
         if self.cycles >= self.next_probe {
-            self.probe_up = !self.probe_up;
-            let n = if (self.probe_up && hi != self.depth) || lo == self.depth {
-                hi
+            let far = self.depth + 1 < self.max && self.probe_far;
+            if self.depth + 1 < self.max {
+                self.probe_far = !self.probe_far;
+            }
+            let n = if far {
+                self.max
             } else {
-                lo
+                self.probe_up = !self.probe_up;
+                if (self.probe_up && hi != self.depth) || lo == self.depth {
+                    hi
+                } else {
+                    lo
+                }
             };
             // placed again once the probe's time is known (`observe`)
             self.next_probe = self.cycles + Self::PROBE;
@@ -137,7 +153,7 @@ impl Adaptive {
 
     fn best_around(&self, depth: usize) -> usize {
         let (lo, hi) = (depth.saturating_sub(1), (depth + 1).min(self.max));
-        [0, lo, self.depth, hi]
+        [0, lo, self.depth, hi, self.max]
             .into_iter()
             .filter(|&d| self.time[d].is_some())
             .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b })
@@ -176,8 +192,11 @@ impl Adaptive {
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
     pub fn observe(&mut self, d: usize, accepted: usize, secs: f64) {
         let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
-        if let Some(t) = self.time.get_mut(d) {
-            *t = ema(*t, secs);
+        // the first cycle's time includes one-time costs of a new shape
+        if self.cycles > 1 {
+            if let Some(t) = self.time.get_mut(d) {
+                *t = ema(*t, secs);
+            }
         }
         if self.probing.take() == Some(d) {
             self.next_probe = self.cycles + self.probe_gap(d);
@@ -272,11 +291,34 @@ mod tests {
         assert!(n > 0 && n < Adaptive::PROBE, "plain run {n}");
         a.observe_plain(n, n as f64);
         assert_eq!(a.plain_run(), 0, "the next cycle is a probe");
-        assert_eq!(a.next_depth(), 1);
-        a.observe(1, 0, 4.0);
+        assert_eq!(a.next_depth(), 3, "the first probe from plain decoding goes to the maximum depth");
+        a.observe(3, 0, 4.0);
         // a probe costing 4 plain steps: the next run is at least 4 / PROBE_BUDGET cycles away
         let n = a.plain_run();
         assert!(n as f64 >= 4.0 / Adaptive::PROBE_BUDGET - 2.0, "plain run {n}");
+        a.observe_plain(n, n as f64);
+        assert_eq!(a.next_depth(), 1, "the next probe is the neighbour");
+    }
+
+    /// A GPU-like pair: any speculative cycle pays a verify forward of 1.8 plain steps plus 0.15
+    /// a draft, so one or two drafts lose to plain decoding and six win; the first cycle is 30
+    /// times slower (a first forward of a new shape compiles kernels).
+    #[test]
+    fn deep_drafts_win_where_shallow_ones_lose() {
+        let mut a = Adaptive::new(6);
+        let (mut total_depth, n) = (0, 400);
+        for c in 0..n {
+            let d = a.next_depth();
+            total_depth += d;
+            let mut t = if d == 0 { 1.0 } else { 1.8 + 0.15 * d as f64 };
+            if c == 0 {
+                t *= 30.0;
+            }
+            a.observe(d, d, t);
+        }
+        // depth 6: 7 tokens in 2.7 plain steps; depth 1: 2 tokens in 1.95
+        assert!(a.depth() >= 5, "depth {}", a.depth());
+        assert!(total_depth as f64 / n as f64 > 4.0, "mean depth {}", total_depth as f64 / n as f64);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Operations, as methods on [`crate::Array`] (and a few free functions over several arrays).
 //! Every one is lazy and returns `Result`: MLX's own checks become [`crate::Error::Mlx`].
+mod cuda;
 mod fused;
 mod index;
 mod linalg;
@@ -10,6 +11,7 @@ mod quant;
 mod reduce;
 mod shape;
 
+pub use cuda::{cuda_few_row_kernels, set_cuda_few_row_kernels, CudaFewRowKernels, FEW_QUERY_ATTENTION_MAX_KEYS, FEW_QUERY_ATTENTION_MAX_WORK, GPU_ROWS_MATMUL_MAX_ROWS};
 pub use fused::{cpu_fusion, fused, set_cpu_fusion, CpuFusion, FusedFn};
 pub use index::scatter_rows;
 pub use linalg::gather_mm;

@@ -131,16 +131,21 @@ impl Array {
     /// with `Hq` a multiple of `Hkv` (grouped-query attention).
     ///
     /// On a GPU, 2 to [`GPU_PRODUCT_ATTENTION_MAX_QUERIES`] queries run as matrix products
-    /// ([`Array::sdpa_by_products`]): the CUDA backend's fused attention for more than one query
-    /// builds a cuDNN graph for every new (queries, keys) shape, about 37 ms on an H100, and a
-    /// speculative verify step or a block draft meets a new key count every cycle (the products
-    /// take 0.3 ms there).
+    /// ([`Array::sdpa_by_products`]), or with [`crate::ops::CudaFewRowKernels::On`] our few-query
+    /// kernel ([`Array::cuda_few_query_attention`]) up to
+    /// [`crate::ops::FEW_QUERY_ATTENTION_MAX_KEYS`] keys: the CUDA backend's fused
+    /// attention for more than one query builds a cuDNN graph for every new (queries, keys)
+    /// shape, about 37 ms on an H100, and a speculative verify step or a block draft meets a new
+    /// key count every cycle (the products take 0.3 ms there, the kernel less, see `ops::cuda`).
     pub fn sdpa(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
         let (q, k) = (self.dims(), keys.dims());
         if q.len() != 4 || k.len() != 4 || values.ndim() != 4 {
             return Err(Error::shape("sdpa", format!("need 4-d q/k/v, got {:?} {:?} {:?}", q, k, values.dims())));
         }
         if (2..=GPU_PRODUCT_ATTENTION_MAX_QUERIES as i32).contains(&q[2]) && crate::default_device()? == crate::Device::Gpu {
+            if super::cuda::few_query_kernel_applies(self, keys, values, &mask) {
+                return self.cuda_few_query_attention(keys, values, scale, mask);
+            }
             return self.sdpa_by_products(keys, values, scale, mask);
         }
         if k[1] == 0 || q[1] % k[1] != 0 {

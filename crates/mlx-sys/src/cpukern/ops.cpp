@@ -557,6 +557,10 @@ extern "C" {
 // own ops (see use_mlx_ops). Scopes nest.
 void mlx_models_mlx_ops_only(bool enter) { mlxm::mlx_ops_scopes += enter ? 1 : -1; }
 
+// Whether graph nodes built now on this thread take MLX's own ops (inside a scope above or while
+// MLX traces a function transform): callers of the CUDA kernels (cuda_ops.cpp) step aside then.
+bool mlx_models_uses_mlx_ops() { return mlxm::use_mlx_ops(); }
+
 // The rotation of mlx_models_rope and mlx_models_heads.
 struct mlx_models_rope_args {
   int dims;

@@ -183,7 +183,8 @@ impl Linear {
                 true => x.cpu_matmul_bf16(&wt.swap_axes(0, 1)?)?,
                 false => x.astype(DType::F32)?.matmul(&wt.astype(DType::F32)?)?.astype(x.dtype())?,
             },
-            (LinearWeight::Dense(wt), _) => x.matmul(wt)?,
+            // few rows on a GPU: our kernel (Array::matmul_weight_t), MLX's matmul otherwise
+            (LinearWeight::Dense(wt), _) => x.matmul_weight_t(wt)?,
             // packed weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
             // product of the weight dequantized on the fly (MLX's CPU quantized_matmul is ~10x
             // slower at prefill sizes, BENCHMARKS.md)
