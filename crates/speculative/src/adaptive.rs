@@ -6,17 +6,20 @@
 //! accepted given that drafts `0..i` were. A cycle at depth `d` is then expected to give
 //! `1 + E(d)` tokens, `E(d) = sum_{i<d} prod_{j<=i} a_j`, at `(1 + E(d)) / t(d)` tokens per second.
 //!
-//! States, in order: **explore** (the first cycles draft at the maximum depth, to measure
-//! acceptance at every position; the first cycle's time is not counted, since a first forward
-//! of a new shape pays one-time costs such as kernel compilation), **calibrate** (one plain
-//! step: the break-even reference), then **climb**: each cycle moves to the best of plain
+//! States, in order: **explore** (up to [`Adaptive::EXPLORE`] cycles: the first drafts
+//! [`Adaptive::FIRST_DEPTH`] tokens, the next ones the maximum depth to measure acceptance at
+//! every position, and exploring stops at a cycle that accepts nothing, so a useless draft costs
+//! one short cycle; the first cycle's time is not counted, since a first forward of a new shape
+//! pays one-time costs such as kernel compilation), **calibrate** (one plain step: the
+//! break-even reference), then **climb**: each cycle moves to the best of plain
 //! decoding, `depth - 1`, `depth`, `depth + 1` and the maximum depth (a neighbour never measured
 //! is tried once while speculation is ahead), where
 //! speculating must beat plain decoding by [`Adaptive::MARGIN`] (the expected-value gate; a
 //! cycle's time is taken as at least a plain step's); a neighbour is **probed** again every
 //! [`Adaptive::PROBE`] cycles or more, so that stale estimates (plain decoding's included) are
-//! refreshed, and every other probe from below `max - 1` goes to the maximum depth (a cycle's
-//! fixed cost, such as a verify forward of several rows, can make shallow depths lose to plain
+//! refreshed, and while the first draft is accepted at least [`Adaptive::FAR_PROBE_ACCEPT`] of
+//! the time, every other probe from below `max - 1` goes to the maximum depth (a cycle's fixed
+//! cost, such as a verify forward of several rows, can make shallow depths lose to plain
 //! decoding while deep ones win: a climb from plain decoding alone would never get there);
 //! the gap between probes grows until a probe's measured time is at most
 //! [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
@@ -38,6 +41,8 @@ pub struct Adaptive {
     probing: Option<usize>,
     /// Whether the next probe from below `max - 1` goes to the maximum depth.
     probe_far: bool,
+    /// Still exploring: no explore cycle has accepted nothing.
+    exploring: bool,
 }
 
 impl Adaptive {
@@ -49,8 +54,13 @@ impl Adaptive {
     pub const PROBE: usize = 16;
     /// Most of the time a probe may take, as a share of the cycles until the next probe.
     pub const PROBE_BUDGET: f64 = 1.0 / 32.0;
-    /// Cycles drafting at the maximum depth first (the first one's time is not counted).
+    /// Most cycles exploring before the calibration step (the first one's time is not counted).
     pub const EXPLORE: usize = 3;
+    /// Drafts of the first cycle (at most the maximum depth).
+    pub const FIRST_DEPTH: usize = 1;
+    /// Far probes (to the maximum depth) only while the first draft's acceptance (an EMA from
+    /// 0.5) is at least this: one cycle that accepts nothing stops them until drafts agree again.
+    pub const FAR_PROBE_ACCEPT: f64 = 0.4;
 
     pub fn new(max: usize) -> Self {
         let max = max.max(1);
@@ -64,6 +74,7 @@ impl Adaptive {
             next_probe: Self::PROBE,
             probing: None,
             probe_far: true,
+            exploring: true,
         }
     }
 
@@ -107,16 +118,21 @@ impl Adaptive {
     /// The depth of the next cycle.
     pub fn next_depth(&mut self) -> usize {
         self.cycles += 1;
-        if self.cycles <= Self::EXPLORE {
+        if self.cycles == 1 {
+            return Self::FIRST_DEPTH.min(self.max);
+        }
+        if self.exploring && self.cycles <= Self::EXPLORE {
             return self.max;
         }
+        self.exploring = false;
         if self.time[0].is_none() {
             return 0;
         }
         let (lo, hi) = (self.depth.saturating_sub(1), (self.depth + 1).min(self.max));
         if self.cycles >= self.next_probe {
-            let far = self.depth + 1 < self.max && self.probe_far;
-            if self.depth + 1 < self.max {
+            let far_useful = self.depth + 1 < self.max && self.accept[0] >= Self::FAR_PROBE_ACCEPT;
+            let far = far_useful && self.probe_far;
+            if far_useful {
                 self.probe_far = !self.probe_far;
             }
             let n = if far {
@@ -163,7 +179,7 @@ impl Adaptive {
     /// plain decoding the best measured choice, the cycles before the next probe. A caller may run them as one plain stretch and report it with
     /// [`Adaptive::observe_plain`].
     pub fn plain_run(&self) -> usize {
-        if self.cycles < Self::EXPLORE || self.time[0].is_none() || self.best() != 0 || self.best_around(0) != 0 {
+        if self.exploring || self.time[0].is_none() || self.best() != 0 || self.best_around(0) != 0 {
             return 0;
         }
         self.next_probe.saturating_sub(self.cycles + 1)
@@ -200,6 +216,9 @@ impl Adaptive {
         }
         if self.probing.take() == Some(d) {
             self.next_probe = self.cycles + self.probe_gap(d);
+        }
+        if self.exploring && d > 0 && accepted == 0 {
+            self.exploring = false;
         }
         for i in 0..d.min(accepted + 1).min(self.max) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
@@ -279,25 +298,46 @@ mod tests {
     #[test]
     fn a_plain_run_lasts_until_the_next_probe() {
         let mut a = Adaptive::new(3);
-        // exploring at depth 3, then calibrating with a plain step: no plain run yet
-        for _ in 0..Adaptive::EXPLORE {
-            assert_eq!(a.plain_run(), 0);
-            let d = a.next_depth();
-            a.observe(d, 0, 4.0);
-        }
+        // the first cycle drafts FIRST_DEPTH tokens; accepting none ends exploring; then
+        // calibrating with a plain step: no plain run yet
+        assert_eq!(a.plain_run(), 0);
+        assert_eq!(a.next_depth(), Adaptive::FIRST_DEPTH);
+        a.observe(Adaptive::FIRST_DEPTH, 0, 40.0);
+        assert_eq!(a.plain_run(), 0);
         assert_eq!(a.next_depth(), 0);
         a.observe(0, 0, 1.0);
         let n = a.plain_run();
         assert!(n > 0 && n < Adaptive::PROBE, "plain run {n}");
         a.observe_plain(n, n as f64);
         assert_eq!(a.plain_run(), 0, "the next cycle is a probe");
-        assert_eq!(a.next_depth(), 3, "the first probe from plain decoding goes to the maximum depth");
-        a.observe(3, 0, 4.0);
+        assert_eq!(a.next_depth(), 1, "nothing accepted yet: the probe goes to the neighbour");
+        a.observe(1, 0, 4.0);
         // a probe costing 4 plain steps: the next run is at least 4 / PROBE_BUDGET cycles away
         let n = a.plain_run();
         assert!(n as f64 >= 4.0 / Adaptive::PROBE_BUDGET - 2.0, "plain run {n}");
+    }
+
+    /// Settled on plain decoding with drafts that agree (deep cycles measured slow while cold):
+    /// the next probe goes to the maximum depth, the one after to the neighbour.
+    #[test]
+    fn agreeing_drafts_get_far_probes() {
+        let mut a = Adaptive::new(4);
+        assert_eq!(a.next_depth(), Adaptive::FIRST_DEPTH);
+        a.observe(Adaptive::FIRST_DEPTH, Adaptive::FIRST_DEPTH, 50.0);
+        for _ in 1..Adaptive::EXPLORE {
+            assert_eq!(a.next_depth(), 4);
+            a.observe(4, 4, 20.0);
+        }
+        assert_eq!(a.next_depth(), 0);
+        a.observe(0, 0, 1.0);
+        let n = a.plain_run();
+        assert!(n > 0, "plain decoding wins for now");
         a.observe_plain(n, n as f64);
-        assert_eq!(a.next_depth(), 1, "the next probe is the neighbour");
+        assert_eq!(a.next_depth(), 4, "far probe");
+        a.observe(4, 4, 20.0);
+        let n = a.plain_run();
+        a.observe_plain(n, n as f64);
+        assert_eq!(a.next_depth(), 1, "then the neighbour");
     }
 
     /// A GPU-like pair: any speculative cycle pays a verify forward of 1.8 plain steps plus 0.15
@@ -319,6 +359,23 @@ mod tests {
         // depth 6: 7 tokens in 2.7 plain steps; depth 1: 2 tokens in 1.95
         assert!(a.depth() >= 5, "depth {}", a.depth());
         assert!(total_depth as f64 / n as f64 > 4.0, "mean depth {}", total_depth as f64 / n as f64);
+    }
+
+    #[test]
+    fn exploring_goes_to_the_maximum_while_drafts_are_accepted() {
+        let mut a = Adaptive::new(6);
+        assert_eq!(a.next_depth(), Adaptive::FIRST_DEPTH);
+        a.observe(Adaptive::FIRST_DEPTH, 2, 100.0);
+        for _ in 1..Adaptive::EXPLORE {
+            assert_eq!(a.next_depth(), 6);
+            a.observe(6, 6, 3.0);
+        }
+        assert_eq!(a.next_depth(), 0, "calibration");
+        a.observe(0, 0, 1.0);
+        // 7 tokens in 3 steps against 1 in 1: stays deep (trying the unmeasured neighbour 5),
+        // the cold first cycle forgotten
+        let d = a.next_depth();
+        assert!(d >= 5, "depth {d}");
     }
 
     #[test]
