@@ -23,21 +23,28 @@ mod shared;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// Where the host's time goes in one decode step.
+#[derive(clap::Parser)]
+struct Cli {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: String,
+    /// Compute dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Prompt tokens.
+    #[arg(long, default_value_t = 128)]
+    prompt: usize,
+    /// Generated tokens a round.
+    #[arg(long, default_value_t = 128)]
+    gen: usize,
+    /// KV cache: flat or paged.
+    #[arg(long, default_value = "flat")]
+    kv: String,
+}
+
 fn main() -> Res<()> {
-    let mut args = std::env::args().skip(1);
-    let (mut model, mut dtype, mut prompt, mut gen, mut kv) = (None, "bf16".to_string(), 128usize, 128usize, "flat".to_string());
-    while let Some(a) = args.next() {
-        let mut v = || args.next().ok_or_else(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--model" => model = Some(v()?),
-            "--dtype" => dtype = v()?,
-            "--prompt" => prompt = v()?.parse()?,
-            "--gen" => gen = v()?.parse()?,
-            "--kv" => kv = v()?,
-            _ => return Err(format!("unknown argument {a}; usage: decode_profile --model DIR [--dtype bf16|f32] [--prompt N] [--gen N] [--kv flat|paged]").into()),
-        }
-    }
-    let dir = model.ok_or("--model DIR is required")?;
+    let Cli { model: dir, dtype, prompt, gen, kv } = <Cli as clap::Parser>::parse();
     let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
     let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
     let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;

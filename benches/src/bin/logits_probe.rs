@@ -20,23 +20,31 @@ mod shared;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// Last-position logits of one prompt.
+#[derive(clap::Parser)]
+struct Cli {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: String,
+    /// Compute dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Prompt tokens.
+    #[arg(long, default_value_t = 128)]
+    prompt: usize,
+    /// Where the f32 logits are written (little-endian).
+    #[arg(long)]
+    out: String,
+    /// Also time this many forward passes of the prompt (median printed).
+    #[arg(long, default_value_t = 0)]
+    time: usize,
+    /// KV cache: flat or paged.
+    #[arg(long, default_value = "flat")]
+    kv: String,
+}
+
 fn main() -> Res<()> {
-    let mut args = std::env::args().skip(1);
-    let (mut model, mut dtype, mut prompt, mut out, mut time) = (None, "bf16".to_string(), 128usize, None, 0usize);
-    let mut kv = "flat".to_string();
-    while let Some(a) = args.next() {
-        let mut v = || args.next().ok_or_else(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--model" => model = Some(v()?),
-            "--dtype" => dtype = v()?,
-            "--prompt" => prompt = v()?.parse()?,
-            "--out" => out = Some(v()?),
-            "--time" => time = v()?.parse()?,
-            "--kv" => kv = v()?,
-            _ => return Err(format!("unknown argument {a}; usage: logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt N] --out FILE").into()),
-        }
-    }
-    let (dir, out) = (model.ok_or("--model DIR is required")?, out.ok_or("--out FILE is required")?);
+    let Cli { model: dir, dtype, prompt, out, time, kv } = <Cli as clap::Parser>::parse();
     let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
     let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
     let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;

@@ -790,27 +790,39 @@ fn bench(dev: Device, sizes: &[usize], iters: usize, rng: &mut Rng, skip_through
 
 // ---------------------------------------------------------------- main
 
+/// GPU op checks against the CPU, and matmul throughput.
+#[derive(clap::Parser)]
+struct Cli {
+    /// Only the op checks.
+    #[arg(long, conflicts_with_all = ["bench", "bench_only"])]
+    no_bench: bool,
+    /// Run the throughput part even without a GPU (CPU timings).
+    #[arg(long)]
+    bench: bool,
+    /// Only the throughput part.
+    #[arg(long)]
+    bench_only: bool,
+    /// Matmul sizes for the throughput part (n x n x n).
+    #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
+    sizes: Vec<usize>,
+    /// Timed iterations per size (after 3 warm-ups).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Only checks whose name contains this text.
+    #[arg(long)]
+    filter: Option<String>,
+    /// Skip the checks up to and including this one (resume after a crash).
+    #[arg(long)]
+    skip_through: Option<String>,
+    /// Ignore the GPU: compare the CPU with itself.
+    #[arg(long)]
+    cpu: bool,
+}
+
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let (mut do_checks, mut do_bench, mut force_bench, mut force_cpu) = (true, true, false, false);
-    let mut sizes = vec![4096usize, 8192];
-    let mut iters = 10usize;
-    let (mut filter, mut skip_through) = (None, None);
-    while let Some(a) = args.next() {
-        let mut val = || args.next().unwrap_or_else(|| usage(&format!("{a} needs a value")));
-        match a.as_str() {
-            "--no-bench" => do_bench = false,
-            "--bench" => force_bench = true,
-            "--bench-only" => do_checks = false,
-            "--cpu" => force_cpu = true,
-            "--sizes" => sizes = val().split(',').map(|s| s.trim().parse().unwrap_or_else(|_| usage("bad --sizes"))).collect(),
-            "--iters" => iters = val().parse().unwrap_or_else(|_| usage("bad --iters")),
-            "--filter" => filter = Some(val()),
-            "--skip-through" => skip_through = Some(val()),
-            "-h" | "--help" => usage(""),
-            _ => usage(&format!("unknown argument {a}")),
-        }
-    }
+    let cli = <Cli as clap::Parser>::parse();
+    let (do_checks, do_bench, force_bench, force_cpu) = (!cli.bench_only, !cli.no_bench, cli.bench, cli.cpu);
+    let (sizes, iters, filter, mut skip_through) = (cli.sizes, cli.iters, cli.filter, cli.skip_through);
 
     let gpu = !force_cpu && mlx_array::gpu_available();
     let dev = if gpu { Device::Gpu } else { Device::Cpu };
@@ -858,10 +870,3 @@ fn main() {
     std::process::exit(if failed > 0 { 1 } else { 0 });
 }
 
-fn usage(msg: &str) -> ! {
-    if !msg.is_empty() {
-        eprintln!("gpu_check: {msg}");
-    }
-    eprintln!("usage: gpu_check [--no-bench | --bench | --bench-only] [--sizes 4096,8192] [--iters 10] [--filter TEXT] [--skip-through NAME] [--cpu]");
-    std::process::exit(2);
-}
