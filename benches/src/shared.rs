@@ -26,3 +26,20 @@ pub fn kv_cache(s: &str) -> Option<mlx_models::KvCacheMode> {
 pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % (vocab - 100).min(30000) + 10) as u32).collect()
 }
+
+/// The checkpoint options of the single-model probes (`decode_profile`, `logits_probe`).
+#[derive(clap::Args)]
+pub struct ModelArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    pub model: String,
+    /// Compute dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Prompt tokens.
+    #[arg(long, default_value_t = 128)]
+    pub prompt: usize,
+    /// KV cache: flat or paged.
+    #[arg(long, default_value = "flat")]
+    pub kv: String,
+}

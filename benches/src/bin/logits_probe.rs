@@ -23,28 +23,18 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 /// Last-position logits of one prompt.
 #[derive(clap::Parser)]
 struct Cli {
-    /// Checkpoint directory.
-    #[arg(long)]
-    model: String,
-    /// Compute dtype: bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
-    /// Prompt tokens.
-    #[arg(long, default_value_t = 128)]
-    prompt: usize,
+    #[command(flatten)]
+    m: shared::ModelArgs,
     /// Where the f32 logits are written (little-endian).
     #[arg(long)]
     out: String,
     /// Also time this many forward passes of the prompt (median printed).
     #[arg(long, default_value_t = 0)]
     time: usize,
-    /// KV cache: flat or paged.
-    #[arg(long, default_value = "flat")]
-    kv: String,
 }
 
 fn main() -> Res<()> {
-    let Cli { model: dir, dtype, prompt, out, time, kv } = <Cli as clap::Parser>::parse();
+    let Cli { m: shared::ModelArgs { model: dir, dtype, prompt, kv }, out, time } = <Cli as clap::Parser>::parse();
     let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
     let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
     let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;

@@ -28,14 +28,19 @@ def by_products(q, k, v, scale):
     return (p @ v).reshape(b, h, m, d)
 
 
-for m in [2, 6, 8]:
-    q = mx.random.normal((1, 32, m, 128)).astype(mx.bfloat16)
-    kk = mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16)
-    vv = mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16)
-    mx.eval(q, kk, vv)
-    fused = lambda n: mx.fast.scaled_dot_product_attention(q, kk[:, :, :n], vv[:, :, :n], scale=0.088, mask="causal")
-    prod = lambda n: by_products(q, kk[:, :, :n], vv[:, :, :n], 0.088)
-    for name, f in [("fused", fused), ("products", prod)]:
-        print(f"{m} queries, {name}: keys fixed {timed(lambda i: f(500), 30):.3f} ms, keys growing {timed(lambda i: f(600 + i), 30):.3f} ms", flush=True)
-    diff = mx.abs(fused(700).astype(mx.float32) - prod(700).astype(mx.float32)).max().item()
-    print(f"{m} queries: largest difference {diff:.2e} (bf16)", flush=True)
+def main():
+    for m in [2, 6, 8]:
+        q = mx.random.normal((1, 32, m, 128)).astype(mx.bfloat16)
+        kk = mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16)
+        vv = mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16)
+        mx.eval(q, kk, vv)
+        fused = lambda n: mx.fast.scaled_dot_product_attention(q, kk[:, :, :n], vv[:, :, :n], scale=0.088, mask="causal")
+        prod = lambda n: by_products(q, kk[:, :, :n], vv[:, :, :n], 0.088)
+        for name, f in [("fused", fused), ("products", prod)]:
+            print(f"{m} queries, {name}: keys fixed {timed(lambda i: f(500), 30):.3f} ms, keys growing {timed(lambda i: f(600 + i), 30):.3f} ms", flush=True)
+        diff = mx.abs(fused(700).astype(mx.float32) - prod(700).astype(mx.float32)).max().item()
+        print(f"{m} queries: largest difference {diff:.2e} (bf16)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,20 +19,17 @@ import mlx_lm.models.base as base
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from cuda_attention_probe import by_products as products  # noqa: E402
+
 fused = base.scaled_dot_product_attention
 
 
 def by_products(queries, keys, values, cache, scale, mask, sinks=None):
-    b, h, m, d = queries.shape
-    if m == 1 or m > 16:
+    """mlx-lm's attention call, 2-16 queries as `cuda_attention_probe.by_products` (causal)."""
+    if queries.shape[2] == 1 or queries.shape[2] > 16:
         return fused(queries, keys, values, cache, scale, mask, sinks)
-    hk, n = keys.shape[1], keys.shape[2]
-    rep = h // hk
-    s = ((queries * scale).reshape(b, hk, rep * m, d) @ keys.swapaxes(-1, -2)).reshape(b, hk, rep, m, n)
-    visible = mx.arange(n).reshape(1, n) <= mx.arange(n - m, n).reshape(m, 1)
-    s = mx.where(visible, s, mx.array(-float("inf"), s.dtype))
-    p = mx.softmax(s, axis=-1, precise=True).reshape(b, hk, rep * m, n)
-    return (p @ values).reshape(b, h, m, d)
+    return products(queries, keys, values, scale)
 
 
 attention_impl = by_products

@@ -22,6 +22,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "guarded.h"
 #include "kernels.h"
 #include "strided.h"
 
@@ -535,17 +536,6 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float
   if (!ok) return sdpa_by_ops(q, k, v, scale, causal, merge, s);
   mx::Shape shape = merge ? mx::Shape{q.shape(0), q.shape(2), q.shape(1) * v.shape(3)} : mx::Shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
   return mx::array(std::move(shape), q.dtype(), std::make_shared<CpuSdpa>(s, scale, causal, merge), {q, k, v});
-}
-
-template <class F>
-int guarded(mlx_array* res, F&& f) {
-  try {
-    mlx_array_set_(*res, f());
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "mlx/c/private/stream.h"
 #include "mlx/fast.h"
 #include "mlx/mlx.h"
+#include "../cpukern/guarded.h"
 #include "mlxm_cuda_src.h"
 
 namespace mx = mlx::core;
@@ -38,24 +39,13 @@ const mx::fast::CustomKernelFunction& attention_kernel() {
   return k;
 }
 
-template <class F>
-int guarded(mlx_array* res, F&& f) {
-  try {
-    mlx_array_set_(*res, f());
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
-}
-
 }  // namespace
 
 extern "C" {
 
 // x [M, K] @ w[N, K].T -> [M, N], x and w of one 2-byte float dtype, 1 <= M <= 16 (any strides).
 int mlx_models_cuda_rows_matmul(mlx_array* res, const mlx_array x, const mlx_array w, const mlx_stream s) {
-  return guarded(res, [&] {
+  return mlxm::guarded(res, [&] {
     const auto& xa = mlx_array_get_(x);
     const auto& wa = mlx_array_get_(w);
     if (xa.ndim() != 2 || wa.ndim() != 2 || xa.shape(1) != wa.shape(1) || xa.shape(0) < 1 || xa.shape(0) > 16 ||
@@ -76,7 +66,7 @@ int mlx_models_cuda_rows_matmul(mlx_array* res, const mlx_array x, const mlx_arr
 // `window` most recent keys when `window` > 0 (with causal). Output [B, Hq, M, D].
 int mlx_models_cuda_few_query_attention(mlx_array* res, const mlx_array q, const mlx_array k, const mlx_array v, float scale,
                                         bool causal, int window, const mlx_stream s) {
-  return guarded(res, [&] {
+  return mlxm::guarded(res, [&] {
     const auto& qa = mlx_array_get_(q);
     const auto& ka = mlx_array_get_(k);
     const auto& va = mlx_array_get_(v);
