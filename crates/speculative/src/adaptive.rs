@@ -24,7 +24,10 @@
 //! the gap between probes grows until a probe's measured time is at most
 //! [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
 //! costs several plain steps, as multi-row forwards do on some GPUs, is probed that much more
-//! rarely). Depth 0 with a useless draft therefore costs at most that share of the time.
+//! rarely); settled on plain decoding, the gap is further divided by the first draft's
+//! acceptance EMA (floored at [`Adaptive::MIN_PROBE_ACCEPT`]), so a draft that keeps failing is
+//! probed ever more rarely. Depth 0 with a useless draft therefore costs at most that share of
+//! the time, plus the opening cycle and a draft model's catching up over the tokens it skipped.
 
 /// The adaptive depth policy of one generation.
 #[derive(Debug, Clone)]
@@ -58,6 +61,9 @@ impl Adaptive {
     pub const EXPLORE: usize = 3;
     /// Drafts of the first cycle (at most the maximum depth).
     pub const FIRST_DEPTH: usize = 1;
+    /// The floor of the first draft's acceptance in [`Adaptive::probe_scale`]: probes from plain
+    /// decoding are at most 1 / this times further apart.
+    pub const MIN_PROBE_ACCEPT: f64 = 0.05;
     /// Far probes (to the maximum depth) only while the first draft's acceptance (an EMA from
     /// 0.5) is at least this: one cycle that accepts nothing stops them until drafts agree again.
     pub const FAR_PROBE_ACCEPT: f64 = 0.4;
@@ -197,11 +203,24 @@ impl Adaptive {
 
     /// Cycles until the probe after one at depth `d`: [`Adaptive::PROBE`], or more when a cycle at
     /// `d` is measured to cost more than [`Adaptive::PROBE_BUDGET`] of that many cycles at the
-    /// current depth.
+    /// current depth; settled on plain decoding, divided by the first draft's acceptance
+    /// ([`Adaptive::probe_scale`]).
     fn probe_gap(&self, d: usize) -> usize {
-        match (self.time[d], self.time[self.depth]) {
+        let gap = match (self.time[d], self.time[self.depth]) {
             (Some(tp), Some(tc)) if tc > 0.0 => Self::PROBE.max((tp / (Self::PROBE_BUDGET * tc)).ceil() as usize),
             _ => Self::PROBE,
+        };
+        (gap as f64 * self.probe_scale()).ceil() as usize
+    }
+
+    /// How much further apart probes from plain decoding are: 1 / the first draft's acceptance
+    /// (an EMA, floored at [`Adaptive::MIN_PROBE_ACCEPT`]); 1 away from plain decoding. A probe can
+    /// only pay off if drafts are accepted, so a draft that keeps failing is asked ever more rarely.
+    fn probe_scale(&self) -> f64 {
+        if self.depth == 0 {
+            1.0 / self.accept[0].max(Self::MIN_PROBE_ACCEPT)
+        } else {
+            1.0
         }
     }
 
@@ -219,6 +238,9 @@ impl Adaptive {
         }
         if self.exploring && d > 0 && accepted == 0 {
             self.exploring = false;
+            // the first probe of a draft that has just failed waits longer (probe_scale)
+            let scale = 1.0 / (self.accept[0] * (1.0 - Self::ALPHA)).max(Self::MIN_PROBE_ACCEPT);
+            self.next_probe = self.cycles + (Self::PROBE as f64 * scale).ceil() as usize;
         }
         for i in 0..d.min(accepted + 1).min(self.max) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
@@ -306,8 +328,10 @@ mod tests {
         assert_eq!(a.plain_run(), 0);
         assert_eq!(a.next_depth(), 0);
         a.observe(0, 0, 1.0);
+        // the first probe of a draft that accepted nothing waits PROBE / 0.375 cycles (its
+        // acceptance EMA after one miss), not PROBE
         let n = a.plain_run();
-        assert!(n > 0 && n < Adaptive::PROBE, "plain run {n}");
+        assert!(n > Adaptive::PROBE && n < (Adaptive::PROBE as f64 / 0.375).ceil() as usize, "plain run {n}");
         a.observe_plain(n, n as f64);
         assert_eq!(a.plain_run(), 0, "the next cycle is a probe");
         assert_eq!(a.next_depth(), 1, "nothing accepted yet: the probe goes to the neighbour");
