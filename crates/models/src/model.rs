@@ -165,20 +165,19 @@ impl Model {
     pub fn materialize(&self) -> Result<()> {
         let rt = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let mut cache = Cache::new(&rt.cache_spec());
-        let t = Array::from_slice(&[0u32], &[1, 1])?;
-        let out = rt.forward(&t, &mut cache, Logits::Last, false)?;
-        let mut arrays: Vec<&Array> = out.logits.iter().collect();
-        arrays.extend(cache.arrays());
-        mlx_array::eval(&arrays)?;
+        let mut run = |ids: &[u32]| -> Result<()> {
+            let t = Array::from_slice(ids, &[1, ids.len()])?;
+            let out = rt.forward(&t, &mut cache, Logits::Last, false)?;
+            let mut arrays: Vec<&Array> = out.logits.iter().collect();
+            arrays.extend(cache.arrays());
+            Ok(mlx_array::eval(&arrays)?)
+        };
+        run(&[0])?;
         if !crate::layers::runs_on_cpu() && mlx_array::ops::cuda_few_row_kernels() == mlx_array::ops::CudaFewRowKernels::On {
             // two positions more: the few-row products and few-query attention kernels
             // (mlx_array::ops::cuda) of this model's shapes compile now, not at the first
             // verify step or short prompt (about 2 s each on first use, H100)
-            let t = Array::from_slice(&[0u32, 0], &[1, 2])?;
-            let out = rt.forward(&t, &mut cache, Logits::Last, false)?;
-            let mut arrays: Vec<&Array> = out.logits.iter().collect();
-            arrays.extend(cache.arrays());
-            mlx_array::eval(&arrays)?;
+            run(&[0, 0])?;
         }
         Ok(())
     }

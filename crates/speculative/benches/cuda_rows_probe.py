@@ -15,12 +15,13 @@ PYTHONPATH=/tmp/mlxrt-spec LD_LIBRARY_PATH=/tmp/mlxrt-spec/mlx/lib.
 import pathlib
 import struct
 import sys
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cuda_matmul_probe import timed  # noqa: E402  (best of 5 synchronised runs)
 SOURCE = (HERE.parents[1] / "mlx-sys/src/cudakern/rows_matmul.cu").read_text()
 KERNEL = mx.fast.cuda_kernel(name="rows_matmul", input_names=["x", "w"], output_names=["out"], source=SOURCE,
                              ensure_row_contiguous=False)
@@ -44,18 +45,6 @@ def rows_matmul(x, w, r):
                   threadgroup=(256, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
 
 
-def best(fn, n=5):
-    fn()
-    mx.synchronize()
-    t_best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        mx.synchronize()
-        t_best = min(t_best, time.perf_counter() - t)
-    return t_best
-
-
 def kernels():
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
               "draft_qkv": (4096, 1024), "draft_down": (1024, 3072)}
@@ -68,19 +57,18 @@ def kernels():
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
             ref = x.astype(mx.float32) @ ws[0].astype(mx.float32).T
-            row = [f"{name} N={n} K={k} M={m}: matmul {gb / best(lambda: mx.eval([x @ w.T for w in ws])):6.0f} GB/s"]
+            row = [f"{name} N={n} K={k} M={m}: matmul {gb / timed(lambda: mx.eval([x @ w.T for w in ws])):6.0f} GB/s"]
             if m > 1:
                 for r in [1, 2, 4]:
                     got = rows_matmul(x, ws[0], r).astype(mx.float32)
                     err = (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
-                    t = best(lambda: mx.eval([rows_matmul(x, w, r) for w in ws]))
+                    t = timed(lambda: mx.eval([rows_matmul(x, w, r) for w in ws]))
                     row.append(f"R={r} {gb / t:6.0f} GB/s (rel {err:.1e})")
             print(", ".join(row), flush=True)
         del ws
 
 
 def attentions():
-    sys.path.insert(0, str(HERE))
     from cuda_verify_probe import by_products
     for n in [37, 512, 2048, 8192]:
         cap = n + 64
@@ -96,8 +84,8 @@ def attentions():
             err = (mx.abs(f32(got) - ref).max() / mx.abs(ref).max()).item()
             prod = by_products(q, k, v, None, 0.088, "causal")
             perr = (mx.abs(f32(prod) - ref).max() / mx.abs(ref).max()).item()
-            tk = best(lambda: mx.eval([attention(q, k, v, 0.088) for _ in range(36)])) / 36
-            tp = best(lambda: mx.eval([by_products(q, k, v, None, 0.088, "causal") for _ in range(36)])) / 36
+            tk = timed(lambda: mx.eval([attention(q, k, v, 0.088) for _ in range(36)])) / 36
+            tp = timed(lambda: mx.eval([by_products(q, k, v, None, 0.088, "causal") for _ in range(36)])) / 36
             line = f"attention keys={n} queries={m}: kernel {tk * 1e6:.0f} us (rel {err:.1e}), products {tp * 1e6:.0f} us (rel {perr:.1e})"
             if n > 40:
                 w = attention(q, k, v, 0.088, True, 100)
@@ -145,7 +133,6 @@ if __name__ == "__main__":
     if "--matmul" in sys.argv:
         kernels()
     if dirs:
-        sys.path.insert(0, str(HERE))
         import cuda_verify_probe as v
         for p in dirs:
             v.forwards(pathlib.Path(p), [1, 2, 4, 8])

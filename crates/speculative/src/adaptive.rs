@@ -218,10 +218,15 @@ impl Adaptive {
     /// only pay off if drafts are accepted, so a draft that keeps failing is asked ever more rarely.
     fn probe_scale(&self) -> f64 {
         if self.depth == 0 {
-            1.0 / self.accept[0].max(Self::MIN_PROBE_ACCEPT)
+            self.acceptance_scale()
         } else {
             1.0
         }
+    }
+
+    /// 1 / the first draft's acceptance EMA, floored at [`Adaptive::MIN_PROBE_ACCEPT`].
+    fn acceptance_scale(&self) -> f64 {
+        1.0 / self.accept[0].max(Self::MIN_PROBE_ACCEPT)
     }
 
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
@@ -236,15 +241,14 @@ impl Adaptive {
         if self.probing.take() == Some(d) {
             self.next_probe = self.cycles + self.probe_gap(d);
         }
-        if self.exploring && d > 0 && accepted == 0 {
-            self.exploring = false;
-            // the first probe of a draft that has just failed waits longer (probe_scale)
-            let scale = 1.0 / (self.accept[0] * (1.0 - Self::ALPHA)).max(Self::MIN_PROBE_ACCEPT);
-            self.next_probe = self.cycles + (Self::PROBE as f64 * scale).ceil() as usize;
-        }
         for i in 0..d.min(accepted + 1).min(self.max) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
             self.accept[i] += Self::ALPHA * (hit - self.accept[i]);
+        }
+        if self.exploring && d > 0 && accepted == 0 {
+            self.exploring = false;
+            // the first probe of a draft that has just failed waits longer (as probe_scale)
+            self.next_probe = self.cycles + (Self::PROBE as f64 * self.acceptance_scale()).ceil() as usize;
         }
     }
 }

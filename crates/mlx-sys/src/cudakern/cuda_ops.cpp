@@ -9,8 +9,9 @@
 //   strides; MLX's fused attention for more than one query builds a cuDNN graph per new shape,
 //   and the matrix-product form pays the cuBLAS set-up twice per layer.
 //
-// The kernel bodies are the .cu files next to this one (build.rs embeds them). Callers check the
-// arguments (mlx-array's `ops::cuda`); these functions run the kernel or report MLX's error.
+// The kernel bodies are the .cu files next to this one (build.rs embeds them). mlx-array's
+// `ops::cuda` checks the arguments with typed errors; these functions check them again (a wrong
+// shape here would read out of bounds on the GPU) and report any failure through mlx-c's handler.
 #include <cstring>
 #include <stdexcept>
 #include <string>
