@@ -21,6 +21,7 @@ use mlx_models::chat::{ChatFormat, ChatMessage, RenderOptions, Tokenizer};
 use mlx_models::media::ImageInput;
 use mlx_models::{generate, load_model, GenerateConfig, KvCacheMode, LoadOptions, PagedConfig, QuantizedWeights};
 use mlx_array::distributed::{Backend, Group};
+use mlx_array::ops::CudaFewRowKernels;
 use mlx_array::{memory, Array};
 use sampling::SamplingConfig;
 use std::io::Write;
@@ -90,10 +91,11 @@ struct Cli {
     /// MTP drafts per cycle (default: adaptive, up to 5).
     #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
     mtp_depth: Option<u64>,
-    /// On a CUDA GPU, run products of 2-8 rows and attention of 2-16 queries (verify steps,
-    /// short prompts) with our kernels instead of MLX's ops (`mlx_array::ops::CudaFewRowKernels`).
-    #[arg(long)]
-    cuda_few_row_kernels: bool,
+    /// On a CUDA GPU, which of products of 2-8 rows and attention of 2-16 queries (verify
+    /// steps, short prompts) run our kernels instead of MLX's ops
+    /// (`mlx_array::ops::CudaFewRowKernels`).
+    #[arg(long, value_enum, default_value_t = FewRowKernels::Off)]
+    cuda_few_row_kernels: FewRowKernels,
     /// Join an MLX distributed group over this backend (started by the `launch` example, or
     /// by `mlx.launch`) and run tensor parallel over its ranks.
     #[arg(long, value_enum)]
@@ -122,11 +124,23 @@ enum Quantized {
     Dequantize,
 }
 
+/// `--cuda-few-row-kernels`: [`CudaFewRowKernels`].
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum FewRowKernels {
+    Off,
+    Products,
+    Attention,
+    On,
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
-    if cli.cuda_few_row_kernels {
-        mlx_array::ops::set_cuda_few_row_kernels(mlx_array::ops::CudaFewRowKernels::On);
-    }
+    mlx_array::ops::set_cuda_few_row_kernels(match cli.cuda_few_row_kernels {
+        FewRowKernels::Off => CudaFewRowKernels::Off,
+        FewRowKernels::Products => CudaFewRowKernels::Products,
+        FewRowKernels::Attention => CudaFewRowKernels::Attention,
+        FewRowKernels::On => CudaFewRowKernels::On,
+    });
     let dir = &cli.model;
     let quantized = match cli.quantized {
         Quantized::Auto => QuantizedWeights::Auto,

@@ -173,7 +173,7 @@ impl Model {
             Ok(mlx_array::eval(&arrays)?)
         };
         run(&[0])?;
-        if !crate::layers::runs_on_cpu() && mlx_array::ops::cuda_few_row_kernels() == mlx_array::ops::CudaFewRowKernels::On {
+        if !crate::layers::runs_on_cpu() && mlx_array::ops::cuda_few_row_kernels().any() {
             // two positions more: the few-row products and few-query attention kernels
             // (mlx_array::ops::cuda) of this model's shapes compile now, not at the first
             // verify step or short prompt (about 2 s each on first use, H100)

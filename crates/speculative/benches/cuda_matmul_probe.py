@@ -4,7 +4,9 @@ one pass over a layer stack's worth of distinct weights (far beyond the L2, as i
   * `plain`: x @ w.T, what a Linear runs;
   * `splitS`: the same product split along the inner dimension into S slices, the weight held as
     [S, N, K/S] (rearranged once, as a loader could), one batched product and a sum over S;
-and torch's F.linear on the same shapes as the peer. Effective GB/s = weight bytes / time.
+and torch's F.linear on the same shapes as the peer. Effective GB/s = weight bytes / time. The
+products of one pass are independent, so MLX's CUDA graph may overlap them: a kernel that occupies
+few SMs looks faster here than in a forward (benches' `verify_probe` chains its calls).
 Run where gpu_spec_bench.sh unpacked the runtime (see prepare_gpu_spec.sh):
   PYTHONPATH=/tmp/mlxrt-spec LD_LIBRARY_PATH=/tmp/mlxrt-spec/mlx/lib python3 cuda_matmul_probe.py
 """

@@ -9,6 +9,9 @@ product of more than one row; attention of a few queries as matrix products):
 
   python3 cuda_rows_probe.py [--matmul] [MODEL_DIR...]   # --matmul: the product table (1.)
 
+The calls of one evaluation are independent and MLX's CUDA graph overlaps them, so tables 0. and
+1. overstate the kernels, which occupy few SMs (in a forward they lose: benches' `verify_probe`).
+
 Run where gpu_spec_bench.sh unpacked the runtime (see prepare_gpu_spec.sh), with
 PYTHONPATH=/tmp/mlxrt-spec LD_LIBRARY_PATH=/tmp/mlxrt-spec/mlx/lib.
 """

@@ -3,10 +3,11 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [FEWROW=1] bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
+#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [FEWROW=MODE] bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
-# FEWROW=1 runs each of our speculative lines again with `--cuda-few-row-kernels` (verify steps'
-# products and attention by the kernels of crates/mlx-sys/src/cudakern).
+# FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
+# `--cuda-few-row-kernels MODE` (verify steps' products and/or attention by the kernels of
+# crates/mlx-sys/src/cudakern).
 #
 # run from the repository root (scripts/gpu/unpack_payload.sh); gpu_pair.py is read next to
 # this script, so both may be staged together.
@@ -41,7 +42,7 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
   echo "plain $(run)"
   for k in "${KS[@]}"; do
     echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
-    [ -z "${FEWROW:-}" ] || echo "draft$k+kernels $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels)"
+    [ -z "${FEWROW:-}" ] || echo "draft$k+$FEWROW $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels "$FEWROW")"
   done
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   echo "plain2 $(run)"

@@ -9,8 +9,9 @@
 //! States, in order: **explore** (up to [`Adaptive::EXPLORE`] cycles: the first drafts
 //! [`Adaptive::FIRST_DEPTH`] tokens, the next ones the maximum depth to measure acceptance at
 //! every position, and exploring stops at a cycle that accepts nothing, so a useless draft costs
-//! one short cycle; the first cycle's time is not counted, since a first forward of a new shape
-//! pays one-time costs such as kernel compilation), **calibrate** (one plain step: the
+//! one short cycle; the first cycle at each depth is not timed, since its verify forward is the
+//! first of a new shape and pays one-time costs such as kernel compilation or, on CUDA, cuBLAS
+//! algorithm selection and graph instantiation), **calibrate** (one plain step: the
 //! break-even reference), then **climb**: each cycle moves to the best of plain
 //! decoding, `depth - 1`, `depth`, `depth + 1` and the maximum depth (a neighbour never measured
 //! is tried once while speculation is ahead), where
@@ -46,6 +47,8 @@ pub struct Adaptive {
     probe_far: bool,
     /// Still exploring: no explore cycle has accepted nothing.
     exploring: bool,
+    /// Per depth: whether a cycle ran at it (its first one is not timed).
+    ran: Vec<bool>,
 }
 
 impl Adaptive {
@@ -81,6 +84,7 @@ impl Adaptive {
             probing: None,
             probe_far: true,
             exploring: true,
+            ran: vec![false; max + 1],
         }
     }
 
@@ -232,8 +236,12 @@ impl Adaptive {
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
     pub fn observe(&mut self, d: usize, accepted: usize, secs: f64) {
         let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
-        // the first cycle's time includes one-time costs of a new shape
-        if self.cycles > 1 {
+        // the first cycle at a speculative depth runs a new verify shape: one-time costs
+        let first = d > 0 && self.ran.get(d).is_some_and(|r| !r);
+        if let Some(r) = self.ran.get_mut(d) {
+            *r = true;
+        }
+        if !first {
             if let Some(t) = self.time.get_mut(d) {
                 *t = ema(*t, secs);
             }
@@ -385,6 +393,28 @@ mod tests {
             a.observe(d, d, t);
         }
         // depth 6: 7 tokens in 2.7 plain steps; depth 1: 2 tokens in 1.95
+        assert!(a.depth() >= 5, "depth {}", a.depth());
+        assert!(total_depth as f64 / n as f64 > 4.0, "mean depth {}", total_depth as f64 / n as f64);
+    }
+
+    /// As [`deep_drafts_win_where_shallow_ones_lose`], but the first cycle at every depth is 30
+    /// times slower (each depth's verify forward is a new shape; on CUDA, MLX's cuBLAS set-up
+    /// and graph instantiation; a plain step's shape has run before): the deep depth is still
+    /// found and kept.
+    #[test]
+    fn first_cycles_at_each_depth_pay_one_time_costs() {
+        let mut a = Adaptive::new(6);
+        let mut seen = [false; 7];
+        let (mut total_depth, n) = (0, 400);
+        for _ in 0..n {
+            let d = a.next_depth();
+            total_depth += d;
+            let mut t = if d == 0 { 1.0 } else { 1.8 + 0.15 * d as f64 };
+            if d > 0 && !std::mem::replace(&mut seen[d], true) {
+                t *= 30.0;
+            }
+            a.observe(d, d, t);
+        }
         assert!(a.depth() >= 5, "depth {}", a.depth());
         assert!(total_depth as f64 / n as f64 > 4.0, "mean depth {}", total_depth as f64 / n as f64);
     }

@@ -207,3 +207,43 @@ fn partial_acceptance_rolls_back_every_cache_kind() {
         }
     }
 }
+
+/// Greedy speculative decoding gives plain greedy decoding's tokens and their log-probs under the
+/// same settings, without and with a repetition penalty (which reads the drafts).
+#[test]
+fn greedy_tokens_and_logprobs_match_plain() {
+    use mlx_models::{generate, Token};
+    let target = load("qwen3", KvCacheMode::Flat);
+    let mut rng = Rng(5);
+    let prompt = gapped_prompt(&target, &mut rng, 24, NEW);
+    for cfg in [
+        sampling::SamplingConfig::greedy(),
+        sampling::SamplingConfig::greedy().with_repetition_penalty(1.3),
+    ] {
+        let mut cache = target.new_cache();
+        let plain: Vec<Token> = generate(&target, &mut cache, &prompt, gen_cfg(NEW, cfg.clone()))
+            .unwrap()
+            .map(|t| t.unwrap())
+            .collect();
+        let mut spec = SpeculativeDecoder::new(
+            Box::new(DraftModel::new(load("qwen3_untied", KvCacheMode::Flat))),
+            Some(3),
+        );
+        let mut cache = target.new_cache();
+        let got: Vec<Token> = generate(&target, &mut cache, &prompt, gen_cfg(NEW, cfg.clone()))
+            .unwrap()
+            .with_speculator(&mut spec)
+            .map(|t| t.unwrap())
+            .collect();
+        let ids = |v: &[Token]| v.iter().map(|t| t.id).collect::<Vec<_>>();
+        assert_eq!(ids(&got), ids(&plain), "{cfg:?}");
+        for (g, p) in got.iter().zip(&plain) {
+            assert!(
+                (g.logprob - p.logprob).abs() <= 1e-4 * p.logprob.abs().max(1.0),
+                "{cfg:?}: log-prob {} against plain {}",
+                g.logprob,
+                p.logprob
+            );
+        }
+    }
+}

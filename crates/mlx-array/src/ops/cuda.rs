@@ -5,23 +5,22 @@
 //! MLX runs a product of more than one row through cuBLASLt, whose per-call set-up on the host
 //! (descriptors, the algorithm heuristic, capture into the step's CUDA graph) costs tens of
 //! microseconds, and its fused attention of more than one query builds a cuDNN graph for every
-//! new (queries, keys) shape. Measured on an H100 with `crates/speculative/benches/cuda_rows_probe.py`
-//! (36 calls per evaluation, bf16): Qwen3-8B's q/k/v product of 8 rows 1457 GB/s against 857 for
-//! MLX's matmul, a 0.6B draft's 1024-wide products 1.5-2x faster; attention of 8 queries over 512
-//! keys 30 us a call against 67 as matrix products, over 2048 keys about even, beyond that the
-//! products win (one warp walks all keys of a query row), hence [`FEW_QUERY_ATTENTION_MAX_KEYS`].
+//! new (queries, keys) shape.
 //!
-//! Whether [`Array::matmul_weight_t`] and [`Array::sdpa`] use them is [`CudaFewRowKernels`]
-//! (process-wide, `Off` by default): in the one end-to-end measurement so far (speculative
-//! decoding of the Qwen3-8B-shaped pair, `gpu_spec_bench.sh`, H100) the verify steps were slower
-//! with them than with MLX's cuBLAS products and attention as matrix products (116.7 against
-//! 166-179 tok/s at 7 drafts a cycle), with a build whose product kernel kept its row sums in an
-//! early-exit loop; `tests/cuda_kernels.rs` checks the kernels against f64 on a GPU (it passed on
-//! an H100 with that build; the loop was rewritten afterwards and not yet run on a GPU).
+//! Whether [`Array::matmul_weight_t`] and [`Array::sdpa`] use the kernels is [`CudaFewRowKernels`]
+//! (process-wide, `Off` by default, products and attention switched separately): in a forward
+//! they lose to MLX's ops. `verify_probe` (benches, H100, Qwen3-8B-shaped bf16, 384 keys): a
+//! forward of 2 / 8 rows took 10.0 / 10.5 ms with MLX's ops, 11.1 / 21.4 with the product kernel,
+//! 22.0 / 21.7 with the attention kernel, 22.4 / 32.0 with both. Nsight Compute puts the
+//! attention kernel at 383 us a layer for 2 queries (one warp walks every key of a query row: 16
+//! blocks on a 132-SM GPU); the product kernel (one warp per 2 weight rows, one 16-byte load in
+//! flight a lane) does not keep enough reads in flight at 8 rows. Timing many independent calls in one evaluation
+//! hides this (MLX's CUDA graph runs them concurrently), which is how the kernels first looked
+//! 1.5-3x faster. `tests/cuda_kernels.rs` checks them against f64 on a GPU (passed on an H100).
 use crate::error::{Error, Result};
 use crate::ops::AttentionMask;
 use crate::{Array, DType};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Whether products of a few rows and attention of a few queries on a CUDA GPU run our kernels
 /// ([`Array::cuda_rows_matmul`], [`Array::cuda_few_query_attention`]) or MLX's own ops.
@@ -30,24 +29,51 @@ pub enum CudaFewRowKernels {
     /// MLX's matmul (cuBLAS) and attention as matrix products.
     #[default]
     Off,
-    /// Our kernels where they apply (see [`Array::matmul_weight_t`] and [`Array::sdpa`]).
+    /// The product kernel where it applies ([`Array::matmul_weight_t`]); attention as in `Off`.
+    Products,
+    /// The attention kernel where it applies ([`Array::sdpa`]); products as in `Off`.
+    Attention,
+    /// Both kernels where they apply.
     On,
 }
 
-static FEW_ROW_KERNELS_ON: AtomicBool = AtomicBool::new(false);
+impl CudaFewRowKernels {
+    fn bits(self) -> u8 {
+        match self {
+            CudaFewRowKernels::Off => 0,
+            CudaFewRowKernels::Products => PRODUCTS,
+            CudaFewRowKernels::Attention => ATTENTION,
+            CudaFewRowKernels::On => PRODUCTS | ATTENTION,
+        }
+    }
+
+    /// Whether any kernel is on.
+    pub fn any(self) -> bool {
+        self != CudaFewRowKernels::Off
+    }
+}
+
+const PRODUCTS: u8 = 1;
+const ATTENTION: u8 = 2;
+static FEW_ROW_KERNELS: AtomicU8 = AtomicU8::new(0);
 
 /// Set [`CudaFewRowKernels`] (process-wide; graphs built afterwards follow it).
 pub fn set_cuda_few_row_kernels(mode: CudaFewRowKernels) {
-    FEW_ROW_KERNELS_ON.store(mode == CudaFewRowKernels::On, Ordering::Relaxed);
+    FEW_ROW_KERNELS.store(mode.bits(), Ordering::Relaxed);
 }
 
 /// The current [`CudaFewRowKernels`] setting.
 pub fn cuda_few_row_kernels() -> CudaFewRowKernels {
-    if FEW_ROW_KERNELS_ON.load(Ordering::Relaxed) {
-        CudaFewRowKernels::On
-    } else {
-        CudaFewRowKernels::Off
+    match FEW_ROW_KERNELS.load(Ordering::Relaxed) {
+        0 => CudaFewRowKernels::Off,
+        PRODUCTS => CudaFewRowKernels::Products,
+        ATTENTION => CudaFewRowKernels::Attention,
+        _ => CudaFewRowKernels::On,
     }
+}
+
+fn kernel_on(bit: u8) -> bool {
+    FEW_ROW_KERNELS.load(Ordering::Relaxed) & bit != 0
 }
 
 /// Most rows of `x` [`Array::matmul_weight_t`] gives the few-row kernel on a GPU (9-16 rows
@@ -66,14 +92,14 @@ fn mlx_ops_only_now() -> bool {
     unsafe { mlx_sys::mlx_models_uses_mlx_ops() }
 }
 
-/// With [`CudaFewRowKernels::On`], on a GPU.
-fn kernels_on_gpu() -> bool {
-    FEW_ROW_KERNELS_ON.load(Ordering::Relaxed) && matches!(crate::default_device(), Ok(crate::Device::Gpu))
+/// With the product kernel on ([`CudaFewRowKernels::Products`] or `On`), on a GPU.
+fn product_kernel_on_gpu() -> bool {
+    kernel_on(PRODUCTS) && matches!(crate::default_device(), Ok(crate::Device::Gpu))
 }
 
 impl Array {
     /// `self @ wt` where `wt` (`[in, out]`) is the transposed view of a weight stored
-    /// `[out, in]` (what a linear layer holds; `self` `[.., in]`): with [`CudaFewRowKernels::On`]
+    /// `[out, in]` (what a linear layer holds; `self` `[.., in]`): with the product kernel on ([`CudaFewRowKernels`])
     /// on a GPU, 2 to [`GPU_ROWS_MATMUL_MAX_ROWS`] rows of bf16 or f16 run
     /// [`Array::cuda_rows_matmul`] over the stored rows, everything else MLX's matmul.
     pub fn matmul_weight_t(&self, wt: &Array) -> Result<Array> {
@@ -86,7 +112,7 @@ impl Array {
             && wt.ndim() == 2
             && wt.dims()[0] == k
             && k % 8 == 0
-            && kernels_on_gpu()
+            && product_kernel_on_gpu()
             && !mlx_ops_only_now()
         {
             let y = self.reshape(&[rows as i32, k])?.cuda_rows_matmul(&wt.swap_axes(0, 1)?)?;
@@ -148,7 +174,7 @@ impl Array {
 pub(crate) fn few_query_kernel_applies(q: &Array, k: &Array, v: &Array, mask: &AttentionMask) -> bool {
     let (qd, kd) = (q.dims(), k.dims());
     let keys = kd[2] as usize;
-    FEW_ROW_KERNELS_ON.load(Ordering::Relaxed)
+    kernel_on(ATTENTION)
         && !matches!(mask, AttentionMask::Array(_) | AttentionMask::SlidingWindow(0))
         && keys <= FEW_QUERY_ATTENTION_MAX_KEYS
         && keys * qd[2] as usize <= FEW_QUERY_ATTENTION_MAX_WORK

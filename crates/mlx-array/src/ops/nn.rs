@@ -131,7 +131,7 @@ impl Array {
     /// with `Hq` a multiple of `Hkv` (grouped-query attention).
     ///
     /// On a GPU, 2 to [`GPU_PRODUCT_ATTENTION_MAX_QUERIES`] queries run as matrix products
-    /// ([`Array::sdpa_by_products`]), or with [`crate::ops::CudaFewRowKernels::On`] our few-query
+    /// ([`Array::sdpa_by_products`]), or with the attention kernel on ([`crate::ops::CudaFewRowKernels`]) our few-query
     /// kernel ([`Array::cuda_few_query_attention`]) up to
     /// [`crate::ops::FEW_QUERY_ATTENTION_MAX_KEYS`] keys: the CUDA backend's fused
     /// attention for more than one query builds a cuDNN graph for every new (queries, keys)

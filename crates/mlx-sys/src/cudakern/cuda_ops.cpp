@@ -3,11 +3,12 @@
 //
 // - `rows_matmul.cu`: x @ w.T for 1-16 rows of x. MLX runs a product of more than one row through
 //   cuBLASLt, and each such call sets up its descriptors, queries the algorithm heuristic and
-//   captures the call into the step's CUDA graph on the host: tens of microseconds a product,
-//   more than the product itself for a 0.6B model and a large part of an 8-row verify step.
+//   captures the call into the step's CUDA graph on the host: tens of microseconds a product.
+//   (In a forward this kernel is still slower than cuBLAS: see mlx-array's `ops::cuda`.)
 // - `few_query_attention.cu`: attention of a few queries over a K/V cache read through its
 //   strides; MLX's fused attention for more than one query builds a cuDNN graph per new shape,
-//   and the matrix-product form pays the cuBLAS set-up twice per layer.
+//   and the matrix-product form pays the cuBLAS set-up twice per layer. (One warp per query row
+//   walks all keys: too few blocks for a few queries; slower than the products in a forward.)
 //
 // The kernel bodies are the .cu files next to this one (build.rs embeds them). mlx-array's
 // `ops::cuda` checks the arguments with typed errors; these functions check them again (a wrong

@@ -1,0 +1,217 @@
+//! Where a speculative verify step's time goes on a GPU: a forward of M rows against one row,
+//! and the same model's products and attention alone, with MLX's ops and with the few-row CUDA
+//! kernels of `crates/mlx-sys/src/cudakern` ([`CudaFewRowKernels`]):
+//!
+//! ```text
+//! verify_probe --model DIR [--dtype bf16] [--prompt 384] [--rows 1,2,4,8] [--iters 20]
+//!              [--modes off,products,attention,on] [--forward-only]
+//! ```
+//!
+//! - `forward`: with each [`CudaFewRowKernels`] setting, the median time of a forward of M rows at a fixed position (logits of every row
+//!   and the cache evaluated, then the M positions trimmed away), as the verifier runs it;
+//! - `product`: x `[M, K]` @ w.T for each weight shape of the checkpoint's config (q, k/v, the
+//!   joined q+k+v, o, gate/up, the joined gate+up, down, the head), one distinct random weight
+//!   per layer (at most 2.4 GB of them), chained (each call reads the previous one's output, so
+//!   the calls run one after another as in a forward: independent calls of one evaluation run
+//!   concurrently on a GPU and would hide a kernel that occupies few SMs): time a call and
+//!   weight GB/s;
+//! - `attention`: M causal queries over `--prompt` keys, one distinct K/V per layer, contiguous
+//!   and as a flat cache hands them over, chained the same way (queries = the previous output).
+use mlx_array::ops::{concatenate, set_cuda_few_row_kernels, AttentionMask, CudaFewRowKernels};
+use mlx_array::random::{normal, Key};
+use mlx_array::Array;
+use mlx_models::{load_model, LoadOptions, Logits};
+use std::time::Instant;
+
+#[path = "../shared.rs"]
+mod shared;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Where a verify step's time goes on a GPU.
+#[derive(clap::Parser)]
+struct Cli {
+    #[command(flatten)]
+    m: shared::ModelArgs,
+    /// Rows of each forward and product.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    rows: Vec<usize>,
+    /// Timed repetitions of each measurement (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Kernel settings the forwards run with.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "off,products,attention,on")]
+    modes: Vec<Mode>,
+    /// Only the forwards (no product or attention tables).
+    #[arg(long)]
+    forward_only: bool,
+}
+
+/// `--modes`: [`CudaFewRowKernels`].
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Mode {
+    Off,
+    Products,
+    Attention,
+    On,
+}
+
+impl Mode {
+    fn kernels(self) -> CudaFewRowKernels {
+        match self {
+            Mode::Off => CudaFewRowKernels::Off,
+            Mode::Products => CudaFewRowKernels::Products,
+            Mode::Attention => CudaFewRowKernels::Attention,
+            Mode::On => CudaFewRowKernels::On,
+        }
+    }
+}
+
+const MODES: [CudaFewRowKernels; 2] = [CudaFewRowKernels::Off, CudaFewRowKernels::On];
+
+/// The median of `iters` timings of `f` in ms, after two untimed calls.
+fn median_ms(iters: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    f()?;
+    f()?;
+    let mut v = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        f()?;
+        v.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
+fn usize_field(cfg: &serde_json::Value, k: &str) -> Res<usize> {
+    cfg.get(k).and_then(|v| v.as_u64()).map(|v| v as usize).ok_or_else(|| format!("config.json has no {k}").into())
+}
+
+fn main() -> Res<()> {
+    let Cli { m: shared::ModelArgs { model: dir, dtype, prompt, kv }, rows, iters, modes, forward_only } = <Cli as clap::Parser>::parse();
+    let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
+    let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
+    if rows.iter().any(|&r| r == 0) || prompt == 0 {
+        return Err("--rows and --prompt must be positive".into());
+    }
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(std::path::Path::new(&dir).join("config.json"))?)?;
+    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
+    let info = model.info().clone();
+    println!("device {:?}, {} layers, {} keys, dtype {dtype}", mlx_array::default_device()?, info.num_layers, prompt);
+
+    // forward of M rows at a fixed position
+    let vocab = info.vocab_size;
+    let ids: Vec<u32> = shared::prompt_ids(prompt + rows.iter().max().copied().unwrap_or(1), vocab);
+    let mut cache = model.new_cache();
+    let pre = model.with_runtime(|rt| rt.forward(&Array::from_slice(&ids[..prompt], &[1, prompt])?, &mut cache, Logits::Last, false))?;
+    cache.eval_with(&pre.logits.iter().collect::<Vec<_>>())?;
+    for mode in modes.iter().map(|m| m.kernels()) {
+        set_cuda_few_row_kernels(mode);
+        for &m in &rows {
+            let input = Array::from_slice(&ids[prompt..prompt + m], &[1, m])?;
+            let ms = median_ms(iters, || {
+                let out = model.with_runtime(|rt| rt.forward(&input, &mut cache, Logits::All, false))?;
+                cache.eval_with(&[&out.logits.ok_or("no logits")?])?;
+                cache.trim(m)?;
+                Ok(())
+            })?;
+            println!("forward kernels={mode:?} rows={m}: {ms:.3} ms");
+        }
+    }
+
+    set_cuda_few_row_kernels(CudaFewRowKernels::Off);
+    if forward_only {
+        return Ok(());
+    }
+
+    // products of the checkpoint's shapes
+    let h = usize_field(&cfg, "hidden_size")?;
+    let inter = usize_field(&cfg, "intermediate_size")?;
+    let hq = usize_field(&cfg, "num_attention_heads")?;
+    let hk = usize_field(&cfg, "num_key_value_heads").unwrap_or(hq);
+    let d = usize_field(&cfg, "head_dim").unwrap_or(h / hq);
+    let layers = info.num_layers;
+    // the separate projections, the joined ones the GPU loads (q/k/v, gate/up) and the head
+    let shapes = [
+        ("q", hq * d, h),
+        ("k/v", hk * d, h),
+        ("q+k+v", (hq + 2 * hk) * d, h),
+        ("o", h, hq * d),
+        ("gate/up", inter, h),
+        ("gate+up", 2 * inter, h),
+        ("down", h, inter),
+        ("head", vocab, h),
+    ];
+    let mut key = Key::new(7)?;
+    let mut next_key = || -> Res<Key> {
+        let (a, b) = key.split()?;
+        key = a;
+        Ok(b)
+    };
+    for (name, n, k) in shapes {
+        // one weight per layer, at most about 2.4 GB of them
+        let count = layers.min((2.4e9 / (n * k * dt.size()) as f64) as usize).max(1);
+        let ws: Vec<Array> = (0..count).map(|_| Ok(normal(&[n, k], dt, &next_key()?)?.mul_scalar(0.02)?)).collect::<Res<_>>()?;
+        mlx_array::eval(&ws.iter().collect::<Vec<_>>())?;
+        let gb = (count * n * k * dt.size()) as f64 / 1e9;
+        for &m in &rows {
+            let x = normal(&[m, k], dt, &next_key()?)?;
+            x.eval()?;
+            let mut line = format!("product {name} N={n} K={k} rows={m}:");
+            for mode in MODES {
+                set_cuda_few_row_kernels(mode);
+                // chained: each product reads the previous one's output (its first K columns, a
+                // view; repeated first where N < K), so the calls run one after another as in a
+                // forward (independent calls in one evaluation overlap on the GPU)
+                let ms = median_ms(iters, || {
+                    let mut x = x.clone();
+                    for w in &ws {
+                        let y = x.matmul_weight_t(&w.swap_axes(0, 1)?)?;
+                        let y = if n >= k { y } else { concatenate(&vec![&y; k.div_ceil(n)], 1)? };
+                        x = y.slice_axis(1, 0, k)?;
+                    }
+                    x.eval()?;
+                    Ok(())
+                })?;
+                line += &format!(" {mode:?} {:.1} us/call {:.0} GB/s;", ms * 1e3 / count as f64, gb / (ms / 1e3));
+            }
+            println!("{line}");
+        }
+    }
+
+    // attention of M queries over the prompt's keys: contiguous q/k/v, and as a flat cache
+    // hands them over (k/v a slice of a longer buffer, q a transposed view of [B, M, Hq, D])
+    let cap = prompt + 256;
+    let bufs: Vec<(Array, Array)> = (0..layers).map(|_| Ok((normal(&[1, hk, cap, d], dt, &next_key()?)?, normal(&[1, hk, cap, d], dt, &next_key()?)?))).collect::<Res<_>>()?;
+    let kvs: Vec<(Array, Array)> = (0..layers).map(|_| Ok((normal(&[1, hk, prompt, d], dt, &next_key()?)?, normal(&[1, hk, prompt, d], dt, &next_key()?)?))).collect::<Res<_>>()?;
+    mlx_array::eval(&bufs.iter().chain(&kvs).flat_map(|(k, v)| [k, v]).collect::<Vec<_>>())?;
+    let scale = 1.0 / (d as f32).sqrt();
+    for &m in rows.iter().filter(|&&m| m > 1 && m <= prompt) {
+        let q = normal(&[1, hq, m, d], dt, &next_key()?)?;
+        let qt = normal(&[1, m, hq, d], dt, &next_key()?)?;
+        mlx_array::eval(&[&q, &qt])?;
+        let qt = qt.transpose(&[0, 2, 1, 3])?;
+        for (layout, q) in [("contiguous", &q), ("cache views", &qt)] {
+            let mut line = format!("attention {layout} {hq}/{hk} heads D={d} queries={m} keys={prompt}:");
+            for mode in MODES {
+                set_cuda_few_row_kernels(mode);
+                // chained: each layer's queries are the previous layer's output
+                let ms = median_ms(iters, || {
+                    let mut x = q.clone();
+                    for ((kb, vb), (k, v)) in bufs.iter().zip(&kvs) {
+                        x = match layout {
+                            "contiguous" => x.sdpa(k, v, scale, AttentionMask::Causal)?,
+                            _ => x.sdpa(&kb.slice_axis(2, 0, prompt)?, &vb.slice_axis(2, 0, prompt)?, scale, AttentionMask::Causal)?,
+                        };
+                    }
+                    x.eval()?;
+                    Ok(())
+                })?;
+                line += &format!(" {mode:?} {:.1} us/call;", ms * 1e3 / layers as f64);
+            }
+            println!("{line}");
+        }
+    }
+    set_cuda_few_row_kernels(CudaFewRowKernels::Off);
+    Ok(())
+}
