@@ -173,3 +173,75 @@ fn mlx_ops_scope_computes_what_traced_forwards_compute() {
     assert_eq!(bits(&scoped), bits(&traced), "scoped {:?} vs traced {:?}", out(&scoped), out(&traced));
     assert_ne!(bits(&primitive), bits(&traced), "the primitive rounds as MLX's op does on this input");
 }
+
+/// `Array::greedy_pick` (one primitive for f32 logits on the CPU) against an f64 reference and
+/// against MLX's ops (`argmax`, `take_along_axis`, `logsumexp`): the first index of the maximum,
+/// and its log-prob within 2e-6 of f64 (MLX's own: 1e-4), with every kernel set this CPU runs,
+/// for vocabularies that are not multiples of the vector width, masked (-inf) entries, ties, a
+/// transposed view, and the rows MLX maps to NaN (all -inf, +inf).
+#[test]
+fn greedy_pick_matches_reference_and_mlx_ops() {
+    // a small LCG: values roughly N(0, 1) as sums of uniforms
+    let mut state = 41u64;
+    let mut uniform = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let widest = mlx_array::ops::cpu_kernels_isa();
+    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
+        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
+            continue; // not on this CPU
+        }
+        for &v in &[1usize, 7, 16, 33, 100, 4099, 49152] {
+            let b = 3;
+            let mut x: Vec<f32> = (0..b * v).map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 6.0).collect();
+            // row 1: masked entries and a tie for the maximum at two places
+            for i in (2..v).step_by(3) {
+                x[v + i] = f32::NEG_INFINITY;
+            }
+            if v >= 5 {
+                x[v + 1] = 30.0;
+                x[v + 4] = 30.0;
+            }
+            let a = Array::from_slice(&x, &[b, v]).unwrap();
+            let (t, lp) = a.greedy_pick().unwrap();
+            let (t, lp) = (t.to_vec::<u32>().unwrap(), lp.to_vec::<f32>().unwrap());
+            let (mt, mlp) = {
+                let _scope = mlx_array::ops::mlx_ops_only();
+                let (t, lp) = a.greedy_pick().unwrap();
+                (t.to_vec::<u32>().unwrap(), lp.to_vec::<f32>().unwrap())
+            };
+            for r in 0..b {
+                let row = &x[r * v..(r + 1) * v];
+                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let at = row.iter().position(|&e| e == m).unwrap();
+                let lse = m as f64 + row.iter().map(|&e| ((e - m) as f64).exp()).sum::<f64>().ln();
+                let want = row[at] as f64 - lse;
+                assert_eq!(t[r] as usize, at, "{isa} V {v} row {r}: token");
+                assert_eq!(mt[r], t[r], "V {v} row {r}: token against MLX's argmax");
+                assert!((lp[r] as f64 - want).abs() <= 2e-6 * want.abs().max(1.0), "{isa} V {v} row {r}: {} against {want}", lp[r]);
+                // MLX sums the exps one after another in f32 (1.3e-5 relative off at V = 49152)
+                assert!((lp[r] - mlp[r]).abs() <= 1e-4 * mlp[r].abs().max(1.0), "V {v} row {r}: {} against MLX's {}", lp[r], mlp[r]);
+            }
+        }
+    }
+    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+    // a transposed view (rows of stride 2) gives what its contiguous copy gives
+    let x: Vec<f32> = (0..2 * 64).map(|i| ((i * 37) % 101) as f32 * 0.1).collect();
+    let view = Array::from_slice(&x, &[64, 2]).unwrap().transpose(&[1, 0]).unwrap();
+    let (t, lp) = view.greedy_pick().unwrap();
+    let dense = Array::from_slice(&view.to_vec::<f32>().unwrap(), &[2, 64]).unwrap();
+    let (td, lpd) = dense.greedy_pick().unwrap();
+    assert_eq!(t.to_vec::<u32>().unwrap(), td.to_vec::<u32>().unwrap());
+    assert_eq!(lp.to_vec::<f32>().unwrap(), lpd.to_vec::<f32>().unwrap());
+    // MLX's rule: rows whose maximum is infinite give NaN log-probs
+    let x = [f32::NEG_INFINITY, f32::NEG_INFINITY, 1.0, f32::INFINITY];
+    let a = Array::from_slice(&x, &[2, 2]).unwrap();
+    let (t, lp) = a.greedy_pick().unwrap();
+    assert_eq!(t.to_vec::<u32>().unwrap(), vec![0, 1]);
+    assert!(lp.to_vec::<f32>().unwrap().iter().all(|l| l.is_nan()));
+    let _scope = mlx_array::ops::mlx_ops_only();
+    let (_, mlp) = a.greedy_pick().unwrap();
+    assert!(mlp.to_vec::<f32>().unwrap().iter().all(|l| l.is_nan()), "MLX's ops: {:?}", mlp.to_vec::<f32>().unwrap());
+    assert!(Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap().greedy_pick().is_err());
+}

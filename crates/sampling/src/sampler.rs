@@ -142,22 +142,20 @@ impl Sampler {
     /// [`Sampler::sample`] with top-n alternatives and/or raw log-probs.
     pub fn sample_with(&mut self, logits: &Array, history: &[&[u32]], opts: &SampleOptions) -> Result<Sample> {
         let x = self.penalised(logits, history)?;
-        let (tokens, lp) = if self.cfg.is_greedy() {
-            let tokens = x.argmax(-1, false)?;
-            (tokens, None)
+        let pick_col = |a: &Array, tokens: &Array| -> Result<Array> { Ok(a.take_along_axis(&tokens.expand_dims(-1)?, -1)?.squeeze(&[-1])?) };
+        // Greedy: the argmax and x[t] - logsumexp(x), without materialising the log-softmax
+        // (one primitive on the CPU: `Array::greedy_pick`).
+        let (tokens, logprobs, lp) = if self.cfg.is_greedy() {
+            let (tokens, logprobs) = x.greedy_pick()?;
+            (tokens, logprobs, None)
         } else {
             let lp = tempered_filtered(&x, &self.cfg)?;
             let (next, draw) = self.key.split()?;
             self.key = next;
-            (categorical(&lp, -1, &draw)?, Some(lp))
+            let tokens = categorical(&lp, -1, &draw)?;
+            (tokens.clone(), pick_col(&lp, &tokens)?, Some(lp))
         };
-        let col = tokens.expand_dims(-1)?;
-        let pick = |a: &Array| -> Result<Array> { Ok(a.take_along_axis(&col, -1)?.squeeze(&[-1])?) };
-        // Greedy: x[t] - logsumexp(x), without materialising the whole log-softmax.
-        let logprobs = match &lp {
-            Some(lp) => pick(lp)?,
-            None => pick(&x)?.sub(&x.logsumexp(&[-1], false)?)?,
-        };
+        let pick = |a: &Array| pick_col(a, &tokens);
         let raw_logprobs = if opts.raw_logprobs {
             let raw = logits.astype(DType::F32)?;
             Some(pick(&raw)?.sub(&raw.logsumexp(&[-1], false)?)?)

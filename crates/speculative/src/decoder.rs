@@ -51,6 +51,18 @@ impl Counters {
     }
 }
 
+/// What the verifier reads of the target's logits `[n, V]`: at temperature 0 the penalised
+/// logits (whose log-softmax is the greedy distribution: [`verify_greedy`] takes the argmax and
+/// the log-prob there in one pass), else the processed distributions.
+fn verifier_rows(sampler: &Sampler, logits: &mlx_array::Array, rows: &[&[u32]]) -> Result<mlx_array::Array> {
+    if sampler.config().is_greedy() {
+        sampler.penalised(logits, rows)
+    } else {
+        sampler.distribution(logits, rows)
+    }
+    .map_err(|e| ModelError::InvalidInput(e.to_string()))
+}
+
 /// How many tokens to draft per cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Depth {
@@ -136,9 +148,7 @@ impl SpeculativeDecoder {
             t.tokens.push(last);
         }
         let rows: [&[u32]; 1] = [history];
-        let lp = sampler
-            .distribution(&logits, &rows)
-            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let lp = verifier_rows(sampler, &logits, &rows)?;
         let cfg = sampler.config().clone();
         let v = if cfg.is_greedy() {
             verify_greedy(&lp, &[])?
@@ -252,9 +262,7 @@ impl Speculator for SpeculativeDecoder {
             Vec::new()
         };
         let rows: Vec<&[u32]> = hists.iter().map(Vec::as_slice).collect();
-        let lp = sampler
-            .distribution(&logits, &rows)
-            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let lp = verifier_rows(sampler, &logits, &rows)?;
         let verdict: Verdict = if cfg.is_greedy() {
             verify_greedy(&lp, drafts)?
         } else {

@@ -5,7 +5,9 @@
 //! including the drafts before `i`, temperature, filters); `-inf` marks filtered tokens.
 //!
 //! * Temperature 0: the longest prefix of drafts equal to the rows' argmax is kept, then the
-//!   argmax of the next row: exactly the target's greedy output.
+//!   argmax of the next row: exactly the target's greedy output. Here `target` may be any
+//!   logits whose log-softmax is that distribution (the sampler's penalised logits): only the
+//!   argmax and the log-softmax at it are read ([`Array::greedy_pick`]).
 //! * Temperature > 0 (Leviathan et al. 2023, Chen et al. 2023): draft `d_i`, drawn from the
 //!   draft's processed distribution `q_i`, is accepted with probability
 //!   `min(1, p_i(d_i) / q_i(d_i))`; at the first rejection the token is drawn from the residual
@@ -48,25 +50,23 @@ fn pick(x: &Array, ids: &[u32]) -> Result<Array> {
     Ok(x.take_along_axis(&idx, -1)?.reshape(&[-1])?)
 }
 
-/// Temperature 0: the longest prefix of `drafts` the target's argmax agrees with.
+/// Temperature 0: the longest prefix of `drafts` the target's argmax agrees with; log-probs are
+/// the log-softmax of `target`'s rows at the emitted tokens.
 pub fn verify_greedy(target: &Array, drafts: &[u32]) -> Result<Verdict> {
     let k = drafts.len();
     check(target, drafts)?;
-    let best = target
-        .argmax(-1, false)?
-        .astype(DType::U32)?
-        .to_vec::<u32>()?;
+    let (best, lp) = target.greedy_pick()?;
+    mlx_array::eval(&[&best, &lp])?;
+    let (best, lp) = (best.to_vec::<u32>()?, lp.to_vec::<f32>()?);
     let n = drafts.iter().zip(&best).take_while(|(d, b)| d == b).count();
-    let mut ids = drafts[..n].to_vec();
-    ids.push(best[n]);
-    let lp = pick(&target.slice_axis(0, 0, n + 1)?, &ids)?.to_vec::<f32>()?;
     debug_assert!(n <= k);
+    // an accepted draft is its row's argmax: the row's picked log-prob is the draft's
     Ok(Verdict {
         accepted: n,
-        tokens: ids
-            .into_iter()
-            .zip(lp)
-            .map(|(id, logprob)| Token { id, logprob })
+        tokens: best[..=n]
+            .iter()
+            .zip(&lp)
+            .map(|(&id, &logprob)| Token { id, logprob })
             .collect(),
     })
 }

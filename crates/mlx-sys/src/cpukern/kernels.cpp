@@ -100,7 +100,13 @@ struct V {
   static void storef(float* p, F a) { _mm512_storeu_ps(p, a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  // the larger of a and b; b where either is NaN
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static float hsum(F a) { return _mm512_reduce_add_ps(a); }
+  static float hmax(F a) { return _mm512_reduce_max_ps(a); }
+  static I round_i(F a) { return _mm512_cvtps_epi32(a); }
+  static I addi(I a, int b) { return _mm512_add_epi32(a, _mm512_set1_epi32(b)); }
   static I loadi(const void* p, int lanes) {
     if (lanes == W) return _mm512_loadu_si512(p);
     return _mm512_maskz_loadu_epi32(__mmask16((1u << lanes) - 1), p);
@@ -139,6 +145,16 @@ struct V {
   static void storef(float* p, F a) { _mm256_storeu_ps(p, a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float hmax(F a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  static I round_i(F a) { return _mm256_cvtps_epi32(a); }
+  static I addi(I a, int b) { return _mm256_add_epi32(a, _mm256_set1_epi32(b)); }
   static float hsum(F a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -203,7 +219,12 @@ struct V {
   static void storef(float* p, F a) { std::memcpy(p, a.v, sizeof a.v); }
   static F fma(F a, F b, F c) { for (int i = 0; i < 4; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
   static F add(F a, F b) { for (int i = 0; i < 4; i++) a.v[i] += b.v[i]; return a; }
+  static F mul(F a, F b) { for (int i = 0; i < 4; i++) a.v[i] *= b.v[i]; return a; }
+  static F max(F a, F b) { for (int i = 0; i < 4; i++) b.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return b; }
   static float hsum(F a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+  static float hmax(F a) { return std::max(std::max(a.v[0], a.v[1]), std::max(a.v[2], a.v[3])); }
+  static I round_i(F a) { I r; for (int i = 0; i < 4; i++) r.v[i] = uint32_t(int32_t(std::nearbyint(a.v[i]))); return r; }
+  static I addi(I a, int b) { for (auto& x : a.v) x += uint32_t(b); return a; }
   static I loadi(const void* p, int lanes) {
     I r{{0, 0, 0, 0}};
     std::memcpy(r.v, p, size_t(lanes) * 4);
@@ -682,11 +703,64 @@ void axpy(float a, const float* x, float* y, int n) {
   for (; i < n; i++) y[i] += a * x[i];
 }
 
+void max_index(const float* x, int n, float* max, int* index) {
+  // the maximum by lanes (NaN lanes never replace a number: V::max keeps its second operand),
+  // then the first index holding it
+  const float ninf = -std::numeric_limits<float>::infinity();
+  F m = V::set1(ninf);
+  int i = 0;
+  for (; i + W <= n; i += W) m = V::max(V::loadf(x + i), m);
+  float best = V::hmax(m);
+  for (; i < n; i++) best = x[i] > best ? x[i] : best;
+  int at = 0;
+  while (at < n && !(x[at] == best)) at++;
+  *max = best;
+  *index = at < n ? at : 0;
+}
+
+// exp(t) for t <= 0 (Cephes' expf: t = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for
+// e^r, 2^k from the exponent bits), t clamped at -87.3 so 2^k stays normal.
+inline F exp_nonpositive(F t) {
+  t = V::max(t, V::set1(-87.3f));
+  const F k = V::cvt(V::round_i(V::mul(t, V::set1(1.44269504088896341f))));
+  F r = V::fma(k, V::set1(-0.693359375f), t);
+  r = V::fma(k, V::set1(2.12194440e-4f), r);
+  F p = V::set1(1.9875691500e-4f);
+  p = V::fma(p, r, V::set1(1.3981999507e-3f));
+  p = V::fma(p, r, V::set1(8.3334519073e-3f));
+  p = V::fma(p, r, V::set1(4.1665795894e-2f));
+  p = V::fma(p, r, V::set1(1.6666665459e-1f));
+  p = V::fma(p, r, V::set1(5.0000001201e-1f));
+  const F e = V::add(V::fma(V::mul(p, r), r, r), V::set1(1.0f));
+  return V::mul(e, V::as_f(V::template slli<23>(V::addi(V::round_i(k), 127))));
+}
+
+float sum_exp(const float* x, int n, float shift) {
+  const F sh = V::set1(-shift);
+  F s0 = V::zero(), s1 = V::zero();
+  int i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    s0 = V::add(s0, exp_nonpositive(V::add(V::loadf(x + i), sh)));
+    s1 = V::add(s1, exp_nonpositive(V::add(V::loadf(x + i + W), sh)));
+  }
+  for (; i + W <= n; i += W) s0 = V::add(s0, exp_nonpositive(V::add(V::loadf(x + i), sh)));
+  float s = V::hsum(V::add(s0, s1));
+  if (i < n) {
+    alignas(64) float tail[W];
+    for (int j = 0; j < W; j++) tail[j] = i + j < n ? x[i + j] - shift : -std::numeric_limits<float>::infinity();
+    F e = exp_nonpositive(V::loadf(tail));
+    alignas(64) float ev[W];
+    V::storef(ev, e);
+    for (int j = 0; j < n - i; j++) s += ev[j];
+  }
+  return s;
+}
+
 }  // namespace
 
 #define STR2(x) #x
 #define STR(x) STR2(x)
-const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows, dot, axpy};
+const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows, dot, axpy, max_index, sum_exp};
 
 }  // namespace KERN_NS
 }  // namespace mlxm

@@ -49,6 +49,12 @@ struct KernelSet {
   float (*dot)(const float* a, const float* b, int n);
   // y[i] += a x[i] over n floats (attention's weighted sum of values).
   void (*axpy)(float a, const float* x, float* y, int n);
+  // The largest of n >= 1 floats (NaN never wins; -inf when all are NaN) and the first index
+  // holding it.
+  void (*max_index)(const float* x, int n, float* max, int* index);
+  // sum_i exp(x[i] - shift) over n floats, with x[i] - shift <= 0 (a polynomial exp within 2
+  // ulp; arguments below -87.3 count as exp(-87.3), about 1e-38).
+  float (*sum_exp)(const float* x, int n, float shift);
 };
 
 // The set chosen for this CPU (primitive.cpp), and `f(a, b)` over chunks of rows [0, total) of at
