@@ -245,3 +245,37 @@ fn greedy_pick_matches_reference_and_mlx_ops() {
     assert!(mlp.to_vec::<f32>().unwrap().iter().all(|l| l.is_nan()), "MLX's ops: {:?}", mlp.to_vec::<f32>().unwrap());
     assert!(Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap().greedy_pick().is_err());
 }
+
+/// Few-query attention over f32 rows read in place (the kernel sets' `attend`: scores, a
+/// vectorised softmax and the weighted sum in one call) against MLX's attention op, with every
+/// kernel set this CPU runs: head sizes with and without a scalar tail, key counts below and
+/// above a vector, grouped heads, causal and not, a K/V cache's slice.
+#[test]
+fn f32_attention_rows_match_mlx_on_every_kernel_set() {
+    let widest = mlx_array::ops::cpu_kernels_isa();
+    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
+        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
+            continue; // not on this CPU
+        }
+        for &(d, keys, l) in &[(64usize, 1usize, 1usize), (64, 37, 1), (40, 130, 3), (128, 17, 8)] {
+            let (hq, hk, cap) = (6, 2, keys + 5);
+            let q = arr(&seq(hq * l * d, 0.37), &[1, hq, l, d]);
+            // the cache's buffer holds `cap` positions; attention reads the first `keys`
+            let kb = arr(&seq(hk * cap * d, 0.11), &[1, hk, cap, d]);
+            let vb = arr(&seq(hk * cap * d, 0.23), &[1, hk, cap, d]);
+            let (k, v) = (kb.slice_axis(2, 0, keys).unwrap(), vb.slice_axis(2, 0, keys).unwrap());
+            for mask in [AttentionMask::None, AttentionMask::Causal] {
+                if matches!(mask, AttentionMask::Causal) && l > keys {
+                    continue;
+                }
+                let got = q.sdpa(&k, &v, 0.125, mask).unwrap();
+                let want = {
+                    let _scope = mlx_array::ops::mlx_ops_only();
+                    q.sdpa(&k, &v, 0.125, mask).unwrap()
+                };
+                close_to(&format!("{isa} d {d} keys {keys} queries {l} {mask:?}"), &got, &want, 2e-6);
+            }
+        }
+    }
+    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+}

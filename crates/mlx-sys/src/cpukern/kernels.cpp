@@ -756,11 +756,61 @@ float sum_exp(const float* x, int n, float shift) {
   return s;
 }
 
+void attend(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n, int d, int dv, float* p, float* out) {
+  // scores and their maximum (rows of d floats: whole vectors, then a scalar tail)
+  const int dw = d - d % W;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < n; j++) {
+    const float* kr = k + j * ks;
+    F acc = V::zero();
+    for (int i = 0; i < dw; i += W) acc = V::fma(V::loadf(q + i), V::loadf(kr + i), acc);
+    float sc = V::hsum(acc);
+    for (int i = dw; i < d; i++) sc += q[i] * kr[i];
+    p[j] = sc;
+    m = sc > m ? sc : m;
+  }
+  // exp(s - max) in place and the sum
+  const F sh = V::set1(-m);
+  F tot = V::zero();
+  int j = 0;
+  for (; j + W <= n; j += W) {
+    const F e = exp_nonpositive(V::add(V::loadf(p + j), sh));
+    V::storef(p + j, e);
+    tot = V::add(tot, e);
+  }
+  float sum = V::hsum(tot);
+  if (j < n) {
+    alignas(64) float t[W];
+    for (int i = 0; i < W; i++) t[i] = j + i < n ? p[j + i] - m : -std::numeric_limits<float>::infinity();
+    V::storef(t, exp_nonpositive(V::loadf(t)));
+    for (int i = 0; i < n - j; i++) {
+      p[j + i] = t[i];
+      sum += t[i];
+    }
+  }
+  const float inv = 1.0f / sum;
+  // the weighted sum of the values, in registers when a row is at most 8 whole vectors
+  if (dv % W == 0 && dv / W <= 8) {
+    const int nv = dv / W;
+    F o[8];
+    for (int c = 0; c < nv; c++) o[c] = V::zero();
+    for (int jj = 0; jj < n; jj++) {
+      const F w = V::set1(p[jj] * inv);
+      const float* vr = v + jj * vs;
+      for (int c = 0; c < nv; c++) o[c] = V::fma(w, V::loadf(vr + c * W), o[c]);
+    }
+    for (int c = 0; c < nv; c++) V::storef(out + c * W, o[c]);
+  } else {
+    std::fill(out, out + dv, 0.0f);
+    for (int jj = 0; jj < n; jj++) axpy(p[jj] * inv, v + jj * vs, out, dv);
+  }
+}
+
 }  // namespace
 
 #define STR2(x) #x
 #define STR(x) STR2(x)
-const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows, dot, axpy, max_index, sum_exp};
+const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows, dot, axpy, max_index, sum_exp, attend};
 
 }  // namespace KERN_NS
 }  // namespace mlxm

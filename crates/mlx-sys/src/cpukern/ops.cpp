@@ -530,6 +530,7 @@ class CpuSdpa : public mx::UnaryPrimitive {
       const float sc_t = rnd(scale, t);
       const size_t du = static_cast<size_t>(d), dvu = static_cast<size_t>(dv);
       const KernelSet& ks_ = cpu_kernels();
+      const bool rows_f32 = f32 && k.dtype() == mx::float32 && v.dtype() == mx::float32 && ks[3] == 1 && vs[3] == 1 && o.dtype() == mx::float32;
       // One unit is one (batch, query head) pair; the heads of a K/V head are consecutive units,
       // so a chunk of units reads each K/V row it needs while it is in cache.
       const int units = b_n * hq;
@@ -545,6 +546,12 @@ class CpuSdpa : public mx::UnaryPrimitive {
             load_f32(q, b * qs[0] + h * qs[1] + l * qs[2], qs[3], d, qrow.data());
             for (auto& e : qrow) e = rnd(sc_t * e, t);
             const int lim = causal ? s_n - l_n + l + 1 : s_n;
+            if (rows_f32) {  // f32 rows read in place: one kernel call for the whole row
+              ks_.attend(qrow.data(), k.data<float>() + kb, ks[2], v.data<float>() + vb, vs[2], lim, d, dv, p.data(), acc.data());
+              const size_t at = merge ? (size_t(b) * l_n + l) * hq + h : (size_t(b) * hq + h) * l_n + l;
+              store(o, at * dvu, acc.data(), dvu);
+              continue;
+            }
             float mx_s = -std::numeric_limits<float>::infinity();
             for (int j = 0; j < lim; j++) {
               const float sc = rnd(ks_.dot(qrow.data(), row_f32(k, kb + int64_t(j) * ks[2], ks[3], d, krow), d), t);
