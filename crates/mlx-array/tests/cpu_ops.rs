@@ -174,6 +174,15 @@ fn mlx_ops_scope_computes_what_traced_forwards_compute() {
     assert_ne!(bits(&primitive), bits(&traced), "the primitive rounds as MLX's op does on this input");
 }
 
+/// Uniform values in [0, 1) from a small LCG seeded with `seed`.
+fn lcg(seed: u64) -> impl FnMut() -> f32 {
+    let mut state = seed;
+    move || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
 /// `Array::greedy_pick` (one primitive for f32 logits on the CPU) against an f64 reference and
 /// against MLX's ops (`argmax`, `take_along_axis`, `logsumexp`): the first index of the maximum,
 /// and its log-prob within 2e-6 of f64 (MLX's own: 1e-4), with every kernel set this CPU runs,
@@ -181,12 +190,7 @@ fn mlx_ops_scope_computes_what_traced_forwards_compute() {
 /// transposed view, and the rows MLX maps to NaN (all -inf, +inf).
 #[test]
 fn greedy_pick_matches_reference_and_mlx_ops() {
-    // a small LCG: values roughly N(0, 1) as sums of uniforms
-    let mut state = 41u64;
-    let mut uniform = || {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (state >> 40) as f32 / (1u64 << 24) as f32
-    };
+    let mut uniform = lcg(41);
     let widest = mlx_array::ops::cpu_kernels_isa();
     for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
         if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
@@ -194,7 +198,7 @@ fn greedy_pick_matches_reference_and_mlx_ops() {
         }
         for &v in &[1usize, 7, 16, 33, 100, 4099, 49152] {
             let b = 3;
-            let mut x: Vec<f32> = (0..b * v).map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 6.0).collect();
+            let mut x: Vec<f32> = (0..b * v).map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 6.0).collect(); // roughly normal
             // row 1: masked entries and a tie for the maximum at two places
             for i in (2..v).step_by(3) {
                 x[v + i] = f32::NEG_INFINITY;
@@ -278,4 +282,58 @@ fn f32_attention_rows_match_mlx_on_every_kernel_set() {
         }
     }
     mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+}
+
+/// `Array::nucleus` (the CPU primitive: no sort) keeps what mlx-lm's sort-based top-p (MLX's ops)
+/// keeps, with every kernel set this CPU runs: peaked and flat rows, ties at the cut, masked
+/// entries, several p; rows where the two differ only by the rounding of a mass at the cut
+/// (within 1e-5 of p * total) are skipped.
+#[test]
+fn nucleus_matches_the_sorted_top_p() {
+    let mut uniform = lcg(7);
+    let widest = mlx_array::ops::cpu_kernels_isa();
+    let mut compared = 0;
+    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
+        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
+            continue;
+        }
+        for &(v, spread) in &[(5usize, 1.0f32), (300, 0.3), (3000, 8.0), (4099, 2.0), (20000, 12.0)] {
+            let b = 2;
+            let mut x: Vec<f32> = (0..b * v).map(|_| ((uniform() * 8.0).floor() / 8.0) * spread).collect();
+            for i in (1..v).step_by(7) {
+                x[i] = f32::NEG_INFINITY;
+            }
+            let a = Array::from_slice(&x, &[b, v]).unwrap();
+            for p in [0.1f32, 0.5, 0.9, 0.99] {
+                let got = a.nucleus(p).unwrap().to_vec::<f32>().unwrap();
+                let want = {
+                    let _scope = mlx_array::ops::mlx_ops_only();
+                    a.nucleus(p).unwrap().to_vec::<f32>().unwrap()
+                };
+                for r in 0..b {
+                    let row = &x[r * v..(r + 1) * v];
+                    // the masses at every distinct value, most likely first (f64), to spot cuts
+                    // that rounding may move
+                    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut vals: Vec<f32> = row.iter().copied().filter(|e| e.is_finite()).collect();
+                    vals.sort_by(|a, b| b.total_cmp(a));
+                    let total: f64 = vals.iter().map(|&e| ((e - m) as f64).exp()).sum();
+                    let mut acc = 0.0f64;
+                    let near = vals.iter().any(|&e| {
+                        acc += ((e - m) as f64).exp();
+                        (acc - p as f64 * total).abs() <= 1e-5 * total
+                    });
+                    if near {
+                        continue;
+                    }
+                    compared += 1;
+                    assert_eq!(&got[r * v..(r + 1) * v], &want[r * v..(r + 1) * v], "{isa} V {v} p {p} row {r}");
+                }
+            }
+        }
+    }
+    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+    assert!(compared > 20, "only {compared} rows compared");
+    assert!(Array::from_slice(&[1.0f32, 2.0], &[1, 2]).unwrap().nucleus(1.0).is_err());
+    assert!(Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap().nucleus(0.5).is_err());
 }

@@ -42,6 +42,10 @@ pub fn top_p(logits: &Array, p: f32) -> Result<Array> {
     if p >= 1.0 {
         return Ok(logits.clone());
     }
+    if logits.ndim() == 2 {
+        // one primitive on the CPU (no sort of the row), MLX's ops elsewhere
+        return Ok(logits.nucleus(p)?);
+    }
     let v = logits.dim(-1)?;
     let sorted = logits.sort(-1)?;
     let probs = sorted.sub(&sorted.slice_axis(-1, v - 1, v)?)?.exp()?;

@@ -756,6 +756,28 @@ float sum_exp(const float* x, int n, float shift) {
   return s;
 }
 
+float exp_store(const float* x, int n, float shift, float* out) {
+  const F sh = V::set1(-shift);
+  F tot = V::zero();
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const F e = exp_nonpositive(V::add(V::loadf(x + i), sh));
+    V::storef(out + i, e);
+    tot = V::add(tot, e);
+  }
+  float s = V::hsum(tot);
+  if (i < n) {
+    alignas(64) float t[W];
+    for (int j = 0; j < W; j++) t[j] = i + j < n ? x[i + j] - shift : -std::numeric_limits<float>::infinity();
+    V::storef(t, exp_nonpositive(V::loadf(t)));
+    for (int j = 0; j < n - i; j++) {
+      out[i + j] = t[j];
+      s += t[j];
+    }
+  }
+  return s;
+}
+
 void attend(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n, int d, int dv, float* p, float* out) {
   // scores and their maximum (rows of d floats: whole vectors, then a scalar tail)
   const int dw = d - d % W;
@@ -770,24 +792,7 @@ void attend(const float* q, const float* k, int64_t ks, const float* v, int64_t 
     m = sc > m ? sc : m;
   }
   // exp(s - max) in place and the sum
-  const F sh = V::set1(-m);
-  F tot = V::zero();
-  int j = 0;
-  for (; j + W <= n; j += W) {
-    const F e = exp_nonpositive(V::add(V::loadf(p + j), sh));
-    V::storef(p + j, e);
-    tot = V::add(tot, e);
-  }
-  float sum = V::hsum(tot);
-  if (j < n) {
-    alignas(64) float t[W];
-    for (int i = 0; i < W; i++) t[i] = j + i < n ? p[j + i] - m : -std::numeric_limits<float>::infinity();
-    V::storef(t, exp_nonpositive(V::loadf(t)));
-    for (int i = 0; i < n - j; i++) {
-      p[j + i] = t[i];
-      sum += t[i];
-    }
-  }
+  const float sum = exp_store(p, n, m, p);
   const float inv = 1.0f / sum;
   // the weighted sum of the values, in registers when a row is at most 8 whole vectors
   if (dv % W == 0 && dv / W <= 8) {
@@ -810,7 +815,7 @@ void attend(const float* q, const float* k, int64_t ks, const float* v, int64_t 
 
 #define STR2(x) #x
 #define STR(x) STR2(x)
-const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows, dot, axpy, max_index, sum_exp, attend};
+const KernelSet set = {STR(KERN_NS), xp_floats, prep, rows, dot, axpy, max_index, sum_exp, exp_store, attend};
 
 }  // namespace KERN_NS
 }  // namespace mlxm

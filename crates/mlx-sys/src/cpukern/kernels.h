@@ -55,6 +55,8 @@ struct KernelSet {
   // sum_i exp(x[i] - shift) over n floats, with x[i] - shift <= 0 (a polynomial exp within 2
   // ulp; arguments below -87.3 count as exp(-87.3), about 1e-38).
   float (*sum_exp)(const float* x, int n, float shift);
+  // sum_exp that also stores each exp(x[i] - shift) in out[i].
+  float (*exp_store)(const float* x, int n, float shift, float* out);
   // One query row of attention over n >= 1 keys: out[0, dv) = sum_j softmax_j(q . k_j) v_j, q
   // already scaled, key j's d floats at k + j * ks, value j's dv floats at v + j * vs; p is
   // scratch for n floats.

@@ -497,6 +497,91 @@ std::vector<mx::array> greedy(const mx::array& x, mx::Stream s) {
   return mx::array::make_arrays({{x.shape(0)}, {x.shape(0)}}, {mx::uint32, mx::float32}, std::make_shared<CpuGreedy>(s), {x});
 }
 
+// ---- Nucleus (top-p) filter: per row of f32 logits [B, V], entries below the least likely of
+// the smallest most-likely set whose mass reaches p * total become -inf (ties at that value are
+// kept): mlx-lm's apply_top_p, with the masses summed from the most likely down as its reverse
+// cumsum does, but without sorting the row. The most likely entries are found in growing
+// batches (nth_element, then a sort of the batch) until their mass reaches p * total.
+
+mx::array nucleus_by_ops(const mx::array& x, float p, mx::Stream s) {
+  const int v = x.shape(-1);
+  auto sorted = mx::sort(x, -1, s);
+  auto probs = mx::exp(mx::subtract(sorted, mx::slice(sorted, {0, v - 1}, {x.shape(0), v}, s), s), s);
+  auto above = mx::cumsum(probs, -1, true, false, s);
+  auto total = mx::sum(probs, -1, true, s);
+  auto dropped = mx::sum(mx::astype(mx::greater_equal(above, mx::multiply(total, mx::array(p), s), s), mx::uint32, s), -1, true, s);
+  auto thr = mx::take_along_axis(sorted, dropped, -1, s);
+  return mx::where(mx::less(x, thr, s), mx::array(-std::numeric_limits<float>::infinity(), x.dtype()), x, s);
+}
+
+class CpuNucleus : public mx::UnaryPrimitive {
+ public:
+  CpuNucleus(mx::Stream s, float p) : mx::UnaryPrimitive(s), p_(p) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(stream(), inputs, out, [p = p_](std::vector<mx::array>& in, mx::array& o) {
+      const mx::array& x = in[0];
+      const int b_n = int(x.shape(0)), v_n = int(x.shape(1));
+      const auto& st = x.strides();
+      const KernelSet& ks = cpu_kernels();
+      std::vector<float> buf(static_cast<size_t>(v_n)), e(static_cast<size_t>(v_n));
+      std::vector<int> idx;
+      const float ninf = -std::numeric_limits<float>::infinity();
+      float* dst = o.data<float>();
+      for (int b = 0; b < b_n; b++) {
+        const float* row = row_f32(x, b * st[0], st[1], v_n, buf);
+        float m;
+        int at;
+        ks.max_index(row, v_n, &m, &at);
+        float thr = ninf;  // keep everything unless a cut is found
+        if (std::isfinite(m)) {
+          const float total = ks.exp_store(row, v_n, m, e.data());
+          const float target = total * p;
+          idx.clear();
+          for (int i = 0; i < v_n; i++)
+            if (row[i] > ninf) idx.push_back(i);
+          const int n = int(idx.size());
+          auto more_likely = [&](int a, int c) { return row[a] > row[c] || (row[a] == row[c] && a < c); };
+          float mass = 0.0f;  // of the entries before rank r, most likely first
+          int done = 0;       // ranks sorted so far
+          for (int want = std::min(n, 256);; want = std::min(n, want * 4)) {
+            if (want < n) std::nth_element(idx.begin() + done, idx.begin() + want, idx.end(), more_likely);
+            std::sort(idx.begin() + done, idx.begin() + want, more_likely);
+            bool cut = false;
+            for (int r = done; r < want; r++) {
+              if (mass >= target) {  // rank r and below are dropped: the cut is at rank r - 1
+                thr = row[idx[size_t(r - 1)]];
+                cut = true;
+                break;
+              }
+              mass += e[size_t(idx[size_t(r)])];
+            }
+            done = want;
+            if (cut || done >= n) break;
+          }
+        }
+        for (int i = 0; i < v_n; i++) dst[size_t(b) * v_n + i] = row[i] < thr ? ninf : row[i];
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override { throw std::runtime_error("[cpu_nucleus] runs on the CPU only"); }
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
+                             const std::vector<mx::array>&) override {
+    throw std::invalid_argument("[cpu_nucleus] a nucleus filter has no gradient");
+  }
+  const char* name() const override { return "CpuNucleus"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return p_ == static_cast<const CpuNucleus&>(other).p_; }
+
+ private:
+  float p_;
+};
+
+mx::array nucleus(const mx::array& x, float p, mx::Stream s) {
+  if (x.ndim() != 2 || x.shape(1) < 1) throw std::invalid_argument("[nucleus] logits must be [B, V] with V >= 1");
+  if (!(p > 0.0f && p < 1.0f)) throw std::invalid_argument("[nucleus] p must be in (0, 1)");
+  if (s.device != mx::Device::cpu || use_mlx_ops() || x.dtype() != mx::float32) return nucleus_by_ops(x, p, s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<CpuNucleus>(s, p), {x});
+}
+
 // ---- Attention of a few queries: out = softmax(scale * q k^T (+ causal)) v, grouped-query heads.
 
 // Queries per call at most for the primitive (decode, speculative verification); more go to MLX.
@@ -658,6 +743,12 @@ int mlx_models_heads(mlx_array* out0, mlx_array* out1, mlx_array* out2, const ml
     return 1;
   }
   return 0;
+}
+
+// The nucleus (top-p) filter of logits x [B, V], 0 < p < 1 (mlx-lm's apply_top_p): one primitive
+// for f32 on a CPU stream, MLX's ops (a sort) otherwise.
+int mlx_models_nucleus(mlx_array* res, const mlx_array x, float p, const mlx_stream s) {
+  return mlxm::guarded(res, [&] { return mlxm::nucleus(mlx_array_get_(x), p, mlx_stream_get_(s)); });
 }
 
 // Per row of logits x [B, V]: the first index of the largest value (u32 [B]) and its log-probability
