@@ -337,3 +337,35 @@ fn nucleus_matches_the_sorted_top_p() {
     assert!(Array::from_slice(&[1.0f32, 2.0], &[1, 2]).unwrap().nucleus(1.0).is_err());
     assert!(Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap().nucleus(0.5).is_err());
 }
+
+/// `log_softmax` over the last axis of f32 `[B, V]` (the CPU primitive) against MLX's ops, with
+/// every kernel set this CPU runs: vocabularies with a scalar tail, masked entries, a row of
+/// -inf (NaN on both sides, MLX's rule).
+#[test]
+fn log_softmax_rows_match_mlx_ops() {
+    let mut uniform = lcg(3);
+    let widest = mlx_array::ops::cpu_kernels_isa();
+    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
+        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
+            continue;
+        }
+        for &v in &[1usize, 19, 4099, 151936] {
+            let mut x: Vec<f32> = (0..3 * v).map(|_| (uniform() - 0.5) * 30.0).collect();
+            for i in (0..v).step_by(5) {
+                x[v + i] = f32::NEG_INFINITY;
+            }
+            x[2 * v..].iter_mut().for_each(|e| *e = f32::NEG_INFINITY);
+            let a = Array::from_slice(&x, &[3, v]).unwrap();
+            let got = a.log_softmax(-1).unwrap().to_vec::<f32>().unwrap();
+            let want = {
+                let _scope = mlx_array::ops::mlx_ops_only();
+                a.log_softmax(-1).unwrap().to_vec::<f32>().unwrap()
+            };
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= 2e-5 * w.abs().max(1.0);
+                assert!(same, "{isa} V {v} element {i}: {g} against MLX's {w}");
+            }
+        }
+    }
+    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+}

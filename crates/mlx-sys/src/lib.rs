@@ -148,6 +148,9 @@ unsafe extern "C" {
     /// `fast::rope(x, r.dims, r.traditional, r.base if r.has_base, r.scale, r.offset, freqs)`
     /// (`freqs` may be empty): one primitive for float `x` on a CPU stream, MLX's op otherwise.
     pub fn mlx_models_rope(res: *mut mlx_array, x: mlx_array, r: *const MlxModelsRopeArgs, freqs: mlx_array, s: mlx_stream) -> std::ffi::c_int;
+    /// `x - logsumexp(x)` over the last axis: one primitive for f32 `[B, V]` on a CPU stream (a
+    /// vectorised exp), MLX's ops otherwise.
+    pub fn mlx_models_log_softmax(res: *mut mlx_array, x: mlx_array, s: mlx_stream) -> std::ffi::c_int;
     /// The nucleus (top-p) filter of logits `x` `[B, V]`, `0 < p < 1` (mlx-lm's `apply_top_p`):
     /// one primitive for f32 on a CPU stream (no sort), MLX's ops otherwise.
     pub fn mlx_models_nucleus(res: *mut mlx_array, x: mlx_array, p: f32, s: mlx_stream) -> std::ffi::c_int;

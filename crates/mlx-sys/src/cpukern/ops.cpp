@@ -497,6 +497,50 @@ std::vector<mx::array> greedy(const mx::array& x, mx::Stream s) {
   return mx::array::make_arrays({{x.shape(0)}, {x.shape(0)}}, {mx::uint32, mx::float32}, std::make_shared<CpuGreedy>(s), {x});
 }
 
+// ---- log_softmax over the last axis of f32 [B, V]: x - logsumexp(x) with MLX's logsumexp rule
+// (shift by the row's maximum, 0 where that is infinite), the exp sum vectorised
+// (KernelSet::sum_exp).
+
+class CpuLogSoftmax : public mx::UnaryPrimitive {
+ public:
+  explicit CpuLogSoftmax(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& o) {
+      const mx::array& x = in[0];
+      const int b_n = int(x.shape(0)), v_n = int(x.shape(1));
+      const auto& st = x.strides();
+      const KernelSet& ks = cpu_kernels();
+      std::vector<float> buf(static_cast<size_t>(v_n));
+      float* dst = o.data<float>();
+      for (int b = 0; b < b_n; b++) {
+        const float* row = row_f32(x, b * st[0], st[1], v_n, buf);
+        float m;
+        int at;
+        ks.max_index(row, v_n, &m, &at);
+        const float lse = std::isinf(m) ? m : std::log(ks.sum_exp(row, v_n, m)) + m;
+        for (int i = 0; i < v_n; i++) dst[size_t(b) * v_n + i] = row[i] - lse;
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override { throw std::runtime_error("[cpu_log_softmax] runs on the CPU only"); }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    auto s = stream();
+    Fn op = [s](const std::vector<mx::array>& in) {
+      return std::vector<mx::array>{mx::subtract(in[0], mx::logsumexp(in[0], -1, true, s), s)};
+    };
+    return vjp_of(op, primals, cotangents, argnums);
+  }
+  const char* name() const override { return "CpuLogSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array log_softmax(const mx::array& x, mx::Stream s) {
+  if (x.ndim() != 2 || x.shape(1) < 1 || s.device != mx::Device::cpu || use_mlx_ops() || x.dtype() != mx::float32)
+    return mx::subtract(x, mx::logsumexp(x, -1, true, s), s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<CpuLogSoftmax>(s), {x});
+}
+
 // ---- Nucleus (top-p) filter: per row of f32 logits [B, V], entries below the least likely of
 // the smallest most-likely set whose mass reaches p * total become -inf (ties at that value are
 // kept): mlx-lm's apply_top_p, with the masses summed from the most likely down as its reverse
@@ -743,6 +787,12 @@ int mlx_models_heads(mlx_array* out0, mlx_array* out1, mlx_array* out2, const ml
     return 1;
   }
   return 0;
+}
+
+// x - logsumexp(x) over the last axis: one primitive for f32 [B, V] on a CPU stream, MLX's ops
+// otherwise.
+int mlx_models_log_softmax(mlx_array* res, const mlx_array x, const mlx_stream s) {
+  return mlxm::guarded(res, [&] { return mlxm::log_softmax(mlx_array_get_(x), mlx_stream_get_(s)); });
 }
 
 // The nucleus (top-p) filter of logits x [B, V], 0 < p < 1 (mlx-lm's apply_top_p): one primitive
