@@ -438,6 +438,20 @@ std::vector<mx::array> heads(std::vector<mx::array> xs, std::vector<Head> spec, 
 // (about 0.75 ms for 49152 logits); this is one pass for the maximum and one vectorised pass of
 // exp (KernelSet::sum_exp).
 
+// A row's maximum (NaN never wins), its first index and MLX's logsumexp: shifted by the maximum,
+// or by 0 where that is infinite (then log(sum) is +inf or -inf, and so is the result).
+struct RowLse {
+  float max;
+  int at;
+  float lse;
+};
+RowLse row_lse(const KernelSet& ks, const float* row, int n) {
+  RowLse r;
+  ks.max_index(row, n, &r.max, &r.at);
+  r.lse = std::isinf(r.max) ? r.max : std::log(ks.sum_exp(row, n, r.max)) + r.max;
+  return r;
+}
+
 std::vector<mx::array> greedy_by_ops(const mx::array& x, mx::Stream s) {
   auto tok = mx::astype(mx::argmax(x, -1, false, s), mx::uint32, s);
   auto picked = mx::squeeze(mx::take_along_axis(x, mx::expand_dims(tok, -1, s), -1, s), -1, s);
@@ -463,20 +477,11 @@ class CpuGreedy : public mx::Primitive {
       std::vector<float> buf(static_cast<size_t>(v_n));
       auto* tok = outs[0].data<uint32_t>();
       auto* lp = outs[1].data<float>();
-      const float inf = std::numeric_limits<float>::infinity();
       for (int b = 0; b < b_n; b++) {
         const float* row = row_f32(x, b * st[0], st[1], v_n, buf);
-        float m;
-        int at;
-        ks.max_index(row, v_n, &m, &at);
-        float lse;
-        if (m == inf || m == -inf) {
-          lse = m;  // MLX: a shift of 0, then log(sum) is +inf or -inf
-        } else {
-          lse = std::log(ks.sum_exp(row, v_n, m)) + m;
-        }
-        tok[b] = uint32_t(at);
-        lp[b] = row[at] - lse;
+        const RowLse r = row_lse(ks, row, v_n);
+        tok[b] = uint32_t(r.at);
+        lp[b] = row[r.at] - r.lse;
       }
     });
   }
@@ -514,10 +519,7 @@ class CpuLogSoftmax : public mx::UnaryPrimitive {
       float* dst = o.data<float>();
       for (int b = 0; b < b_n; b++) {
         const float* row = row_f32(x, b * st[0], st[1], v_n, buf);
-        float m;
-        int at;
-        ks.max_index(row, v_n, &m, &at);
-        const float lse = std::isinf(m) ? m : std::log(ks.sum_exp(row, v_n, m)) + m;
+        const float lse = row_lse(ks, row, v_n).lse;
         for (int i = 0; i < v_n; i++) dst[size_t(b) * v_n + i] = row[i] - lse;
       }
     });
