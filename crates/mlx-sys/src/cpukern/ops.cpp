@@ -12,6 +12,7 @@
 #include <limits>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -570,7 +571,7 @@ class CpuNucleus : public mx::UnaryPrimitive {
       const auto& st = x.strides();
       const KernelSet& ks = cpu_kernels();
       std::vector<float> buf(static_cast<size_t>(v_n)), e(static_cast<size_t>(v_n));
-      std::vector<int> idx;
+      std::vector<std::pair<float, int>> cand;
       const float ninf = -std::numeric_limits<float>::infinity();
       float* dst = o.data<float>();
       for (int b = 0; b < b_n; b++) {
@@ -582,24 +583,27 @@ class CpuNucleus : public mx::UnaryPrimitive {
         if (std::isfinite(m)) {
           const float total = ks.exp_store(row, v_n, m, e.data());
           const float target = total * p;
-          idx.clear();
+          // (value, index) pairs side by side: the partitions compare without gathering
+          cand.clear();
           for (int i = 0; i < v_n; i++)
-            if (row[i] > ninf) idx.push_back(i);
-          const int n = int(idx.size());
-          auto more_likely = [&](int a, int c) { return row[a] > row[c] || (row[a] == row[c] && a < c); };
+            if (row[i] > ninf) cand.push_back({row[i], i});
+          const int n = int(cand.size());
+          auto more_likely = [](const std::pair<float, int>& a, const std::pair<float, int>& c) {
+            return a.first > c.first || (a.first == c.first && a.second < c.second);
+          };
           float mass = 0.0f;  // of the entries before rank r, most likely first
           int done = 0;       // ranks sorted so far
           for (int want = std::min(n, 256);; want = std::min(n, want * 4)) {
-            if (want < n) std::nth_element(idx.begin() + done, idx.begin() + want, idx.end(), more_likely);
-            std::sort(idx.begin() + done, idx.begin() + want, more_likely);
+            if (want < n) std::nth_element(cand.begin() + done, cand.begin() + want, cand.end(), more_likely);
+            std::sort(cand.begin() + done, cand.begin() + want, more_likely);
             bool cut = false;
             for (int r = done; r < want; r++) {
               if (mass >= target) {  // rank r and below are dropped: the cut is at rank r - 1
-                thr = row[idx[size_t(r - 1)]];
+                thr = cand[size_t(r - 1)].first;
                 cut = true;
                 break;
               }
-              mass += e[size_t(idx[size_t(r)])];
+              mass += e[size_t(cand[size_t(r)].second)];
             }
             done = want;
             if (cut || done >= n) break;
