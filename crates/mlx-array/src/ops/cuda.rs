@@ -76,8 +76,9 @@ fn kernel_on(bit: u8) -> bool {
     FEW_ROW_KERNELS.load(Ordering::Relaxed) & bit != 0
 }
 
-/// Most rows of `x` [`Array::matmul_weight_t`] gives the few-row kernel on a GPU (9-16 rows
-/// measured slower than MLX's matmul for the 8B shapes).
+/// Most rows of `x` [`Array::matmul_weight_t`] gives the few-row kernel on a GPU (9-16 rows were
+/// slower than MLX's matmul for the 8B shapes even in the overlapped per-call timing the module
+/// docs describe).
 pub const GPU_ROWS_MATMUL_MAX_ROWS: usize = 8;
 
 /// Most keys (and most keys times queries: [`FEW_QUERY_ATTENTION_MAX_WORK`]) for which
