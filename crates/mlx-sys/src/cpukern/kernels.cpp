@@ -735,48 +735,43 @@ inline F exp_nonpositive(F t) {
   return V::mul(e, V::as_f(V::template slli<23>(V::addi(V::round_i(k), 127))));
 }
 
-float sum_exp(const float* x, int n, float shift) {
+// sum_i exp(x[i] - shift), each term also stored in out[i] when STORE.
+template <bool STORE>
+float exp_sum(const float* x, int n, float shift, float* out) {
   const F sh = V::set1(-shift);
   F s0 = V::zero(), s1 = V::zero();
   int i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {
-    s0 = V::add(s0, exp_nonpositive(V::add(V::loadf(x + i), sh)));
-    s1 = V::add(s1, exp_nonpositive(V::add(V::loadf(x + i + W), sh)));
+    const F e0 = exp_nonpositive(V::add(V::loadf(x + i), sh));
+    const F e1 = exp_nonpositive(V::add(V::loadf(x + i + W), sh));
+    if constexpr (STORE) {
+      V::storef(out + i, e0);
+      V::storef(out + i + W, e1);
+    }
+    s0 = V::add(s0, e0);
+    s1 = V::add(s1, e1);
   }
-  for (; i + W <= n; i += W) s0 = V::add(s0, exp_nonpositive(V::add(V::loadf(x + i), sh)));
-  float s = V::hsum(V::add(s0, s1));
-  if (i < n) {
-    alignas(64) float tail[W];
-    for (int j = 0; j < W; j++) tail[j] = i + j < n ? x[i + j] - shift : -std::numeric_limits<float>::infinity();
-    F e = exp_nonpositive(V::loadf(tail));
-    alignas(64) float ev[W];
-    V::storef(ev, e);
-    for (int j = 0; j < n - i; j++) s += ev[j];
-  }
-  return s;
-}
-
-float exp_store(const float* x, int n, float shift, float* out) {
-  const F sh = V::set1(-shift);
-  F tot = V::zero();
-  int i = 0;
   for (; i + W <= n; i += W) {
     const F e = exp_nonpositive(V::add(V::loadf(x + i), sh));
-    V::storef(out + i, e);
-    tot = V::add(tot, e);
+    if constexpr (STORE) V::storef(out + i, e);
+    s0 = V::add(s0, e);
   }
-  float s = V::hsum(tot);
+  float s = V::hsum(V::add(s0, s1));
   if (i < n) {
     alignas(64) float t[W];
     for (int j = 0; j < W; j++) t[j] = i + j < n ? x[i + j] - shift : -std::numeric_limits<float>::infinity();
     V::storef(t, exp_nonpositive(V::loadf(t)));
     for (int j = 0; j < n - i; j++) {
-      out[i + j] = t[j];
+      if constexpr (STORE) out[i + j] = t[j];
       s += t[j];
     }
   }
   return s;
 }
+
+float sum_exp(const float* x, int n, float shift) { return exp_sum<false>(x, n, shift, nullptr); }
+
+float exp_store(const float* x, int n, float shift, float* out) { return exp_sum<true>(x, n, shift, out); }
 
 void attend(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n, int d, int dv, float* p, float* out) {
   // scores and their maximum (rows of d floats: whole vectors, then a scalar tail)
