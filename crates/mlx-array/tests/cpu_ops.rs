@@ -174,14 +174,6 @@ fn mlx_ops_scope_computes_what_traced_forwards_compute() {
     assert_ne!(bits(&primitive), bits(&traced), "the primitive rounds as MLX's op does on this input");
 }
 
-/// Uniform values in [0, 1) from a small LCG seeded with `seed`.
-fn lcg(seed: u64) -> impl FnMut() -> f32 {
-    let mut state = seed;
-    move || {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (state >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
 
 /// `Array::greedy_pick` (one primitive for f32 logits on the CPU) against an f64 reference and
 /// against MLX's ops (`argmax`, `take_along_axis`, `logsumexp`): the first index of the maximum,
@@ -190,12 +182,10 @@ fn lcg(seed: u64) -> impl FnMut() -> f32 {
 /// transposed view, and the rows MLX maps to NaN (all -inf, +inf).
 #[test]
 fn greedy_pick_matches_reference_and_mlx_ops() {
-    let mut uniform = lcg(41);
-    let widest = mlx_array::ops::cpu_kernels_isa();
-    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
-        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
-            continue; // not on this CPU
-        }
+    // values in [0, 1)
+    let mut u = fixed_stream(41).map(|e| (e + 1.0) / 2.0);
+    let mut uniform = move || u.next().unwrap();
+    on_each_kernel_set(|isa| {
         for &v in &[1usize, 7, 16, 33, 100, 4099, 49152] {
             let b = 3;
             let mut x: Vec<f32> = (0..b * v).map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 6.0).collect(); // roughly normal
@@ -228,8 +218,7 @@ fn greedy_pick_matches_reference_and_mlx_ops() {
                 assert!((lp[r] - mlp[r]).abs() <= 1e-4 * mlp[r].abs().max(1.0), "V {v} row {r}: {} against MLX's {}", lp[r], mlp[r]);
             }
         }
-    }
-    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+    });
     // a transposed view (rows of stride 2) gives what its contiguous copy gives
     let x: Vec<f32> = (0..2 * 64).map(|i| ((i * 37) % 101) as f32 * 0.1).collect();
     let view = Array::from_slice(&x, &[64, 2]).unwrap().transpose(&[1, 0]).unwrap();
@@ -256,11 +245,7 @@ fn greedy_pick_matches_reference_and_mlx_ops() {
 /// above a vector, grouped heads, causal and not, a K/V cache's slice.
 #[test]
 fn f32_attention_rows_match_mlx_on_every_kernel_set() {
-    let widest = mlx_array::ops::cpu_kernels_isa();
-    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
-        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
-            continue; // not on this CPU
-        }
+    on_each_kernel_set(|isa| {
         for &(d, keys, l) in &[(64usize, 1usize, 1usize), (64, 37, 1), (40, 130, 3), (128, 17, 8)] {
             let (hq, hk, cap) = (6, 2, keys + 5);
             let q = arr(&seq(hq * l * d, 0.37), &[1, hq, l, d]);
@@ -280,8 +265,7 @@ fn f32_attention_rows_match_mlx_on_every_kernel_set() {
                 close_to(&format!("{isa} d {d} keys {keys} queries {l} {mask:?}"), &got, &want, 2e-6);
             }
         }
-    }
-    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+    });
 }
 
 /// `Array::nucleus` (the CPU primitive: no sort) keeps what mlx-lm's sort-based top-p (MLX's ops)
@@ -290,13 +274,10 @@ fn f32_attention_rows_match_mlx_on_every_kernel_set() {
 /// (within 1e-5 of p * total) are skipped.
 #[test]
 fn nucleus_matches_the_sorted_top_p() {
-    let mut uniform = lcg(7);
-    let widest = mlx_array::ops::cpu_kernels_isa();
+    let mut u = fixed_stream(7).map(|e| (e + 1.0) / 2.0);
+    let mut uniform = move || u.next().unwrap();
     let mut compared = 0;
-    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
-        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
-            continue;
-        }
+    on_each_kernel_set(|isa| {
         for &(v, spread) in &[(5usize, 1.0f32), (300, 0.3), (3000, 8.0), (4099, 2.0), (20000, 12.0)] {
             let b = 2;
             let mut x: Vec<f32> = (0..b * v).map(|_| ((uniform() * 8.0).floor() / 8.0) * spread).collect();
@@ -331,8 +312,7 @@ fn nucleus_matches_the_sorted_top_p() {
                 }
             }
         }
-    }
-    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+    });
     assert!(compared > 20, "only {compared} rows compared");
     assert!(Array::from_slice(&[1.0f32, 2.0], &[1, 2]).unwrap().nucleus(1.0).is_err());
     assert!(Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap().nucleus(0.5).is_err());
@@ -343,12 +323,9 @@ fn nucleus_matches_the_sorted_top_p() {
 /// -inf (NaN on both sides, MLX's rule).
 #[test]
 fn log_softmax_rows_match_mlx_ops() {
-    let mut uniform = lcg(3);
-    let widest = mlx_array::ops::cpu_kernels_isa();
-    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
-        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() != isa {
-            continue;
-        }
+    let mut u = fixed_stream(3).map(|e| (e + 1.0) / 2.0);
+    let mut uniform = move || u.next().unwrap();
+    on_each_kernel_set(|isa| {
         for &v in &[1usize, 19, 4099, 151936] {
             let mut x: Vec<f32> = (0..3 * v).map(|_| (uniform() - 0.5) * 30.0).collect();
             for i in (0..v).step_by(5) {
@@ -366,6 +343,5 @@ fn log_softmax_rows_match_mlx_ops() {
                 assert!(same, "{isa} V {v} element {i}: {g} against MLX's {w}");
             }
         }
-    }
-    mlx_array::ops::set_cpu_kernels_isa(widest).unwrap();
+    });
 }

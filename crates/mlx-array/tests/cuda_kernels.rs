@@ -9,18 +9,6 @@ use common::*;
 use mlx_array::ops::{set_cuda_few_row_kernels, CudaFewRowKernels};
 use mlx_array::{default_device, AttentionMask, DType, Device};
 
-/// Deterministic values in [-1, 1).
-fn vals(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// The values as `dtype` would hold them.
 fn rounded(v: &[f32], dtype: DType) -> Vec<f32> {
@@ -79,7 +67,7 @@ fn rows_matmul_against_f64() {
     // (K = 12 and 20: the scalar path; the rest 16-byte loads)
     for &(m, n, k) in &[(2usize, 37usize, 8usize), (3, 64, 136), (5, 130, 1024), (8, 300, 264), (9, 17, 64), (16, 129, 512), (1, 40, 24), (4, 33, 12), (7, 9, 20)] {
         for dt in [DType::BF16, DType::F16].into_iter().take(if m % 4 == 0 { 2 } else { 1 }) {
-            let (xv, wv) = (rounded(&vals(m * k, 1 + m as u64), dt), rounded(&vals(n * k, 7 + n as u64), dt));
+            let (xv, wv) = (rounded(&fixed_vals(m * k, 1 + m as u64), dt), rounded(&fixed_vals(n * k, 7 + n as u64), dt));
             let (x, w) = (arr_as(&xv, &[m, k], dt), arr_as(&wv, &[n, k], dt));
             let want = rows_ref(&xv, &wv, m, n, k);
             let got = x.cuda_rows_matmul(&w);
@@ -105,8 +93,8 @@ fn rows_matmul_against_f64() {
 #[test]
 fn rows_matmul_strided_weights() {
     let (m, n, k) = (3usize, 24usize, 40usize);
-    let xv = rounded(&vals(m * k, 11), DType::BF16);
-    let wv = rounded(&vals(k * (n + 5), 12), DType::BF16);
+    let xv = rounded(&fixed_vals(m * k, 11), DType::BF16);
+    let wv = rounded(&fixed_vals(k * (n + 5), 12), DType::BF16);
     let x = arr_as(&xv, &[m, k], DType::BF16);
     // w = wt.T with wt [K, N + 5] row-major: w's strides are (1, N + 5); first N rows of w
     let wt = arr_as(&wv, &[k, n + 5], DType::BF16);
@@ -114,7 +102,7 @@ fn rows_matmul_strided_weights() {
     let wrow: Vec<f32> = (0..n).flat_map(|j| (0..k).map(move |c| (j, c))).map(|(j, c)| wv[c * (n + 5) + j]).collect();
     let want = rows_ref(&xv, &wrow, m, n, k);
     // rows 5.. of a [N + 5, K] weight: a base pointer 5 * K elements in
-    let big = rounded(&vals((n + 5) * k, 13), DType::BF16);
+    let big = rounded(&fixed_vals((n + 5) * k, 13), DType::BF16);
     let wb = arr_as(&big, &[n + 5, k], DType::BF16).slice_axis(0, 5, n + 5).unwrap();
     let want_b = rows_ref(&xv, &big[5 * k..], m, n, k);
     if gpu() {
@@ -129,13 +117,13 @@ fn rows_matmul_strided_weights() {
 
 #[test]
 fn rows_matmul_argument_errors() {
-    let x = arr_as(&vals(17 * 8, 3), &[17, 8], DType::BF16);
-    assert!(x.cuda_rows_matmul(&arr_as(&vals(32, 4), &[4, 8], DType::BF16)).is_err(), "17 rows");
-    let x = arr_as(&vals(16, 3), &[2, 8], DType::F32);
-    assert!(x.cuda_rows_matmul(&arr_as(&vals(32, 4), &[4, 8], DType::F32)).is_err(), "f32");
-    let x = arr_as(&vals(16, 3), &[2, 8], DType::BF16);
-    assert!(x.cuda_rows_matmul(&arr_as(&vals(32, 4), &[4, 8], DType::F16)).is_err(), "mixed dtypes");
-    assert!(x.cuda_rows_matmul(&arr_as(&vals(36, 4), &[4, 9], DType::BF16)).is_err(), "K mismatch");
+    let x = arr_as(&fixed_vals(17 * 8, 3), &[17, 8], DType::BF16);
+    assert!(x.cuda_rows_matmul(&arr_as(&fixed_vals(32, 4), &[4, 8], DType::BF16)).is_err(), "17 rows");
+    let x = arr_as(&fixed_vals(16, 3), &[2, 8], DType::F32);
+    assert!(x.cuda_rows_matmul(&arr_as(&fixed_vals(32, 4), &[4, 8], DType::F32)).is_err(), "f32");
+    let x = arr_as(&fixed_vals(16, 3), &[2, 8], DType::BF16);
+    assert!(x.cuda_rows_matmul(&arr_as(&fixed_vals(32, 4), &[4, 8], DType::F16)).is_err(), "mixed dtypes");
+    assert!(x.cuda_rows_matmul(&arr_as(&fixed_vals(36, 4), &[4, 9], DType::BF16)).is_err(), "K mismatch");
 }
 
 #[test]
@@ -147,9 +135,9 @@ fn few_query_attention_against_f64() {
         // f32 and f16 on two shapes (each dtype, head size and mask is a kernel compiled at first use)
         for dt in [DType::BF16, DType::F32, DType::F16].into_iter().take(if d == 32 || d == 128 { 3 } else { 1 }) {
             let seed = (hq * 31 + l * 7 + kn) as u64;
-            let qv = rounded(&vals(hq * l * d, seed), dt);
-            let kv = rounded(&vals(hkv * cap * d, seed + 1), dt);
-            let vv = rounded(&vals(hkv * cap * d, seed + 2), dt);
+            let qv = rounded(&fixed_vals(hq * l * d, seed), dt);
+            let kv = rounded(&fixed_vals(hkv * cap * d, seed + 1), dt);
+            let vv = rounded(&fixed_vals(hkv * cap * d, seed + 2), dt);
             let q = arr_as(&qv, &[1, hq, l, d], dt);
             // keys and values: the first kn positions of a larger buffer (a cache's view)
             let kb = arr_as(&kv, &[1, hkv, cap, d], dt);
@@ -176,17 +164,17 @@ fn few_query_attention_against_f64() {
 
 #[test]
 fn few_query_attention_argument_errors() {
-    let q = arr_as(&vals(4 * 2 * 32, 1), &[1, 4, 2, 32], DType::BF16);
-    let k = arr_as(&vals(2 * 5 * 32, 2), &[1, 2, 5, 32], DType::BF16);
+    let q = arr_as(&fixed_vals(4 * 2 * 32, 1), &[1, 4, 2, 32], DType::BF16);
+    let k = arr_as(&fixed_vals(2 * 5 * 32, 2), &[1, 2, 5, 32], DType::BF16);
     let mask = arr(&[0.0; 10], &[2, 5]);
     assert!(q.cuda_few_query_attention(&k, &k, 1.0, AttentionMask::Array(&mask)).is_err(), "array masks");
     assert!(q.cuda_few_query_attention(&k, &k, 1.0, AttentionMask::SlidingWindow(0)).is_err(), "window 0");
-    let q3 = arr_as(&vals(3 * 2 * 32, 1), &[1, 3, 2, 32], DType::BF16);
+    let q3 = arr_as(&fixed_vals(3 * 2 * 32, 1), &[1, 3, 2, 32], DType::BF16);
     assert!(q3.cuda_few_query_attention(&k, &k, 1.0, AttentionMask::None).is_err(), "3 query heads over 2");
-    let q48 = arr_as(&vals(4 * 2 * 48, 1), &[1, 4, 2, 48], DType::BF16);
-    let k48 = arr_as(&vals(2 * 5 * 48, 2), &[1, 2, 5, 48], DType::BF16);
+    let q48 = arr_as(&fixed_vals(4 * 2 * 48, 1), &[1, 4, 2, 48], DType::BF16);
+    let k48 = arr_as(&fixed_vals(2 * 5 * 48, 2), &[1, 2, 5, 48], DType::BF16);
     assert!(q48.cuda_few_query_attention(&k48, &k48, 1.0, AttentionMask::None).is_err(), "head dim 48");
-    let q6 = arr_as(&vals(4 * 6 * 32, 1), &[1, 4, 6, 32], DType::BF16);
+    let q6 = arr_as(&fixed_vals(4 * 6 * 32, 1), &[1, 4, 6, 32], DType::BF16);
     assert!(q6.cuda_few_query_attention(&k, &k, 1.0, AttentionMask::Causal).is_err(), "6 causal queries after 5 keys");
     assert!(q.cuda_few_query_attention(&k, &k.astype(DType::F16).unwrap(), 1.0, AttentionMask::None).is_err(), "mixed dtypes");
 }

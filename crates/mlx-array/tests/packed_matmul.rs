@@ -7,7 +7,7 @@
 //! Tolerance: |ours - ref| <= 1e-5 * sum_k |w_k x_k| per output (relative to the magnitude of the
 //! terms: f32 accumulation in another order is the only difference).
 mod common;
-use common::decode_quantized as decode;
+use common::{decode_quantized as decode, kernel_sets};
 use mlx_array::ops::{cpu_packed_supports, gather_qmm, set_cpu_kernels_isa};
 use mlx_array::{with_device, Array, DType, Device, QuantMode, Quantized};
 use proptest::prelude::*;
@@ -74,20 +74,6 @@ fn assert_close(what: &str, got: &[f64], want: &[f64], mag: &[f64]) {
     }
 }
 
-/// The instruction sets this CPU runs (each a distinct kernel copy).
-fn isas() -> Vec<&'static str> {
-    let mut v = Vec::new();
-    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
-        if set_cpu_kernels_isa(isa).unwrap() == isa {
-            v.push(isa);
-        }
-    }
-    assert!(
-        v.contains(&"portable"),
-        "the portable kernels run everywhere"
-    );
-    v
-}
 
 const MODES: [QuantMode; 7] = [
     QuantMode::Affine {
@@ -212,7 +198,7 @@ fn check_bf16(m: usize, n: usize, k: usize, seed: u64) {
 #[test]
 fn every_kernel_and_instruction_set_matches_f64_and_mlx() {
     with_device(Device::Cpu, || {
-        for isa in isas() {
+        for isa in kernel_sets() {
             set_cpu_kernels_isa(isa).unwrap();
             for (m, n, k) in [
                 (1, 1, 1),
@@ -271,7 +257,7 @@ fn wide_ranges_zeros_and_infinities_in_x() {
                 _ => v * 10f32.powi((i % 13) as i32 - 6),
             })
             .collect();
-        for isa in isas() {
+        for isa in kernel_sets() {
             set_cpu_kernels_isa(isa).unwrap();
             for mode in [
                 QuantMode::Affine { bits: 4, group_size: 32 },
@@ -540,7 +526,7 @@ fn python_mlx_quantize_output() {
             ("affine8_g128", QuantMode::Affine { bits: 8, group_size: 128 }),
             ("mxfp4_g32", QuantMode::Mxfp4),
         ];
-        for isa in isas() {
+        for isa in kernel_sets() {
             set_cpu_kernels_isa(isa).unwrap();
             for (name, mode) in modes {
                 let q = Quantized { weight: t[&format!("{name}.weight")].clone(), scales: t[&format!("{name}.scales")].clone(), biases: t.get(&format!("{name}.biases")).cloned(), mode };

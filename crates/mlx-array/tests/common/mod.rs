@@ -206,3 +206,41 @@ pub fn decode_quantized(q: &Quantized, rows: usize, cols: usize) -> Vec<f64> {
     }
     res
 }
+
+/// The CPU kernel sets this machine runs (each a distinct kernel copy; the portable one always).
+pub fn kernel_sets() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    for isa in ["avx512vnni", "avx512", "avx2", "portable"] {
+        if mlx_array::ops::set_cpu_kernels_isa(isa).unwrap() == isa {
+            v.push(isa);
+        }
+    }
+    assert!(v.contains(&"portable"), "the portable kernels run everywhere");
+    v
+}
+
+/// `f(isa)` with each of [`kernel_sets`] selected in turn, then the set in use before again.
+pub fn on_each_kernel_set(mut f: impl FnMut(&'static str)) {
+    let before = mlx_array::ops::cpu_kernels_isa();
+    for isa in kernel_sets() {
+        mlx_array::ops::set_cpu_kernels_isa(isa).unwrap();
+        f(isa);
+    }
+    mlx_array::ops::set_cpu_kernels_isa(before).unwrap();
+}
+
+/// Deterministic values in [-1, 1), without end, from a xorshift generator seeded with `seed`.
+pub fn fixed_stream(seed: u64) -> impl Iterator<Item = f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    std::iter::repeat_with(move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    })
+}
+
+/// The first `n` values of [`fixed_stream`].
+pub fn fixed_vals(n: usize, seed: u64) -> Vec<f32> {
+    fixed_stream(seed).take(n).collect()
+}
