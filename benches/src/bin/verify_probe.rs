@@ -39,32 +39,12 @@ struct Cli {
     /// Timed repetitions of each measurement (the median is reported).
     #[arg(long, default_value_t = 20)]
     iters: usize,
-    /// Kernel settings the forwards run with.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "off,products,attention,on")]
-    modes: Vec<Mode>,
+    /// Kernel settings the forwards run with (off, products, attention, on).
+    #[arg(long, value_delimiter = ',', default_value = "off,products,attention,on")]
+    modes: Vec<CudaFewRowKernels>,
     /// Only the forwards (no product or attention tables).
     #[arg(long)]
     forward_only: bool,
-}
-
-/// `--modes`: [`CudaFewRowKernels`].
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum Mode {
-    Off,
-    Products,
-    Attention,
-    On,
-}
-
-impl Mode {
-    fn kernels(self) -> CudaFewRowKernels {
-        match self {
-            Mode::Off => CudaFewRowKernels::Off,
-            Mode::Products => CudaFewRowKernels::Products,
-            Mode::Attention => CudaFewRowKernels::Attention,
-            Mode::On => CudaFewRowKernels::On,
-        }
-    }
 }
 
 const MODES: [CudaFewRowKernels; 2] = [CudaFewRowKernels::Off, CudaFewRowKernels::On];
@@ -105,7 +85,7 @@ fn main() -> Res<()> {
     let mut cache = model.new_cache();
     let pre = model.with_runtime(|rt| rt.forward(&Array::from_slice(&ids[..prompt], &[1, prompt])?, &mut cache, Logits::Last, false))?;
     cache.eval_with(&pre.logits.iter().collect::<Vec<_>>())?;
-    for mode in modes.iter().map(|m| m.kernels()) {
+    for &mode in &modes {
         set_cuda_few_row_kernels(mode);
         for &m in &rows {
             let input = Array::from_slice(&ids[prompt..prompt + m], &[1, m])?;

@@ -178,3 +178,18 @@ fn few_query_attention_argument_errors() {
     assert!(q6.cuda_few_query_attention(&k, &k, 1.0, AttentionMask::Causal).is_err(), "6 causal queries after 5 keys");
     assert!(q.cuda_few_query_attention(&k, &k.astype(DType::F16).unwrap(), 1.0, AttentionMask::None).is_err(), "mixed dtypes");
 }
+
+/// The setting's names (what `generate --cuda-few-row-kernels` and `verify_probe --modes` take).
+#[test]
+fn few_row_kernel_settings_parse_by_name() {
+    for (name, want) in [
+        ("off", CudaFewRowKernels::Off),
+        ("products", CudaFewRowKernels::Products),
+        ("attention", CudaFewRowKernels::Attention),
+        ("on", CudaFewRowKernels::On),
+    ] {
+        assert_eq!(name.parse::<CudaFewRowKernels>().unwrap(), want);
+    }
+    assert!("On".parse::<CudaFewRowKernels>().is_err());
+    assert!("".parse::<CudaFewRowKernels>().is_err());
+}

@@ -93,9 +93,9 @@ struct Cli {
     mtp_depth: Option<u64>,
     /// On a CUDA GPU, which of products of 2-8 rows and attention of 2-16 queries (verify
     /// steps, short prompts) run our kernels instead of MLX's ops
-    /// (`mlx_array::ops::CudaFewRowKernels`).
-    #[arg(long, value_enum, default_value_t = FewRowKernels::Off)]
-    cuda_few_row_kernels: FewRowKernels,
+    /// (`mlx_array::ops::CudaFewRowKernels`): off, products, attention or on.
+    #[arg(long, default_value = "off")]
+    cuda_few_row_kernels: CudaFewRowKernels,
     /// Join an MLX distributed group over this backend (started by the `launch` example, or
     /// by `mlx.launch`) and run tensor parallel over its ranks.
     #[arg(long, value_enum)]
@@ -124,23 +124,9 @@ enum Quantized {
     Dequantize,
 }
 
-/// `--cuda-few-row-kernels`: [`CudaFewRowKernels`].
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum FewRowKernels {
-    Off,
-    Products,
-    Attention,
-    On,
-}
-
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
-    mlx_array::ops::set_cuda_few_row_kernels(match cli.cuda_few_row_kernels {
-        FewRowKernels::Off => CudaFewRowKernels::Off,
-        FewRowKernels::Products => CudaFewRowKernels::Products,
-        FewRowKernels::Attention => CudaFewRowKernels::Attention,
-        FewRowKernels::On => CudaFewRowKernels::On,
-    });
+    mlx_array::ops::set_cuda_few_row_kernels(cli.cuda_few_row_kernels);
     let dir = &cli.model;
     let quantized = match cli.quantized {
         Quantized::Auto => QuantizedWeights::Auto,

@@ -53,6 +53,21 @@ impl CudaFewRowKernels {
     }
 }
 
+impl std::str::FromStr for CudaFewRowKernels {
+    type Err = Error;
+
+    /// `off`, `products`, `attention` or `on`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "off" => Ok(CudaFewRowKernels::Off),
+            "products" => Ok(CudaFewRowKernels::Products),
+            "attention" => Ok(CudaFewRowKernels::Attention),
+            "on" => Ok(CudaFewRowKernels::On),
+            _ => Err(Error::arg("cuda_few_row_kernels", format!("{s:?}: expected off, products, attention or on"))),
+        }
+    }
+}
+
 const PRODUCTS: u8 = 1;
 const ATTENTION: u8 = 2;
 static FEW_ROW_KERNELS: AtomicU8 = AtomicU8::new(0);
