@@ -8,7 +8,7 @@
 //! reaches p" holds for the distribution the token is actually drawn from.
 use crate::config::SamplingConfig;
 use crate::error::Result;
-use mlx_array::{ops::where_, Array, DType};
+use mlx_array::{ops::where_, Array};
 
 fn neg_inf() -> Array {
     Array::scalar(f32::NEG_INFINITY)
@@ -42,18 +42,9 @@ pub fn top_p(logits: &Array, p: f32) -> Result<Array> {
     if p >= 1.0 {
         return Ok(logits.clone());
     }
-    if logits.ndim() == 2 {
-        // one primitive on the CPU (no sort of the row), MLX's ops elsewhere
-        return Ok(logits.nucleus(p)?);
-    }
+    // `Array::nucleus` works on rows: one primitive on the CPU (no sort), MLX's ops elsewhere
     let v = logits.dim(-1)?;
-    let sorted = logits.sort(-1)?;
-    let probs = sorted.sub(&sorted.slice_axis(-1, v - 1, v)?)?.exp()?;
-    let mass_above = probs.cumsum(-1, true, false)?;
-    let total = probs.sum(&[-1], true)?;
-    let dropped = mass_above.ge(&total.mul_scalar(p)?)?.astype(DType::U32)?.sum(&[-1], true)?;
-    let threshold = sorted.take_along_axis(&dropped, -1)?;
-    Ok(where_(&logits.lt(&threshold)?, &neg_inf(), logits)?)
+    Ok(logits.reshape(&[-1, v as i32])?.nucleus(p)?.reshape(logits.dims())?)
 }
 
 /// Drop tokens with `p < min_p * p_max`, on logits or log-probs (`x < x_max + ln(min_p)`).
