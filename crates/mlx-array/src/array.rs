@@ -218,6 +218,27 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
     mlx_rs::transforms::eval(arrays.iter().map(|a| &a.inner)).op("eval")
 }
 
+/// The primitives evaluating `arrays` together would run: the graph's node count and the count
+/// per primitive name (most frequent first). Nothing is evaluated. For measuring what a step
+/// asks of the backend (each node is host work: an allocation, a kernel launch or a graph node).
+pub fn graph_nodes(arrays: &[&Array]) -> Result<(usize, Vec<(String, usize)>)> {
+    let raw: Vec<mlx_sys::mlx_array> = arrays.iter().map(|a| a.inner.as_ptr()).collect();
+    let count = i32::try_from(raw.len()).map_err(|_| Error::arg("graph_nodes", "too many arrays"))?;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut n = 0;
+    crate::ffi::status("graph_nodes", || {
+        n = unsafe { mlx_sys::mlx_models_graph_nodes(raw.as_ptr(), count, buf.as_mut_ptr().cast(), buf.len()) };
+        i32::from(n < 0)
+    })?;
+    let text = std::ffi::CStr::from_bytes_until_nul(&buf).map_err(|e| Error::shape("graph_nodes", e.to_string()))?;
+    let rows = text
+        .to_string_lossy()
+        .lines()
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(name, c)| Some((name.to_string(), c.parse().ok()?))))
+        .collect();
+    Ok((n as usize, rows))
+}
+
 /// Start evaluating arrays in the background; a later [`eval`] or readback waits for them.
 ///
 /// Work still queued when the process exits is waited for before the shared libraries are torn

@@ -97,3 +97,22 @@ fn slice_update_writes_block() {
     assert!(a.slice_update(&u, &[1, 2]).is_err());
     assert!(a.slice_update(&u.astype(DType::BF16).unwrap(), &[0, 0]).is_err());
 }
+
+#[test]
+fn graph_nodes_counts_each_pending_primitive_once() {
+    let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+    let b = a.add(&a).unwrap();
+    let parts = b.split(2, 0).unwrap();
+    // both outputs of the split and the shared `b` below them: two primitives (Add, Split)
+    let (n, by) = mlx_array::graph_nodes(&[&parts[0], &parts[1]]).unwrap();
+    assert_eq!(n, 2, "{by:?}");
+    let c = parts[0].mul(&parts[1]).unwrap();
+    let (n, by) = mlx_array::graph_nodes(&[&c]).unwrap();
+    assert_eq!(n, 3, "{by:?}");
+    assert_eq!(by.iter().map(|(_, c)| c).sum::<usize>(), 3);
+    assert!(by.iter().any(|(name, c)| name == "Multiply" && *c == 1), "{by:?}");
+    // evaluated arrays are no longer pending
+    c.eval().unwrap();
+    assert_eq!(mlx_array::graph_nodes(&[&c]).unwrap().0, 0);
+    assert_eq!(mlx_array::graph_nodes(&[]).unwrap().0, 0);
+}

@@ -154,6 +154,10 @@ unsafe extern "C" {
     /// The nucleus (top-p) filter of logits `x` `[B, V]`, `0 < p < 1` (mlx-lm's `apply_top_p`):
     /// one primitive for f32 on a CPU stream (no sort), MLX's ops otherwise.
     pub fn mlx_models_nucleus(res: *mut mlx_array, x: mlx_array, p: f32, s: mlx_stream) -> std::ffi::c_int;
+    /// The primitives an evaluation of `xs[0..n]` would run (distinct unevaluated arrays with a
+    /// primitive, one per multi-output primitive), as "Name count" lines most frequent first in
+    /// `out` (capacity `cap`, NUL-terminated, truncated to fit). Returns the total, -1 on error.
+    pub fn mlx_models_graph_nodes(xs: *const mlx_array, n: std::ffi::c_int, out: *mut std::ffi::c_char, cap: usize) -> std::ffi::c_longlong;
     /// Per row of logits `x` `[B, V]`: the first index of the largest value (u32 `[B]`) and its
     /// log-probability `x[t] - logsumexp(x)` (`[B]`, x's dtype); one primitive for f32 on a CPU
     /// stream (a vectorised exp), MLX's ops otherwise.

@@ -16,7 +16,13 @@ head), the draft padded with zeros:
 So the target's greedy tokens are the draft's but where the extra layers' small additions flip a
 choice, while each target step reads a Qwen3-8B's bytes.
 
-  python3 gpu_pair.py OUT_DIR     # writes OUT_DIR/draft and OUT_DIR/target (bf16, sharded)
+Both models nearly repeat their input token (embeddings N(0, 1) dominate the residual stream and
+the head is the token table), so greedy decoding repeats the prompt's last token: every draft is
+accepted. OUT_DIR/useless is the draft with an untied head whose rows are the token table's rows
+permuted: it proposes another token than the target's at almost every step (the pair for
+adaptive depth's useless-draft case).
+
+  python3 gpu_pair.py OUT_DIR     # writes OUT_DIR/draft, OUT_DIR/useless and OUT_DIR/target (bf16, sharded)
 """
 import json
 import os
@@ -138,6 +144,9 @@ def main():
                 p + "mlp.down_proj.weight": rnd(H, I, std=2e-4),
             })
     write(os.path.join(out, "target"), TARGET, t)
+    # drawn after the target's weights, which stay as they were without it
+    perm = torch.randperm(V, generator=g, device=dev)
+    write(os.path.join(out, "useless"), {**DRAFT, "tied": False}, {**d, "lm_head.weight": d["model.embed_tokens.weight"][perm]})
 
 
 if __name__ == "__main__":

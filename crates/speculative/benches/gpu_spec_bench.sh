@@ -3,7 +3,10 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [FEWROW=MODE] bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
+#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [USELESS=K] [FEWROW=MODE] bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
+#
+# ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
+# pair's useless draft (gpu_pair.py), which should settle on plain decoding.
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
 # `--cuda-few-row-kernels MODE` (verify steps' products and/or attention by the kernels of
@@ -45,6 +48,7 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
     [ -z "${FEWROW:-}" ] || echo "draft$k+$FEWROW $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels "$FEWROW")"
   done
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
+  [ -z "${USELESS:-}" ] || echo "useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"
   echo "plain2 $(run)"
 } 2>&1 | tee "$OUT/ours.log"
 PYTHONPATH=$R python3 - "$P" "$IDS" "$NEW" "${KS[@]}" <<'EOF' 2>&1 | tee "$OUT/mlx_lm.log"

@@ -2,7 +2,7 @@
 //! (depth 0) as one of the choices, so speculation turns itself off when it loses.
 //!
 //! Per depth `d` the policy keeps an EMA of the wall time of a cycle at that depth (`d = 0`: a
-//! plain target step), and per draft position `i` an EMA of the probability that draft `i` is
+//! plain target step; faster cycles weigh more, [`Adaptive::ALPHA_DOWN`]), and per draft position `i` an EMA of the probability that draft `i` is
 //! accepted given that drafts `0..i` were. A cycle at depth `d` is then expected to give
 //! `1 + E(d)` tokens, `E(d) = sum_{i<d} prod_{j<=i} a_j`, at `(1 + E(d)) / t(d)` tokens per second.
 //!
@@ -22,8 +22,9 @@
 //! the time, every other probe from below `max - 1` goes to the maximum depth (a cycle's fixed
 //! cost, such as a verify forward of several rows, can make shallow depths lose to plain
 //! decoding while deep ones win: a climb from plain decoding alone would never get there);
-//! the gap between probes grows until a probe's measured time is at most
-//! [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
+//! unless a depth may win (its expected rate within [`Adaptive::CLOSE`] of the best, or drafts
+//! that are being accepted timed only once at it), the gap between probes of it grows until a
+//! probe's measured time is at most [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
 //! costs several plain steps, as multi-row forwards do on some GPUs, is probed that much more
 //! rarely); settled on plain decoding, the gap is further divided by the first draft's
 //! acceptance EMA (floored at [`Adaptive::MIN_PROBE_ACCEPT`]), so a draft that keeps failing is
@@ -49,11 +50,18 @@ pub struct Adaptive {
     exploring: bool,
     /// Per depth: whether a cycle ran at it (its first one is not timed).
     ran: Vec<bool>,
+    /// Per depth: the cycles timed at it.
+    timed: Vec<usize>,
 }
 
 impl Adaptive {
     /// EMA weight of a new observation.
     pub const ALPHA: f64 = 0.25;
+    /// EMA weight of a cycle time below the estimate. Timing noise is one-sided (a cycle is
+    /// slowed by one-time costs, other work or a sleeping thread, never sped up), so a faster
+    /// cycle is better evidence of the true cost than a slower one: estimates come down fast and
+    /// go up at [`Adaptive::ALPHA`].
+    pub const ALPHA_DOWN: f64 = 0.75;
     /// Speculation must promise this many times plain decoding's tokens per second.
     pub const MARGIN: f64 = 1.05;
     /// Fewest cycles between probes of a neighbouring depth.
@@ -67,6 +75,9 @@ impl Adaptive {
     /// The floor of the first draft's acceptance in [`Adaptive::probe_scale`]: probes from plain
     /// decoding are at most 1 / this times further apart.
     pub const MIN_PROBE_ACCEPT: f64 = 0.05;
+    /// A probed depth whose expected rate is at least this share of the best one's is probed
+    /// again after [`Adaptive::PROBE`] cycles, whatever its cost.
+    pub const CLOSE: f64 = 0.75;
     /// Far probes (to the maximum depth) only while the first draft's acceptance (an EMA from
     /// 0.5) is at least this: one cycle that accepts nothing stops them until drafts agree again.
     pub const FAR_PROBE_ACCEPT: f64 = 0.4;
@@ -85,6 +96,7 @@ impl Adaptive {
             probe_far: true,
             exploring: true,
             ran: vec![false; max + 1],
+            timed: vec![0; max + 1],
         }
     }
 
@@ -205,12 +217,18 @@ impl Adaptive {
         self.observe(0, 0, secs / n as f64);
     }
 
-    /// Cycles until the probe after one at depth `d`: [`Adaptive::PROBE`], or more when a cycle at
-    /// `d` is measured to cost more than [`Adaptive::PROBE_BUDGET`] of that many cycles at the
-    /// current depth; settled on plain decoding, divided by the first draft's acceptance
-    /// ([`Adaptive::probe_scale`]).
+    /// Cycles until the probe after one at depth `d`: [`Adaptive::PROBE`], or, unless `d` may win
+    /// (see the module docs), more when a cycle at `d` is measured to cost more than
+    /// [`Adaptive::PROBE_BUDGET`] of that many cycles at the current depth; settled on plain
+    /// decoding, divided by the first draft's acceptance ([`Adaptive::probe_scale`]).
     fn probe_gap(&self, d: usize) -> usize {
+        // a depth that may win is probed at the shortest gap: one timed cycle of drafts that are
+        // being accepted is no estimate yet (it may carry the rest of a new shape's set-up), and
+        // a depth within CLOSE of the best is a close call
+        let agreeing = self.accept[0] >= Self::FAR_PROBE_ACCEPT;
+        let close = self.score(d) >= Self::CLOSE * self.score(self.best());
         let gap = match (self.time[d], self.time[self.depth]) {
+            _ if close || (agreeing && self.timed[d] < 2) => Self::PROBE,
             (Some(tp), Some(tc)) if tc > 0.0 => Self::PROBE.max((tp / (Self::PROBE_BUDGET * tc)).ceil() as usize),
             _ => Self::PROBE,
         };
@@ -235,7 +253,9 @@ impl Adaptive {
 
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
     pub fn observe(&mut self, d: usize, accepted: usize, secs: f64) {
-        let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + Self::ALPHA * (x - o)));
+        let ema = |old: Option<f64>, x: f64| {
+            Some(old.map_or(x, |o| o + if x < o { Self::ALPHA_DOWN } else { Self::ALPHA } * (x - o)))
+        };
         // the first cycle at a speculative depth runs a new verify shape: one-time costs
         let first = d > 0 && self.ran.get(d).is_some_and(|r| !r);
         if let Some(r) = self.ran.get_mut(d) {
@@ -244,6 +264,7 @@ impl Adaptive {
         if !first {
             if let Some(t) = self.time.get_mut(d) {
                 *t = ema(*t, secs);
+                self.timed[d] += 1;
             }
         }
         if self.probing.take() == Some(d) {
@@ -378,19 +399,16 @@ mod tests {
 
     /// 400 cycles of a GPU-like pair with every draft accepted: any speculative cycle pays a
     /// verify forward of 1.8 plain steps plus 0.15 a draft, so one or two drafts lose to plain
-    /// decoding and six win; cycle `c` at depth `d` is 30 times slower where `slow(c, d)`. The
-    /// settled depth and the mean depth.
-    fn gpu_like(mut slow: impl FnMut(usize, usize) -> bool) -> (usize, f64) {
+    /// decoding and six win; cycle `c` at depth `d` is `slow(c, d)` times slower. The settled
+    /// depth and the mean depth.
+    fn gpu_like(mut slow: impl FnMut(usize, usize) -> f64) -> (usize, f64) {
         let mut a = Adaptive::new(6);
         let (mut total_depth, n) = (0, 400);
         for c in 0..n {
             let d = a.next_depth();
             total_depth += d;
-            let mut t = if d == 0 { 1.0 } else { 1.8 + 0.15 * d as f64 };
-            if slow(c, d) {
-                t *= 30.0;
-            }
-            a.observe(d, d, t);
+            let t = if d == 0 { 1.0 } else { 1.8 + 0.15 * d as f64 };
+            a.observe(d, d, t * slow(c, d));
         }
         (a.depth(), total_depth as f64 / n as f64)
     }
@@ -399,7 +417,7 @@ mod tests {
     /// compiles kernels).
     #[test]
     fn deep_drafts_win_where_shallow_ones_lose() {
-        let (depth, mean) = gpu_like(|c, _| c == 0);
+        let (depth, mean) = gpu_like(|c, _| if c == 0 { 30.0 } else { 1.0 });
         // depth 6: 7 tokens in 2.7 plain steps; depth 1: 2 tokens in 1.95
         assert!(depth >= 5, "depth {depth}");
         assert!(mean > 4.0, "mean depth {mean}");
@@ -412,7 +430,28 @@ mod tests {
     #[test]
     fn first_cycles_at_each_depth_pay_one_time_costs() {
         let mut seen = [false; 7];
-        let (depth, mean) = gpu_like(|_, d| d > 0 && !std::mem::replace(&mut seen[d], true));
+        let (depth, mean) = gpu_like(|_, d| if d > 0 && !std::mem::replace(&mut seen[d], true) { 30.0 } else { 1.0 });
+        assert!(depth >= 5, "depth {depth}");
+        assert!(mean > 4.0, "mean depth {mean}");
+    }
+
+    /// The GPU-like pair with the first cycle at every depth 30 times slower and the second 3
+    /// times (a draft model's first forward of several tokens comes in the second cycle): one
+    /// slow timing of the deep depth makes plain decoding look better at first, but the deep
+    /// depth is probed again soon, its estimate comes down at the first fast cycle, and it is
+    /// kept.
+    #[test]
+    fn one_slow_timing_does_not_settle_on_plain_decoding() {
+        let mut runs = [0usize; 7];
+        let (depth, mean) = gpu_like(|_, d| {
+            runs[d] += 1;
+            match (d, runs[d]) {
+                (0, _) => 1.0,
+                (_, 1) => 30.0,
+                (_, 2) => 3.0,
+                _ => 1.0,
+            }
+        });
         assert!(depth >= 5, "depth {depth}");
         assert!(mean > 4.0, "mean depth {mean}");
     }

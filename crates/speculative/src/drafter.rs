@@ -1,5 +1,5 @@
 //! The [`Drafter`] trait and the plain draft-model drafter.
-use crate::tracked::{forward, Tracked};
+use crate::tracked::{forward, row, Tracked};
 use mlx_array::random::{categorical, Key};
 use mlx_array::{ops::concatenate, Array, DType};
 use mlx_models::{Cache, Logits, Model, ModelError, Result};
@@ -175,23 +175,23 @@ impl<'a> Drawer<'a> {
     /// One draft from `logits` (`[1, V]`): the token, `[1]` u32.
     pub(crate) fn draw(&mut self, logits: &Array, key: &mut SeededKey) -> Result<Array> {
         let rows: [&[u32]; 1] = [self.hist.as_slice()];
-        let lp = self
-            .sampler
-            .distribution(logits, if self.host { &rows } else { &[] })
-            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let hist: &[&[u32]] = if self.host { &rows } else { &[] };
+        let err = |e: sampling::SamplingError| ModelError::InvalidInput(e.to_string());
         let t = if self.greedy {
-            lp.argmax(-1, false)?
+            // the argmax of the penalised logits is the greedy distribution's (no log-softmax)
+            let x = if self.host { self.sampler.penalised(logits, hist).map_err(err)? } else { logits.clone() };
+            x.argmax(-1, false)?
         } else {
-            categorical(&lp, -1, &split(key.get(self.cfg)?)?)?
+            let lp = self.sampler.distribution(logits, hist).map_err(err)?;
+            let t = categorical(&lp, -1, &split(key.get(self.cfg)?)?)?;
+            self.lps.push(lp);
+            t
         }
         .astype(DType::U32)?;
         if self.host {
             self.hist.push(t.to_vec::<u32>()?[0]);
         }
         self.toks.push(t.clone());
-        if !self.greedy {
-            self.lps.push(lp);
-        }
         Ok(t)
     }
 
@@ -263,11 +263,14 @@ impl Drafter for DraftModel {
         }
         let model = self.model.clone();
         let fresh = || model.new_cache();
-        self.tracked
-            .sync(&self.model, &mut self.cache, before, Some(&fresh))?;
+        // the tokens of `before` the cache lacks (the last cycle's final draft and the target's
+        // token, typically) run in the first draft forward, ahead of `last`
+        let held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
         self.tracked.snapshot(&self.cache);
+        let mut first = before[held..].to_vec();
+        first.push(last);
         let mut drawer = Drawer::new(cfg, history, k)?;
-        let mut cur = Array::from_slice(&[last], &[1, 1])?;
+        let mut cur = row(&first)?;
         for i in 0..k {
             let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
             let logits = out
@@ -281,7 +284,7 @@ impl Drafter for DraftModel {
             }
         }
         let draft = drawer.finish(&[])?;
-        self.tracked.tokens.push(last);
+        self.tracked.fed(&first);
         self.tracked
             .tokens
             .extend_from_slice(&draft.tokens[..k - 1]);

@@ -7,7 +7,7 @@ use mlx_models::{Cache, CacheSnapshot, Logits, Model, ModelError, Result};
 pub(crate) struct Tracked {
     pub(crate) tokens: Vec<u32>,
     snap: Option<(CacheSnapshot, usize)>,
-    /// Positions run through the model by [`Tracked::sync`] so far.
+    /// Positions run through the model so far ([`Tracked::sync`], [`Tracked::fed`]).
     pub(crate) run: usize,
 }
 
@@ -72,6 +72,24 @@ impl Tracked {
         want: &[u32],
         fresh: Option<&dyn Fn() -> Cache>,
     ) -> Result<()> {
+        let held = self.rollback(cache, want, fresh)?;
+        let rest = &want[held..];
+        if !rest.is_empty() {
+            forward(model, cache, &row(rest)?, Logits::None, false)?;
+            cache.async_eval_with(&[])?;
+            self.fed(rest);
+        }
+        Ok(())
+    }
+
+    /// The rollback of [`Tracked::sync`] alone: afterwards the cache holds a prefix of `want`,
+    /// whose length is returned; the caller feeds the rest and reports it with [`Tracked::fed`].
+    pub(crate) fn rollback(
+        &mut self,
+        cache: &mut Cache,
+        want: &[u32],
+        fresh: Option<&dyn Fn() -> Cache>,
+    ) -> Result<usize> {
         let common = self
             .tokens
             .iter()
@@ -100,13 +118,12 @@ impl Tracked {
                 self.snap = None;
             }
         }
-        let rest = &want[self.tokens.len()..];
-        if !rest.is_empty() {
-            forward(model, cache, &row(rest)?, Logits::None, false)?;
-            cache.async_eval_with(&[])?;
-            self.run += rest.len();
-            self.tokens.extend_from_slice(rest);
-        }
-        Ok(())
+        Ok(self.tokens.len())
+    }
+
+    /// `toks` were run through the model after the held tokens.
+    pub(crate) fn fed(&mut self, toks: &[u32]) {
+        self.run += toks.len();
+        self.tokens.extend_from_slice(toks);
     }
 }

@@ -12,6 +12,9 @@
 #include <limits>
 #include <sstream>
 #include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -819,6 +822,41 @@ int mlx_models_greedy(mlx_array* tokens, mlx_array* logprobs, const mlx_array x,
     return 1;
   }
   return 0;
+}
+
+// The primitives an evaluation of `xs[0..n]` would run: the distinct unevaluated arrays with a
+// primitive reachable from them (the outputs of one multi-output primitive counted once), written
+// to `out` (capacity `cap`, NUL-terminated, truncated to fit) as "Name count" pairs, one a line,
+// most frequent first. Returns the total, or -1 on error.
+long long mlx_models_graph_nodes(const mlx_array* xs, int n, char* out, size_t cap) {
+  try {
+    std::unordered_set<std::uintptr_t> seen;
+    std::unordered_map<std::string, long long> by_name;
+    std::vector<mx::array> stack;
+    for (int i = 0; i < n; i++) stack.push_back(mlx_array_get_(xs[i]));
+    long long total = 0;
+    while (!stack.empty()) {
+      mx::array a = std::move(stack.back());
+      stack.pop_back();
+      if (!a.has_primitive() || !seen.insert(a.primitive_id()).second) continue;
+      total++;
+      by_name[a.primitive().name()]++;
+      for (auto& x : a.inputs()) stack.push_back(x);
+    }
+    std::vector<std::pair<std::string, long long>> rows(by_name.begin(), by_name.end());
+    std::sort(rows.begin(), rows.end(), [](auto& a, auto& b) { return a.second != b.second ? a.second > b.second : a.first < b.first; });
+    std::ostringstream os;
+    for (auto& [name, c] : rows) os << name << " " << c << "\n";
+    if (cap > 0) {
+      auto t = os.str().substr(0, cap - 1);
+      std::copy(t.begin(), t.end(), out);
+      out[t.size()] = 0;
+    }
+    return total;
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return -1;
+  }
 }
 
 // fast::rms_norm (`w` may be an empty array): one primitive for float input on a CPU stream.

@@ -68,9 +68,12 @@ impl Attention {
         })
     }
 
+    /// `[B, L, n * D]` as `[B, L, n, D]`; a single position (`L` = 1) as `[B, n, 1, D]`, the
+    /// heads-first layout attention reads, in one reshape (see [`heads_first`]).
     fn heads(&self, x: &Array, n: usize) -> Result<Array> {
         let s = x.dims();
-        Ok(x.reshape(&[s[0], s[1], n as i32, self.cfg.head_dim as i32])?)
+        let d = self.cfg.head_dim as i32;
+        Ok(if s[1] == 1 { x.reshape(&[s[0], n as i32, 1, d])? } else { x.reshape(&[s[0], s[1], n as i32, d])? })
     }
 
     /// `x`: `[B, L, hidden]`, over a flat cache.
@@ -180,7 +183,7 @@ impl Attention {
         }
         let mut q = self.heads(&q, c.n_heads)?;
         let mut k = self.heads(&k, c.n_kv_heads)?;
-        let v = self.heads(&v, c.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        let v = heads_first(self.heads(&v, c.n_kv_heads)?, l)?;
         if let Some(n) = &self.q_norm {
             q = n.forward(&q)?;
         }
@@ -193,8 +196,8 @@ impl Attention {
                 return Err(crate::ModelError::UnsupportedOption("packed steps take every token at its cache position".into()));
             }
             let rope = |x: &Array, p: usize| self.rope.forward(x, p);
-            let q = g.rope(&q.transpose(&[0, 2, 1, 3])?, rope)?;
-            let k = g.rope(&k.transpose(&[0, 2, 1, 3])?, rope)?;
+            let q = g.rope(&heads_first(q, lq)?, rope)?;
+            let k = g.rope(&heads_first(k, l)?, rope)?;
             let (k, v) = cache.update_and_fetch(&g.to_rows(&k, 2)?, &g.to_rows(&v, 2)?)?;
             let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
             let o = g.attend(&q, &k, &v, scale, mask_window(mask))?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
@@ -207,7 +210,7 @@ impl Attention {
         let off = cache.offset();
         let q_off = if last { off + l as usize - 1 } else { off };
         let batch = cache.batch().filter(|r| !r.uniform());
-        let (q, k) = (q.transpose(&[0, 2, 1, 3])?, k.transpose(&[0, 2, 1, 3])?);
+        let (q, k) = (heads_first(q, lq)?, heads_first(k, l)?);
         let (q, k) = match (batch, at) {
             (Some(r), RopeAt::Cache | RopeAt::Shift(0)) => {
                 (self.rope.forward_rows(&q, &r.positions(q_off)?, r.longest())?, self.rope.forward_rows(&k, &r.positions(off)?, r.longest())?)
@@ -228,13 +231,25 @@ impl Attention {
         let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
         let batch_mask = batch.map(|r| r.mask(lq as usize, k.dims()[2] as usize, mask_window(mask))).transpose()?;
         let mask = batch_mask.as_ref().map_or(mask, AttentionMask::Array);
-        let o = sdpa(&q, &k, &v, scale, mask)?.transpose(&[0, 2, 1, 3])?.reshape(&[b, lq, -1])?;
+        let o = merge_heads(sdpa(&q, &k, &v, scale, mask)?, b, lq)?;
         let o = match gate {
             Some(g) => o.mul(&g.sigmoid()?)?,
             None => o,
         };
         self.o.forward(&o)
     }
+}
+
+/// [`Attention::heads`]' output over `l` positions in the heads-first layout `[B, n, L, D]`: a
+/// transpose, except for a single position, which `heads` already laid out so (each node of a
+/// decode step's graph is host work for the backend).
+fn heads_first(x: Array, l: i32) -> Result<Array> {
+    Ok(if l == 1 { x } else { x.transpose(&[0, 2, 1, 3])? })
+}
+
+/// Attention's output `[B, H, L, D]` as `[B, L, H * D]` (one reshape for a single position).
+fn merge_heads(o: Array, b: i32, l: i32) -> Result<Array> {
+    Ok(if l == 1 { o.reshape(&[b, 1, -1])? } else { o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])? })
 }
 
 /// Queries per attention call in a long causal or sliding-window step on the CPU (the shared
