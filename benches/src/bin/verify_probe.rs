@@ -9,7 +9,8 @@
 //!
 //! - `forward`: with each [`CudaFewRowKernels`] setting, the median time of a forward of M rows at a fixed position (logits of every row
 //!   and the cache evaluated, then the M positions trimmed away), as the verifier runs it; the
-//!   median host time to build its graph, and the graph's primitives (the most frequent by name);
+//!   first call's time (one-time costs of a new shape), the median host time to build its graph,
+//!   and the graph's primitives (the most frequent by name);
 //! - `product`: x `[M, K]` @ w.T for each weight shape of the checkpoint's config (q, k/v, the
 //!   joined q+k+v, o, gate/up, the joined gate+up, down, the head), one distinct random weight
 //!   per layer (at most 2.4 GB of them), chained (each call reads the previous one's output, so
@@ -92,6 +93,7 @@ fn main() -> Res<()> {
             let input = Array::from_slice(&ids[prompt..prompt + m], &[1, m])?;
             let mut build = Vec::with_capacity(iters + 2);
             let mut nodes = None;
+            let mut first = None;
             let ms = median_ms(iters, || {
                 let t = Instant::now();
                 let out = model.with_runtime(|rt| rt.forward(&input, &mut cache, Logits::All, false))?;
@@ -102,12 +104,14 @@ fn main() -> Res<()> {
                 }
                 cache.eval_with(&[&logits])?;
                 cache.trim(m)?;
+                first.get_or_insert(t.elapsed().as_secs_f64() * 1e3);
                 Ok(())
             })?;
             build.sort_by(f64::total_cmp);
             let (n, by) = nodes.unwrap_or_default();
             let top: Vec<String> = by.iter().take(8).map(|(name, c)| format!("{name} {c}")).collect();
-            println!("forward kernels={mode:?} rows={m}: {ms:.3} ms, graph built in {:.3} ms, {n} nodes ({})", build[build.len() / 2], top.join(", "));
+            let first = first.unwrap_or_default();
+            println!("forward kernels={mode:?} rows={m}: {ms:.3} ms (first call {first:.1} ms), graph built in {:.3} ms, {n} nodes ({})", build[build.len() / 2], top.join(", "));
         }
     }
 
