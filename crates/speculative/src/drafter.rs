@@ -273,6 +273,9 @@ impl Drafter for DraftModel {
         let mut cur = row(&first)?;
         for i in 0..k {
             let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
+            if i == 0 {
+                self.tracked.fed(&first);
+            }
             let logits = out
                 .logits
                 .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
@@ -284,7 +287,6 @@ impl Drafter for DraftModel {
             }
         }
         let draft = drawer.finish(&[])?;
-        self.tracked.fed(&first);
         self.tracked
             .tokens
             .extend_from_slice(&draft.tokens[..k - 1]);
