@@ -52,6 +52,8 @@ pub struct Adaptive {
     ran: Vec<bool>,
     /// Per depth: the cycles timed at it.
     timed: Vec<usize>,
+    /// Per draft position: the cycles that drafted it (and saw a verdict on it).
+    judged: Vec<usize>,
 }
 
 impl Adaptive {
@@ -75,6 +77,12 @@ impl Adaptive {
     /// The floor of the first draft's acceptance in [`Adaptive::probe_scale`]: probes from plain
     /// decoding are at most 1 / this times further apart.
     pub const MIN_PROBE_ACCEPT: f64 = 0.05;
+    /// The weight, in cycles, of the 0.5 every acceptance estimate starts from: the first
+    /// verdicts at a position move its estimate by 1 / (n + this) (the mean of the verdicts and
+    /// the prior), later ones by [`Adaptive::ALPHA`]. A draft accepted 3 times out of 3 is
+    /// estimated at 0.93, not 0.72 as an EMA from 0.5 would say: deep cycles, which only pay
+    /// when nearly every draft is accepted, are not held back for a dozen cycles.
+    pub const ACCEPT_PRIOR_WEIGHT: f64 = 0.5;
     /// A probed depth whose expected rate is at least this share of the best one's is probed
     /// again after [`Adaptive::PROBE`] cycles, whatever its cost.
     pub const CLOSE: f64 = 0.75;
@@ -97,6 +105,7 @@ impl Adaptive {
             exploring: true,
             ran: vec![false; max + 1],
             timed: vec![0; max + 1],
+            judged: vec![0; max],
         }
     }
 
@@ -272,7 +281,9 @@ impl Adaptive {
         }
         for i in 0..d.min(accepted + 1).min(self.max) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
-            self.accept[i] += Self::ALPHA * (hit - self.accept[i]);
+            self.judged[i] += 1;
+            let alpha = Self::ALPHA.max(1.0 / (self.judged[i] as f64 + Self::ACCEPT_PRIOR_WEIGHT));
+            self.accept[i] += alpha * (hit - self.accept[i]);
         }
         if self.exploring && d > 0 && accepted == 0 {
             self.exploring = false;
@@ -361,10 +372,12 @@ mod tests {
         assert_eq!(a.plain_run(), 0);
         assert_eq!(a.next_depth(), 0);
         a.observe(0, 0, 1.0);
-        // the first probe of a draft that accepted nothing waits PROBE / 0.375 cycles (its
-        // acceptance EMA after one miss), not PROBE
+        // the first probe of a draft that accepted nothing waits PROBE / a cycles, a = 1/6 its
+        // acceptance estimate after one miss (0.5 weighted ACCEPT_PRIOR_WEIGHT against one 0),
+        // not PROBE
+        let a0 = 0.5 * Adaptive::ACCEPT_PRIOR_WEIGHT / (1.0 + Adaptive::ACCEPT_PRIOR_WEIGHT);
         let n = a.plain_run();
-        assert!(n > Adaptive::PROBE && n < (Adaptive::PROBE as f64 / 0.375).ceil() as usize, "plain run {n}");
+        assert!(n > Adaptive::PROBE && n < (Adaptive::PROBE as f64 / a0).ceil() as usize, "plain run {n}");
         a.observe_plain(n, n as f64);
         assert_eq!(a.plain_run(), 0, "the next cycle is a probe");
         assert_eq!(a.next_depth(), 1, "nothing accepted yet: the probe goes to the neighbour");
