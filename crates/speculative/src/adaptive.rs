@@ -2,8 +2,10 @@
 //! (depth 0) as one of the choices, so speculation turns itself off when it loses.
 //!
 //! Per depth `d` the policy keeps an EMA of the wall time of a cycle at that depth (`d = 0`: a
-//! plain target step; faster cycles weigh more, [`Adaptive::ALPHA_DOWN`]), and per draft position `i` an EMA of the probability that draft `i` is
-//! accepted given that drafts `0..i` were. A cycle at depth `d` is then expected to give
+//! plain target step; faster cycles weigh more, [`Adaptive::ALPHA_DOWN`]), and per draft
+//! position `i` an estimate `a_i` of the probability that draft `i` is accepted given that drafts
+//! `0..i` were (the mean of the first verdicts and a prior 0.5, [`Adaptive::ACCEPT_PRIOR_WEIGHT`],
+//! then an EMA). A cycle at depth `d` is then expected to give
 //! `1 + E(d)` tokens, `E(d) = sum_{i<d} prod_{j<=i} a_j`, at `(1 + E(d)) / t(d)` tokens per second.
 //!
 //! States, in order: **explore** (up to [`Adaptive::EXPLORE`] cycles: the first drafts
@@ -411,19 +413,36 @@ mod tests {
     }
 
     /// 400 cycles of a GPU-like pair with every draft accepted: any speculative cycle pays a
-    /// verify forward of 1.8 plain steps plus 0.15 a draft, so one or two drafts lose to plain
-    /// decoding and six win; cycle `c` at depth `d` is `slow(c, d)` times slower. The settled
-    /// depth and the mean depth.
-    fn gpu_like(mut slow: impl FnMut(usize, usize) -> f64) -> (usize, f64) {
+    /// verify forward of 1.8 plain steps plus `per_draft` a draft (0.15: one or two drafts lose to
+    /// plain decoding and six win); cycle `c` at depth `d` is `slow(c, d)` times slower. The
+    /// settled depth and the mean depth.
+    fn gpu_like_at(per_draft: f64, mut slow: impl FnMut(usize, usize) -> f64) -> (usize, f64) {
         let mut a = Adaptive::new(6);
         let (mut total_depth, n) = (0, 400);
         for c in 0..n {
             let d = a.next_depth();
             total_depth += d;
-            let t = if d == 0 { 1.0 } else { 1.8 + 0.15 * d as f64 };
+            let t = if d == 0 { 1.0 } else { 1.8 + per_draft * d as f64 };
             a.observe(d, d, t * slow(c, d));
         }
         (a.depth(), total_depth as f64 / n as f64)
+    }
+
+    fn gpu_like(slow: impl FnMut(usize, usize) -> f64) -> (usize, f64) {
+        gpu_like_at(0.15, slow)
+    }
+
+    /// Deep cycles that pay only when nearly every draft is accepted (six drafts cost 4.8 plain
+    /// steps: 7 tokens at 1.46 times plain decoding's rate, while 6 at 80% acceptance each would
+    /// lose): three all-accepted opening cycles are enough to go deep at once. From acceptance
+    /// EMAs starting at 0.5 (0.72 after three verdicts) plain decoding looked better and the
+    /// costly probes were spaced hundreds of cycles apart.
+    #[test]
+    fn all_accepted_openings_are_trusted() {
+        let mut seen = [false; 7];
+        let (depth, mean) = gpu_like_at(0.5, |_, d| if d > 0 && !std::mem::replace(&mut seen[d], true) { 30.0 } else { 1.0 });
+        assert!(depth >= 5, "depth {depth}");
+        assert!(mean > 4.0, "mean depth {mean}");
     }
 
     /// The GPU-like pair with its first cycle 30 times slower (a first forward of a new shape
