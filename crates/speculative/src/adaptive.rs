@@ -29,7 +29,7 @@
 //! probe's measured time is at most [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
 //! costs several plain steps, as multi-row forwards do on some GPUs, is probed that much more
 //! rarely); settled on plain decoding, the gap is further divided by the first draft's
-//! acceptance EMA (floored at [`Adaptive::MIN_PROBE_ACCEPT`]), so a draft that keeps failing is
+//! acceptance estimate (floored at [`Adaptive::MIN_PROBE_ACCEPT`]), so a draft that keeps failing is
 //! probed ever more rarely. Depth 0 with a useless draft therefore costs at most that share of
 //! the time, plus the opening cycle and a draft model's catching up over the tokens it skipped.
 
@@ -247,7 +247,7 @@ impl Adaptive {
     }
 
     /// How much further apart probes from plain decoding are: 1 / the first draft's acceptance
-    /// (an EMA, floored at [`Adaptive::MIN_PROBE_ACCEPT`]); 1 away from plain decoding. A probe can
+    /// estimate (floored at [`Adaptive::MIN_PROBE_ACCEPT`]); 1 away from plain decoding. A probe can
     /// only pay off if drafts are accepted, so a draft that keeps failing is asked ever more rarely.
     fn probe_scale(&self) -> f64 {
         if self.depth == 0 {
@@ -257,7 +257,7 @@ impl Adaptive {
         }
     }
 
-    /// 1 / the first draft's acceptance EMA, floored at [`Adaptive::MIN_PROBE_ACCEPT`].
+    /// 1 / the first draft's acceptance estimate, floored at [`Adaptive::MIN_PROBE_ACCEPT`].
     fn acceptance_scale(&self) -> f64 {
         1.0 / self.accept[0].max(Self::MIN_PROBE_ACCEPT)
     }
@@ -278,14 +278,15 @@ impl Adaptive {
                 self.timed[d] += 1;
             }
         }
-        if self.probing.take() == Some(d) {
-            self.next_probe = self.cycles + self.probe_gap(d);
-        }
         for i in 0..d.min(accepted + 1).min(self.max) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
             self.judged[i] += 1;
             let alpha = Self::ALPHA.max(1.0 / (self.judged[i] as f64 + Self::ACCEPT_PRIOR_WEIGHT));
             self.accept[i] += alpha * (hit - self.accept[i]);
+        }
+        // placed with the probe's own verdict counted
+        if self.probing.take() == Some(d) {
+            self.next_probe = self.cycles + self.probe_gap(d);
         }
         if self.exploring && d > 0 && accepted == 0 {
             self.exploring = false;
