@@ -29,7 +29,7 @@
 //! probe's measured time is at most [`Adaptive::PROBE_BUDGET`] of the cycles between it and the next one (a verify forward that
 //! costs several plain steps, as multi-row forwards do on some GPUs, is probed that much more
 //! rarely); settled on plain decoding, the gap is further divided by the first draft's
-//! acceptance estimate (floored at [`Adaptive::MIN_PROBE_ACCEPT`]), so a draft that keeps failing is
+//! acceptance EMA (floored at [`Adaptive::MIN_PROBE_ACCEPT`]), so a draft that keeps failing is
 //! probed ever more rarely. Depth 0 with a useless draft therefore costs at most that share of
 //! the time, plus the opening cycle and a draft model's catching up over the tokens it skipped.
 
@@ -56,6 +56,9 @@ pub struct Adaptive {
     timed: Vec<usize>,
     /// Per draft position: the cycles that drafted it (and saw a verdict on it).
     judged: Vec<usize>,
+    /// The first draft's acceptance as an EMA from 0.5 (slower than `accept[0]` at first): the
+    /// spacing of probes from plain decoding ([`Adaptive::acceptance_scale`]).
+    first_ema: f64,
 }
 
 impl Adaptive {
@@ -108,6 +111,7 @@ impl Adaptive {
             ran: vec![false; max + 1],
             timed: vec![0; max + 1],
             judged: vec![0; max],
+            first_ema: 0.5,
         }
     }
 
@@ -257,9 +261,11 @@ impl Adaptive {
         }
     }
 
-    /// 1 / the first draft's acceptance estimate, floored at [`Adaptive::MIN_PROBE_ACCEPT`].
+    /// 1 / the first draft's acceptance, floored at [`Adaptive::MIN_PROBE_ACCEPT`]: its EMA from
+    /// 0.5, which one early miss moves less than the estimate the rates use, since a probe's
+    /// draft model catches up over every token it skipped and a later first probe costs more.
     fn acceptance_scale(&self) -> f64 {
-        1.0 / self.accept[0].max(Self::MIN_PROBE_ACCEPT)
+        1.0 / self.first_ema.max(Self::MIN_PROBE_ACCEPT)
     }
 
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
@@ -283,6 +289,9 @@ impl Adaptive {
             self.judged[i] += 1;
             let alpha = Self::ALPHA.max(1.0 / (self.judged[i] as f64 + Self::ACCEPT_PRIOR_WEIGHT));
             self.accept[i] += alpha * (hit - self.accept[i]);
+            if i == 0 {
+                self.first_ema += Self::ALPHA * (hit - self.first_ema);
+            }
         }
         // placed with the probe's own verdict counted
         if self.probing.take() == Some(d) {
@@ -375,12 +384,11 @@ mod tests {
         assert_eq!(a.plain_run(), 0);
         assert_eq!(a.next_depth(), 0);
         a.observe(0, 0, 1.0);
-        // the first probe of a draft that accepted nothing waits PROBE / a cycles, a = 1/6 its
-        // acceptance estimate after one miss (0.5 weighted ACCEPT_PRIOR_WEIGHT against one 0),
-        // not PROBE
-        let a0 = 0.5 * Adaptive::ACCEPT_PRIOR_WEIGHT / (1.0 + Adaptive::ACCEPT_PRIOR_WEIGHT);
+        // the first probe of a draft that accepted nothing waits PROBE / 0.375 cycles (the first
+        // draft's acceptance EMA after one miss), not PROBE, nor PROBE / (1/6) as the estimate the
+        // rates use would say
         let n = a.plain_run();
-        assert!(n > Adaptive::PROBE && n < (Adaptive::PROBE as f64 / a0).ceil() as usize, "plain run {n}");
+        assert!(n > Adaptive::PROBE && n <= (Adaptive::PROBE as f64 / 0.375).ceil() as usize, "plain run {n}");
         a.observe_plain(n, n as f64);
         assert_eq!(a.plain_run(), 0, "the next cycle is a probe");
         assert_eq!(a.next_depth(), 1, "nothing accepted yet: the probe goes to the neighbour");
