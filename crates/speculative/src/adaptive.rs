@@ -50,10 +50,8 @@ pub struct Adaptive {
     probe_far: bool,
     /// Still exploring: no explore cycle has accepted nothing.
     exploring: bool,
-    /// Per depth: whether a cycle ran at it (its first one is not timed).
-    ran: Vec<bool>,
-    /// Per depth: the cycles timed at it.
-    timed: Vec<usize>,
+    /// Per depth: the cycles observed at it (at a speculative depth the first is not timed).
+    runs: Vec<usize>,
     /// Per draft position: the cycles that drafted it (and saw a verdict on it).
     judged: Vec<usize>,
     /// The first draft's acceptance as an EMA from 0.5 (slower than `accept[0]` at first): the
@@ -108,8 +106,7 @@ impl Adaptive {
             probing: None,
             probe_far: true,
             exploring: true,
-            ran: vec![false; max + 1],
-            timed: vec![0; max + 1],
+            runs: vec![0; max + 1],
             judged: vec![0; max],
             first_ema: 0.5,
         }
@@ -232,6 +229,11 @@ impl Adaptive {
         self.observe(0, 0, secs / n as f64);
     }
 
+    /// The cycles timed at depth `d` (all but a speculative depth's first).
+    fn timed(&self, d: usize) -> usize {
+        self.runs[d].saturating_sub(usize::from(d > 0))
+    }
+
     /// Cycles until the probe after one at depth `d`: [`Adaptive::PROBE`], or, unless `d` may win
     /// (see the module docs), more when a cycle at `d` is measured to cost more than
     /// [`Adaptive::PROBE_BUDGET`] of that many cycles at the current depth; settled on plain
@@ -243,7 +245,7 @@ impl Adaptive {
         let agreeing = self.accept[0] >= Self::FAR_PROBE_ACCEPT;
         let close = self.score(d) >= Self::CLOSE * self.score(self.best());
         let gap = match (self.time[d], self.time[self.depth]) {
-            _ if close || (agreeing && self.timed[d] < 2) => Self::PROBE,
+            _ if close || (agreeing && self.timed(d) < 2) => Self::PROBE,
             (Some(tp), Some(tc)) if tc > 0.0 => Self::PROBE.max((tp / (Self::PROBE_BUDGET * tc)).ceil() as usize),
             _ => Self::PROBE,
         };
@@ -274,14 +276,13 @@ impl Adaptive {
             Some(old.map_or(x, |o| o + if x < o { Self::ALPHA_DOWN } else { Self::ALPHA } * (x - o)))
         };
         // the first cycle at a speculative depth runs a new verify shape: one-time costs
-        let first = d > 0 && self.ran.get(d).is_some_and(|r| !r);
-        if let Some(r) = self.ran.get_mut(d) {
-            *r = true;
+        let first = d > 0 && self.runs.get(d) == Some(&0);
+        if let Some(r) = self.runs.get_mut(d) {
+            *r += 1;
         }
         if !first {
             if let Some(t) = self.time.get_mut(d) {
                 *t = ema(*t, secs);
-                self.timed[d] += 1;
             }
         }
         for i in 0..d.min(accepted + 1).min(self.max) {
