@@ -43,3 +43,14 @@ pub struct ModelArgs {
     #[arg(long, default_value = "flat")]
     pub kv: String,
 }
+
+impl ModelArgs {
+    /// The checkpoint loaded as a causal LM with `--dtype` and `--kv`, and that dtype.
+    #[allow(dead_code)] // llm_bench includes this module without the probes' arguments
+    pub fn load_lm(&self) -> Result<(mlx_models::Model, DType), Box<dyn std::error::Error>> {
+        let dt = dtype(&self.dtype).ok_or_else(|| format!("unknown dtype {}", self.dtype))?;
+        let kv_cache = kv_cache(&self.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", self.kv))?;
+        let opts = mlx_models::LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() };
+        Ok((mlx_models::load_model(&self.model, &opts)?.into_lm()?, dt))
+    }
+}

@@ -14,7 +14,7 @@
 //! - and then the same loop without the wait overlap (`sync`: build, eval, read), whose
 //!   `eval` is the device time plus launch costs.
 use mlx_array::{Array, DType};
-use mlx_models::{load_model, LoadOptions, Logits};
+use mlx_models::Logits;
 use sampling::{Sampler, SamplingConfig};
 use std::time::{Duration, Instant};
 
@@ -34,10 +34,9 @@ struct Cli {
 }
 
 fn main() -> Res<()> {
-    let Cli { m: shared::ModelArgs { model: dir, dtype, prompt, kv }, gen } = <Cli as clap::Parser>::parse();
-    let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
-    let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
-    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
+    let Cli { m, gen } = <Cli as clap::Parser>::parse();
+    let (model, dt) = m.load_lm()?;
+    let shared::ModelArgs { prompt, kv, .. } = m;
     let vocab = model.info().vocab_size as u32;
     let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     eprintln!("device {:?}, {} layers, prompt {prompt}, gen {gen}, kv {kv}", mlx_array::default_device(), model.info().num_layers);

@@ -13,7 +13,7 @@
 //! f32 logits, little-endian, and the top 5 ids are printed. `mlx_lm_bench.py --logits FILE`
 //! writes mlx-lm's, and `compare_logits.py` compares any of them against an f32 run.
 use mlx_array::DType;
-use mlx_models::{load_model, LoadOptions, Logits};
+use mlx_models::Logits;
 
 #[path = "../shared.rs"]
 mod shared;
@@ -34,10 +34,9 @@ struct Cli {
 }
 
 fn main() -> Res<()> {
-    let Cli { m: shared::ModelArgs { model: dir, dtype, prompt, kv }, out, time } = <Cli as clap::Parser>::parse();
-    let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
-    let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
-    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
+    let Cli { m, out, time } = <Cli as clap::Parser>::parse();
+    let (model, _) = m.load_lm()?;
+    let shared::ModelArgs { dtype, prompt, .. } = m;
     let vocab = model.info().vocab_size;
     let ids = shared::prompt_ids(prompt, vocab);
     let t = mlx_array::Array::from_slice(&ids, &[1, prompt])?;

@@ -22,7 +22,7 @@
 use mlx_array::ops::{concatenate, set_cuda_few_row_kernels, AttentionMask, CudaFewRowKernels};
 use mlx_array::random::{normal, Key};
 use mlx_array::Array;
-use mlx_models::{load_model, LoadOptions, Logits};
+use mlx_models::Logits;
 use std::time::Instant;
 
 #[path = "../shared.rs"]
@@ -70,14 +70,13 @@ fn usize_field(cfg: &serde_json::Value, k: &str) -> Res<usize> {
 }
 
 fn main() -> Res<()> {
-    let Cli { m: shared::ModelArgs { model: dir, dtype, prompt, kv }, rows, iters, modes, forward_only } = <Cli as clap::Parser>::parse();
-    let dt = shared::dtype(&dtype).ok_or_else(|| format!("unknown dtype {dtype}"))?;
-    let kv_cache = shared::kv_cache(&kv).ok_or_else(|| format!("--kv {kv:?}: expected flat or paged"))?;
-    if rows.iter().any(|&r| r == 0) || prompt == 0 {
+    let Cli { m, rows, iters, modes, forward_only } = <Cli as clap::Parser>::parse();
+    if rows.iter().any(|&r| r == 0) || m.prompt == 0 {
         return Err("--rows and --prompt must be positive".into());
     }
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(std::path::Path::new(&dir).join("config.json"))?)?;
-    let model = load_model(&dir, &LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() })?.into_lm()?;
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(std::path::Path::new(&m.model).join("config.json"))?)?;
+    let (model, dt) = m.load_lm()?;
+    let shared::ModelArgs { dtype, prompt, .. } = m;
     let info = model.info().clone();
     println!("device {:?}, {} layers, {} keys, dtype {dtype}", mlx_array::default_device()?, info.num_layers, prompt);
 
