@@ -240,7 +240,6 @@ impl<'a> Generator<'a> {
     /// refused while speculating.
     pub fn with_speculator(mut self, speculator: &'a mut dyn Speculator) -> Self {
         speculator.start();
-        self.lazy_feed = false;
         self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false, plain_left: 0, plain_len: 0, plain_started: None });
         self
     }
@@ -361,8 +360,10 @@ impl<'a> Generator<'a> {
         if self.first_token.is_some() && self.spec.is_some() && !self.plain_stretch()? {
             return self.next_speculative();
         }
-        // the last token of a plain stretch stays out of the cache (the speculator's invariant)
-        let last_plain = self.spec.as_ref().is_some_and(|s| s.plain_left == 1);
+        // Pipelining needs sampling that reads no history; with a speculator only inside a plain
+        // stretch and not at its last token, which stays out of the cache (the speculator's
+        // invariant).
+        let pipelined = self.lazy_feed && self.spec.as_ref().is_none_or(|s| s.plain_left > 1);
         let (id, logprob) = match self.forced.take() {
             Some(id) => (id, 0.0),
             None => {
@@ -374,7 +375,7 @@ impl<'a> Generator<'a> {
                 // Pipelining (as mlx-lm's generate_step): queue step n + 1 on the still-lazy
                 // token n before reading token n back, so the device never waits for the host.
                 // Penalties need id n in the history first, so they take the plain path.
-                if self.lazy_feed && !last_plain {
+                if pipelined {
                     self.pending = Some(self.step(&tok.reshape(&[1, 1])?)?);
                     self.queued_on_lazy = true;
                 }

@@ -1,0 +1,187 @@
+//! Where a speculative generation's time goes, cycle by cycle: greedy decoding of `--new` tokens
+//! with a draft model at a fixed or adaptive depth, repeated `--runs` times in one process (the
+//! first run pays one-time costs of new shapes), printing each cycle's history length, drafts,
+//! accepted drafts, the drafter's time (its `propose`, evaluated) and the whole cycle's time,
+//! each plain stretch of adaptive depth, and per run the totals by kind:
+//!
+//! ```text
+//! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
+//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet]
+//! ```
+use mlx_models::{generate, Cache, GenerateConfig, Model, Result as MResult, SpeculativeStats, Speculator, Token};
+use mlx_speculative::{Draft, Drafter, Feedback, SpeculativeDecoder};
+use sampling::{Sampler, SamplingConfig};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+#[path = "../shared.rs"]
+mod shared;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Cycle-by-cycle timing of speculative decoding.
+#[derive(clap::Parser)]
+struct Cli {
+    #[command(flatten)]
+    m: shared::ModelArgs,
+    /// Draft checkpoint (any causal LM sharing the target's vocabulary).
+    #[arg(long)]
+    draft: String,
+    /// Drafts per cycle (the most, with --adaptive).
+    #[arg(long, default_value_t = 7)]
+    depth: usize,
+    /// Adaptive depth up to --depth.
+    #[arg(long)]
+    adaptive: bool,
+    /// Tokens generated per run.
+    #[arg(long, default_value_t = 256)]
+    new: usize,
+    /// Generations in this process.
+    #[arg(long, default_value_t = 2)]
+    runs: usize,
+    /// Only the per-run totals.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// The drafter's time of its last proposal, shared with the tracer.
+type Clock = Arc<Mutex<Option<f64>>>;
+
+/// A drafter that times each proposal.
+struct TimedDrafter {
+    inner: Box<dyn Drafter>,
+    last: Clock,
+}
+
+impl Drafter for TimedDrafter {
+    fn propose(&mut self, history: &[u32], k: usize, sampling: &SamplingConfig) -> MResult<Draft> {
+        let t = Instant::now();
+        let d = self.inner.propose(history, k, sampling)?;
+        *self.last.lock().expect("clock") = Some(t.elapsed().as_secs_f64());
+        Ok(d)
+    }
+    fn propose_on(&mut self, history: &[u32], k: usize, sampling: &SamplingConfig, cache: &mut Cache) -> MResult<Draft> {
+        let t = Instant::now();
+        let d = self.inner.propose_on(history, k, sampling, cache)?;
+        *self.last.lock().expect("clock") = Some(t.elapsed().as_secs_f64());
+        Ok(d)
+    }
+    fn target_positions_run(&self) -> usize {
+        self.inner.target_positions_run()
+    }
+    fn feedback(&mut self, f: &Feedback<'_>) -> MResult<()> {
+        self.inner.feedback(f)
+    }
+    fn wants_target_hidden(&self) -> bool {
+        self.inner.wants_target_hidden()
+    }
+    fn target_taps(&self) -> &[usize] {
+        self.inner.target_taps()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn default_depth(&self) -> usize {
+        self.inner.default_depth()
+    }
+    fn max_depth(&self) -> Option<usize> {
+        self.inner.max_depth()
+    }
+}
+
+/// Totals of one run: (count, seconds, tokens) per kind.
+#[derive(Default)]
+struct Totals {
+    spec: (usize, f64, usize),
+    plain_cycles: (usize, f64, usize),
+    stretches: (usize, f64, usize),
+    draft_secs: f64,
+}
+
+/// A speculator that reports every call of the one it wraps.
+struct Tracer<'a> {
+    inner: &'a mut SpeculativeDecoder,
+    clock: Clock,
+    quiet: bool,
+    totals: Totals,
+}
+
+impl Speculator for Tracer<'_> {
+    fn start(&mut self) {
+        self.totals = Totals::default();
+        self.inner.start()
+    }
+    fn cycle(&mut self, model: &Model, cache: &mut Cache, history: &[u32], sampler: &mut Sampler, max: usize) -> MResult<Vec<Token>> {
+        let before = self.inner.stats();
+        *self.clock.lock().expect("clock") = None;
+        let t = Instant::now();
+        let out = self.inner.cycle(model, cache, history, sampler, max)?;
+        let secs = t.elapsed().as_secs_f64();
+        let after = self.inner.stats();
+        let drafts = (after.depth_mean * after.cycles as f64 - before.depth_mean * before.cycles as f64).round() as usize;
+        let draft = self.clock.lock().expect("clock").take().unwrap_or(0.0);
+        let slot = if drafts > 0 { &mut self.totals.spec } else { &mut self.totals.plain_cycles };
+        *slot = (slot.0 + 1, slot.1 + secs, slot.2 + out.len());
+        self.totals.draft_secs += draft;
+        if !self.quiet {
+            println!("cycle at {}: {drafts} drafts, {} tokens, draft {:.2} ms, cycle {:.2} ms", history.len(), out.len(), draft * 1e3, secs * 1e3);
+        }
+        Ok(out)
+    }
+    fn settle(&mut self, model: &Model, cache: &mut Cache, history: &[u32]) -> MResult<()> {
+        self.inner.settle(model, cache, history)
+    }
+    fn stats(&self) -> SpeculativeStats {
+        self.inner.stats()
+    }
+    fn plain_tokens(&mut self, history: &[u32]) -> usize {
+        self.inner.plain_tokens(history)
+    }
+    fn resume(&mut self, history: &[u32], n: usize, secs: f64) {
+        let s = &mut self.totals.stretches;
+        *s = (s.0 + 1, s.1 + secs, s.2 + n);
+        if !self.quiet {
+            println!("plain stretch to {}: {n} tokens in {:.2} ms", history.len(), secs * 1e3);
+        }
+        self.inner.resume(history, n, secs)
+    }
+}
+
+fn main() -> Res<()> {
+    let cli = <Cli as clap::Parser>::parse();
+    if cli.depth == 0 || cli.new < 2 || cli.m.prompt == 0 {
+        return Err("--depth and --prompt must be positive and --new at least 2".into());
+    }
+    let (target, _) = cli.m.load_lm()?;
+    let dt = shared::dtype(&cli.m.dtype).ok_or("dtype")?;
+    let opts = mlx_models::LoadOptions { dtype: Some(dt), kv_cache: shared::kv_cache(&cli.m.kv).ok_or("kv")?, ..Default::default() };
+    let clock: Clock = Arc::default();
+    let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
+    let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
+    let prompt = shared::prompt_ids(cli.m.prompt, target.info().vocab_size);
+    println!("device {:?}, depth {} ({}), {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, cli.new);
+    for run in 0..cli.runs {
+        let mut cache = target.new_cache();
+        let cfg = GenerateConfig { max_new_tokens: cli.new, sampling: SamplingConfig::default(), ..Default::default() };
+        let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), quiet: cli.quiet, totals: Totals::default() };
+        let t = Instant::now();
+        let mut gen = generate(&target, &mut cache, &prompt, cfg)?.with_speculator(&mut tracer);
+        let mut n = 0;
+        for tok in gen.by_ref() {
+            tok?;
+            n += 1;
+        }
+        let perf = gen.performance();
+        drop(gen);
+        let secs = t.elapsed().as_secs_f64();
+        let Totals { spec, plain_cycles, stretches, draft_secs } = tracer.totals;
+        println!(
+            "run {run}: {n} tokens in {secs:.3} s, decode {:.1} tok/s; speculative cycles {} ({:.1} ms, {} tokens; drafter {:.1} ms), plain cycles {} ({:.1} ms, {} tokens), plain stretches {} ({:.1} ms, {} tokens)",
+            perf.decode_tokens_per_sec,
+            spec.0, spec.1 * 1e3, spec.2, draft_secs * 1e3,
+            plain_cycles.0, plain_cycles.1 * 1e3, plain_cycles.2,
+            stretches.0, stretches.1 * 1e3, stretches.2,
+        );
+    }
+    Ok(())
+}
