@@ -10,7 +10,11 @@
 //! 2. Matrix-vector products (M = 1) over `[N, 4096]` weights, enough distinct matrices to total
 //!    at least 4x the last-level cache, used in turn so that no weight byte comes from cache:
 //!    GB/s of weight bytes read (packed words, scales and biases) for ours, for MLX's
-//!    `quantized_matmul` / bf16 matmul on the same bytes.
+//!    `quantized_matmul` / bf16 matmul on the same bytes; and ours over one weight of about an
+//!    eighth of the last-level cache, read again and again from cache ("in LLC"): the kernel's
+//!    compute rate on these threads, the ceiling a DRAM pass cannot beat (the quantized kernels
+//!    spend about one `vpdpbusd` per 10-20 weight bytes, so on two threads that share a core this
+//!    ceiling can fall below the read bandwidth).
 //! 3. Small M: time per product for M = 1..64 at `[8192, 2048]`, ours against the f32 BLAS product
 //!    of the dequantized weight and MLX's quantized_matmul (where the packed path stops paying:
 //!    `CPU_PACKED_MAX_ROWS`).
@@ -70,6 +74,8 @@ fn read_pass(buf: &[u64], threads: usize) -> f64 {
 
 /// Rounds of each kernel's passes, each round next to a measurement of the read bandwidth.
 const ROUNDS: usize = 4;
+/// Passes over the in-cache weight (the best is reported).
+const IN_LLC_REPS: usize = 40;
 
 fn key(s: u64) -> Key {
     Key::new(s).unwrap()
@@ -149,19 +155,24 @@ fn run() {
         sgemv_best = sgemv_best.max(sgemv);
         read.max(sgemv)
     };
-    // best of ROUNDS passes of `f`, and the best bandwidth measured between them
-    let mut rounds = |count: usize, bytes: usize, f: &mut dyn FnMut(usize)| -> (f64, f64) {
-        let (mut ours, mut bw) = (0f64, 0f64);
+    // best of ROUNDS passes of `f` over `count` weights, the best bandwidth measured between
+    // them, and the best of the in-cache passes of `f` over weight 0 (`in_llc` bytes, `f(0)`),
+    // run in the same rounds: a shared machine's bandwidth and its cores' throughput drift
+    let mut rounds = |count: usize, bytes: usize, in_llc: usize, f: &mut dyn FnMut(usize)| -> (f64, f64, f64) {
+        let (mut ours, mut bw, mut cached) = (0f64, 0f64, 0f64);
         for _ in 0..ROUNDS {
             bw = bw.max(bandwidth());
-            ours = ours.max(pass(count, bytes, 1, &mut *f));
+            ours = ours.max(pass(count, bytes, 1, |i| f(1 + i)));
+            cached = cached.max(pass(1, in_llc, IN_LLC_REPS / ROUNDS, |_| f(0)));
         }
-        (ours, bw)
+        (ours, bw, cached)
     };
-    println!("{:<26} {:>10} {:>8} {:>10} {:>12} {:>9} {:>8}", "product (M=1, K=4096)", "bytes/mat", "mats", "ours GB/s", "MLX GB/s", "bw GB/s", "of bw");
-    let row = |name: &str, bytes: usize, count: usize, ours: f64, mlx: f64, bw: f64| {
-        println!("{:<26} {:>10} {:>8} {:>10.1} {:>12.1} {:>9.1} {:>7.0}%", name, bytes, count, ours, mlx, bw, 100.0 * ours / bw);
+    println!("{:<26} {:>10} {:>8} {:>10} {:>12} {:>9} {:>8} {:>12}", "product (M=1, K=4096)", "bytes/mat", "mats", "ours GB/s", "MLX GB/s", "bw GB/s", "of bw", "in LLC GB/s");
+    let row = |name: &str, bytes: usize, count: usize, ours: f64, mlx: f64, bw: f64, in_llc: f64| {
+        println!("{:<26} {:>10} {:>8} {:>10.1} {:>12.1} {:>9.1} {:>7.0}% {:>12.1}", name, bytes, count, ours, mlx, bw, 100.0 * ours / bw, in_llc);
     };
+    // rows of a weight of about llc / 8 bytes, `row_bytes` each
+    let llc_rows = |row_bytes: usize| (llc / 8 / row_bytes).max(16);
     // bf16
     {
         let n = 16384;
@@ -174,12 +185,17 @@ fn run() {
                 w
             })
             .collect();
-        let (ours, bw) = rounds(count, bytes, &mut |i| x.cpu_matmul_bf16(&ws[i % count]).unwrap().eval().unwrap());
+        let small = random::normal(&[llc_rows(k * 2), k], DType::BF16, &key(250)).unwrap();
+        small.eval().unwrap();
+        let (ours, bw, in_llc) = rounds(count, bytes, small.nbytes(), &mut |i| {
+            let w = if i == 0 { &small } else { &ws[(i - 1) % count] };
+            x.cpu_matmul_bf16(w).unwrap().eval().unwrap()
+        });
         // MLX's bf16 matmul is far slower: one pass over a quarter of the set
         let xb = x.astype(DType::BF16).unwrap();
         let few = count.div_ceil(4);
         let mlx = pass(few, bytes, 1, |i| xb.matmul(&ws[i % count].swap_axes(0, 1).unwrap()).unwrap().eval().unwrap());
-        row("bf16", bytes, count, ours, mlx, bw);
+        row("bf16", bytes, count, ours, mlx, bw, in_llc);
     }
     for (name, mode) in [
         ("affine 4-bit g64", QuantMode::Affine { bits: 4, group_size: 64 }),
@@ -193,10 +209,14 @@ fn run() {
         drop(probe);
         let count = target.div_ceil(bytes);
         let qs: Vec<Quantized> = (0..count).map(|i| packed(n, k, mode, 300 + 7 * i as u64)).collect();
-        let (ours, bw) = rounds(count, bytes, &mut |i| qs[i % count].cpu_matmul(&x).unwrap().eval().unwrap());
+        let small = packed(llc_rows(bytes / n), k, mode, 350);
+        let (ours, bw, in_llc) = rounds(count, bytes, qbytes(&small), &mut |i| {
+            let w = if i == 0 { &small } else { &qs[(i - 1) % count] };
+            w.cpu_matmul(&x).unwrap().eval().unwrap()
+        });
         let few = count.div_ceil(4);
         let mlx = pass(few, bytes, 1, |i| qs[i % count].matmul(&x, true).unwrap().eval().unwrap());
-        row(name, bytes, count, ours, mlx, bw);
+        row(name, bytes, count, ours, mlx, bw, in_llc);
     }
     drop(rounds);
     println!("read bandwidth over the rounds: plain read {read_best:.1} GB/s, f32 BLAS sgemv {sgemv_best:.1} GB/s ({threads} threads, {} MiB)", target >> 20);
