@@ -10,8 +10,8 @@
 //! 2. Matrix-vector products (M = 1) over `[N, 4096]` weights, enough distinct matrices to total
 //!    at least 4x the last-level cache, used in turn so that no weight byte comes from cache:
 //!    GB/s of weight bytes read (packed words, scales and biases) for ours, for MLX's
-//!    `quantized_matmul` / bf16 matmul on the same bytes; and ours over one weight of about an
-//!    eighth of the last-level cache, read again and again from cache ("in LLC"): the kernel's
+//!    `quantized_matmul` / bf16 matmul on the same bytes; and ours over one weight of about a
+//!    quarter of the last-level cache, read again and again from cache ("in LLC"): the kernel's
 //!    compute rate on these threads, the ceiling a DRAM pass cannot beat (the quantized kernels
 //!    spend about one `vpdpbusd` per 10-20 weight bytes, so on two threads that share a core this
 //!    ceiling can fall below the read bandwidth).
@@ -171,8 +171,9 @@ fn run() {
     let row = |name: &str, bytes: usize, count: usize, ours: f64, mlx: f64, bw: f64, in_llc: f64| {
         println!("{:<26} {:>10} {:>8} {:>10.1} {:>12.1} {:>9.1} {:>7.0}% {:>12.1}", name, bytes, count, ours, mlx, bw, 100.0 * ours / bw, in_llc);
     };
-    // rows of a weight of about llc / 8 bytes, `row_bytes` each
-    let llc_rows = |row_bytes: usize| (llc / 8 / row_bytes).max(16);
+    // rows of a weight of about llc / 4 bytes, `row_bytes` each (large enough that a call's fixed
+    // cost, about 20 us, is small against its reads)
+    let llc_rows = |row_bytes: usize| (llc / 4 / row_bytes).max(16);
     // bf16
     {
         let n = 16384;
