@@ -32,6 +32,8 @@
 //! acceptance EMA (floored at [`Adaptive::MIN_PROBE_ACCEPT`]), so a draft that keeps failing is
 //! probed ever more rarely. Depth 0 with a useless draft therefore costs at most that share of
 //! the time, plus the opening cycle and a draft model's catching up over the tokens it skipped.
+//! That catching up is a cost of the stretch, not of the probed depth: the first cycle after a
+//! stretch spaces the next probe by its whole time but is not taken as a cycle time.
 
 /// The adaptive depth policy of one generation.
 #[derive(Debug, Clone)]
@@ -50,13 +52,18 @@ pub struct Adaptive {
     probe_far: bool,
     /// Still exploring: no explore cycle has accepted nothing.
     exploring: bool,
-    /// Per depth: the cycles observed at it (at a speculative depth the first is not timed).
+    /// Per depth: the cycles observed at it, and those of them timed (at a speculative depth
+    /// not the first, nor one right after a plain stretch).
     runs: Vec<usize>,
+    timed: Vec<usize>,
     /// Per draft position: the cycles that drafted it (and saw a verdict on it).
     judged: Vec<usize>,
     /// The first draft's acceptance as an EMA from 0.5 (slower than `accept[0]` at first): the
     /// spacing of probes from plain decoding ([`Adaptive::acceptance_scale`]).
     first_ema: f64,
+    /// A plain stretch ran since the last speculative cycle: the next one includes a draft
+    /// model's catching up over the stretch's tokens.
+    after_stretch: bool,
 }
 
 impl Adaptive {
@@ -107,8 +114,10 @@ impl Adaptive {
             probe_far: true,
             exploring: true,
             runs: vec![0; max + 1],
+            timed: vec![0; max + 1],
             judged: vec![0; max],
             first_ema: 0.5,
+            after_stretch: false,
         }
     }
 
@@ -227,26 +236,24 @@ impl Adaptive {
         self.cycles += n;
         self.depth = 0;
         self.observe(0, 0, secs / n as f64);
-    }
-
-    /// The cycles timed at depth `d` (all but a speculative depth's first).
-    fn timed(&self, d: usize) -> usize {
-        self.runs[d].saturating_sub(usize::from(d > 0))
+        self.after_stretch = true;
     }
 
     /// Cycles until the probe after one at depth `d`: [`Adaptive::PROBE`], or, unless `d` may win
     /// (see the module docs), more when a cycle at `d` is measured to cost more than
     /// [`Adaptive::PROBE_BUDGET`] of that many cycles at the current depth; settled on plain
     /// decoding, divided by the first draft's acceptance ([`Adaptive::probe_scale`]).
-    fn probe_gap(&self, d: usize) -> usize {
+    fn probe_gap(&self, d: usize, secs: f64) -> usize {
         // a depth that may win is probed at the shortest gap: one timed cycle of drafts that are
         // being accepted is no estimate yet (it may carry the rest of a new shape's set-up), and
         // a depth within CLOSE of the best is a close call
         let agreeing = self.accept[0] >= Self::FAR_PROBE_ACCEPT;
         let close = self.score(d) >= Self::CLOSE * self.score(self.best());
-        let gap = match (self.time[d], self.time[self.depth]) {
-            _ if close || (agreeing && self.timed(d) < 2) => Self::PROBE,
-            (Some(tp), Some(tc)) if tc > 0.0 => Self::PROBE.max((tp / (Self::PROBE_BUDGET * tc)).ceil() as usize),
+        // the probe's cost: this one's time (with any catching up) or the depth's estimate
+        let tp = self.time[d].map_or(secs, |t| t.max(secs));
+        let gap = match self.time[self.depth] {
+            _ if close || (agreeing && self.timed[d] < 2) => Self::PROBE,
+            Some(tc) if tc > 0.0 => Self::PROBE.max((tp / (Self::PROBE_BUDGET * tc)).ceil() as usize),
             _ => Self::PROBE,
         };
         (gap as f64 * self.probe_scale()).ceil() as usize
@@ -275,14 +282,18 @@ impl Adaptive {
         let ema = |old: Option<f64>, x: f64| {
             Some(old.map_or(x, |o| o + if x < o { Self::ALPHA_DOWN } else { Self::ALPHA } * (x - o)))
         };
-        // the first cycle at a speculative depth runs a new verify shape: one-time costs
+        // the first cycle at a speculative depth runs a new verify shape: one-time costs; the
+        // first after a plain stretch includes a draft model's catching up over it (a cost of
+        // the stretch, not of the depth: it spaces the next probe, below, but is no cycle time)
         let first = d > 0 && self.runs.get(d) == Some(&0);
+        let catch_up = d > 0 && std::mem::take(&mut self.after_stretch);
         if let Some(r) = self.runs.get_mut(d) {
             *r += 1;
         }
-        if !first {
+        if !first && !catch_up {
             if let Some(t) = self.time.get_mut(d) {
                 *t = ema(*t, secs);
+                self.timed[d] += 1;
             }
         }
         for i in 0..d.min(accepted + 1).min(self.max) {
@@ -296,7 +307,7 @@ impl Adaptive {
         }
         // placed with the probe's own verdict counted
         if self.probing.take() == Some(d) {
-            self.next_probe = self.cycles + self.probe_gap(d);
+            self.next_probe = self.cycles + self.probe_gap(d, secs);
         }
         if self.exploring && d > 0 && accepted == 0 {
             self.exploring = false;
@@ -513,6 +524,51 @@ mod tests {
         // the cold first cycle forgotten
         let d = a.next_depth();
         assert!(d >= 5, "depth {d}");
+    }
+
+    /// The H100 pair of BENCHMARKS.md (`gpu_pair.py`: every draft accepted), in plain steps of
+    /// 8.68 ms: a cycle at depth `d` takes 2.4 + 0.48 d of them (25 ms at depth 1, 50 at 7), the
+    /// first at each depth 6 times that (new shapes), and the first after plain steps 0.35 more
+    /// per step (the draft model catching up over them: cuDNN builds a graph for each new
+    /// length). Generated as the generator does, plain runs as stretches, 256 tokens: depth 7
+    /// gives 8 tokens in 5.8 steps, so speculation stays on. Returns the settled depth and the
+    /// share of tokens from speculative cycles.
+    fn gpu_pair_as_measured(catch_up: f64) -> (usize, f64) {
+        let mut a = Adaptive::new(7);
+        let (mut tokens, mut spec_tokens, mut behind) = (0usize, 0usize, 0usize);
+        let mut seen = [false; 8];
+        while tokens < 256 {
+            let n = a.plain_run();
+            if n > 0 {
+                a.observe_plain(n, n as f64);
+                (tokens, behind) = (tokens + n, behind + n);
+                continue;
+            }
+            let d = a.next_depth();
+            if d == 0 {
+                a.observe(0, 0, 1.0);
+                (tokens, behind) = (tokens + 1, behind + 1);
+                continue;
+            }
+            let mut t = 2.4 + 0.48 * d as f64;
+            if !std::mem::replace(&mut seen[d], true) {
+                t *= 6.0;
+            }
+            t += catch_up * std::mem::take(&mut behind) as f64;
+            a.observe(d, d, t);
+            tokens += d + 1;
+            spec_tokens += d + 1;
+        }
+        (a.depth(), spec_tokens as f64 / tokens as f64)
+    }
+
+    #[test]
+    fn gpu_pair_as_measured_stays_deep() {
+        for catch_up in [0.0, 0.35, 1.0] {
+            let (depth, share) = gpu_pair_as_measured(catch_up);
+            assert!(depth >= 5, "catching up {catch_up} a step: depth {depth}");
+            assert!(share > 0.8, "catching up {catch_up} a step: {share} of the tokens speculative");
+        }
     }
 
     #[test]

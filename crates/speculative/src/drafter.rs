@@ -1,7 +1,8 @@
 //! The [`Drafter`] trait and the plain draft-model drafter.
 use crate::tracked::{forward, row, Tracked};
 use mlx_array::random::{categorical, Key};
-use mlx_array::{ops::concatenate, Array, DType};
+use mlx_array::ops::{concatenate, GPU_PRODUCT_ATTENTION_MAX_QUERIES};
+use mlx_array::{Array, DType};
 use mlx_models::{Cache, Logits, Model, ModelError, Result};
 use sampling::{Sampler, SamplingConfig};
 
@@ -223,21 +224,36 @@ pub struct DraftModel {
     tracked: Tracked,
     key: SeededKey,
     depth: usize,
+    catch_up_pieces: Option<usize>,
 }
 
 impl DraftModel {
     /// Proposals per cycle by default (as mlx-lm's `--num-draft-tokens`).
     pub const DEFAULT_DEPTH: usize = 3;
 
+    /// A drafter over `model`; on a GPU its catching up runs in pieces of
+    /// [`GPU_PRODUCT_ATTENTION_MAX_QUERIES`] tokens ([`DraftModel::with_catch_up_pieces`]).
     pub fn new(model: Model) -> Self {
         let cache = model.new_cache();
+        let gpu = mlx_array::default_device().is_ok_and(|d| d == mlx_array::Device::Gpu);
         DraftModel {
             model,
             cache,
             tracked: Tracked::new(Vec::new()),
             key: SeededKey::new(1),
             depth: Self::DEFAULT_DEPTH,
+            catch_up_pieces: gpu.then_some(GPU_PRODUCT_ATTENTION_MAX_QUERIES),
         }
+    }
+
+    /// Run the tokens the draft's cache lacks (the history since it last drafted: a whole plain
+    /// stretch of adaptive depth) in forwards of at most `n` tokens (`None`: in one). On a GPU
+    /// the default keeps each piece's attention as matrix products, where libmlx's fused
+    /// attention would build a cuDNN graph for every new length (tens of ms, more than the
+    /// pieces cost). `Some(0)` counts as `None`.
+    pub fn with_catch_up_pieces(mut self, n: Option<usize>) -> Self {
+        self.catch_up_pieces = n.filter(|&n| n > 0);
+        self
     }
 
     pub fn model(&self) -> &Model {
@@ -269,6 +285,13 @@ impl Drafter for DraftModel {
         self.tracked.snapshot(&self.cache);
         let mut first = before[held..].to_vec();
         first.push(last);
+        if let Some(piece) = self.catch_up_pieces {
+            while first.len() > piece {
+                let head: Vec<u32> = first.drain(..piece).collect();
+                forward(&self.model, &mut self.cache, &row(&head)?, Logits::None, false)?;
+                self.tracked.fed(&head);
+            }
+        }
         let mut drawer = Drawer::new(cfg, history, k)?;
         let mut cur = row(&first)?;
         for i in 0..k {

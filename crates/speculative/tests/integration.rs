@@ -199,3 +199,34 @@ fn adaptive_depth_turns_a_useless_draft_off() {
     // 2 exploring cycles of 6 drafts, then plain steps and a depth-1 probe every 16 cycles
     assert!(st.depth_mean < 1.0, "mean depth {} (max 6)", st.depth_mean);
 }
+
+/// A draft model's catching up in pieces (as on a GPU) drafts what catching up in one forward
+/// does: the same draft distributions (within f32 rounding of attention split over pieces) and
+/// tokens, for the opening catch-up over a whole prompt and for one over a long gap of tokens
+/// it never drafted (a plain stretch), on the flat and the paged cache.
+#[test]
+fn catching_up_in_pieces_drafts_the_same() {
+    use mlx_speculative::Drafter;
+    let mut rng = Rng(21);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let model = load("qwen3", kv.clone());
+        let vocab = model.info().vocab_size;
+        let history: Vec<u32> = (0..70).map(|_| rng.below(vocab) as u32).collect();
+        let sampling = SamplingConfig {
+            temperature: 1.0,
+            seed: Some(5),
+            ..SamplingConfig::greedy()
+        };
+        let mut whole = DraftModel::new(model.clone()).with_catch_up_pieces(None);
+        let mut pieces = DraftModel::new(model.clone()).with_catch_up_pieces(Some(6));
+        // the prompt's 30 tokens, then 37 more after a gap (its last draft never fed)
+        for end in [30, 67, 70] {
+            let a = whole.propose(&history[..end], 3, &sampling).unwrap();
+            let b = pieces.propose(&history[..end], 3, &sampling).unwrap();
+            let (la, lb) = (a.logprobs.unwrap(), b.logprobs.unwrap());
+            let r = rel(&la.exp().unwrap(), &lb.exp().unwrap());
+            assert!(r < 1e-5, "{kv:?}, history of {end}: draft probabilities differ by {r}");
+            assert_eq!(a.tokens, b.tokens, "{kv:?}, history of {end}");
+        }
+    }
+}
