@@ -1,4 +1,4 @@
-//! The CPU kernels over packed weights (`Array::cpu_matmul_bf16`, `Quantized::cpu_matmul`,
+//! The CPU kernels over packed weights (`Array::cpu_matmul_bf16`, `Array::cpu_matmul_f32`, `Quantized::cpu_matmul`,
 //! `Quantized::cpu_gather_matmul`) against f64 products over weights decoded here independently
 //! (bit layout, E2M1 codes, E8M0 scales), against MLX's `dequantize` + f32 matmul, and against
 //! MLX's own quantized products, for every kernel, group size and instruction set this CPU runs,
@@ -194,6 +194,24 @@ fn check_bf16(m: usize, n: usize, k: usize, seed: u64) {
     );
 }
 
+fn check_f32(m: usize, n: usize, k: usize, seed: u64) {
+    let wv = vals(n * k, seed);
+    let w = Array::from_slice(&wv, &[n, k]).unwrap();
+    let xv = vals(m * k, seed ^ 0x55);
+    let x = Array::from_slice(&xv, &[m, k]).unwrap();
+    let got = f64s(&x.cpu_matmul_f32(&w).unwrap());
+    let wd: Vec<f64> = wv.iter().map(|&v| v as f64).collect();
+    let xd: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
+    let (want, mag) = reference(&wd, &xd, m, n, k);
+    let what = format!("f32 M={m} N={n} K={k}");
+    assert_close(&format!("{what} vs f64"), &got, &want, &mag);
+    let blas = f64s(&x.matmul(&w.swap_axes(0, 1).unwrap()).unwrap());
+    assert_close(&format!("{what} vs MLX's f32 matmul"), &got, &blas, &mag);
+    // a bf16 input gives a bf16 result
+    let xb = x.astype(DType::BF16).unwrap();
+    assert_eq!(xb.cpu_matmul_f32(&w).unwrap().dtype(), DType::BF16);
+}
+
 /// Every kernel, group size, scale dtype and instruction set over fixed ragged shapes.
 #[test]
 fn every_kernel_and_instruction_set_matches_f64_and_mlx() {
@@ -211,6 +229,7 @@ fn every_kernel_and_instruction_set_matches_f64_and_mlx() {
                 (8, 3, 1030),
             ] {
                 check_bf16(m, n, k, (m * 1000 + n * 10 + k) as u64);
+                check_f32(m, n, k, (m * 1000 + n * 10 + k) as u64 + 7);
             }
             for mode in MODES {
                 let gs = mode.group_size() as usize;
@@ -297,6 +316,7 @@ proptest! {
         with_device(Device::Cpu, || {
             if mode_i == 7 {
                 check_bf16(m, n, groups * 32 + extra, seed);
+                check_f32(m, n, groups * 32 + extra, seed);
             } else {
                 let mode = MODES[mode_i];
                 check_quantized(mode, DType::BF16.min_if(mode), m, n, groups * mode.group_size() as usize, seed);
@@ -463,6 +483,27 @@ fn gradient_with_respect_to_the_input() {
     })
 }
 
+/// The f32 kernel's gradients, to the input and to the weight, equal MLX's matmul's.
+#[test]
+fn f32_gradients_match_the_matmul() {
+    with_device(Device::Cpu, || {
+        let (m, n, k) = (3, 5, 70);
+        let w = Array::from_slice(&vals(n * k, 31), &[n, k]).unwrap();
+        let x = Array::from_slice(&vals(m * k, 32), &[m, k]).unwrap();
+        let c = Array::from_slice(&vals(m * n, 33), &[m, n]).unwrap();
+        let ours = |p: &[Array]| p[0].cpu_matmul_f32(&p[1])?.mul(&c)?.sum(&[], false);
+        let mlx = |p: &[Array]| p[0].matmul(&p[1].swap_axes(0, 1)?)?.mul(&c)?.sum(&[], false);
+        let (_, g) = mlx_array::grad::value_and_grad(ours, &[x.clone(), w.clone()]).unwrap();
+        let (_, g2) = mlx_array::grad::value_and_grad(mlx, &[x, w]).unwrap();
+        for (a, b) in g.iter().zip(&g2) {
+            assert_eq!(a.shape(), b.shape());
+            for (p, r) in a.to_vec::<f32>().unwrap().iter().zip(&b.to_vec::<f32>().unwrap()) {
+                assert!((p - r).abs() <= 1e-5 * r.abs().max(1.0), "{p} vs {r}");
+            }
+        }
+    })
+}
+
 /// Bad inputs are errors, never aborts.
 #[test]
 fn bad_inputs_are_errors() {
@@ -484,6 +525,8 @@ fn bad_inputs_are_errors() {
         let wb = w.astype(DType::BF16).unwrap();
         let x3 = Array::from_slice(&vals(65, 2), &[1, 65]).unwrap();
         assert!(x3.cpu_matmul_bf16(&wb).is_err(), "K mismatch (bf16)");
+        assert!(x.cpu_matmul_f32(&wb).is_err(), "bf16 weight for the f32 kernel");
+        assert!(x3.cpu_matmul_f32(&w).is_err(), "K mismatch (f32)");
         let q3 = w
             .quantize(QuantMode::Affine {
                 bits: 3,

@@ -82,12 +82,12 @@ pub fn blas_router_path() -> Option<std::path::PathBuf> {
     None
 }
 
-// Products over bf16 and MLX-quantized weights on the CPU (`src/cpukern/`, compiled by build.rs):
+// Products over f32, bf16 and MLX-quantized weights on the CPU (`src/cpukern/`, compiled by build.rs):
 // an MLX primitive with AVX-512, AVX2 and portable copies of its kernels, picked from cpuid.
 unsafe extern "C" {
     /// `res = x @ W^T` on the CPU stream `s`. `kind`: 0 bf16 `W [N, K]`; 1 / 2 MLX affine 4 / 8-bit
     /// (`W` u32 `[N, K*bits/32]`, `scales` and `biases` `[N, K/group_size]`); 3 mxfp4 (u8 E8M0
-    /// scales, groups of 32, no biases). With `idx` (integer, broadcast with `x`'s leading dims),
+    /// scales, groups of 32, no biases); 4 f32 `W [N, K]`. With `idx` (integer, broadcast with `x`'s leading dims),
     /// `W` is `[E, N, ..]`, `x` is `[..., 1, K]` and row r uses expert `idx[r]`. Empty arrays
     /// (null `ctx`) stand for absent `scales`/`biases`/`idx`. Returns 0, or 1 after reporting the
     /// error through mlx-c's error handler.

@@ -24,6 +24,7 @@ const KIND_BF16: i32 = 0;
 const KIND_AFFINE4: i32 = 1;
 const KIND_AFFINE8: i32 = 2;
 const KIND_MXFP4: i32 = 3;
+const KIND_F32: i32 = 4;
 
 fn none() -> mlx_sys::mlx_array {
     mlx_sys::mlx_array {
@@ -121,6 +122,21 @@ impl Array {
             });
         }
         call("cpu_matmul_bf16", self, w, None, None, None, KIND_BF16, 0)
+    }
+
+    /// `self @ w^T` for an f32 weight `w` `[N, K]` (as stored, not transposed) on the CPU: each
+    /// weight row read once for all of `self`'s rows (BLAS's product of a few rows repacks the
+    /// whole weight: 2 rows cost 1.7x one). `self` is `[..., K]`, of any float dtype; the result
+    /// has its dtype. The thread's stream must be a CPU stream.
+    pub fn cpu_matmul_f32(&self, w: &Array) -> Result<Array> {
+        if w.dtype() != DType::F32 {
+            return Err(Error::DType {
+                op: "cpu_matmul_f32",
+                expected: "an f32 weight".into(),
+                got: w.dtype().to_string(),
+            });
+        }
+        call("cpu_matmul_f32", self, w, None, None, None, KIND_F32, 0)
     }
 }
 

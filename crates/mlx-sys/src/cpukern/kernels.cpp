@@ -295,6 +295,35 @@ void rows_bf16(const Job& j, int m0, int n0, int n1) {
   }
 }
 
+// ---- f32: the weight row read once for the MT rows of x (as stored; `prep` copies x).
+
+template <int MT>
+void rows_f32(const Job& j, int m0, int n0, int n1) {
+  const int K = j.K;
+  const int kv = K / (2 * W) * (2 * W);
+  const float* w = static_cast<const float*>(j.w);
+  for (int n = n0; n < n1; n++) {
+    const float* wr = w + size_t(n) * K;
+    F a0[MT], a1[MT];
+    for (int m = 0; m < MT; m++) a0[m] = a1[m] = V::zero();
+    for (int k = 0; k < kv; k += 2 * W) {
+      prefetch(wr + k);
+      const F w0 = V::loadf(wr + k), w1 = V::loadf(wr + k + W);
+      for (int m = 0; m < MT; m++) {
+        const float* xm = j.xp + size_t(m0 + m) * j.xp_stride + k;
+        a0[m] = V::fma(w0, V::loadf(xm), a0[m]);
+        a1[m] = V::fma(w1, V::loadf(xm + W), a1[m]);
+      }
+    }
+    for (int m = 0; m < MT; m++) {
+      float s = V::hsum(V::add(a0[m], a1[m]));
+      const float* x = j.xp + size_t(m0 + m) * j.xp_stride;
+      for (int k = kv; k < K; k++) s += wr[k] * x[k];
+      j.out[size_t(m0 + m) * j.out_stride + n] = s;
+    }
+  }
+}
+
 // ---- quantized: W words = W*E elements per block.
 
 template <int KIND, int T>
@@ -636,6 +665,9 @@ void rows(const Job& j, int n0, int n1) {
     case KIND_BF16:
       tiles(j, n0, n1, [&](auto mt, int m) { rows_bf16<decltype(mt)::value>(j, m, n0, n1); });
       return;
+    case KIND_F32:
+      tiles(j, n0, n1, [&](auto mt, int m) { rows_f32<decltype(mt)::value>(j, m, n0, n1); });
+      return;
     case KIND_AFFINE4: return run_affine<KIND_AFFINE4>(j, n0, n1);
     case KIND_AFFINE8: return run_affine<KIND_AFFINE8>(j, n0, n1);
     case KIND_MXFP4: return run_q<KIND_MXFP4, 32, uint8_t>(j, n0, n1);
@@ -643,6 +675,7 @@ void rows(const Job& j, int n0, int n1) {
 }
 
 size_t xp_floats(int kind, int gs, int K) {
+  if (kind == KIND_F32) return size_t(K);
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
   if (kind != KIND_BF16) return vnni_xp_floats(kind, gs, K);
 #endif
@@ -654,6 +687,10 @@ size_t xp_floats(int kind, int gs, int K) {
 }
 
 void prep(int kind, int gs, const float* x, int K, float* xp) {
+  if (kind == KIND_F32) {
+    std::memcpy(xp, x, size_t(K) * sizeof(float));
+    return;
+  }
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
   if (kind != KIND_BF16) return prep_vnni(kind, gs, x, K, xp);
 #endif

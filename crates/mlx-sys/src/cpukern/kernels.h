@@ -15,6 +15,7 @@ enum Kind : int {
   KIND_AFFINE4 = 1,  // MLX affine 4-bit: u32 [N, K/8], scales/biases [N, K/gs]
   KIND_AFFINE8 = 2,  // MLX affine 8-bit: u32 [N, K/4], scales/biases [N, K/gs]
   KIND_MXFP4 = 3,    // OCP MX FP4 (E2M1), u32 [N, K/8], u8 E8M0 scales [N, K/32]
+  KIND_F32 = 4,      // f32 [N, K]
 };
 
 // Element type of scales and biases.

@@ -1,7 +1,7 @@
 // primitive.cpp: the products of kernels.h as an MLX primitive (`mlx::core::Primitive`), with a C
 // entry point in mlx-c's conventions (status 0, else the message goes to mlx-c's error handler).
 //
-// `CpuPackedMatmul` computes y[.., n] = sum_k W[n, k] x[.., k] for W bf16 `[N, K]`, MLX affine
+// `CpuPackedMatmul` computes y[.., n] = sum_k W[n, k] x[.., k] for W f32 or bf16 `[N, K]`, MLX affine
 // 4/8-bit or mxfp4 (packed u32 `[N, K*bits/32]` with scales, and biases for affine), optionally
 // per row with an expert index (W `[E, N, ..]`, row r uses W[idx[r]]: MoE expert products).
 // It runs on the CPU only: eval_gpu throws, and the caller builds it on a CPU stream only.
@@ -206,7 +206,8 @@ int stype_of(const mx::array& a) {
   }
 }
 
-int bits_of(int kind) { return kind == KIND_BF16 ? 16 : kind == KIND_AFFINE8 ? 8 : 4; }
+int bits_of(int kind) { return kind == KIND_F32 ? 32 : kind == KIND_BF16 ? 16 : kind == KIND_AFFINE8 ? 8 : 4; }
+bool is_float_kind(int kind) { return kind == KIND_BF16 || kind == KIND_F32; }
 
 // Evaluate: x [..., K] (any float dtype and strides; R rows), W [.., N, K'] (row-contiguous),
 // out f32/bf16/f16 [..., N] (R rows).
@@ -243,7 +244,7 @@ void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx:
 
   const size_t w_words_per_row = size_t(K) * bits_of(kind) / 32;  // bf16: K/2 words (K even or not: bytes)
   const size_t w_bytes_per_row = kind == KIND_BF16 ? size_t(K) * 2 : w_words_per_row * 4;
-  const size_t groups_per_row = kind == KIND_BF16 ? 0 : size_t(K) / gs;
+  const size_t groups_per_row = is_float_kind(kind) ? 0 : size_t(K) / gs;
   const size_t s_size = scales ? mx::size_of(scales->dtype()) : 0;
   const char* wd = static_cast<const char*>(w.data<void>());
   const char* sd = scales ? static_cast<const char*>(scales->data<void>()) : nullptr;
@@ -356,7 +357,7 @@ const char* mode_name(int kind) { return kind == KIND_MXFP4 ? "mxfp4" : "affine"
 
 // The float weight as `[.., N, K]` f32, from MLX's own ops (for gradients).
 mx::array float_weight(int kind, int gs, const std::vector<mx::array>& p, bool has_b, mx::Stream s) {
-  if (kind == KIND_BF16) return mx::astype(p[1], mx::float32, s);
+  if (is_float_kind(kind)) return mx::astype(p[1], mx::float32, s);
   std::optional<mx::array> b;
   if (has_b) b = p[3];
   return mx::dequantize(p[1], p[2], b, gs, bits_of(kind), mode_name(kind), std::nullopt, mx::float32, s);
@@ -367,7 +368,16 @@ std::vector<mx::array> CpuPackedMatmul::vjp(const std::vector<mx::array>& primal
                                             const std::vector<int>& argnums, const std::vector<mx::array>&) {
   std::vector<mx::array> grads;
   for (int a : argnums) {
-    if (a != 0) throw std::invalid_argument("[cpu_packed_matmul] gradients flow to the input only, not to packed weights");
+    if (a == 1 && is_float_kind(kind_) && !idx_ && !glu_) {
+      // a float weight [N, K]: dW = cot^T x over the rows
+      auto s = stream();
+      const int K = int(primals[0].shape(-1)), N = int(primals[1].shape(0));
+      auto x2 = mx::reshape(mx::astype(primals[0], mx::float32, s), {-1, K}, s);
+      auto c2 = mx::reshape(mx::astype(cotangents[0], mx::float32, s), {-1, N}, s);
+      grads.push_back(mx::astype(mx::matmul(mx::transpose(c2, s), x2, s), primals[1].dtype(), s));
+      continue;
+    }
+    if (a != 0) throw std::invalid_argument("[cpu_packed_matmul] gradients flow to the input only, not to packed weights or gated products' weights");
     if (idx_) throw std::invalid_argument("[cpu_packed_matmul] no gradient for expert-indexed products");
     // x [R, K] f32, cotangent [R, N]: dx = cot @ W.
     auto s = stream();
@@ -406,7 +416,7 @@ std::string shape_str(const mx::array& a) {
 mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scales0, const mx::array* biases0,
                 const mx::array* idx0, int kind, int gs, mx::Stream s, bool glu = false) {
   check(s.device == mx::Device::cpu, "runs on a CPU stream only");
-  check(kind >= KIND_BF16 && kind <= KIND_MXFP4, "unknown weight kind");
+  check(kind >= KIND_BF16 && kind <= KIND_F32, "unknown weight kind");
   check(x0.ndim() >= 1, "0-d input");
   check(mx::issubdtype(x0.dtype(), mx::floating), "input must be a float array");
   const int K = int(x0.shape(-1));
@@ -415,10 +425,11 @@ mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scale
   check(int(w0.ndim()) == wdims, "weight must be " + std::string(idx0 ? "[E, N, K']" : "[N, K']") + ", got " + shape_str(w0));
   const int N = int(w0.shape(-2));
   mx::Dtype out_t = x0.dtype();
-  if (kind == KIND_BF16) {
-    check(w0.dtype() == mx::bfloat16, "bf16 kind needs a bfloat16 weight");
+  if (is_float_kind(kind)) {
+    if (kind == KIND_BF16) check(w0.dtype() == mx::bfloat16, "bf16 kind needs a bfloat16 weight");
+    else check(w0.dtype() == mx::float32, "f32 kind needs a float32 weight");
     check(int(w0.shape(-1)) == K, "weight has " + std::to_string(w0.shape(-1)) + " columns, input has " + std::to_string(K) + " features");
-    check(!scales0 && !biases0, "bf16 weights take no scales or biases");
+    check(!scales0 && !biases0, "float weights take no scales or biases");
   } else {
     check(w0.dtype() == mx::uint32, "packed weights must be uint32");
     const int bits = bits_of(kind);

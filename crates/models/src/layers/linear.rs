@@ -183,6 +183,10 @@ impl Linear {
                 true => x.cpu_matmul_bf16(&wt.swap_axes(0, 1)?)?,
                 false => x.astype(DType::F32)?.matmul(&wt.astype(DType::F32)?)?.astype(x.dtype())?,
             },
+            // f32 weights on the CPU, few rows: our kernel reads each weight row once for all of
+            // them (the BLAS product of a few rows repacks the whole weight: 2 rows cost 1.7x
+            // one, a speculative verify step more than a plain step)
+            (LinearWeight::Dense(wt), Some(true)) if wt.dtype() == DType::F32 => x.cpu_matmul_f32(&wt.swap_axes(0, 1)?)?,
             // few rows on a GPU: our kernel (Array::matmul_weight_t), MLX's matmul otherwise
             (LinearWeight::Dense(wt), _) => x.matmul_weight_t(wt)?,
             // packed weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
