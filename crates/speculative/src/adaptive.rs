@@ -33,7 +33,8 @@
 //! probed ever more rarely. Depth 0 with a useless draft therefore costs at most that share of
 //! the time, plus the opening cycle and a draft model's catching up over the tokens it skipped.
 //! That catching up is a cost of the stretch, not of the probed depth: the first cycle after a
-//! stretch spaces the next probe by its whole time but is not taken as a cycle time.
+//! stretch spaces the next probe by its whole time but is not taken as a cycle time, and when
+//! its drafts were accepted the depth runs once more at once, to be timed.
 
 /// The adaptive depth policy of one generation.
 #[derive(Debug, Clone)]
@@ -64,6 +65,9 @@ pub struct Adaptive {
     /// A plain stretch ran since the last speculative cycle: the next one includes a draft
     /// model's catching up over the stretch's tokens.
     after_stretch: bool,
+    /// A depth to run again at once: a probe right after a stretch whose drafts were accepted,
+    /// so that the depth gets a cycle time without the catching up.
+    again: Option<usize>,
 }
 
 impl Adaptive {
@@ -118,6 +122,7 @@ impl Adaptive {
             judged: vec![0; max],
             first_ema: 0.5,
             after_stretch: false,
+            again: None,
         }
     }
 
@@ -171,6 +176,10 @@ impl Adaptive {
         if self.time[0].is_none() {
             return 0;
         }
+        if let Some(d) = self.again.take() {
+            self.probing = Some(d);
+            return d;
+        }
         let (lo, hi) = (self.depth.saturating_sub(1), (self.depth + 1).min(self.max));
         if self.cycles >= self.next_probe {
             let far_useful = self.depth + 1 < self.max && self.accept[0] >= Self::FAR_PROBE_ACCEPT;
@@ -222,7 +231,7 @@ impl Adaptive {
     /// plain decoding the best measured choice, the cycles before the next probe. A caller may run them as one plain stretch and report it with
     /// [`Adaptive::observe_plain`].
     pub fn plain_run(&self) -> usize {
-        if self.exploring || self.time[0].is_none() || self.best() != 0 || self.best_around(0) != 0 {
+        if self.exploring || self.again.is_some() || self.time[0].is_none() || self.best() != 0 || self.best_around(0) != 0 {
             return 0;
         }
         self.next_probe.saturating_sub(self.cycles + 1)
@@ -308,6 +317,10 @@ impl Adaptive {
         // placed with the probe's own verdict counted
         if self.probing.take() == Some(d) {
             self.next_probe = self.cycles + self.probe_gap(d, secs);
+        }
+        // a probe whose time was all catching up, with drafts accepted: once more at once
+        if catch_up && accepted > 0 {
+            self.again = Some(d);
         }
         if self.exploring && d > 0 && accepted == 0 {
             self.exploring = false;
@@ -427,6 +440,9 @@ mod tests {
         assert!(n > 0, "plain decoding wins for now");
         a.observe_plain(n, n as f64);
         assert_eq!(a.next_depth(), 4, "far probe");
+        a.observe(4, 4, 20.0);
+        assert_eq!(a.plain_run(), 0);
+        assert_eq!(a.next_depth(), 4, "after a stretch, once more to be timed");
         a.observe(4, 4, 20.0);
         let n = a.plain_run();
         a.observe_plain(n, n as f64);
@@ -569,6 +585,39 @@ mod tests {
             assert!(depth >= 5, "catching up {catch_up} a step: depth {depth}");
             assert!(share > 0.8, "catching up {catch_up} a step: {share} of the tokens speculative");
         }
+    }
+
+    /// The CPU pair of BENCHMARKS.md (`deep` target, SmolLM2 draft; every draft accepted but the
+    /// very first): a cycle at depth `d` costs 2.2 + 0.45 d plain steps (depth 6: 7 tokens in 4.9
+    /// steps), the first after plain steps 0.3 more per step (catching up). The opening miss
+    /// settles on plain decoding; a probe after a stretch, all catching up, must not leave the
+    /// deep depth untimed for good.
+    #[test]
+    fn probes_after_stretches_get_timed() {
+        let mut a = Adaptive::new(6);
+        let (mut tokens, mut spec_tokens, mut behind, mut cycle) = (0usize, 0usize, 0usize, 0usize);
+        while tokens < 512 {
+            let n = a.plain_run();
+            if n > 0 {
+                a.observe_plain(n, n as f64);
+                (tokens, behind) = (tokens + n, behind + n);
+                continue;
+            }
+            let d = a.next_depth();
+            cycle += 1;
+            if d == 0 {
+                a.observe(0, 0, 1.0);
+                (tokens, behind) = (tokens + 1, behind + 1);
+                continue;
+            }
+            let accepted = if cycle == 1 { 0 } else { d };
+            let t = 2.2 + 0.45 * d as f64 + 0.3 * std::mem::take(&mut behind) as f64;
+            a.observe(d, accepted, t);
+            tokens += accepted + 1;
+            spec_tokens += accepted + 1;
+        }
+        let share = spec_tokens as f64 / tokens as f64;
+        assert!(share > 0.5, "{share} of the tokens speculative, settled at depth {}", a.depth());
     }
 
     #[test]
