@@ -542,46 +542,54 @@ mod tests {
         assert!(d >= 5, "depth {d}");
     }
 
-    /// The H100 pair of BENCHMARKS.md (`gpu_pair.py`: every draft accepted), in plain steps of
-    /// 8.68 ms: a cycle at depth `d` takes 2.4 + 0.48 d of them (25 ms at depth 1, 50 at 7), the
-    /// first at each depth 6 times that (new shapes), and the first after plain steps 0.35 more
-    /// per step (the draft model catching up over them: cuDNN builds a graph for each new
-    /// length). Generated as the generator does, plain runs as stretches, 256 tokens: depth 7
-    /// gives 8 tokens in 5.8 steps, so speculation stays on. Returns the settled depth and the
-    /// share of tokens from speculative cycles.
-    fn gpu_pair_as_measured(catch_up: f64) -> (usize, f64) {
-        let mut a = Adaptive::new(7);
-        let (mut tokens, mut spec_tokens, mut behind) = (0usize, 0usize, 0usize);
-        let mut seen = [false; 8];
-        while tokens < 256 {
+    /// `tokens` tokens generated as the generator does (plain runs as stretches of plain steps
+    /// costing 1 each) with a policy up to `max`: speculative cycle `c` (from 1) at depth `d`
+    /// after `behind` plain steps accepts `accepted(c, d)` drafts and costs `cost(d, behind)`.
+    /// The settled depth and the share of tokens from speculative cycles.
+    fn generated(
+        max: usize,
+        tokens: usize,
+        mut accepted: impl FnMut(usize, usize) -> usize,
+        mut cost: impl FnMut(usize, usize) -> f64,
+    ) -> (usize, f64) {
+        let mut a = Adaptive::new(max);
+        let (mut done, mut spec, mut behind, mut cycle) = (0usize, 0usize, 0usize, 0usize);
+        while done < tokens {
             let n = a.plain_run();
             if n > 0 {
                 a.observe_plain(n, n as f64);
-                (tokens, behind) = (tokens + n, behind + n);
+                (done, behind) = (done + n, behind + n);
                 continue;
             }
             let d = a.next_depth();
             if d == 0 {
                 a.observe(0, 0, 1.0);
-                (tokens, behind) = (tokens + 1, behind + 1);
+                (done, behind) = (done + 1, behind + 1);
                 continue;
             }
-            let mut t = 2.4 + 0.48 * d as f64;
-            if !std::mem::replace(&mut seen[d], true) {
-                t *= 6.0;
-            }
-            t += catch_up * std::mem::take(&mut behind) as f64;
-            a.observe(d, d, t);
-            tokens += d + 1;
-            spec_tokens += d + 1;
+            cycle += 1;
+            let k = accepted(cycle, d);
+            a.observe(d, k, cost(d, std::mem::take(&mut behind)));
+            done += k + 1;
+            spec += k + 1;
         }
-        (a.depth(), spec_tokens as f64 / tokens as f64)
+        (a.depth(), spec as f64 / done as f64)
     }
 
+    /// The H100 pair of BENCHMARKS.md (`gpu_pair.py`: every draft accepted), in plain steps of
+    /// 8.68 ms: a cycle at depth `d` takes 2.4 + 0.48 d of them (25 ms at depth 1, 50 at 7), the
+    /// first at each depth 6 times that (new shapes), and the first after plain steps `catch_up`
+    /// more per step (the draft model catching up over them: cuDNN built a graph for each new
+    /// length). 256 tokens: depth 7 gives 8 tokens in 5.8 steps, so speculation stays on.
     #[test]
     fn gpu_pair_as_measured_stays_deep() {
         for catch_up in [0.0, 0.35, 1.0] {
-            let (depth, share) = gpu_pair_as_measured(catch_up);
+            let mut seen = [false; 8];
+            let (depth, share) = generated(7, 256, |_, d| d, |d, behind| {
+                let t = 2.4 + 0.48 * d as f64;
+                let t = if std::mem::replace(&mut seen[d], true) { t } else { 6.0 * t };
+                t + catch_up * behind as f64
+            });
             assert!(depth >= 5, "catching up {catch_up} a step: depth {depth}");
             assert!(share > 0.8, "catching up {catch_up} a step: {share} of the tokens speculative");
         }
@@ -594,30 +602,9 @@ mod tests {
     /// deep depth untimed for good.
     #[test]
     fn probes_after_stretches_get_timed() {
-        let mut a = Adaptive::new(6);
-        let (mut tokens, mut spec_tokens, mut behind, mut cycle) = (0usize, 0usize, 0usize, 0usize);
-        while tokens < 512 {
-            let n = a.plain_run();
-            if n > 0 {
-                a.observe_plain(n, n as f64);
-                (tokens, behind) = (tokens + n, behind + n);
-                continue;
-            }
-            let d = a.next_depth();
-            cycle += 1;
-            if d == 0 {
-                a.observe(0, 0, 1.0);
-                (tokens, behind) = (tokens + 1, behind + 1);
-                continue;
-            }
-            let accepted = if cycle == 1 { 0 } else { d };
-            let t = 2.2 + 0.45 * d as f64 + 0.3 * std::mem::take(&mut behind) as f64;
-            a.observe(d, accepted, t);
-            tokens += accepted + 1;
-            spec_tokens += accepted + 1;
-        }
-        let share = spec_tokens as f64 / tokens as f64;
-        assert!(share > 0.5, "{share} of the tokens speculative, settled at depth {}", a.depth());
+        let accepted = |c: usize, d: usize| if c == 1 { 0 } else { d };
+        let (depth, share) = generated(6, 512, accepted, |d, behind| 2.2 + 0.45 * d as f64 + 0.3 * behind as f64);
+        assert!(share > 0.5, "{share} of the tokens speculative, settled at depth {depth}");
     }
 
     #[test]
