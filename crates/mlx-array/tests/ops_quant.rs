@@ -17,10 +17,6 @@ const MODES: [QuantMode; 6] = [
     QuantMode::Nvfp4,
 ];
 
-fn out_f64(a: &Array) -> Vec<f64> {
-    f64s(&out(a))
-}
-
 /// Worst reconstruction error allowed per group, relative to the group's range / max magnitude.
 fn err_bound(mode: QuantMode, group: &[f32]) -> f64 {
     let mx = group.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
