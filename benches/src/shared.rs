@@ -44,13 +44,18 @@ pub struct ModelArgs {
     pub kv: String,
 }
 
+#[allow(dead_code)] // llm_bench includes this module without the probes' arguments
 impl ModelArgs {
-    /// The checkpoint loaded as a causal LM with `--dtype` and `--kv`, and that dtype.
-    #[allow(dead_code)] // llm_bench includes this module without the probes' arguments
-    pub fn load_lm(&self) -> Result<(mlx_models::Model, DType), Box<dyn std::error::Error>> {
+    /// The load options `--dtype` and `--kv` ask for, and that dtype.
+    pub fn load_options(&self) -> Result<(mlx_models::LoadOptions, DType), Box<dyn std::error::Error>> {
         let dt = dtype(&self.dtype).ok_or_else(|| format!("unknown dtype {}", self.dtype))?;
         let kv_cache = kv_cache(&self.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", self.kv))?;
-        let opts = mlx_models::LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() };
+        Ok((mlx_models::LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() }, dt))
+    }
+
+    /// The checkpoint loaded as a causal LM with `--dtype` and `--kv`, and that dtype.
+    pub fn load_lm(&self) -> Result<(mlx_models::Model, DType), Box<dyn std::error::Error>> {
+        let (opts, dt) = self.load_options()?;
         Ok((mlx_models::load_model(&self.model, &opts)?.into_lm()?, dt))
     }
 }

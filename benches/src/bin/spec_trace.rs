@@ -152,9 +152,8 @@ fn main() -> Res<()> {
     if cli.depth == 0 || cli.new < 2 || cli.m.prompt == 0 {
         return Err("--depth and --prompt must be positive and --new at least 2".into());
     }
-    let (target, _) = cli.m.load_lm()?;
-    let dt = shared::dtype(&cli.m.dtype).ok_or("dtype")?;
-    let opts = mlx_models::LoadOptions { dtype: Some(dt), kv_cache: shared::kv_cache(&cli.m.kv).ok_or("kv")?, ..Default::default() };
+    let (opts, _) = cli.m.load_options()?;
+    let target = mlx_models::load_model(&cli.m.model, &opts)?.into_lm()?;
     let clock: Clock = Arc::default();
     let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };

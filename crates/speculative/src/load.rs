@@ -87,7 +87,8 @@ pub fn load_drafter_for(
 }
 
 fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dyn Drafter>> {
-    match (draft_kind(dir)?, target) {
+    let raw = raw_config(dir)?;
+    match (kind_of(&raw), target) {
         (DraftKind::Model, _) => {
             let opts = LoadOptions {
                 kv_cache: KvCacheMode::Flat,
@@ -98,7 +99,7 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
             // CPU_PACKED_MAX_ROWS tokens: its packed kernels take them, where a longer
             // forward dequantizes every weight (0.33 s for SmolLM2-135M 4-bit, against ~0.06 s for
             // 34 tokens in pieces)
-            let packed = raw_config(dir)?.get("quantization").is_some()
+            let packed = raw.get("quantization").is_some()
                 && opts.quantized != QuantizedWeights::Dequantize;
             Ok(Box::new(if packed && mlx_array::default_device()? == mlx_array::Device::Cpu {
                 draft.with_catch_up_pieces(Some(mlx_array::ops::CPU_PACKED_MAX_ROWS))

@@ -114,14 +114,7 @@ impl Array {
     /// f32 accumulation. `self` is `[..., K]`, of any float dtype; the result has its dtype.
     /// The thread's stream must be a CPU stream.
     pub fn cpu_matmul_bf16(&self, w: &Array) -> Result<Array> {
-        if w.dtype() != DType::BF16 {
-            return Err(Error::DType {
-                op: "cpu_matmul_bf16",
-                expected: "a bf16 weight".into(),
-                got: w.dtype().to_string(),
-            });
-        }
-        call("cpu_matmul_bf16", self, w, None, None, None, KIND_BF16, 0)
+        self.cpu_matmul_float("cpu_matmul_bf16", w, DType::BF16, "a bf16 weight", KIND_BF16)
     }
 
     /// `self @ w^T` for an f32 weight `w` `[N, K]` (as stored, not transposed) on the CPU: each
@@ -129,14 +122,15 @@ impl Array {
     /// whole weight: 2 rows cost 1.7x one). `self` is `[..., K]`, of any float dtype; the result
     /// has its dtype. The thread's stream must be a CPU stream.
     pub fn cpu_matmul_f32(&self, w: &Array) -> Result<Array> {
-        if w.dtype() != DType::F32 {
-            return Err(Error::DType {
-                op: "cpu_matmul_f32",
-                expected: "an f32 weight".into(),
-                got: w.dtype().to_string(),
-            });
+        self.cpu_matmul_float("cpu_matmul_f32", w, DType::F32, "an f32 weight", KIND_F32)
+    }
+
+    /// The product over an unpacked float weight of dtype `want` (kernel `kind`).
+    fn cpu_matmul_float(&self, op: &'static str, w: &Array, want: DType, expected: &str, kind: i32) -> Result<Array> {
+        if w.dtype() != want {
+            return Err(Error::DType { op, expected: expected.into(), got: w.dtype().to_string() });
         }
-        call("cpu_matmul_f32", self, w, None, None, None, KIND_F32, 0)
+        call(op, self, w, None, None, None, kind, 0)
     }
 }
 
