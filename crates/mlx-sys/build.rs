@@ -544,6 +544,8 @@ fn compile_kernels(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
         b.include(mlxc)
             .include(mlx_inc)
             .include(&out)
+            // cpu_dequantize rounds scale * q and + bias separately, as MLX's dequantize does
+            .flag_if_supported("-ffp-contract=off")
             .file(dir.join("src/cpukern/primitive.cpp"))
             .file(dir.join("src/cpukern/ops.cpp"))
             .file(dir.join("src/cudakern/cuda_ops.cpp"));

@@ -380,6 +380,47 @@ fn leading_dims_and_dtypes() {
     })
 }
 
+/// `Quantized::cpu_dequantize` gives MLX's `dequantize` to f32 (scales and biases taken to f32
+/// first) bit for bit, for every mode and scales dtype, with leading axes (expert weights) and
+/// large values; and refuses what it cannot read.
+#[test]
+fn dequantize_matches_mlx_bit_for_bit() {
+    with_device(Device::Cpu, || {
+        for mode in MODES {
+            let sdts: &[DType] = if mode == QuantMode::Mxfp4 { &[DType::F32] } else { &[DType::F32, DType::BF16, DType::F16] };
+            for &sdt in sdts {
+                for (shape, seed) in [(vec![5usize, 256usize], 3u64), (vec![2, 3, 384], 4), (vec![1, 128], 5)] {
+                    let n: usize = shape.iter().product();
+                    let w = Array::from_slice(&vals(n, seed), &shape).unwrap().astype(sdt).unwrap();
+                    let q = w.quantize(mode).unwrap();
+                    let q32 = Quantized {
+                        scales: if q.scales.dtype() == DType::U8 { q.scales.clone() } else { q.scales.astype(DType::F32).unwrap() },
+                        biases: q.biases.as_ref().map(|b| b.astype(DType::F32).unwrap()),
+                        ..q.clone()
+                    };
+                    let want = q32.dequantize(Some(DType::F32)).unwrap();
+                    let got = q.cpu_dequantize().unwrap();
+                    assert_eq!(got.shape(), shape, "{mode:?} {sdt}");
+                    assert_eq!(got.dtype(), DType::F32);
+                    let (g, r) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+                    for (i, (a, b)) in g.iter().zip(&r).enumerate() {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{mode:?} {sdt} scales {shape:?}: element {i}: {a} vs MLX {b}");
+                    }
+                }
+            }
+        }
+        let w = Array::from_slice(&vals(4 * 64, 1), &[4, 64]).unwrap();
+        let q = w.quantize(QuantMode::Affine { bits: 4, group_size: 32 }).unwrap();
+        assert!(Quantized { biases: None, ..q.clone() }.cpu_dequantize().is_err(), "affine without biases");
+        let short = Quantized { scales: q.scales.slice_axis(1, 0, 1).unwrap(), ..q.clone() };
+        assert!(short.cpu_dequantize().is_err(), "scales of the wrong shape");
+        let q3 = w.quantize(QuantMode::Affine { bits: 3, group_size: 32 }).unwrap();
+        assert!(q3.cpu_dequantize().is_err(), "3-bit is not a CPU kernel");
+        let ints = Quantized { weight: q.weight.astype(DType::I32).unwrap(), ..q.clone() };
+        assert!(ints.cpu_dequantize().is_err(), "a weight that is not u32");
+    })
+}
+
 /// Expert-indexed products against MLX's gather_qmm (the MoE decode path).
 #[test]
 fn gather_matches_gather_qmm() {

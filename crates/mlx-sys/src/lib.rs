@@ -114,6 +114,18 @@ unsafe extern "C" {
         group_size: std::ffi::c_int,
         s: mlx_stream,
     ) -> std::ffi::c_int;
+    /// `res` = `W` (u32 `[.., N, K*bits/32]`, kinds 1-3 of [`mlx_models_cpu_packed_matmul`])
+    /// dequantized to f32 `[.., N, K]` on the CPU stream `s`, each element written once (MLX's
+    /// CPU dequantize builds a graph of shifts and broadcasts). `biases` may be an empty array.
+    pub fn mlx_models_cpu_dequantize(
+        res: *mut mlx_array,
+        w: mlx_array,
+        scales: mlx_array,
+        biases: mlx_array,
+        kind: std::ffi::c_int,
+        group_size: std::ffi::c_int,
+        s: mlx_stream,
+    ) -> std::ffi::c_int;
     /// The instruction set of the kernels in this process: "avx512vnni", "avx512", "avx2" or "portable".
     pub fn mlx_models_cpu_kernels_isa() -> *const std::ffi::c_char;
     /// Threads one product uses (`OPENBLAS_NUM_THREADS`, else `OMP_NUM_THREADS`, else all).

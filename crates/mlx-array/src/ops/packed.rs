@@ -155,6 +155,21 @@ impl Quantized {
         })
     }
 
+    /// The weight as f32 `[.., N, K]`, on the CPU (modes of [`cpu_packed_supports`]): the same
+    /// values as [`Quantized::dequantize`]`(Some(DType::F32))` with the scales and biases taken to
+    /// f32 first, in one pass (MLX's CPU dequantize is a graph of shifts and broadcasts, ~8x
+    /// slower). For products of more rows than [`CPU_PACKED_MAX_ROWS`]. The thread's stream must
+    /// be a CPU stream.
+    pub fn cpu_dequantize(&self) -> Result<Array> {
+        let op = "cpu_dequantize";
+        let kind = kind_of(self.mode).ok_or_else(|| Error::arg(op, format!("the CPU kernels do not take {:?}", self.mode)))?;
+        let p = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(none);
+        let (s, gs) = (stream(), self.mode.group_size() as i32);
+        ffi(op, |res| unsafe {
+            mlx_sys::mlx_models_cpu_dequantize(res, self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), p(self.biases.as_ref()), kind, gs, s.as_ptr())
+        })
+    }
+
     /// MoE expert products: `x` `[..., 1, K]`, `idx` integer expert ids broadcast with `x`'s
     /// leading dims, `W` `[E, N, ..]`: row r is `x[r] @ W[idx[r]]^T`, out `[..., 1, N]` (the same
     /// product as [`crate::ops::gather_qmm`] with `rhs_indices = idx`, `transpose = true`).

@@ -316,6 +316,105 @@ void compute(int kind, int gs, const mx::array& x, const mx::array& w, const mx:
   }
 }
 
+// ---- dequantize: packed weights `[.., N, K*bits/32]` to f32 `[.., N, K]`, for the products of
+// more rows than the kernels take (prefill), which run MLX's f32 matmul over it. MLX's own CPU
+// dequantize is a graph of shifts, masks and broadcasts (about 40 nodes and as many full-size
+// temporaries a weight); this is one pass writing each element once. Affine: scale * q + bias in
+// f32 as two roundings (a product, then a sum: MLX's order; build.rs compiles this file with
+// -ffp-contract=off), scales and biases of any float
+// dtype converted exactly; mxfp4: e2m1(q) * 2^(e - 127).
+
+float scale_at(const char* p, int stype, size_t i) {
+  switch (stype) {
+    case S_F32: return reinterpret_cast<const float*>(p)[i];
+    case S_BF16: return float(reinterpret_cast<const mx::bfloat16_t*>(p)[i]);
+    case S_F16: return float(reinterpret_cast<const mx::float16_t*>(p)[i]);
+    default: {
+      const uint32_t e = reinterpret_cast<const uint8_t*>(p)[i];
+      const uint32_t bits = e == 0 ? 0x00400000u : e << 23;  // 2^(e - 127); e = 0 is subnormal
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return f;
+    }
+  }
+}
+
+constexpr float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// One group of `gs` elements: `words` u32 words of BITS-bit codes, element t of a word at bits
+// [t*BITS, (t+1)*BITS) (constant shifts, so the compiler vectorizes the loop over words).
+template <int BITS>
+void dequantize_group(const uint32_t* w, int words, float s, float b, float* o) {
+  constexpr int E = 32 / BITS;
+  constexpr uint32_t M = (1u << BITS) - 1;
+  for (int i = 0; i < words; i++)
+    for (int t = 0; t < E; t++) o[i * E + t] = s * float((w[i] >> (t * BITS)) & M) + b;  // -ffp-contract=off
+}
+
+void dequantize_group_fp4(const uint32_t* w, int words, float s, float* o) {
+  for (int i = 0; i < words; i++)
+    for (int t = 0; t < 8; t++) o[i * 8 + t] = E2M1[(w[i] >> (t * 4)) & 15u] * s;
+}
+
+void dequantize_rows(int kind, int gs, const mx::array& w, const mx::array& scales, const mx::array* biases,
+                     mx::array& out) {
+  const int K = int(out.shape(-1));
+  const size_t rows = K > 0 ? out.size() / size_t(K) : 0;
+  if (rows == 0) return;
+  const int per_word = 32 / bits_of(kind);
+  const int words = gs / per_word;  // a group's words
+  const size_t groups = size_t(K) / gs;
+  const int stype = stype_of(scales);
+  const uint32_t* wd = w.data<uint32_t>();
+  const char* sd = static_cast<const char*>(scales.data<void>());
+  const char* bd = biases ? static_cast<const char*>(biases->data<void>()) : nullptr;
+  float* od = out.data<float>();
+  const int min_rows = std::max(1, int(65536 / std::max(1, K)));
+  parallel_rows(int(rows), min_rows, [&](int r0, int r1) {
+    for (size_t r = size_t(r0); r < size_t(r1); r++) {
+      for (size_t g = 0; g < groups; g++) {
+        const size_t at = r * groups + g;
+        const uint32_t* wg = wd + at * words;
+        float* og = od + at * size_t(gs);
+        const float s = scale_at(sd, stype, at);
+        if (kind == KIND_MXFP4) dequantize_group_fp4(wg, words, s, og);
+        else if (kind == KIND_AFFINE4) dequantize_group<4>(wg, words, s, scale_at(bd, stype, at), og);
+        else dequantize_group<8>(wg, words, s, scale_at(bd, stype, at), og);
+      }
+    }
+  });
+}
+
+class CpuDequantize : public mx::UnaryPrimitive {
+ public:
+  CpuDequantize(mx::Stream s, int kind, int gs, bool has_biases)
+      : mx::UnaryPrimitive(s), kind_(kind), gs_(gs), biases_(has_biases) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    std::vector<mx::array> ins;
+    for (auto& a : inputs) ins.push_back(mx::array::unsafe_weak_copy(a));
+    enc.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), kind = kind_, gs = gs_,
+                  b = biases_]() mutable { dequantize_rows(kind, gs, ins[0], ins[1], b ? &ins[2] : nullptr, out); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[cpu_dequantize] runs on the CPU only");
+  }
+  const char* name() const override { return "CpuDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const CpuDequantize&>(other);
+    return kind_ == o.kind_ && gs_ == o.gs_ && biases_ == o.biases_;
+  }
+
+ private:
+  int kind_, gs_;
+  bool biases_;
+};
+
 class CpuPackedMatmul : public mx::UnaryPrimitive {
  public:
   CpuPackedMatmul(mx::Stream s, int kind, int gs, bool has_scales, bool has_biases, bool has_idx, bool glu = false)
@@ -506,6 +605,42 @@ mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scale
   return mx::reshape(y, out_shape, s);
 }
 
+
+// Validate and build the graph node: W `[.., N, K*bits/32]` packed as f32 `[.., N, K]`.
+mx::array build_dequantize(const mx::array& w0, const mx::array& scales0, const mx::array* biases0, int kind, int gs,
+                           mx::Stream s) {
+  auto fail = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument("[cpu_dequantize] " + msg);
+  };
+  fail(s.device == mx::Device::cpu, "runs on a CPU stream only");
+  fail(kind == KIND_AFFINE4 || kind == KIND_AFFINE8 || kind == KIND_MXFP4, "unknown packed weight kind");
+  fail(w0.ndim() >= 1 && w0.dtype() == mx::uint32, "packed weights must be uint32 with at least one axis, got " + shape_str(w0));
+  const int bits = bits_of(kind);
+  if (kind == KIND_MXFP4) fail(gs == 32, "mxfp4 uses groups of 32");
+  else fail(gs == 32 || gs == 64 || gs == 128, "group size must be 32, 64 or 128");
+  const int64_t K = int64_t(w0.shape(-1)) * 32 / bits;
+  fail(K > 0 && K % gs == 0, "rows of " + std::to_string(K) + " elements are not whole groups of " + std::to_string(gs));
+  auto want = w0.shape();
+  want.back() = int(K / gs);
+  fail(scales0.shape() == want, "scales " + shape_str(scales0) + " do not match the weight " + shape_str(w0));
+  if (kind == KIND_MXFP4) {
+    fail(scales0.dtype() == mx::uint8, "mxfp4 scales must be uint8 (E8M0)");
+    fail(!biases0, "mxfp4 takes no biases");
+  } else {
+    fail(biases0 != nullptr, "affine quantization needs biases");
+    fail(scales0.dtype() == mx::float32 || scales0.dtype() == mx::bfloat16 || scales0.dtype() == mx::float16,
+         "scales must be float32, bfloat16 or float16");
+    fail(biases0->dtype() == scales0.dtype() && biases0->shape() == scales0.shape(), "biases must have the scales' dtype and shape");
+  }
+  auto as_is = [&](const mx::array& a) { return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, s); };
+  std::vector<mx::array> inputs{as_is(w0), as_is(scales0)};
+  if (biases0) inputs.push_back(as_is(*biases0));
+  auto out_shape = w0.shape();
+  out_shape.back() = int(K);
+  return mx::array(std::move(out_shape), mx::float32, std::make_shared<CpuDequantize>(s, kind, gs, biases0 != nullptr),
+                   std::move(inputs));
+}
+
 }  // namespace
 
 const KernelSet& cpu_kernels() { return kernels(); }
@@ -525,6 +660,21 @@ int mlx_models_cpu_packed_matmul(mlx_array* res, const mlx_array x, const mlx_ar
     const mx::array* bi = biases.ctx ? &mlx_array_get_(biases) : nullptr;
     const mx::array* id = idx.ctx ? &mlx_array_get_(idx) : nullptr;
     mlx_array_set_(*res, mlxm::build(mlx_array_get_(x), mlx_array_get_(w), sc, bi, id, kind, group_size, mlx_stream_get_(s)));
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+  return 0;
+}
+
+// res = W dequantized to f32 on the CPU stream `s` (kinds 1-3: affine 4/8-bit, mxfp4); `biases`
+// may be an empty array (null ctx). Returns 0, or 1 after reporting the error.
+int mlx_models_cpu_dequantize(mlx_array* res, const mlx_array w, const mlx_array scales, const mlx_array biases,
+                              int kind, int group_size, const mlx_stream s) {
+  try {
+    const mx::array* bi = biases.ctx ? &mlx_array_get_(biases) : nullptr;
+    mlx_array_set_(*res, mlxm::build_dequantize(mlx_array_get_(w), mlx_array_get_(scales), bi, kind, group_size,
+                                                mlx_stream_get_(s)));
   } catch (std::exception& e) {
     mlx_error(e.what());
     return 1;

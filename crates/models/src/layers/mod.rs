@@ -11,6 +11,7 @@ pub use decoder::LmHead;
 pub use attention::{causal_mask, Attention, AttentionConfig};
 pub(crate) use attention::{last_query_mask, mask_window, sdpa};
 pub use linear::{Embedding, FusedLinear, Linear, LoraSettings};
+pub(crate) use linear::dequantize_f32;
 pub use mlp::{Activation, GatedMlp};
 pub use norm::RmsNorm;
 pub use rope::{rotate_half_by, DynamicNtk, Rope, RopeAt, RopeScaling};
