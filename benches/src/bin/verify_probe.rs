@@ -18,7 +18,11 @@
 //!   concurrently on a GPU and would hide a kernel that occupies few SMs): time a call and
 //!   weight GB/s;
 //! - `attention`: M causal queries over `--prompt` keys, one distinct K/V per layer, contiguous
-//!   and as a flat cache hands them over, chained the same way (queries = the previous output).
+//!   and as a flat cache hands them over, chained the same way (queries = the previous output);
+//! - `--op-costs` (instead of the tables): the time per node of chains of one-row ops of the
+//!   model's width (add, reshape, rms_norm, a product through a 3-d input and through a 2-d one,
+//!   one query's attention), building the graph and evaluating it: where a one-row forward's
+//!   host time goes (each node's share of libmlx's per-node work).
 use mlx_array::ops::{concatenate, set_cuda_few_row_kernels, AttentionMask, CudaFewRowKernels};
 use mlx_array::random::{normal, Key};
 use mlx_array::Array;
@@ -47,6 +51,9 @@ struct Cli {
     /// Only the forwards (no product or attention tables).
     #[arg(long)]
     forward_only: bool,
+    /// Time per node of chains of one-row ops instead of the product and attention tables.
+    #[arg(long)]
+    op_costs: bool,
 }
 
 const MODES: [CudaFewRowKernels; 2] = [CudaFewRowKernels::Off, CudaFewRowKernels::On];
@@ -70,7 +77,7 @@ fn usize_field(cfg: &serde_json::Value, k: &str) -> Res<usize> {
 }
 
 fn main() -> Res<()> {
-    let Cli { m, rows, iters, modes, forward_only } = <Cli as clap::Parser>::parse();
+    let Cli { m, rows, iters, modes, forward_only, op_costs: costs } = <Cli as clap::Parser>::parse();
     if rows.iter().any(|&r| r == 0) || m.prompt == 0 {
         return Err("--rows and --prompt must be positive".into());
     }
@@ -117,6 +124,9 @@ fn main() -> Res<()> {
     set_cuda_few_row_kernels(CudaFewRowKernels::Off);
     if forward_only {
         return Ok(());
+    }
+    if costs {
+        return op_costs(usize_field(&cfg, "hidden_size")?, dt, iters);
     }
 
     // products of the checkpoint's shapes
@@ -208,5 +218,58 @@ fn main() -> Res<()> {
         }
     }
     set_cuda_few_row_kernels(CudaFewRowKernels::Off);
+    Ok(())
+}
+
+/// Per node: the median time to build and to evaluate chains of `N` one-row ops `[1, 1, h]` (each
+/// op reads the previous one's output), after two untimed chains.
+fn op_costs(h: usize, dt: mlx_array::DType, iters: usize) -> Res<()> {
+    const N: usize = 256;
+    let key = Key::new(11)?;
+    let (k1, k2) = key.split()?;
+    let x0 = normal(&[1, 1, h], dt, &k1)?;
+    let w = normal(&[h, h], dt, &k2)?.mul_scalar(1.0 / (h as f32).sqrt())?;
+    let c = x0.mul_scalar(0.001)?;
+    let norm_w = c.reshape(&[h as i32])?;
+    let (hd, heads) = (64, h / 64);
+    let keys = normal(&[1, heads, 64, hd], dt, &k1)?;
+    mlx_array::eval(&[&x0, &w, &c, &norm_w, &keys])?;
+    let wt = w.swap_axes(0, 1)?;
+    wt.eval()?; // a view, no node of the chains
+    let scale = 1.0 / (hd as f32).sqrt();
+    type Step<'a> = Box<dyn Fn(&Array) -> Res<Array> + 'a>;
+    let chains: Vec<(&str, Step)> = vec![
+        ("add", Box::new(|x: &Array| Ok(x.add(&c)?))),
+        ("reshape", Box::new(|x: &Array| Ok(x.reshape(&[1, h as i32])?.reshape(&[1, 1, h as i32])?))),
+        ("rms_norm", Box::new(|x: &Array| Ok(x.rms_norm(Some(&norm_w), 1e-6)?))),
+        ("product, 3-d input", Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
+        ("product, 2-d input", Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
+        ("attention, 1 query, 64 keys", Box::new(|x: &Array| {
+            let q = x.reshape(&[1, heads as i32, 1, hd as i32])?;
+            Ok(q.sdpa(&keys, &keys, scale, AttentionMask::None)?.reshape(&[1, 1, h as i32])?)
+        })),
+    ];
+    println!("op costs: chains of {N} ops over [1, 1, {h}] {dt}; per node: build, evaluate (us)");
+    for (name, step) in &chains {
+        let two_d = name.contains("2-d");
+        let start = if two_d { x0.reshape(&[1, h as i32])? } else { x0.clone() };
+        start.eval()?;
+        let (nodes, by) = mlx_array::graph_nodes(&[&step(&start)?])?;
+        let kinds: Vec<String> = by.iter().map(|(n, c)| format!("{n} {c}")).collect();
+        let mut build = Vec::new();
+        let ms = median_ms(iters, || {
+            let t = Instant::now();
+            let mut x = start.clone();
+            for _ in 0..N {
+                x = step(&x)?;
+            }
+            build.push(t.elapsed().as_secs_f64() * 1e3);
+            x.eval()?;
+            Ok(())
+        })?;
+        build.sort_by(f64::total_cmp);
+        let per = |v: f64| v * 1e3 / (N * nodes) as f64;
+        println!("  {name} ({}): {:.2} us to build, {:.2} us a node in all", kinds.join(", "), per(build[build.len() / 2]), per(ms));
+    }
     Ok(())
 }
