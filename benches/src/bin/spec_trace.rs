@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
-//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet]
+//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up]
 //! ```
 use mlx_models::{generate, Cache, GenerateConfig, Model, Result as MResult, SpeculativeStats, Speculator, Token};
 use mlx_speculative::{Draft, Drafter, Feedback, SpeculativeDecoder};
@@ -42,6 +42,9 @@ struct Cli {
     /// Only the per-run totals.
     #[arg(long)]
     quiet: bool,
+    /// Warm the decoder up first (`SpeculativeDecoder::warm_up`; its time is printed).
+    #[arg(long)]
+    warm_up: bool,
 }
 
 /// The drafter's time of its last proposal, shared with the tracer.
@@ -158,10 +161,15 @@ fn main() -> Res<()> {
     let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
     let prompt = shared::prompt_ids(cli.m.prompt, target.info().vocab_size);
+    if cli.warm_up {
+        let t = Instant::now();
+        dec.warm_up(&target)?;
+        println!("warm-up: {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+    }
     println!("device {:?}, depth {} ({}), {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, cli.new);
     for run in 0..cli.runs {
         let mut cache = target.new_cache();
-        let cfg = GenerateConfig { max_new_tokens: cli.new, sampling: SamplingConfig::default(), ..Default::default() };
+        let cfg = GenerateConfig { max_new_tokens: cli.new, sampling: SamplingConfig::greedy(), ..Default::default() };
         let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), quiet: cli.quiet, totals: Totals::default() };
         let t = Instant::now();
         let mut gen = generate(&target, &mut cache, &prompt, cfg)?.with_speculator(&mut tracer);

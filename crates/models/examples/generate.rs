@@ -11,7 +11,8 @@
 //! kind is read from its config.json), `--mtp [--mtp-depth D]` with the model's own MTP head
 //! (Qwen3.5; a fixed depth when given, else adaptive up to 5), and the JSON object gains `"speculative": {"cycles",
 //! "accepted_mean", "acceptance_by_position", "depth_mean"}` (`accepted_mean`: accepted draft
-//! tokens per cycle, the target's own token not counted).
+//! tokens per cycle, the target's own token not counted). On a GPU the decoder first warms up
+//! (`--speculative-warm-up`).
 //!
 //! `--distributed ring` (what the `launch` example passes) runs it as one rank of a
 //! tensor-parallel group: the model is sharded over the ranks, and only rank 0 prints (the same
@@ -31,6 +32,16 @@ use std::path::PathBuf;
 enum DraftDepth {
     Fixed,
     Adaptive,
+}
+
+/// When a speculative decoder warms up before the generation (`SpeculativeDecoder::warm_up`).
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum WarmUp {
+    /// On a GPU, where the first use of each verify shape costs (cuBLAS algorithm selection,
+    /// CUDA graphs, kernel compilation); not on the CPU, where it costs only the cycles.
+    Auto,
+    On,
+    Off,
 }
 
 #[derive(Parser)]
@@ -88,6 +99,11 @@ struct Cli {
     /// with MTP weights).
     #[arg(long, conflicts_with = "draft_model")]
     mtp: bool,
+    /// Run a speculative cycle at every depth the decoder may draft on a throwaway cache
+    /// before the generation (its time goes to stderr), so that one-time costs of new shapes
+    /// fall outside it: auto (on a GPU), on or off.
+    #[arg(long, value_enum, default_value = "auto")]
+    speculative_warm_up: WarmUp,
     /// MTP drafts per cycle (default: adaptive, up to 5).
     #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
     mtp_depth: Option<u64>,
@@ -180,6 +196,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         (None, false) => None,
     };
+    if let Some(s) = spec.as_mut() {
+        let gpu = mlx_array::default_device()? != mlx_array::Device::Cpu;
+        if cli.speculative_warm_up == WarmUp::On || (cli.speculative_warm_up == WarmUp::Auto && gpu) {
+            let t = std::time::Instant::now();
+            s.warm_up(&model)?;
+            if !quiet {
+                eprintln!("speculative warm-up: {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
     // The chat template only for --chat; a plain --prompt needs just the tokenizer.
     let format = if cli.chat { Some(ChatFormat::from_dir(dir)?) } else { None };
     let tokenizer = match (&format, cli.prompt.is_some()) {

@@ -121,6 +121,48 @@ impl SpeculativeDecoder {
         self.depth
     }
 
+    /// Run one greedy cycle at every depth this decoder may draft (its fixed depth; every depth
+    /// up to the maximum when adaptive) on a throwaway cache of `target`, so that what a new
+    /// shape costs the first time it runs is paid here rather than in the first cycles of a
+    /// generation: on a GPU, cuBLAS algorithm selection, CUDA graph instantiation and kernel
+    /// compilation for the verify forward of each depth's rows, the verifier's ops over them and
+    /// the drafter's own steps (in a fresh process 55-75 ms in the first cycle of a generation on
+    /// an H100, then more at each new depth). Leaves the decoder as [`Speculator::start`] does;
+    /// the drafter keeps no state that a later generation does not replace. Sampling at
+    /// temperature > 0 runs other verifier ops, which are not warmed.
+    pub fn warm_up(&mut self, target: &Model) -> Result<()> {
+        let depths: Vec<usize> = match self.depth {
+            Depth::Fixed(d) => vec![d],
+            Depth::Adaptive(max) => (1..=max).collect(),
+        };
+        let depth = self.depth;
+        let mut sampler = Sampler::new(sampling::SamplingConfig {
+            temperature: 0.0,
+            ..Default::default()
+        })
+        .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let mut run = |me: &mut Self, d: usize| -> Result<()> {
+            me.depth = Depth::Fixed(d);
+            me.start();
+            // the generator's invariant: the cache holds the history but its last token
+            let mut cache = target.new_cache();
+            let first = crate::tracked::row(&[0])?;
+            let out = target.forward(&first, &mut cache, Logits::Last, false)?;
+            cache.eval_with(&out.logits.iter().collect::<Vec<_>>())?;
+            me.cycle(target, &mut cache, &[0, 0], &mut sampler, d + 1).map(|_| ())
+        };
+        let mut result = Ok(());
+        for d in depths.into_iter().filter(|&d| d > 0) {
+            result = run(self, d);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.depth = depth;
+        self.start();
+        result
+    }
+
     pub fn drafter(&self) -> &dyn Drafter {
         self.drafter.as_ref()
     }

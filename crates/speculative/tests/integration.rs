@@ -230,3 +230,32 @@ fn catching_up_in_pieces_drafts_the_same() {
         }
     }
 }
+
+/// `warm_up` runs cycles on a throwaway cache and leaves the decoder as `start` does: the
+/// generation after it gives plain greedy decoding's tokens and, at a fixed depth, the same
+/// counters as without it (flat and paged targets; adaptive depth warms every depth).
+#[test]
+fn warming_up_changes_no_output() {
+    let mut rng = Rng(12);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let target = load("qwen3_untied", kv.clone());
+        let prompt = gapped_prompt(&target, &mut rng, 12, 30);
+        let want = plain_greedy(&target, &prompt, 30);
+        let cold = {
+            let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))), Some(4));
+            check_identity(&target, &mut spec, &prompt, &want, &format!("{kv:?} cold"))
+        };
+        let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))), Some(4));
+        spec.warm_up(&target).unwrap();
+        let warm = check_identity(&target, &mut spec, &prompt, &want, &format!("{kv:?} warmed up"));
+        assert_eq!((warm.cycles, warm.accepted_mean, warm.depth_mean), (cold.cycles, cold.accepted_mean, cold.depth_mean), "{kv:?}");
+        assert_eq!(warm.acceptance_by_position, cold.acceptance_by_position, "{kv:?}");
+        let mut adaptive = SpeculativeDecoder::adaptive(Box::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))), Some(4));
+        adaptive.warm_up(&target).unwrap();
+        assert!(matches!(adaptive.depth(), mlx_speculative::Depth::Adaptive(4)), "{kv:?}: the depth setting is restored");
+        let (got, _, offset) = run_spec(&target, &mut adaptive, &prompt, gen_cfg(want.len(), SamplingConfig::greedy()));
+        assert_eq!(got, want, "{kv:?} adaptive, warmed up");
+        assert_eq!(offset, prompt.len() + want.len());
+    }
+}
+

@@ -150,6 +150,27 @@ fn mtp_drafting_equals_plain_greedy() {
     );
 }
 
+/// A warmed-up MTP decoder (cycles at every depth on a throwaway cache, the head's state left
+/// over [0, 0, ..]) still gives plain greedy decoding's tokens, from the prompt's states alone.
+#[test]
+fn mtp_after_warm_up_matches_plain_decoding() {
+    let dir = with_mtp("qwen3_5", "warm-up");
+    let target = load_dir(&dir, KvCacheMode::Flat);
+    let mut rng = Rng(21);
+    let prompt = gapped_prompt(&target, &mut rng, 16, 24);
+    let want = plain_greedy(&target, &prompt, 24);
+    for mut spec in [
+        SpeculativeDecoder::new(Box::new(MtpDrafter::new(target.clone()).unwrap()), Some(3)),
+        SpeculativeDecoder::adaptive(Box::new(MtpDrafter::new(target.clone()).unwrap()), Some(3)),
+    ] {
+        spec.warm_up(&target).unwrap();
+        let (got, _, offset) = run_spec(&target, &mut spec, &prompt, gen_cfg(want.len(), sampling::SamplingConfig::greedy()));
+        assert_eq!(got, want, "{:?}", spec.depth());
+        assert_eq!(offset, prompt.len() + want.len());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The MTP drafter's incremental state (head cache trimmed and extended cycle by cycle from the
 /// verify steps' hidden states) drafts what a fresh drafter computing everything from the
 /// history drafts, after verdicts accepting 0..=k drafts (the random head never agrees with the
