@@ -25,7 +25,7 @@ pub struct CacheSpec {
 }
 
 /// Growth step of flat caches, in positions (as mlx-lm's KVCache).
-pub const STEP: usize = 256;
+const STEP: usize = 256;
 
 /// K/V storage of one attention layer.
 #[derive(Clone)]

@@ -123,15 +123,13 @@ impl SpeculativeDecoder {
 
     /// Run one greedy cycle at every depth this decoder may draft (its fixed depth; every depth
     /// up to the maximum when adaptive) on a throwaway cache of `target`, so that what a new
-    /// shape costs the first time it runs is paid here rather than in a generation's cycles: on
-    /// a GPU, cuBLAS algorithm selection, CUDA graph instantiation and kernel compilation for
-    /// the verify forward of each depth's rows, the verifier's ops over them, the drafter's
-    /// steps, and the first growth of flat K/V caches (each cycle follows a history of
-    /// [`mlx_models::kv::STEP`] tokens, so its rows cross it). In a fresh process on an H100
-    /// these came to 55-75 ms in a generation's first cycle and ~100 ms where the caches first
-    /// grew. Leaves the decoder as [`Speculator::start`] does; the drafter keeps no state that
-    /// a later generation does not replace. Sampling at temperature > 0 runs other verifier
-    /// ops, which are not warmed.
+    /// shape costs the first time it runs is paid here rather than in the first cycles of a
+    /// generation: on a GPU, cuBLAS algorithm selection, CUDA graph instantiation and kernel
+    /// compilation for the verify forward of each depth's rows, the verifier's ops over them and
+    /// the drafter's own steps (in a fresh process 55-75 ms in the first cycle of a generation on
+    /// an H100, then more at each new depth). Leaves the decoder as [`Speculator::start`] does;
+    /// the drafter keeps no state that a later generation does not replace. Sampling at
+    /// temperature > 0 runs other verifier ops, which are not warmed.
     pub fn warm_up(&mut self, target: &Model) -> Result<()> {
         let depths: Vec<usize> = match self.depth {
             Depth::Fixed(d) => vec![d],
@@ -143,19 +141,15 @@ impl SpeculativeDecoder {
             ..Default::default()
         })
         .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-        // the generator's invariant: the cache holds the history but its last token; filled
-        // in pieces a verify step may have (a longer prompt would build shape-specific state,
-        // such as a fused attention graph, that no generation reuses)
-        let history = vec![0u32; mlx_models::kv::STEP];
         let mut run = |me: &mut Self, d: usize| -> Result<()> {
             me.depth = Depth::Fixed(d);
             me.start();
+            // the generator's invariant: the cache holds the history but its last token
             let mut cache = target.new_cache();
-            for piece in history[..history.len() - 1].chunks(mlx_array::ops::GPU_PRODUCT_ATTENTION_MAX_QUERIES) {
-                let out = target.forward(&crate::tracked::row(piece)?, &mut cache, Logits::Last, false)?;
-                cache.eval_with(&out.logits.iter().collect::<Vec<_>>())?;
-            }
-            me.cycle(target, &mut cache, &history, &mut sampler, d + 1).map(|_| ())
+            let first = crate::tracked::row(&[0])?;
+            let out = target.forward(&first, &mut cache, Logits::Last, false)?;
+            cache.eval_with(&out.logits.iter().collect::<Vec<_>>())?;
+            me.cycle(target, &mut cache, &[0, 0], &mut sampler, d + 1).map(|_| ())
         };
         let mut result = Ok(());
         for d in depths.into_iter().filter(|&d| d > 0) {
