@@ -435,7 +435,8 @@ fn compile_mlxc(mlxc: &Path, mlx_inc: &Path, cache: &Path) -> Res<()> {
     commit_dir(&tmp, dir)
 }
 
-const KERNEL_SRC: [&str; 9] = [
+const KERNEL_SRC: [&str; 10] = [
+    "src/cpukern/dispatch.h",
     "src/cpukern/guarded.h",
     "src/cpukern/kernels.h",
     "src/cpukern/kernels.cpp",

@@ -52,7 +52,7 @@ struct Cli {
     #[arg(long)]
     forward_only: bool,
     /// Time per node of chains of one-row ops instead of the product and attention tables.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "forward_only")]
     op_costs: bool,
 }
 
@@ -238,28 +238,28 @@ fn op_costs(h: usize, dt: mlx_array::DType, iters: usize) -> Res<()> {
     wt.eval()?; // a view, no node of the chains
     let scale = 1.0 / (hd as f32).sqrt();
     type Step<'a> = Box<dyn Fn(&Array) -> Res<Array> + 'a>;
-    let chains: Vec<(&str, Step)> = vec![
-        ("add", Box::new(|x: &Array| Ok(x.add(&c)?))),
-        ("reshape", Box::new(|x: &Array| Ok(x.reshape(&[1, h as i32])?.reshape(&[1, 1, h as i32])?))),
-        ("rms_norm", Box::new(|x: &Array| Ok(x.rms_norm(Some(&norm_w), 1e-6)?))),
-        ("product, 3-d input", Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
-        ("product, 2-d input", Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
-        ("attention, 1 query, 64 keys", Box::new(|x: &Array| {
+    // each chain: its name, its first input, and one step
+    let x2 = x0.reshape(&[1, h as i32])?;
+    x2.eval()?;
+    let chains: Vec<(&str, &Array, Step)> = vec![
+        ("add", &x0, Box::new(|x: &Array| Ok(x.add(&c)?))),
+        ("reshape", &x0, Box::new(|x: &Array| Ok(x.reshape(&[1, h as i32])?.reshape(&[1, 1, h as i32])?))),
+        ("rms_norm", &x0, Box::new(|x: &Array| Ok(x.rms_norm(Some(&norm_w), 1e-6)?))),
+        ("product, 3-d input", &x0, Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
+        ("product, 2-d input", &x2, Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
+        ("attention, 1 query, 64 keys", &x0, Box::new(|x: &Array| {
             let q = x.reshape(&[1, heads as i32, 1, hd as i32])?;
             Ok(q.sdpa(&keys, &keys, scale, AttentionMask::None)?.reshape(&[1, 1, h as i32])?)
         })),
     ];
     println!("op costs: chains of {N} ops over [1, 1, {h}] {dt}; per node: build, evaluate (us)");
-    for (name, step) in &chains {
-        let two_d = name.contains("2-d");
-        let start = if two_d { x0.reshape(&[1, h as i32])? } else { x0.clone() };
-        start.eval()?;
+    for (name, start, step) in &chains {
         let (nodes, by) = mlx_array::graph_nodes(&[&step(&start)?])?;
         let kinds: Vec<String> = by.iter().map(|(n, c)| format!("{n} {c}")).collect();
         let mut build = Vec::new();
         let ms = median_ms(iters, || {
             let t = Instant::now();
-            let mut x = start.clone();
+            let mut x = (*start).clone();
             for _ in 0..N {
                 x = step(&x)?;
             }

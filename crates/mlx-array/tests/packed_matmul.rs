@@ -103,6 +103,16 @@ const MODES: [QuantMode; 7] = [
     QuantMode::Mxfp4,
 ];
 
+/// `q` with float scales and biases as f32 (E8M0 scales as they are): MLX dequantizes in the
+/// scales' dtype, so with these it computes in f32, as the kernels do.
+fn f32_scales(q: &Quantized) -> Quantized {
+    Quantized {
+        scales: if q.scales.dtype() == DType::U8 { q.scales.clone() } else { q.scales.astype(DType::F32).unwrap() },
+        biases: q.biases.as_ref().map(|b| b.astype(DType::F32).unwrap()),
+        ..q.clone()
+    }
+}
+
 /// One quantized case: ours against the f64 product over our decoding, against MLX's
 /// dequantize + f32 matmul, and against MLX's quantized_matmul; also MLX's dequantize against
 /// our decoding (the layout).
@@ -125,17 +135,7 @@ fn check_quantized_x(mode: QuantMode, sdt: DType, m: usize, n: usize, k: usize, 
         "{mode:?} with {sdt} scales: output dtype"
     );
     let dec = decode(&q, n, k);
-    // MLX dequantizes in the scales' dtype; with the same scales and biases as f32 it computes
-    // in f32, as the products do.
-    let q32 = Quantized {
-        scales: if sdt == DType::F32 || q.scales.dtype() == DType::U8 {
-            q.scales.clone()
-        } else {
-            q.scales.astype(DType::F32).unwrap()
-        },
-        biases: q.biases.as_ref().map(|b| b.astype(DType::F32).unwrap()),
-        ..q.clone()
-    };
+    let q32 = f32_scales(&q);
     let deq = f64s(&q32.dequantize(Some(DType::F32)).unwrap());
     // f32 rounding of scale * q + bias: relative to the largest weight
     let big = dec.iter().fold(0f64, |a, v| a.max(v.abs()));
@@ -393,12 +393,7 @@ fn dequantize_matches_mlx_bit_for_bit() {
                     let n: usize = shape.iter().product();
                     let w = Array::from_slice(&vals(n, seed), &shape).unwrap().astype(sdt).unwrap();
                     let q = w.quantize(mode).unwrap();
-                    let q32 = Quantized {
-                        scales: if q.scales.dtype() == DType::U8 { q.scales.clone() } else { q.scales.astype(DType::F32).unwrap() },
-                        biases: q.biases.as_ref().map(|b| b.astype(DType::F32).unwrap()),
-                        ..q.clone()
-                    };
-                    let want = q32.dequantize(Some(DType::F32)).unwrap();
+                    let want = f32_scales(&q).dequantize(Some(DType::F32)).unwrap();
                     let got = q.cpu_dequantize().unwrap();
                     assert_eq!(got.shape(), shape, "{mode:?} {sdt}");
                     assert_eq!(got.dtype(), DType::F32);

@@ -136,11 +136,8 @@ impl SpeculativeDecoder {
             Depth::Adaptive(max) => (1..=max).collect(),
         };
         let depth = self.depth;
-        let mut sampler = Sampler::new(sampling::SamplingConfig {
-            temperature: 0.0,
-            ..Default::default()
-        })
-        .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+        let mut sampler = Sampler::new(sampling::SamplingConfig::greedy())
+            .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
         let mut run = |me: &mut Self, d: usize| -> Result<()> {
             me.depth = Depth::Fixed(d);
             me.start();
@@ -151,13 +148,7 @@ impl SpeculativeDecoder {
             cache.eval_with(&out.logits.iter().collect::<Vec<_>>())?;
             me.cycle(target, &mut cache, &[0, 0], &mut sampler, d + 1).map(|_| ())
         };
-        let mut result = Ok(());
-        for d in depths.into_iter().filter(|&d| d > 0) {
-            result = run(self, d);
-            if result.is_err() {
-                break;
-            }
-        }
+        let result = depths.into_iter().filter(|&d| d > 0).try_for_each(|d| run(self, d));
         self.depth = depth;
         self.start();
         result

@@ -146,11 +146,10 @@ impl Quantized {
     /// rows first): `[..., N]`, one primitive instead of a product, two slices and the gate's
     /// ops. The thread's stream must be a CPU stream.
     pub fn cpu_swiglu(&self, x: &Array) -> Result<Array> {
-        let op = "cpu_packed_swiglu";
-        let kind = kind_of(self.mode).ok_or_else(|| Error::arg(op, format!("the CPU kernels do not take {:?}", self.mode)))?;
+        let kind = self.cpu_kind("cpu_packed_swiglu")?;
         let p = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(none);
         let (s, gs) = (stream(), self.mode.group_size() as i32);
-        ffi(op, |res| unsafe {
+        ffi("cpu_packed_swiglu", |res| unsafe {
             mlx_sys::mlx_models_cpu_packed_swiglu(res, x.inner.as_ptr(), self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), p(self.biases.as_ref()), kind, gs, s.as_ptr())
         })
     }
@@ -161,11 +160,10 @@ impl Quantized {
     /// slower). For products of more rows than [`CPU_PACKED_MAX_ROWS`]. The thread's stream must
     /// be a CPU stream.
     pub fn cpu_dequantize(&self) -> Result<Array> {
-        let op = "cpu_dequantize";
-        let kind = kind_of(self.mode).ok_or_else(|| Error::arg(op, format!("the CPU kernels do not take {:?}", self.mode)))?;
+        let kind = self.cpu_kind("cpu_dequantize")?;
         let p = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(none);
         let (s, gs) = (stream(), self.mode.group_size() as i32);
-        ffi(op, |res| unsafe {
+        ffi("cpu_dequantize", |res| unsafe {
             mlx_sys::mlx_models_cpu_dequantize(res, self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), p(self.biases.as_ref()), kind, gs, s.as_ptr())
         })
     }
@@ -178,8 +176,12 @@ impl Quantized {
     }
 
     fn cpu_call(&self, op: &'static str, x: &Array, idx: Option<&Array>) -> Result<Array> {
-        let kind = kind_of(self.mode)
-            .ok_or_else(|| Error::arg(op, format!("the CPU kernels do not take {:?}", self.mode)))?;
+        let kind = self.cpu_kind(op)?;
         call(op, x, &self.weight, Some(&self.scales), self.biases.as_ref(), idx, kind, self.mode.group_size() as i32)
+    }
+
+    /// The kernels' weight kind of this mode, or `op`'s error for a mode they do not take.
+    fn cpu_kind(&self, op: &'static str) -> Result<i32> {
+        kind_of(self.mode).ok_or_else(|| Error::arg(op, format!("the CPU kernels do not take {:?}", self.mode)))
     }
 }

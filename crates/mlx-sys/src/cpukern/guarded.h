@@ -1,4 +1,4 @@
-// guarded.h: the C entry points' error convention (ops.cpp, cudakern/cuda_ops.cpp): run `f`,
+// guarded.h: the C entry points' error convention (ops.cpp, primitive.cpp, cudakern/cuda_ops.cpp): run `f`,
 // store its array in `*res` and return 0, or report the exception's message to mlx-c's error
 // handler and return 1.
 #pragma once

@@ -26,6 +26,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "dispatch.h"
 #include "guarded.h"
 #include "kernels.h"
 #include "strided.h"
@@ -44,18 +45,6 @@ std::vector<mx::array> vjp_of(const Fn& op, const std::vector<mx::array>& primal
   std::vector<mx::array> out;
   for (int a : argnums) out.push_back(grads.at(size_t(a)));
   return out;
-}
-
-// Dispatch `f` on the stream's CPU encoder with the inputs and output registered.
-template <class F>
-void dispatch(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::array& out, F&& f) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(s);
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  std::vector<mx::array> ins;
-  for (auto& a : inputs) ins.push_back(mx::array::unsafe_weak_copy(a));
-  enc.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), f = std::forward<F>(f)]() mutable { f(ins, out); });
 }
 
 // sum_i a[i] b[i] in 16 independent partial sums (the compiler vectorises them; one running sum

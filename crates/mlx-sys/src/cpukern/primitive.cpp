@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "dispatch.h"
+#include "guarded.h"
 #include "kernels.h"
 #include "strided.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -392,14 +394,9 @@ class CpuDequantize : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(s), kind_(kind), gs_(gs), biases_(has_biases) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> ins;
-    for (auto& a : inputs) ins.push_back(mx::array::unsafe_weak_copy(a));
-    enc.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), kind = kind_, gs = gs_,
-                  b = biases_]() mutable { dequantize_rows(kind, gs, ins[0], ins[1], b ? &ins[2] : nullptr, out); });
+    dispatch(stream(), inputs, out, [kind = kind_, gs = gs_, b = biases_](std::vector<mx::array>& ins, mx::array& out) {
+      dequantize_rows(kind, gs, ins[0], ins[1], b ? &ins[2] : nullptr, out);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[cpu_dequantize] runs on the CPU only");
@@ -421,14 +418,8 @@ class CpuPackedMatmul : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(s), kind_(kind), gs_(gs), scales_(has_scales), biases_(has_biases), idx_(has_idx), glu_(glu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> ins;
-    for (auto& a : inputs) ins.push_back(mx::array::unsafe_weak_copy(a));
-    enc.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), kind = kind_, gs = gs_,
-                  s = scales_, b = biases_, i = idx_, glu = glu_]() mutable {
+    dispatch(stream(), inputs, out, [kind = kind_, gs = gs_, s = scales_, b = biases_, i = idx_, glu = glu_](
+                                        std::vector<mx::array>& ins, mx::array& out) {
       int at = 2;
       const mx::array* sc = s ? &ins[at++] : nullptr;
       const mx::array* bi = b ? &ins[at++] : nullptr;
@@ -655,46 +646,33 @@ extern "C" {
 int mlx_models_cpu_packed_matmul(mlx_array* res, const mlx_array x, const mlx_array w, const mlx_array scales,
                                  const mlx_array biases, const mlx_array idx, int kind, int group_size,
                                  const mlx_stream s) {
-  try {
+  return mlxm::guarded(res, [&] {
     const mx::array* sc = scales.ctx ? &mlx_array_get_(scales) : nullptr;
     const mx::array* bi = biases.ctx ? &mlx_array_get_(biases) : nullptr;
     const mx::array* id = idx.ctx ? &mlx_array_get_(idx) : nullptr;
-    mlx_array_set_(*res, mlxm::build(mlx_array_get_(x), mlx_array_get_(w), sc, bi, id, kind, group_size, mlx_stream_get_(s)));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+    return mlxm::build(mlx_array_get_(x), mlx_array_get_(w), sc, bi, id, kind, group_size, mlx_stream_get_(s));
+  });
 }
 
 // res = W dequantized to f32 on the CPU stream `s` (kinds 1-3: affine 4/8-bit, mxfp4); `biases`
 // may be an empty array (null ctx). Returns 0, or 1 after reporting the error.
 int mlx_models_cpu_dequantize(mlx_array* res, const mlx_array w, const mlx_array scales, const mlx_array biases,
                               int kind, int group_size, const mlx_stream s) {
-  try {
+  return mlxm::guarded(res, [&] {
     const mx::array* bi = biases.ctx ? &mlx_array_get_(biases) : nullptr;
-    mlx_array_set_(*res, mlxm::build_dequantize(mlx_array_get_(w), mlx_array_get_(scales), bi, kind, group_size,
-                                                mlx_stream_get_(s)));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+    return mlxm::build_dequantize(mlx_array_get_(w), mlx_array_get_(scales), bi, kind, group_size, mlx_stream_get_(s));
+  });
 }
 
 // silu(x @ Wg^T) * (x @ Wu^T) for W = [Wg; Wu] (2N rows, N outputs), the same forms as
 // mlx_models_cpu_packed_matmul without `idx`.
 int mlx_models_cpu_packed_swiglu(mlx_array* res, const mlx_array x, const mlx_array w, const mlx_array scales,
                                  const mlx_array biases, int kind, int group_size, const mlx_stream s) {
-  try {
+  return mlxm::guarded(res, [&] {
     const mx::array* sc = scales.ctx ? &mlx_array_get_(scales) : nullptr;
     const mx::array* bi = biases.ctx ? &mlx_array_get_(biases) : nullptr;
-    mlx_array_set_(*res, mlxm::build(mlx_array_get_(x), mlx_array_get_(w), sc, bi, nullptr, kind, group_size, mlx_stream_get_(s), true));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+    return mlxm::build(mlx_array_get_(x), mlx_array_get_(w), sc, bi, nullptr, kind, group_size, mlx_stream_get_(s), true);
+  });
 }
 
 // The instruction set the kernels use in this process ("avx512vnni", "avx512", "avx2" or
