@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
-//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up]
+//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up] [--draft-ahead N]
 //! ```
 use mlx_models::{generate, Cache, GenerateConfig, Model, Result as MResult, SpeculativeStats, Speculator, Token};
 use mlx_speculative::{Draft, Drafter, Feedback, SpeculativeDecoder};
@@ -42,6 +42,10 @@ struct Cli {
     /// Only the per-run totals.
     #[arg(long)]
     quiet: bool,
+    /// Draft forwards run ahead while the target verifies (default: the library's,
+    /// `SpeculativeDecoder::default_draft_ahead`).
+    #[arg(long)]
+    draft_ahead: Option<usize>,
     /// Warm the decoder up first (`SpeculativeDecoder::warm_up`; its time is printed).
     #[arg(long)]
     warm_up: bool,
@@ -71,6 +75,9 @@ impl Drafter for TimedDrafter {
     }
     fn target_positions_run(&self) -> usize {
         self.inner.target_positions_run()
+    }
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> MResult<()> {
+        self.inner.draft_ahead(history, drafts, steps)
     }
     fn feedback(&mut self, f: &Feedback<'_>) -> MResult<()> {
         self.inner.feedback(f)
@@ -160,13 +167,16 @@ fn main() -> Res<()> {
     let clock: Clock = Arc::default();
     let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
+    if let Some(n) = cli.draft_ahead {
+        dec = dec.with_draft_ahead(n);
+    }
     let prompt = shared::prompt_ids(cli.m.prompt, target.info().vocab_size);
     if cli.warm_up {
         let t = Instant::now();
         dec.warm_up(&target)?;
         println!("warm-up: {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
     }
-    println!("device {:?}, depth {} ({}), {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, cli.new);
+    println!("device {:?}, depth {} ({}), draft ahead {}, {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, dec.draft_ahead(), cli.new);
     for run in 0..cli.runs {
         let mut cache = target.new_cache();
         let cfg = GenerateConfig { max_new_tokens: cli.new, sampling: SamplingConfig::greedy(), ..Default::default() };

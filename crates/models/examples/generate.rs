@@ -104,6 +104,10 @@ struct Cli {
     /// fall outside it: auto (on a GPU), on or off.
     #[arg(long, value_enum, default_value = "auto")]
     speculative_warm_up: WarmUp,
+    /// Draft-model forwards run ahead while the target verifies, at temperature 0
+    /// (`SpeculativeDecoder::with_draft_ahead`; default: 2 on a GPU, 0 on the CPU).
+    #[arg(long, requires = "draft_model")]
+    draft_ahead: Option<usize>,
     /// MTP drafts per cycle (default: adaptive, up to 5).
     #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
     mtp_depth: Option<u64>,
@@ -182,9 +186,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (Some(d), _) => {
             let drafter = mlx_speculative::load_drafter_for(d, &opts, &model)?;
             let k = cli.draft_tokens.map(|k| k as usize);
-            Some(match cli.draft_depth {
+            let s = match cli.draft_depth {
                 DraftDepth::Fixed => mlx_speculative::SpeculativeDecoder::new(drafter, k),
                 DraftDepth::Adaptive => mlx_speculative::SpeculativeDecoder::adaptive(drafter, k),
+            };
+            Some(match cli.draft_ahead {
+                Some(n) => s.with_draft_ahead(n),
+                None => s,
             })
         }
         (None, true) => {

@@ -1,7 +1,7 @@
 //! [`SpeculativeDecoder`]: a [`Drafter`] and the verifier, as an [`mlx_models::Speculator`].
 use crate::drafter::{reads_history, Drafter, Feedback, SeededKey};
 use crate::tracked::{forward_tapped, row, Tracked};
-use crate::verify::{verify_greedy, verify_sampled, Verdict};
+use crate::verify::{greedy_picks, greedy_verdict, verify_greedy, verify_sampled, Verdict};
 use mlx_models::{Cache, Logits, Model, ModelError, Result, SpeculativeStats, Speculator, Token};
 use sampling::Sampler;
 
@@ -77,6 +77,7 @@ pub enum Depth {
 pub struct SpeculativeDecoder {
     drafter: Box<dyn Drafter>,
     depth: Depth,
+    ahead: usize,
     policy: Option<crate::Adaptive>,
     target: Option<Tracked>,
     key: SeededKey,
@@ -95,6 +96,7 @@ impl SpeculativeDecoder {
         SpeculativeDecoder {
             drafter,
             depth,
+            ahead: Self::default_draft_ahead(),
             policy: None,
             target: None,
             key: SeededKey::new(2),
@@ -110,6 +112,7 @@ impl SpeculativeDecoder {
         SpeculativeDecoder {
             drafter,
             depth: Depth::Adaptive(max),
+            ahead: Self::default_draft_ahead(),
             policy: None,
             target: None,
             key: SeededKey::new(2),
@@ -119,6 +122,30 @@ impl SpeculativeDecoder {
 
     pub fn depth(&self) -> Depth {
         self.depth
+    }
+
+    /// Draft forwards run ahead while the target verifies ([`Drafter::draft_ahead`]; greedy
+    /// sampling without penalties): on a GPU the host builds them while the device runs the
+    /// verify forward, which otherwise leaves the host idle; the next cycle starts from them
+    /// when the target accepts every draft and the drafter guessed its token. 0: off.
+    pub fn with_draft_ahead(mut self, steps: usize) -> Self {
+        self.ahead = steps;
+        self
+    }
+
+    /// [`SpeculativeDecoder::with_draft_ahead`]'s default: 2 on a GPU (measured in
+    /// BENCHMARKS.md), 0 on the CPU, where the verify forward occupies the cores the drafts
+    /// would run on.
+    pub fn default_draft_ahead() -> usize {
+        if mlx_array::default_device().is_ok_and(|d| d == mlx_array::Device::Gpu) {
+            2
+        } else {
+            0
+        }
+    }
+
+    pub fn draft_ahead(&self) -> usize {
+        self.ahead
     }
 
     /// Run one greedy cycle at every depth this decoder may draft (its fixed depth; every depth
@@ -297,7 +324,12 @@ impl Speculator for SpeculativeDecoder {
         let rows: Vec<&[u32]> = hists.iter().map(Vec::as_slice).collect();
         let lp = verifier_rows(sampler, &logits, &rows)?;
         let verdict: Verdict = if cfg.is_greedy() {
-            verify_greedy(&lp, drafts)?
+            let (best, picked) = greedy_picks(&lp, drafts)?;
+            if self.ahead > 0 && !reads_history(&cfg) && drafts.len() == k {
+                mlx_array::async_eval(&[&best, &picked])?;
+                self.drafter.draft_ahead(history, drafts, self.ahead)?;
+            }
+            greedy_verdict(&best, &picked, drafts)?
         } else {
             let q = draft.logprobs.as_ref().ok_or_else(|| {
                 ModelError::InvalidInput(

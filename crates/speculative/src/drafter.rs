@@ -77,6 +77,16 @@ pub trait Drafter: Send {
     fn target_positions_run(&self) -> usize {
         0
     }
+    /// Called while the target's forward over the last proposals runs (queued, not yet read),
+    /// at temperature 0 without penalties: draft up to `steps` forwards past `history` and
+    /// `drafts` (the last [`Drafter::propose`]'s arguments and result) as if the target accepts
+    /// every draft and its own token is the drafter's next guess, so that the host works
+    /// while the device verifies. A later `propose` whose history the guesses continue
+    /// starts from them; one that departs from them rolls them back. Default: nothing
+    /// (drafters that read the verdict's hidden states cannot run ahead of it).
+    fn draft_ahead(&mut self, _history: &[u32], _drafts: &[u32], _steps: usize) -> Result<()> {
+        Ok(())
+    }
     /// The verdict on the last proposals.
     fn feedback(&mut self, _f: &Feedback<'_>) -> Result<()> {
         Ok(())
@@ -174,6 +184,14 @@ impl<'a> Drawer<'a> {
     }
 
     /// One draft from `logits` (`[1, V]`): the token, `[1]` u32.
+    /// Drafts already drawn before this proposal's forwards (greedy, no penalties: the
+    /// guesses of [`Drafter::draft_ahead`]).
+    pub(crate) fn known(&mut self, toks: &[u32]) -> Result<()> {
+        debug_assert!(self.greedy && !self.host);
+        self.toks.push(Array::from_slice(toks, &[toks.len()])?);
+        Ok(())
+    }
+
     pub(crate) fn draw(&mut self, logits: &Array, key: &mut SeededKey) -> Result<Array> {
         let rows: [&[u32]; 1] = [self.hist.as_slice()];
         let hist: &[&[u32]] = if self.host { &rows } else { &[] };
@@ -225,6 +243,17 @@ pub struct DraftModel {
     key: SeededKey,
     depth: usize,
     catch_up_pieces: Option<usize>,
+    ahead: Option<Ahead>,
+    reused: usize,
+}
+
+/// Greedy guesses drawn by [`Drafter::draft_ahead`], not yet read on the host.
+struct Ahead {
+    /// The tokens they follow: the history and drafts of the proposal they continue.
+    base: Vec<u32>,
+    /// `[n]` u32: each follows `base` and the guesses before it; all but the last are in the
+    /// cache (after `base`), which [`Tracked`] does not know yet.
+    guesses: Array,
 }
 
 impl DraftModel {
@@ -243,7 +272,28 @@ impl DraftModel {
             key: SeededKey::new(1),
             depth: Self::DEFAULT_DEPTH,
             catch_up_pieces: gpu.then_some(GPU_PRODUCT_ATTENTION_MAX_QUERIES),
+            ahead: None,
+            reused: 0,
         }
+    }
+
+    /// Drafts taken from [`Drafter::draft_ahead`]'s guesses instead of a forward, over this
+    /// drafter's life.
+    pub fn reused_drafts(&self) -> usize {
+        self.reused
+    }
+
+    /// Read the pending guesses: the cache then holds (and [`Tracked`] knows) all but the last;
+    /// returns the chain `base` + guesses, each guess the greedy draft after the tokens before
+    /// it.
+    fn resolve_ahead(&mut self) -> Result<Option<Vec<u32>>> {
+        let Some(Ahead { mut base, guesses }) = self.ahead.take() else {
+            return Ok(None);
+        };
+        let g = guesses.to_vec::<u32>()?;
+        self.tracked.fed(&g[..g.len() - 1]);
+        base.extend_from_slice(&g);
+        Ok(Some(base))
     }
 
     /// Run the tokens the draft's cache lacks (the history since it last drafted: a whole plain
@@ -279,24 +329,47 @@ impl Drafter for DraftModel {
         }
         let model = self.model.clone();
         let fresh = || model.new_cache();
-        // the tokens of `before` the cache lacks (the last cycle's final draft and the target's
-        // token, typically) run in the first draft forward, ahead of `last`
-        let held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
-        self.tracked.snapshot(&self.cache);
-        let mut first = before[held..].to_vec();
-        first.push(last);
-        if let Some(piece) = self.catch_up_pieces {
-            while first.len() > piece {
-                let head: Vec<u32> = first.drain(..piece).collect();
-                forward(&self.model, &mut self.cache, &row(&head)?, Logits::None, false)?;
-                self.tracked.fed(&head);
+        // guesses drawn ahead that continue `history` are the first drafts (the cache holds
+        // all but the last of them)
+        let chain = self.resolve_ahead()?;
+        let known: Vec<u32> = match chain {
+            Some(c) if cfg.is_greedy() && !reads_history(cfg) && c.len() > history.len() && c.starts_with(history) => {
+                c[history.len()..].iter().take(k).copied().collect()
             }
-        }
+            _ => Vec::new(),
+        };
         let mut drawer = Drawer::new(cfg, history, k)?;
+        let first = if let Some((&newest, held_known)) = known.split_last() {
+            let want: Vec<u32> = history.iter().chain(held_known).copied().collect();
+            // trims only: [`Drafter::draft_ahead`] runs ahead where the cache can trim back
+            self.tracked.sync(&model, &mut self.cache, &want, Some(&fresh))?;
+            self.tracked.snapshot(&self.cache);
+            self.reused += known.len();
+            drawer.known(&known)?;
+            if known.len() == k {
+                return drawer.finish(&[]);
+            }
+            vec![newest]
+        } else {
+            // the tokens of `before` the cache lacks (the last cycle's final draft and the
+            // target's token, typically) run in the first draft forward, ahead of `last`
+            let held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
+            self.tracked.snapshot(&self.cache);
+            let mut first = before[held..].to_vec();
+            first.push(last);
+            if let Some(piece) = self.catch_up_pieces {
+                while first.len() > piece {
+                    let head: Vec<u32> = first.drain(..piece).collect();
+                    forward(&self.model, &mut self.cache, &row(&head)?, Logits::None, false)?;
+                    self.tracked.fed(&head);
+                }
+            }
+            first
+        };
         let mut cur = row(&first)?;
-        for i in 0..k {
+        for i in known.len()..k {
             let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
-            if i == 0 {
+            if i == known.len() {
                 self.tracked.fed(&first);
             }
             let logits = out
@@ -310,10 +383,47 @@ impl Drafter for DraftModel {
             }
         }
         let draft = drawer.finish(&[])?;
+        // fed after `first`: the drafts after the known ones, all but the last
+        let from = known.len();
         self.tracked
             .tokens
-            .extend_from_slice(&draft.tokens[..k - 1]);
+            .extend_from_slice(&draft.tokens[from..k - 1]);
         Ok(draft)
+    }
+
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> Result<()> {
+        let Some((&newest, fed)) = drafts.split_last() else {
+            return Ok(());
+        };
+        // only straight after the proposal of `drafts` (its cache state)
+        let holds_proposal = self.ahead.is_none()
+            && self.tracked.tokens.len() == history.len() + fed.len()
+            && self.tracked.tokens.starts_with(history)
+            && self.tracked.tokens.ends_with(fed);
+        // a rejection of the first draft drops the drafts and the guesses
+        if steps == 0 || !holds_proposal || !self.cache.can_trim((drafts.len() + steps).min(self.cache.offset())) {
+            return Ok(());
+        }
+        let mut guesses = Vec::with_capacity(steps);
+        let mut cur = row(&[newest])?;
+        for i in 0..steps {
+            let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
+            if i == 0 {
+                self.tracked.fed(&[newest]);
+            }
+            let logits = out
+                .logits
+                .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
+                .reshape(&[1, -1])?;
+            let g = logits.argmax(-1, false)?.astype(DType::U32)?;
+            cur = g.reshape(&[1, 1])?;
+            self.cache.async_eval_with(&[&cur])?;
+            guesses.push(g);
+        }
+        let base: Vec<u32> = history.iter().chain(drafts).copied().collect();
+        let guesses = concatenate(&guesses.iter().collect::<Vec<_>>(), 0)?;
+        self.ahead = Some(Ahead { base, guesses });
+        Ok(())
     }
 
     fn vocab_size(&self) -> usize {

@@ -53,10 +53,29 @@ fn pick(x: &Array, ids: &[u32]) -> Result<Array> {
 /// Temperature 0: the longest prefix of `drafts` the target's argmax agrees with; log-probs are
 /// the log-softmax of `target`'s rows at the emitted tokens.
 pub fn verify_greedy(target: &Array, drafts: &[u32]) -> Result<Verdict> {
-    let k = drafts.len();
+    let (best, lp) = greedy_picks(target, drafts)?;
+    greedy_verdict(&best, &lp, drafts)
+}
+
+/// The first half of [`verify_greedy`], not evaluated: each row's argmax (`[k + 1]` u32) and
+/// the log-softmax there (`[k + 1]` f32).
+pub fn greedy_picks(target: &Array, drafts: &[u32]) -> Result<(Array, Array)> {
     check(target, drafts)?;
-    let (best, lp) = target.greedy_pick()?;
-    mlx_array::eval(&[&best, &lp])?;
+    Ok(target.greedy_pick()?)
+}
+
+/// The second half of [`verify_greedy`]: the verdict from [`greedy_picks`]' arrays (evaluated
+/// here).
+pub fn greedy_verdict(best: &Array, lp: &Array, drafts: &[u32]) -> Result<Verdict> {
+    let k = drafts.len();
+    if best.shape() != [k + 1] || lp.shape() != [k + 1] {
+        return Err(ModelError::InvalidInput(format!(
+            "greedy picks {:?} / {:?} for {k} drafts (want [k + 1])",
+            best.shape(),
+            lp.shape()
+        )));
+    }
+    mlx_array::eval(&[best, lp])?;
     let (best, lp) = (best.to_vec::<u32>()?, lp.to_vec::<f32>()?);
     let n = drafts.iter().zip(&best).take_while(|(d, b)| d == b).count();
     debug_assert!(n <= k);

@@ -259,3 +259,100 @@ fn warming_up_changes_no_output() {
     }
 }
 
+
+/// A [`DraftModel`] the test keeps a handle on, to read its counters after a generation.
+struct Shared(std::sync::Arc<std::sync::Mutex<DraftModel>>);
+
+impl mlx_speculative::Drafter for Shared {
+    fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
+        self.0.lock().unwrap().propose(history, k, s)
+    }
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> mlx_models::Result<()> {
+        self.0.lock().unwrap().draft_ahead(history, drafts, steps)
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.lock().unwrap().vocab_size()
+    }
+    fn default_depth(&self) -> usize {
+        self.0.lock().unwrap().default_depth()
+    }
+}
+
+/// Drafting ahead (the GPU default) changes no output: greedy tokens equal plain decoding's on
+/// flat and paged caches, at depths 1, 3 and 5 with 1 and 3 forwards ahead, for a self-draft
+/// (every guess holds, so guesses become drafts: at depth 1 with 3 ahead whole cycles run no
+/// draft forward) and a quantized draft (rejections roll the guesses back). A recurrent draft
+/// (Qwen3.5's GatedDeltaNet layers cannot trim) does not run ahead.
+#[test]
+fn drafting_ahead_changes_no_output() {
+    use mlx_speculative::Drafter;
+    use std::sync::{Arc, Mutex};
+    let mut rng = Rng(31);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let target = load("qwen3_untied", kv.clone());
+        let prompt = gapped_prompt(&target, &mut rng, 12, 30);
+        let want = plain_greedy(&target, &prompt, 30);
+        for draft in ["qwen3_untied", "qwen3_untied_q8g32"] {
+            for depth in [1, 3, 5] {
+                for ahead in [1, 3] {
+                    let d = Arc::new(Mutex::new(DraftModel::new(load(draft, kv.clone()))));
+                    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(depth)).with_draft_ahead(ahead);
+                    let label = format!("{kv:?} {draft} depth {depth}, {ahead} ahead");
+                    let st = check_identity(&target, &mut spec, &prompt, &want, &label);
+                    let reused = d.lock().unwrap().reused_drafts();
+                    if draft == "qwen3_untied" {
+                        assert!(st.acceptance_by_position.iter().all(|&a| a == 1.0), "{label}: a self-draft is always accepted");
+                        // none in the first cycle, nor in the last (a plain step for the last token)
+                        assert!(reused >= st.cycles.saturating_sub(2) * (ahead - 1).min(depth), "{label}: {reused} drafts reused in {} cycles", st.cycles);
+                    }
+                    if ahead == 1 {
+                        // one forward ahead draws only the guess of the target's token
+                        assert_eq!(reused, 0, "{label}");
+                    }
+                }
+            }
+        }
+    }
+    let target = load("qwen3_5", KvCacheMode::Flat);
+    let prompt = gapped_prompt(&target, &mut rng, 12, 24);
+    let want = plain_greedy(&target, &prompt, 24);
+    let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_5", KvCacheMode::Flat))));
+    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3)).with_draft_ahead(3);
+    check_identity(&target, &mut spec, &prompt, &want, "qwen3_5 self-draft, 3 ahead");
+    assert_eq!(d.lock().unwrap().reused_drafts(), 0, "a recurrent draft does not run ahead");
+}
+
+/// After `draft_ahead`, a proposal is what a drafter that never ran ahead proposes for the
+/// same history: when the target took every draft and the guess (the guesses after it are the
+/// first drafts, no forward needed for them), when it took every draft but gave another token,
+/// and when it rejected a draft (flat and paged draft caches).
+#[test]
+fn proposals_after_drafting_ahead_are_a_fresh_drafters() {
+    use mlx_speculative::Drafter;
+    let greedy = SamplingConfig::greedy();
+    let mut rng = Rng(32);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let model = load("qwen3", kv.clone());
+        let vocab = model.info().vocab_size;
+        let fresh = |h: &[u32], k: usize| DraftModel::new(model.clone()).propose(h, k, &greedy).unwrap().tokens;
+        let other = |t: u32| (t + 1) % vocab as u32;
+        let mut a = DraftModel::new(model.clone());
+        let mut history: Vec<u32> = (0..20).map(|_| rng.below(vocab) as u32).collect();
+        let mut drafts = a.propose(&history, 4, &greedy).unwrap().tokens;
+        for (case, ahead) in [("guess held", 3), ("another token", 2), ("draft rejected", 3)] {
+            a.draft_ahead(&history, &drafts, ahead).unwrap();
+            let before = a.reused_drafts();
+            let base: Vec<u32> = history.iter().chain(&drafts).copied().collect();
+            let guess = fresh(&base, 1)[0];
+            history = match case {
+                "guess held" => [base, vec![guess]].concat(),
+                "another token" => [base, vec![other(guess)]].concat(),
+                _ => [&history[..], &drafts[..2], &[other(drafts[2])]].concat(),
+            };
+            drafts = a.propose(&history, 4, &greedy).unwrap().tokens;
+            assert_eq!(drafts, fresh(&history, 4), "{kv:?}, {case}");
+            let reused = a.reused_drafts() - before;
+            assert_eq!(reused, if case == "guess held" { ahead - 1 } else { 0 }, "{kv:?}, {case}");
+        }
+    }
+}
