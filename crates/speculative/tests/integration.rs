@@ -285,7 +285,6 @@ impl mlx_speculative::Drafter for Shared {
 /// (Qwen3.5's GatedDeltaNet layers cannot trim) does not run ahead.
 #[test]
 fn drafting_ahead_changes_no_output() {
-    use mlx_speculative::Drafter;
     use std::sync::{Arc, Mutex};
     let mut rng = Rng(31);
     for kv in [KvCacheMode::Flat, paged(4)] {
