@@ -88,6 +88,9 @@ impl Drafter for TimedDrafter {
     fn target_taps(&self) -> &[usize] {
         self.inner.target_taps()
     }
+    fn weight_bytes(&self) -> Option<u64> {
+        self.inner.weight_bytes()
+    }
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }

@@ -789,9 +789,29 @@ pub(crate) fn open_checkpoint(dir: &Path) -> Result<Option<mlx_array::io::Checkp
     Ok(Some(mlx_array::io::Checkpoint::open_files(dir, &files)?))
 }
 
+/// The bytes of the tensors in `dir`'s weight files as stored (the files [`open_checkpoint`]
+/// reads: the sharded index's, else `model*.safetensors`); `None` when there are none. What a
+/// decode step reads scales with it, so comparing a draft's with its target's bounds what
+/// speculating can gain.
+pub fn checkpoint_bytes(dir: &Path) -> Result<Option<u64>> {
+    Ok(open_checkpoint(dir)?.map(|c| c.tensors().iter().map(|t| (t.shape.iter().product::<usize>() * t.dtype.size()) as u64).sum()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fixtures' stored bytes: shapes times element sizes of `model.safetensors` only
+    /// (`reference.safetensors` beside it is not a weight file).
+    #[test]
+    fn checkpoint_bytes_count_the_weight_files() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/qwen3");
+        let want: u64 = mlx_array::io::list_tensors(dir.join("model.safetensors")).unwrap().iter().map(|t| (t.shape.iter().product::<usize>() * t.dtype.size()) as u64).sum();
+        assert!(want > 0);
+        assert_eq!(checkpoint_bytes(&dir).unwrap(), Some(want));
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(checkpoint_bytes(empty.path()).unwrap(), None);
+    }
 
     /// Quantized layers' bf16 scales and biases stay bf16 when floats load as f32 on the CPU;
     /// every other float converts, and without a float dtype nothing does.

@@ -63,6 +63,12 @@ fn verifier_rows(sampler: &Sampler, logits: &mlx_array::Array, rows: &[&[u32]]) 
     .map_err(|e| ModelError::InvalidInput(e.to_string()))
 }
 
+/// Whether `drafter`'s stored weights are known to be at least `target`'s.
+fn heavier(drafter: &dyn Drafter, target: &Model) -> bool {
+    let t = mlx_models::weights::checkpoint_bytes(target.dir()).ok().flatten();
+    matches!((drafter.weight_bytes(), t), (Some(d), Some(t)) if d >= t)
+}
+
 /// How many tokens to draft per cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Depth {
@@ -79,6 +85,9 @@ pub struct SpeculativeDecoder {
     depth: Depth,
     ahead: usize,
     policy: Option<crate::Adaptive>,
+    /// Adaptive depth: whether the drafter's weights are at least the target's (known after
+    /// the first cycle of a generation).
+    outweighed: Option<bool>,
     target: Option<Tracked>,
     key: SeededKey,
     counters: Counters,
@@ -98,6 +107,7 @@ impl SpeculativeDecoder {
             depth,
             ahead: Self::default_draft_ahead(),
             policy: None,
+            outweighed: None,
             target: None,
             key: SeededKey::new(2),
             counters: Counters::default(),
@@ -105,7 +115,11 @@ impl SpeculativeDecoder {
     }
 
     /// Adaptive depth ([`crate::Adaptive`]) up to `max` drafts per cycle (`None`: the drafter's
-    /// default depth).
+    /// default depth). A drafter whose stored weights are at least the target's
+    /// ([`Drafter::weight_bytes`] against [`mlx_models::weights::checkpoint_bytes`]) is never
+    /// asked: a draft step then reads at least what a target step does, so no acceptance
+    /// makes speculating pay, and the exploring cycles alone would cost the draft's prefill of
+    /// the prompt. Such a generation decodes plainly (one plain stretch).
     pub fn adaptive(drafter: Box<dyn Drafter>, max: Option<usize>) -> Self {
         let max = max.unwrap_or_else(|| drafter.default_depth()).max(1);
         let max = drafter.max_depth().map_or(max, |m| max.min(m.max(1)));
@@ -114,6 +128,7 @@ impl SpeculativeDecoder {
             depth: Depth::Adaptive(max),
             ahead: Self::default_draft_ahead(),
             policy: None,
+            outweighed: None,
             target: None,
             key: SeededKey::new(2),
             counters: Counters::default(),
@@ -160,6 +175,8 @@ impl SpeculativeDecoder {
     pub fn warm_up(&mut self, target: &Model) -> Result<()> {
         let depths: Vec<usize> = match self.depth {
             Depth::Fixed(d) => vec![d],
+            // a drafter adaptive depth leaves out needs no warming
+            Depth::Adaptive(_) if heavier(self.drafter.as_ref(), target) => Vec::new(),
             Depth::Adaptive(max) => (1..=max).collect(),
         };
         let depth = self.depth;
@@ -179,6 +196,16 @@ impl SpeculativeDecoder {
         self.depth = depth;
         self.start();
         result
+    }
+
+    /// Whether adaptive depth leaves this generation's drafter out (see
+    /// [`SpeculativeDecoder::adaptive`]); decided at its first cycle.
+    fn outweighed(&mut self, model: &Model) -> bool {
+        if self.policy.is_none() {
+            return false;
+        }
+        let drafter = self.drafter.as_ref();
+        *self.outweighed.get_or_insert_with(|| heavier(drafter, model))
     }
 
     pub fn drafter(&self) -> &dyn Drafter {
@@ -232,6 +259,7 @@ impl SpeculativeDecoder {
 impl Speculator for SpeculativeDecoder {
     fn start(&mut self) {
         self.target = None;
+        self.outweighed = None;
         self.policy = match self.depth {
             Depth::Adaptive(max) => Some(crate::Adaptive::new(max)),
             Depth::Fixed(_) => None,
@@ -271,7 +299,9 @@ impl Speculator for SpeculativeDecoder {
             .get_or_insert_with(|| Tracked::new(before.to_vec()));
         tracked.sync(model, cache, before, None)?;
         let clock = std::time::Instant::now();
+        let outweighed = self.outweighed(model);
         let depth = match (&mut self.policy, self.depth) {
+            _ if outweighed => 0,
             (Some(p), _) => p.next_depth(),
             (None, Depth::Fixed(d)) => d,
             (None, Depth::Adaptive(d)) => d,
@@ -374,11 +404,15 @@ impl Speculator for SpeculativeDecoder {
         self.counters.stats()
     }
 
-    /// With adaptive depth settled on plain decoding, the cycles until its next probe; none for
-    /// drafters that follow the target's hidden states (they need every step's).
+    /// With adaptive depth settled on plain decoding, the cycles until its next probe (all the
+    /// rest for a drafter it leaves out); none for drafters that follow the target's hidden
+    /// states (they need every step's).
     fn plain_tokens(&mut self, _history: &[u32]) -> usize {
         if self.target.is_none() || self.drafter.wants_target_hidden() || !self.drafter.target_taps().is_empty() {
             return 0;
+        }
+        if self.outweighed == Some(true) {
+            return usize::MAX;
         }
         self.policy.as_ref().map_or(0, crate::Adaptive::plain_run)
     }

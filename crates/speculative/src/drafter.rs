@@ -99,6 +99,12 @@ pub trait Drafter: Send {
     fn target_taps(&self) -> &[usize] {
         &[]
     }
+    /// The bytes of the drafter's own stored weights, where it has a checkpoint of its own
+    /// (`None`: unknown, or weights shared with the target). With adaptive depth, a drafter at
+    /// least as heavy as its target is never asked ([`crate::SpeculativeDecoder::adaptive`]).
+    fn weight_bytes(&self) -> Option<u64> {
+        None
+    }
     /// The vocabulary size of the draft distribution.
     fn vocab_size(&self) -> usize;
     /// Proposals per cycle when the caller does not say.
@@ -245,6 +251,7 @@ pub struct DraftModel {
     catch_up_pieces: Option<usize>,
     ahead: Option<Ahead>,
     reused: usize,
+    proposals: usize,
 }
 
 /// Greedy guesses drawn by [`Drafter::draft_ahead`], not yet read on the host.
@@ -274,7 +281,13 @@ impl DraftModel {
             catch_up_pieces: gpu.then_some(GPU_PRODUCT_ATTENTION_MAX_QUERIES),
             ahead: None,
             reused: 0,
+            proposals: 0,
         }
+    }
+
+    /// Proposals asked of this drafter ([`Drafter::propose`] calls with `k > 0`), over its life.
+    pub fn proposals(&self) -> usize {
+        self.proposals
     }
 
     /// Drafts taken from [`Drafter::draft_ahead`]'s guesses instead of a forward, over this
@@ -321,6 +334,7 @@ impl Drafter for DraftModel {
         if k == 0 {
             return Ok(Draft::empty());
         }
+        self.proposals += 1;
         let vocab = self.model.info().vocab_size;
         if let Some(&t) = history.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::InvalidInput(format!(
@@ -424,6 +438,10 @@ impl Drafter for DraftModel {
         let guesses = concatenate(&guesses.iter().collect::<Vec<_>>(), 0)?;
         self.ahead = Some(Ahead { base, guesses });
         Ok(())
+    }
+
+    fn weight_bytes(&self) -> Option<u64> {
+        mlx_models::weights::checkpoint_bytes(self.model.dir()).ok().flatten()
     }
 
     fn vocab_size(&self) -> usize {

@@ -181,7 +181,8 @@ fn drafter_kinds_from_config() {
 }
 
 /// Adaptive depth: with a draft that never agrees the policy falls back to plain steps (depth
-/// 0) after exploring; the output stays the plain greedy output.
+/// 0) after exploring; the output stays the plain greedy output. (The 8-bit draft of another
+/// random model stores fewer bytes than the target: the weight gate lets it be tried.)
 #[test]
 fn adaptive_depth_turns_a_useless_draft_off() {
     let target = load("qwen3", KvCacheMode::Flat);
@@ -189,7 +190,7 @@ fn adaptive_depth_turns_a_useless_draft_off() {
     let prompt = gapped_prompt(&target, &mut rng, 10, 48);
     let want = plain_greedy(&target, &prompt, 48);
     let mut spec = SpeculativeDecoder::adaptive(
-        Box::new(DraftModel::new(load("qwen3_untied", KvCacheMode::Flat))),
+        Box::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))),
         Some(6),
     );
     let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
@@ -269,6 +270,9 @@ impl mlx_speculative::Drafter for Shared {
     }
     fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> mlx_models::Result<()> {
         self.0.lock().unwrap().draft_ahead(history, drafts, steps)
+    }
+    fn weight_bytes(&self) -> Option<u64> {
+        self.0.lock().unwrap().weight_bytes()
     }
     fn vocab_size(&self) -> usize {
         self.0.lock().unwrap().vocab_size()
@@ -354,4 +358,34 @@ fn proposals_after_drafting_ahead_are_a_fresh_drafters() {
             assert_eq!(reused, if case == "guess held" { ahead - 1 } else { 0 }, "{kv:?}, {case}");
         }
     }
+}
+
+/// Adaptive depth never asks a draft whose stored weights are at least the target's (bf16
+/// `qwen3_untied`, its untied head included, against bf16 `qwen3`): no draft forward runs, the
+/// generation is one plain stretch with plain decoding's tokens, and warming up runs nothing.
+/// A fixed depth still drafts with it.
+#[test]
+fn adaptive_depth_leaves_out_a_draft_as_heavy_as_the_target() {
+    use std::sync::{Arc, Mutex};
+    let target = load("qwen3", KvCacheMode::Flat);
+    let mut rng = Rng(9);
+    let prompt = gapped_prompt(&target, &mut rng, 10, 24);
+    let want = plain_greedy(&target, &prompt, 24);
+    let heavy = || Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied", KvCacheMode::Flat))));
+    use mlx_speculative::Drafter;
+    let d = heavy();
+    assert!(d.lock().unwrap().weight_bytes() > mlx_models::weights::checkpoint_bytes(&fixture("qwen3")).unwrap());
+    let mut spec = SpeculativeDecoder::adaptive(Box::new(Shared(d.clone())), Some(4));
+    spec.warm_up(&target).unwrap();
+    let (got, st, offset) = run_spec(&target, &mut spec, &prompt, gen_cfg(want.len(), SamplingConfig::greedy()));
+    assert_eq!(got, want);
+    assert_eq!(offset, prompt.len() + want.len());
+    // every token after the prefill's first is a plain cycle
+    assert_eq!((st.depth_mean, st.cycles), (0.0, want.len() - 1), "{st:?}");
+    assert_eq!(d.lock().unwrap().proposals(), 0, "the draft never ran");
+    let d = heavy();
+    let mut fixed = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(2));
+    let st = check_identity(&target, &mut fixed, &prompt, &want, "fixed depth, heavy draft");
+    assert!(st.depth_mean > 1.0);
+    assert!(d.lock().unwrap().proposals() > 0);
 }
