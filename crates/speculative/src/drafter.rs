@@ -189,7 +189,6 @@ impl<'a> Drawer<'a> {
         })
     }
 
-    /// One draft from `logits` (`[1, V]`): the token, `[1]` u32.
     /// Drafts already drawn before this proposal's forwards (greedy, no penalties: the
     /// guesses of [`Drafter::draft_ahead`]).
     pub(crate) fn known(&mut self, toks: &[u32]) -> Result<()> {
@@ -198,6 +197,7 @@ impl<'a> Drawer<'a> {
         Ok(())
     }
 
+    /// One draft from `logits` (`[1, V]`): the token, `[1]` u32.
     pub(crate) fn draw(&mut self, logits: &Array, key: &mut SeededKey) -> Result<Array> {
         let rows: [&[u32]; 1] = [self.hist.as_slice()];
         let hist: &[&[u32]] = if self.host { &rows } else { &[] };
