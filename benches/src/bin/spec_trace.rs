@@ -1,7 +1,8 @@
 //! Where a speculative generation's time goes, cycle by cycle: greedy decoding of `--new` tokens
 //! with a draft model at a fixed or adaptive depth, repeated `--runs` times in one process (the
 //! first run pays one-time costs of new shapes), printing each cycle's history length, drafts,
-//! accepted drafts, the drafter's time (its `propose`, evaluated) and the whole cycle's time,
+//! accepted drafts, the drafter's time (its `propose`, evaluated; drafting ahead runs later in
+//! the cycle, outside it) and the whole cycle's time,
 //! each plain stretch of adaptive depth, and per run the totals by kind:
 //!
 //! ```text

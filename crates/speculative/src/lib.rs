@@ -11,6 +11,11 @@
 //! [`BlockDrafter`] (DSpark and DFlash block drafts over the target's residual stream);
 //! [`load_drafter_for`] reads the kind from the draft's config.json.
 //!
+//! At temperature 0 a draft model also drafts ahead while the target verifies
+//! ([`SpeculativeDecoder::with_draft_ahead`], on a GPU by default): the host, otherwise idle
+//! during the verify forward, runs the next cycle's first draft forwards on the guess that
+//! every draft is accepted.
+//!
 //! Rollback works with every cache: flat and paged K/V are trimmed; rotating (sliding-window)
 //! K/V and recurrent state (GatedDeltaNet, LFM2's short conv) return to a snapshot taken before
 //! the verify step (arrays are immutable, so a snapshot is the previous arrays) and the accepted
