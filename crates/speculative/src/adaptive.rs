@@ -88,7 +88,7 @@ impl Adaptive {
     pub const EXPLORE: usize = 3;
     /// Drafts of the first cycle (at most the maximum depth).
     pub const FIRST_DEPTH: usize = 1;
-    /// The floor of the first draft's acceptance in [`Adaptive::probe_scale`]: probes from plain
+    /// The floor of the first draft's acceptance in the spacing of probes: probes from plain
     /// decoding are at most 1 / this times further apart.
     pub const MIN_PROBE_ACCEPT: f64 = 0.05;
     /// The weight, in cycles, of the 0.5 every acceptance estimate starts from: the first
