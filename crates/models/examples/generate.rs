@@ -76,7 +76,8 @@ struct Cli {
     #[arg(long)]
     json: bool,
     /// Quantized checkpoints: keep the packed weights, dequantize them at load, or auto (the
-    /// library's default: dequantize on the CPU, keep on the GPU).
+    /// library's default: keep them on the GPU, and on the CPU where its packed kernels take every
+    /// quantized layer; else dequantize).
     #[arg(long, value_enum, default_value = "auto")]
     quantized: Quantized,
     /// KV cache: the family's default (auto), flat, or the paged block pool.
