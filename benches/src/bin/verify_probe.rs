@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! verify_probe --model DIR [--dtype bf16] [--prompt 384] [--rows 1,2,4,8] [--iters 20]
-//!              [--modes off,products,attention,on] [--forward-only]
+//!              [--modes off,products,attention,on] [--forward-only | --op-costs | --growth [--prewarm]]
 //! ```
 //!
 //! - `forward`: with each [`CudaFewRowKernels`] setting, the median time of a forward of M rows at a fixed position (logits of every row
@@ -22,7 +22,9 @@
 //! - `--op-costs` (instead of the tables): the time per node of chains of one-row ops of the
 //!   model's width (add, reshape, rms_norm, a product through a 3-d input and through a 2-d one,
 //!   one query's attention), building the graph and evaluating it: where a one-row forward's
-//!   host time goes (each node's share of libmlx's per-node work).
+//!   host time goes (each node's share of libmlx's per-node work);
+//! - `--growth [--prewarm]` (alone): one-row decode steps across the flat caches' K/V growth at
+//!   256 and 512 positions in a fresh process, to tell a growth's one-time cost from the rest.
 use mlx_array::ops::{concatenate, set_cuda_few_row_kernels, AttentionMask, CudaFewRowKernels};
 use mlx_array::random::{normal, Key};
 use mlx_array::Array;
@@ -54,6 +56,14 @@ struct Cli {
     /// Time per node of chains of one-row ops instead of the product and attention tables.
     #[arg(long, conflicts_with = "forward_only")]
     op_costs: bool,
+    /// Only one-row decode steps from --prompt positions to 520 in a fresh cache, twice: the
+    /// steps where the flat K/V grows (256, 512 positions) against the rest.
+    #[arg(long, conflicts_with_all = ["forward_only", "op_costs"])]
+    growth: bool,
+    /// With --growth: first make, evaluate and drop arrays of every grown K/V size, so that
+    /// libmlx's buffer cache holds them before the first growth.
+    #[arg(long, requires = "growth")]
+    prewarm: bool,
 }
 
 const MODES: [CudaFewRowKernels; 2] = [CudaFewRowKernels::Off, CudaFewRowKernels::On];
@@ -77,7 +87,7 @@ fn usize_field(cfg: &serde_json::Value, k: &str) -> Res<usize> {
 }
 
 fn main() -> Res<()> {
-    let Cli { m, rows, iters, modes, forward_only, op_costs: costs } = <Cli as clap::Parser>::parse();
+    let Cli { m, rows, iters, modes, forward_only, op_costs: costs, growth, prewarm } = <Cli as clap::Parser>::parse();
     if rows.iter().any(|&r| r == 0) || m.prompt == 0 {
         return Err("--rows and --prompt must be positive".into());
     }
@@ -86,6 +96,11 @@ fn main() -> Res<()> {
     let shared::ModelArgs { dtype, prompt, .. } = m;
     let info = model.info().clone();
     println!("device {:?}, {} layers, {} keys, dtype {dtype}", mlx_array::default_device()?, info.num_layers, prompt);
+    if growth {
+        let hq = usize_field(&cfg, "num_attention_heads")?;
+        let kv = [usize_field(&cfg, "num_key_value_heads").unwrap_or(hq), usize_field(&cfg, "head_dim").unwrap_or(usize_field(&cfg, "hidden_size")? / hq)];
+        return growth_steps(&model, prompt, kv, dt, prewarm);
+    }
 
     // forward of M rows at a fixed position
     let vocab = info.vocab_size;
@@ -223,6 +238,49 @@ fn main() -> Res<()> {
 
 /// Per node: the median time to build and to evaluate chains of `N` one-row ops `[1, 1, h]` (each
 /// op reads the previous one's output), after two untimed chains.
+/// Positions the growth probe decodes to (past the flat caches' growth at 256 and 512).
+const GROWTH_END: usize = 520;
+
+/// `--growth`: one-row decode steps from `start` positions to [`GROWTH_END`] in a fresh flat
+/// cache, each built, evaluated and timed, in two caches one after the other (the second after
+/// the first is dropped); per cache the median step and every step over twice it. With
+/// `prewarm`, first arrays of each layer's grown K/V sizes (`[1, kv_heads, cap, head_dim]` for
+/// capacities 256, 512 and 768, and the 256-position blocks of zeros a growth concatenates) are
+/// made, evaluated and dropped: a spike that then goes away was the allocation's.
+fn growth_steps(model: &mlx_models::Model, start: usize, [hk, d]: [usize; 2], dt: mlx_array::DType, prewarm: bool) -> Res<()> {
+    if start >= GROWTH_END {
+        return Err(format!("--prompt must be below {GROWTH_END} with --growth").into());
+    }
+    let layers = model.info().num_layers;
+    if prewarm {
+        let t = Instant::now();
+        for cap in [256, 512, 768] {
+            let blocks: Vec<Array> = (0..2 * layers).map(|_| Array::zeros(&[1, hk, cap, d], dt)).collect::<Result<_, _>>()?;
+            mlx_array::eval(&blocks.iter().collect::<Vec<_>>())?;
+        }
+        println!("prewarm: {} arrays in {:.1} ms", 6 * layers, t.elapsed().as_secs_f64() * 1e3);
+    }
+    let ids = shared::prompt_ids(GROWTH_END, model.info().vocab_size);
+    for run in 0..2 {
+        let mut cache = model.new_cache();
+        let pre = model.with_runtime(|rt| rt.forward(&Array::from_slice(&ids[..start], &[1, start])?, &mut cache, Logits::Last, false))?;
+        cache.eval_with(&pre.logits.iter().collect::<Vec<_>>())?;
+        let mut steps = Vec::with_capacity(GROWTH_END - start);
+        for pos in start..GROWTH_END {
+            let t = Instant::now();
+            let out = model.with_runtime(|rt| rt.forward(&Array::from_slice(&ids[pos..pos + 1], &[1, 1])?, &mut cache, Logits::Last, false))?;
+            cache.eval_with(&out.logits.iter().collect::<Vec<_>>())?;
+            steps.push((pos, t.elapsed().as_secs_f64() * 1e3));
+        }
+        let mut sorted: Vec<f64> = steps.iter().map(|s| s.1).collect();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        let slow: Vec<String> = steps.iter().filter(|s| s.1 > 2.0 * median).map(|(p, ms)| format!("at {p}: {ms:.1} ms")).collect();
+        println!("cache {}: {} steps from {start}, median {median:.2} ms; over twice it: {}", run + 1, steps.len(), if slow.is_empty() { "none".to_string() } else { slow.join(", ") });
+    }
+    Ok(())
+}
+
 fn op_costs(h: usize, dt: mlx_array::DType, iters: usize) -> Res<()> {
     const N: usize = 256;
     let key = Key::new(11)?;
