@@ -3,10 +3,17 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [USELESS=K] [FEWROW=MODE] bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
+#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [USELESS=K] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
 # pair's useless draft (gpu_pair.py), which should settle on plain decoding.
+#
+# AHEAD=0,2 runs each fixed-depth line once per `--draft-ahead` value (default: the library's).
+# TRACE=1 adds `spec_trace` at the largest K (two generations in one process after the warm-up,
+# per AHEAD value): the second generation has no first-use costs. GROWTH=1 adds `verify_probe
+# --growth` on the target in fresh processes, without and with `--prewarm` (one-row steps across
+# the flat K/V growth at 256 and 512 positions).
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
 # `--cuda-few-row-kernels MODE` (verify steps' products and/or attention by the kernels of
@@ -44,13 +51,27 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
 {
   echo "plain $(run)"
   for k in "${KS[@]}"; do
-    echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
+    for a in $(echo "${AHEAD:-}" | tr , " "); do echo "draft$k-ahead$a $(run --draft-model "$P/draft" --draft-tokens "$k" --draft-ahead "$a")"; done
+    [ -n "${AHEAD:-}" ] || echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
     [ -z "${FEWROW:-}" ] || echo "draft$k+$FEWROW $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels "$FEWROW")"
   done
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   [ -z "${USELESS:-}" ] || echo "useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"
   echo "plain2 $(run)"
 } 2>&1 | tee "$OUT/ours.log"
+if [ -n "${TRACE:-}" ]; then
+  xz -dkf "$G/spec_trace.xz" 2>/dev/null; chmod +x "$G/spec_trace"
+  for a in $(echo "${AHEAD:-default}" | tr , " "); do
+    [ "$a" = default ] && set -- || set -- --draft-ahead "$a"
+    echo "spec_trace K=${KS[-1]} ahead=$a: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet "$@" | grep '^run' | tr '\n' ' ')"
+  done 2>&1 | tee "$OUT/trace.log"
+fi
+if [ -n "${GROWTH:-}" ]; then
+  xz -dkf "$G/verify_probe.xz" 2>/dev/null; chmod +x "$G/verify_probe"
+  for pre in "" --prewarm ""  --prewarm; do
+    echo "growth ${pre:-(no prewarm)}: $("$G/verify_probe" --model "$P/target" --prompt 240 --growth $pre | grep -v '^device' | tr '\n' ' ')"
+  done 2>&1 | tee "$OUT/growth.log"
+fi
 PYTHONPATH=$R python3 - "$P" "$IDS" "$NEW" "${KS[@]}" <<'EOF' 2>&1 | tee "$OUT/mlx_lm.log"
 import json, sys, time
 import mlx.core as mx
