@@ -17,8 +17,9 @@ fn speculative(
     prompt: &[u32],
     n: usize,
     depth: usize,
+    ahead: usize,
 ) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
-    let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth));
+    let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth)).with_draft_ahead(ahead);
     run_spec(
         target,
         &mut spec,
@@ -73,9 +74,11 @@ fn greedy_identity_over_caches_drafts_and_depths() {
         let want = plain_greedy(&target, &prompt, NEW);
         for d in drafts {
             let depth = rng.range(1, 6);
+            // draft forwards run ahead while the target verifies (the GPU default is 2)
+            let ahead = rng.range(0, 3);
             let (got, stats, offset) =
-                speculative(&target, load(d, KvCacheMode::Flat), &prompt, NEW, depth);
-            assert_eq!(got, want, "target {t} {kv:?}, draft {d}, depth {depth}");
+                speculative(&target, load(d, KvCacheMode::Flat), &prompt, NEW, depth, ahead);
+            assert_eq!(got, want, "target {t} {kv:?}, draft {d}, depth {depth}, {ahead} ahead");
             assert_eq!(
                 offset,
                 prompt.len() + NEW,
@@ -93,7 +96,7 @@ fn greedy_identity_over_caches_drafts_and_depths() {
                 .iter()
                 .filter(|&&a| a < 1.0)
                 .count();
-            eprintln!("{t} {kv:?} <- {d} depth {depth}: {stats:?}");
+            eprintln!("{t} {kv:?} <- {d} depth {depth}, {ahead} ahead: {stats:?}");
         }
     }
     assert!(
@@ -103,7 +106,8 @@ fn greedy_identity_over_caches_drafts_and_depths() {
 }
 
 /// A prompt longer than a paged block and depths that make every cycle's rollback end at a
-/// different offset within the blocks; drafts from a disagreeing model.
+/// different offset within the blocks; drafts from a disagreeing model, on a paged cache of its
+/// own, one of them drafting ahead (its guesses roll back across blocks too).
 #[test]
 fn paged_rollbacks_across_block_boundaries() {
     let mut rng = Rng(7);
@@ -111,16 +115,17 @@ fn paged_rollbacks_across_block_boundaries() {
         let target = load("qwen3_untied", paged(bs));
         let prompt = gapped_prompt(&target, &mut rng, 13, 40);
         let want = plain_greedy(&target, &prompt, 40);
-        for depth in [2, 3, 5] {
+        for (depth, ahead) in [(2, 0), (3, 0), (5, 0), (3, 2)] {
             let (got, stats, _) = speculative(
                 &target,
-                load("qwen3_untied_q8g32", KvCacheMode::Flat),
+                load("qwen3_untied_q8g32", paged(bs)),
                 &prompt,
                 40,
                 depth,
+                ahead,
             );
-            assert_eq!(got, want, "block size {bs}, depth {depth}");
-            eprintln!("paged {bs} depth {depth}: {stats:?}");
+            assert_eq!(got, want, "block size {bs}, depth {depth}, {ahead} ahead");
+            eprintln!("paged {bs} depth {depth}, {ahead} ahead: {stats:?}");
         }
     }
 }
