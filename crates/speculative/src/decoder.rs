@@ -148,7 +148,7 @@ impl SpeculativeDecoder {
         self
     }
 
-    /// [`SpeculativeDecoder::with_draft_ahead`]'s default: 2 on a GPU (measured in
+    /// [`SpeculativeDecoder::with_draft_ahead`]'s default: 2 on a GPU (measured on CUDA in
     /// BENCHMARKS.md), 0 on the CPU, where the verify forward occupies the cores the drafts
     /// would run on.
     pub fn default_draft_ahead() -> usize {
