@@ -63,12 +63,6 @@ fn verifier_rows(sampler: &Sampler, logits: &mlx_array::Array, rows: &[&[u32]]) 
     .map_err(|e| ModelError::InvalidInput(e.to_string()))
 }
 
-/// Whether `drafter`'s stored weights are known to be at least `target`'s.
-fn heavier(drafter: &dyn Drafter, target: &Model) -> bool {
-    let t = mlx_models::weights::checkpoint_bytes(target.dir()).ok().flatten();
-    matches!((drafter.weight_bytes(), t), (Some(d), Some(t)) if d >= t)
-}
-
 /// How many tokens to draft per cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Depth {
@@ -85,9 +79,9 @@ pub struct SpeculativeDecoder {
     depth: Depth,
     ahead: usize,
     policy: Option<crate::Adaptive>,
-    /// Adaptive depth: whether the drafter's weights are at least the target's (known after
-    /// the first cycle of a generation).
-    outweighed: Option<bool>,
+    /// Whether the drafter's stored weights are at least those of the target in this
+    /// directory (read once per target: the weight files' headers).
+    outweighed: Option<(std::path::PathBuf, bool)>,
     target: Option<Tracked>,
     key: SeededKey,
     counters: Counters,
@@ -173,10 +167,11 @@ impl SpeculativeDecoder {
     /// the drafter keeps no state that a later generation does not replace. Sampling at
     /// temperature > 0 runs other verifier ops, which are not warmed.
     pub fn warm_up(&mut self, target: &Model) -> Result<()> {
+        // a drafter adaptive depth leaves out needs no warming
+        let left_out = self.leaves_out(target);
         let depths: Vec<usize> = match self.depth {
             Depth::Fixed(d) => vec![d],
-            // a drafter adaptive depth leaves out needs no warming
-            Depth::Adaptive(_) if heavier(self.drafter.as_ref(), target) => Vec::new(),
+            Depth::Adaptive(_) if left_out => Vec::new(),
             Depth::Adaptive(max) => (1..=max).collect(),
         };
         let depth = self.depth;
@@ -198,14 +193,21 @@ impl SpeculativeDecoder {
         result
     }
 
-    /// Whether adaptive depth leaves this generation's drafter out (see
-    /// [`SpeculativeDecoder::adaptive`]); decided at its first cycle.
-    fn outweighed(&mut self, model: &Model) -> bool {
-        if self.policy.is_none() {
+    /// Whether adaptive depth leaves the drafter out for `target` (see
+    /// [`SpeculativeDecoder::adaptive`]).
+    fn leaves_out(&mut self, target: &Model) -> bool {
+        if !matches!(self.depth, Depth::Adaptive(_)) {
             return false;
         }
-        let drafter = self.drafter.as_ref();
-        *self.outweighed.get_or_insert_with(|| heavier(drafter, model))
+        match &self.outweighed {
+            Some((dir, heavy)) if dir == target.dir() => *heavy,
+            _ => {
+                let t = mlx_models::weights::checkpoint_bytes(target.dir()).ok().flatten();
+                let heavy = matches!((self.drafter.weight_bytes(), t), (Some(d), Some(t)) if d >= t);
+                self.outweighed = Some((target.dir().to_path_buf(), heavy));
+                heavy
+            }
+        }
     }
 
     pub fn drafter(&self) -> &dyn Drafter {
@@ -259,7 +261,6 @@ impl SpeculativeDecoder {
 impl Speculator for SpeculativeDecoder {
     fn start(&mut self) {
         self.target = None;
-        self.outweighed = None;
         self.policy = match self.depth {
             Depth::Adaptive(max) => Some(crate::Adaptive::new(max)),
             Depth::Fixed(_) => None,
@@ -299,9 +300,9 @@ impl Speculator for SpeculativeDecoder {
             .get_or_insert_with(|| Tracked::new(before.to_vec()));
         tracked.sync(model, cache, before, None)?;
         let clock = std::time::Instant::now();
-        let outweighed = self.outweighed(model);
+        let left_out = self.leaves_out(model);
         let depth = match (&mut self.policy, self.depth) {
-            _ if outweighed => 0,
+            _ if left_out => 0,
             (Some(p), _) => p.next_depth(),
             (None, Depth::Fixed(d)) => d,
             (None, Depth::Adaptive(d)) => d,
@@ -411,7 +412,7 @@ impl Speculator for SpeculativeDecoder {
         if self.target.is_none() || self.drafter.wants_target_hidden() || !self.drafter.target_taps().is_empty() {
             return 0;
         }
-        if self.outweighed == Some(true) {
+        if matches!(self.depth, Depth::Adaptive(_)) && matches!(self.outweighed, Some((_, true))) {
             return usize::MAX;
         }
         self.policy.as_ref().map_or(0, crate::Adaptive::plain_run)

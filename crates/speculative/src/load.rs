@@ -97,8 +97,9 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
             let draft = DraftModel::new(load_model(dir, &opts)?.into_lm()?);
             // On the CPU a packed (quantized) draft catches up in pieces of at most
             // CPU_PACKED_MAX_ROWS tokens: its packed kernels take them, where a longer
-            // forward dequantizes every weight (0.33 s for SmolLM2-135M 4-bit, against ~0.06 s for
-            // 34 tokens in pieces)
+            // forward dequantizes every weight (SmolLM2-135M 4-bit: ~4 ms a token in pieces of 8,
+            // against ~150 ms + 2.8 ms a token through the dequantized weights: pieces win below
+            // ~128 tokens)
             let packed = raw.get("quantization").is_some()
                 && opts.quantized != QuantizedWeights::Dequantize;
             Ok(Box::new(if packed && mlx_array::default_device()? == mlx_array::Device::Cpu {

@@ -26,10 +26,9 @@ const KIND_AFFINE8: i32 = 2;
 const KIND_MXFP4: i32 = 3;
 const KIND_F32: i32 = 4;
 
-fn none() -> mlx_sys::mlx_array {
-    mlx_sys::mlx_array {
-        ctx: std::ptr::null_mut(),
-    }
+/// `a`'s handle, or the empty array (null `ctx`) that stands for an absent input.
+fn opt(a: Option<&Array>) -> mlx_sys::mlx_array {
+    a.map(|a| a.inner.as_ptr()).unwrap_or(mlx_sys::mlx_array { ctx: std::ptr::null_mut() })
 }
 
 /// The kernel code for a quantization mode, if the CPU kernels take it: affine 4 and 8-bit
@@ -92,16 +91,15 @@ fn call(
     kind: i32,
     gs: i32,
 ) -> Result<Array> {
-    let p = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(none);
     let s = stream();
     ffi(op, |res| unsafe {
         mlx_sys::mlx_models_cpu_packed_matmul(
             res,
             x.inner.as_ptr(),
             w.inner.as_ptr(),
-            p(scales),
-            p(biases),
-            p(idx),
+            opt(scales),
+            opt(biases),
+            opt(idx),
             kind,
             gs,
             s.as_ptr(),
@@ -147,10 +145,9 @@ impl Quantized {
     /// ops. The thread's stream must be a CPU stream.
     pub fn cpu_swiglu(&self, x: &Array) -> Result<Array> {
         let kind = self.cpu_kind("cpu_packed_swiglu")?;
-        let p = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(none);
         let (s, gs) = (stream(), self.mode.group_size() as i32);
         ffi("cpu_packed_swiglu", |res| unsafe {
-            mlx_sys::mlx_models_cpu_packed_swiglu(res, x.inner.as_ptr(), self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), p(self.biases.as_ref()), kind, gs, s.as_ptr())
+            mlx_sys::mlx_models_cpu_packed_swiglu(res, x.inner.as_ptr(), self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), opt(self.biases.as_ref()), kind, gs, s.as_ptr())
         })
     }
 
@@ -161,10 +158,9 @@ impl Quantized {
     /// be a CPU stream.
     pub fn cpu_dequantize(&self) -> Result<Array> {
         let kind = self.cpu_kind("cpu_dequantize")?;
-        let p = |a: Option<&Array>| a.map(|a| a.inner.as_ptr()).unwrap_or_else(none);
         let (s, gs) = (stream(), self.mode.group_size() as i32);
         ffi("cpu_dequantize", |res| unsafe {
-            mlx_sys::mlx_models_cpu_dequantize(res, self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), p(self.biases.as_ref()), kind, gs, s.as_ptr())
+            mlx_sys::mlx_models_cpu_dequantize(res, self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), opt(self.biases.as_ref()), kind, gs, s.as_ptr())
         })
     }
 

@@ -70,14 +70,6 @@ inline float f16_to_f32(uint16_t h) {
 #endif
 }
 
-// 2^(e - 127); e = 0 is 2^-127 (a subnormal), e = 255 is +inf.
-inline float e8m0_to_f32(uint8_t e) {
-  uint32_t u = e == 0 ? 0x00400000u : uint32_t(e) << 23;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 inline float to_f32(float v) { return v; }
 struct bf16_t { uint16_t bits; };
 struct f16_t { uint16_t bits; };
@@ -85,8 +77,6 @@ inline float to_f32(bf16_t v) { return bf16_to_f32(v.bits); }
 inline float to_f32(f16_t v) { return f16_to_f32(v.bits); }
 inline float to_f32(uint8_t v) { return e8m0_to_f32(v); }
 
-alignas(64) constexpr float FP4_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 alignas(64) constexpr float IOTA16[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 #if defined(__AVX512F__)

@@ -1,13 +1,30 @@
-// kernels.h: matrix-vector / small-M products over bf16 and MLX-quantized weights (CPU).
+// kernels.h: matrix-vector / small-M products over f32, bf16 and MLX-quantized weights (CPU).
 //
 // kernels.cpp is compiled once per instruction set (AVX-512 with VNNI, AVX-512, AVX2+FMA, portable
 // C++), each copy in its own namespace (KERN_NS); primitive.cpp picks one at run time from cpuid.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 
 namespace mlxm {
+
+// Shared by kernels.cpp's copies and primitive.cpp, which are compiled for different instruction
+// sets: internal linkage, so that each translation unit keeps its own compiled copy (an inline
+// definition would let the linker pick one for all).
+
+// The E2M1 (mxfp4) values of the 16 codes.
+alignas(64) constexpr float FP4_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// An E8M0 scale: 2^(e - 127); e = 0 is 2^-127 (a subnormal), e = 255 is +inf.
+static inline float e8m0_to_f32(uint8_t e) {
+  uint32_t u = e == 0 ? 0x00400000u : uint32_t(e) << 23;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // Weight formats.
 enum Kind : int {

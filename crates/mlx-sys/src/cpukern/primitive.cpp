@@ -331,18 +331,9 @@ float scale_at(const char* p, int stype, size_t i) {
     case S_F32: return reinterpret_cast<const float*>(p)[i];
     case S_BF16: return float(reinterpret_cast<const mx::bfloat16_t*>(p)[i]);
     case S_F16: return float(reinterpret_cast<const mx::float16_t*>(p)[i]);
-    default: {
-      const uint32_t e = reinterpret_cast<const uint8_t*>(p)[i];
-      const uint32_t bits = e == 0 ? 0x00400000u : e << 23;  // 2^(e - 127); e = 0 is subnormal
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      return f;
-    }
+    default: return e8m0_to_f32(reinterpret_cast<const uint8_t*>(p)[i]);
   }
 }
-
-constexpr float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 // One group of `gs` elements: `words` u32 words of BITS-bit codes, element t of a word at bits
 // [t*BITS, (t+1)*BITS) (constant shifts, so the compiler vectorizes the loop over words).
@@ -356,7 +347,7 @@ void dequantize_group(const uint32_t* w, int words, float s, float b, float* o) 
 
 void dequantize_group_fp4(const uint32_t* w, int words, float s, float* o) {
   for (int i = 0; i < words; i++)
-    for (int t = 0; t < 8; t++) o[i * 8 + t] = E2M1[(w[i] >> (t * 4)) & 15u] * s;
+    for (int t = 0; t < 8; t++) o[i * 8 + t] = FP4_VALUES[(w[i] >> (t * 4)) & 15u] * s;
 }
 
 void dequantize_rows(int kind, int gs, const mx::array& w, const mx::array& scales, const mx::array* biases,
@@ -490,8 +481,8 @@ std::vector<mx::array> CpuPackedMatmul::vjp(const std::vector<mx::array>& primal
   return grads;
 }
 
-void check(bool ok, const std::string& msg) {
-  if (!ok) throw std::invalid_argument("[cpu_packed_matmul] " + msg);
+void check(bool ok, const std::string& msg, const char* op = "cpu_packed_matmul") {
+  if (!ok) throw std::invalid_argument("[" + std::string(op) + "] " + msg);
 }
 
 std::string shape_str(const mx::array& a) {
@@ -600,9 +591,7 @@ mx::array build(const mx::array& x0, const mx::array& w0, const mx::array* scale
 // Validate and build the graph node: W `[.., N, K*bits/32]` packed as f32 `[.., N, K]`.
 mx::array build_dequantize(const mx::array& w0, const mx::array& scales0, const mx::array* biases0, int kind, int gs,
                            mx::Stream s) {
-  auto fail = [](bool ok, const std::string& msg) {
-    if (!ok) throw std::invalid_argument("[cpu_dequantize] " + msg);
-  };
+  auto fail = [](bool ok, const std::string& msg) { check(ok, msg, "cpu_dequantize"); };
   fail(s.device == mx::Device::cpu, "runs on a CPU stream only");
   fail(kind == KIND_AFFINE4 || kind == KIND_AFFINE8 || kind == KIND_MXFP4, "unknown packed weight kind");
   fail(w0.ndim() >= 1 && w0.dtype() == mx::uint32, "packed weights must be uint32 with at least one axis, got " + shape_str(w0));

@@ -113,7 +113,7 @@ impl ExpertProj {
         Ok(match self {
             ExpertProj::Packed(q) => {
                 let e = Quantized { weight: one(&q.weight)?, scales: one(&q.scales)?, biases: q.biases.as_ref().map(one).transpose()?, mode: q.mode };
-                super::super::layers::dequantize_f32(&e)?.swap_axes(0, 1)?
+                crate::layers::dequantize_f32(&e)?.swap_axes(0, 1)?
             }
             ExpertProj::Dense(w) => one(w)?,
         })
