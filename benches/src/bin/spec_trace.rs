@@ -172,6 +172,9 @@ fn main() -> Res<()> {
     let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
     if let Some(n) = cli.draft_ahead {
+        if n > 0 && mlx_speculative::draft_kind(std::path::Path::new(&cli.draft))? != mlx_speculative::DraftKind::Model {
+            return Err("--draft-ahead runs a plain draft model ahead; this draft reads the target's states".into());
+        }
         dec = dec.with_draft_ahead(n);
     }
     let prompt = shared::prompt_ids(cli.m.prompt, target.info().vocab_size);

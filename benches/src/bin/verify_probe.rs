@@ -58,7 +58,7 @@ struct Cli {
     op_costs: bool,
     /// Only one-row decode steps from --prompt positions to 520 in a fresh cache, twice: the
     /// steps where the flat K/V grows (256, 512 positions) against the rest.
-    #[arg(long, conflicts_with_all = ["forward_only", "op_costs"])]
+    #[arg(long, conflicts_with_all = ["forward_only", "op_costs", "rows", "modes", "iters"])]
     growth: bool,
     /// With --growth: first make, evaluate and drop arrays of every grown K/V size, so that
     /// libmlx's buffer cache holds them before the first growth.

@@ -46,6 +46,7 @@ enum WarmUp {
 
 #[derive(Parser)]
 #[command(about = "Generate from a checkpoint")]
+#[command(group(clap::ArgGroup::new("speculation").args(["draft_model", "mtp"])))]
 struct Cli {
     #[arg(long)]
     model: PathBuf,
@@ -103,10 +104,11 @@ struct Cli {
     /// Run a speculative cycle at every depth the decoder may draft on a throwaway cache
     /// before the generation (its time goes to stderr), so that one-time costs of new shapes
     /// fall outside it: auto (on a GPU), on or off.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_enum, default_value = "auto", requires = "speculation")]
     speculative_warm_up: WarmUp,
     /// Draft-model forwards run ahead while the target verifies, at temperature 0
-    /// (`SpeculativeDecoder::with_draft_ahead`; default: 2 on a GPU, 0 on the CPU).
+    /// (`SpeculativeDecoder::with_draft_ahead`; default: 2 on a GPU, 0 on the CPU). More than 0
+    /// is refused for other draft kinds and at temperature > 0, where nothing runs ahead.
     #[arg(long, requires = "draft_model")]
     draft_ahead: Option<usize>,
     /// MTP drafts per cycle (default: adaptive, up to 5).
@@ -185,6 +187,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut spec = match (&cli.draft_model, cli.mtp) {
         (Some(d), _) => {
+            if cli.draft_ahead.is_some_and(|n| n > 0) {
+                if mlx_speculative::draft_kind(d)? != mlx_speculative::DraftKind::Model {
+                    return Err("--draft-ahead runs a plain draft model ahead; this draft reads the target's states".into());
+                }
+                if cli.temperature > 0.0 {
+                    return Err("--draft-ahead runs ahead at --temperature 0 only".into());
+                }
+            }
             let drafter = mlx_speculative::load_drafter_for(d, &opts, &model)?;
             let k = cli.draft_tokens.map(|k| k as usize);
             let s = match cli.draft_depth {
