@@ -124,8 +124,7 @@ fn block_drafting_equals_plain_greedy() {
     for (kind, t) in KINDS {
         for kv in [KvCacheMode::Flat, paged(4)] {
             let target = load(t, kv.clone());
-            let prompt = gapped_prompt(&target, &mut rng, 14, 24);
-            let want = plain_greedy(&target, &prompt, 24);
+            let (prompt, want) = gapped_greedy(&target, &mut rng, 14, 24);
             // the verify steps' taps serve every cycle: only the prompt is tapped once more
             let depths = [None, Some(1), Some(rng.range(2, 6))];
             let label = format!("{kind} {kv:?}");

@@ -93,8 +93,7 @@ fn assistant_drafting_equals_plain_greedy() {
     let mut rng = Rng(43);
     for kv in [KvCacheMode::Flat, paged(4)] {
         let target = load("gemma4_text", kv.clone());
-        let prompt = gapped_prompt(&target, &mut rng, 12, 20);
-        let want = plain_greedy(&target, &prompt, 20);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 20);
         let label = format!("gemma4_assistant {kv:?}");
         identity_at_depths(
             &target,
@@ -107,8 +106,7 @@ fn assistant_drafting_equals_plain_greedy() {
         // within the sliding window a flat cache's K/V and the verify steps' hidden states
         // serve every cycle: the target runs only the prompt once more (the first cycle's
         // hidden state); a paged cache is mirrored in the drafter's own
-        let prompt = gapped_prompt(&target, &mut rng, 5, 8);
-        let want = plain_greedy(&target, &prompt, 8);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 5, 8);
         let mut spec = SpeculativeDecoder::new(
             Box::new(AssistantDrafter::new(target.clone(), assistant()).unwrap()),
             Some(2),

@@ -70,8 +70,7 @@ fn greedy_identity_over_caches_drafts_and_depths() {
     for (t, kv, drafts) in cases {
         let target = load(t, kv.clone());
         let len = rng.range(18, 40);
-        let prompt = gapped_prompt(&target, &mut rng, len, NEW);
-        let want = plain_greedy(&target, &prompt, NEW);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, len, NEW);
         for d in drafts {
             let depth = rng.range(1, 6);
             // draft forwards run ahead while the target verifies (the GPU default is 2)
@@ -113,8 +112,7 @@ fn paged_rollbacks_across_block_boundaries() {
     let mut rng = Rng(7);
     for bs in [2, 4] {
         let target = load("qwen3_untied", paged(bs));
-        let prompt = gapped_prompt(&target, &mut rng, 13, 40);
-        let want = plain_greedy(&target, &prompt, 40);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 13, 40);
         for (depth, ahead) in [(2, 0), (3, 0), (5, 0), (3, 2)] {
             let (got, stats, _) = speculative(
                 &target,

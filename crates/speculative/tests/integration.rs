@@ -187,8 +187,7 @@ fn drafter_kinds_from_config() {
 fn adaptive_depth_turns_a_useless_draft_off() {
     let target = load("qwen3", KvCacheMode::Flat);
     let mut rng = Rng(8);
-    let prompt = gapped_prompt(&target, &mut rng, 10, 48);
-    let want = plain_greedy(&target, &prompt, 48);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 48);
     let mut spec = SpeculativeDecoder::adaptive(
         Box::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))),
         Some(6),
@@ -240,8 +239,7 @@ fn warming_up_changes_no_output() {
     let mut rng = Rng(12);
     for kv in [KvCacheMode::Flat, paged(4)] {
         let target = load("qwen3_untied", kv.clone());
-        let prompt = gapped_prompt(&target, &mut rng, 12, 30);
-        let want = plain_greedy(&target, &prompt, 30);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 30);
         let cold = {
             let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))), Some(4));
             check_identity(&target, &mut spec, &prompt, &want, &format!("{kv:?} cold"))
@@ -293,8 +291,7 @@ fn drafting_ahead_changes_no_output() {
     let mut rng = Rng(31);
     for kv in [KvCacheMode::Flat, paged(4)] {
         let target = load("qwen3_untied", kv.clone());
-        let prompt = gapped_prompt(&target, &mut rng, 12, 30);
-        let want = plain_greedy(&target, &prompt, 30);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 30);
         for draft in ["qwen3_untied", "qwen3_untied_q8g32"] {
             for depth in [1, 3, 5] {
                 for ahead in [1, 3] {
@@ -317,8 +314,7 @@ fn drafting_ahead_changes_no_output() {
         }
     }
     let target = load("qwen3_5", KvCacheMode::Flat);
-    let prompt = gapped_prompt(&target, &mut rng, 12, 24);
-    let want = plain_greedy(&target, &prompt, 24);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 24);
     let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_5", KvCacheMode::Flat))));
     let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3)).with_draft_ahead(3);
     check_identity(&target, &mut spec, &prompt, &want, "qwen3_5 self-draft, 3 ahead");
@@ -369,8 +365,7 @@ fn adaptive_depth_leaves_out_a_draft_as_heavy_as_the_target() {
     use std::sync::{Arc, Mutex};
     let target = load("qwen3", KvCacheMode::Flat);
     let mut rng = Rng(9);
-    let prompt = gapped_prompt(&target, &mut rng, 10, 24);
-    let want = plain_greedy(&target, &prompt, 24);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 24);
     let heavy = || Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied", KvCacheMode::Flat))));
     use mlx_speculative::Drafter;
     let d = heavy();

@@ -129,8 +129,7 @@ fn mtp_drafting_equals_plain_greedy() {
     {
         let dir = with_mtp(name, &format!("drafting{i}"));
         let target = load_dir(&dir, kv.clone());
-        let prompt = gapped_prompt(&target, &mut rng, 16, 24);
-        let want = plain_greedy(&target, &prompt, 24);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 16, 24);
         // the verify steps' hidden states serve every cycle: only the prompt is run once more
         let label = format!("{name} {kv:?} MTP");
         let run = identity_at_depths(
@@ -157,8 +156,7 @@ fn mtp_after_warm_up_matches_plain_decoding() {
     let dir = with_mtp("qwen3_5", "warm-up");
     let target = load_dir(&dir, KvCacheMode::Flat);
     let mut rng = Rng(21);
-    let prompt = gapped_prompt(&target, &mut rng, 16, 24);
-    let want = plain_greedy(&target, &prompt, 24);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 16, 24);
     for mut spec in [
         SpeculativeDecoder::new(Box::new(MtpDrafter::new(target.clone()).unwrap()), Some(3)),
         SpeculativeDecoder::adaptive(Box::new(MtpDrafter::new(target.clone()).unwrap()), Some(3)),

@@ -269,6 +269,14 @@ pub fn gapped_prompt(m: &Model, rng: &mut Rng, len: usize, n: usize) -> Vec<u32>
     panic!("no prompt of {len} tokens keeps the top-1/top-2 gap above 1e-4 for {n} steps");
 }
 
+/// [`gapped_prompt`] for `n` steps and plain greedy decoding's `n` tokens after it: the
+/// identity tests' prompt and expected output, over the same length.
+pub fn gapped_greedy(m: &Model, rng: &mut Rng, len: usize, n: usize) -> (Vec<u32>, Vec<u32>) {
+    let prompt = gapped_prompt(m, rng, len, n);
+    let want = plain_greedy(m, &prompt, n);
+    (prompt, want)
+}
+
 /// Upper 0.001 quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty).
 pub fn critical(df: usize) -> f64 {
     let d = df as f64;
