@@ -296,6 +296,16 @@ impl DraftModel {
         self.reused
     }
 
+    /// One forward of `toks` (`[1, L]`) into the draft's cache: the last position's logits,
+    /// `[1, V]`.
+    fn last_logits(&mut self, toks: &Array) -> Result<Array> {
+        let out = forward(&self.model, &mut self.cache, toks, Logits::Last, false)?;
+        Ok(out
+            .logits
+            .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
+            .reshape(&[1, -1])?)
+    }
+
     /// Read the pending guesses: the cache then holds (and [`Tracked`] knows) all but the last;
     /// returns the chain `base` + guesses, each guess the greedy draft after the tokens before
     /// it.
@@ -382,14 +392,10 @@ impl Drafter for DraftModel {
         };
         let mut cur = row(&first)?;
         for i in known.len()..k {
-            let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
+            let logits = self.last_logits(&cur)?;
             if i == known.len() {
                 self.tracked.fed(&first);
             }
-            let logits = out
-                .logits
-                .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
-                .reshape(&[1, -1])?;
             cur = drawer.draw(&logits, &mut self.key)?.reshape(&[1, 1])?;
             // the last draw is not fed: its K/V would be rolled back whatever the verdict
             if i + 1 < k {
@@ -421,14 +427,10 @@ impl Drafter for DraftModel {
         let mut guesses = Vec::with_capacity(steps);
         let mut cur = row(&[newest])?;
         for i in 0..steps {
-            let out = forward(&self.model, &mut self.cache, &cur, Logits::Last, false)?;
+            let logits = self.last_logits(&cur)?;
             if i == 0 {
                 self.tracked.fed(&[newest]);
             }
-            let logits = out
-                .logits
-                .ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?
-                .reshape(&[1, -1])?;
             let g = logits.argmax(-1, false)?.astype(DType::U32)?;
             cur = g.reshape(&[1, 1])?;
             self.cache.async_eval_with(&[&cur])?;
