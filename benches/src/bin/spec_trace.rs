@@ -8,7 +8,15 @@
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
 //!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up] [--draft-ahead N]
+//!            [--plain] [--chat TEXT]
 //! ```
+//!
+//! `--chat TEXT` prompts with TEXT as a user message in the target's chat template (natural
+//! text) instead of `--prompt` ids.
+//!
+//! `--plain` runs a plain greedy generation of the same prompt before each speculative one, in
+//! the same process, and prints the ratio of their decode rates and whether the tokens agree:
+//! the steady-state comparison (from the second run on, neither pays first-use costs).
 use mlx_models::{generate, Cache, GenerateConfig, Model, Result as MResult, SpeculativeStats, Speculator, Token};
 use mlx_speculative::{Draft, Drafter, Feedback, SpeculativeDecoder};
 use sampling::{Sampler, SamplingConfig};
@@ -50,6 +58,13 @@ struct Cli {
     /// Warm the decoder up first (`SpeculativeDecoder::warm_up`; its time is printed).
     #[arg(long)]
     warm_up: bool,
+    /// Before each speculative run, a plain greedy run of the same prompt (ratio and token
+    /// agreement printed).
+    #[arg(long)]
+    plain: bool,
+    /// Prompt with this user message in the target's chat template instead of --prompt ids.
+    #[arg(long)]
+    chat: Option<String>,
 }
 
 /// The drafter's time of its last proposal, shared with the tracer.
@@ -79,6 +94,9 @@ impl Drafter for TimedDrafter {
     }
     fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> MResult<()> {
         self.inner.draft_ahead(history, drafts, steps)
+    }
+    fn skipped(&mut self, history: &[u32], window: usize) {
+        self.inner.skipped(history, window)
     }
     fn feedback(&mut self, f: &Feedback<'_>) -> MResult<()> {
         self.inner.feedback(f)
@@ -177,7 +195,13 @@ fn main() -> Res<()> {
         }
         dec = dec.with_draft_ahead(n);
     }
-    let prompt = shared::prompt_ids(cli.m.prompt, target.info().vocab_size);
+    let prompt = match &cli.chat {
+        Some(text) => {
+            let format = mlx_models::chat::ChatFormat::from_dir(std::path::Path::new(&cli.m.model))?;
+            format.render(&[mlx_models::chat::ChatMessage::user(text.as_str())], &Default::default())?.ids
+        }
+        None => shared::prompt_ids(cli.m.prompt, target.info().vocab_size),
+    };
     if cli.warm_up {
         let t = Instant::now();
         dec.warm_up(&target)?;
@@ -185,14 +209,25 @@ fn main() -> Res<()> {
     }
     println!("device {:?}, depth {} ({}), draft ahead {}, {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, dec.draft_ahead(), cli.new);
     for run in 0..cli.runs {
-        let mut cache = target.new_cache();
         let cfg = GenerateConfig { max_new_tokens: cli.new, sampling: SamplingConfig::greedy(), ..Default::default() };
+        let plain = if cli.plain {
+            let mut cache = target.new_cache();
+            let mut gen = generate(&target, &mut cache, &prompt, cfg.clone())?;
+            let toks = gen.by_ref().map(|t| t.map(|t| t.id)).collect::<MResult<Vec<u32>>>()?;
+            let rate = gen.performance().decode_tokens_per_sec;
+            println!("plain run {run}: {} tokens, decode {rate:.1} tok/s", toks.len());
+            Some((toks, rate))
+        } else {
+            None
+        };
+        let mut cache = target.new_cache();
+        let mut ids = Vec::new();
         let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), quiet: cli.quiet, totals: Totals::default() };
         let t = Instant::now();
         let mut gen = generate(&target, &mut cache, &prompt, cfg)?.with_speculator(&mut tracer);
         let mut n = 0;
         for tok in gen.by_ref() {
-            tok?;
+            ids.push(tok?.id);
             n += 1;
         }
         let perf = gen.performance();
@@ -206,6 +241,10 @@ fn main() -> Res<()> {
             plain_cycles.0, plain_cycles.1 * 1e3, plain_cycles.2,
             stretches.0, stretches.1 * 1e3, stretches.2,
         );
+        if let Some((toks, rate)) = plain {
+            let same = toks.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+            println!("run {run} against plain: {:.2}x, tokens {}", perf.decode_tokens_per_sec / rate, if same == toks.len() && toks.len() == ids.len() { "identical".to_string() } else { format!("agree for {same} of {}", toks.len()) });
+        }
     }
     Ok(())
 }

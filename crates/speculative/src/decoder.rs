@@ -78,6 +78,7 @@ pub struct SpeculativeDecoder {
     drafter: Box<dyn Drafter>,
     depth: Depth,
     ahead: usize,
+    catch_up_window: Option<usize>,
     policy: Option<crate::Adaptive>,
     /// Whether the drafter's stored weights are at least those of the target in this
     /// directory (read once per target: the weight files' headers).
@@ -100,6 +101,7 @@ impl SpeculativeDecoder {
             drafter,
             depth,
             ahead: Self::default_draft_ahead(),
+            catch_up_window: Some(Self::CATCH_UP_WINDOW),
             policy: None,
             outweighed: None,
             target: None,
@@ -121,6 +123,7 @@ impl SpeculativeDecoder {
             drafter,
             depth: Depth::Adaptive(max),
             ahead: Self::default_draft_ahead(),
+            catch_up_window: Some(Self::CATCH_UP_WINDOW),
             policy: None,
             outweighed: None,
             target: None,
@@ -139,6 +142,21 @@ impl SpeculativeDecoder {
     /// when the target accepts every draft and the drafter guessed its token. 0: off.
     pub fn with_draft_ahead(mut self, steps: usize) -> Self {
         self.ahead = steps;
+        self
+    }
+
+    /// [`SpeculativeDecoder::with_catch_up_window`]'s default: tokens of context a draft model
+    /// keeps across a plain stretch of adaptive depth.
+    pub const CATCH_UP_WINDOW: usize = 64;
+
+    /// After a plain stretch of adaptive depth, a drafter lacking more than `window` tokens
+    /// starts over from the last `window` of the history instead of catching up over the whole
+    /// stretch ([`Drafter::skipped`]): a probe's catching up is then bounded, where it would
+    /// otherwise grow with the stretch (on the CPU a draft model's catching up costs a fifth of
+    /// a target step per token and more, so a draft that keeps losing taxed every plain token by
+    /// that). `None`: always catch up. Output is unchanged either way.
+    pub fn with_catch_up_window(mut self, window: Option<usize>) -> Self {
+        self.catch_up_window = window.filter(|&w| w > 0);
         self
     }
 
@@ -426,6 +444,9 @@ impl Speculator for SpeculativeDecoder {
         }
         for _ in 0..n {
             self.counters.record(0, 0);
+        }
+        if let Some(w) = self.catch_up_window {
+            self.drafter.skipped(history, w);
         }
         if let Some(p) = &mut self.policy {
             p.observe_plain(n, secs);

@@ -87,6 +87,14 @@ pub trait Drafter: Send {
     fn draft_ahead(&mut self, _history: &[u32], _drafts: &[u32], _steps: usize) -> Result<()> {
         Ok(())
     }
+    /// A plain stretch of adaptive depth ran: `history` grew past what the drafter has seen.
+    /// A drafter that catches up over skipped tokens through its own forwards (a draft model)
+    /// lacking more than `window` of them starts over from the last `window` tokens of
+    /// `history` at its next proposal instead, so that a probe after a long stretch catches up
+    /// over at most `window` tokens (drafts from a shorter context; the verifier keeps the
+    /// output exact whatever the drafts). Default: nothing (drafters that read the target's
+    /// states do not catch up).
+    fn skipped(&mut self, _history: &[u32], _window: usize) {}
     /// The verdict on the last proposals.
     fn feedback(&mut self, _f: &Feedback<'_>) -> Result<()> {
         Ok(())
@@ -252,6 +260,12 @@ pub struct DraftModel {
     ahead: Option<Ahead>,
     reused: usize,
     proposals: usize,
+    /// The history position the draft's context starts at (`tracked` holds the tokens from
+    /// there): 0 unless [`Drafter::skipped`] cut the context to a window.
+    start: usize,
+    /// The start of a window to begin the next proposal from ([`Drafter::skipped`]).
+    restart: Option<usize>,
+    restarts: usize,
 }
 
 /// Greedy guesses drawn by [`Drafter::draft_ahead`], not yet read on the host.
@@ -282,6 +296,9 @@ impl DraftModel {
             ahead: None,
             reused: 0,
             proposals: 0,
+            start: 0,
+            restart: None,
+            restarts: 0,
         }
     }
 
@@ -294,6 +311,12 @@ impl DraftModel {
     /// drafter's life.
     pub fn reused_drafts(&self) -> usize {
         self.reused
+    }
+
+    /// Times the draft started over from a window of the history instead of catching up
+    /// ([`Drafter::skipped`]), over this drafter's life.
+    pub fn restarts(&self) -> usize {
+        self.restarts
     }
 
     /// One forward of `toks` (`[1, L]`) into the draft's cache: the last position's logits,
@@ -364,7 +387,7 @@ impl Drafter for DraftModel {
         };
         let mut drawer = Drawer::new(cfg, history, k)?;
         let first = if let Some((&newest, held_known)) = known.split_last() {
-            let want: Vec<u32> = history.iter().chain(held_known).copied().collect();
+            let want: Vec<u32> = context(self.start, history).iter().chain(held_known).copied().collect();
             // trims only: [`Drafter::draft_ahead`] runs ahead where the cache can trim back
             self.tracked.sync(&model, &mut self.cache, &want, Some(&fresh))?;
             self.tracked.snapshot(&self.cache);
@@ -377,9 +400,22 @@ impl Drafter for DraftModel {
         } else {
             // the tokens of `before` the cache lacks (the last cycle's final draft and the
             // target's token, typically) run in the first draft forward, ahead of `last`
-            let held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
+            let mut held = self.tracked.rollback(&mut self.cache, context(self.start, before), Some(&fresh))?;
+            // a context sharing nothing with `before` from its start (a new generation, or a
+            // history shorter than the window's start): the whole history
+            if held == 0 && self.start > 0 {
+                self.start = 0;
+                held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
+            }
+            // a window after a plain stretch: start over from it
+            if let Some(from) = self.restart.take().filter(|&f| f > self.start + held && f < before.len()) {
+                self.cache = fresh();
+                self.tracked.reset(Vec::new());
+                (self.start, held) = (from, 0);
+                self.restarts += 1;
+            }
             self.tracked.snapshot(&self.cache);
-            let mut first = before[held..].to_vec();
+            let mut first = context(self.start, before)[held..].to_vec();
             first.push(last);
             if let Some(piece) = self.catch_up_pieces {
                 while first.len() > piece {
@@ -416,6 +452,8 @@ impl Drafter for DraftModel {
             return Ok(());
         };
         // only straight after the proposal of `drafts` (its cache state)
+        let full = history;
+        let history = context(self.start, full);
         let holds_proposal = self.ahead.is_none()
             && self.tracked.tokens.len() == history.len() + fed.len()
             && self.tracked.tokens.starts_with(history)
@@ -436,10 +474,19 @@ impl Drafter for DraftModel {
             self.cache.async_eval_with(&[&cur])?;
             guesses.push(g);
         }
-        let base: Vec<u32> = history.iter().chain(drafts).copied().collect();
+        let base: Vec<u32> = full.iter().chain(drafts).copied().collect();
         let guesses = concatenate(&guesses.iter().collect::<Vec<_>>(), 0)?;
         self.ahead = Some(Ahead { base, guesses });
         Ok(())
+    }
+
+    fn skipped(&mut self, history: &[u32], window: usize) {
+        // the context the cache may hold: `tracked` over the history from `start` (drafts past
+        // it are rolled back at the next proposal)
+        let ctx = context(self.start, history);
+        let held = self.tracked.tokens.iter().zip(ctx).take_while(|(a, b)| a == b).count();
+        let lacking = history.len().saturating_sub(self.start.min(history.len()) + held);
+        self.restart = (held > 0 && lacking > window).then(|| history.len() - window);
     }
 
     fn weight_bytes(&self) -> Option<u64> {
@@ -453,6 +500,12 @@ impl Drafter for DraftModel {
     fn default_depth(&self) -> usize {
         self.depth
     }
+}
+
+/// The part of `history` a draft context starting at `start` covers (all of it when `history`
+/// is shorter).
+fn context(start: usize, history: &[u32]) -> &[u32] {
+    &history[start.min(history.len())..]
 }
 
 /// A fresh subkey of `key` (which advances).

@@ -200,6 +200,67 @@ fn adaptive_depth_turns_a_useless_draft_off() {
     assert!(st.depth_mean < 1.0, "mean depth {} (max 6)", st.depth_mean);
 }
 
+/// With a catch-up window, a draft model that skipped more than the window in a plain stretch
+/// starts over from the window: adaptive depth with a useless draft (probes after stretches of
+/// 16 cycles and more) keeps plain decoding's tokens, and the draft restarts.
+#[test]
+fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
+    use std::sync::{Arc, Mutex};
+    let target = load("qwen3", KvCacheMode::Flat);
+    let mut rng = Rng(8);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 48);
+    let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
+    let mut spec = SpeculativeDecoder::adaptive(Box::new(Shared(d.clone())), Some(6)).with_catch_up_window(Some(4));
+    let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
+    assert_eq!(got, want);
+    assert!(st.depth_mean < 1.0, "{st:?}");
+    assert!(d.lock().unwrap().restarts() > 0, "{st:?}");
+    // a second generation with the same decoder starts from the whole prompt again
+    let (got, _, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
+    assert_eq!(got, want);
+}
+
+/// [`Drafter::skipped`]: a draft model lacking at most the window catches up; lacking more, its
+/// next proposal is a fresh drafter's on the window alone (the history's last `window` tokens),
+/// and later ones continue that context; a new history (a new generation) starts over from
+/// its beginning. Flat and paged draft caches.
+#[test]
+fn a_draft_model_skipping_a_stretch_restarts_from_the_window() {
+    use mlx_speculative::Drafter;
+    let greedy = SamplingConfig::greedy();
+    let mut rng = Rng(34);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let model = load("qwen3", kv.clone());
+        let vocab = model.info().vocab_size;
+        let mut toks = |n: usize| (0..n).map(|_| rng.below(vocab) as u32).collect::<Vec<u32>>();
+        let fresh = |h: &[u32]| DraftModel::new(model.clone()).propose(h, 3, &greedy).unwrap().tokens;
+        let mut a = DraftModel::new(model.clone());
+        let mut history = toks(20);
+        a.propose(&history, 3, &greedy).unwrap();
+        // a stretch of 6 within a window of 8: caught up
+        history.extend(toks(6));
+        a.skipped(&history, 8);
+        assert_eq!(a.propose(&history, 3, &greedy).unwrap().tokens, fresh(&history), "{kv:?}");
+        assert_eq!(a.restarts(), 0, "{kv:?}");
+        // a stretch of 12: the last 8 tokens only
+        history.extend(toks(12));
+        a.skipped(&history, 8);
+        let from = history.len() - 8;
+        let drafts = a.propose(&history, 3, &greedy).unwrap().tokens;
+        assert_eq!(drafts, fresh(&history[from..]), "{kv:?}");
+        assert_ne!(drafts, fresh(&history), "{kv:?}: the window must draft differently here");
+        assert_eq!(a.restarts(), 1, "{kv:?}");
+        // two drafts accepted and the target's own token: the window's context goes on
+        history.extend_from_slice(&drafts[..2]);
+        history.extend(toks(1));
+        assert_eq!(a.propose(&history, 3, &greedy).unwrap().tokens, fresh(&history[from..]), "{kv:?}");
+        // a new generation, longer than the window's start: its whole history
+        let other = toks(60);
+        assert_eq!(a.propose(&other, 3, &greedy).unwrap().tokens, fresh(&other), "{kv:?}");
+        assert_eq!(a.restarts(), 1, "{kv:?}");
+    }
+}
+
 /// A draft model's catching up in pieces (as on a GPU) drafts what catching up in one forward
 /// does: the same draft distributions (within f32 rounding of attention split over pieces) and
 /// tokens, for the opening catch-up over a whole prompt and for one over a long gap of tokens
@@ -268,6 +329,9 @@ impl mlx_speculative::Drafter for Shared {
     }
     fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> mlx_models::Result<()> {
         self.0.lock().unwrap().draft_ahead(history, drafts, steps)
+    }
+    fn skipped(&mut self, history: &[u32], window: usize) {
+        self.0.lock().unwrap().skipped(history, window)
     }
     fn weight_bytes(&self) -> Option<u64> {
         self.0.lock().unwrap().weight_bytes()
