@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! verify_probe --model DIR [--dtype bf16] [--prompt 384] [--rows 1,2,4,8] [--iters 20]
-//!              [--modes off,products,attention,on] [--forward-only | --op-costs | --growth [--prewarm]]
+//!              [--modes off,products,attention,on] [--forward-only | --op-costs | --growth [--prewarm] [--reserve N]]
 //! ```
 //!
 //! - `forward`: with each [`CudaFewRowKernels`] setting, the median time of a forward of M rows at a fixed position (logits of every row
@@ -23,7 +23,7 @@
 //!   model's width (add, reshape, rms_norm, a product through a 3-d input and through a 2-d one,
 //!   one query's attention), building the graph and evaluating it: where a one-row forward's
 //!   host time goes (each node's share of libmlx's per-node work);
-//! - `--growth [--prewarm]` (alone): one-row decode steps across the flat caches' K/V growth at
+//! - `--growth [--prewarm] [--reserve N]` (alone): one-row decode steps across the flat caches' K/V growth at
 //!   256 and 512 positions in a fresh process, to tell a growth's one-time cost from the rest.
 use mlx_array::ops::{concatenate, set_cuda_few_row_kernels, AttentionMask, CudaFewRowKernels};
 use mlx_array::random::{normal, Key};
@@ -64,6 +64,10 @@ struct Cli {
     /// libmlx's buffer cache holds them before the first growth.
     #[arg(long, requires = "growth")]
     prewarm: bool,
+    /// With --growth: size the caches for this many positions before the prefill
+    /// (`Cache::reserve`, as `generate` does for a generation's length), so they never grow.
+    #[arg(long, requires = "growth")]
+    reserve: Option<usize>,
 }
 
 const MODES: [CudaFewRowKernels; 2] = [CudaFewRowKernels::Off, CudaFewRowKernels::On];
@@ -87,7 +91,7 @@ fn usize_field(cfg: &serde_json::Value, k: &str) -> Res<usize> {
 }
 
 fn main() -> Res<()> {
-    let Cli { m, rows, iters, modes, forward_only, op_costs: costs, growth, prewarm } = <Cli as clap::Parser>::parse();
+    let Cli { m, rows, iters, modes, forward_only, op_costs: costs, growth, prewarm, reserve } = <Cli as clap::Parser>::parse();
     if rows.iter().any(|&r| r == 0) || m.prompt == 0 {
         return Err("--rows and --prompt must be positive".into());
     }
@@ -99,7 +103,7 @@ fn main() -> Res<()> {
     if growth {
         let hq = usize_field(&cfg, "num_attention_heads")?;
         let kv = [usize_field(&cfg, "num_key_value_heads").unwrap_or(hq), usize_field(&cfg, "head_dim").unwrap_or(usize_field(&cfg, "hidden_size")? / hq)];
-        return growth_steps(&model, prompt, kv, dt, prewarm);
+        return growth_steps(&model, prompt, kv, dt, prewarm, reserve);
     }
 
     // forward of M rows at a fixed position
@@ -246,8 +250,9 @@ const GROWTH_END: usize = 520;
 /// the first is dropped); per cache the median step and every step over twice it. With
 /// `prewarm`, first arrays of each layer's grown K/V sizes (`[1, kv_heads, cap, head_dim]` for
 /// capacities 256, 512 and 768, and the 256-position blocks of zeros a growth concatenates) are
-/// made, evaluated and dropped: a spike that then goes away was the allocation's.
-fn growth_steps(model: &mlx_models::Model, start: usize, [hk, d]: [usize; 2], dt: mlx_array::DType, prewarm: bool) -> Res<()> {
+/// made, evaluated and dropped: a spike that then goes away was the allocation's. With
+/// `reserve`, the caches are sized for that many positions first (no growth below it).
+fn growth_steps(model: &mlx_models::Model, start: usize, [hk, d]: [usize; 2], dt: mlx_array::DType, prewarm: bool, reserve: Option<usize>) -> Res<()> {
     if start >= GROWTH_END {
         return Err(format!("--prompt must be below {GROWTH_END} with --growth").into());
     }
@@ -263,6 +268,9 @@ fn growth_steps(model: &mlx_models::Model, start: usize, [hk, d]: [usize; 2], dt
     let ids = shared::prompt_ids(GROWTH_END, model.info().vocab_size);
     for run in 0..2 {
         let mut cache = model.new_cache();
+        if let Some(n) = reserve {
+            cache.reserve(n)?;
+        }
         let pre = model.with_runtime(|rt| rt.forward(&Array::from_slice(&ids[..start], &[1, start])?, &mut cache, Logits::Last, false))?;
         cache.eval_with(&pre.logits.iter().collect::<Vec<_>>())?;
         let mut steps = Vec::with_capacity(GROWTH_END - start);

@@ -78,7 +78,7 @@ struct Cli {
     json: bool,
     /// Quantized checkpoints: keep the packed weights, dequantize them at load, or auto (the
     /// library's default: keep them on the GPU, and on the CPU where its packed kernels take every
-    /// quantized layer; else dequantize).
+    /// quantized layer; else dequantize; a --draft-model on a GPU is dequantized).
     #[arg(long, value_enum, default_value = "auto")]
     quantized: Quantized,
     /// KV cache: the family's default (auto), flat, or the paged block pool.

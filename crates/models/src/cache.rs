@@ -350,6 +350,21 @@ impl Cache {
         self.layers.iter().find_map(|l| if let LayerCache::Kv(c) = l { Some(c.offset()) } else { None }).unwrap_or(0)
     }
 
+    /// Size every flat attention layer's storage for at least `positions` positions
+    /// ([`KvCache::reserve`]); paged caches (blocks from the pool) and rotating windows are
+    /// unaffected.
+    pub fn reserve(&mut self, positions: usize) -> Result<()> {
+        if self.paged.is_some() || self.rows.is_some() || self.batch.is_some() {
+            return Ok(());
+        }
+        for l in &mut self.layers {
+            if let LayerCache::Kv(c) = l {
+                c.reserve(positions)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The K/V cache of layer `i`.
     pub fn kv(&mut self, i: usize) -> Result<&mut KvCache> {
         match self.layers.get_mut(i) {

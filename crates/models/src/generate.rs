@@ -180,8 +180,15 @@ struct SpecState<'a> {
     plain_started: Option<Instant>,
 }
 
+/// New tokens a generation sizes its flat K/V storage for up front ([`Cache::reserve`]); a
+/// longer one grows it as it goes.
+pub const RESERVE_NEW: usize = 4096;
+/// Positions past the generation's end reserved as well (a speculative verify step's drafts).
+const RESERVE_SLACK: usize = 32;
+
 /// Start generating after `prompt` (appended to `cache`; pass only the tokens not yet in it).
-/// [`GenerateConfig::context`] holds the tokens already in the cache, for the penalties.
+/// [`GenerateConfig::context`] holds the tokens already in the cache, for the penalties. A flat
+/// cache's storage is sized for the prompt and `max_new_tokens` (up to [`RESERVE_NEW`]) at once.
 pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cfg: GenerateConfig) -> Result<Generator<'a>> {
     if prompt.is_empty() {
         return Err(ModelError::InvalidInput("generation needs at least one prompt token".into()));
@@ -197,6 +204,9 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cfg:
     let stop = cfg.stop_tokens.clone().unwrap_or_else(|| model.info().eos_token_ids.clone());
     let mut history = cfg.context.clone();
     history.extend_from_slice(prompt);
+    // flat K/V storage sized for the whole generation at its prefill (up to RESERVE_NEW new
+    // tokens; a speculative verify writes up to RESERVE_SLACK more before rolling back)
+    cache.reserve(cache.offset() + prompt.len() + cfg.max_new_tokens.min(RESERVE_NEW) + RESERVE_SLACK)?;
     // One queueing call a step: the pool writes of a paged cache go with the step's outputs.
     cache.set_queue_with_outputs(true);
     Ok(Generator {

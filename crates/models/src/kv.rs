@@ -43,16 +43,42 @@ pub struct KvCache {
     /// Flat caches: the first position written (positions before it were never given to this
     /// cache: a paged mirror restarted at it).
     first: usize,
+    /// Flat caches: positions the storage is sized for at its next growth, at least
+    /// ([`KvCache::reserve`]).
+    reserve: usize,
 }
 
 impl KvCache {
     pub fn new(window: Option<usize>) -> Self {
-        KvCache { keys: None, values: None, offset: 0, window, held: 0, ring: None, first: 0 }
+        KvCache { keys: None, values: None, offset: 0, window, held: 0, ring: None, first: 0, reserve: 0 }
     }
 
     /// Positions seen so far (the rope offset of the next token).
     pub fn offset(&self) -> usize {
         self.offset
+    }
+
+    /// Flat caches: size the storage for at least `positions` positions when it next grows (at
+    /// once if it already holds some), so that a generation of known length grows it once, at
+    /// its prefill, rather than every [`STEP`] positions (each growth copies the held K/V into
+    /// new buffers, and on the CUDA backend a fresh process pays one-time costs at each).
+    /// Rotating caches ignore it (their storage is the window).
+    pub fn reserve(&mut self, positions: usize) -> Result<()> {
+        if self.window.is_some() || positions <= self.reserve {
+            return Ok(());
+        }
+        self.reserve = positions;
+        let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
+        if let (Some(k), Some(v)) = (self.keys.take(), self.values.take()) {
+            if positions > cap {
+                let grow = positions.div_ceil(STEP) * STEP - self.offset;
+                let (kk, vv) = (grow_axis2(Some(k.clone()), &k, grow, self.offset)?, grow_axis2(Some(v.clone()), &v, grow, self.offset)?);
+                (self.keys, self.values) = (Some(kk), Some(vv));
+            } else {
+                (self.keys, self.values) = (Some(k), Some(v));
+            }
+        }
+        Ok(())
     }
 
     /// The storage arrays (keys, values) once written.
@@ -109,7 +135,7 @@ impl KvCache {
         let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
         if need > cap {
             // The held positions (`offset`, fewer than `cap` after a trim) are kept, then `grow`.
-            let grow = need.div_ceil(STEP) * STEP - self.offset;
+            let grow = need.max(self.reserve).div_ceil(STEP) * STEP - self.offset;
             let (keys, values) = (self.keys.take(), self.values.take());
             self.keys = Some(grow_axis2(keys, k, grow, self.offset)?);
             self.values = Some(grow_axis2(values, v, grow, self.offset)?);
@@ -355,6 +381,43 @@ mod tests {
     }
     use mlx_array::random::{self, Key};
     use mlx_array::{AttentionMask, DType};
+
+    /// A reserved flat cache allocates its storage once and holds the same keys and values as
+    /// one grown step by step, through a trim and past the reserve (then it grows as before);
+    /// reserving after writes keeps what is held.
+    #[test]
+    fn a_reserved_flat_cache_grows_once_and_holds_the_same() {
+        let chunk = |n: usize, seed: u64| random::normal(&[1, 2, n, 4], DType::F32, &Key::new(seed).unwrap()).unwrap();
+        let (mut grown, mut reserved) = (KvCache::new(None), KvCache::new(None));
+        reserved.reserve(300).unwrap();
+        let cap = |c: &KvCache| c.keys.as_ref().unwrap().dim(2).unwrap();
+        for (i, n) in [40usize, 1, 200, 7, 30, 1, 100].into_iter().enumerate() {
+            if i == 4 {
+                grown.trim(5).unwrap();
+                reserved.trim(5).unwrap();
+            }
+            let (k, v) = (chunk(n, i as u64), chunk(n, 100 + i as u64));
+            let (a, b) = (grown.update_and_fetch(&k, &v).unwrap(), reserved.update_and_fetch(&k, &v).unwrap());
+            assert_eq!(a.0.to_vec::<f32>().unwrap(), b.0.to_vec::<f32>().unwrap(), "keys after chunk {i}");
+            assert_eq!(a.1.to_vec::<f32>().unwrap(), b.1.to_vec::<f32>().unwrap(), "values after chunk {i}");
+            if reserved.offset() <= 300 {
+                assert_eq!(cap(&reserved), 512, "one allocation for the reserve (300 rounded up to the step)");
+            }
+        }
+        assert_eq!(reserved.offset(), 374);
+        assert_eq!(cap(&reserved), 512);
+        // past the reserve: grows as an unreserved cache
+        let (k, v) = (chunk(200, 7), chunk(200, 8));
+        reserved.update_and_fetch(&k, &v).unwrap();
+        assert_eq!(cap(&reserved), 768);
+        // reserving a written cache grows it at once, keeping its positions
+        let held = grown.span(0, grown.offset()).unwrap().unwrap();
+        grown.reserve(1000).unwrap();
+        assert_eq!(cap(&grown), 1024);
+        let again = grown.span(0, grown.offset()).unwrap().unwrap();
+        assert_eq!(held.0.to_vec::<f32>().unwrap(), again.0.to_vec::<f32>().unwrap());
+        assert_eq!(held.1.to_vec::<f32>().unwrap(), again.1.to_vec::<f32>().unwrap());
+    }
 
     /// A rotating cache (ring buffer for single steps, concatenation for chunks, trims) gives
     /// the same attention as a flat cache of every position under the sliding-window mask.

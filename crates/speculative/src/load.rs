@@ -69,8 +69,9 @@ pub fn embedded_draft_dir(target: &Path) -> Option<PathBuf> {
     d.join("config.json").is_file().then_some(d)
 }
 
-/// Load the drafter in `dir` with the target's load options (a flat cache of its own). Plain
-/// draft models load here; `gemma4_assistant`, DSpark and DFlash drafts read their target's
+/// Load the drafter in `dir` with the target's load options (a flat cache of its own; on a GPU
+/// a quantized draft model loads dequantized unless the options say
+/// [`QuantizedWeights::Keep`]). Plain draft models load here; `gemma4_assistant`, DSpark and DFlash drafts read their target's
 /// states, so they need [`load_drafter_for`].
 pub fn load_drafter(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Drafter>> {
     load(dir, opts, None)
@@ -90,8 +91,17 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
     let raw = raw_config(dir)?;
     match (kind_of(&raw), target) {
         (DraftKind::Model, _) => {
+            let gpu = mlx_array::default_device()? == mlx_array::Device::Gpu;
+            let quantized_draft = raw.get("quantization").is_some();
+            // On a GPU a quantized draft is dequantized by default: a draft forward of several
+            // rows (catching up, the first draft of a cycle after the target's token) runs the
+            // CUDA backend's quantized matrix product, which compiles a kernel for each new
+            // shape on first use (tens of seconds for SmolLM2-135M 4-bit, BENCHMARKS.md), while
+            // a small draft's forward is bound by kernel launches, not by reading its weights
+            let quantized = draft_weights(opts.quantized, gpu, quantized_draft);
             let opts = LoadOptions {
                 kv_cache: KvCacheMode::Flat,
+                quantized,
                 ..opts.clone()
             };
             let draft = DraftModel::new(load_model(dir, &opts)?.into_lm()?);
@@ -100,9 +110,8 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
             // forward dequantizes every weight (SmolLM2-135M 4-bit: ~4 ms a token in pieces of 8,
             // against ~150 ms + 2.8 ms a token through the dequantized weights: pieces win below
             // ~128 tokens)
-            let packed = raw.get("quantization").is_some()
-                && opts.quantized != QuantizedWeights::Dequantize;
-            Ok(Box::new(if packed && mlx_array::default_device()? == mlx_array::Device::Cpu {
+            let packed = quantized_draft && opts.quantized != QuantizedWeights::Dequantize;
+            Ok(Box::new(if packed && !gpu {
                 draft.with_catch_up_pieces(Some(mlx_array::ops::CPU_PACKED_MAX_ROWS))
             } else {
                 draft
@@ -121,5 +130,28 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
             dir.display(),
             k.as_str()
         ))),
+    }
+}
+
+/// How a draft model's quantized weights load: as asked, except that the default
+/// ([`QuantizedWeights::Auto`]) dequantizes a quantized draft on a GPU (see `load`).
+fn draft_weights(asked: QuantizedWeights, gpu: bool, quantized_draft: bool) -> QuantizedWeights {
+    match asked {
+        QuantizedWeights::Auto if gpu && quantized_draft => QuantizedWeights::Dequantize,
+        q => q,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quantized_draft_dequantizes_on_a_gpu_by_default_only() {
+        use QuantizedWeights::*;
+        assert_eq!(draft_weights(Auto, true, true), Dequantize);
+        assert_eq!(draft_weights(Keep, true, true), Keep, "asked to keep: kept");
+        assert_eq!(draft_weights(Auto, false, true), Auto, "the CPU keeps its packed kernels");
+        assert_eq!(draft_weights(Auto, true, false), Auto);
     }
 }
