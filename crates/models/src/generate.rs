@@ -182,7 +182,7 @@ struct SpecState<'a> {
 
 /// New tokens a generation sizes its flat K/V storage for up front ([`Cache::reserve`]); a
 /// longer one grows it as it goes.
-pub const RESERVE_NEW: usize = 4096;
+pub const RESERVE_NEW: usize = 1024;
 /// Positions past the generation's end reserved as well (a speculative verify step's drafts).
 const RESERVE_SLACK: usize = 32;
 
