@@ -60,7 +60,7 @@ impl KvCache {
 
     /// Flat caches: size the storage for at least `positions` positions when it next grows (at
     /// once if it already holds some), so that a generation of known length grows it once, at
-    /// its prefill, rather than every [`STEP`] positions (each growth copies the held K/V into
+    /// its prefill, rather than every 256 positions (each growth copies the held K/V into
     /// new buffers, and on the CUDA backend a fresh process pays one-time costs at each).
     /// Rotating caches ignore it (their storage is the window).
     pub fn reserve(&mut self, positions: usize) -> Result<()> {
