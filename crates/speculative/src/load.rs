@@ -96,8 +96,8 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
             // On a GPU a quantized draft is dequantized by default: a draft forward of several
             // rows (catching up, the first draft of a cycle after the target's token) runs the
             // CUDA backend's quantized matrix product, which took tens of seconds at each new
-            // shape on first use for SmolLM2-135M 4-bit, whose drafts there also disagreed with
-            // mlx-lm's on the same weights (BENCHMARKS.md), while a small draft's forward is
+            // shape on first use for SmolLM2-135M 4-bit, whose drafts there were also accepted far
+            // less often than mlx-lm's from the same weights (BENCHMARKS.md), while a small draft's forward is
             // bound by kernel launches, not by reading its weights
             let quantized = draft_weights(opts.quantized, gpu, quantized_draft);
             let opts = LoadOptions {
