@@ -68,16 +68,21 @@ impl KvCache {
             return Ok(());
         }
         self.reserve = positions;
-        let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
-        if let (Some(k), Some(v)) = (self.keys.take(), self.values.take()) {
-            if positions > cap {
-                let grow = positions.div_ceil(STEP) * STEP - self.offset;
-                let (kk, vv) = (grow_axis2(Some(k.clone()), &k, grow, self.offset)?, grow_axis2(Some(v.clone()), &v, grow, self.offset)?);
-                (self.keys, self.values) = (Some(kk), Some(vv));
-            } else {
-                (self.keys, self.values) = (Some(k), Some(v));
+        if let (Some(k), Some(v)) = (self.keys.clone(), self.values.clone()) {
+            if positions > k.dim(2)? {
+                self.grow_to(positions, &k, &v)?;
             }
         }
+        Ok(())
+    }
+
+    /// Flat storage for at least `positions` (and the reserve), in whole steps, keeping the
+    /// held positions; `k`, `v` give the shape and dtype when there is none yet.
+    fn grow_to(&mut self, positions: usize, k: &Array, v: &Array) -> Result<()> {
+        let grow = positions.max(self.reserve).div_ceil(STEP) * STEP - self.offset;
+        let (keys, values) = (self.keys.take(), self.values.take());
+        self.keys = Some(grow_axis2(keys, k, grow, self.offset)?);
+        self.values = Some(grow_axis2(values, v, grow, self.offset)?);
         Ok(())
     }
 
@@ -134,11 +139,8 @@ impl KvCache {
         let need = self.offset + l;
         let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
         if need > cap {
-            // The held positions (`offset`, fewer than `cap` after a trim) are kept, then `grow`.
-            let grow = need.max(self.reserve).div_ceil(STEP) * STEP - self.offset;
-            let (keys, values) = (self.keys.take(), self.values.take());
-            self.keys = Some(grow_axis2(keys, k, grow, self.offset)?);
-            self.values = Some(grow_axis2(values, v, grow, self.offset)?);
+            // the held positions (`offset`, fewer than `cap` after a trim) are kept
+            self.grow_to(need, k, v)?;
         }
         let kb = self.keys.as_ref().unwrap().slice_update(k, &[0, 0, self.offset, 0])?;
         let vb = self.values.as_ref().unwrap().slice_update(v, &[0, 0, self.offset, 0])?;

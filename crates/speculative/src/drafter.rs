@@ -485,7 +485,7 @@ impl Drafter for DraftModel {
         // it are rolled back at the next proposal)
         let ctx = context(self.start, history);
         let held = self.tracked.tokens.iter().zip(ctx).take_while(|(a, b)| a == b).count();
-        let lacking = history.len().saturating_sub(self.start.min(history.len()) + held);
+        let lacking = ctx.len() - held;
         self.restart = (held > 0 && lacking > window).then(|| history.len() - window);
     }
 
