@@ -126,6 +126,11 @@ pub trait Speculator: Send {
     /// A plain stretch of `n` tokens that took `secs` has ended: the cache holds `history` but its
     /// newest token, as after a cycle.
     fn resume(&mut self, _history: &[u32], _n: usize, _secs: f64) {}
+    /// The history may reach `positions` tokens in this generation (asked after
+    /// [`Speculator::start`], with what the target's flat cache was sized for): a speculator
+    /// with flat K/V storage of its own sizes it likewise ([`Cache::reserve`]) when it next runs.
+    /// Default: nothing.
+    fn reserve(&mut self, _positions: usize) {}
 }
 
 /// One generated token.
@@ -163,6 +168,8 @@ pub struct Generator<'a> {
     spec: Option<SpecState<'a>>,
     /// The media whose tokens are in the prompt ([`Generator::with_media`]).
     media: Vec<crate::media::PreparedMedia>,
+    /// Positions the flat cache was sized for ([`Cache::reserve`]).
+    reserved: usize,
 }
 
 /// A generator's speculative decoding: the speculator and the tokens of its last cycle not yet
@@ -206,7 +213,8 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cfg:
     history.extend_from_slice(prompt);
     // flat K/V storage sized for the whole generation at its prefill (up to RESERVE_NEW new
     // tokens; a speculative verify writes up to RESERVE_SLACK more before rolling back)
-    cache.reserve(cache.offset() + prompt.len() + cfg.max_new_tokens.min(RESERVE_NEW) + RESERVE_SLACK)?;
+    let reserved = cache.offset() + prompt.len() + cfg.max_new_tokens.min(RESERVE_NEW) + RESERVE_SLACK;
+    cache.reserve(reserved)?;
     // One queueing call a step: the pool writes of a paged cache go with the step's outputs.
     cache.set_queue_with_outputs(true);
     Ok(Generator {
@@ -231,6 +239,7 @@ pub fn generate<'a>(model: &'a Model, cache: &'a mut Cache, prompt: &[u32], cfg:
         prefill_time: Duration::ZERO,
         spec: None,
         media: Vec::new(),
+        reserved,
     })
 }
 
@@ -250,6 +259,7 @@ impl<'a> Generator<'a> {
     /// refused while speculating.
     pub fn with_speculator(mut self, speculator: &'a mut dyn Speculator) -> Self {
         speculator.start();
+        speculator.reserve(self.reserved);
         self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false, plain_left: 0, plain_len: 0, plain_started: None });
         self
     }

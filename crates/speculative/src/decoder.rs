@@ -286,6 +286,10 @@ impl Speculator for SpeculativeDecoder {
         self.counters = Counters::default();
     }
 
+    fn reserve(&mut self, positions: usize) {
+        self.drafter.reserve(positions);
+    }
+
     fn cycle(
         &mut self,
         model: &Model,

@@ -95,6 +95,11 @@ pub trait Drafter: Send {
     /// output exact whatever the drafts). Default: nothing (drafters that read the target's
     /// states do not catch up).
     fn skipped(&mut self, _history: &[u32], _window: usize) {}
+    /// The history may reach `positions` tokens in this generation
+    /// ([`mlx_models::Speculator::reserve`]): a drafter with flat K/V storage of its own sizes
+    /// it for them ([`Cache::reserve`]) when it next runs, so that it does not regrow while
+    /// drafting. Default: nothing.
+    fn reserve(&mut self, _positions: usize) {}
     /// The verdict on the last proposals.
     fn feedback(&mut self, _f: &Feedback<'_>) -> Result<()> {
         Ok(())
@@ -266,6 +271,8 @@ pub struct DraftModel {
     /// The start of a window to begin the next proposal from ([`Drafter::skipped`]).
     restart: Option<usize>,
     restarts: usize,
+    /// Positions to size the cache's flat storage for ([`Drafter::reserve`]).
+    reserve: usize,
 }
 
 /// Greedy guesses drawn by [`Drafter::draft_ahead`], not yet read on the host.
@@ -299,6 +306,7 @@ impl DraftModel {
             start: 0,
             restart: None,
             restarts: 0,
+            reserve: 0,
         }
     }
 
@@ -355,6 +363,11 @@ impl DraftModel {
     pub fn model(&self) -> &Model {
         &self.model
     }
+
+    /// The draft's own cache (its K/V over the context it drafts from).
+    pub fn cache(&self) -> &Cache {
+        &self.cache
+    }
 }
 
 impl Drafter for DraftModel {
@@ -390,6 +403,7 @@ impl Drafter for DraftModel {
             let want: Vec<u32> = context(self.start, history).iter().chain(held_known).copied().collect();
             // trims only: [`Drafter::draft_ahead`] runs ahead where the cache can trim back
             self.tracked.sync(&model, &mut self.cache, &want, Some(&fresh))?;
+            self.cache.reserve(self.reserve)?;
             self.tracked.snapshot(&self.cache);
             self.reused += known.len();
             drawer.known(&known)?;
@@ -414,6 +428,7 @@ impl Drafter for DraftModel {
                 (self.start, held) = (from, 0);
                 self.restarts += 1;
             }
+            self.cache.reserve(self.reserve)?;
             self.tracked.snapshot(&self.cache);
             let mut first = context(self.start, before)[held..].to_vec();
             first.push(last);
@@ -487,6 +502,10 @@ impl Drafter for DraftModel {
         let held = self.tracked.tokens.iter().zip(ctx).take_while(|(a, b)| a == b).count();
         let lacking = ctx.len() - held;
         self.restart = (held > 0 && lacking > window).then(|| history.len() - window);
+    }
+
+    fn reserve(&mut self, positions: usize) {
+        self.reserve = positions;
     }
 
     fn weight_bytes(&self) -> Option<u64> {

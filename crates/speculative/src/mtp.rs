@@ -26,6 +26,8 @@ pub struct MtpDrafter {
     run: usize,
     key: SeededKey,
     depth: usize,
+    /// Positions to size the MTP cache's flat storage for ([`Drafter::reserve`]).
+    reserve: usize,
 }
 
 impl MtpDrafter {
@@ -59,6 +61,7 @@ impl MtpDrafter {
             run: 0,
             key: SeededKey::new(3),
             depth: Self::DEFAULT_DEPTH,
+            reserve: 0,
         })
     }
 
@@ -69,6 +72,7 @@ impl MtpDrafter {
             .with_runtime(|rt| rt.mtp_cache_spec())
             .ok_or_else(|| ModelError::UnsupportedOption("no MTP cache layout".into()))?;
         self.cache = Cache::new(&spec);
+        self.cache.reserve(self.reserve)?;
         (self.verified, self.drafted, self.pending) = (0, 0, None);
         self.known = history.to_vec();
         if history.len() > 1 {
@@ -96,6 +100,10 @@ impl MtpDrafter {
 }
 
 impl Drafter for MtpDrafter {
+    fn reserve(&mut self, positions: usize) {
+        self.reserve = positions;
+    }
+
     fn propose(&mut self, history: &[u32], k: usize, cfg: &SamplingConfig) -> Result<Draft> {
         if k == 0 || history.len() < 2 {
             return Ok(Draft::empty());

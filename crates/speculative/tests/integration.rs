@@ -333,6 +333,9 @@ impl mlx_speculative::Drafter for Shared {
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.0.lock().unwrap().skipped(history, window)
     }
+    fn reserve(&mut self, positions: usize) {
+        self.0.lock().unwrap().reserve(positions)
+    }
     fn weight_bytes(&self) -> Option<u64> {
         self.0.lock().unwrap().weight_bytes()
     }
@@ -342,6 +345,43 @@ impl mlx_speculative::Drafter for Shared {
     fn default_depth(&self) -> usize {
         self.0.lock().unwrap().default_depth()
     }
+}
+
+/// [`Drafter::reserve`]: a draft model's flat cache is allocated once for the positions asked
+/// (rounded up to the 256-position step) and drafts as an unreserved one does (same tokens and
+/// draft probabilities through growth past 256 positions); a generation asks its speculator
+/// for what it sized the target's flat cache for (prompt + new tokens + 32).
+#[test]
+fn a_draft_cache_is_sized_as_the_generation_asks() {
+    use mlx_speculative::Drafter;
+    use std::sync::{Arc, Mutex};
+    let capacity = |d: &DraftModel| d.cache().arrays()[0].dim(2).unwrap();
+    let sampling = SamplingConfig { temperature: 1.0, seed: Some(9), ..SamplingConfig::greedy() };
+    let mut rng = Rng(35);
+    let model = load("qwen3", KvCacheMode::Flat);
+    let vocab = model.info().vocab_size;
+    let history: Vec<u32> = (0..300).map(|_| rng.below(vocab) as u32).collect();
+    let (mut plain, mut reserved) = (DraftModel::new(model.clone()), DraftModel::new(model.clone()));
+    reserved.reserve(600);
+    for end in [20, 21, 200, 260, 300] {
+        let a = plain.propose(&history[..end], 3, &sampling).unwrap();
+        let b = reserved.propose(&history[..end], 3, &sampling).unwrap();
+        assert_eq!(a.tokens, b.tokens, "history of {end}");
+        let r = rel(&a.logprobs.unwrap().exp().unwrap(), &b.logprobs.unwrap().exp().unwrap());
+        assert!(r < 1e-6, "history of {end}: draft probabilities differ by {r}");
+        assert_eq!(capacity(&reserved), 768, "history of {end}: one allocation for 600 positions");
+        assert_eq!(capacity(&plain), if end + 2 <= 256 { 256 } else { 512 }, "history of {end}");
+    }
+    // through a generation: 12 prompt tokens and up to 300 new ones (344 positions: 512)
+    let target = load("qwen3_untied", KvCacheMode::Flat);
+    let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
+    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3));
+    let prompt: Vec<u32> = (0..12).map(|_| rng.below(vocab) as u32).collect();
+    let mut cache = target.new_cache();
+    let gen = generate(&target, &mut cache, &prompt, gen_cfg(300, SamplingConfig::greedy())).unwrap().with_speculator(&mut spec);
+    let got = gen.take(10).map(|t| t.unwrap().id).count();
+    assert_eq!(got, 10);
+    assert_eq!(capacity(&d.lock().unwrap()), 512, "the draft's cache is sized for the generation");
 }
 
 /// Drafting ahead (the GPU default) changes no output: greedy tokens equal plain decoding's on
