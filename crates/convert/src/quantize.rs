@@ -12,7 +12,7 @@
 //! `mixed_quant_predicate_builder`. The packed tensors are MLX's own `quantize` output.
 //!
 //! Families whose mlx-lm model stores tensors differently from transformers are written in
-//! mlx-lm's layout, as its `sanitize` leaves them ([`MlxLmLayout`]): Gemma 4 (`gemma4_text`, and
+//! mlx-lm's layout, as its `sanitize` leaves them (`MlxLmLayout`): Gemma 4 (`gemma4_text`, and
 //! `gemma4`'s language model) splits the fused `experts.gate_up_proj` into
 //! `experts.switch_glu.{gate,up}_proj.weight`, renames `experts.down_proj`, quantizes
 //! `router.proj` at 8 bits in groups of 64, and drops what mlx-lm drops.

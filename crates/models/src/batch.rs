@@ -11,20 +11,20 @@
 //! padding at all ([`BatchRows::uniform`]: prompts of one length, or rows left after the padded
 //! ones) runs attention exactly as a single-sequence cache does.
 //!
-//! A step may give each row its own number of new tokens ([`Cache::set_step_tokens`]: a row
+//! A step may give each row its own number of new tokens (`Cache::set_step_tokens`: a row
 //! decoding one token beside another's prompt chunk): the row's tokens are the step's last
 //! columns, the ones before are padding, and a row that already holds tokens has them moved
-//! right by its step padding when the step's K/V are stored ([`BatchRows::realign`]), so every
+//! right by its step padding when the step's K/V are stored (`BatchRows::realign`), so every
 //! row stays right-aligned with all its padding on the left.
 //!
 //! Recurrent mixers (GatedDeltaNet, LFM2's short convolution) see the step's validity
 //! ([`BatchRows::step_valid`]) and zero their inputs at padding positions, which come before a
 //! row's tokens in the step: the gates leave the state as it was there, and the convolution
-//! window of a row's tokens skips them ([`conv_input`]), so a row's state is what the row alone
+//! window of a row's tokens skips them (`conv_input`), so a row's state is what the row alone
 //! would have. [`Cache::merge_batch`] adds the padding of a merged row to its attention K/V
 //! only (a row that has not stepped yet has a zero state).
 //!
-//! A step may also take its tokens packed ([`Cache::set_step_tokens`]: `[1, T]`, each row's
+//! A step may also take its tokens packed (`Cache::set_step_tokens`: `[1, T]`, each row's
 //! tokens after the previous row's, no padding; [`Ragged`]). Layers that work token by token
 //! run over the packed tokens; attention stores the step's K/V laid out as above (right-aligned,
 //! padding only there) and runs each row's queries against its own keys, and a recurrence runs
@@ -32,7 +32,7 @@
 //!
 //! Rows join ([`Cache::merge_batch`]) and leave ([`Cache::select_rows`]) between forward calls.
 //!
-//! A step over rows of the paged pool ([`Cache::paged_rows`]) uses the same [`BatchRows`]
+//! A step over rows of the paged pool (`Cache::paged_rows`) uses the same [`BatchRows`]
 //! interface with nothing stored in columns: each step's columns are its own, row `b` fills its
 //! last ones from position `start[b]`, and its keys come from its blocks
 //! ([`kv_paged::KvPool::read`], each row's from its first key position, padded at the end), so

@@ -77,7 +77,7 @@ pub enum LayerKv<'a> {
     Paged(PagedLayerKv<'a>),
     /// A batch cache's layer: flat storage of every row, and where the rows stand.
     Batch(&'a mut KvCache, &'a crate::batch::BatchRows),
-    /// A step over paged rows ([`Cache::paged_rows`]): each row's blocks, and where the rows
+    /// A step over paged rows (`Cache::paged_rows`): each row's blocks, and where the rows
     /// stand.
     Rows(PagedRowsKv<'a>, &'a crate::batch::BatchRows),
 }
@@ -175,7 +175,7 @@ impl ForwardKv<'_> {
     /// ([`crate::PagedConfig::recurrent_snapshots`]). In paged mode this writes the kept decode rows when the step filled
     /// a block, then queues the pool writes without waiting for them, or, with
     /// [`Cache::set_queue_with_outputs`], leaves them for the caller's queueing call (see
-    /// [`PagedStep::finish`]). A forward pass dropped without `finish` (an error) still queues
+    /// `PagedStep::finish`). A forward pass dropped without `finish` (an error) still queues
     /// what it wrote.
     pub fn finish(mut self) -> Result<()> {
         if let Some(mut step) = self.rows.take() {

@@ -2,7 +2,7 @@
 //! passes, and sequences join and leave between steps.
 //!
 //! Every live sequence is a row of one running batch cache ([`crate::batch`]). Each loop turn
-//! ([`Scheduler`]) admits waiting requests while there is room (up to
+//! (`Scheduler`) admits waiting requests while there is room (up to
 //! [`EngineConfig::max_batch`] live sequences; identical prompts admitted together are computed
 //! once, and the row is copied to each of them when its prompt is done), then runs one forward
 //! pass over all rows:
@@ -35,7 +35,7 @@
 //! ([`EngineKv::Flat`]: a request's prompt is always computed in full) or in the model's paged
 //! pool ([`EngineKv::Paged`], the default on a GPU): every sequence then has its own blocks and
 //! position, the rows are one view
-//! ([`crate::Cache::paged_rows`]) whose steps read each row's keys from its blocks, and a prompt
+//! (`crate::Cache::paged_rows`) whose steps read each row's keys from its blocks, and a prompt
 //! whose leading blocks are cached (a repeated system prompt, a conversation sent again) skips
 //! them ([`Usage::cached_prompt_tokens`]). For the hybrid families (Qwen3.5, LFM2) a skip
 //! stops at the last block boundary with a recurrent-state snapshot: prompt chunks end at

@@ -2,7 +2,7 @@
 //!
 //! Memory ([`memory_stats`], [`memory_snapshot`], [`reset_peak_memory`], [`set_cache_limit`],
 //! [`clear_cache`]) reads MLX's allocator, process-wide, in bytes. Profiling is off by default;
-//! [`set_profiling_enabled`] turns it on, after which [`crate::generate`] records the `prefill`
+//! [`set_profiling_enabled`] turns it on, after which [`crate::generate()`] records the `prefill`
 //! (prompt forward passes up to the first sampled token) and `decode` (one generated token)
 //! phases, and callers may add their own with [`record_phase`]. [`profiling_data`] summarizes
 //! the phases since the last [`reset_profiling_data`].

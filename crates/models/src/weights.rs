@@ -286,7 +286,7 @@ impl Weights {
 
     /// Load every `*.safetensors` tensor under `dir` (sharded through
     /// `model.safetensors.index.json` when present), converting floats to `float_dtype`, except
-    /// the scales and biases of MLX-quantized layers on the CPU ([`kept_quant_params`]).
+    /// the scales and biases of MLX-quantized layers on the CPU (`kept_quant_params`).
     pub fn load(dir: &Path, float_dtype: Option<DType>) -> Result<Self> {
         // Sharded (index) checkpoints name their files; otherwise `model*.safetensors`, as mlx-lm
         // globs, so side files (e.g. reference outputs) in the directory are not mistaken for weights.
@@ -789,7 +789,7 @@ pub(crate) fn open_checkpoint(dir: &Path) -> Result<Option<mlx_array::io::Checkp
     Ok(Some(mlx_array::io::Checkpoint::open_files(dir, &files)?))
 }
 
-/// The bytes of the tensors in `dir`'s weight files as stored (the files [`open_checkpoint`]
+/// The bytes of the tensors in `dir`'s weight files as stored (the files `open_checkpoint`
 /// reads: the sharded index's, else `model*.safetensors`); `None` when there are none. What a
 /// decode step reads scales with it, so comparing a draft's with its target's bounds what
 /// speculating can gain.

@@ -140,14 +140,14 @@ impl GatedDeltaNet {
         })
     }
 
-    /// `x`: `[B, L, hidden]`; `state`: this layer's [`SLOTS`] cache slots (updated).
+    /// `x`: `[B, L, hidden]`; `state`: this layer's `SLOTS` cache slots (updated).
     pub fn forward(&self, x: &Array, state: &mut [Option<Array>]) -> Result<Array> {
         self.forward_valid(x, state, None)
     }
 
     /// [`GatedDeltaNet::forward`] over a batch whose positions `valid` (`[B, L, 1]`) marks
     /// false are padding (before each row's tokens): there the conv input, `β` and `g` are zero
-    /// and the conv window skips them ([`crate::batch::conv_input`]), so the state is left as it
+    /// and the conv window skips them (`crate::batch::conv_input`), so the state is left as it
     /// was (no write, no decay).
     pub fn forward_valid(&self, x: &Array, state: &mut [Option<Array>], valid: Option<&Array>) -> Result<Array> {
         self.forward_rows(x, state, valid, None)
@@ -259,7 +259,7 @@ fn delta_step(x: &[Array]) -> mlx_array::Result<Vec<Array>> {
     Ok(vec![y, s])
 }
 
-/// Chunked form (transformers' `torch_chunk_gated_delta_rule`): within a chunk of [`CHUNK`]
+/// Chunked form (transformers' `torch_chunk_gated_delta_rule`): within a chunk of `CHUNK`
 /// positions the delta-rule updates are folded into matmuls through the UT transform
 /// `(I + tril(β K Kᵀ ⊙ Γ, -1))⁻¹`; the state is carried across chunks. The unit lower-triangular
 /// inverse is built by forward substitution over the rows of the chunk (as transformers does

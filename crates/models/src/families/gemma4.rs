@@ -759,7 +759,7 @@ impl Gemma4Model {
     /// [`Self::forward_embeddings`] with image soft tokens attending to each other both ways in
     /// the sliding layers (`use_bidirectional_attention == "vision"`): `blocks` gives each of
     /// the `L` positions its image block (one id per run of consecutive image soft tokens) or
-    /// -1 ([`vision_block_mask`]); full-attention layers stay causal.
+    /// -1 (`vision_block_mask`); full-attention layers stay causal.
     pub fn forward_embeddings_blocks(&self, tokens: &Array, embeds: &Array, blocks: Option<&[i32]>, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         let net = self.net.as_ref().ok_or_else(|| ModelError::InvalidInput("Model not initialized (weights not loaded)".into()))?;
         if let Some(b) = blocks {

@@ -1,6 +1,6 @@
 //! Mixture-of-experts building blocks, generic over families: router logits → top-k →
 //! gathered expert matmuls (`gather_mm`; no loop over experts, except on the CPU for long
-//! prompts: one product per chosen expert, [`CPU_SEGMENT_ROWS`]), plus an optional shared expert.
+//! prompts: one product per chosen expert, `CPU_SEGMENT_ROWS`), plus an optional shared expert.
 //!
 //! - [`route_topk`]: softmax (f32) over experts, the `k` best, optionally renormalized.
 //! - [`SwitchGlu`]: all experts' gated MLPs stacked (`[E, …]`), applied to each token's selected

@@ -21,7 +21,7 @@
 //!   blocks (RMSNorm, GQA attention and a SiLU gated MLP, biases when `use_bias`), head tied to
 //!   the embedding unless `tie_word_embeddings` is false.
 //! - **Merging and M-RoPE**: each image placeholder the chat template writes becomes one token
-//!   per merged patch, placed as Qwen2-VL places them ([`super::qwen3_5_vl::merge_mrope`]); the
+//!   per merged patch, placed as Qwen2-VL places them (`super::qwen3_5_vl::merge_mrope`); the
 //!   rotary frequencies are split into `mrope_section` (sums to `head_dim / 2`) consecutive
 //!   chunks, chunk `i` reading axis `i % 3` (temporal, height, width). Text after the images sits
 //!   at cache position plus [`Cache::position_delta`].

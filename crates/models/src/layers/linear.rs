@@ -284,7 +284,7 @@ const FUSED_MAX_ROWS: usize = 16;
 /// kernel time per decode step 6.20 -> 5.62 ms, see BENCHMARKS.md). On the CPU (OpenBLAS) the
 /// separate float products measured as fast or faster, and their outputs are contiguous, so
 /// float projections stay separate there; packed ones are joined on the CPU
-/// ([`FusedLinear::load_packed`]: one graph node and one pass over the threads per step). The device is the default device at load, where the
+/// (`FusedLinear::load_packed`: one graph node and one pass over the threads per step). The device is the default device at load, where the
 /// weights live; [`crate::LoadOptions::fuse_projections`] overrides it.
 #[derive(Clone)]
 pub enum FusedLinear {
