@@ -131,6 +131,14 @@ pub trait Speculator: Send {
     /// with flat K/V storage of its own sizes it likewise ([`Cache::reserve`]) when it next runs.
     /// Default: nothing.
     fn reserve(&mut self, _positions: usize) {}
+    /// The prompt has been prefilled and `history` (context and prompt) is in the target's
+    /// cache; the first token is sampled but not yet handed out. A speculator with a context of
+    /// its own (a draft model's cache) may queue its run over `history` now, as the target's
+    /// prefill, rather than in its first cycle. Not called when the first token ends the
+    /// generation. Default: nothing.
+    fn prefill(&mut self, _history: &[u32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One generated token.
@@ -416,6 +424,10 @@ impl<'a> Generator<'a> {
             if self.prefill_time.is_zero() {
                 // First token forced: the prompt must still be prefilled into the cache.
                 self.prefill_forced()?;
+            }
+            let more = !self.stop.contains(&id) && self.cfg.max_new_tokens > 1;
+            if let Some(spec) = self.spec.as_mut().filter(|_| more) {
+                spec.speculator.prefill(&self.history)?;
             }
             self.first_token = Some(self.started.elapsed());
         }

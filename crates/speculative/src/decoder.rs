@@ -290,6 +290,10 @@ impl Speculator for SpeculativeDecoder {
         self.drafter.reserve(positions);
     }
 
+    fn prefill(&mut self, history: &[u32]) -> Result<()> {
+        self.drafter.prefill(history)
+    }
+
     fn cycle(
         &mut self,
         model: &Model,

@@ -100,6 +100,13 @@ pub trait Drafter: Send {
     /// it for them ([`Cache::reserve`]) when it next runs, so that it does not regrow while
     /// drafting. Default: nothing.
     fn reserve(&mut self, _positions: usize) {}
+    /// The target has just run `history` (the context and the prompt of a new generation):
+    /// a drafter that keeps a context of its own may run it now (queued), so that its first
+    /// proposal does not catch up over the prompt ([`mlx_models::Speculator::prefill`]).
+    /// Default: nothing.
+    fn prefill(&mut self, _history: &[u32]) -> Result<()> {
+        Ok(())
+    }
     /// The verdict on the last proposals.
     fn feedback(&mut self, _f: &Feedback<'_>) -> Result<()> {
         Ok(())
@@ -327,6 +334,56 @@ impl DraftModel {
         self.restarts
     }
 
+    /// A typed error for a token outside the draft's vocabulary.
+    fn check_vocab(&self, history: &[u32]) -> Result<()> {
+        let vocab = self.model.info().vocab_size;
+        match history.iter().find(|&&t| t as usize >= vocab) {
+            Some(&t) => Err(ModelError::InvalidInput(format!(
+                "token {t} is outside the draft model's vocabulary of {vocab}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Roll the cache back to its longest prefix of `before`'s context (starting over from
+    /// the history's start when they share nothing, or from a window due after a plain
+    /// stretch), size its storage and snapshot it there: returns the tokens of the context it
+    /// lacks.
+    fn hold_prefix(&mut self, before: &[u32]) -> Result<Vec<u32>> {
+        let model = self.model.clone();
+        let fresh = || model.new_cache();
+        let mut held = self.tracked.rollback(&mut self.cache, context(self.start, before), Some(&fresh))?;
+        // a context sharing nothing with `before` from its start (a new generation, or a
+        // history shorter than the window's start): the whole history
+        if held == 0 && self.start > 0 {
+            self.start = 0;
+            held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
+        }
+        // a window after a plain stretch: start over from it
+        if let Some(from) = self.restart.take().filter(|&f| f > self.start + held && f < before.len()) {
+            self.cache = fresh();
+            self.tracked.reset(Vec::new());
+            (self.start, held) = (from, 0);
+            self.restarts += 1;
+        }
+        self.cache.reserve(self.reserve)?;
+        self.tracked.snapshot(&self.cache);
+        Ok(context(self.start, before)[held..].to_vec())
+    }
+
+    /// Run `toks` into the cache without logits, in pieces of [`DraftModel::with_catch_up_pieces`]
+    /// (queued, not waited for).
+    fn feed(&mut self, toks: &[u32]) -> Result<()> {
+        if toks.is_empty() {
+            return Ok(());
+        }
+        for piece in toks.chunks(self.catch_up_pieces.unwrap_or(toks.len())) {
+            forward(&self.model, &mut self.cache, &row(piece)?, Logits::None, false)?;
+            self.tracked.fed(piece);
+        }
+        self.cache.async_eval_with(&[])
+    }
+
     /// One forward of `toks` (`[1, L]`) into the draft's cache: the last position's logits,
     /// `[1, V]`.
     fn last_logits(&mut self, toks: &Array) -> Result<Array> {
@@ -381,12 +438,7 @@ impl Drafter for DraftModel {
             return Ok(Draft::empty());
         }
         self.proposals += 1;
-        let vocab = self.model.info().vocab_size;
-        if let Some(&t) = history.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::InvalidInput(format!(
-                "token {t} is outside the draft model's vocabulary of {vocab}"
-            )));
-        }
+        self.check_vocab(history)?;
         let model = self.model.clone();
         let fresh = || model.new_cache();
         // guesses drawn ahead that continue `history` are the first drafts (the cache holds
@@ -414,31 +466,12 @@ impl Drafter for DraftModel {
         } else {
             // the tokens of `before` the cache lacks (the last cycle's final draft and the
             // target's token, typically) run in the first draft forward, ahead of `last`
-            let mut held = self.tracked.rollback(&mut self.cache, context(self.start, before), Some(&fresh))?;
-            // a context sharing nothing with `before` from its start (a new generation, or a
-            // history shorter than the window's start): the whole history
-            if held == 0 && self.start > 0 {
-                self.start = 0;
-                held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
-            }
-            // a window after a plain stretch: start over from it
-            if let Some(from) = self.restart.take().filter(|&f| f > self.start + held && f < before.len()) {
-                self.cache = fresh();
-                self.tracked.reset(Vec::new());
-                (self.start, held) = (from, 0);
-                self.restarts += 1;
-            }
-            self.cache.reserve(self.reserve)?;
-            self.tracked.snapshot(&self.cache);
-            let mut first = context(self.start, before)[held..].to_vec();
+            let mut first = self.hold_prefix(before)?;
             first.push(last);
-            if let Some(piece) = self.catch_up_pieces {
-                while first.len() > piece {
-                    let head: Vec<u32> = first.drain(..piece).collect();
-                    forward(&self.model, &mut self.cache, &row(&head)?, Logits::None, false)?;
-                    self.tracked.fed(&head);
-                }
-            }
+            // all but the last piece (1..=piece tokens) fed ahead of the first draw
+            let head = self.catch_up_pieces.map_or(0, |p| (first.len() - 1) / p * p);
+            self.feed(&first[..head])?;
+            first.drain(..head);
             first
         };
         let mut cur = row(&first)?;
@@ -506,6 +539,14 @@ impl Drafter for DraftModel {
 
     fn reserve(&mut self, positions: usize) {
         self.reserve = positions;
+    }
+
+    fn prefill(&mut self, history: &[u32]) -> Result<()> {
+        self.check_vocab(history)?;
+        // guesses drawn ahead in an earlier generation: the cache holds them
+        self.resolve_ahead()?;
+        let rest = self.hold_prefix(history)?;
+        self.feed(&rest)
     }
 
     fn weight_bytes(&self) -> Option<u64> {

@@ -336,6 +336,9 @@ impl mlx_speculative::Drafter for Shared {
     fn reserve(&mut self, positions: usize) {
         self.0.lock().unwrap().reserve(positions)
     }
+    fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
+        self.0.lock().unwrap().prefill(history)
+    }
     fn weight_bytes(&self) -> Option<u64> {
         self.0.lock().unwrap().weight_bytes()
     }
@@ -382,6 +385,48 @@ fn a_draft_cache_is_sized_as_the_generation_asks() {
     let got = gen.take(10).map(|t| t.unwrap().id).count();
     assert_eq!(got, 10);
     assert_eq!(capacity(&d.lock().unwrap()), 512, "the draft's cache is sized for the generation");
+}
+
+/// [`Drafter::prefill`]: a draft model that ran the prompt with the target (whole, or in
+/// catch-up pieces of 4) proposes what one that catches up in its first proposal does (same
+/// tokens, draft probabilities within 1e-5 at temperature 1), and a generation has the draft run
+/// the prompt before its first cycle. A token outside the draft's vocabulary is a typed error.
+#[test]
+fn a_draft_model_runs_the_prompt_with_the_target() {
+    use mlx_speculative::Drafter;
+    use std::sync::{Arc, Mutex};
+    let sampling = SamplingConfig { temperature: 1.0, seed: Some(4), ..SamplingConfig::greedy() };
+    let mut rng = Rng(36);
+    let model = load("qwen3", KvCacheMode::Flat);
+    let vocab = model.info().vocab_size;
+    let history: Vec<u32> = (0..40).map(|_| rng.below(vocab) as u32).collect();
+    for pieces in [None, Some(4)] {
+        for n in [1, 13, 39] {
+            let label = format!("{n} prompt tokens, pieces {pieces:?}");
+            let mut ran = DraftModel::new(model.clone()).with_catch_up_pieces(pieces);
+            ran.prefill(&history[..n]).unwrap();
+            assert_eq!(ran.cache().offset(), n, "{label}: the prompt is in the draft's cache");
+            let mut late = DraftModel::new(model.clone()).with_catch_up_pieces(pieces);
+            let a = ran.propose(&history[..n + 1], 3, &sampling).unwrap();
+            let b = late.propose(&history[..n + 1], 3, &sampling).unwrap();
+            assert_eq!(a.tokens, b.tokens, "{label}");
+            let r = rel(&a.logprobs.unwrap().exp().unwrap(), &b.logprobs.unwrap().exp().unwrap());
+            assert!(r < 1e-5, "{label}: draft probabilities differ by {r}");
+        }
+    }
+    let mut d = DraftModel::new(model.clone());
+    let err = d.prefill(&[1, vocab as u32]).unwrap_err();
+    assert!(matches!(err, mlx_models::ModelError::InvalidInput(_)), "{err}");
+    // through a generation: the draft holds the prompt when the first token is handed out
+    let target = load("qwen3_untied", KvCacheMode::Flat);
+    let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
+    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3));
+    let prompt = &history[..17];
+    let mut cache = target.new_cache();
+    let mut gen = generate(&target, &mut cache, prompt, gen_cfg(20, SamplingConfig::greedy())).unwrap().with_speculator(&mut spec);
+    gen.next().unwrap().unwrap();
+    assert_eq!(d.lock().unwrap().cache().offset(), prompt.len(), "the draft ran the prompt before its first cycle");
+    assert_eq!(d.lock().unwrap().proposals(), 0);
 }
 
 /// Drafting ahead (the GPU default) changes no output: greedy tokens equal plain decoding's on
