@@ -232,7 +232,7 @@ fn a_draft_model_skipping_a_stretch_restarts_from_the_window() {
     for kv in [KvCacheMode::Flat, paged(4)] {
         let model = load("qwen3", kv.clone());
         let vocab = model.info().vocab_size;
-        let mut toks = |n: usize| (0..n).map(|_| rng.below(vocab) as u32).collect::<Vec<u32>>();
+        let mut toks = |n: usize| rng.tokens(n, vocab);
         let fresh = |h: &[u32]| DraftModel::new(model.clone()).propose(h, 3, &greedy).unwrap().tokens;
         let mut a = DraftModel::new(model.clone());
         let mut history = toks(20);
@@ -272,7 +272,7 @@ fn catching_up_in_pieces_drafts_the_same() {
     for kv in [KvCacheMode::Flat, paged(4)] {
         let model = load("qwen3", kv.clone());
         let vocab = model.info().vocab_size;
-        let history: Vec<u32> = (0..70).map(|_| rng.below(vocab) as u32).collect();
+        let history: Vec<u32> = rng.tokens(70, vocab);
         let sampling = SamplingConfig {
             temperature: 1.0,
             seed: Some(5),
@@ -363,7 +363,7 @@ fn a_draft_cache_is_sized_as_the_generation_asks() {
     let mut rng = Rng(35);
     let model = load("qwen3", KvCacheMode::Flat);
     let vocab = model.info().vocab_size;
-    let history: Vec<u32> = (0..300).map(|_| rng.below(vocab) as u32).collect();
+    let history: Vec<u32> = rng.tokens(300, vocab);
     let (mut plain, mut reserved) = (DraftModel::new(model.clone()), DraftModel::new(model.clone()));
     reserved.reserve(600);
     for end in [20, 21, 200, 260, 300] {
@@ -379,7 +379,7 @@ fn a_draft_cache_is_sized_as_the_generation_asks() {
     let target = load("qwen3_untied", KvCacheMode::Flat);
     let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
     let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3));
-    let prompt: Vec<u32> = (0..12).map(|_| rng.below(vocab) as u32).collect();
+    let prompt: Vec<u32> = rng.tokens(12, vocab);
     let mut cache = target.new_cache();
     let gen = generate(&target, &mut cache, &prompt, gen_cfg(300, SamplingConfig::greedy())).unwrap().with_speculator(&mut spec);
     let got = gen.take(10).map(|t| t.unwrap().id).count();
@@ -399,7 +399,7 @@ fn a_draft_model_runs_the_prompt_with_the_target() {
     let mut rng = Rng(36);
     let model = load("qwen3", KvCacheMode::Flat);
     let vocab = model.info().vocab_size;
-    let history: Vec<u32> = (0..40).map(|_| rng.below(vocab) as u32).collect();
+    let history: Vec<u32> = rng.tokens(40, vocab);
     for pieces in [None, Some(4)] {
         for n in [1, 13, 39] {
             let label = format!("{n} prompt tokens, pieces {pieces:?}");
@@ -485,7 +485,7 @@ fn proposals_after_drafting_ahead_are_a_fresh_drafters() {
         let fresh = |h: &[u32], k: usize| DraftModel::new(model.clone()).propose(h, k, &greedy).unwrap().tokens;
         let other = |t: u32| (t + 1) % vocab as u32;
         let mut a = DraftModel::new(model.clone());
-        let mut history: Vec<u32> = (0..20).map(|_| rng.below(vocab) as u32).collect();
+        let mut history: Vec<u32> = rng.tokens(20, vocab);
         let mut drafts = a.propose(&history, 4, &greedy).unwrap().tokens;
         for (case, ahead) in [("guess held", 3), ("another token", 2), ("draft rejected", 3)] {
             a.draft_ahead(&history, &drafts, ahead).unwrap();

@@ -253,6 +253,10 @@ impl Rng {
     pub fn range(&mut self, lo: usize, hi: usize) -> usize {
         lo + self.below(hi - lo + 1)
     }
+    /// `n` token ids below `vocab`.
+    pub fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
+        (0..n).map(|_| self.below(vocab) as u32).collect()
+    }
 }
 
 /// A random prompt of `len` tokens in `3..vocab` whose plain greedy run over `n` tokens keeps
