@@ -10,8 +10,9 @@
 //! `--draft-model DIR [--draft-tokens K]` decodes speculatively (mlx-speculative; the draft's
 //! kind is read from its config.json), `--mtp [--mtp-depth D]` with the model's own MTP head
 //! (Qwen3.5; a fixed depth when given, else adaptive up to 5), and the JSON object gains `"speculative": {"cycles",
-//! "accepted_mean", "acceptance_by_position", "depth_mean"}` (`accepted_mean`: accepted draft
-//! tokens per cycle, the target's own token not counted). On a GPU the decoder first warms up
+//! "accepted_mean", "tokens_per_cycle", "acceptance_by_position", "depth_mean"}` (`accepted_mean`:
+//! accepted draft tokens per cycle, the target's own token not counted; `tokens_per_cycle`: with
+//! it). On a GPU the decoder first warms up
 //! (`--speculative-warm-up`).
 //!
 //! `--distributed ring` (what the `launch` example passes) runs it as one rank of a
@@ -312,7 +313,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if !cli.json {
         eprintln!("[{reason}] {} tokens, prefill {:.1} tok/s, decode {:.1} tok/s", ids.len(), perf.prefill_tokens_per_sec, perf.decode_tokens_per_sec);
         if let Some(s) = &perf.speculative {
-            eprintln!("speculative: {} cycles, {:.2} drafts accepted per cycle of {:.2}, by position {:?}", s.cycles, s.accepted_mean, s.depth_mean, s.acceptance_by_position);
+            eprintln!("speculative: {} cycles, {:.2} drafts accepted per cycle of {:.2} ({:.2} tokens a cycle), by position {:?}", s.cycles, s.accepted_mean, s.depth_mean, s.tokens_per_cycle, s.acceptance_by_position);
         }
     }
     Ok(())

@@ -94,6 +94,9 @@ pub struct SpeculativeStats {
     pub cycles: usize,
     /// Accepted draft tokens per cycle (the target's own token of each cycle not counted).
     pub accepted_mean: f64,
+    /// Tokens per cycle: the accepted drafts and the target's own token (`accepted_mean` + 1;
+    /// 0 before the first cycle).
+    pub tokens_per_cycle: f64,
     /// Per draft position `i`: accepted / drafted at that position.
     pub acceptance_by_position: Vec<f64>,
     /// Draft tokens proposed per cycle.

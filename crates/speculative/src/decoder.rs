@@ -41,6 +41,7 @@ impl Counters {
         SpeculativeStats {
             cycles: self.cycles,
             accepted_mean: per(self.accepted),
+            tokens_per_cycle: per(self.accepted + self.cycles),
             acceptance_by_position: self
                 .by_position
                 .iter()

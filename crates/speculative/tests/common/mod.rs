@@ -99,6 +99,9 @@ pub fn check_identity(
         "{label}: the cache holds the prompt and every token"
     );
     assert!(st.cycles > 0, "{label}: no speculative cycles");
+    // every token after the first (the prefill's) comes from a cycle
+    let from_cycles = st.tokens_per_cycle * st.cycles as f64;
+    assert!((from_cycles - (want.len() - 1) as f64).abs() < 1e-6, "{label}: {from_cycles} tokens from {} cycles", st.cycles);
     eprintln!("{label}: {st:?}");
     st
 }
