@@ -134,12 +134,12 @@ pub trait Speculator: Send {
     /// with flat K/V storage of its own sizes it likewise ([`Cache::reserve`]) when it next runs.
     /// Default: nothing.
     fn reserve(&mut self, _positions: usize) {}
-    /// The prompt has been prefilled and `history` (context and prompt) is in the target's
-    /// cache; the first token is sampled but not yet handed out. A speculator with a context of
-    /// its own (a draft model's cache) may queue its run over `history` now, as the target's
-    /// prefill, rather than in its first cycle. Not called when the first token ends the
-    /// generation. Default: nothing.
-    fn prefill(&mut self, _history: &[u32]) -> Result<()> {
+    /// The prompt has been prefilled and `history` (context and prompt) is in the target
+    /// `model`'s cache; the first token is sampled but not yet handed out. A speculator with a
+    /// context of its own (a draft model's cache) may queue its run over `history` now, as the
+    /// target's prefill, rather than in its first cycle. Not called when the first token ends
+    /// the generation. Default: nothing.
+    fn prefill(&mut self, _model: &Model, _history: &[u32]) -> Result<()> {
         Ok(())
     }
 }
@@ -430,7 +430,7 @@ impl<'a> Generator<'a> {
             }
             let more = !self.stop.contains(&id) && self.cfg.max_new_tokens > 1;
             if let Some(spec) = self.spec.as_mut().filter(|_| more) {
-                spec.speculator.prefill(&self.history)?;
+                spec.speculator.prefill(self.model, &self.history)?;
             }
             self.first_token = Some(self.started.elapsed());
         }

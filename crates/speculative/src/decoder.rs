@@ -291,7 +291,11 @@ impl Speculator for SpeculativeDecoder {
         self.drafter.reserve(positions);
     }
 
-    fn prefill(&mut self, history: &[u32]) -> Result<()> {
+    fn prefill(&mut self, model: &Model, history: &[u32]) -> Result<()> {
+        // a drafter adaptive depth leaves out never drafts: nothing to run the prompt for
+        if self.leaves_out(model) {
+            return Ok(());
+        }
         self.drafter.prefill(history)
     }
 

@@ -527,6 +527,7 @@ fn adaptive_depth_leaves_out_a_draft_as_heavy_as_the_target() {
     // every token after the prefill's first is a plain cycle
     assert_eq!((st.depth_mean, st.cycles), (0.0, want.len() - 1), "{st:?}");
     assert_eq!(d.lock().unwrap().proposals(), 0, "the draft never ran");
+    assert_eq!(d.lock().unwrap().cache().offset(), 0, "not even over the prompt");
     let d = heavy();
     let mut fixed = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(2));
     let st = check_identity(&target, &mut fixed, &prompt, &want, "fixed depth, heavy draft");
