@@ -98,6 +98,12 @@ impl Drafter for TimedDrafter {
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.inner.skipped(history, window)
     }
+    fn reserve(&mut self, positions: usize) {
+        self.inner.reserve(positions)
+    }
+    fn prefill(&mut self, history: &[u32]) -> MResult<()> {
+        self.inner.prefill(history)
+    }
     fn feedback(&mut self, f: &Feedback<'_>) -> MResult<()> {
         self.inner.feedback(f)
     }
@@ -162,6 +168,17 @@ impl Speculator for Tracer<'_> {
     }
     fn settle(&mut self, model: &Model, cache: &mut Cache, history: &[u32]) -> MResult<()> {
         self.inner.settle(model, cache, history)
+    }
+    fn reserve(&mut self, positions: usize) {
+        self.inner.reserve(positions)
+    }
+    fn prefill(&mut self, model: &Model, history: &[u32]) -> MResult<()> {
+        let t = Instant::now();
+        self.inner.prefill(model, history)?;
+        if !self.quiet {
+            println!("draft prefill of {} tokens queued in {:.2} ms", history.len(), t.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok(())
     }
     fn stats(&self) -> SpeculativeStats {
         self.inner.stats()
