@@ -171,10 +171,15 @@ fn one_grpo_step_matches_trl() {
         let mut t = GrpoTrainer::new(tree, reference, &f32_options(), cfg).unwrap();
         assert_eq!(t.uses_chunked_head(), !full);
         let (out, grads) = t.loss_and_gradients(&batch).unwrap();
+        // The loss is a weighted mean of per-token terms ratio·A whose advantages nearly cancel
+        // (grpo_token: terms of |A| ≈ 0.75 on average, loss −0.018), so its f32 rounding is
+        // relative to the terms, not to the loss: 1e-5 of the larger of |loss| and mean |A|.
         let want = case["loss"].as_f64().unwrap();
+        let mean_abs_adv = want_adv.iter().map(|a| a.abs()).sum::<f64>() / want_adv.len() as f64;
+        let loss_scale = want.abs().max(mean_abs_adv);
         assert!(
-            rel(out.loss as f64, want) < 1e-5,
-            "{name}: loss {} vs TRL {want}",
+            (out.loss as f64 - want).abs() < 1e-5 * loss_scale,
+            "{name}: loss {} vs TRL {want} (tolerance 1e-5 × {loss_scale})",
             out.loss
         );
         let mut sq = 0f64;
