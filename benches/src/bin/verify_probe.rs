@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! verify_probe --model DIR [--dtype bf16] [--prompt 384] [--rows 1,2,4,8] [--iters 20]
-//!              [--modes off,products,attention,on] [--forward-only | --op-costs | --growth [--prewarm] [--reserve N]]
+//!              [--modes off,products,attention,on] [--forward-only | --op-costs | --compare | --growth [--prewarm] [--reserve N]]
 //! ```
 //!
 //! - `forward`: with each [`CudaFewRowKernels`] setting, the median time of a forward of M rows at a fixed position (logits of every row
@@ -23,6 +23,11 @@
 //!   model's width (add, reshape, rms_norm, a product through a 3-d input and through a 2-d one,
 //!   one query's attention), building the graph and evaluating it: where a one-row forward's
 //!   host time goes (each node's share of libmlx's per-node work);
+//! - `--compare` (instead of the timings): for each setting and M, the logits of a forward of M
+//!   rows against M one-row forwards over the same tokens from the same cache (what a verify
+//!   step computes against plain decoding), and against a second M-row forward: the largest
+//!   difference, the rows whose argmax differs, and the smallest top-1/top-2 gap of the one-row
+//!   logits (argmaxes may differ where that gap is below the difference);
 //! - `--growth [--prewarm] [--reserve N]` (alone): one-row decode steps across the flat caches' K/V growth at
 //!   256 and 512 positions in a fresh process, to tell a growth's one-time cost from the rest.
 use mlx_array::ops::{concatenate, set_cuda_few_row_kernels, AttentionMask, CudaFewRowKernels};
@@ -56,6 +61,9 @@ struct Cli {
     /// Time per node of chains of one-row ops instead of the product and attention tables.
     #[arg(long, conflicts_with = "forward_only")]
     op_costs: bool,
+    /// Logits of M-row forwards against one-row forwards instead of timings.
+    #[arg(long, conflicts_with_all = ["forward_only", "op_costs"])]
+    compare: bool,
     /// Only one-row decode steps from --prompt positions to 520 in a fresh cache, twice: the
     /// steps where the flat K/V grows (256, 512 positions) against the rest.
     #[arg(long, conflicts_with_all = ["forward_only", "op_costs", "rows", "modes", "iters"])]
@@ -68,6 +76,56 @@ struct Cli {
     /// (`Cache::reserve`, as `generate` does for a generation's length), so they never grow.
     #[arg(long, requires = "growth")]
     reserve: Option<usize>,
+}
+
+/// `--compare`: M-row forwards against one-row forwards over `next` from `cache`'s position
+/// (restored after each).
+fn compare_rows(model: &mlx_models::Model, cache: &mut mlx_models::Cache, next: &[u32], rows: &[usize], modes: &[CudaFewRowKernels]) -> Res<()> {
+    let host = |a: &Array| -> Res<Vec<f32>> { Ok(a.astype(mlx_array::DType::F32)?.to_vec::<f32>()?) };
+    let vocab = model.info().vocab_size;
+    for &mode in modes {
+        set_cuda_few_row_kernels(mode);
+        for &m in rows {
+            let multi = |cache: &mut mlx_models::Cache| -> Res<Vec<f32>> {
+                let out = model.with_runtime(|rt| rt.forward(&Array::from_slice(&next[..m], &[1, m])?, cache, Logits::All, false))?;
+                let logits = out.logits.ok_or("no logits")?;
+                cache.eval_with(&[&logits])?;
+                let v = host(&logits)?;
+                cache.trim(m)?;
+                Ok(v)
+            };
+            let (a, b) = (multi(cache)?, multi(cache)?);
+            let mut seq = Vec::with_capacity(m * vocab);
+            for i in 0..m {
+                let out = model.with_runtime(|rt| rt.forward(&Array::from_slice(&next[i..i + 1], &[1, 1])?, cache, Logits::Last, false))?;
+                let logits = out.logits.ok_or("no logits")?;
+                cache.eval_with(&[&logits])?;
+                seq.extend(host(&logits)?);
+            }
+            cache.trim(m)?;
+            let argmax = |r: &[f32]| r.iter().enumerate().fold(0, |best, (j, &x)| if x > r[best] { j } else { best });
+            let diff = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            let mut flips = Vec::new();
+            let mut gap = f32::INFINITY;
+            for i in 0..m {
+                let (r, s) = (&a[i * vocab..(i + 1) * vocab], &seq[i * vocab..(i + 1) * vocab]);
+                if argmax(r) != argmax(s) {
+                    flips.push(i);
+                }
+                let top = argmax(s);
+                let second = s.iter().enumerate().filter(|&(j, _)| j != top).map(|(_, &x)| x).fold(f32::NEG_INFINITY, f32::max);
+                gap = gap.min(s[top] - second);
+            }
+            let scale = seq.iter().map(|x| x.abs()).fold(0f32, f32::max);
+            println!(
+                "compare kernels={mode:?} rows={m}: max |M-row - one-row| {:.3e} (largest |logit| {scale:.2}), argmax differs at rows {flips:?}, smallest one-row top-1/top-2 gap {gap:.3e}; max |M-row - M-row again| {:.3e}",
+                diff(&a, &seq),
+                diff(&a, &b)
+            );
+        }
+    }
+    set_cuda_few_row_kernels(CudaFewRowKernels::Off);
+    Ok(())
 }
 
 const MODES: [CudaFewRowKernels; 2] = [CudaFewRowKernels::Off, CudaFewRowKernels::On];
@@ -91,7 +149,7 @@ fn usize_field(cfg: &serde_json::Value, k: &str) -> Res<usize> {
 }
 
 fn main() -> Res<()> {
-    let Cli { m, rows, iters, modes, forward_only, op_costs: costs, growth, prewarm, reserve } = <Cli as clap::Parser>::parse();
+    let Cli { m, rows, iters, modes, forward_only, op_costs: costs, compare, growth, prewarm, reserve } = <Cli as clap::Parser>::parse();
     if rows.iter().any(|&r| r == 0) || m.prompt == 0 {
         return Err("--rows and --prompt must be positive".into());
     }
@@ -112,6 +170,9 @@ fn main() -> Res<()> {
     let mut cache = model.new_cache();
     let pre = model.with_runtime(|rt| rt.forward(&Array::from_slice(&ids[..prompt], &[1, prompt])?, &mut cache, Logits::Last, false))?;
     cache.eval_with(&pre.logits.iter().collect::<Vec<_>>())?;
+    if compare {
+        return compare_rows(&model, &mut cache, &ids[prompt..], &rows, &modes);
+    }
     for &mode in &modes {
         set_cuda_few_row_kernels(mode);
         for &m in &rows {
