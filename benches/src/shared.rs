@@ -42,6 +42,17 @@ pub struct ModelArgs {
     /// KV cache: flat or paged.
     #[arg(long, default_value = "flat")]
     pub kv: String,
+    /// Projections of one input as one product (`LoadOptions::fuse_projections`): on or off
+    /// (default: on a GPU only).
+    #[arg(long)]
+    pub fuse_projections: Option<Switch>,
+}
+
+/// `on` or `off`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
 }
 
 #[allow(dead_code)] // llm_bench includes this module without the probes' arguments
@@ -50,7 +61,8 @@ impl ModelArgs {
     pub fn load_options(&self) -> Result<(mlx_models::LoadOptions, DType), Box<dyn std::error::Error>> {
         let dt = dtype(&self.dtype).ok_or_else(|| format!("unknown dtype {}", self.dtype))?;
         let kv_cache = kv_cache(&self.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", self.kv))?;
-        Ok((mlx_models::LoadOptions { dtype: Some(dt), kv_cache, ..Default::default() }, dt))
+        let fuse_projections = self.fuse_projections.map(|f| matches!(f, Switch::On));
+        Ok((mlx_models::LoadOptions { dtype: Some(dt), kv_cache, fuse_projections, ..Default::default() }, dt))
     }
 
     /// The checkpoint loaded as a causal LM with `--dtype` and `--kv`, and that dtype.

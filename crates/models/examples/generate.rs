@@ -120,6 +120,11 @@ struct Cli {
     /// (`mlx_array::ops::CudaFewRowKernels`): off, products, attention or on.
     #[arg(long, default_value = "off")]
     cuda_few_row_kernels: CudaFewRowKernels,
+    /// Projections of one input (q/k/v, gate/up) as one product over joined weights
+    /// (`LoadOptions::fuse_projections`), for the model and a --draft-model: auto (on a GPU
+    /// only), on or off.
+    #[arg(long, value_enum, default_value = "auto")]
+    fuse_projections: Fuse,
     /// Join an MLX distributed group over this backend (started by the `launch` example, or
     /// by `mlx.launch`) and run tensor parallel over its ranks.
     #[arg(long, value_enum)]
@@ -139,6 +144,13 @@ enum Kv {
     Auto,
     Flat,
     Paged,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Fuse {
+    Auto,
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -172,7 +184,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
     let before = memory::active()?;
-    let opts = LoadOptions { quantized, kv_cache, tensor_parallel: group.clone(), ..Default::default() };
+    let fuse_projections = match cli.fuse_projections {
+        Fuse::Auto => None,
+        Fuse::On => Some(true),
+        Fuse::Off => Some(false),
+    };
+    let opts = LoadOptions { quantized, kv_cache, fuse_projections, tensor_parallel: group.clone(), ..Default::default() };
     let model = load_model(dir, &opts)?.into_lm()?;
     // What each rank holds after the load (MLX's active memory: the weights, and a paged
     // cache's first pool blocks), in KiB.
