@@ -24,7 +24,11 @@ proptest! {
             for (d, &pd) in p.iter().enumerate() { src[pd] = m[d]; }
             x[ravel(&src, &shape)]
         }).collect();
-        prop_assert_eq!(t.to_vec::<f32>().unwrap(), want);
+        prop_assert_eq!(t.to_vec::<f32>().unwrap(), want.clone());
+        // a transposed view made contiguous keeps its shape and values
+        let c = t.contiguous().unwrap();
+        prop_assert_eq!(c.shape(), tshape);
+        prop_assert_eq!(c.to_vec::<f32>().unwrap(), want);
         prop_assert!(a.reshape(&[x.len() as i32 + 1]).is_err());
     }
 
@@ -41,7 +45,8 @@ proptest! {
             let src: Vec<usize> = (0..3).map(|d| start[d] + m[d] * step[d]).collect();
             x[ravel(&src, &shape)]
         }).collect();
-        prop_assert_eq!(y.to_vec::<f32>().unwrap(), want);
+        prop_assert_eq!(y.to_vec::<f32>().unwrap(), want.clone());
+        prop_assert_eq!(y.contiguous().unwrap().to_vec::<f32>().unwrap(), want, "a strided view made contiguous");
         // slice_axis is the single-axis case.
         let s1 = arr(&x, &shape).slice_axis(2, start[2], stop[2]).unwrap();
         prop_assert_eq!(s1.shape(), vec![shape[0], shape[1], stop[2] - start[2]]);

@@ -10,6 +10,11 @@ impl Array {
     pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
         m::reshape(&self.inner, shape).op("reshape").map(Array::wrap)
     }
+    /// The same values in a row-major contiguous buffer (the input's own when it already is
+    /// one, else a copy).
+    pub fn contiguous(&self) -> Result<Array> {
+        self.inner.contiguous().op("contiguous").map(Array::wrap)
+    }
     /// Permute axes.
     pub fn transpose(&self, axes: &[i32]) -> Result<Array> {
         m::transpose_axes(&self.inner, axes).op("transpose").map(Array::wrap)

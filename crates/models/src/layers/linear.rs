@@ -497,6 +497,15 @@ impl FusedLinear {
         }
     }
 
+    /// Whether [`FusedLinear::forward`] of `rows` rows returns its parts as views of one
+    /// joined product (columns of wider rows) rather than arrays of their own.
+    pub(crate) fn returns_views(&self, rows: usize) -> bool {
+        match self {
+            FusedLinear::Fused { lin, .. } => rows <= FUSED_MAX_ROWS || lin.is_quantized(),
+            FusedLinear::Separate(_) => false,
+        }
+    }
+
     /// The projections of `x`, in load order, each `[..., out_i]`.
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
