@@ -190,12 +190,13 @@ impl Attention {
         if let Some(n) = &self.k_norm {
             k = n.forward(&k)?;
         }
-        // A step of a few rows on a GPU takes q and k as views of one joined product (rows as
-        // wide as q + k + v). libmlx's CUDA rope has computed wrong values for such strided
-        // inputs (mlx-lm makes them contiguous first), and on an H100 the verify steps of a
-        // model without q/k norms (whose outputs are fresh arrays) left plain decoding's tokens:
-        // rope gets them contiguous.
-        if !last && l > 1 && self.qkv.returns_views(l as usize) && !super::runs_on_cpu() {
+        // A step of a few rows (tokens, or batch rows) on a GPU takes q and k as views of one
+        // joined product (rows as wide as q + k + v). libmlx's CUDA rope has computed wrong
+        // values for such strided inputs (mlx-lm makes them contiguous first), and on an H100
+        // the verify steps of a model without q/k norms (whose outputs are fresh arrays) left
+        // plain decoding's tokens: rope gets them contiguous.
+        let rows = (b * l) as usize;
+        if !last && rows > 1 && self.qkv.returns_views(rows) && !super::runs_on_cpu() {
             if self.q_norm.is_none() {
                 q = q.contiguous()?;
             }
