@@ -262,8 +262,12 @@ pub(crate) fn dequantize_f32(q: &mlx_array::Quantized) -> Result<Array> {
 /// On the CPU: whether the input `x` has few enough rows (tokens) for the packed-weight kernels
 /// ([`mlx_array::ops::CPU_PACKED_MAX_ROWS`]: decode and short prefills). `None` off the CPU.
 fn cpu_rows(x: &Array) -> Option<bool> {
-    let rows = x.size() / x.dims().last().map_or(1, |&d| d.max(1) as usize);
-    super::runs_on_cpu().then_some(rows <= mlx_array::ops::CPU_PACKED_MAX_ROWS)
+    super::runs_on_cpu().then_some(rows_of(x) <= mlx_array::ops::CPU_PACKED_MAX_ROWS)
+}
+
+/// Rows of `x` `[..., in]`: the product of its leading dimensions.
+fn rows_of(x: &Array) -> usize {
+    x.size() / x.dims().last().map_or(1, |&d| d.max(1) as usize)
 }
 
 /// Inputs of at most this many rows (tokens) run a fused projection as one product; larger ones
@@ -480,8 +484,7 @@ impl FusedLinear {
     pub(crate) fn forward_for_heads(&self, x: &Array) -> Result<(Vec<Array>, Vec<usize>)> {
         match self {
             FusedLinear::Fused { lin, splits } => {
-                let rows = x.size() / x.dims().last().map_or(1, |&d| d.max(1) as usize);
-                if rows <= FUSED_MAX_ROWS || lin.is_quantized() {
+                if self.returns_views(rows_of(x)) {
                     let mut cols = vec![0];
                     cols.extend_from_slice(splits);
                     return Ok((vec![lin.forward(x)?], cols));
@@ -511,8 +514,7 @@ impl FusedLinear {
         match self {
             FusedLinear::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
             FusedLinear::Fused { lin, splits } => {
-                let rows = x.size() / x.dims().last().map_or(1, |&d| d.max(1) as usize);
-                if rows <= FUSED_MAX_ROWS || lin.is_quantized() {
+                if self.returns_views(rows_of(x)) {
                     return Ok(lin.forward(x)?.split_at(splits, -1)?);
                 }
                 let mut bounds = Vec::with_capacity(splits.len() + 2);
