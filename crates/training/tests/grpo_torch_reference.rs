@@ -30,6 +30,15 @@ fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-12)
 }
 
+/// What a GRPO loss may differ by: 1e-5 of the larger of |`want`| and the mean |advantage|. The
+/// loss is a weighted mean of per-token terms ratio·A whose advantages nearly cancel (grpo_token:
+/// terms of |A| ≈ 0.75 on average, loss −0.018; at beta 0 over the rewards below, ~2e-8), so its
+/// f32 rounding is relative to the terms, not to the loss.
+fn loss_tolerance(want: f64, advantages: &[f64]) -> f64 {
+    let mean_abs = advantages.iter().map(|a| a.abs()).sum::<f64>() / advantages.len() as f64;
+    1e-5 * want.abs().max(mean_abs)
+}
+
 fn config_of(case: &Value, group: usize) -> GrpoConfig {
     let s = |k: &str| case[k].as_str().unwrap().to_string();
     GrpoConfig {
@@ -171,15 +180,11 @@ fn one_grpo_step_matches_trl() {
         let mut t = GrpoTrainer::new(tree, reference, &f32_options(), cfg).unwrap();
         assert_eq!(t.uses_chunked_head(), !full);
         let (out, grads) = t.loss_and_gradients(&batch).unwrap();
-        // The loss is a weighted mean of per-token terms ratio·A whose advantages nearly cancel
-        // (grpo_token: terms of |A| ≈ 0.75 on average, loss −0.018), so its f32 rounding is
-        // relative to the terms, not to the loss: 1e-5 of the larger of |loss| and mean |A|.
         let want = case["loss"].as_f64().unwrap();
-        let mean_abs_adv = want_adv.iter().map(|a| a.abs()).sum::<f64>() / want_adv.len() as f64;
-        let loss_scale = want.abs().max(mean_abs_adv);
+        let tol = loss_tolerance(want, &want_adv);
         assert!(
-            (out.loss as f64 - want).abs() < 1e-5 * loss_scale,
-            "{name}: loss {} vs TRL {want} (tolerance 1e-5 × {loss_scale})",
+            (out.loss as f64 - want).abs() < tol,
+            "{name}: loss {} vs TRL {want} (tolerance {tol:e})",
             out.loss
         );
         let mut sq = 0f64;
@@ -269,7 +274,10 @@ fn chunked_head_matches_full_logits() {
         (vec![3, 17, 99], vec![5, 6, 7, 8, 9]),
         (vec![3, 17, 99], vec![11]),
     ];
-    let batch = GrpoBatch::single_reward(rows, &[0.5, 1.0, 0.0, 0.25]).unwrap();
+    let rewards = [0.5, 1.0, 0.0, 0.25];
+    let batch = GrpoBatch::single_reward(rows, &rewards).unwrap();
+    let d = GrpoConfig::default();
+    let advantages = compute_advantages(&rewards, d.group_size, d.scale_rewards).unwrap();
     for beta in [0.0, 0.1] {
         let run = |chunked: bool| {
             let cfg = GrpoConfig {
@@ -300,14 +308,10 @@ fn chunked_head_matches_full_logits() {
             names.iter().any(|n| n.ends_with("embed_tokens.weight")),
             "the tied head is trained"
         );
-        // tolerance relative to the per-token terms (mean |advantage|): at beta 0 the loss is
-        // a cancellation, ~2e-8
-        let d = GrpoConfig::default();
-        let adv = compute_advantages(&[0.5, 1.0, 0.0, 0.25], d.group_size, d.scale_rewards).unwrap();
-        let scale = (b.loss as f64).abs().max(adv.iter().map(|a| a.abs()).sum::<f64>() / adv.len() as f64);
+        let tol = loss_tolerance(b.loss as f64, &advantages);
         assert!(
-            ((a.loss - b.loss) as f64).abs() < 1e-5 * scale,
-            "beta {beta}: loss {} vs {} (tolerance 1e-5 × {scale})",
+            ((a.loss - b.loss) as f64).abs() < tol,
+            "beta {beta}: loss {} vs {} (tolerance {tol:e})",
             a.loss,
             b.loss
         );
