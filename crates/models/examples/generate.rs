@@ -121,8 +121,8 @@ struct Cli {
     #[arg(long, default_value = "off")]
     cuda_few_row_kernels: CudaFewRowKernels,
     /// Projections of one input (q/k/v, gate/up) as one product over joined weights
-    /// (`LoadOptions::fuse_projections`), for the model and a --draft-model: auto (on a GPU
-    /// only), on or off.
+    /// (`LoadOptions::fuse_projections`), for the model and a plain --draft-model (assistant
+    /// and block drafts load their own layers, joined on a GPU): auto (on a GPU only), on or off.
     #[arg(long, value_enum, default_value = "auto")]
     fuse_projections: Fuse,
     /// Join an MLX distributed group over this backend (started by the `launch` example, or
