@@ -62,7 +62,7 @@ struct Cli {
     #[arg(long, conflicts_with = "forward_only")]
     op_costs: bool,
     /// Logits of M-row forwards against one-row forwards instead of timings.
-    #[arg(long, conflicts_with_all = ["forward_only", "op_costs"])]
+    #[arg(long, conflicts_with_all = ["forward_only", "op_costs", "iters", "growth"])]
     compare: bool,
     /// Only one-row decode steps from --prompt positions to 520 in a fresh cache, twice: the
     /// steps where the flat K/V grows (256, 512 positions) against the rest.
