@@ -4,8 +4,9 @@
 #   bash scripts/gpu/stage_tests.sh [TEST...]     # default: paged (crates/models/tests/paged.rs)
 #   STAGE=.gpu-bench bash scripts/gpu/stage_tests.sh ...   # add them to the benchmark's staging
 #                                                          # (one carry; GPU_STAGE=.gpu-bench on the device)
+#   PKG=mlx-speculative bash scripts/gpu/stage_tests.sh identity   # another package's tests
 #
-# Builds `cargo test --release -p mlx-models --test TEST --no-run` here, against the CPU libmlx
+# Builds `cargo test --release -p PKG --test TEST --no-run` (PKG default mlx-models) here, against the CPU libmlx
 # (the binary runs with the CUDA libmlx swapped in through LD_LIBRARY_PATH, as gpu_check does),
 # and puts each binary (stripped, xz) with the CUDA payload of scripts/gpu/prepare.sh in
 # .gpu-tests/ (git-ignored through .git/info/exclude). Then on the device:
@@ -18,7 +19,7 @@ STAGE=${STAGE:-.gpu-tests}
 stage_payload "$STAGE"
 TESTS=("$@"); [ ${#TESTS[@]} -gt 0 ] || TESTS=(paged)
 for t in "${TESTS[@]}"; do
-  bin=$(cd "$ROOT" && cargo test --release -p mlx-models --test "$t" --no-run --message-format json 2>/dev/null |
+  bin=$(cd "$ROOT" && cargo test --release -p "${PKG:-mlx-models}" --test "$t" --no-run --message-format json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -55,6 +55,9 @@ fn greedy_identity_over_caches_drafts_and_depths() {
             KvCacheMode::Flat,
             vec!["gemma3_text", "llama"],
         ),
+        // no q/k norms: on a GPU rope reads q and k straight from the joined q/k/v product
+        ("llama", KvCacheMode::Flat, vec!["llama", "llama_q4", "qwen3"]),
+        ("qwen2", paged(4), vec!["llama", "qwen2"]),
         // quantized drafts of hybrid and sliding-window targets: partial acceptance, so both
         // sides roll back part of a cycle through recurrent state and rotating windows
         ("lfm2_moe", KvCacheMode::Flat, vec!["lfm2_moe_q4"]),
