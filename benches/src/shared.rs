@@ -46,6 +46,10 @@ pub struct ModelArgs {
     /// (default: on a GPU only).
     #[arg(long)]
     pub fuse_projections: Option<Switch>,
+    /// On a GPU, pad few-query attention's keys to a multiple of this many
+    /// (`mlx_array::ops::set_gpu_attention_key_bucket`; 0: no padding).
+    #[arg(long, default_value_t = 0)]
+    pub key_bucket: usize,
 }
 
 /// `on` or `off`.
@@ -62,6 +66,7 @@ impl ModelArgs {
         let dt = dtype(&self.dtype).ok_or_else(|| format!("unknown dtype {}", self.dtype))?;
         let kv_cache = kv_cache(&self.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", self.kv))?;
         let fuse_projections = self.fuse_projections.map(|f| matches!(f, Switch::On));
+        mlx_array::ops::set_gpu_attention_key_bucket(self.key_bucket);
         Ok((mlx_models::LoadOptions { dtype: Some(dt), kv_cache, fuse_projections, ..Default::default() }, dt))
     }
 

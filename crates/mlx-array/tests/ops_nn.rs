@@ -178,7 +178,7 @@ proptest! {
     #[test]
     fn sdpa_masks_and_gqa(
         (b, hkv, rep, l, extra, d) in (1usize..3, 1usize..3, 1usize..4, 1usize..6, 0usize..4, 1usize..9),
-        mask_kind in 0usize..5, window in 1usize..5, bfl in any::<bool>(),
+        mask_kind in 0usize..5, window in 1usize..5, bfl in any::<bool>(), bucket in 2usize..9,
         seed in vals(2 * 6 * 5 * 8 * 3 + 9 * 5 * 9, -1.0, 1.0),
     ) {
         let hq = hkv * rep;
@@ -220,6 +220,10 @@ proptest! {
         let yp = qa.sdpa_by_products(&ka, &va, scale, mask).unwrap();
         prop_assert_eq!(yp.dtype(), dtype);
         close("sdpa_by_products", &out(&yp), &want, tol)?;
+        // keys padded to a multiple of `bucket`, the padding masked out
+        let yb = qa.sdpa_by_products_bucketed(&ka, &va, scale, mask, bucket).unwrap();
+        prop_assert_eq!(yb.shape(), vec![b, hq, l, d]);
+        close("sdpa_by_products_bucketed", &out(&yb), &want, tol)?;
         if mask_kind >= 3 {
             let m = if mask_kind == 3 { &add_arr } else { &bool_arr };
             let per_head = m.reshape(&[1, 1, l as i32, kl as i32]).unwrap().broadcast_to(&[b, hq, l, kl]).unwrap();
@@ -255,6 +259,7 @@ proptest! {
         }
         close("sdpa", &out(&y), &want, tol)?;
         close("sdpa_by_products", &out(&qa.sdpa_by_products(&ka, &va, scale, mask).unwrap()), &want, tol)?;
+        close("sdpa_by_products_bucketed 64", &out(&qa.sdpa_by_products_bucketed(&ka, &va, scale, mask, 64).unwrap()), &want, tol)?;
     }
 }
 

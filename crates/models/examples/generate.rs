@@ -125,6 +125,12 @@ struct Cli {
     /// and block drafts load their own layers, joined on a GPU): auto (on a GPU only), on or off.
     #[arg(long, value_enum, default_value = "auto")]
     fuse_projections: Fuse,
+    /// On a GPU, pad the keys of attention over 2-64 queries (verify steps, a draft's catching
+    /// up) to a multiple of this many, the padding masked out, so that a growing cache changes
+    /// the products' shapes once a bucket (`mlx_array::ops::set_gpu_attention_key_bucket`; 0: no
+    /// padding).
+    #[arg(long, default_value_t = 0)]
+    key_bucket: usize,
     /// Join an MLX distributed group over this backend (started by the `launch` example, or
     /// by `mlx.launch`) and run tensor parallel over its ranks.
     #[arg(long, value_enum)]
@@ -163,6 +169,7 @@ enum Quantized {
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
     mlx_array::ops::set_cuda_few_row_kernels(cli.cuda_few_row_kernels);
+    mlx_array::ops::set_gpu_attention_key_bucket(cli.key_bucket);
     let dir = &cli.model;
     let quantized = match cli.quantized {
         Quantized::Auto => QuantizedWeights::Auto,

@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [USELESS=K] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
@@ -14,6 +14,9 @@
 # per AHEAD value): the second generation has no first-use costs. GROWTH=1 adds `verify_probe
 # --growth` on the target in fresh processes, without and with `--prewarm` (one-row steps across
 # the flat K/V growth at 256 and 512 positions).
+#
+# BUCKET=N runs each fixed-depth line again with `--key-bucket N` (few-query attention's keys
+# padded to a multiple of N: one shape of its products per N positions).
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
 # `--cuda-few-row-kernels MODE` (verify steps' products and/or attention by the kernels of
@@ -54,6 +57,7 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
     for a in $(echo "${AHEAD:-}" | tr , " "); do echo "draft$k-ahead$a $(run --draft-model "$P/draft" --draft-tokens "$k" --draft-ahead "$a")"; done
     [ -n "${AHEAD:-}" ] || echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
     [ -z "${FEWROW:-}" ] || echo "draft$k+$FEWROW $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels "$FEWROW")"
+    [ -z "${BUCKET:-}" ] || echo "draft$k+bucket$BUCKET $(run --draft-model "$P/draft" --draft-tokens "$k" --key-bucket "$BUCKET")"
   done
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   [ -z "${USELESS:-}" ] || echo "useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"
@@ -64,6 +68,7 @@ if [ -n "${TRACE:-}" ]; then
   for a in $(echo "${AHEAD:-default}" | tr , " "); do
     [ "$a" = default ] && set -- || set -- --draft-ahead "$a"
     echo "spec_trace K=${KS[-1]} ahead=$a: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet "$@" | grep '^run' | tr '\n' ' ')"
+    [ -z "${BUCKET:-}" ] || echo "spec_trace K=${KS[-1]} ahead=$a bucket=$BUCKET: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet --key-bucket "$BUCKET" "$@" | grep '^run' | tr '\n' ' ')"
   done 2>&1 | tee "$OUT/trace.log"
 fi
 if [ -n "${GROWTH:-}" ]; then

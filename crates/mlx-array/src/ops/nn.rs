@@ -23,6 +23,21 @@ pub enum AttentionMask<'a> {
 /// heads take 134 MB in f32.
 pub const GPU_PRODUCT_ATTENTION_MAX_QUERIES: usize = 64;
 
+static GPU_ATTENTION_KEY_BUCKET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Pad the keys of [`Array::sdpa`]'s few-query attention on a GPU (the matrix products) to a
+/// multiple of `bucket` keys, the padding masked out (process-wide; 0 or 1: no padding). A
+/// verify step meets a new key count every cycle; padded, its products keep one shape for
+/// `bucket` positions.
+pub fn set_gpu_attention_key_bucket(bucket: usize) {
+    GPU_ATTENTION_KEY_BUCKET.store(bucket, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The current [`set_gpu_attention_key_bucket`] setting.
+pub fn gpu_attention_key_bucket() -> usize {
+    GPU_ATTENTION_KEY_BUCKET.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Rotary position embedding settings (see [`Array::rope`]).
 #[derive(Debug, Clone, Copy)]
 pub struct RopeConfig<'a> {
@@ -148,7 +163,7 @@ impl Array {
             if super::cuda::few_query_kernel_applies(self, keys, values, &mask) {
                 return self.cuda_few_query_attention(keys, values, scale, mask);
             }
-            return self.sdpa_by_products(keys, values, scale, mask);
+            return self.sdpa_by_products_bucketed(keys, values, scale, mask, gpu_attention_key_bucket());
         }
         if k[1] == 0 || q[1] % k[1] != 0 {
             return Err(Error::shape("sdpa", format!("{} query heads for {} kv heads", q[1], k[1])));
@@ -220,6 +235,14 @@ impl Array {
     /// than one query builds a cuDNN graph per (queries, keys) shape, so a step whose key count
     /// is new each time (speculative verification) pays that build in every layer.
     pub fn sdpa_by_products(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask) -> Result<Array> {
+        self.sdpa_by_products_bucketed(keys, values, scale, mask, 0)
+    }
+
+    /// [`Array::sdpa_by_products`] with the keys and values padded by zeros to a multiple of
+    /// `bucket` keys (0 or 1: none) and the padding masked out, so that the products keep one
+    /// shape while the key count grows within a bucket. A mask array is not padded: with one
+    /// the keys are not either. The result equals the unpadded one up to the products' rounding.
+    pub fn sdpa_by_products_bucketed(&self, keys: &Array, values: &Array, scale: f32, mask: AttentionMask, bucket: usize) -> Result<Array> {
         let (q, k, vd) = (self.dims(), keys.dims(), values.dims());
         if q.len() != 4 || k.len() != 4 || vd.len() != 4 {
             return Err(Error::shape("sdpa", format!("need 4-d q/k/v, got {q:?} {k:?} {vd:?}")));
@@ -233,17 +256,43 @@ impl Array {
         if l > kn && !matches!(mask, AttentionMask::None | AttentionMask::Array(_)) {
             return Err(Error::shape("sdpa", format!("{l} queries after {kn} keys under a causal mask")));
         }
+        if let AttentionMask::SlidingWindow(0) = mask {
+            return Err(Error::arg("sdpa", "a sliding window of 0 keys"));
+        }
+        // keys padded to `kp` (masked below): queries are still the last `l` of the `kn` real keys
+        let kp = match bucket {
+            b if b > 1 && !matches!(mask, AttentionMask::Array(_)) => (kn as usize).div_ceil(b) * b,
+            _ => kn as usize,
+        } as i32;
+        let padded;
+        let (keys, values) = if kp > kn {
+            let w = [(0, 0), (0, 0), (0, (kp - kn) as usize), (0, 0)];
+            padded = (keys.pad(&w, 0.0)?, values.pad(&w, 0.0)?);
+            (&padded.0, &padded.1)
+        } else {
+            (keys, values)
+        };
         // [B, Hkv, rep * L, D]: the query heads of one key-value head are consecutive
         let qs = self.mul_scalar(scale)?.reshape(&[b, hkv, rep * l, d])?;
-        let scores = qs.matmul(&keys.transpose(&[0, 1, 3, 2])?)?.reshape(&[b, hkv, rep, l, kn])?;
+        let scores = qs.matmul(&keys.transpose(&[0, 1, 3, 2])?)?.reshape(&[b, hkv, rep, l, kp])?;
+        let positions = || -> Result<(Array, Array)> {
+            let qpos = Array::arange((kn - l) as i64, kn as i64, DType::I32)?.reshape(&[l, 1])?;
+            let kpos = Array::arange(0, kp as i64, DType::I32)?.reshape(&[1, kp])?;
+            Ok((qpos, kpos))
+        };
         let visible = match mask {
-            AttentionMask::None => None,
+            AttentionMask::None if kp == kn => None,
+            AttentionMask::None => Some(Array::arange(0, kp as i64, DType::I32)?.lt(&Array::scalar(kn))?),
+            // padded keys lie after every query's position
             AttentionMask::Causal => {
-                let qpos = Array::arange((kn - l) as i64, kn as i64, DType::I32)?.reshape(&[l, 1])?;
-                let kpos = Array::arange(0, kn as i64, DType::I32)?.reshape(&[1, kn])?;
+                let (qpos, kpos) = positions()?;
                 Some(kpos.le(&qpos)?)
             }
-            AttentionMask::SlidingWindow(w) => Some(sliding_window_mask(l as usize, kn as usize, w)?),
+            AttentionMask::SlidingWindow(w) if kp == kn => Some(sliding_window_mask(l as usize, kn as usize, w)?),
+            AttentionMask::SlidingWindow(w) => {
+                let (qpos, kpos) = positions()?;
+                Some(kpos.le(&qpos)?.logical_and(&kpos.gt(&qpos.sub(&Array::scalar(w as i32))?)?)?)
+            }
             AttentionMask::Array(m) => Some(m.clone()),
         };
         // a mask over [B, Hq, L, K] (or a broadcastable shape) as [B, Hkv, rep, L, K]
@@ -268,7 +317,7 @@ impl Array {
             Some(m) if m.dtype() == DType::Bool => where_(&grouped(m)?, &scores, &Array::scalar_as(f32::NEG_INFINITY, scores.dtype())?)?,
             Some(m) => scores.add(&grouped(m)?)?,
         };
-        let p = scores.softmax(-1, true)?.reshape(&[b, hkv, rep * l, kn])?;
+        let p = scores.softmax(-1, true)?.reshape(&[b, hkv, rep * l, kp])?;
         p.matmul(values)?.reshape(&[b, hq, l, dv])
     }
 
