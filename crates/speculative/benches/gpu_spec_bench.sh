@@ -25,7 +25,8 @@
 # run from the repository root (scripts/gpu/unpack_payload.sh); gpu_pair.py is read next to
 # this script, so both may be staged together.
 #
-# Makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
+# First, when staged, the speculative identity tests (crates/speculative/tests/identity.rs, tiny
+# checkpoints; with MLX_ENABLE_TF32 1 and 0). Then makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
 # agreement), then greedy decoding of NEW tokens (default 128) after a 32-id prompt: ours plain
 # and speculative with K drafts a cycle (the generate example's --json line: decode tok/s,
 # accepted_mean, acceptance by position), and mlx-lm's generate_step and
@@ -42,9 +43,20 @@ mkdir -p "$OUT" "$R/mlx/lib"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.log"
 . "$ROOT/scripts/gpu/unpack_payload.sh"
 unpack_payload "$G" "$R" || exit 3
-for w in "$G"/*.whl; do python3 -m zipfile -e "$w" "$R" || exit 3; done
+for w in "$G"/*.whl; do [ -e "$w" ] || continue; python3 -m zipfile -e "$w" "$R" || exit 3; done
 xz -dkf "$G/generate.xz" 2>/dev/null; chmod +x "$G/generate"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} LD_LIBRARY_PATH=$R/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONUNBUFFERED=1
+if [ -f "$G/identity.xz" ]; then
+  # the speculative identity tests on this GPU (the binary finds its fixtures under the path it
+  # was built in), TF32 as libmlx defaults and off
+  m=$(cat "$G/manifest_dir_root"); [ -e "$m/crates" ] || { mkdir -p "$(dirname "$m")" && ln -sfn "$ROOT" "$m"; }
+  xz -dkf "$G/identity.xz" 2>/dev/null; chmod +x "$G/identity"
+  for tf in 1 0; do
+    MLX_ENABLE_TF32=$tf timeout 300 "$G/identity" --test-threads 1 --nocapture > "$OUT/identity_tf32_$tf.log" 2>&1
+    echo "identity tests, MLX_ENABLE_TF32=$tf: exit $?"
+    grep -E "^test |test result|panicked|left:|right:" "$OUT/identity_tf32_$tf.log" | cut -c1-400
+  done 2>&1 | tee "$OUT/identity.log"
+fi
 P=/tmp/spec-pair
 t0=$(date +%s)
 python3 "$HERE/gpu_pair.py" "$P" || exit 4
@@ -77,6 +89,7 @@ if [ -n "${GROWTH:-}" ]; then
     echo "growth ${pre:-(no prewarm)}: $("$G/verify_probe" --model "$P/target" --prompt 240 --growth $pre | grep -v '^device' | tr '\n' ' ')"
   done 2>&1 | tee "$OUT/growth.log"
 fi
+ls "$G"/mlx_lm-*.whl > /dev/null 2>&1 || { echo "mlx-lm not staged (MLX_LM=0)"; exit 0; }
 PYTHONPATH=$R python3 - "$P" "$IDS" "$NEW" "${KS[@]}" <<'EOF' 2>&1 | tee "$OUT/mlx_lm.log"
 import json, sys, time
 import mlx.core as mx

@@ -4,9 +4,11 @@
 #   bash crates/speculative/benches/prepare_gpu_spec.sh [DIR]    # under the repository root; default .dev/spec
 #
 # DIR gets the CUDA libmlx payload (scripts/gpu/stage_payload.sh: the mlx-cuda-13 wheel's libmlx
-# trimmed to sm_90), the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the release `generate`
-# example and the `verify_probe` and `spec_trace` benches, stripped and xz'd (built here against the CPU libmlx; they run
-# with the CUDA one swapped in). Nothing staged is committed. Then on the device:
+# trimmed to sm_90), the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, the release `generate`
+# example, the speculative identity tests (`identity`, run first by gpu_spec_bench.sh) and the
+# benches named in PROBES (`PROBES="spec_trace"` for TRACE=1, `verify_probe` for GROWTH=1; either
+# fits what a call carries only with MLX_LM=0, which leaves the wheels and mlx-lm's run out), stripped and xz'd (built here against the CPU libmlx;
+# they run with the CUDA one swapped in). Nothing staged is committed. Then on the device:
 #   STAGE=DIR NEW=384 bash crates/speculative/benches/gpu_spec_bench.sh 3 5 7
 #   xz -dkf DIR/verify_probe.xz && LD_LIBRARY_PATH=/tmp/mlxrt-spec/mlx/lib \
 #     DIR/verify_probe --model /tmp/spec-pair/draft --prompt 384 --rows 1,2,8 --modes off --forward-only
@@ -19,11 +21,29 @@ ROOT=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 NAME=${1:-.dev/spec}
 . "$ROOT/scripts/gpu/stage_payload.sh"
 stage_payload "$NAME"
-python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_35_x86_64 \
+rm -f "$S"/*.whl
+[ "${MLX_LM:-1}" = 0 ] || python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_35_x86_64 \
   --python-version 312 -d "$S" mlx==0.32.2 mlx-lm==0.32.2
-(cd "$ROOT" && cargo build --release -p mlx-models --example generate && cargo build --release -p mlx-models-bench --bin verify_probe --bin spec_trace)
+PROBES=${PROBES:-}   # e.g. "spec_trace verify_probe": benches staged next to generate
+(cd "$ROOT" && cargo build --release -p mlx-models --example generate) || exit 1
 strip -o "$S/generate" "$ROOT/target/release/examples/generate"
-strip -o "$S/verify_probe" "$ROOT/target/release/verify_probe"
-strip -o "$S/spec_trace" "$ROOT/target/release/spec_trace"
-xz -T2 -6 -f "$S/generate" "$S/verify_probe" "$S/spec_trace"
-du -sh "$S"
+rm -f "$S"/verify_probe.xz "$S"/spec_trace.xz
+for b in $PROBES; do
+  (cd "$ROOT" && cargo build --release -p mlx-models-bench --bin "$b") || exit 1
+  strip -o "$S/$b" "$ROOT/target/release/$b"
+done
+# the speculative identity tests (tiny checkpoints of the repository: their path is recorded)
+idt=$(cd "$ROOT" && cargo test --release -p mlx-speculative --test identity --no-run --message-format json 2>/dev/null |
+      python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]: print(m["executable"])' | tail -1)
+[ -x "$idt" ] || { echo "no identity test binary" >&2; exit 1; }
+strip --strip-unneeded -o "$S/identity" "$idt"
+echo "$ROOT" > "$S/manifest_dir_root"
+xz -T2 -6 -f "$S/generate" "$S/identity" $(for b in $PROBES; do echo "$S/$b"; done)
+# a `run` call carries the working tree and this folder: 64 MiB in all
+tree=$(cd "$ROOT" && git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+staged=$(du -sb "$S" | cut -f1)
+echo "$S: $staged bytes; with the tracked tree $((tree + staged)) of 67108864"
+[ $((tree + staged)) -le 67108864 ] || { echo "over the 64 MiB a call carries: stage fewer PROBES" >&2; exit 1; }

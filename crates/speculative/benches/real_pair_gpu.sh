@@ -10,9 +10,7 @@
 #           bash crates/speculative/benches/real_pair_gpu.sh part 1        # carry .dev/real/p1 (then 2, 3)
 #           bash crates/speculative/benches/real_pair_gpu.sh run           # carry .dev/real/p4
 #
-# `run` runs the speculative identity tests (crates/speculative/tests/identity.rs: tiny checkpoints,
-# with TF32 as libmlx defaults and off), reassembles the GGUF (checked against its sha256),
-# converts it, then prints
+# `run` reassembles the GGUF (checked against its sha256), converts it, then prints
 #   * `verify_probe --compare` on the target (f32 with TF32 as libmlx defaults, f32 with
 #     MLX_ENABLE_TF32=0, f32 without joined projections, bf16): an M-row forward's logits against
 #     M one-row forwards, what a verify step computes against plain decoding;
@@ -36,12 +34,6 @@ stage)
   sh scripts/fetch_gguf.sh > /dev/null
   gguf=${MLX_MODELS_CACHE:-$HOME/.cache/mlx-models}/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
   cargo build --release -p mlx-convert --example convert && cargo build --release -p mlx-models-bench --bin verify_probe || exit 1
-  idt=$(cargo test --release -p mlx-speculative --test identity --no-run --message-format json 2>/dev/null |
-        python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]: print(m["executable"])' | tail -1)
-  [ -x "$idt" ] || { echo "no identity test binary" >&2; exit 1; }
   rm -rf "$STAGE" && mkdir -p "$STAGE"
   n=$(( ($(stat -c %s "$gguf") + PART - 1) / PART ))
   [ "$n" -le 4 ] || { echo "the GGUF needs $n parts, this script carries 4" >&2; exit 1; }
@@ -52,9 +44,7 @@ for l in sys.stdin:
   sha256sum "$gguf" | cut -d' ' -f1 > "$STAGE/p4/sha256"
   strip -o "$STAGE/p4/convert" target/release/examples/convert
   strip -o "$STAGE/p4/verify_probe" target/release/verify_probe
-  strip --strip-unneeded -o "$STAGE/p4/identity" "$idt"
-  echo "$ROOT" > "$STAGE/p4/manifest_dir_root" # the test finds its fixtures under this path
-  xz -T2 -6 -f "$STAGE/p4/convert" "$STAGE/p4/verify_probe" "$STAGE/p4/identity"
+  xz -T2 -6 -f "$STAGE/p4/convert" "$STAGE/p4/verify_probe"
   du -sh "$STAGE"/p*
   ;;
 unpack)
@@ -74,15 +64,9 @@ run)
   cat "$G/part1" "$G/part2" "$G/part3" "$G/part4" > "$G/smol.gguf"
   [ "$(sha256sum "$G/smol.gguf" | cut -d' ' -f1)" = "$(cat "$ROOT/$STAGE/p4/sha256")" ] || { echo "GGUF parts do not match its sha256" >&2; exit 5; }
   [ -f "$R/mlx/lib/libmlx.so" ] && [ -x "$B/generate" ] || { echo "run 'unpack' first on this machine" >&2; exit 6; }
-  for b in convert verify_probe identity; do xz -dc "$ROOT/$STAGE/p4/$b.xz" > "$B/$b" && chmod +x "$B/$b"; done
+  for b in convert verify_probe; do xz -dc "$ROOT/$STAGE/p4/$b.xz" > "$B/$b" && chmod +x "$B/$b"; done
   export LD_LIBRARY_PATH=$R/mlx/lib
   nvidia-smi --query-gpu=name --format=csv,noheader | tee "$O/env.log"
-  m=$(cat "$ROOT/$STAGE/p4/manifest_dir_root")
-  [ -e "$m/crates" ] || { mkdir -p "$(dirname "$m")" && ln -sfn "$ROOT" "$m"; }
-  for tf in 1 0; do
-    echo "== speculative identity tests, MLX_ENABLE_TF32=$tf"
-    MLX_ENABLE_TF32=$tf timeout 120 "$B/identity" --test-threads 1 --nocapture 2>&1 | grep -E "^test |test result|panicked|left:|right:| <- "
-  done 2>&1 | tee "$O/identity.log"
   "$B/convert" gguf "$G/smol.gguf" "$W/target-f32" --dtype f32 > /dev/null || exit 7
   "$B/convert" quantize "$W/target-f32" "$W/draft-q4g64" --bits 4 --group-size 64 > /dev/null || exit 7
   vp() { timeout 60 "$B/verify_probe" --model "$W/target-f32" --prompt 40 --rows 2,4,8 --modes off --compare "$@" | grep compare; }
