@@ -39,6 +39,10 @@ OUT=${OUT:-/tmp/gpu-out}
 R=${MLXRT:-/tmp/mlxrt-spec}
 NEW=${NEW:-128}
 KS=("$@"); [ ${#KS[@]} -gt 0 ] || KS=(5 7)
+for x in TRACE:spec_trace GROWTH:verify_probe; do
+  v=${x%%:*} b=${x#*:}
+  [ -z "${!v:-}" ] || [ -f "$G/$b.xz" ] || { echo "$v=1 needs $b staged (MLX_LM=0 PROBES=$b prepare_gpu_spec.sh)" >&2; exit 2; }
+done
 mkdir -p "$OUT" "$R/mlx/lib"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.log"
 . "$ROOT/scripts/gpu/unpack_payload.sh"
@@ -76,7 +80,6 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
   echo "plain2 $(run)"
 } 2>&1 | tee "$OUT/ours.log"
 if [ -n "${TRACE:-}" ]; then
-  [ -f "$G/spec_trace.xz" ] || { echo "TRACE=1 needs spec_trace staged (MLX_LM=0 PROBES=spec_trace prepare_gpu_spec.sh)" >&2; exit 2; }
   xz -dkf "$G/spec_trace.xz" 2>/dev/null; chmod +x "$G/spec_trace"
   for a in $(echo "${AHEAD:-default}" | tr , " "); do
     [ "$a" = default ] && set -- || set -- --draft-ahead "$a"
@@ -85,7 +88,6 @@ if [ -n "${TRACE:-}" ]; then
   done 2>&1 | tee "$OUT/trace.log"
 fi
 if [ -n "${GROWTH:-}" ]; then
-  [ -f "$G/verify_probe.xz" ] || { echo "GROWTH=1 needs verify_probe staged (MLX_LM=0 PROBES=verify_probe prepare_gpu_spec.sh)" >&2; exit 2; }
   xz -dkf "$G/verify_probe.xz" 2>/dev/null; chmod +x "$G/verify_probe"
   for pre in "" --prewarm ""  --prewarm; do
     echo "growth ${pre:-(no prewarm)}: $("$G/verify_probe" --model "$P/target" --prompt 240 --growth $pre | grep -v '^device' | tr '\n' ' ')"
