@@ -275,24 +275,16 @@ impl Array {
         // [B, Hkv, rep * L, D]: the query heads of one key-value head are consecutive
         let qs = self.mul_scalar(scale)?.reshape(&[b, hkv, rep * l, d])?;
         let scores = qs.matmul(&keys.transpose(&[0, 1, 3, 2])?)?.reshape(&[b, hkv, rep, l, kp])?;
-        let positions = || -> Result<(Array, Array)> {
-            let qpos = Array::arange((kn - l) as i64, kn as i64, DType::I32)?.reshape(&[l, 1])?;
-            let kpos = Array::arange(0, kp as i64, DType::I32)?.reshape(&[1, kp])?;
-            Ok((qpos, kpos))
-        };
         let visible = match mask {
             AttentionMask::None if kp == kn => None,
             AttentionMask::None => Some(Array::arange(0, kp as i64, DType::I32)?.lt(&Array::scalar(kn))?),
             // padded keys lie after every query's position
             AttentionMask::Causal => {
-                let (qpos, kpos) = positions()?;
+                let qpos = Array::arange((kn - l) as i64, kn as i64, DType::I32)?.reshape(&[l, 1])?;
+                let kpos = Array::arange(0, kp as i64, DType::I32)?.reshape(&[1, kp])?;
                 Some(kpos.le(&qpos)?)
             }
-            AttentionMask::SlidingWindow(w) if kp == kn => Some(sliding_window_mask(l as usize, kn as usize, w)?),
-            AttentionMask::SlidingWindow(w) => {
-                let (qpos, kpos) = positions()?;
-                Some(kpos.le(&qpos)?.logical_and(&kpos.gt(&qpos.sub(&Array::scalar(w as i32))?)?)?)
-            }
+            AttentionMask::SlidingWindow(w) => Some(padded_sliding_window_mask(l as usize, kn as usize, kp as usize, w)?),
             AttentionMask::Array(m) => Some(m.clone()),
         };
         // a mask over [B, Hq, L, K] (or a broadcastable shape) as [B, Hkv, rep, L, K]
@@ -428,11 +420,17 @@ impl Array {
 
 /// Boolean `[L, K]` mask: query `i` (at position `K-L+i`) sees keys `j` with `p-w < j <= p`.
 pub fn sliding_window_mask(l: usize, k: usize, window: usize) -> Result<Array> {
-    if l > k || window == 0 {
+    padded_sliding_window_mask(l, k, k, window)
+}
+
+/// [`sliding_window_mask`] over `padded >= k` key columns, the `padded - k` past the last query
+/// masked out (they lie after every query's position).
+fn padded_sliding_window_mask(l: usize, k: usize, padded: usize, window: usize) -> Result<Array> {
+    if l > k || window == 0 || padded < k {
         return Err(Error::arg("sliding_window_mask", format!("{l} queries, {k} keys, window {window}")));
     }
     let qpos = Array::arange((k - l) as i64, k as i64, DType::I32)?.reshape(&[l as i32, 1])?;
-    let kpos = Array::arange(0, k as i64, DType::I32)?.reshape(&[1, k as i32])?;
+    let kpos = Array::arange(0, padded as i64, DType::I32)?.reshape(&[1, padded as i32])?;
     let causal = kpos.le(&qpos)?;
     let recent = kpos.gt(&qpos.sub(&Array::scalar(window as i32))?)?;
     causal.logical_and(&recent)
