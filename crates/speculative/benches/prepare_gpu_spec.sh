@@ -32,16 +32,9 @@ for b in $PROBES; do
   (cd "$ROOT" && cargo build --release -p mlx-models-bench --bin "$b") || exit 1
   strip -o "$S/$b" "$ROOT/target/release/$b"
 done
-# the speculative identity tests (tiny checkpoints of the repository: their path is recorded)
-idt=$(cd "$ROOT" && cargo test --release -p mlx-speculative --test identity --no-run --message-format json 2>/dev/null |
-      python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]: print(m["executable"])' | tail -1)
-[ -x "$idt" ] || { echo "no identity test binary" >&2; exit 1; }
-strip --strip-unneeded -o "$S/identity" "$idt"
-echo "$ROOT" > "$S/manifest_dir_root"
-xz -T2 -6 -f "$S/generate" "$S/identity" $(for b in $PROBES; do echo "$S/$b"; done)
+xz -T2 -6 -f "$S/generate" $(for b in $PROBES; do echo "$S/$b"; done)
+# the speculative identity tests (tiny checkpoints of the repository: stage_tests.sh records their path)
+(cd "$ROOT" && STAGE=$NAME PKG=mlx-speculative bash scripts/gpu/stage_tests.sh identity > /dev/null) || exit 1
 # a `run` call carries the working tree and this folder: 64 MiB in all
 tree=$(cd "$ROOT" && git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 staged=$(du -sb "$S" | cut -f1)
