@@ -61,7 +61,8 @@ pub enum Switch {
 
 #[allow(dead_code)] // llm_bench includes this module without the probes' arguments
 impl ModelArgs {
-    /// The load options `--dtype` and `--kv` ask for, and that dtype.
+    /// The load options `--dtype`, `--kv` and `--fuse-projections` ask for, and that dtype;
+    /// sets `--key-bucket` process-wide (every probe loads through here).
     pub fn load_options(&self) -> Result<(mlx_models::LoadOptions, DType), Box<dyn std::error::Error>> {
         let dt = dtype(&self.dtype).ok_or_else(|| format!("unknown dtype {}", self.dtype))?;
         let kv_cache = kv_cache(&self.kv).ok_or_else(|| format!("--kv {:?}: expected flat or paged", self.kv))?;

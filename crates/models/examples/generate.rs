@@ -128,7 +128,7 @@ struct Cli {
     /// On a GPU, pad the keys of attention over 2-64 queries (verify steps, a draft's catching
     /// up) to a multiple of this many, the padding masked out, so that a growing cache changes
     /// the products' shapes once a bucket (`mlx_array::ops::set_gpu_attention_key_bucket`; 0: no
-    /// padding).
+    /// padding). Attention that --cuda-few-row-kernels gives our kernel is not padded.
     #[arg(long, default_value_t = 0)]
     key_bucket: usize,
     /// Join an MLX distributed group over this backend (started by the `launch` example, or

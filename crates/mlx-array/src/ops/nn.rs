@@ -28,7 +28,8 @@ static GPU_ATTENTION_KEY_BUCKET: std::sync::atomic::AtomicUsize = std::sync::ato
 /// Pad the keys of [`Array::sdpa`]'s few-query attention on a GPU (the matrix products) to a
 /// multiple of `bucket` keys, the padding masked out (process-wide; 0 or 1: no padding). A
 /// verify step meets a new key count every cycle; padded, its products keep one shape for
-/// `bucket` positions.
+/// `bucket` positions. Calls that the few-query attention kernel takes
+/// ([`crate::ops::CudaFewRowKernels`]) read the keys unpadded: it has no per-shape set-up.
 pub fn set_gpu_attention_key_bucket(bucket: usize) {
     GPU_ATTENTION_KEY_BUCKET.store(bucket, std::sync::atomic::Ordering::Relaxed);
 }
