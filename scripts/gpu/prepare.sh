@@ -9,8 +9,9 @@
 #     ($MLX_CUDA_CACHE, default ~/.cache/mlx-sys/mlx-cuda-13-$MLX_VERSION) and unpacks it there;
 #  2. trims libmlx.so's CUDA fat binaries to sm_$SM SASS (fatbin_keep.py; 62 MiB of kernels for
 #     7 targets -> 8.5 MiB for one) and xz-compresses it (~14 MiB), and packs mlx/include (the
-#     CCCL/CUTLASS headers NVRTC needs for MLX's JIT kernels) and mlx_cuda_13.libs (bundled
-#     BLAS/LAPACK/gfortran) as tar.xz: the device machine takes at most 64 MiB of files per call;
+#     CCCL/CUTLASS headers NVRTC needs for MLX's JIT kernels), mlx_cuda_13.libs (bundled
+#     BLAS/LAPACK/gfortran) and the crt/ headers of the PyPI package nvidia-cuda-crt (mma.h's,
+#     missing from the GPU image) as tar.xz: the device machine takes at most 64 MiB of files per call;
 #  3. builds `cargo build --release -p mlx-array --example gpu_check` here, against the CPU libmlx
 #     of mlx-sys (the same C++ API: the binary runs with the CUDA libmlx.so swapped in through
 #     LD_LIBRARY_PATH), and copies it stripped into .gpu/;
@@ -70,8 +71,18 @@ if [ ! -f "$P/libmlx.so.xz" ] || [ "$HERE/fatbin_keep.py" -nt "$P/libmlx.so.xz" 
   (cd "$W/mlx/lib" && sha256sum libmlx.so) > "$P/libmlx.so.orig.sha256"
 fi
 
+# the CUDA crt/ headers (nvidia-cuda-crt, not in the GPU image's venv), which NVRTC needs for
+# MLX's kernels that include mma.h
+if [ ! -f "$P/crt.tar.xz" ]; then
+  TMP=$(mktemp -d "$CACHE/tmp.XXXXXX")
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$TMP" "nvidia-cuda-crt==13.0.*"
+  python3 -m zipfile -e "$TMP"/nvidia_cuda_crt-*.whl "$TMP/crt"
+  tar -C "$TMP/crt" -cJf "$P/crt.tar.xz" nvidia/cu13/include/crt
+  rm -rf "$TMP"
+fi
+
 mkdir -p "$STAGE"
-for f in libmlx.so.xz include.tar.xz cudalibs.tar.xz; do cp -f "$P/$f" "$STAGE/$f"; done
+for f in libmlx.so.xz include.tar.xz cudalibs.tar.xz crt.tar.xz; do cp -f "$P/$f" "$STAGE/$f"; done
 echo "sm_$SM mlx-cuda-13==$MLX_VERSION" > "$STAGE/RUNTIME"
 
 # 3. the test binary, built here against the CPU libmlx (GPU_CHECK_BIN=path: use that build)

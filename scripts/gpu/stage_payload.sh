@@ -9,8 +9,8 @@ stage_payload() {
   excl=$(git -C "$ROOT" rev-parse --git-path info/exclude); case $excl in /*) ;; *) excl=$ROOT/$excl ;; esac
   grep -qxF "/$name/" "$excl" || echo "/$name/" >> "$excl"
   # prepare.sh --no-build makes the payload, then stops on the missing gpu_check build.
-  [ -f "$p/libmlx.so.xz" ] || bash "$ROOT/scripts/gpu/prepare.sh" --no-build || [ -f "$p/libmlx.so.xz" ]
+  [ -f "$p/libmlx.so.xz" ] && [ -f "$p/crt.tar.xz" ] || bash "$ROOT/scripts/gpu/prepare.sh" --no-build || [ -f "$p/crt.tar.xz" ]
   S=$ROOT/$name
   mkdir -p "$S"
-  cp -f "$p"/{libmlx.so.xz,include.tar.xz,cudalibs.tar.xz} "$S/"
+  cp -f "$p"/{libmlx.so.xz,include.tar.xz,cudalibs.tar.xz,crt.tar.xz} "$S/"
 }

@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#   STAGE=DIR [PAIR=0] [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
@@ -17,6 +17,8 @@
 #
 # BUCKET=N runs each fixed-depth line again with `--key-bucket N` (few-query attention's keys
 # padded to a multiple of N: one shape of its products per N positions).
+#
+# PAIR=0 stops after the identity tests (no pair, no benchmark).
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
 # `--cuda-few-row-kernels MODE` (verify steps' products and/or attention by the kernels of
@@ -61,6 +63,7 @@ if [ -f "$G/identity.xz" ]; then
     grep -E "^test |test result|panicked|left:|right:" "$OUT/identity_tf32_$tf.log" | cut -c1-400
   done 2>&1 | tee "$OUT/identity.log"
 fi
+[ "${PAIR:-1}" != 0 ] || exit 0
 P=/tmp/spec-pair
 t0=$(date +%s)
 python3 "$HERE/gpu_pair.py" "$P" || exit 4
