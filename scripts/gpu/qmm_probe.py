@@ -1,0 +1,86 @@
+"""Quantized products of few rows on the GPU against the CPU (MLX's own kernels on both).
+
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N]
+
+RT holds the mlx wheel's python package with the CUDA libmlx swapped in (as gpu_spec_bench.sh
+unpacks it). For each shape, `mx.quantized_matmul` and `mx.gather_qmm` (unsorted and sorted
+rows, as the MoE layers call them) run on the default device `--repeats` times and once on the
+CPU; a line per case gives the largest |gpu - cpu|, whether the GPU gave non-finite values, and
+whether its repeats differ from each other. Shapes cover the tiny test checkpoints (64-wide
+hidden, 32-wide expert MLPs, 4 experts, groups of 32 and 64) and wider ones.
+"""
+
+import argparse
+import itertools
+
+import mlx.core as mx
+
+
+def quantize(w, gs, bits):
+    return mx.quantize(w, group_size=gs, bits=bits)
+
+
+def run(fn, repeats):
+    outs = []
+    for _ in range(repeats):
+        y = fn(mx.default_stream(mx.default_device()))
+        mx.eval(y)
+        outs.append(y)
+    ref = fn(mx.cpu)
+    mx.eval(ref)
+    first = outs[0]
+    finite = all(bool(mx.all(mx.isfinite(o)).item()) for o in outs)
+    err = max(float(mx.max(mx.abs(o - ref)).item()) if bool(mx.all(mx.isfinite(o)).item()) else float("inf") for o in outs)
+    spread = max(float(mx.max(mx.abs(o - first)).item()) if bool(mx.all(mx.isfinite(o)).item()) else float("inf") for o in outs)
+    scale = float(mx.max(mx.abs(ref)).item())
+    return err, scale, finite, spread
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=4)
+    args = ap.parse_args()
+    print("device", mx.default_device())
+    mx.random.seed(0)
+    bad = 0
+    # (rows, out, in, group, bits)
+    dense = list(itertools.product([1, 2, 3, 4, 5, 8, 16], [4, 32, 64, 192, 512], [32, 64, 128], [32, 64], [4, 8], [mx.float32, mx.bfloat16]))
+    for m, n, k, gs, bits, dt in dense:
+        if k % gs:
+            continue
+        x = mx.random.normal((m, k)).astype(dt)
+        w, s, b = quantize((mx.random.normal((n, k)) * 0.1).astype(dt), gs, bits)
+        tol = 1e-2 if dt == mx.float32 else 5e-2
+        fn = lambda st: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, stream=st)
+        err, scale, finite, spread = run(fn, args.repeats)
+        flag = "" if finite and err <= tol * max(scale, 1.0) and spread == 0 else "  <-- BAD"
+        bad += bool(flag)
+        print(f"qmm {dt} rows={m} out={n} in={k} gs={gs} bits={bits}: max|gpu-cpu| {err:.3e} (|y| {scale:.2e}) finite {finite} repeat spread {spread:.1e}{flag}")
+    # gathered: x [T, 1, 1, in] with ids [T, k] (unsorted), or [T*k, 1, in] with sorted ids
+    experts = list(itertools.product([1, 2, 3, 4, 6, 8, 16, 32], [(32, 64), (64, 32), (128, 256)], [32, 64], [4, 8], [mx.float32, mx.bfloat16]))
+    for t, (n, k), gs, bits, dt in experts:
+        if k % gs:
+            continue
+        e, topk = 4, 2
+        w, s, b = quantize((mx.random.normal((e, n, k)) * 0.1).astype(dt), gs, bits)
+        ids = mx.random.randint(0, e, (t, topk)).astype(mx.uint32)
+        x = mx.random.normal((t, k)).astype(dt)
+        tol = 1e-2 if dt == mx.float32 else 5e-2
+        for sort in (False, True):
+            if sort:
+                flat = ids.reshape(-1)
+                order = mx.argsort(flat)
+                xs = mx.take(x, order // topk, axis=0).reshape(t * topk, 1, k)
+                idx = mx.take(flat, order)
+            else:
+                xs, idx = x.reshape(t, 1, 1, k), ids
+            fn = lambda st, xs=xs, idx=idx, sort=sort: mx.gather_qmm(xs, w, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, sorted_indices=sort, stream=st)
+            err, scale, finite, spread = run(fn, args.repeats)
+            flag = "" if finite and err <= tol * max(scale, 1.0) and spread == 0 else "  <-- BAD"
+            bad += bool(flag)
+            print(f"gather_qmm {dt} tokens={t} top2 of 4 out={n} in={k} gs={gs} bits={bits} sorted={sort}: max|gpu-cpu| {err:.3e} (|y| {scale:.2e}) finite {finite} repeat spread {spread:.1e}{flag}")
+    print(f"{bad} bad case(s)")
+
+
+if __name__ == "__main__":
+    main()
