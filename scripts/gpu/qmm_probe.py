@@ -1,6 +1,6 @@
 """Quantized products of few rows on the GPU against the CPU (MLX's own kernels on both).
 
-    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N]
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense]
 
 RT holds the mlx wheel's python package with the CUDA libmlx swapped in (as gpu_spec_bench.sh
 unpacks it). For each shape, `mx.quantized_matmul` and `mx.gather_qmm` (unsorted and sorted
@@ -39,6 +39,7 @@ def run(fn, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--only", choices=["gather", "dense"], help="one kind of product only")
     args = ap.parse_args()
     print("device", mx.default_device(), flush=True)
     mx.random.seed(0)
@@ -47,7 +48,7 @@ def main():
     # the tiny fixtures' shapes first (f32), then bf16 and wider ones
     experts = sorted(itertools.product([1, 2, 3, 4, 6, 8, 16, 32], [(32, 64), (64, 32), (128, 256)], [32, 64], [4, 8], [mx.float32, mx.bfloat16]), key=lambda c: (c[4] != mx.float32, c[1][1] > 64))
     for t, (n, k), gs, bits, dt in experts:
-        if k % gs:
+        if k % gs or args.only == "dense":
             continue
         e, topk = 4, 2
         w, s, b = quantize((mx.random.normal((e, n, k)) * 0.1).astype(dt), gs, bits)
@@ -70,7 +71,7 @@ def main():
     # (rows, out, in, group, bits)
     dense = sorted(itertools.product([1, 2, 3, 4, 5, 8, 16], [4, 32, 64, 192, 512], [32, 64, 128], [32, 64], [4, 8], [mx.float32, mx.bfloat16]), key=lambda c: (c[5] != mx.float32, c[2] > 64))
     for m, n, k, gs, bits, dt in dense:
-        if k % gs:
+        if k % gs or args.only == "gather":
             continue
         x = mx.random.normal((m, k)).astype(dt)
         w, s, b = quantize((mx.random.normal((n, k)) * 0.1).astype(dt), gs, bits)
