@@ -86,12 +86,14 @@ fn compare_rows(model: &mlx_models::Model, cache: &mut mlx_models::Cache, next: 
     for &mode in modes {
         set_cuda_few_row_kernels(mode);
         for &m in rows {
+            // rolled back by snapshot, which recurrent layers (LFM2 conv, GatedDeltaNet) need
+            let snap = cache.snapshot();
             let multi = |cache: &mut mlx_models::Cache| -> Res<Vec<f32>> {
                 let out = model.with_runtime(|rt| rt.forward(&Array::from_slice(&next[..m], &[1, m])?, cache, Logits::All, false))?;
                 let logits = out.logits.ok_or("no logits")?;
                 cache.eval_with(&[&logits])?;
                 let v = host(&logits)?;
-                cache.trim(m)?;
+                cache.restore(&snap)?;
                 Ok(v)
             };
             let (a, b) = (multi(cache)?, multi(cache)?);
@@ -102,7 +104,7 @@ fn compare_rows(model: &mlx_models::Model, cache: &mut mlx_models::Cache, next: 
                 cache.eval_with(&[&logits])?;
                 seq.extend(host(&logits)?);
             }
-            cache.trim(m)?;
+            cache.restore(&snap)?;
             let argmax = |r: &[f32]| r.iter().enumerate().fold(0, |best, (j, &x)| if x > r[best] { j } else { best });
             let diff = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
             let mut flips = Vec::new();
@@ -117,10 +119,15 @@ fn compare_rows(model: &mlx_models::Model, cache: &mut mlx_models::Cache, next: 
                 gap = gap.min(s[top] - second);
             }
             let scale = seq.iter().map(|x| x.abs()).fold(0f32, f32::max);
+            // f32::max skips NaN: non-finite logits are counted on their own
+            let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
             println!(
-                "compare kernels={mode:?} rows={m}: max |M-row - one-row| {:.3e} (largest |logit| {scale:.2}), argmax differs at rows {flips:?}, smallest one-row top-1/top-2 gap {gap:.3e}; max |M-row - M-row again| {:.3e}",
+                "compare kernels={mode:?} rows={m}: max |M-row - one-row| {:.3e} (largest |logit| {scale:.2}), argmax differs at rows {flips:?}, smallest one-row top-1/top-2 gap {gap:.3e}; max |M-row - M-row again| {:.3e}; non-finite logits: M-row {}, again {}, one-row {}",
                 diff(&a, &seq),
-                diff(&a, &b)
+                diff(&a, &b),
+                bad(&a),
+                bad(&b),
+                bad(&seq)
             );
         }
     }

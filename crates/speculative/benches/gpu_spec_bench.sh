@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [PAIR=0] [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#   STAGE=DIR [CHECKS=1] [PAIR=0] [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
@@ -18,7 +18,9 @@
 # BUCKET=N runs each fixed-depth line again with `--key-bucket N` (few-query attention's keys
 # padded to a multiple of N: one shape of its products per N positions).
 #
-# PAIR=0 stops after the identity tests (no pair, no benchmark).
+# CHECKS=1 (needs PROBES=verify_probe staged) then runs `verify_probe --compare` on the tiny
+# quantized checkpoints and scripts/gpu/qmm_probe.py --only dense (QMM_SECS, default 150).
+# PAIR=0 stops after the identity tests (and the checks): no pair, no benchmark.
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
 # `--cuda-few-row-kernels MODE` (verify steps' products and/or attention by the kernels of
@@ -62,6 +64,21 @@ if [ -f "$G/identity.xz" ]; then
     echo "identity tests, MLX_ENABLE_TF32=$tf: exit $?"
     grep -E "^test |test result|panicked|left:|right:" "$OUT/identity_tf32_$tf.log" | cut -c1-400
   done 2>&1 | tee "$OUT/identity.log"
+fi
+if [ -n "${CHECKS:-}" ]; then
+  # where the quantized targets' verify steps go wrong on CUDA: an M-row forward against M
+  # one-row forwards on the tiny quantized checkpoints, then MLX's quantized products of few
+  # rows against its CPU ones (scripts/gpu/qmm_probe.py, with the staged mlx wheel)
+  [ -f "$G/verify_probe.xz" ] || { echo "CHECKS=1 needs verify_probe staged (PROBES=verify_probe prepare_gpu_spec.sh)" >&2; exit 2; }
+  xz -dkf "$G/verify_probe.xz" 2>/dev/null; chmod +x "$G/verify_probe"
+  for f in lfm2_moe_q4 gemma4_text_moe_q4 llama_q4 qwen3_untied_q8g32; do
+    echo "== $f"
+    timeout 120 "$G/verify_probe" --model "$ROOT/crates/models/tests/fixtures/tiny/$f" --dtype f32 --prompt 20 --rows 2,3,4,8 --modes off --compare 2>&1 | grep -E "compare|Error"
+  done 2>&1 | tee "$OUT/compare.log"
+  if [ -d "$R/mlx/core" ] || ls "$R"/mlx/core*.so > /dev/null 2>&1; then
+    PYTHONPATH=$R timeout "${QMM_SECS:-150}" python3 "$ROOT/scripts/gpu/qmm_probe.py" --repeats 3 --only dense > "$OUT/qmm_dense.log" 2>&1
+    echo "qmm_probe --only dense: exit $?, $(grep -c finite "$OUT/qmm_dense.log") cases"; grep -E "BAD|bad case|Error" "$OUT/qmm_dense.log" | head -30
+  fi
 fi
 [ "${PAIR:-1}" != 0 ] || exit 0
 P=/tmp/spec-pair

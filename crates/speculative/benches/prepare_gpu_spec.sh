@@ -6,8 +6,9 @@
 # DIR gets the CUDA libmlx payload (scripts/gpu/stage_payload.sh: the mlx-cuda-13 wheel's libmlx
 # trimmed to sm_90), the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, the release `generate`
 # example, the speculative identity tests (`identity`, run first by gpu_spec_bench.sh) and the
-# benches named in PROBES (`PROBES="spec_trace"` for TRACE=1, `verify_probe` for GROWTH=1; either
-# fits what a call carries only with MLX_LM=0, which leaves the wheels and mlx-lm's run out), stripped and xz'd (built here against the CPU libmlx;
+# benches named in PROBES (`PROBES="spec_trace"` for TRACE=1, `verify_probe` for GROWTH=1 or
+# CHECKS=1; one of them fits what a call carries, both only with MLX_LM=0, which leaves the
+# wheels and mlx-lm's run out), stripped and xz'd (built here against the CPU libmlx;
 # they run with the CUDA one swapped in). Nothing staged is committed. Then on the device:
 #   STAGE=DIR NEW=384 bash crates/speculative/benches/gpu_spec_bench.sh 3 5 7
 #   xz -dkf DIR/verify_probe.xz && LD_LIBRARY_PATH=/tmp/mlxrt-spec/mlx/lib \
