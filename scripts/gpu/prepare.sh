@@ -7,7 +7,9 @@
 # What it does (see ../../README or shared notes "CUDA wheels" for the why):
 #  1. downloads the PyPI wheel mlx-cuda-13==$MLX_VERSION with pip into a cache outside the repo
 #     ($MLX_CUDA_CACHE, default ~/.cache/mlx-sys/mlx-cuda-13-$MLX_VERSION) and unpacks it there;
-#  2. trims libmlx.so's CUDA fat binaries to sm_$SM SASS (fatbin_keep.py; 62 MiB of kernels for
+#  2. fixes the epilogue race of libmlx's JIT-compiled qmm_sm80 kernel (patch_libmlx.py: the
+#     embedded source gains `cp_async_wait<0>(); __syncthreads();` before the epilogue), then
+#     trims libmlx.so's CUDA fat binaries to sm_$SM SASS (fatbin_keep.py; 62 MiB of kernels for
 #     7 targets -> 8.5 MiB for one) and xz-compresses it (~14 MiB), and packs mlx/include (the
 #     CCCL/CUTLASS headers NVRTC needs for MLX's JIT kernels), mlx_cuda_13.libs (bundled
 #     BLAS/LAPACK/gfortran) and the crt/ headers of the PyPI package nvidia-cuda-crt (mma.h's,
@@ -58,12 +60,16 @@ if [ ! -f "$W/mlx/lib/libmlx.so" ]; then
 fi
 [ -d "$W/mlx_cuda_13.libs" ] && [ -d "$W/mlx/include/cccl" ] || { echo "unexpected wheel layout in $W" >&2; exit 1; }
 
-# 2. trimmed + compressed payload, cached (redone when fatbin_keep.py changes)
+# 2. patched, trimmed + compressed payload, cached (redone when patch_libmlx.py or
+#    fatbin_keep.py changes): patch_libmlx.py fixes the epilogue race of the JIT-compiled
+#    qmm_sm80 kernel (quantized products of 8 or more bf16/f16 rows)
 P=$CACHE/payload-sm$SM
-if [ ! -f "$P/libmlx.so.xz" ] || [ "$HERE/fatbin_keep.py" -nt "$P/libmlx.so.xz" ]; then
-  echo "== trimming libmlx.so to sm_$SM and compressing (xz -9, a minute or two)"
+if [ ! -f "$P/libmlx.so.xz" ] || [ "$HERE/fatbin_keep.py" -nt "$P/libmlx.so.xz" ] || [ "$HERE/patch_libmlx.py" -nt "$P/libmlx.so.xz" ]; then
+  echo "== patching libmlx.so, trimming it to sm_$SM and compressing (xz -9, a minute or two)"
   mkdir -p "$P"
-  python3 "$HERE/fatbin_keep.py" "$W/mlx/lib/libmlx.so" "$P/libmlx.so" "$SM"
+  python3 "$HERE/patch_libmlx.py" "$W/mlx/lib/libmlx.so" "$P/libmlx.patched.so"
+  python3 "$HERE/fatbin_keep.py" "$P/libmlx.patched.so" "$P/libmlx.so" "$SM"
+  rm -f "$P/libmlx.patched.so"
   xz -9 -T2 -c "$P/libmlx.so" > "$P/libmlx.so.xz.tmp" && mv "$P/libmlx.so.xz.tmp" "$P/libmlx.so.xz"
   rm -f "$P/libmlx.so"
   tar -C "$W" -cJf "$P/include.tar.xz" mlx/include
