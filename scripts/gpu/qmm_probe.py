@@ -1,6 +1,6 @@
 """Quantized products of few rows on the GPU against the CPU (MLX's own kernels on both).
 
-    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense]
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense] [--race N]
 
 RT holds the mlx wheel's python package with the CUDA libmlx swapped in (as gpu_spec_bench.sh
 unpacks it). For each shape, `mx.quantized_matmul` and `mx.gather_qmm` (unsorted and sorted
@@ -36,13 +36,36 @@ def run(fn, repeats):
     return err, scale, finite, spread
 
 
+def race(rounds):
+    """Bitwise repeatability of one product run many times with launches queued back to back:
+    a race inside the kernel shows as results that differ from the first."""
+    x = mx.random.normal((16, 2048)).astype(mx.bfloat16)
+    for gs in (64, 32):
+        w, s, b = quantize(mx.random.normal((2048, 2048)).astype(mx.bfloat16), gs, 4)
+        ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=4)
+        mx.eval(ref)
+        bad = 0
+        for _ in range(rounds):
+            ys = [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=4) for _ in range(8)]
+            mx.eval(ys)
+            bad += sum(not bool(mx.array_equal(y, ref).item()) for y in ys)
+        cpu = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=4, stream=mx.cpu)
+        err = float(mx.max(mx.abs(ref.astype(mx.float32) - cpu.astype(mx.float32))).item())
+        print(f"race gs={gs}: {bad} of {8 * rounds} products differ from the first; first vs cpu {err:.3e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--only", choices=["gather", "dense"], help="one kind of product only")
+    ap.add_argument("--race", type=int, default=0, metavar="N",
+                    help="instead: N rounds of 8 queued bf16 4-bit products of 16 rows (the qmm_sm80 kernel on sm_90), each checked bit for bit against the first")
     args = ap.parse_args()
     print("device", mx.default_device(), flush=True)
     mx.random.seed(0)
+    if args.race:
+        race(args.race)
+        return
     bad = 0
     # gathered: x [T, 1, 1, in] with ids [T, k] (unsorted), or [T*k, 1, in] with sorted ids
     # the tiny fixtures' shapes first (f32), then bf16 and wider ones

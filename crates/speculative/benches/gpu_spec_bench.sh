@@ -19,7 +19,8 @@
 # padded to a multiple of N: one shape of its products per N positions).
 #
 # CHECKS=1 (needs PROBES=verify_probe staged) then runs `verify_probe --compare` on the tiny
-# quantized checkpoints and scripts/gpu/qmm_probe.py --only dense (QMM_SECS, default 150).
+# quantized checkpoints, scripts/gpu/qmm_probe.py --race 500 (bitwise repeatability of the
+# bf16 products libmlx's qmm_sm80 kernel computes) and --only dense (QMM_SECS, default 150).
 # PAIR=0 stops after the identity tests (and the checks): no pair, no benchmark.
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
@@ -76,6 +77,7 @@ if [ -n "${CHECKS:-}" ]; then
     timeout 120 "$G/verify_probe" --model "$ROOT/crates/models/tests/fixtures/tiny/$f" --dtype f32 --prompt 20 --rows 2,3,4,8 --modes off --compare 2>&1 | grep -E "compare|Error"
   done 2>&1 | tee "$OUT/compare.log"
   if [ -d "$R/mlx/core" ] || ls "$R"/mlx/core*.so > /dev/null 2>&1; then
+    PYTHONPATH=$R timeout 120 python3 "$ROOT/scripts/gpu/qmm_probe.py" --race 500 2>&1 | tee "$OUT/qmm_race.log"
     PYTHONPATH=$R timeout "${QMM_SECS:-150}" python3 "$ROOT/scripts/gpu/qmm_probe.py" --repeats 3 --only dense > "$OUT/qmm_dense.log" 2>&1
     echo "qmm_probe --only dense: exit $?, $(grep -c finite "$OUT/qmm_dense.log") cases"; grep -E "BAD|bad case|Error" "$OUT/qmm_dense.log" | head -30
   fi
