@@ -63,7 +63,7 @@ if [ -f "$G/identity.xz" ]; then
   for tf in 1 0; do
     MLX_ENABLE_TF32=$tf timeout 300 "$G/identity" --test-threads 1 --nocapture > "$OUT/identity_tf32_$tf.log" 2>&1
     echo "identity tests, MLX_ENABLE_TF32=$tf: exit $?"
-    grep -E "^test |test result|panicked|left:|right:" "$OUT/identity_tf32_$tf.log" | cut -c1-400
+    grep -E "^test |test result|panicked|left:|right:|pair\(s\) failed|^target " "$OUT/identity_tf32_$tf.log" | cut -c1-400
   done 2>&1 | tee "$OUT/identity.log"
 fi
 if [ -n "${CHECKS:-}" ]; then
