@@ -11,7 +11,8 @@
 #
 # AHEAD=0,2 runs each fixed-depth line once per `--draft-ahead` value (default: the library's).
 # TRACE=1 adds `spec_trace` at the largest K (two generations in one process after the warm-up,
-# per AHEAD value): the second generation has no first-use costs. GROWTH=1 adds `verify_probe
+# per AHEAD value): the second generation has no first-use costs; with USELESS=K also the useless
+# draft at adaptive depth, cycle by cycle, each generation after a plain one. GROWTH=1 adds `verify_probe
 # --growth` on the target in fresh processes, without and with `--prewarm` (one-row steps across
 # the flat K/V growth at 256 and 512 positions).
 #
@@ -108,6 +109,12 @@ if [ -n "${TRACE:-}" ]; then
     echo "spec_trace K=${KS[-1]} ahead=$a: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet "$@" | grep '^run' | tr '\n' ' ')"
     [ -z "${BUCKET:-}" ] || echo "spec_trace K=${KS[-1]} ahead=$a bucket=$BUCKET: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet --key-bucket "$BUCKET" "$@" | grep '^run' | tr '\n' ' ')"
   done 2>&1 | tee "$OUT/trace.log"
+  # with USELESS=K: where adaptive depth's time goes with the useless draft, cycle by cycle
+  # (plain run first in the same process; full trace in trace_useless.log)
+  if [ -n "${USELESS:-}" ]; then
+    "$G/spec_trace" --model "$P/target" --draft "$P/useless" --depth "$USELESS" --adaptive --new "$NEW" --runs 2 --prompt 32 --warm-up --plain > "$OUT/trace_useless.log" 2>&1
+    grep -E "^(warm-up|cycle|plain stretch|run)" "$OUT/trace_useless.log" | cut -c1-200 | head -40
+  fi
 fi
 if [ -n "${GROWTH:-}" ]; then
   xz -dkf "$G/verify_probe.xz" 2>/dev/null; chmod +x "$G/verify_probe"
