@@ -28,6 +28,7 @@ mod error;
 mod ffi;
 pub mod grad;
 pub mod io;
+pub mod libmlx;
 pub mod ops;
 pub mod random;
 

@@ -170,6 +170,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cli = Cli::parse();
     mlx_array::ops::set_cuda_few_row_kernels(cli.cuda_few_row_kernels);
     mlx_array::ops::set_gpu_attention_key_bucket(cli.key_bucket);
+    if let Some(w) = mlx_array::libmlx::gpu_warning() {
+        eprintln!("{w}");
+    }
     let dir = &cli.model;
     let quantized = match cli.quantized {
         Quantized::Auto => QuantizedWeights::Auto,

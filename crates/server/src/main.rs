@@ -101,6 +101,9 @@ fn main() {
         kept_sequences: cli.kept_sequences,
         retention_secs: (cli.retention_days * 86400.0) as i64,
     };
+    if let Some(w) = mlx_array::libmlx::gpu_warning() {
+        eprintln!("{w}");
+    }
     // The model loads on this thread (MLX binds lazy arrays to the loading thread's stream;
     // loading materializes them, after which the engine thread may run them).
     let state = match load(&opts) {
