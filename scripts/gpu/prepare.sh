@@ -3,6 +3,8 @@
 #
 #   scripts/gpu/prepare.sh            # fetch + trim the CUDA libmlx, build gpu_check, stage .gpu/
 #   scripts/gpu/prepare.sh --no-build # stage the runtime only (reuse .gpu/gpu_check)
+#   scripts/gpu/prepare.sh --payload  # only make (or refresh) the cached payload of steps 1-2
+#                                     # (scripts/gpu/stage_payload.sh copies it from there)
 #
 # What it does (see ../../README or shared notes "CUDA wheels" for the why):
 #  1. downloads the PyPI wheel mlx-cuda-13==$MLX_VERSION with pip into a cache outside the repo
@@ -30,9 +32,11 @@ ROOT=$(git -C "$HERE" rev-parse --show-toplevel)
 CACHE=${MLX_CUDA_CACHE:-$HOME/.cache/mlx-sys/mlx-cuda-13-$MLX_VERSION}
 STAGE=$ROOT/.gpu
 BUILD=1
+PAYLOAD_ONLY=0
 for a in "$@"; do
   case $a in
     --no-build) BUILD=0 ;;
+    --payload) PAYLOAD_ONLY=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $a" >&2; exit 2 ;;
   esac
@@ -83,9 +87,11 @@ if [ ! -f "$P/crt.tar.xz" ]; then
   TMP=$(mktemp -d "$CACHE/tmp.XXXXXX")
   python3 -m pip download -q --no-deps --only-binary=:all: -d "$TMP" "nvidia-cuda-crt==13.0.*"
   python3 -m zipfile -e "$TMP"/nvidia_cuda_crt-*.whl "$TMP/crt"
-  tar -C "$TMP/crt" -cJf "$P/crt.tar.xz" nvidia/cu13/include/crt
+  tar -C "$TMP/crt" -cJf "$TMP/crt.tar.xz" nvidia/cu13/include/crt
+  mv "$TMP/crt.tar.xz" "$P/crt.tar.xz"
   rm -rf "$TMP"
 fi
+[ "$PAYLOAD_ONLY" = 0 ] || exit 0
 
 mkdir -p "$STAGE"
 for f in libmlx.so.xz include.tar.xz cudalibs.tar.xz crt.tar.xz; do cp -f "$P/$f" "$STAGE/$f"; done

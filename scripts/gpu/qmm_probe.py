@@ -20,7 +20,9 @@ def quantize(w, gs, bits):
     return mx.quantize(w, group_size=gs, bits=bits)
 
 
-def run(fn, repeats):
+def check(label, fn, repeats, dt):
+    """Run `fn` on the default device `repeats` times and once on the CPU, print `label` with the
+    largest |gpu - cpu|, finiteness and the spread between repeats; True when the case is bad."""
     outs = []
     for _ in range(repeats):
         y = fn(mx.default_stream(mx.default_device()))
@@ -28,12 +30,16 @@ def run(fn, repeats):
         outs.append(y)
     ref = fn(mx.cpu)
     mx.eval(ref)
-    first = outs[0]
     finite = all(bool(mx.all(mx.isfinite(o)).item()) for o in outs)
-    err = max(float(mx.max(mx.abs(o - ref)).item()) if bool(mx.all(mx.isfinite(o)).item()) else float("inf") for o in outs)
-    spread = max(float(mx.max(mx.abs(o - first)).item()) if bool(mx.all(mx.isfinite(o)).item()) else float("inf") for o in outs)
+    inf = float("inf")
+    err = max(float(mx.max(mx.abs(o - ref)).item()) for o in outs) if finite else inf
+    spread = max(float(mx.max(mx.abs(o - outs[0])).item()) for o in outs) if finite else inf
     scale = float(mx.max(mx.abs(ref)).item())
-    return err, scale, finite, spread
+    tol = 1e-2 if dt == mx.float32 else 5e-2
+    bad = not (finite and err <= tol * max(scale, 1.0) and spread == 0)
+    flag = "  <-- BAD" if bad else ""
+    print(f"{label}: max|gpu-cpu| {err:.3e} (|y| {scale:.2e}) finite {finite} repeat spread {spread:.1e}{flag}", flush=True)
+    return bad
 
 
 def race(rounds):
@@ -77,7 +83,6 @@ def main():
         w, s, b = quantize((mx.random.normal((e, n, k)) * 0.1).astype(dt), gs, bits)
         ids = mx.random.randint(0, e, (t, topk)).astype(mx.uint32)
         x = mx.random.normal((t, k)).astype(dt)
-        tol = 1e-2 if dt == mx.float32 else 5e-2
         for sort in (False, True):
             if sort:
                 flat = ids.reshape(-1)
@@ -87,10 +92,7 @@ def main():
             else:
                 xs, idx = x.reshape(t, 1, 1, k), ids
             fn = lambda st, xs=xs, idx=idx, sort=sort: mx.gather_qmm(xs, w, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, sorted_indices=sort, stream=st)
-            err, scale, finite, spread = run(fn, args.repeats)
-            flag = "" if finite and err <= tol * max(scale, 1.0) and spread == 0 else "  <-- BAD"
-            bad += bool(flag)
-            print(f"gather_qmm {dt} tokens={t} top2 of 4 out={n} in={k} gs={gs} bits={bits} sorted={sort}: max|gpu-cpu| {err:.3e} (|y| {scale:.2e}) finite {finite} repeat spread {spread:.1e}{flag}", flush=True)
+            bad += check(f"gather_qmm {dt} tokens={t} top2 of 4 out={n} in={k} gs={gs} bits={bits} sorted={sort}", fn, args.repeats, dt)
     # (rows, out, in, group, bits)
     dense = sorted(itertools.product([1, 2, 3, 4, 5, 8, 16], [4, 32, 64, 192, 512], [32, 64, 128], [32, 64], [4, 8], [mx.float32, mx.bfloat16]), key=lambda c: (c[5] != mx.float32, c[2] > 64))
     for m, n, k, gs, bits, dt in dense:
@@ -98,12 +100,8 @@ def main():
             continue
         x = mx.random.normal((m, k)).astype(dt)
         w, s, b = quantize((mx.random.normal((n, k)) * 0.1).astype(dt), gs, bits)
-        tol = 1e-2 if dt == mx.float32 else 5e-2
         fn = lambda st: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, stream=st)
-        err, scale, finite, spread = run(fn, args.repeats)
-        flag = "" if finite and err <= tol * max(scale, 1.0) and spread == 0 else "  <-- BAD"
-        bad += bool(flag)
-        print(f"qmm {dt} rows={m} out={n} in={k} gs={gs} bits={bits}: max|gpu-cpu| {err:.3e} (|y| {scale:.2e}) finite {finite} repeat spread {spread:.1e}{flag}", flush=True)
+        bad += check(f"qmm {dt} rows={m} out={n} in={k} gs={gs} bits={bits}", fn, args.repeats, dt)
     print(f"{bad} bad case(s)")
 
 

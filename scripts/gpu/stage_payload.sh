@@ -8,8 +8,8 @@ stage_payload() {
   local excl
   excl=$(git -C "$ROOT" rev-parse --git-path info/exclude); case $excl in /*) ;; *) excl=$ROOT/$excl ;; esac
   grep -qxF "/$name/" "$excl" || echo "/$name/" >> "$excl"
-  # prepare.sh --no-build makes the payload, then stops on the missing gpu_check build.
-  [ -f "$p/libmlx.so.xz" ] && [ -f "$p/crt.tar.xz" ] || bash "$ROOT/scripts/gpu/prepare.sh" --no-build || [ -f "$p/crt.tar.xz" ]
+  # made, or remade when prepare.sh's patch or trim scripts changed, by prepare.sh itself
+  bash "$ROOT/scripts/gpu/prepare.sh" --payload || return 1
   S=$ROOT/$name
   mkdir -p "$S"
   cp -f "$p"/{libmlx.so.xz,include.tar.xz,cudalibs.tar.xz,crt.tar.xz} "$S/"

@@ -28,8 +28,7 @@ const PATCHED: &[u8] = b"  cp_async_wait<0>();\n  __syncthreads();\n  CUTE_UNROL
 
 /// What `lib` (the bytes of a libmlx) embeds: racy if any copy of the source is unpatched.
 pub fn qmm_sm80_in(lib: &[u8]) -> QmmSm80 {
-    let finder = memchr::memmem::Finder::new(KERNEL);
-    if finder.find(lib).is_none() {
+    if memchr::memmem::find(lib, KERNEL).is_none() {
         return QmmSm80::Absent;
     }
     if memchr::memmem::find(lib, RACY).is_some() {
