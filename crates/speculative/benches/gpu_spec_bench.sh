@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [CHECKS=1] [PAIR=0] [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
@@ -19,9 +19,10 @@
 # BUCKET=N runs each fixed-depth line again with `--key-bucket N` (few-query attention's keys
 # padded to a multiple of N: one shape of its products per N positions).
 #
-# CHECKS=1 (needs PROBES=verify_probe staged) then runs `verify_probe --compare` on the tiny
-# quantized checkpoints, scripts/gpu/qmm_probe.py --race 500 (bitwise repeatability of the
-# bf16 products libmlx's qmm_sm80 kernel computes) and --only dense (QMM_SECS, default 150).
+# CHECKS=1 then runs `verify_probe --compare` on the tiny quantized checkpoints (when
+# PROBES=verify_probe was staged), and with the mlx wheel staged scripts/gpu/qmm_probe.py
+# --race RACE (default 500; bitwise repeatability of the bf16 products libmlx's qmm_sm80 kernel
+# computes) and --only dense (QMM_SECS seconds, default 150; 0: not run).
 # PAIR=0 stops after the identity tests (and the checks): no pair, no benchmark.
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
@@ -32,7 +33,7 @@
 # this script, so both may be staged together.
 #
 # First, when staged, the speculative identity tests (crates/speculative/tests/identity.rs, tiny
-# checkpoints; with MLX_ENABLE_TF32 1 and 0). Then makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
+# checkpoints; with MLX_ENABLE_TF32 1 and 0, or the values in TF32S). Then makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
 # agreement), then greedy decoding of NEW tokens (default 128) after a 32-id prompt: ours plain
 # and speculative with K drafts a cycle (the generate example's --json line: decode tok/s,
 # accepted_mean, acceptance by position), and mlx-lm's generate_step and
@@ -61,7 +62,7 @@ if [ -f "$G/identity.xz" ]; then
   # was built in), TF32 as libmlx defaults and off
   m=$(cat "$G/manifest_dir_root"); [ -e "$m/crates" ] || { mkdir -p "$(dirname "$m")" && ln -sfn "$ROOT" "$m"; }
   xz -dkf "$G/identity.xz" 2>/dev/null; chmod +x "$G/identity"
-  for tf in 1 0; do
+  for tf in ${TF32S:-1 0}; do
     MLX_ENABLE_TF32=$tf timeout 300 "$G/identity" --test-threads 1 --nocapture > "$OUT/identity_tf32_$tf.log" 2>&1
     echo "identity tests, MLX_ENABLE_TF32=$tf: exit $?"
     grep -E "^test |test result|panicked|left:|right:|pair\(s\) failed|^target " "$OUT/identity_tf32_$tf.log" | cut -c1-400
@@ -71,16 +72,23 @@ if [ -n "${CHECKS:-}" ]; then
   # where the quantized targets' verify steps go wrong on CUDA: an M-row forward against M
   # one-row forwards on the tiny quantized checkpoints, then MLX's quantized products of few
   # rows against its CPU ones (scripts/gpu/qmm_probe.py, with the staged mlx wheel)
-  [ -f "$G/verify_probe.xz" ] || { echo "CHECKS=1 needs verify_probe staged (PROBES=verify_probe prepare_gpu_spec.sh)" >&2; exit 2; }
-  xz -dkf "$G/verify_probe.xz" 2>/dev/null; chmod +x "$G/verify_probe"
-  for f in lfm2_moe_q4 gemma4_text_moe_q4 llama_q4 qwen3_untied_q8g32; do
-    echo "== $f"
-    timeout 120 "$G/verify_probe" --model "$ROOT/crates/models/tests/fixtures/tiny/$f" --dtype f32 --prompt 20 --rows 2,3,4,8 --modes off --compare 2>&1 | grep -E "compare|Error"
-  done 2>&1 | tee "$OUT/compare.log"
+  if [ -f "$G/verify_probe.xz" ]; then
+    xz -dkf "$G/verify_probe.xz" 2>/dev/null; chmod +x "$G/verify_probe"
+    for f in lfm2_moe_q4 gemma4_text_moe_q4 llama_q4 qwen3_untied_q8g32; do
+      echo "== $f"
+      timeout 120 "$G/verify_probe" --model "$ROOT/crates/models/tests/fixtures/tiny/$f" --dtype f32 --prompt 20 --rows 2,3,4,8 --modes off --compare 2>&1 | grep -E "compare|Error"
+    done 2>&1 | tee "$OUT/compare.log"
+  else
+    echo "verify_probe not staged: no --compare"
+  fi
   if [ -d "$R/mlx/core" ] || ls "$R"/mlx/core*.so > /dev/null 2>&1; then
-    PYTHONPATH=$R timeout 120 python3 "$ROOT/scripts/gpu/qmm_probe.py" --race 500 2>&1 | tee "$OUT/qmm_race.log"
-    PYTHONPATH=$R timeout "${QMM_SECS:-150}" python3 "$ROOT/scripts/gpu/qmm_probe.py" --repeats 3 --only dense > "$OUT/qmm_dense.log" 2>&1
-    echo "qmm_probe --only dense: exit $?, $(grep -c finite "$OUT/qmm_dense.log") cases"; grep -E "BAD|bad case|Error" "$OUT/qmm_dense.log" | head -30
+    PYTHONPATH=$R timeout 120 python3 "$ROOT/scripts/gpu/qmm_probe.py" --race "${RACE:-500}" 2>&1 | tee "$OUT/qmm_race.log"
+    if [ "${QMM_SECS:-150}" != 0 ]; then
+      PYTHONPATH=$R timeout "${QMM_SECS:-150}" python3 "$ROOT/scripts/gpu/qmm_probe.py" --repeats 3 --only dense > "$OUT/qmm_dense.log" 2>&1
+      echo "qmm_probe --only dense: exit $?, $(grep -c finite "$OUT/qmm_dense.log") cases"; grep -E "BAD|bad case|Error" "$OUT/qmm_dense.log" | head -30
+    fi
+  else
+    echo "the mlx wheel is not staged (MLX_LM=0): no qmm_probe"
   fi
 fi
 [ "${PAIR:-1}" != 0 ] || exit 0
@@ -101,6 +109,16 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   [ -z "${USELESS:-}" ] || echo "useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"
   echo "plain2 $(run)"
+  # ROUNDS=N: N - 1 more rounds of the useless draft (or K = the largest) against plain decoding,
+  # fresh processes each, interleaved (the spread between processes)
+  for r in $(seq 2 "${ROUNDS:-1}"); do
+    if [ -n "${USELESS:-}" ]; then
+      echo "round$r useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"
+    else
+      echo "round$r draft${KS[-1]} $(run --draft-model "$P/draft" --draft-tokens "${KS[-1]}")"
+    fi
+    echo "round$r plain $(run)"
+  done
 } 2>&1 | tee "$OUT/ours.log"
 if [ -n "${TRACE:-}" ]; then
   xz -dkf "$G/spec_trace.xz" 2>/dev/null; chmod +x "$G/spec_trace"

@@ -8,7 +8,7 @@
 # example, the speculative identity tests (`identity`, run first by gpu_spec_bench.sh) and the
 # benches named in PROBES (`PROBES="spec_trace"` for TRACE=1, `verify_probe` for GROWTH=1 or
 # CHECKS=1; one of them fits what a call carries, both only with MLX_LM=0, which leaves the
-# wheels and mlx-lm's run out), stripped and xz'd (built here against the CPU libmlx;
+# wheels and mlx-lm's run out; MLX_LM=core stages only mlx's wheel), stripped and xz'd (built here against the CPU libmlx;
 # they run with the CUDA one swapped in). Nothing staged is committed. Then on the device:
 #   STAGE=DIR NEW=384 bash crates/speculative/benches/gpu_spec_bench.sh 3 5 7
 #   xz -dkf DIR/verify_probe.xz && LD_LIBRARY_PATH=/tmp/mlxrt-spec/mlx/lib \
@@ -23,8 +23,10 @@ NAME=${1:-.dev/spec}
 . "$ROOT/scripts/gpu/stage_payload.sh"
 stage_payload "$NAME"
 rm -f "$S"/*.whl
-[ "${MLX_LM:-1}" = 0 ] || python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_35_x86_64 \
-  --python-version 312 -d "$S" mlx==0.32.2 mlx-lm==0.32.2
+# MLX_LM=0: no wheels; MLX_LM=core: only mlx's (scripts/gpu/qmm_probe.py for CHECKS=1, no mlx-lm run)
+case "${MLX_LM:-1}" in 0) wheels=() ;; core) wheels=(mlx==0.32.2) ;; *) wheels=(mlx==0.32.2 mlx-lm==0.32.2) ;; esac
+[ ${#wheels[@]} = 0 ] || python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_35_x86_64 \
+  --python-version 312 -d "$S" "${wheels[@]}"
 PROBES=${PROBES:-}   # e.g. "spec_trace verify_probe": benches staged next to generate
 (cd "$ROOT" && cargo build --release -p mlx-models --example generate) || exit 1
 strip -o "$S/generate" "$ROOT/target/release/examples/generate"
