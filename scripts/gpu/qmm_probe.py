@@ -1,6 +1,6 @@
 """Quantized products of few rows on the GPU against the CPU (MLX's own kernels on both).
 
-    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense] [--race N]
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense|narrow] [--race N]
 
 RT holds the mlx wheel's python package with the CUDA libmlx swapped in (as gpu_spec_bench.sh
 unpacks it). For each shape, `mx.quantized_matmul` and `mx.gather_qmm` (unsorted and sorted
@@ -63,7 +63,8 @@ def race(rounds):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--only", choices=["gather", "dense"], help="one kind of product only")
+    ap.add_argument("--only", choices=["gather", "dense", "narrow"],
+                    help="one kind of product only (narrow: dense products whose output rows are a few elements wide, as MoE routers of few experts)")
     ap.add_argument("--race", type=int, default=0, metavar="N",
                     help="instead: N rounds of 8 queued bf16 4-bit products of 16 rows (the qmm_sm80 kernel on sm_90), each checked bit for bit against the first")
     args = ap.parse_args()
@@ -73,6 +74,16 @@ def main():
         race(args.race)
         return
     bad = 0
+    if args.only == "narrow":
+        # out * itemsize not a multiple of 16 bytes for some dtypes (the sm90 kernel stores its
+        # output rows by TMA); in = group = 64 as the fixtures' routers
+        for dt, m, n, bits in itertools.product([mx.bfloat16, mx.float16, mx.float32], [1, 2, 3, 8, 17, 40], [4, 8, 12, 16, 128], [8, 4]):
+            x = mx.random.normal((m, 64)).astype(dt)
+            w, s, b = quantize((mx.random.normal((n, 64)) * 0.1).astype(dt), 64, bits)
+            fn = lambda st: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits, stream=st)
+            bad += check(f"qmm {dt} rows={m} out={n} in=64 gs=64 bits={bits}", fn, args.repeats, dt)
+        print(f"{bad} bad case(s)")
+        return
     # gathered: x [T, 1, 1, in] with ids [T, k] (unsorted), or [T*k, 1, in] with sorted ids
     # the tiny fixtures' shapes first (f32), then bf16 and wider ones
     experts = sorted(itertools.product([1, 2, 3, 4, 6, 8, 16, 32], [(32, 64), (64, 32), (128, 256)], [32, 64], [4, 8], [mx.float32, mx.bfloat16]), key=lambda c: (c[4] != mx.float32, c[1][1] > 64))

@@ -22,7 +22,7 @@
 # CHECKS=1 then runs `verify_probe --compare` on the tiny quantized checkpoints (when
 # PROBES=verify_probe was staged), and with the mlx wheel staged scripts/gpu/qmm_probe.py
 # --race RACE (default 500; bitwise repeatability of the bf16 products libmlx's qmm_sm80 kernel
-# computes) and --only dense (QMM_SECS seconds, default 150; 0: not run).
+# computes) and --only QMM_ONLY (default dense; QMM_SECS seconds, default 150; 0: not run).
 # PAIR=0 stops after the identity tests (and the checks): no pair, no benchmark.
 #
 # FEWROW=MODE (products, attention or on) runs each of our speculative lines again with
@@ -55,6 +55,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.l
 . "$ROOT/scripts/gpu/unpack_payload.sh"
 unpack_payload "$G" "$R" || exit 3
 for w in "$G"/*.whl; do [ -e "$w" ] || continue; python3 -m zipfile -e "$w" "$R" || exit 3; done
+[ ! -f "$G/mlx-core.tar.xz" ] || tar -C "$R" -xJf "$G/mlx-core.tar.xz" || exit 3
 xz -dkf "$G/generate.xz" 2>/dev/null; chmod +x "$G/generate"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} LD_LIBRARY_PATH=$R/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONUNBUFFERED=1
 if [ -f "$G/identity.xz" ]; then
@@ -84,8 +85,8 @@ if [ -n "${CHECKS:-}" ]; then
   if [ -d "$R/mlx/core" ] || ls "$R"/mlx/core*.so > /dev/null 2>&1; then
     PYTHONPATH=$R timeout 120 python3 "$ROOT/scripts/gpu/qmm_probe.py" --race "${RACE:-500}" 2>&1 | tee "$OUT/qmm_race.log"
     if [ "${QMM_SECS:-150}" != 0 ]; then
-      PYTHONPATH=$R timeout "${QMM_SECS:-150}" python3 "$ROOT/scripts/gpu/qmm_probe.py" --repeats 3 --only dense > "$OUT/qmm_dense.log" 2>&1
-      echo "qmm_probe --only dense: exit $?, $(grep -c finite "$OUT/qmm_dense.log") cases"; grep -E "BAD|bad case|Error" "$OUT/qmm_dense.log" | head -30
+      PYTHONPATH=$R timeout "${QMM_SECS:-150}" python3 "$ROOT/scripts/gpu/qmm_probe.py" --repeats 3 --only "${QMM_ONLY:-dense}" > "$OUT/qmm_dense.log" 2>&1
+      echo "qmm_probe --only ${QMM_ONLY:-dense}: exit $?, $(grep -c finite "$OUT/qmm_dense.log") cases"; grep -E "BAD|bad case|Error" "$OUT/qmm_dense.log" | head -30
     fi
   else
     echo "the mlx wheel is not staged (MLX_LM=0): no qmm_probe"

@@ -28,6 +28,14 @@ fn speculative(
     )
 }
 
+/// The message of a caught panic.
+fn panic_message(e: Box<dyn std::any::Any + Send>) -> String {
+    e.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
 #[test]
 fn greedy_identity_over_caches_drafts_and_depths() {
     let mut rng = Rng(22);
@@ -75,7 +83,14 @@ fn greedy_identity_over_caches_drafts_and_depths() {
     for (t, kv, drafts) in cases {
         let target = load(t, kv.clone());
         let len = rng.range(18, 40);
-        let (prompt, want) = gapped_greedy(&target, &mut rng, len, NEW);
+        let plain = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gapped_greedy(&target, &mut rng, len, NEW)));
+        let (prompt, want) = match plain {
+            Ok(p) => p,
+            Err(e) => {
+                failures.push(format!("target {t} {kv:?}, plain decoding: {}", panic_message(e)));
+                continue;
+            }
+        };
         for d in drafts {
             let depth = rng.range(1, 6);
             // draft forwards run ahead while the target verifies (the GPU default is 2)
@@ -106,14 +121,7 @@ fn greedy_identity_over_caches_drafts_and_depths() {
             }));
             match pair {
                 Ok(rejected) => rejected_cycles += rejected,
-                Err(e) => {
-                    let msg = e
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    failures.push(format!("{label}: {msg}"));
-                }
+                Err(e) => failures.push(format!("{label}: {}", panic_message(e))),
             }
         }
     }

@@ -206,10 +206,25 @@ impl Quantized {
         if transpose && k != self.in_features() {
             return Err(Error::shape("quantized_matmul", format!("input has {k} features, weights expect {}", self.in_features())));
         }
+        if transpose && self.narrow_rows_on_gpu(x)? {
+            return x.matmul(&self.dequantize(Some(x.dtype()))?.swap_axes(-1, -2)?);
+        }
         let s = stream();
         ffi("quantized_matmul", |res| unsafe {
             mlx_sys::mlx_quantized_matmul(res, x.inner.as_ptr(), self.weight.inner.as_ptr(), self.scales.inner.as_ptr(), self.biases_ptr(), transpose, opt_int(gs), opt_int(bits), name.as_ptr(), s.as_ptr())
         })
+    }
+
+    /// Whether `x @ W.T` of several rows on a GPU has output rows that are not a multiple of 16
+    /// bytes: libmlx 0.32's CUDA dispatch then still takes its sm90 kernel for affine 4/8-bit
+    /// weights with groups as long as the input (its alignment test reads the packed weight's
+    /// element size, not the output's), whose TMA stores need 16-byte rows, and on an H100 it
+    /// returned non-finite values (bf16, 4 outputs: an MoE router of 4 experts). Such products,
+    /// narrow by definition, run over the dequantized weight instead.
+    fn narrow_rows_on_gpu(&self, x: &Array) -> Result<bool> {
+        let n = self.weight.dims().iter().rev().nth(1).copied().unwrap_or(1) as usize;
+        let k = (*x.dims().last().unwrap_or(&1)).max(1) as usize;
+        Ok((n * x.dtype().size()) % 16 != 0 && x.size() / k > 1 && crate::default_device()? == crate::Device::Gpu)
     }
 }
 
