@@ -215,17 +215,25 @@ impl Quantized {
         })
     }
 
-    /// Whether `x @ W.T` of several rows on a GPU has output rows that are not a multiple of 16
-    /// bytes: libmlx 0.32's CUDA dispatch then still takes its sm90 kernel for affine 4/8-bit
-    /// weights with groups as long as the input (its alignment test reads the packed weight's
-    /// element size, not the output's), whose TMA stores need 16-byte rows, and on an H100 it
-    /// returned non-finite values (bf16, 4 outputs: an MoE router of 4 experts). Such products,
-    /// narrow by definition, run over the dequantized weight instead.
+    /// Whether `x @ W.T` runs on a GPU with [`narrow_output_rows`].
     fn narrow_rows_on_gpu(&self, x: &Array) -> Result<bool> {
         let n = self.weight.dims().iter().rev().nth(1).copied().unwrap_or(1) as usize;
         let k = (*x.dims().last().unwrap_or(&1)).max(1) as usize;
-        Ok((n * x.dtype().size()) % 16 != 0 && x.size() / k > 1 && crate::default_device()? == crate::Device::Gpu)
+        Ok(narrow_output_rows(n, x.dtype().size(), x.size() / k) && crate::default_device()? == crate::Device::Gpu)
     }
+}
+
+/// Whether a quantized product of `rows` rows, `n` outputs of `itemsize` bytes each, runs over
+/// the dequantized weight on a GPU: several rows whose output rows are not a multiple of 16
+/// bytes. libmlx 0.32's CUDA dispatch sends such a product of affine 4/8-bit weights with groups
+/// as long as the input to its sm90 kernel (its alignment test reads the packed weight's element
+/// size, not the output's), whose TMA descriptors need 16-byte row strides: on an H100 the
+/// descriptor set-up fails for 4 bf16 outputs ("Failed to initialize the TMA descriptor",
+/// strides (2, 8)) and the product returns garbage (`scripts/gpu/qmm_probe.py --only narrow`);
+/// the MoE checkpoints with 4-expert routers gave non-finite logits. Such weights are narrow,
+/// so dequantizing them per product is cheap.
+pub(crate) fn narrow_output_rows(n: usize, itemsize: usize, rows: usize) -> bool {
+    (n * itemsize) % 16 != 0 && rows > 1
 }
 
 /// Quantized [`crate::ops::gather_mm`]: `x[lhs_indices] @ W[rhs_indices].T` for MoE experts.
@@ -272,5 +280,23 @@ impl Array {
         }
         let s = stream();
         ffi("from_fp8", |res| unsafe { mlx_sys::mlx_from_fp8(res, self.inner.as_ptr(), dtype.to_mlx() as mlx_sys::mlx_dtype, s.as_ptr()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::narrow_output_rows;
+
+    #[test]
+    fn narrow_output_rows_are_those_not_a_multiple_of_16_bytes() {
+        // the 4-expert router in bf16 and f16: 8-byte rows
+        assert!(narrow_output_rows(4, 2, 2));
+        assert!(narrow_output_rows(12, 2, 40));
+        // 16-byte rows and wider keep the quantized kernels
+        assert!(!narrow_output_rows(8, 2, 2));
+        assert!(!narrow_output_rows(4, 4, 8));
+        assert!(!narrow_output_rows(128, 2, 17));
+        // one row takes libmlx's vector kernel
+        assert!(!narrow_output_rows(4, 2, 1));
     }
 }
