@@ -33,7 +33,8 @@
 # this script, so both may be staged together.
 #
 # First, when staged, the speculative identity tests (crates/speculative/tests/identity.rs, tiny
-# checkpoints; with MLX_ENABLE_TF32 1 and 0, or the values in TF32S). Then makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
+# checkpoints; with MLX_ENABLE_TF32 1 and 0, or the values in TF32S; IDENTITY_SECS each, default 450:
+# a cold H100 took 272 s, another did not finish in 300). Then makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
 # agreement), then greedy decoding of NEW tokens (default 128) after a 32-id prompt: ours plain
 # and speculative with K drafts a cycle (the generate example's --json line: decode tok/s,
 # accepted_mean, acceptance by position), and mlx-lm's generate_step and
@@ -64,7 +65,7 @@ if [ -f "$G/identity.xz" ]; then
   m=$(cat "$G/manifest_dir_root"); [ -e "$m/crates" ] || { mkdir -p "$(dirname "$m")" && ln -sfn "$ROOT" "$m"; }
   xz -dkf "$G/identity.xz" 2>/dev/null; chmod +x "$G/identity"
   for tf in ${TF32S:-1 0}; do
-    MLX_ENABLE_TF32=$tf timeout 300 "$G/identity" --test-threads 1 --nocapture > "$OUT/identity_tf32_$tf.log" 2>&1
+    MLX_ENABLE_TF32=$tf timeout "${IDENTITY_SECS:-450}" "$G/identity" --test-threads 1 --nocapture > "$OUT/identity_tf32_$tf.log" 2>&1
     echo "identity tests, MLX_ENABLE_TF32=$tf: exit $?"
     grep -E "^test |test result|panicked|left:|right:|pair\(s\) failed|^target " "$OUT/identity_tf32_$tf.log" | cut -c1-400
   done 2>&1 | tee "$OUT/identity.log"
