@@ -1,13 +1,17 @@
 """Quantized products of few rows on the GPU against the CPU (MLX's own kernels on both).
 
     PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense|narrow] [--race N]
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py --checkpoint DIR [--rows 1,2,8,33]
 
 RT holds the mlx wheel's python package with the CUDA libmlx swapped in (as gpu_spec_bench.sh
 unpacks it). For each shape, `mx.quantized_matmul` and `mx.gather_qmm` (unsorted and sorted
 rows, as the MoE layers call them) run on the default device `--repeats` times and once on the
 CPU; a line per case gives the largest |gpu - cpu|, whether the GPU gave non-finite values, and
 whether its repeats differ from each other. Shapes cover the tiny test checkpoints (64-wide
-hidden, 32-wide expert MLPs, 4 experts, groups of 32 and 64) and wider ones.
+hidden, 32-wide expert MLPs, 4 experts, groups of 32 and 64) and wider ones. `--checkpoint`
+instead takes the quantized layers of an MLX checkpoint (each distinct shape and mode once, scales
+and biases in bf16 as the loader keeps them on a GPU) with bf16 inputs of `--rows` rows (tokens,
+for expert layers: top-2 of their experts, sorted and unsorted).
 """
 
 import argparse
@@ -60,6 +64,41 @@ def race(rounds):
         print(f"race gs={gs}: {bad} of {8 * rounds} products differ from the first; first vs cpu {err:.3e}", flush=True)
 
 
+def checkpoint(path, rows, repeats):
+    """The quantized layers of the MLX checkpoint at `path` with inputs of each row count."""
+    import json
+    import pathlib
+    path = pathlib.Path(path)
+    q = json.loads((path / "config.json").read_text())["quantization"]
+    ws = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        ws.update(mx.load(str(f)))
+    seen, bad = set(), 0
+    for name in sorted(k[: -len(".scales")] for k in ws if k.endswith(".scales")):
+        mode = q.get(name, q)
+        gs, bits = mode["group_size"], mode["bits"]
+        w = ws[name + ".weight"]
+        s, b = (ws[name + x].astype(mx.bfloat16) for x in (".scales", ".biases"))
+        k = w.shape[-1] * 32 // bits
+        key = (w.shape, gs, bits)
+        if key in seen:
+            continue
+        seen.add(key)
+        for m in rows:
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            if w.ndim == 2:
+                fn = lambda st, x=x: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, stream=st)
+                bad += check(f"{name} {tuple(w.shape)} gs={gs} bits={bits} rows={m}", fn, repeats, mx.bfloat16)
+                continue
+            ids = mx.random.randint(0, w.shape[0], (m, 2)).astype(mx.uint32)
+            flat = ids.reshape(-1)
+            order = mx.argsort(flat)
+            for sort, xs, idx in ((False, x.reshape(m, 1, 1, k), ids), (True, mx.take(x, order // 2, axis=0).reshape(2 * m, 1, k), mx.take(flat, order))):
+                fn = lambda st, xs=xs, idx=idx, sort=sort: mx.gather_qmm(xs, w, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, sorted_indices=sort, stream=st)
+                bad += check(f"{name} {tuple(w.shape)} gs={gs} bits={bits} tokens={m} sorted={sort}", fn, repeats, mx.bfloat16)
+    print(f"{bad} bad case(s)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=4)
@@ -67,9 +106,14 @@ def main():
                     help="one kind of product only (narrow: dense products whose output rows are a few elements wide, as MoE routers of few experts)")
     ap.add_argument("--race", type=int, default=0, metavar="N",
                     help="instead: N rounds of 8 queued bf16 4-bit products of 16 rows (the qmm_sm80 kernel on sm_90), each checked bit for bit against the first")
+    ap.add_argument("--checkpoint", metavar="DIR", help="instead: the quantized layers of this MLX checkpoint")
+    ap.add_argument("--rows", default="1,2,3,8,9,16,17,24,33,40,64", help="with --checkpoint: the row (token) counts")
     args = ap.parse_args()
     print("device", mx.default_device(), flush=True)
     mx.random.seed(0)
+    if args.checkpoint:
+        checkpoint(args.checkpoint, [int(r) for r in args.rows.split(",")], args.repeats)
+        return
     if args.race:
         race(args.race)
         return

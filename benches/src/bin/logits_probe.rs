@@ -2,7 +2,15 @@
 //!
 //! ```text
 //! logits_probe --model DIR [--dtype bf16|f16|f32] [--prompt 128] --out FILE [--time N] [--kv flat|paged]
+//! logits_probe --model DIR [--dtype bf16] [--prompt 33] --against-cpu
 //! ```
+//!
+//! `--against-cpu` (instead of FILE) runs the prompt on the default device (a GPU) in `--dtype`
+//! and again with a copy of the model loaded on the CPU in f32 (MLX's CPU has no bf16 `gather_mm`),
+//! and prints, for the residual stream after each decoder
+//! layer (families with `forward_taps`) and for the logits of every position, the largest
+//! |device - cpu|, the largest |cpu| and the non-finite values on each side: the first layer
+//! that departs is where a device kernel goes wrong.
 //!
 //! `--time N` also times N more forward passes of the prompt that evaluate only the caches (a
 //! fresh cache each; no logits), as mlx-lm's prefill of a prompt's leading tokens does, and prints
@@ -26,15 +34,22 @@ struct Cli {
     #[command(flatten)]
     m: shared::ModelArgs,
     /// Where the f32 logits are written (little-endian).
-    #[arg(long)]
-    out: String,
+    #[arg(long, required_unless_present = "against_cpu")]
+    out: Option<String>,
+    /// Compare every layer's output and every position's logits with the CPU instead.
+    #[arg(long, conflicts_with_all = ["out", "time"])]
+    against_cpu: bool,
     /// Also time this many forward passes of the prompt (median printed).
     #[arg(long, default_value_t = 0)]
     time: usize,
 }
 
 fn main() -> Res<()> {
-    let Cli { m, out, time } = <Cli as clap::Parser>::parse();
+    let Cli { m, out, time, against_cpu } = <Cli as clap::Parser>::parse();
+    if against_cpu {
+        return against_cpu_run(&m);
+    }
+    let out = out.ok_or("--out FILE")?;
     let (model, _) = m.load_lm()?;
     let shared::ModelArgs { dtype, prompt, .. } = m;
     let vocab = model.info().vocab_size;
@@ -64,5 +79,58 @@ fn main() -> Res<()> {
     }
     let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
     std::fs::write(&out, bytes)?;
+    Ok(())
+}
+
+/// The residual stream after each layer (where the family exposes it; the last layer's is the
+/// head's input and has no tap) and every position's f32 logits, for `ids`.
+fn layers_and_logits(model: &mlx_models::Model, ids: &[u32]) -> Res<(Vec<mlx_array::Array>, mlx_array::Array)> {
+    let t = mlx_array::Array::from_slice(ids, &[1, ids.len()])?;
+    let taps: Vec<usize> = (0..model.info().num_layers.saturating_sub(1)).collect();
+    let mut cache = model.new_cache();
+    let (out, layers) = match model.with_runtime(|rt| rt.forward_taps(&t, &mut cache, Logits::All, false, &taps)) {
+        Ok(r) => r,
+        Err(mlx_models::ModelError::UnsupportedOption(why)) => {
+            eprintln!("no layer taps: {why}");
+            let mut cache = model.new_cache();
+            (model.forward(&t, &mut cache, Logits::All, false)?, Vec::new())
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let logits = out.logits.ok_or("no logits")?.astype(DType::F32)?;
+    let layers = layers.iter().map(|a| a.astype(DType::F32)).collect::<Result<Vec<_>, _>>()?;
+    mlx_array::eval(&layers.iter().chain([&logits]).collect::<Vec<_>>())?;
+    Ok((layers, logits))
+}
+
+/// `--against-cpu`: the model on the default device against a copy on the CPU.
+fn against_cpu_run(m: &shared::ModelArgs) -> Res<()> {
+    let device = mlx_array::default_device()?;
+    let (model, _) = m.load_lm()?;
+    let ids = shared::prompt_ids(m.prompt, model.info().vocab_size);
+    let (dev_layers, dev_logits) = layers_and_logits(&model, &ids)?;
+    mlx_array::set_default_device(mlx_array::Device::Cpu);
+    let (opts, _) = m.load_options()?;
+    let cpu_opts = mlx_models::LoadOptions { dtype: Some(DType::F32), ..opts };
+    let cpu_model = mlx_models::load_model(&m.model, &cpu_opts)?.into_lm()?;
+    let (cpu_layers, cpu_logits) = layers_and_logits(&cpu_model, &ids)?;
+    let stats = |a: &mlx_array::Array, b: &mlx_array::Array| -> Res<String> {
+        let (a, b) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
+        let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
+        let err = a.iter().zip(&b).filter(|(x, y)| x.is_finite() && y.is_finite()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let scale = b.iter().filter(|y| y.is_finite()).map(|y| y.abs()).fold(0f32, f32::max);
+        Ok(format!("max |{device:?} - cpu| {err:.3e} (largest |cpu| {scale:.3e}), non-finite {device:?} {} cpu {}", bad(&a), bad(&b)))
+    };
+    println!("{} positions, {device:?} in {}, cpu in f32", ids.len(), m.dtype);
+    for (i, (d, c)) in dev_layers.iter().zip(&cpu_layers).enumerate() {
+        println!("layer {i}: {}", stats(d, c)?);
+    }
+    println!("logits: {}", stats(&dev_logits, &cpu_logits)?);
+    // the positions whose argmax differs
+    let vocab = model.info().vocab_size;
+    let (d, c) = (dev_logits.to_vec::<f32>()?, cpu_logits.to_vec::<f32>()?);
+    let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
+    let flips: Vec<usize> = (0..ids.len()).filter(|&p| argmax(&d[p * vocab..(p + 1) * vocab]) != argmax(&c[p * vocab..(p + 1) * vocab])).collect();
+    println!("argmax differs at positions {flips:?}");
     Ok(())
 }
