@@ -34,7 +34,7 @@
 #
 # First, when staged, the speculative identity tests (crates/speculative/tests/identity.rs, tiny
 # checkpoints; with MLX_ENABLE_TF32 1 and 0, or the values in TF32S; IDENTITY_SECS each, default 450:
-# a cold H100 took 272 s, another did not finish in 300). Then makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
+# a fresh H100 took 155 s, mostly building kernels; a warm one 12 s). Then makes the pair of benches/gpu_pair.py (Qwen3-8B-shaped target, Qwen3-0.6B-shaped draft, high
 # agreement), then greedy decoding of NEW tokens (default 128) after a 32-id prompt: ours plain
 # and speculative with K drafts a cycle (the generate example's --json line: decode tok/s,
 # accepted_mean, acceptance by position), and mlx-lm's generate_step and

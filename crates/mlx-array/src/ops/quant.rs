@@ -206,7 +206,7 @@ impl Quantized {
         if transpose && k != self.in_features() {
             return Err(Error::shape("quantized_matmul", format!("input has {k} features, weights expect {}", self.in_features())));
         }
-        if transpose && self.narrow_rows_on_gpu(x)? {
+        if transpose && self.sm90_route_on_gpu(x)? {
             return x.matmul(&self.dequantize(Some(x.dtype()))?.swap_axes(-1, -2)?);
         }
         let s = stream();
@@ -215,25 +215,27 @@ impl Quantized {
         })
     }
 
-    /// Whether `x @ W.T` runs on a GPU with [`narrow_output_rows`].
-    fn narrow_rows_on_gpu(&self, x: &Array) -> Result<bool> {
+    /// Whether `x @ W.T` runs on a GPU and is one [`libmlx_sm90_product`] names.
+    fn sm90_route_on_gpu(&self, x: &Array) -> Result<bool> {
         let n = self.weight.dims().iter().rev().nth(1).copied().unwrap_or(1) as usize;
         let k = (*x.dims().last().unwrap_or(&1)).max(1) as usize;
-        Ok(narrow_output_rows(n, x.dtype().size(), x.size() / k) && crate::default_device()? == crate::Device::Gpu)
+        Ok(libmlx_sm90_product(self.mode, n, k, x.size() / k) && crate::default_device()? == crate::Device::Gpu)
     }
 }
 
-/// Whether a quantized product of `rows` rows, `n` outputs of `itemsize` bytes each, runs over
-/// the dequantized weight on a GPU: several rows whose output rows are not a multiple of 16
-/// bytes. libmlx 0.32's CUDA dispatch sends such a product of affine 4/8-bit weights with groups
-/// as long as the input to its sm90 kernel (its alignment test reads the packed weight's element
-/// size, not the output's), whose TMA descriptors need 16-byte row strides: on an H100 the
-/// descriptor set-up fails for 4 bf16 outputs ("Failed to initialize the TMA descriptor",
-/// strides (2, 8)) and the product returns garbage (`scripts/gpu/qmm_probe.py --only narrow`);
-/// the MoE checkpoints with 4-expert routers gave non-finite logits. Such weights are narrow,
-/// so dequantizing them per product is cheap.
-pub(crate) fn narrow_output_rows(n: usize, itemsize: usize, rows: usize) -> bool {
-    (n * itemsize) % 16 != 0 && rows > 1
+/// Whether libmlx 0.32's CUDA dispatch gives `x @ W.T` (`rows` rows of `k` inputs, `n` outputs)
+/// to its sm90 kernel (`supports_qmm_sm90` in `quantized/qmm/qmm.cu`: affine 4 or 8 bits, `k` a
+/// multiple of 64 and at most one group, `n` a multiple of 4, more than one row). Such products
+/// run over the dequantized weight on a GPU instead. On an H100 that kernel returned garbage for
+/// them: 4 bf16 outputs fail its TMA descriptor set-up ("Failed to initialize the TMA
+/// descriptor", strides (2, 8); `scripts/gpu/qmm_probe.py --only narrow`), and the Gemma 4 MoE
+/// test checkpoint, whose projections are all 64 wide in groups of 64, came out of its first layer
+/// off by 6.1 where the CPU's values reach 6.5 (`logits_probe --against-cpu`). Only weights whose
+/// input is a single group qualify, so no real checkpoint's layers do (their inputs are hundreds
+/// wide in groups of at most 128), and dequantizing the few that do is cheap.
+pub(crate) fn libmlx_sm90_product(mode: QuantMode, n: usize, k: usize, rows: usize) -> bool {
+    let QuantMode::Affine { bits: 4 | 8, group_size } = mode else { return false };
+    k % 64 == 0 && k <= group_size as usize && n % 4 == 0 && rows > 1
 }
 
 /// Quantized [`crate::ops::gather_mm`]: `x[lhs_indices] @ W[rhs_indices].T` for MoE experts.
@@ -285,18 +287,23 @@ impl Array {
 
 #[cfg(test)]
 mod tests {
-    use super::narrow_output_rows;
+    use super::{libmlx_sm90_product, QuantMode};
 
     #[test]
-    fn narrow_output_rows_are_those_not_a_multiple_of_16_bytes() {
-        // the 4-expert router in bf16 and f16: 8-byte rows
-        assert!(narrow_output_rows(4, 2, 2));
-        assert!(narrow_output_rows(12, 2, 40));
-        // 16-byte rows and wider keep the quantized kernels
-        assert!(!narrow_output_rows(8, 2, 2));
-        assert!(!narrow_output_rows(4, 4, 8));
-        assert!(!narrow_output_rows(128, 2, 17));
-        // one row takes libmlx's vector kernel
-        assert!(!narrow_output_rows(4, 2, 1));
+    fn libmlx_sm90_products_are_those_of_one_group_of_a_multiple_of_64_inputs() {
+        let q = |bits, group_size| QuantMode::Affine { bits, group_size };
+        // the test checkpoints' 4-expert router (8 bits, group 64) and 64-wide projections
+        assert!(libmlx_sm90_product(q(8, 64), 4, 64, 2));
+        assert!(libmlx_sm90_product(q(4, 64), 32, 64, 33));
+        assert!(libmlx_sm90_product(q(4, 128), 256, 128, 8));
+        // inputs of several groups (every real checkpoint), groups of 32, or not a multiple of 64
+        assert!(!libmlx_sm90_product(q(4, 64), 128, 128, 33));
+        assert!(!libmlx_sm90_product(q(4, 32), 128, 64, 33));
+        assert!(!libmlx_sm90_product(q(4, 64), 128, 32, 33));
+        // other bit widths and formats, outputs not a multiple of 4, one row (the vector kernel)
+        assert!(!libmlx_sm90_product(q(3, 64), 128, 64, 33));
+        assert!(!libmlx_sm90_product(QuantMode::Mxfp4, 128, 32, 33));
+        assert!(!libmlx_sm90_product(q(4, 64), 6, 64, 33));
+        assert!(!libmlx_sm90_product(q(4, 64), 128, 64, 1));
     }
 }
