@@ -63,27 +63,33 @@ proptest! {
         (ea, eb, m, k, n) in (1usize..4, 1usize..5, 1usize..4, 1usize..9, 1usize..9),
         seed in vals(3 * 3 * 8 + 4 * 8 * 8, -1.0, 1.0),
         picks in prop::collection::vec((0usize..100, 0usize..100), 1..6),
+        bfl in any::<bool>(),
     ) {
+        // bf16 operands too (MLX's CPU kernel takes only f32: they are multiplied in f32)
+        let (dtype, tol) = if bfl { (DType::BF16, BF16_MM) } else { (DType::F32, F32_MM) };
+        let seed: Vec<f32> = if bfl { bfv(&seed) } else { seed };
         let a = &seed[..ea * m * k];
         let b = &seed[ea * m * k..ea * m * k + eb * k * n];
+        let arr = |v: &[f32], shape: &[usize]| arr_as(v, shape, dtype);
         let lhs: Vec<u32> = picks.iter().map(|p| (p.0 % ea) as u32).collect();
         let rhs: Vec<u32> = picks.iter().map(|p| (p.1 % eb) as u32).collect();
         let np = picks.len();
         let y = ops::gather_mm(&arr(a, &[ea, m, k]), &arr(b, &[eb, k, n]), Some(&Array::from_slice(&lhs, &[np]).unwrap()), Some(&Array::from_slice(&rhs, &[np]).unwrap()), false).unwrap();
         prop_assert_eq!(y.shape(), vec![np, m, n]);
+        prop_assert_eq!(y.dtype(), dtype);
         let mut want = Vec::new();
         for i in 0..np {
             let (l, r) = (lhs[i] as usize, rhs[i] as usize);
             want.extend(matmul_ref(&a[l * m * k..(l + 1) * m * k], &b[r * k * n..(r + 1) * k * n], 1, m, k, n));
         }
-        close("gather_mm", &out(&y), &want, F32_MM)?;
+        close("gather_mm", &out(&y), &want, tol)?;
         // Sorted rhs indices (the fast MoE path) give the same products.
         let mut order: Vec<usize> = (0..np).collect();
         order.sort_by_key(|&i| rhs[i]);
         let (ls, rs): (Vec<u32>, Vec<u32>) = order.iter().map(|&i| (lhs[i], rhs[i])).unzip();
         let ys = ops::gather_mm(&arr(a, &[ea, m, k]), &arr(b, &[eb, k, n]), Some(&Array::from_slice(&ls, &[np]).unwrap()), Some(&Array::from_slice(&rs, &[np]).unwrap()), true).unwrap();
         let want_sorted: Vec<f64> = order.iter().flat_map(|&i| want[i * m * n..(i + 1) * m * n].to_vec()).collect();
-        close("gather_mm sorted", &out(&ys), &want_sorted, F32_MM)?;
+        close("gather_mm sorted", &out(&ys), &want_sorted, tol)?;
     }
 }
 

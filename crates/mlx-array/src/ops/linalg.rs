@@ -1,6 +1,6 @@
 //! Matrix products.
 use crate::error::{Error, OpExt, Result};
-use crate::Array;
+use crate::{Array, DType};
 use mlx_rs::ops as m;
 
 impl Array {
@@ -35,10 +35,17 @@ impl Array {
 }
 
 /// Matrix products with gathered operands (MoE expert dispatch): `a[lhs_indices] @ b[rhs_indices]`,
-/// where the indices select along the batch dimensions of `a` and `b`.
+/// where the indices select along the batch dimensions of `a` and `b`. MLX's CPU kernel takes
+/// only f32, so on the CPU other float operands are multiplied in f32 and the product rounded to
+/// their dtype (an MoE model in bf16 on the CPU).
 pub fn gather_mm(a: &Array, b: &Array, lhs_indices: Option<&Array>, rhs_indices: Option<&Array>, sorted_indices: bool) -> Result<Array> {
     if a.ndim() < 2 || b.ndim() < 2 {
         return Err(Error::shape("gather_mm", format!("operands must be at least 2-d, got {:?} and {:?}", a.shape(), b.shape())));
+    }
+    let dt = a.dtype();
+    if dt != DType::F32 && dt.is_float() && b.dtype() == dt && crate::default_device()? == crate::Device::Cpu {
+        let (a32, b32) = (a.astype(DType::F32)?, b.astype(DType::F32)?);
+        return gather_mm(&a32, &b32, lhs_indices, rhs_indices, sorted_indices)?.astype(dt);
     }
     m::gather_mm(&a.inner, &b.inner, lhs_indices.map(|x| &x.inner), rhs_indices.map(|x| &x.inner), sorted_indices)
         .op("gather_mm")
