@@ -11,7 +11,7 @@
 #
 # AHEAD=0,2 runs each fixed-depth line once per `--draft-ahead` value (default: the library's).
 # TRACE=1 adds `spec_trace` at the largest K (two generations in one process after the warm-up,
-# per AHEAD value): the second generation has no first-use costs; with USELESS=K also the useless
+# per AHEAD value; every cycle in OUT/trace_kK_AHEAD.log): the second generation has no first-use costs; with USELESS=K also the useless
 # draft at adaptive depth, cycle by cycle, each generation after a plain one. GROWTH=1 adds `verify_probe
 # --growth` on the target in fresh processes, without and with `--prewarm` (one-row steps across
 # the flat K/V growth at 256 and 512 positions).
@@ -126,7 +126,9 @@ if [ -n "${TRACE:-}" ]; then
   xz -dkf "$G/spec_trace.xz" 2>/dev/null; chmod +x "$G/spec_trace"
   for a in $(echo "${AHEAD:-default}" | tr , " "); do
     [ "$a" = default ] && set -- || set -- --draft-ahead "$a"
-    echo "spec_trace K=${KS[-1]} ahead=$a: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet "$@" | grep '^run' | tr '\n' ' ')"
+    # every cycle of both generations in trace_k${KS[-1]}_$a.log (where the first one's extra time goes)
+    "$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up "$@" > "$OUT/trace_k${KS[-1]}_$a.log" 2>&1
+    echo "spec_trace K=${KS[-1]} ahead=$a: $(grep '^run' "$OUT/trace_k${KS[-1]}_$a.log" | tr '\n' ' ')"
     [ -z "${BUCKET:-}" ] || echo "spec_trace K=${KS[-1]} ahead=$a bucket=$BUCKET: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet --key-bucket "$BUCKET" "$@" | grep '^run' | tr '\n' ' ')"
   done 2>&1 | tee "$OUT/trace.log"
   # with USELESS=K: where adaptive depth's time goes with the useless draft, cycle by cycle
