@@ -102,6 +102,23 @@ mod tests {
         assert_eq!(qmm_sm80_in(&lib(b"  copy(r2s);")), QmmSm80::Absent);
     }
 
+    /// The patterns are those `scripts/gpu/patch_libmlx.py` replaces and writes (its `LOOP` and
+    /// `FIXED` sources hold them verbatim), so a change to the script cannot leave them behind.
+    #[test]
+    fn patterns_are_those_of_the_patch_script() {
+        let script = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/gpu/patch_libmlx.py")).unwrap();
+        let part = |name: &str| {
+            let start = memchr::memmem::find(&script, format!("\n{name} = b\"\"\"").as_bytes()).unwrap_or_else(|| panic!("{name} not in the script"));
+            let body = &script[start..];
+            let end = memchr::memmem::find(&body[name.len() + 9..], b"\"\"\"").unwrap() + name.len() + 9;
+            body[..end].to_vec()
+        };
+        let (lp, fixed) = (part("LOOP"), part("FIXED"));
+        assert!(memchr::memmem::find(&lp, RACY).is_some(), "the racy epilogue is not in LOOP");
+        assert!(memchr::memmem::find(&fixed, PATCHED).is_some(), "the patched epilogue is not in FIXED");
+        assert!(memchr::memmem::find(&fixed, RACY).is_none());
+    }
+
     #[test]
     fn finds_libmlx_in_maps() {
         let maps = "7f00-7f01 r-xp 00000000 08:01 123 /usr/lib/libc.so.6\n\
