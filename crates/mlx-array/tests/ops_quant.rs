@@ -124,6 +124,23 @@ proptest! {
     }
 }
 
+/// `matmul_dtype` and `out_features` are what `matmul` gives, for f32 and bf16 inputs against
+/// f32 and bf16 scales, affine and mxfp4.
+#[test]
+fn matmul_dtype_is_the_products() {
+    for mode in [QuantMode::Affine { bits: 4, group_size: 64 }, QuantMode::Mxfp4] {
+        for wdt in [DType::F32, DType::BF16] {
+            let q = Array::zeros(&[3, 64], wdt).unwrap().quantize(mode).unwrap();
+            assert_eq!(q.out_features(), 3);
+            for xdt in [DType::F32, DType::BF16] {
+                let y = q.matmul(&Array::zeros(&[2, 64], xdt).unwrap(), true).unwrap();
+                assert_eq!(y.dtype(), q.matmul_dtype(xdt), "{mode:?}, weights {wdt:?}, input {xdt:?}");
+                assert_eq!(y.shape(), vec![2, 3]);
+            }
+        }
+    }
+}
+
 #[test]
 fn quant_argument_errors() {
     let w = Array::zeros(&[4, 48], DType::F32).unwrap();

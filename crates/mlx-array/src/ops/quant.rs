@@ -164,6 +164,21 @@ impl Quantized {
         packed * 32 / self.mode.bits() as usize
     }
 
+    /// Output features (rows of the stored `[out, in]` weight; per expert for stacked ones).
+    pub fn out_features(&self) -> usize {
+        self.weight.dims().iter().rev().nth(1).copied().unwrap_or(1) as usize
+    }
+
+    /// The dtype [`Quantized::matmul`] gives an input of dtype `x` (MLX's `quantized_matmul`):
+    /// f32 when the input or the scales are f32, else the input's.
+    pub fn matmul_dtype(&self, x: DType) -> DType {
+        if x == DType::F32 || self.scales.dtype() == DType::F32 {
+            DType::F32
+        } else {
+            x
+        }
+    }
+
     /// Back to a float matrix (`dtype` of the scales for affine, f32 otherwise unless given).
     pub fn dequantize(&self, dtype: Option<DType>) -> Result<Array> {
         self.dequantize_scaled(dtype, None)
@@ -206,8 +221,9 @@ impl Quantized {
         if transpose && k != self.in_features() {
             return Err(Error::shape("quantized_matmul", format!("input has {k} features, weights expect {}", self.in_features())));
         }
-        if transpose && self.sm90_route_on_gpu(x)? {
-            return x.matmul(&self.dequantize(Some(x.dtype()))?.swap_axes(-1, -2)?);
+        if transpose && self.sm90_route_on_gpu(x, k)? {
+            let dt = self.matmul_dtype(x.dtype());
+            return x.astype(dt)?.matmul(&self.dequantize(Some(dt))?.swap_axes(-1, -2)?);
         }
         let s = stream();
         ffi("quantized_matmul", |res| unsafe {
@@ -216,10 +232,8 @@ impl Quantized {
     }
 
     /// Whether `x @ W.T` runs on a GPU and is one [`libmlx_sm90_product`] names.
-    fn sm90_route_on_gpu(&self, x: &Array) -> Result<bool> {
-        let n = self.weight.dims().iter().rev().nth(1).copied().unwrap_or(1) as usize;
-        let k = (*x.dims().last().unwrap_or(&1)).max(1) as usize;
-        Ok(libmlx_sm90_product(self.mode, n, k, x.size() / k) && crate::default_device()? == crate::Device::Gpu)
+    fn sm90_route_on_gpu(&self, x: &Array, k: usize) -> Result<bool> {
+        Ok(libmlx_sm90_product(self.mode, self.out_features(), k, x.size() / k.max(1)) && crate::default_device()? == crate::Device::Gpu)
     }
 }
 

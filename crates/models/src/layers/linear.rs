@@ -195,9 +195,8 @@ impl Linear {
             (LinearWeight::Quantized(q), Some(few)) if mlx_array::ops::cpu_packed_supports(q.mode) => match few {
                 true => q.cpu_matmul(x)?,
                 false => {
-                    // quantized_matmul's output dtype: the input's, promoted with float scales
-                    let out = if x.dtype() == DType::F32 || q.scales.dtype() == DType::F32 { DType::F32 } else { x.dtype() };
-                    x.astype(DType::F32)?.matmul(&dequantize_f32(q)?.swap_axes(0, 1)?)?.astype(out)?
+                    // quantized_matmul's output dtype
+                    x.astype(DType::F32)?.matmul(&dequantize_f32(q)?.swap_axes(0, 1)?)?.astype(q.matmul_dtype(x.dtype()))?
                 }
             },
             (LinearWeight::Quantized(q), _) => q.matmul(x, true)?,
@@ -218,7 +217,7 @@ impl Linear {
     pub fn out_dim(&self) -> usize {
         match &self.w {
             LinearWeight::Dense(wt) => wt.shape()[1],
-            LinearWeight::Quantized(q) => q.weight.shape()[0],
+            LinearWeight::Quantized(q) => q.out_features(),
         }
     }
     /// Whether the weight stays quantized (products run `quantized_matmul`).
