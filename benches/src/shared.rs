@@ -27,6 +27,18 @@ pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % (vocab - 100).min(30000) + 10) as u32).collect()
 }
 
+/// The index of the first largest value (NaN never wins).
+#[allow(dead_code)]
+pub fn argmax(v: &[f32]) -> usize {
+    v.iter().enumerate().fold(0, |best, (j, &x)| if x > v[best] { j } else { best })
+}
+
+/// How many values are NaN or infinite.
+#[allow(dead_code)]
+pub fn non_finite(v: &[f32]) -> usize {
+    v.iter().filter(|x| !x.is_finite()).count()
+}
+
 /// The checkpoint options of the single-model probes (`decode_profile`, `logits_probe`).
 #[derive(clap::Args)]
 pub struct ModelArgs {

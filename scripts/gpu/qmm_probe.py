@@ -1,7 +1,8 @@
 """Quantized products of few rows on the GPU against the CPU (MLX's own kernels on both).
 
-    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense|narrow] [--race N]
-    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py --checkpoint DIR [--rows 1,2,8,33]
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py [--repeats N] [--only gather|dense|narrow]
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py --race N
+    PYTHONPATH=RT python3 scripts/gpu/qmm_probe.py --checkpoint DIR [--rows 1,2,8,33] [--repeats N]
 
 RT holds the mlx wheel's python package with the CUDA libmlx swapped in (as gpu_spec_bench.sh
 unpacks it). For each shape, `mx.quantized_matmul` and `mx.gather_qmm` (unsorted and sorted
@@ -101,18 +102,24 @@ def checkpoint(path, rows, repeats):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--only", choices=["gather", "dense", "narrow"],
-                    help="one kind of product only (narrow: dense products whose output rows are a few elements wide, as MoE routers of few experts)")
-    ap.add_argument("--race", type=int, default=0, metavar="N",
-                    help="instead: N rounds of 8 queued bf16 4-bit products of 16 rows (the qmm_sm80 kernel on sm_90), each checked bit for bit against the first")
-    ap.add_argument("--checkpoint", metavar="DIR", help="instead: the quantized layers of this MLX checkpoint")
-    ap.add_argument("--rows", default="1,2,3,8,9,16,17,24,33,40,64", help="with --checkpoint: the row (token) counts")
+    ap.add_argument("--repeats", type=int, help="GPU runs of each product (default 4; not with --race)")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--only", choices=["gather", "dense", "narrow"],
+                      help="one kind of product only (narrow: dense products whose output rows are a few elements wide, as MoE routers of few experts)")
+    what.add_argument("--race", type=int, default=0, metavar="N",
+                      help="instead: N rounds of 8 queued bf16 4-bit products of 16 rows (the qmm_sm80 kernel on sm_90), each checked bit for bit against the first")
+    what.add_argument("--checkpoint", metavar="DIR", help="instead: the quantized layers of this MLX checkpoint")
+    ap.add_argument("--rows", help="with --checkpoint: the row (token) counts (default 1,2,3,8,9,16,17,24,33,40,64)")
     args = ap.parse_args()
+    if args.rows is not None and not args.checkpoint:
+        ap.error("--rows needs --checkpoint")
+    if args.race and args.repeats is not None:
+        ap.error("--race runs its own rounds: no --repeats")
+    repeats = 4 if args.repeats is None else args.repeats
     print("device", mx.default_device(), flush=True)
     mx.random.seed(0)
     if args.checkpoint:
-        checkpoint(args.checkpoint, [int(r) for r in args.rows.split(",")], args.repeats)
+        checkpoint(args.checkpoint, [int(r) for r in (args.rows or "1,2,3,8,9,16,17,24,33,40,64").split(",")], repeats)
         return
     if args.race:
         race(args.race)
@@ -125,7 +132,7 @@ def main():
             x = mx.random.normal((m, 64)).astype(dt)
             w, s, b = quantize((mx.random.normal((n, 64)) * 0.1).astype(dt), 64, bits)
             fn = lambda st: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits, stream=st)
-            bad += check(f"qmm {dt} rows={m} out={n} in=64 gs=64 bits={bits}", fn, args.repeats, dt)
+            bad += check(f"qmm {dt} rows={m} out={n} in=64 gs=64 bits={bits}", fn, repeats, dt)
         print(f"{bad} bad case(s)")
         return
     # gathered: x [T, 1, 1, in] with ids [T, k] (unsorted), or [T*k, 1, in] with sorted ids
@@ -147,7 +154,7 @@ def main():
             else:
                 xs, idx = x.reshape(t, 1, 1, k), ids
             fn = lambda st, xs=xs, idx=idx, sort=sort: mx.gather_qmm(xs, w, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, sorted_indices=sort, stream=st)
-            bad += check(f"gather_qmm {dt} tokens={t} top2 of 4 out={n} in={k} gs={gs} bits={bits} sorted={sort}", fn, args.repeats, dt)
+            bad += check(f"gather_qmm {dt} tokens={t} top2 of 4 out={n} in={k} gs={gs} bits={bits} sorted={sort}", fn, repeats, dt)
     # (rows, out, in, group, bits)
     dense = sorted(itertools.product([1, 2, 3, 4, 5, 8, 16], [4, 32, 64, 192, 512], [32, 64, 128], [32, 64], [4, 8], [mx.float32, mx.bfloat16]), key=lambda c: (c[5] != mx.float32, c[2] > 64))
     for m, n, k, gs, bits, dt in dense:
@@ -156,7 +163,7 @@ def main():
         x = mx.random.normal((m, k)).astype(dt)
         w, s, b = quantize((mx.random.normal((n, k)) * 0.1).astype(dt), gs, bits)
         fn = lambda st: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, stream=st)
-        bad += check(f"qmm {dt} rows={m} out={n} in={k} gs={gs} bits={bits}", fn, args.repeats, dt)
+        bad += check(f"qmm {dt} rows={m} out={n} in={k} gs={gs} bits={bits}", fn, repeats, dt)
     print(f"{bad} bad case(s)")
 
 

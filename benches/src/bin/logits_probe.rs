@@ -114,23 +114,21 @@ fn against_cpu_run(m: &shared::ModelArgs) -> Res<()> {
     let cpu_opts = mlx_models::LoadOptions { dtype: Some(DType::F32), ..opts };
     let cpu_model = mlx_models::load_model(&m.model, &cpu_opts)?.into_lm()?;
     let (cpu_layers, cpu_logits) = layers_and_logits(&cpu_model, &ids)?;
-    let stats = |a: &mlx_array::Array, b: &mlx_array::Array| -> Res<String> {
-        let (a, b) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
-        let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
-        let err = a.iter().zip(&b).filter(|(x, y)| x.is_finite() && y.is_finite()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let host = |a: &mlx_array::Array| a.to_vec::<f32>();
+    let stats = |a: &[f32], b: &[f32]| {
+        let err = a.iter().zip(b).filter(|(x, y)| x.is_finite() && y.is_finite()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
         let scale = b.iter().filter(|y| y.is_finite()).map(|y| y.abs()).fold(0f32, f32::max);
-        Ok(format!("max |{device:?} - cpu| {err:.3e} (largest |cpu| {scale:.3e}), non-finite {device:?} {} cpu {}", bad(&a), bad(&b)))
+        format!("max |{device:?} - cpu| {err:.3e} (largest |cpu| {scale:.3e}), non-finite {device:?} {} cpu {}", shared::non_finite(a), shared::non_finite(b))
     };
     println!("{} positions, {device:?} in {}, cpu in f32", ids.len(), m.dtype);
     for (i, (d, c)) in dev_layers.iter().zip(&cpu_layers).enumerate() {
-        println!("layer {i}: {}", stats(d, c)?);
+        println!("layer {i}: {}", stats(&host(d)?, &host(c)?));
     }
-    println!("logits: {}", stats(&dev_logits, &cpu_logits)?);
+    let (d, c) = (host(&dev_logits)?, host(&cpu_logits)?);
+    println!("logits: {}", stats(&d, &c));
     // the positions whose argmax differs
     let vocab = model.info().vocab_size;
-    let (d, c) = (dev_logits.to_vec::<f32>()?, cpu_logits.to_vec::<f32>()?);
-    let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
-    let flips: Vec<usize> = (0..ids.len()).filter(|&p| argmax(&d[p * vocab..(p + 1) * vocab]) != argmax(&c[p * vocab..(p + 1) * vocab])).collect();
+    let flips: Vec<usize> = (0..ids.len()).filter(|&p| shared::argmax(&d[p * vocab..(p + 1) * vocab]) != shared::argmax(&c[p * vocab..(p + 1) * vocab])).collect();
     println!("argmax differs at positions {flips:?}");
     Ok(())
 }

@@ -105,29 +105,27 @@ fn compare_rows(model: &mlx_models::Model, cache: &mut mlx_models::Cache, next: 
                 seq.extend(host(&logits)?);
             }
             cache.restore(&snap)?;
-            let argmax = |r: &[f32]| r.iter().enumerate().fold(0, |best, (j, &x)| if x > r[best] { j } else { best });
             let diff = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
             let mut flips = Vec::new();
             let mut gap = f32::INFINITY;
             for i in 0..m {
                 let (r, s) = (&a[i * vocab..(i + 1) * vocab], &seq[i * vocab..(i + 1) * vocab]);
-                if argmax(r) != argmax(s) {
+                if shared::argmax(r) != shared::argmax(s) {
                     flips.push(i);
                 }
-                let top = argmax(s);
+                let top = shared::argmax(s);
                 let second = s.iter().enumerate().filter(|&(j, _)| j != top).map(|(_, &x)| x).fold(f32::NEG_INFINITY, f32::max);
                 gap = gap.min(s[top] - second);
             }
             let scale = seq.iter().map(|x| x.abs()).fold(0f32, f32::max);
             // f32::max skips NaN: non-finite logits are counted on their own
-            let bad = |v: &[f32]| v.iter().filter(|x| !x.is_finite()).count();
             println!(
                 "compare kernels={mode:?} rows={m}: max |M-row - one-row| {:.3e} (largest |logit| {scale:.2}), argmax differs at rows {flips:?}, smallest one-row top-1/top-2 gap {gap:.3e}; max |M-row - M-row again| {:.3e}; non-finite logits: M-row {}, again {}, one-row {}",
                 diff(&a, &seq),
                 diff(&a, &b),
-                bad(&a),
-                bad(&b),
-                bad(&seq)
+                shared::non_finite(&a),
+                shared::non_finite(&b),
+                shared::non_finite(&seq)
             );
         }
     }

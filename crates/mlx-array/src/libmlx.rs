@@ -107,11 +107,12 @@ mod tests {
     #[test]
     fn patterns_are_those_of_the_patch_script() {
         let script = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/gpu/patch_libmlx.py")).unwrap();
+        // the bytes between `NAME = b"""` and the closing `"""`
         let part = |name: &str| {
-            let start = memchr::memmem::find(&script, format!("\n{name} = b\"\"\"").as_bytes()).unwrap_or_else(|| panic!("{name} not in the script"));
+            let open = format!("\n{name} = b\"\"\"");
+            let start = memchr::memmem::find(&script, open.as_bytes()).unwrap_or_else(|| panic!("{name} not in the script")) + open.len();
             let body = &script[start..];
-            let end = memchr::memmem::find(&body[name.len() + 9..], b"\"\"\"").unwrap() + name.len() + 9;
-            body[..end].to_vec()
+            body[..memchr::memmem::find(body, b"\"\"\"").unwrap()].to_vec()
         };
         let (lp, fixed) = (part("LOOP"), part("FIXED"));
         assert!(memchr::memmem::find(&lp, RACY).is_some(), "the racy epilogue is not in LOOP");
