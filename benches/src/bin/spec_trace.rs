@@ -51,10 +51,10 @@ struct Cli {
     /// Only the per-run totals.
     #[arg(long)]
     quiet: bool,
-    /// Draft forwards run ahead while the target verifies (default: the library's,
-    /// `SpeculativeDecoder::default_draft_ahead`).
+    /// Draft forwards run ahead while the target verifies: a number or `until-verified`
+    /// (default: the library's, `SpeculativeDecoder::default_draft_ahead`).
     #[arg(long)]
-    draft_ahead: Option<usize>,
+    draft_ahead: Option<mlx_speculative::DraftAhead>,
     /// Warm the decoder up first (`SpeculativeDecoder::warm_up`; its time is printed).
     #[arg(long)]
     warm_up: bool,
@@ -92,8 +92,8 @@ impl Drafter for TimedDrafter {
     fn target_positions_run(&self) -> usize {
         self.inner.target_positions_run()
     }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> MResult<()> {
-        self.inner.draft_ahead(history, drafts, steps)
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&mlx_array::Array>) -> MResult<()> {
+        self.inner.draft_ahead(history, drafts, steps, until)
     }
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.inner.skipped(history, window)
@@ -207,7 +207,7 @@ fn main() -> Res<()> {
     let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
     if let Some(n) = cli.draft_ahead {
-        if n > 0 && mlx_speculative::draft_kind(std::path::Path::new(&cli.draft))? != mlx_speculative::DraftKind::Model {
+        if n != mlx_speculative::DraftAhead::Steps(0) && mlx_speculative::draft_kind(std::path::Path::new(&cli.draft))? != mlx_speculative::DraftKind::Model {
             return Err("--draft-ahead runs a plain draft model ahead; this draft reads the target's states".into());
         }
         dec = dec.with_draft_ahead(n);

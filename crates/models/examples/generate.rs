@@ -108,10 +108,12 @@ struct Cli {
     #[arg(long, value_enum, default_value = "auto", requires = "speculation")]
     speculative_warm_up: WarmUp,
     /// Draft-model forwards run ahead while the target verifies, at temperature 0
-    /// (`SpeculativeDecoder::with_draft_ahead`; default: 2 on a GPU, 0 on the CPU). More than 0
-    /// is refused for other draft kinds and at temperature > 0, where nothing runs ahead.
+    /// (`SpeculativeDecoder::with_draft_ahead`): a number, or `until-verified` (until the
+    /// verify's result is ready, at most the depth + 1); default: 2 on a GPU, 0 on the CPU.
+    /// Anything but 0 is refused for other draft kinds and at temperature > 0, where nothing
+    /// runs ahead.
     #[arg(long, requires = "draft_model")]
-    draft_ahead: Option<usize>,
+    draft_ahead: Option<mlx_speculative::DraftAhead>,
     /// MTP drafts per cycle (default: adaptive, up to 5).
     #[arg(long, requires = "mtp", value_parser = clap::value_parser!(u64).range(1..=5))]
     mtp_depth: Option<u64>,
@@ -215,7 +217,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut spec = match (&cli.draft_model, cli.mtp) {
         (Some(d), _) => {
-            if cli.draft_ahead.is_some_and(|n| n > 0) {
+            if cli.draft_ahead.is_some_and(|a| a != mlx_speculative::DraftAhead::Steps(0)) {
                 if mlx_speculative::draft_kind(d)? != mlx_speculative::DraftKind::Model {
                     return Err("--draft-ahead runs a plain draft model ahead; this draft reads the target's states".into());
                 }

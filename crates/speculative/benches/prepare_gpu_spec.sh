@@ -7,7 +7,8 @@
 # trimmed to sm_90), the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, the release `generate`
 # example, the speculative identity tests (`identity`, run first by gpu_spec_bench.sh) and the
 # benches named in PROBES (`PROBES="spec_trace"` for TRACE=1, `verify_probe` for GROWTH=1 or
-# CHECKS=1; one of them fits what a call carries, both only with MLX_LM=0, which leaves the
+# CHECKS=1; one of them fits what a call carries, one next to the mlx-lm wheels with IDENTITY=0,
+# both only with MLX_LM=0, which leaves the
 # wheels and mlx-lm's run out; MLX_LM=core stages only mlx.core, without mlx-lm), stripped and xz'd (built here against the CPU libmlx;
 # they run with the CUDA one swapped in). Nothing staged is committed. Then on the device:
 #   STAGE=DIR NEW=384 bash crates/speculative/benches/gpu_spec_bench.sh 3 5 7
@@ -44,8 +45,10 @@ for b in $PROBES; do
   strip -o "$S/$b" "$ROOT/target/release/$b"
 done
 xz -T2 -6 -f "$S/generate" $(for b in $PROBES; do echo "$S/$b"; done)
-# the speculative identity tests (tiny checkpoints of the repository: stage_tests.sh records their path)
-(cd "$ROOT" && STAGE=$NAME PKG=mlx-speculative bash scripts/gpu/stage_tests.sh identity > /dev/null) || exit 1
+# the speculative identity tests (tiny checkpoints of the repository: stage_tests.sh records their
+# path); IDENTITY=0 leaves them out (room for PROBES next to the mlx-lm wheels)
+rm -f "$S/identity.xz"
+[ "${IDENTITY:-1}" = 0 ] || (cd "$ROOT" && STAGE=$NAME PKG=mlx-speculative bash scripts/gpu/stage_tests.sh identity > /dev/null) || exit 1
 # a `run` call carries the working tree and this folder: 64 MiB in all
 # (counted as a tar archive: each file rounded up to 512 bytes plus a 512-byte header; a call
 # with 66.66 MB of plain sizes, 67.27 so counted, was refused, one with 67.08 so counted went)

@@ -73,12 +73,49 @@ pub enum Depth {
     Adaptive(usize),
 }
 
+/// How far a draft model drafts ahead while the target verifies ([`Drafter::draft_ahead`],
+/// greedy sampling without penalties).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftAhead {
+    /// This many draft forwards a cycle (0: off).
+    Steps(usize),
+    /// Draft forwards until the verify's result is ready, at most the cycle's depth + 1 (the
+    /// guess of the target's token, then a whole next cycle of drafts): the host drafts for as
+    /// long as the device verifies, whatever their relative speeds. Each forward run ahead is
+    /// one the next cycle needs when the guesses hold, so on a device whose verify outlasts
+    /// the host's work on it this only stops at the verdict.
+    UntilVerified,
+}
+
+impl std::str::FromStr for DraftAhead {
+    type Err = ModelError;
+
+    /// A number of steps, or `until-verified`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "until-verified" => Ok(DraftAhead::UntilVerified),
+            n => n.parse().map(DraftAhead::Steps).map_err(|_| {
+                ModelError::InvalidInput(format!("draft ahead: {n:?} is neither a number of forwards nor until-verified"))
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for DraftAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftAhead::Steps(n) => write!(f, "{n}"),
+            DraftAhead::UntilVerified => f.write_str("until-verified"),
+        }
+    }
+}
+
 /// Speculative decoding with one drafter; give it to [`mlx_models::Generator::with_speculator`]
 /// or [`mlx_models::ChatSession::set_speculator`].
 pub struct SpeculativeDecoder {
     drafter: Box<dyn Drafter>,
     depth: Depth,
-    ahead: usize,
+    ahead: DraftAhead,
     catch_up_window: Option<usize>,
     policy: Option<crate::Adaptive>,
     /// Whether the drafter's stored weights are at least those of the target in this
@@ -140,9 +177,10 @@ impl SpeculativeDecoder {
     /// Draft forwards run ahead while the target verifies ([`Drafter::draft_ahead`]; greedy
     /// sampling without penalties): on a GPU the host builds them while the device runs the
     /// verify forward, which otherwise leaves the host idle; the next cycle starts from them
-    /// when the target accepts every draft and the drafter guessed its token. 0: off.
-    pub fn with_draft_ahead(mut self, steps: usize) -> Self {
-        self.ahead = steps;
+    /// when the target accepts every draft and the drafter guessed its token.
+    /// `DraftAhead::Steps(0)`: off.
+    pub fn with_draft_ahead(mut self, ahead: DraftAhead) -> Self {
+        self.ahead = ahead;
         self
     }
 
@@ -164,15 +202,15 @@ impl SpeculativeDecoder {
     /// [`SpeculativeDecoder::with_draft_ahead`]'s default: 2 on a GPU (measured on CUDA in
     /// BENCHMARKS.md), 0 on the CPU, where the verify forward occupies the cores the drafts
     /// would run on.
-    pub fn default_draft_ahead() -> usize {
+    pub fn default_draft_ahead() -> DraftAhead {
         if mlx_array::default_device().is_ok_and(|d| d == mlx_array::Device::Gpu) {
-            2
+            DraftAhead::Steps(2)
         } else {
-            0
+            DraftAhead::Steps(0)
         }
     }
 
-    pub fn draft_ahead(&self) -> usize {
+    pub fn draft_ahead(&self) -> DraftAhead {
         self.ahead
     }
 
@@ -387,9 +425,13 @@ impl Speculator for SpeculativeDecoder {
         let lp = verifier_rows(sampler, &logits, &rows)?;
         let verdict: Verdict = if cfg.is_greedy() {
             let (best, picked) = greedy_picks(&lp, drafts)?;
-            if self.ahead > 0 && !reads_history(&cfg) && drafts.len() == k {
+            let (steps, until) = match self.ahead {
+                DraftAhead::Steps(n) => (n, None),
+                DraftAhead::UntilVerified => (k + 1, Some(&best)),
+            };
+            if steps > 0 && !reads_history(&cfg) && drafts.len() == k {
                 mlx_array::async_eval(&[&best, &picked])?;
-                self.drafter.draft_ahead(history, drafts, self.ahead)?;
+                self.drafter.draft_ahead(history, drafts, steps, until)?;
             }
             greedy_verdict(&best, &picked, drafts)?
         } else {

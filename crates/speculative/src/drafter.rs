@@ -81,10 +81,12 @@ pub trait Drafter: Send {
     /// at temperature 0 without penalties: draft up to `steps` forwards past `history` and
     /// `drafts` (the last [`Drafter::propose`]'s arguments and result) as if the target accepts
     /// every draft and its own token is the drafter's next guess, so that the host works
-    /// while the device verifies. A later `propose` whose history the guesses continue
-    /// starts from them; one that departs from them rolls them back. Default: nothing
-    /// (drafters that read the verdict's hidden states cannot run ahead of it).
-    fn draft_ahead(&mut self, _history: &[u32], _drafts: &[u32], _steps: usize) -> Result<()> {
+    /// while the device verifies; with `until` (an array of the verify's result, queued), stop
+    /// before a forward once it is ready ([`Array::is_available`]). A later `propose` whose
+    /// history the guesses continue starts from them; one that departs from them rolls them
+    /// back. Default: nothing (drafters that read the verdict's hidden states cannot run ahead
+    /// of it).
+    fn draft_ahead(&mut self, _history: &[u32], _drafts: &[u32], _steps: usize, _until: Option<&Array>) -> Result<()> {
         Ok(())
     }
     /// A plain stretch of adaptive depth ran: `history` grew past what the drafter has seen.
@@ -495,7 +497,7 @@ impl Drafter for DraftModel {
         Ok(draft)
     }
 
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> Result<()> {
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&Array>) -> Result<()> {
         let Some((&newest, fed)) = drafts.split_last() else {
             return Ok(());
         };
@@ -513,6 +515,9 @@ impl Drafter for DraftModel {
         let mut guesses = Vec::with_capacity(steps);
         let mut cur = row(&[newest])?;
         for i in 0..steps {
+            if until.is_some_and(Array::is_available) {
+                break;
+            }
             let logits = self.last_logits(&cur)?;
             if i == 0 {
                 self.tracked.fed(&[newest]);
@@ -521,6 +526,9 @@ impl Drafter for DraftModel {
             cur = g.reshape(&[1, 1])?;
             self.cache.async_eval_with(&[&cur])?;
             guesses.push(g);
+        }
+        if guesses.is_empty() {
+            return Ok(());
         }
         let base: Vec<u32> = full.iter().chain(drafts).copied().collect();
         let guesses = concatenate(&guesses.iter().collect::<Vec<_>>(), 0)?;

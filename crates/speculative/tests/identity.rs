@@ -7,7 +7,7 @@
 mod common;
 use common::*;
 use mlx_models::{KvCacheMode, Model};
-use mlx_speculative::{DraftModel, SpeculativeDecoder};
+use mlx_speculative::{DraftAhead, DraftModel, SpeculativeDecoder};
 
 const NEW: usize = 24;
 
@@ -17,7 +17,7 @@ fn speculative(
     prompt: &[u32],
     n: usize,
     depth: usize,
-    ahead: usize,
+    ahead: DraftAhead,
 ) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
     let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth)).with_draft_ahead(ahead);
     run_spec(
@@ -93,8 +93,12 @@ fn greedy_identity_over_caches_drafts_and_depths() {
         };
         for d in drafts {
             let depth = rng.range(1, 6);
-            // draft forwards run ahead while the target verifies (the GPU default is 2)
-            let ahead = rng.range(0, 3);
+            // draft forwards run ahead while the target verifies (the GPU default is 2), or
+            // until the verify's result is ready (a number that varies with the timing)
+            let ahead = match rng.range(0, 4) {
+                4 => DraftAhead::UntilVerified,
+                n => DraftAhead::Steps(n),
+            };
             let label = format!("target {t} {kv:?}, draft {d}, depth {depth}, {ahead} ahead");
             let pair = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let (got, stats, offset) =
@@ -139,14 +143,15 @@ fn greedy_identity_over_caches_drafts_and_depths() {
 
 /// A prompt longer than a paged block and depths that make every cycle's rollback end at a
 /// different offset within the blocks; drafts from a disagreeing model, on a paged cache of its
-/// own, one of them drafting ahead (its guesses roll back across blocks too).
+/// own, two of them drafting ahead (its guesses roll back across blocks too).
 #[test]
 fn paged_rollbacks_across_block_boundaries() {
     let mut rng = Rng(7);
     for bs in [2, 4] {
         let target = load("qwen3_untied", paged(bs));
         let (prompt, want) = gapped_greedy(&target, &mut rng, 13, 40);
-        for (depth, ahead) in [(2, 0), (3, 0), (5, 0), (3, 2)] {
+        let ahead_cases = [(2, 0), (3, 0), (5, 0), (3, 2)].map(|(d, a)| (d, DraftAhead::Steps(a)));
+        for (depth, ahead) in ahead_cases.into_iter().chain([(5, DraftAhead::UntilVerified)]) {
             let (got, stats, _) = speculative(
                 &target,
                 load("qwen3_untied_q8g32", paged(bs)),

@@ -8,7 +8,7 @@ use mlx_models::{
     generate, ChatConfig, ChatSession, FinishReason, GenerateConfig, KvCacheMode, LoadOptions,
     Model,
 };
-use mlx_speculative::{draft_kind, load_drafter, DraftKind, DraftModel, SpeculativeDecoder};
+use mlx_speculative::{draft_kind, load_drafter, DraftAhead, DraftKind, DraftModel, SpeculativeDecoder};
 use sampling::{SamplingConfig, SamplingOverrides};
 
 fn cfg(n: usize, stop: Vec<u32>) -> GenerateConfig {
@@ -327,8 +327,8 @@ impl mlx_speculative::Drafter for Shared {
     fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
         self.0.lock().unwrap().propose(history, k, s)
     }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize) -> mlx_models::Result<()> {
-        self.0.lock().unwrap().draft_ahead(history, drafts, steps)
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&mlx_array::Array>) -> mlx_models::Result<()> {
+        self.0.lock().unwrap().draft_ahead(history, drafts, steps, until)
     }
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.0.lock().unwrap().skipped(history, window)
@@ -445,7 +445,7 @@ fn drafting_ahead_changes_no_output() {
             for depth in [1, 3, 5] {
                 for ahead in [1, 3] {
                     let d = Arc::new(Mutex::new(DraftModel::new(load(draft, kv.clone()))));
-                    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(depth)).with_draft_ahead(ahead);
+                    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(depth)).with_draft_ahead(DraftAhead::Steps(ahead));
                     let label = format!("{kv:?} {draft} depth {depth}, {ahead} ahead");
                     let st = check_identity(&target, &mut spec, &prompt, &want, &label);
                     let reused = d.lock().unwrap().reused_drafts();
@@ -462,10 +462,17 @@ fn drafting_ahead_changes_no_output() {
             }
         }
     }
+    // until the verify's result is ready: as many forwards as the timing allows
+    let target = load("qwen3_untied", KvCacheMode::Flat);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 30);
+    for (draft, depth) in [("qwen3_untied", 3), ("qwen3_untied_q8g32", 5)] {
+        let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(load(draft, KvCacheMode::Flat))), Some(depth)).with_draft_ahead(DraftAhead::UntilVerified);
+        check_identity(&target, &mut spec, &prompt, &want, &format!("{draft} depth {depth}, until verified"));
+    }
     let target = load("qwen3_5", KvCacheMode::Flat);
     let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 24);
     let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_5", KvCacheMode::Flat))));
-    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3)).with_draft_ahead(3);
+    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3)).with_draft_ahead(DraftAhead::Steps(3));
     check_identity(&target, &mut spec, &prompt, &want, "qwen3_5 self-draft, 3 ahead");
     assert_eq!(d.lock().unwrap().reused_drafts(), 0, "a recurrent draft does not run ahead");
 }
@@ -488,7 +495,7 @@ fn proposals_after_drafting_ahead_are_a_fresh_drafters() {
         let mut history: Vec<u32> = rng.tokens(20, vocab);
         let mut drafts = a.propose(&history, 4, &greedy).unwrap().tokens;
         for (case, ahead) in [("guess held", 3), ("another token", 2), ("draft rejected", 3)] {
-            a.draft_ahead(&history, &drafts, ahead).unwrap();
+            a.draft_ahead(&history, &drafts, ahead, None).unwrap();
             let before = a.reused_drafts();
             let base: Vec<u32> = history.iter().chain(&drafts).copied().collect();
             let guess = fresh(&base, 1)[0];
@@ -503,6 +510,34 @@ fn proposals_after_drafting_ahead_are_a_fresh_drafters() {
             assert_eq!(reused, if case == "guess held" { ahead - 1 } else { 0 }, "{kv:?}, {case}");
         }
     }
+}
+
+/// `draft_ahead` with `until` runs no forward once that array is ready, and every forward
+/// while it is not (a lazy array never evaluated): the next proposal then reuses none of the
+/// guesses, or all of them but the guess of the target's token.
+#[test]
+fn drafting_ahead_stops_once_the_verdict_is_ready() {
+    use mlx_speculative::Drafter;
+    let greedy = SamplingConfig::greedy();
+    let model = load("qwen3", KvCacheMode::Flat);
+    let vocab = model.info().vocab_size;
+    let mut rng = Rng(33);
+    let history: Vec<u32> = rng.tokens(20, vocab);
+    let ready = mlx_array::Array::from_slice(&[1u32], &[1]).unwrap();
+    ready.eval().unwrap();
+    let pending = ready.add(&ready).unwrap();
+    for (until, reused) in [(&ready, 0), (&pending, 3)] {
+        let mut a = DraftModel::new(model.clone());
+        let drafts = a.propose(&history, 4, &greedy).unwrap().tokens;
+        a.draft_ahead(&history, &drafts, 4, Some(until)).unwrap();
+        let base: Vec<u32> = history.iter().chain(&drafts).copied().collect();
+        let guess = DraftModel::new(model.clone()).propose(&base, 1, &greedy).unwrap().tokens[0];
+        let next = [base, vec![guess]].concat();
+        let got = a.propose(&next, 4, &greedy).unwrap().tokens;
+        assert_eq!(got, DraftModel::new(model.clone()).propose(&next, 4, &greedy).unwrap().tokens);
+        assert_eq!(a.reused_drafts(), reused, "until ready: {}", until.is_available());
+    }
+    assert!(!pending.is_available(), "the lazy array stayed unevaluated");
 }
 
 /// Adaptive depth never asks a draft whose stored weights are at least the target's (bf16
