@@ -109,7 +109,8 @@ struct Cli {
     speculative_warm_up: WarmUp,
     /// Draft-model forwards run ahead while the target verifies, at temperature 0
     /// (`SpeculativeDecoder::with_draft_ahead`): a number, or `until-verified` (until the
-    /// verify's result is ready, at most the depth + 1); default: 2 on a GPU, 0 on the CPU.
+    /// verify's result is ready, at most the depth + 1); default: until-verified on a GPU, 0 on
+    /// the CPU.
     /// Anything but 0 is refused for other draft kinds and at temperature > 0, where nothing
     /// runs ahead.
     #[arg(long, requires = "draft_model")]

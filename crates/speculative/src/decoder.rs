@@ -199,12 +199,12 @@ impl SpeculativeDecoder {
         self
     }
 
-    /// [`SpeculativeDecoder::with_draft_ahead`]'s default: 2 on a GPU (measured on CUDA in
-    /// BENCHMARKS.md), 0 on the CPU, where the verify forward occupies the cores the drafts
-    /// would run on.
+    /// [`SpeculativeDecoder::with_draft_ahead`]'s default: until the verify's result is ready
+    /// on a GPU (measured on CUDA against 2 and 8 forwards, BENCHMARKS.md), none on the CPU,
+    /// where the verify forward occupies the cores the drafts would run on.
     pub fn default_draft_ahead() -> DraftAhead {
         if mlx_array::default_device().is_ok_and(|d| d == mlx_array::Device::Gpu) {
-            DraftAhead::Steps(2)
+            DraftAhead::UntilVerified
         } else {
             DraftAhead::Steps(0)
         }

@@ -93,8 +93,8 @@ fn greedy_identity_over_caches_drafts_and_depths() {
         };
         for d in drafts {
             let depth = rng.range(1, 6);
-            // draft forwards run ahead while the target verifies (the GPU default is 2), or
-            // until the verify's result is ready (a number that varies with the timing)
+            // draft forwards run ahead while the target verifies: a fixed number, or until
+            // the verify's result is ready (the GPU default; a number that varies with timing)
             let ahead = match rng.range(0, 4) {
                 4 => DraftAhead::UntilVerified,
                 n => DraftAhead::Steps(n),
