@@ -200,7 +200,7 @@ fn main() -> Res<()> {
             })?;
             build.sort_by(f64::total_cmp);
             let (n, by) = nodes.unwrap_or_default();
-            let top: Vec<String> = by.iter().take(8).map(|(name, c)| format!("{name} {c}")).collect();
+            let top: Vec<String> = by.iter().map(|(name, c)| format!("{name} {c}")).collect();
             let first = first.unwrap_or_default();
             println!("forward kernels={mode:?} rows={m}: {ms:.3} ms (first call {first:.1} ms), graph built in {:.3} ms, {n} nodes ({})", build[build.len() / 2], top.join(", "));
         }

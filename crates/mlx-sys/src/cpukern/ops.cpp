@@ -827,7 +827,13 @@ long long mlx_models_graph_nodes(const mlx_array* xs, int n, char* out, size_t c
     while (!stack.empty()) {
       mx::array a = std::move(stack.back());
       stack.pop_back();
-      if (!a.has_primitive() || !seen.insert(a.primitive_id()).second) continue;
+      // a node is its primitive's output group: the outputs of one primitive (split) share
+      // it, but so do the replays of a compiled function, whose nodes all hold the traced
+      // primitive, so the group is told by its outputs' ids (the smallest)
+      if (!a.has_primitive()) continue;
+      auto node = a.id();
+      for (auto& s : a.siblings()) node = std::min(node, s.id());
+      if (!seen.insert(node).second) continue;
       total++;
       by_name[a.primitive().name()]++;
       for (auto& x : a.inputs()) stack.push_back(x);
