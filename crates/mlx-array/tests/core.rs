@@ -116,3 +116,31 @@ fn graph_nodes_counts_each_pending_primitive_once() {
     assert_eq!(mlx_array::graph_nodes(&[&c]).unwrap().0, 0);
     assert_eq!(mlx_array::graph_nodes(&[]).unwrap().0, 0);
 }
+
+/// `matmul_weight_t` of a `[1, L, in]` input: the product of the flattened input, bit for bit
+/// (f32 and bf16, one row and eight, a stored `[out, in]` weight read transposed), in one
+/// graph node besides the weight's view (MLX's matmul of a 3-D input and a 2-D weight adds a
+/// flatten and an unflatten).
+#[test]
+fn matmul_weight_t_of_one_batch_is_one_node() {
+    use mlx_array::random::{normal, Key};
+    let key = Key::new(5).unwrap();
+    let ks = key.split_n(2).unwrap();
+    for dt in [DType::F32, DType::BF16] {
+        let w = normal(&[48, 40], DType::F32, &ks[0]).unwrap().astype(dt).unwrap();
+        let wt = w.swap_axes(0, 1).unwrap();
+        wt.eval().unwrap();
+        for l in [1usize, 8] {
+            let x = normal(&[1, l, 40], DType::F32, &ks[1]).unwrap().astype(dt).unwrap();
+            x.eval().unwrap();
+            let y = x.matmul_weight_t(&wt).unwrap();
+            assert_eq!(y.dims(), vec![1, l as i32, 48]);
+            let (_, by) = mlx_array::graph_nodes(&[&y]).unwrap();
+            assert!(by.iter().all(|(name, _)| name != "Flatten" && name != "Unflatten"), "{by:?}");
+            assert!(by.iter().any(|(name, c)| name == "Matmul" && *c == 1), "{by:?}");
+            let flat = x.reshape(&[l as i32, 40]).unwrap().matmul(&wt).unwrap();
+            let (a, b) = (y.astype(DType::F32).unwrap().to_vec::<f32>().unwrap(), flat.astype(DType::F32).unwrap().to_vec::<f32>().unwrap());
+            assert!(a == b, "{dt:?} L={l}: differs from the flattened product");
+        }
+    }
+}

@@ -117,7 +117,8 @@ impl Array {
     /// `self @ wt` where `wt` (`[in, out]`) is the transposed view of a weight stored
     /// `[out, in]` (what a linear layer holds; `self` `[.., in]`): with the product kernel on ([`CudaFewRowKernels`])
     /// on a GPU, 2 to [`GPU_ROWS_MATMUL_MAX_ROWS`] rows of bf16 or f16 run
-    /// [`Array::cuda_rows_matmul`] over the stored rows, everything else MLX's matmul.
+    /// [`Array::cuda_rows_matmul`] over the stored rows, everything else MLX's matmul (a
+    /// `[1, L, in]` input against the weight as `[1, in, out]`: one graph node).
     pub fn matmul_weight_t(&self, wt: &Array) -> Result<Array> {
         let d = self.dims();
         let k = d.last().copied().unwrap_or(0);
@@ -135,6 +136,13 @@ impl Array {
             let mut shape = d[..d.len() - 1].to_vec();
             shape.push(wt.dims()[1]);
             return y.reshape(&shape);
+        }
+        if d.len() == 3 && d[0] == 1 && wt.ndim() == 2 {
+            // `[1, L, in]` against the weight viewed as `[1, in, out]`: MLX's matmul makes one
+            // node, where a 2-D weight has it flatten the input and unflatten the product (two
+            // more nodes, about a microsecond of host time each on CUDA; a one-row decode
+            // step's cost is its nodes). The same product: a batch of one.
+            return self.matmul(&wt.expand_dims(0)?);
         }
         self.matmul(wt)
     }
