@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
-//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up] [--draft-ahead N]
+//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up] [--draft-ahead N|until-verified]
 //!            [--plain] [--chat TEXT]
 //! ```
 //!

@@ -9,7 +9,8 @@
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
 # pair's useless draft (gpu_pair.py), which should settle on plain decoding.
 #
-# AHEAD=0,2 runs each fixed-depth line once per `--draft-ahead` value (default: the library's).
+# AHEAD=0,2,until-verified runs each fixed-depth line once per `--draft-ahead` value (default: the
+# library's).
 # TRACE=1 adds `spec_trace` at the largest K (two generations in one process after the warm-up,
 # per AHEAD value; every cycle in OUT/trace_kK_AHEAD.log): the second generation has no first-use costs; with USELESS=K also the useless
 # draft at adaptive depth, cycle by cycle, each generation after a plain one. GROWTH=1 adds `verify_probe
