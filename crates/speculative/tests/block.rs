@@ -260,3 +260,53 @@ fn block_drafts_load_from_their_config() {
         .collect();
     assert_eq!(names.len(), 9 + 13 * 2, "{names:?}");
 }
+
+/// Block drafts over hybrid targets, whose rollback restores recurrent state (LFM2's short
+/// conv, Qwen3.5's GatedDeltaNet): the DFlash draft (its config re-pointed at a 4-layer target)
+/// taps their residual stream, and speculative decoding with it is token for token plain
+/// greedy decoding on flat and paged caches, at fixed and adaptive depths. This random draft
+/// never agrees with these random targets, so every cycle rolls the target back to its
+/// snapshot and runs its own token again (partial acceptance through recurrent state is
+/// `identity.rs`'s, with draft models). The targets' taps come with the same logits as a plain
+/// forward.
+#[test]
+fn block_drafting_over_hybrid_targets_equals_plain_greedy() {
+    let src = dir("dflash");
+    let tmp = std::env::temp_dir().join(format!("block-hybrid-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["num_target_layers"] = serde_json::json!(4);
+    std::fs::write(tmp.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(src.join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
+    let taps = [0usize, 1];
+    let mut rng = Rng(62);
+    let mut rejected = false;
+    for t in ["lfm2", "qwen3_5", "lfm2_moe"] {
+        // the taps' forward gives the plain forward's logits
+        let target = load(t, KvCacheMode::Flat);
+        let ids = Array::from_slice(&[3u32, 90, 17, 250, 8], &[1, 5]).unwrap();
+        let (mut c1, mut c2) = (target.new_cache(), target.new_cache());
+        let (tapped_out, tapped) = target.with_runtime(|rt| rt.forward_taps(&ids, &mut c1, Logits::All, false, &taps)).unwrap();
+        let plain = target.with_runtime(|rt| rt.forward(&ids, &mut c2, Logits::All, false)).unwrap();
+        let (a, b) = (tapped_out.logits.unwrap(), plain.logits.unwrap());
+        assert!(a.to_vec::<f32>().unwrap() == b.to_vec::<f32>().unwrap(), "{t}: logits with taps");
+        assert_eq!(tapped.len(), 2);
+        assert!(tapped.iter().all(|x| x.dims() == vec![1, 5, 64]), "{t}");
+        for kv in [KvCacheMode::Flat, paged(4)] {
+            let target = load(t, kv.clone());
+            let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 20);
+            let make = || -> Box<dyn Drafter> { Box::new(BlockDrafter::new(target.clone(), BlockNet::load(&tmp, Some(DType::F32)).unwrap()).unwrap()) };
+            let label = format!("dflash over {t} {kv:?}");
+            for depth in [None, Some(3)] {
+                let mut spec = SpeculativeDecoder::new(make(), depth);
+                let st = check_identity(&target, &mut spec, &prompt, &want, &format!("{label} depth {depth:?}"));
+                eprintln!("{label} depth {depth:?}: {st:?}");
+                rejected |= st.acceptance_by_position.iter().any(|&a| a < 1.0);
+            }
+            let mut spec = SpeculativeDecoder::adaptive(make(), None);
+            check_identity(&target, &mut spec, &prompt, &want, &format!("{label} adaptive"));
+        }
+    }
+    assert!(rejected, "no draft was rejected: the recurrent state was never rolled back");
+    let _ = std::fs::remove_dir_all(&tmp);
+}

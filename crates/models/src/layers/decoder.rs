@@ -260,6 +260,23 @@ impl<R: RecurrentMixer, E: ExpertBlock> HybridStack<R, E> {
         self.lm_head.output(h, logits, hidden)
     }
 
+    /// [`HybridStack::forward`] with the residual stream after each layer in `taps`
+    /// ([`crate::ModelRuntime::forward_taps`]): every position, in one call (no paged prefix
+    /// is served, no pieces are cut for snapshots).
+    pub fn forward_taps(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
+        check_tokens(tokens)?;
+        let stack = Stack { layers: &self.layers, prefix_skip: true, norm: &self.norm };
+        let mask = |l| HybridCtx { mask: crate::layers::causal_mask(l, None), at: RopeAt::Cache };
+        let (h, _, tapped) = stack.forward_tapped(tokens, cache, Rows::All, |t| self.embed.forward(t), mask, taps)?;
+        Ok((self.lm_head.output(h, logits, hidden)?, tapped))
+    }
+
+    /// The input embeddings of `tokens` ([`crate::ModelRuntime::input_embeddings`]).
+    pub fn input_embeddings(&self, tokens: &Array) -> Result<Array> {
+        check_tokens(tokens)?;
+        self.embed.forward(tokens)
+    }
+
     /// [`HybridStack::forward`] with the tokens at rotary positions `at` ([`RopeAt::Cache`] or a
     /// [`RopeAt::Shift`]: positions relative to the cache, so the pieces of a paged prefill
     /// keep them).
