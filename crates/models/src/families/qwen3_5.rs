@@ -377,15 +377,7 @@ impl ModelRuntime for Qwen35Model {
     fn forward(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool) -> Result<ForwardOutput> {
         self.stack.forward(tokens, cache, logits, hidden)
     }
-    fn forward_taps(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
-        self.stack.forward_taps(tokens, cache, logits, hidden, taps)
-    }
-    fn input_embeddings(&self, tokens: &Array) -> Result<Array> {
-        self.stack.input_embeddings(tokens)
-    }
-    fn head_logits(&self, hidden: &Array) -> Result<Array> {
-        self.stack.lm_head.forward(hidden)
-    }
+    crate::layers::decoder::hybrid_stack_taps!();
 }
 
 /// The registry's constructor (`qwen3_5` and `qwen3_5_moe`).

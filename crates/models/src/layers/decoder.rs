@@ -224,6 +224,24 @@ impl<R: RecurrentMixer, E: ExpertBlock> DecoderLayer for HybridBlock<R, E> {
     }
 }
 
+/// The [`crate::ModelRuntime`] methods a model over a [`HybridStack`] in its field `stack`
+/// delegates to it: `forward_taps`, `input_embeddings` and `head_logits` (what block drafts
+/// read of their target).
+macro_rules! hybrid_stack_taps {
+    () => {
+        fn forward_taps(&self, tokens: &Array, cache: &mut Cache, logits: Logits, hidden: bool, taps: &[usize]) -> Result<(ForwardOutput, Vec<Array>)> {
+            self.stack.forward_taps(tokens, cache, logits, hidden, taps)
+        }
+        fn input_embeddings(&self, tokens: &Array) -> Result<Array> {
+            self.stack.input_embeddings(tokens)
+        }
+        fn head_logits(&self, hidden: &Array) -> Result<Array> {
+            self.stack.lm_head.forward(hidden)
+        }
+    };
+}
+pub(crate) use hybrid_stack_taps;
+
 /// A hybrid LM's embedding, blocks, final norm and head (Qwen3.5, LFM2).
 pub(crate) struct HybridStack<R, E> {
     pub embed: Embedding,
