@@ -328,3 +328,23 @@ proptest! {
         close("conv2d", &out(&y), &want, Tol { atol: 1e-5, rtol: 1e-5 })?;
     }
 }
+
+/// The matrix-product attention makes its position masks once per shape: a second call over the
+/// same shapes (the next layer of a forward) has no node building one, and the same result.
+#[test]
+fn products_attention_reuses_its_masks() {
+    let mk = |n: usize, shape: &[usize], k: u32| arr_as(&(0..n).map(|i| ((i as u32 * 37 + k) % 19) as f32 / 9.0 - 1.0).collect::<Vec<_>>(), shape, DType::F32);
+    let (q, kv) = (mk(2 * 3 * 4, &[1, 2, 3, 4], 1), mk(2 * 7 * 4, &[1, 2, 7, 4], 2));
+    let builds = |y: &Array| {
+        let (_, kinds) = mlx_array::graph_nodes(&[y]).unwrap();
+        kinds.iter().filter(|(k, _)| k == "Arange").map(|(_, n)| n).sum::<usize>()
+    };
+    for (mask, bucket) in [(AttentionMask::Causal, 0), (AttentionMask::Causal, 4), (AttentionMask::None, 4), (AttentionMask::SlidingWindow(2), 4)] {
+        let first = q.sdpa_by_products_bucketed(&kv, &kv, 0.5, mask, bucket).unwrap();
+        assert!(builds(&first) > 0, "{mask:?}, bucket {bucket}: the first call builds its mask");
+        let a = out(&first);
+        let second = q.sdpa_by_products_bucketed(&kv, &kv, 0.5, mask, bucket).unwrap();
+        assert_eq!(builds(&second), 0, "{mask:?}, bucket {bucket}: the second call reuses it");
+        assert_eq!(out(&second), a);
+    }
+}

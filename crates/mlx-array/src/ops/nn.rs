@@ -276,16 +276,18 @@ impl Array {
         // [B, Hkv, rep * L, D]: the query heads of one key-value head are consecutive
         let qs = self.mul_scalar(scale)?.reshape(&[b, hkv, rep * l, d])?;
         let scores = qs.matmul(&keys.transpose(&[0, 1, 3, 2])?)?.reshape(&[b, hkv, rep, l, kp])?;
+        // the masks we make depend on the shapes only: each layer of a forward (and the next
+        // forward of the same length) reuses the first's ([`position_mask`])
         let visible = match mask {
             AttentionMask::None if kp == kn => None,
-            AttentionMask::None => Some(Array::arange(0, kp as i64, DType::I32)?.lt(&Array::scalar(kn))?),
+            AttentionMask::None => Some(position_mask(MaskKey { l: 0, kn, kp, window: 0 }, || Array::arange(0, kp as i64, DType::I32)?.lt(&Array::scalar(kn)))?),
             // padded keys lie after every query's position
-            AttentionMask::Causal => {
+            AttentionMask::Causal => Some(position_mask(MaskKey { l, kn, kp, window: 0 }, || {
                 let qpos = Array::arange((kn - l) as i64, kn as i64, DType::I32)?.reshape(&[l, 1])?;
                 let kpos = Array::arange(0, kp as i64, DType::I32)?.reshape(&[1, kp])?;
-                Some(kpos.le(&qpos)?)
-            }
-            AttentionMask::SlidingWindow(w) => Some(padded_sliding_window_mask(l as usize, kn as usize, kp as usize, w)?),
+                kpos.le(&qpos)
+            })?),
+            AttentionMask::SlidingWindow(w) => Some(position_mask(MaskKey { l, kn, kp, window: w }, || padded_sliding_window_mask(l as usize, kn as usize, kp as usize, w))?),
             AttentionMask::Array(m) => Some(m.clone()),
         };
         // a mask over [B, Hq, L, K] (or a broadcastable shape) as [B, Hkv, rep, L, K]
@@ -417,6 +419,43 @@ impl Array {
         let left = dilation.max(1) * k.saturating_sub(1);
         self.pad(&[(0, 0), (left, 0), (0, 0)], 0.0)?.conv1d(weight, 1, 0, dilation, groups)
     }
+}
+
+/// What a boolean mask of [`Array::sdpa_by_products_bucketed`] depends on: `l` queries (0: the
+/// padding mask of no mask), `kn` keys padded to `kp`, a sliding `window` (0: causal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MaskKey {
+    l: i32,
+    kn: i32,
+    kp: i32,
+    window: usize,
+}
+
+/// Masks kept per thread: a forward's layers ask for one or two (full and sliding attention).
+const MASKS_KEPT: usize = 4;
+
+thread_local! {
+    static MASKS: std::cell::RefCell<Vec<(MaskKey, crate::Device, Array)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The position mask of `key`, made by `make` once and then shared: every layer of a forward
+/// asks for the same mask, which would otherwise be 3 to 7 graph nodes in each (host work per
+/// node is what a few-row forward on a GPU costs). The most recent [`MASKS_KEPT`] per thread and
+/// device.
+fn position_mask(key: MaskKey, make: impl FnOnce() -> Result<Array>) -> Result<Array> {
+    let device = crate::default_device()?;
+    if let Some(m) = MASKS.with(|c| c.borrow().iter().find(|(k, d, _)| *k == key && *d == device).map(|e| e.2.clone())) {
+        return Ok(m);
+    }
+    let m = make()?;
+    MASKS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() == MASKS_KEPT {
+            c.remove(0);
+        }
+        c.push((key, device, m.clone()));
+    });
+    Ok(m)
 }
 
 /// Boolean `[L, K]` mask: query `i` (at position `K-L+i`) sees keys `j` with `p-w < j <= p`.
