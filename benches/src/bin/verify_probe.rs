@@ -21,7 +21,8 @@
 //!   and as a flat cache hands them over, chained the same way (queries = the previous output);
 //! - `--op-costs` (instead of the tables): the time per node of chains of one-row ops of the
 //!   model's width (add, reshape, rms_norm, a product through a 3-d input and through a 2-d one,
-//!   one query's attention), building the graph and evaluating it: where a one-row forward's
+//!   one query's attention; a verify step's 8-row products by libmlx and by the few-row kernel,
+//!   and its attention as products), building the graph and evaluating it: where a one-row forward's
 //!   host time goes (each node's share of libmlx's per-node work);
 //! - `--compare` (instead of the timings): for each setting and M, the logits of a forward of M
 //!   rows against M one-row forwards over the same tokens from the same cache (what a verify
@@ -372,13 +373,21 @@ fn op_costs(h: usize, dt: mlx_array::DType, iters: usize) -> Res<()> {
     type Step<'a> = Box<dyn Fn(&Array) -> Res<Array> + 'a>;
     // each chain: its name, its first input, and one step
     let x2 = x0.reshape(&[1, h as i32])?;
-    x2.eval()?;
+    let x8 = normal(&[8, h], dt, &k2)?;
+    mlx_array::eval(&[&x2, &x8])?;
     let chains: Vec<(&str, &Array, Step)> = vec![
         ("add", &x0, Box::new(|x: &Array| Ok(x.add(&c)?))),
         ("reshape", &x0, Box::new(|x: &Array| Ok(x.reshape(&[1, h as i32])?.reshape(&[1, 1, h as i32])?))),
         ("rms_norm", &x0, Box::new(|x: &Array| Ok(x.rms_norm(Some(&norm_w), 1e-6)?))),
         ("product, 3-d input", &x0, Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
         ("product, 2-d input", &x2, Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
+        // a verify step's products: libmlx's (cuBLASLt for more than one row) and the few-row kernel
+        ("product, 8 rows", &x8, Box::new(|x: &Array| Ok(x.matmul(&wt)?))),
+        ("product, 8 rows, few-row kernel", &x8, Box::new(|x: &Array| Ok(x.cuda_rows_matmul(&w)?))),
+        ("attention, 8 causal queries as products, 64 keys", &x8, Box::new(|x: &Array| {
+            let q = x.reshape(&[1, 8, heads as i32, hd as i32])?.transpose(&[0, 2, 1, 3])?;
+            Ok(q.sdpa_by_products(&keys, &keys, scale, AttentionMask::Causal)?.transpose(&[0, 2, 1, 3])?.reshape(&[8, h as i32])?)
+        })),
         ("attention, 1 query, 64 keys", &x0, Box::new(|x: &Array| {
             let q = x.reshape(&[1, heads as i32, 1, hd as i32])?;
             Ok(q.sdpa(&keys, &keys, scale, AttentionMask::None)?.reshape(&[1, 1, h as i32])?)
@@ -386,7 +395,14 @@ fn op_costs(h: usize, dt: mlx_array::DType, iters: usize) -> Res<()> {
     ];
     println!("op costs: chains of {N} ops over [1, 1, {h}] {dt}; per node: build, evaluate (us)");
     for (name, start, step) in &chains {
-        let (nodes, by) = mlx_array::graph_nodes(&[&step(&start)?])?;
+        let first = match step(start) {
+            Ok(y) => y,
+            Err(e) => {
+                println!("  {name}: not run ({e})");
+                continue;
+            }
+        };
+        let (nodes, by) = mlx_array::graph_nodes(&[&first])?;
         let kinds: Vec<String> = by.iter().map(|(n, c)| format!("{n} {c}")).collect();
         let mut build = Vec::new();
         let ms = median_ms(iters, || {

@@ -141,6 +141,15 @@ fn matmul_weight_t_of_one_batch_is_one_node() {
             let flat = x.reshape(&[l as i32, 40]).unwrap().matmul(&wt).unwrap();
             let (a, b) = (y.astype(DType::F32).unwrap().to_vec::<f32>().unwrap(), flat.astype(DType::F32).unwrap().to_vec::<f32>().unwrap());
             assert!(a == b, "{dt:?} L={l}: differs from the flattened product");
+            // with the caller's evaluated [1, in, out] view: the product alone, the same bits
+            let held = wt.expand_dims(0).unwrap();
+            held.eval().unwrap();
+            let yh = x.matmul_weight_t_held(&wt, Some(&held)).unwrap();
+            assert_eq!(mlx_array::graph_nodes(&[&yh]).unwrap().0, 1);
+            assert!(yh.astype(DType::F32).unwrap().to_vec::<f32>().unwrap() == a, "{dt:?} L={l}: the held view's product differs");
         }
+        // a view that is not the weight's [1, in, out] is refused
+        assert!(normal(&[1, 1, 40], DType::F32, &ks[1]).unwrap().matmul_weight_t_held(&wt, Some(&wt)).is_err());
+        assert!(normal(&[1, 1, 40], DType::F32, &ks[1]).unwrap().matmul_weight_t_held(&wt, Some(&wt.expand_dims(2).unwrap())).is_err());
     }
 }

@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [ENVS="A=1 B=2,C=3"] [ALT=NAME..] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
@@ -16,6 +16,13 @@
 # draft at adaptive depth, cycle by cycle, each generation after a plain one. GROWTH=1 adds `verify_probe
 # --growth` on the target in fresh processes, without and with `--prewarm` (one-row steps across
 # the flat K/V growth at 256 and 512 positions).
+#
+# ENVS="A=1 B=2,C=3" runs plain decoding and each fixed-depth line again per entry, with that
+# entry's variables (comma-separated) set for the process: libmlx's own knobs
+# (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER), read at its first use.
+#
+# ALT="NAME.." runs plain decoding and each fixed-depth line again with each NAME.xz staged next to
+# `generate.xz` (another build of it: an A/B of two commits in one run).
 #
 # BUCKET=N runs each fixed-depth line again with `--key-bucket N` (few-query attention's keys
 # padded to a multiple of N: one shape of its products per N positions).
@@ -100,7 +107,7 @@ t0=$(date +%s)
 python3 "$HERE/gpu_pair.py" "$P" || exit 4
 echo "pair made in $(( $(date +%s) - t0 )) s; $(du -sh $P/target | cut -f1) target" | tee -a "$OUT/env.log"
 IDS=$(python3 -c "import random; random.seed(3); print(','.join(str(random.randrange(1000, 150000)) for _ in range(32)))")
-run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "$NEW" --temperature 0 --kv flat --json "$@" | tail -1; }
+run() { env ${VARS:-} "$G/${BIN:-generate}" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "$NEW" --temperature 0 --kv flat --json "$@" | tail -1; }
 {
   echo "plain $(run)"
   for k in "${KS[@]}"; do
@@ -108,6 +115,16 @@ run() { "$G/generate" --model "$P/target" --prompt-ids "$IDS" --max-new-tokens "
     [ -n "${AHEAD:-}" ] || echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
     [ -z "${FEWROW:-}" ] || echo "draft$k+$FEWROW $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels "$FEWROW")"
     [ -z "${BUCKET:-}" ] || echo "draft$k+bucket$BUCKET $(run --draft-model "$P/draft" --draft-tokens "$k" --key-bucket "$BUCKET")"
+  done
+  for e in ${ENVS:-}; do
+    ev=$(echo "$e" | tr , " ")
+    echo "plain[$e] $(VARS=$ev run)"
+    for k in "${KS[@]}"; do echo "draft$k[$e] $(VARS=$ev run --draft-model "$P/draft" --draft-tokens "$k")"; done
+  done
+  for b in ${ALT:-}; do
+    xz -dkf "$G/$b.xz" 2>/dev/null; chmod +x "$G/$b"
+    echo "plain[$b] $(BIN=$b run)"
+    for k in "${KS[@]}"; do echo "draft$k[$b] $(BIN=$b run --draft-model "$P/draft" --draft-tokens "$k")"; done
   done
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   [ -z "${USELESS:-}" ] || echo "useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"

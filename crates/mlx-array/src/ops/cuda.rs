@@ -120,6 +120,19 @@ impl Array {
     /// [`Array::cuda_rows_matmul`] over the stored rows, everything else MLX's matmul (a
     /// `[1, L, in]` input against the weight as `[1, in, out]`: one graph node).
     pub fn matmul_weight_t(&self, wt: &Array) -> Result<Array> {
+        self.matmul_weight_t_held(wt, None)
+    }
+
+    /// [`Array::matmul_weight_t`] with the caller's `[1, in, out]` view of `wt` (`batched`, kept
+    /// across calls: a `[1, L, in]` input then multiplies it without an ExpandDims node per
+    /// product). An error when `batched` is not that view's shape.
+    pub fn matmul_weight_t_held(&self, wt: &Array, batched: Option<&Array>) -> Result<Array> {
+        if let Some(b) = batched {
+            let (bd, wd) = (b.dims(), wt.dims());
+            if bd.len() != 3 || bd[0] != 1 || wd.len() != 2 || bd[1..] != wd[..] {
+                return Err(Error::shape("matmul_weight_t", format!("a held view {bd:?} of a weight {wd:?}")));
+            }
+        }
         let d = self.dims();
         let k = d.last().copied().unwrap_or(0);
         let rows = if k > 0 { self.size() / k as usize } else { 0 };
@@ -142,7 +155,10 @@ impl Array {
             // node, where a 2-D weight has it flatten the input and unflatten the product (two
             // more nodes, about a microsecond of host time each on CUDA; a one-row decode
             // step's cost is its nodes). The same product: a batch of one.
-            return self.matmul(&wt.expand_dims(0)?);
+            return match batched {
+                Some(b) => self.matmul(b),
+                None => self.matmul(&wt.expand_dims(0)?),
+            };
         }
         self.matmul(wt)
     }

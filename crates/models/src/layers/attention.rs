@@ -165,6 +165,14 @@ impl Attention {
             };
             return self.o.forward(&o);
         }
+        // one position per row: the joined product's heads in one reshape, then one split
+        let heads3 = match l == 1 && !c.output_gate {
+            true => self.qkv.forward_heads(x, &[c.n_heads, c.n_kv_heads, c.n_kv_heads], c.head_dim)?,
+            false => None,
+        };
+        if let Some([q, k, v]) = heads3 {
+            return self.attend_heads(x, cache, mask, last, at, q, k, v, None);
+        }
         let (mut q, k, v) = if last {
             let xq = x.slice_axis(1, l as usize - 1, l as usize)?;
             (self.qkv.part(0, &xq)?, self.qkv.part(1, x)?, self.qkv.part(2, x)?)
@@ -181,9 +189,18 @@ impl Attention {
             q = parts[0].reshape(&[b, lq, -1])?;
             gate = Some(parts[1].reshape(&[b, lq, -1])?);
         }
-        let mut q = self.heads(&q, c.n_heads)?;
-        let mut k = self.heads(&k, c.n_kv_heads)?;
+        let (q, k) = (self.heads(&q, c.n_heads)?, self.heads(&k, c.n_kv_heads)?);
         let v = heads_first(self.heads(&v, c.n_kv_heads)?, l)?;
+        self.attend_heads(x, cache, mask, last, at, q, k, v, gate)
+    }
+
+    /// [`Attention::attend`] from the heads: `q` and `k` as [`Attention::heads`] lays them out
+    /// (before their norms and rotation), `v` heads-first.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_heads(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool, at: &RopeAt, mut q: Array, mut k: Array, v: Array, gate: Option<Array>) -> Result<Array> {
+        let c = &self.cfg;
+        let (b, l) = (x.dims()[0], x.dims()[1]);
+        let lq = if last { 1 } else { l };
         if let Some(n) = &self.q_norm {
             q = n.forward(&q)?;
         }

@@ -17,6 +17,12 @@ enum LinearWeight {
 #[derive(Clone)]
 pub struct Linear {
     w: LinearWeight,
+    /// A dense weight's `W^T` viewed as `[1, in, out]`, made with it (lazy like it, and evaluated
+    /// by the first forward that reads it: [`crate::Model::materialize`]'s on a GPU): a
+    /// `[1, L, in]` input's product on a GPU reads it instead of making the view each time
+    /// ([`Array::matmul_weight_t_held`]; each graph node of a decode step is host work). The CPU
+    /// paths never read it. Remade whenever the weight may be replaced.
+    batched: Option<Array>,
     bias: Option<Array>,
     /// An activation-quantised projection ([`crate::calibrate`]).
     act: Option<ActSite>,
@@ -92,11 +98,15 @@ impl LoraAdapter {
 
 impl Linear {
     pub fn new(weight: Array, bias: Option<Array>) -> Result<Self> {
-        Ok(Linear { w: LinearWeight::Dense(weight.swap_axes(0, 1)?), bias, act: None, lora: None, reduce: None })
+        Self::new_transposed(weight.swap_axes(0, 1)?, bias)
+    }
+    /// A dense weight given as `W^T` (`[in, out]`).
+    fn new_transposed(wt: Array, bias: Option<Array>) -> Result<Self> {
+        Ok(Linear { batched: Some(wt.expand_dims(0)?), w: LinearWeight::Dense(wt), bias, act: None, lora: None, reduce: None })
     }
     /// A quantized `[out, in]` weight.
     pub fn quantized(q: Quantized, bias: Option<Array>) -> Self {
-        Linear { w: LinearWeight::Quantized(q), bias, act: None, lora: None, reduce: None }
+        Linear { w: LinearWeight::Quantized(q), batched: None, bias, act: None, lora: None, reduce: None }
     }
     /// `prefix.weight` of shape `[out, in]` (or its quantized form, dequantized at load when the
     /// load options ask) and, if `bias`, `prefix.bias`; with `prefix.lora_a`/`prefix.lora_b`
@@ -188,6 +198,7 @@ impl Linear {
             // one, a speculative verify step more than a plain step)
             (LinearWeight::Dense(wt), Some(true)) if wt.dtype() == DType::F32 => x.cpu_matmul_f32(&wt.swap_axes(0, 1)?)?,
             // few rows on a GPU: our kernel (Array::matmul_weight_t), MLX's matmul otherwise
+            (LinearWeight::Dense(wt), None) => x.matmul_weight_t_held(wt, self.batched.as_ref())?,
             (LinearWeight::Dense(wt), _) => x.matmul_weight_t(wt)?,
             // packed weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
             // product of the weight dequantized on the fly ([`dequantize_f32`]; MLX's CPU
@@ -444,7 +455,7 @@ impl FusedLinear {
             acc += p.out_dim();
             splits.push(acc);
         }
-        Ok(FusedLinear::Fused { lin: Linear { w: LinearWeight::Dense(wt), bias, act: None, lora: None, reduce: None }, splits })
+        Ok(FusedLinear::Fused { lin: Linear::new_transposed(wt, bias)?, splits })
     }
 
     /// Part `i` of the output only (`x W_i^T`): the other parts' columns are not computed.
@@ -497,6 +508,32 @@ impl FusedLinear {
                 Ok((ys, vec![0; parts.len()]))
             }
         }
+    }
+
+    /// For inputs of one position (`[B, 1, in]`) of a joined float projection whose parts are
+    /// `heads[i]` heads of `head_dim` features each: part `i` as `[B, heads[i], 1, head_dim]`, by
+    /// one reshape of the joined product and one split (instead of a split and a reshape per
+    /// part). `None` for projections that are not one float product, or other inputs.
+    pub(crate) fn forward_heads<const N: usize>(&self, x: &Array, heads: &[usize; N], head_dim: usize) -> Result<Option<[Array; N]>> {
+        let FusedLinear::Fused { lin, splits } = self else { return Ok(None) };
+        let xd = x.dims();
+        let fits = splits.len() + 1 == N && heads.iter().sum::<usize>() * head_dim == lin.out_dim();
+        if lin.is_quantized() || !fits || xd.len() != 3 || xd[1] != 1 {
+            return Ok(None);
+        }
+        let mut at = Vec::with_capacity(N - 1);
+        let mut acc = 0;
+        for (i, h) in heads[..N - 1].iter().enumerate() {
+            acc += h;
+            if acc * head_dim != splits[i] {
+                return Ok(None);
+            }
+            at.push(acc);
+        }
+        let total = heads.iter().sum::<usize>() as i32;
+        let y = lin.forward(x)?.reshape(&[xd[0], total, 1, head_dim as i32])?;
+        let parts = y.split_at(&at, 1)?;
+        Ok(parts.try_into().ok())
     }
 
     /// Whether [`FusedLinear::forward`] of `rows` rows returns its parts as views of one
@@ -691,6 +728,8 @@ impl super::LayerArrays for Linear {
     fn visit_arrays(&mut self, f: &mut dyn FnMut(&mut Array)) {
         if let LinearWeight::Dense(w) = &mut self.w {
             f(w);
+            // the view follows the weight (a checkpointed layer's copy reads its inputs)
+            self.batched = w.expand_dims(0).ok();
         }
         if let Some(b) = &mut self.bias {
             f(b);
