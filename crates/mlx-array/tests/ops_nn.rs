@@ -346,5 +346,28 @@ fn products_attention_reuses_its_masks() {
         let second = q.sdpa_by_products_bucketed(&kv, &kv, 0.5, mask, bucket).unwrap();
         assert_eq!(builds(&second), 0, "{mask:?}, bucket {bucket}: the second call reuses it");
         assert_eq!(out(&second), a);
+        // the mask is this call's, not another kind's of the same shapes: against the same
+        // attention under an explicit mask (3 queries at positions 4..7 of 7 keys)
+        let allowed: Vec<bool> = (0..3 * 7)
+            .map(|i| {
+                let (p, j) = (4 + i / 7, i % 7);
+                match mask {
+                    AttentionMask::Causal => j <= p,
+                    AttentionMask::SlidingWindow(w) => j <= p && j + w > p,
+                    _ => true,
+                }
+            })
+            .collect();
+        let explicit = Array::from_slice(&allowed, &[3, 7]).unwrap();
+        let want = out(&q.sdpa_by_products(&kv, &kv, 0.5, AttentionMask::Array(&explicit)).unwrap());
+        let worst = a.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-6, "{mask:?}, bucket {bucket}: {worst} from the explicit mask's result");
     }
+    // masks of more than 2^21 elements are made per call, not kept
+    let (q, kv) = (mk(8 * 64 * 4, &[1, 8, 64, 4], 3), mk(8 * 4200 * 4, &[1, 8, 4200, 4], 4));
+    let first = q.sdpa_by_products(&kv, &kv, 0.5, AttentionMask::Causal).unwrap();
+    let a = out(&first);
+    let second = q.sdpa_by_products(&kv, &kv, 0.5, AttentionMask::Causal).unwrap();
+    assert!(builds(&second) > 0, "a large mask is not kept");
+    assert_eq!(out(&second), a);
 }

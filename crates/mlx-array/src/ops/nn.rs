@@ -275,44 +275,55 @@ impl Array {
         };
         // [B, Hkv, rep * L, D]: the query heads of one key-value head are consecutive
         let qs = self.mul_scalar(scale)?.reshape(&[b, hkv, rep * l, d])?;
-        let scores = qs.matmul(&keys.transpose(&[0, 1, 3, 2])?)?.reshape(&[b, hkv, rep, l, kp])?;
-        // the masks we make depend on the shapes only: each layer of a forward (and the next
-        // forward of the same length) reuses the first's ([`position_mask`])
-        let visible = match mask {
+        let scores = qs.matmul(&keys.transpose(&[0, 1, 3, 2])?)?;
+        // the masks we make are additive (0 or -inf), in the scores' dtype and shape, and depend
+        // on the shapes only: every layer of a forward (and the next forward of the same
+        // length) reuses the first's ([`position_mask`]), and applying one is a single add
+        let key = MaskKey { b, hkv, rep, l, kn, kp, causal: false, window: 0, dtype: scores.dtype() };
+        let made = match mask {
             AttentionMask::None if kp == kn => None,
-            AttentionMask::None => Some(position_mask(MaskKey { l: 0, kn, kp, window: 0 }, || Array::arange(0, kp as i64, DType::I32)?.lt(&Array::scalar(kn)))?),
+            AttentionMask::None => Some(position_mask(key, || Array::arange(0, kp as i64, DType::I32)?.lt(&Array::scalar(kn))?.reshape(&[1, kp]))?),
             // padded keys lie after every query's position
-            AttentionMask::Causal => Some(position_mask(MaskKey { l, kn, kp, window: 0 }, || {
+            AttentionMask::Causal => Some(position_mask(MaskKey { causal: true, ..key }, || {
                 let qpos = Array::arange((kn - l) as i64, kn as i64, DType::I32)?.reshape(&[l, 1])?;
                 let kpos = Array::arange(0, kp as i64, DType::I32)?.reshape(&[1, kp])?;
                 kpos.le(&qpos)
             })?),
-            AttentionMask::SlidingWindow(w) => Some(position_mask(MaskKey { l, kn, kp, window: w }, || padded_sliding_window_mask(l as usize, kn as usize, kp as usize, w))?),
-            AttentionMask::Array(m) => Some(m.clone()),
+            AttentionMask::SlidingWindow(w) => Some(position_mask(MaskKey { causal: true, window: w, ..key }, || padded_sliding_window_mask(l as usize, kn as usize, kp as usize, w))?),
+            AttentionMask::Array(_) => None,
         };
-        // a mask over [B, Hq, L, K] (or a broadcastable shape) as [B, Hkv, rep, L, K]
-        let grouped = |m: Array| -> Result<Array> {
-            let m = match m.ndim() {
-                0..=2 => return Ok(m),
-                3 => m.expand_dims(0)?,
-                4 => m,
-                n => return Err(Error::shape("sdpa", format!("a {n}-d mask"))),
-            };
-            let md = m.dims();
-            if md[1] == hq && hq > 1 {
-                m.reshape(&[md[0], hkv, rep, md[2], md[3]])
-            } else if md[1] == 1 {
-                m.expand_dims(2)
-            } else {
-                Err(Error::shape("sdpa", format!("mask {md:?} for {hq} query heads")))
+        let p = match mask {
+            AttentionMask::Array(m) => {
+                // a mask over [B, Hq, L, K] (or a broadcastable shape) as [B, Hkv, rep, L, K]
+                let grouped = |m: &Array| -> Result<Array> {
+                    let m = match m.ndim() {
+                        0..=2 => return Ok(m.clone()),
+                        3 => m.expand_dims(0)?,
+                        4 => m.clone(),
+                        n => return Err(Error::shape("sdpa", format!("a {n}-d mask"))),
+                    };
+                    let md = m.dims();
+                    if md[1] == hq && hq > 1 {
+                        m.reshape(&[md[0], hkv, rep, md[2], md[3]])
+                    } else if md[1] == 1 {
+                        m.expand_dims(2)
+                    } else {
+                        Err(Error::shape("sdpa", format!("mask {md:?} for {hq} query heads")))
+                    }
+                };
+                let scores = scores.reshape(&[b, hkv, rep, l, kp])?;
+                let scores = match m.dtype() {
+                    DType::Bool => where_(&grouped(m)?, &scores, &Array::scalar_as(f32::NEG_INFINITY, scores.dtype())?)?,
+                    _ => scores.add(&grouped(m)?)?,
+                };
+                scores.softmax(-1, true)?.reshape(&[b, hkv, rep * l, kp])?
             }
+            _ => match made {
+                Some(m) => scores.add(&m)?,
+                None => scores,
+            }
+            .softmax(-1, true)?,
         };
-        let scores = match visible {
-            None => scores,
-            Some(m) if m.dtype() == DType::Bool => where_(&grouped(m)?, &scores, &Array::scalar_as(f32::NEG_INFINITY, scores.dtype())?)?,
-            Some(m) => scores.add(&grouped(m)?)?,
-        };
-        let p = scores.softmax(-1, true)?.reshape(&[b, hkv, rep * l, kp])?;
         p.matmul(values)?.reshape(&[b, hq, l, dv])
     }
 
@@ -421,33 +432,52 @@ impl Array {
     }
 }
 
-/// What a boolean mask of [`Array::sdpa_by_products_bucketed`] depends on: `l` queries (0: the
-/// padding mask of no mask), `kn` keys padded to `kp`, a sliding `window` (0: causal).
+/// What a mask of [`Array::sdpa_by_products_bucketed`] depends on: the scores' shape
+/// `[b, hkv, rep * l, kp]` and dtype, `kn` real keys of the `kp`, whether it is `causal` (else
+/// only the padding is masked), and a sliding `window` (0: none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct MaskKey {
+    b: i32,
+    hkv: i32,
+    rep: i32,
     l: i32,
     kn: i32,
     kp: i32,
+    causal: bool,
     window: usize,
+    dtype: DType,
 }
 
 /// Masks kept per thread: a forward's layers ask for one or two (full and sliding attention).
 const MASKS_KEPT: usize = 4;
+/// Largest mask kept (elements; 8 MB in f32): a verify step of 8 queries with 32 heads over
+/// 8192 keys. Larger ones (long prompts in pieces of up to 64 queries) are made per call.
+const MASK_KEPT_MAX_ELEMENTS: usize = 1 << 21;
 
 thread_local! {
     static MASKS: std::cell::RefCell<Vec<(MaskKey, crate::Device, Array)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The position mask of `key`, made by `make` once and then shared: every layer of a forward
-/// asks for the same mask, which would otherwise be 3 to 7 graph nodes in each (host work per
-/// node is what a few-row forward on a GPU costs). The most recent [`MASKS_KEPT`] per thread and
-/// device.
-fn position_mask(key: MaskKey, make: impl FnOnce() -> Result<Array>) -> Result<Array> {
+/// The additive mask of `key` (`[b, hkv, rep * l, kp]`: 0 where `visible`'s boolean `[l or 1,
+/// kp]` is true, -inf elsewhere, repeated for each head), made once and then shared: every
+/// layer of a forward asks for the same mask, which would otherwise be 3 to 10 graph nodes in
+/// each (host work per node is what a few-row forward on a GPU costs). The most recent
+/// [`MASKS_KEPT`] per thread and device, of at most [`MASK_KEPT_MAX_ELEMENTS`].
+fn position_mask(key: MaskKey, visible: impl FnOnce() -> Result<Array>) -> Result<Array> {
+    let MaskKey { b, hkv, rep, l, kp, dtype, .. } = key;
+    let elements = [b, hkv, rep, l, kp].iter().map(|&d| d.max(0) as usize).product::<usize>();
     let device = crate::default_device()?;
-    if let Some(m) = MASKS.with(|c| c.borrow().iter().find(|(k, d, _)| *k == key && *d == device).map(|e| e.2.clone())) {
+    let kept = elements <= MASK_KEPT_MAX_ELEMENTS;
+    if let Some(m) = kept.then(|| MASKS.with(|c| c.borrow().iter().find(|(k, d, _)| *k == key && *d == device).map(|e| e.2.clone()))).flatten() {
         return Ok(m);
     }
-    let m = make()?;
+    let v = visible()?;
+    let rows = v.dims()[0];
+    let add = where_(&v, &Array::scalar_as(0.0, dtype)?, &Array::scalar_as(f32::NEG_INFINITY, dtype)?)?;
+    let m = add.reshape(&[1, 1, 1, rows, kp])?.broadcast_to(&[b as usize, hkv as usize, rep as usize, l as usize, kp as usize])?.reshape(&[b, hkv, rep * l, kp])?;
+    if !kept {
+        return Ok(m);
+    }
     MASKS.with(|c| {
         let mut c = c.borrow_mut();
         if c.len() == MASKS_KEPT {
