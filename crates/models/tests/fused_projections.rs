@@ -11,12 +11,16 @@ fn load(dir: &Path, fuse: bool) -> Model {
     load_model(dir, &opts).unwrap().into_lm().unwrap()
 }
 
-/// Logits of a 24-token prompt (every position), then of 3 single-token steps.
+/// Logits of a 24-token prompt (every position), of a 5-token step (every position: what a
+/// speculative verify step reads; few rows run the joined product), then of 3 single-token
+/// steps.
 fn run(m: &Model) -> Vec<Vec<f32>> {
     let mut cache = m.new_cache();
     let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 500).collect();
     let t = Array::from_slice(&ids, &[1, 24]).unwrap();
     let mut out = vec![m.forward(&t, &mut cache, Logits::All, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap()];
+    let t = Array::from_slice(&[11u32, 250, 3, 480, 77], &[1, 5]).unwrap();
+    out.push(m.forward(&t, &mut cache, Logits::All, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap());
     for id in [7u32, 300, 42] {
         let t = Array::from_slice(&[id], &[1, 1]).unwrap();
         out.push(m.forward(&t, &mut cache, Logits::Last, false).unwrap().logits.unwrap().to_vec::<f32>().unwrap());

@@ -165,13 +165,14 @@ impl Attention {
             };
             return self.o.forward(&o);
         }
-        // one position per row: the joined product's heads in one reshape, then one split
-        let heads3 = match l == 1 && !c.output_gate {
+        // the joined product's heads, heads-first, by one reshape (and a transpose for several
+        // positions) and one split
+        let heads3 = match !last && !c.output_gate {
             true => self.qkv.forward_heads(x, &[c.n_heads, c.n_kv_heads, c.n_kv_heads], c.head_dim)?,
             false => None,
         };
         if let Some([q, k, v]) = heads3 {
-            return self.attend_heads(x, cache, mask, last, at, q, k, v, None);
+            return self.attend_heads(x, cache, mask, false, at, [q, k, v], None, true);
         }
         let (mut q, k, v) = if last {
             let xq = x.slice_axis(1, l as usize - 1, l as usize)?;
@@ -191,14 +192,16 @@ impl Attention {
         }
         let (q, k) = (self.heads(&q, c.n_heads)?, self.heads(&k, c.n_kv_heads)?);
         let v = heads_first(self.heads(&v, c.n_kv_heads)?, l)?;
-        self.attend_heads(x, cache, mask, last, at, q, k, v, gate)
+        self.attend_heads(x, cache, mask, last, at, [q, k, v], gate, false)
     }
 
-    /// [`Attention::attend`] from the heads: `q` and `k` as [`Attention::heads`] lays them out
-    /// (before their norms and rotation), `v` heads-first.
+    /// [`Attention::attend`] from the heads `[q, k, v]` (q and k before their norms and
+    /// rotation): v heads-first, q and k too when `qk_first`, else as [`Attention::heads`] lays
+    /// them out.
     #[allow(clippy::too_many_arguments)]
-    fn attend_heads(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool, at: &RopeAt, mut q: Array, mut k: Array, v: Array, gate: Option<Array>) -> Result<Array> {
+    fn attend_heads(&self, x: &Array, cache: &mut LayerKv, mask: AttentionMask, last: bool, at: &RopeAt, [mut q, mut k, v]: [Array; 3], gate: Option<Array>, qk_first: bool) -> Result<Array> {
         let c = &self.cfg;
+        let first = |a: Array, l: i32| if qk_first { Ok(a) } else { heads_first(a, l) };
         let (b, l) = (x.dims()[0], x.dims()[1]);
         let lq = if last { 1 } else { l };
         if let Some(n) = &self.q_norm {
@@ -227,8 +230,8 @@ impl Attention {
                 return Err(crate::ModelError::UnsupportedOption("packed steps take every token at its cache position".into()));
             }
             let rope = |x: &Array, p: usize| self.rope.forward(x, p);
-            let q = g.rope(&heads_first(q, lq)?, rope)?;
-            let k = g.rope(&heads_first(k, l)?, rope)?;
+            let q = g.rope(&first(q, lq)?, rope)?;
+            let k = g.rope(&first(k, l)?, rope)?;
             let (k, v) = cache.update_and_fetch(&g.to_rows(&k, 2)?, &g.to_rows(&v, 2)?)?;
             let scale = c.scale.unwrap_or((c.head_dim as f32).powf(-0.5));
             let o = g.attend(&q, &k, &v, scale, mask_window(mask))?.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
@@ -241,7 +244,7 @@ impl Attention {
         let off = cache.offset();
         let q_off = if last { off + l as usize - 1 } else { off };
         let batch = cache.batch().filter(|r| !r.uniform());
-        let (q, k) = (heads_first(q, lq)?, heads_first(k, l)?);
+        let (q, k) = (first(q, lq)?, first(k, l)?);
         let (q, k) = match (batch, at) {
             (Some(r), RopeAt::Cache | RopeAt::Shift(0)) => {
                 (self.rope.forward_rows(&q, &r.positions(q_off)?, r.longest())?, self.rope.forward_rows(&k, &r.positions(off)?, r.longest())?)

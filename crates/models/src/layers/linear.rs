@@ -510,15 +510,17 @@ impl FusedLinear {
         }
     }
 
-    /// For inputs of one position (`[B, 1, in]`) of a joined float projection whose parts are
-    /// `heads[i]` heads of `head_dim` features each: part `i` as `[B, heads[i], 1, head_dim]`, by
-    /// one reshape of the joined product and one split (instead of a split and a reshape per
-    /// part). `None` for projections that are not one float product, or other inputs.
+    /// For inputs `[B, L, in]` of a joined float projection run as one product
+    /// ([`FusedLinear::returns_views`]) whose parts are `heads[i]` heads of `head_dim` features
+    /// each: part `i` heads-first, `[B, heads[i], L, head_dim]`, by one reshape of the joined
+    /// product (and one transpose for `L > 1`) and one split, instead of a split, a reshape per
+    /// part and a transpose per part (each a graph node: host work in a few-row step). `None`
+    /// for projections that are not one float product, or other inputs.
     pub(crate) fn forward_heads<const N: usize>(&self, x: &Array, heads: &[usize; N], head_dim: usize) -> Result<Option<[Array; N]>> {
         let FusedLinear::Fused { lin, splits } = self else { return Ok(None) };
         let xd = x.dims();
         let fits = splits.len() + 1 == N && heads.iter().sum::<usize>() * head_dim == lin.out_dim();
-        if lin.is_quantized() || !fits || xd.len() != 3 || xd[1] != 1 {
+        if lin.is_quantized() || !fits || xd.len() != 3 || !self.returns_views(rows_of(x)) {
             return Ok(None);
         }
         let mut at = Vec::with_capacity(N - 1);
@@ -530,8 +532,11 @@ impl FusedLinear {
             }
             at.push(acc);
         }
-        let total = heads.iter().sum::<usize>() as i32;
-        let y = lin.forward(x)?.reshape(&[xd[0], total, 1, head_dim as i32])?;
+        let (total, d) = (heads.iter().sum::<usize>() as i32, head_dim as i32);
+        let y = match xd[1] {
+            1 => lin.forward(x)?.reshape(&[xd[0], total, 1, d])?,
+            l => lin.forward(x)?.reshape(&[xd[0], l, total, d])?.transpose(&[0, 2, 1, 3])?,
+        };
         let parts = y.split_at(&at, 1)?;
         Ok(parts.try_into().ok())
     }
