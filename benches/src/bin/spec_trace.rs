@@ -3,7 +3,9 @@
 //! first run pays one-time costs of new shapes), printing each cycle's history length, drafts,
 //! accepted drafts, the drafter's time (its `propose`, evaluated; drafting ahead runs later in
 //! the cycle, outside it) and the whole cycle's time,
-//! each plain stretch of adaptive depth, and per run the totals by kind:
+//! each plain stretch of adaptive depth, and per run the totals by kind and the fastest,
+//! quartile, median and slowest speculative cycle (steadier than the rate where the host's
+//! speed drifts):
 //!
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
@@ -134,6 +136,8 @@ struct Totals {
     plain_cycles: (usize, f64, usize),
     stretches: (usize, f64, usize),
     draft_secs: f64,
+    /// Seconds of each speculative cycle, in order.
+    spec_secs: Vec<f64>,
 }
 
 /// A speculator that reports every call of the one it wraps.
@@ -160,6 +164,9 @@ impl Speculator for Tracer<'_> {
         let draft = self.clock.lock().expect("clock").take().unwrap_or(0.0);
         let slot = if drafts > 0 { &mut self.totals.spec } else { &mut self.totals.plain_cycles };
         *slot = (slot.0 + 1, slot.1 + secs, slot.2 + out.len());
+        if drafts > 0 {
+            self.totals.spec_secs.push(secs);
+        }
         self.totals.draft_secs += draft;
         if !self.quiet {
             println!("cycle at {}: {drafts} drafts, {} tokens, draft {:.2} ms, cycle {:.2} ms", history.len(), out.len(), draft * 1e3, secs * 1e3);
@@ -250,7 +257,7 @@ fn main() -> Res<()> {
         let perf = gen.performance();
         drop(gen);
         let secs = t.elapsed().as_secs_f64();
-        let Totals { spec, plain_cycles, stretches, draft_secs } = tracer.totals;
+        let Totals { spec, plain_cycles, stretches, draft_secs, mut spec_secs } = tracer.totals;
         println!(
             "run {run}: {n} tokens in {secs:.3} s, decode {:.1} tok/s; speculative cycles {} ({:.1} ms, {} tokens; drafter {:.1} ms), plain cycles {} ({:.1} ms, {} tokens), plain stretches {} ({:.1} ms, {} tokens)",
             perf.decode_tokens_per_sec,
@@ -258,6 +265,12 @@ fn main() -> Res<()> {
             plain_cycles.0, plain_cycles.1 * 1e3, plain_cycles.2,
             stretches.0, stretches.1 * 1e3, stretches.2,
         );
+        if !spec_secs.is_empty() {
+            // a host whose speed drifts moves the median; the fastest cycles show what the code costs
+            spec_secs.sort_by(f64::total_cmp);
+            let at = |q: f64| spec_secs[((spec_secs.len() - 1) as f64 * q).round() as usize] * 1e3;
+            println!("run {run} speculative cycle times: fastest {:.2} ms, quartile {:.2}, median {:.2}, slowest {:.2} ({:.2} tokens a cycle)", at(0.0), at(0.25), at(0.5), at(1.0), spec.2 as f64 / spec.0 as f64);
+        }
         if let Some((toks, rate)) = plain {
             let same = toks.iter().zip(&ids).take_while(|(a, b)| a == b).count();
             println!("run {run} against plain: {:.2}x, tokens {}", perf.decode_tokens_per_sec / rate, if same == toks.len() && toks.len() == ids.len() { "identical".to_string() } else { format!("agree for {same} of {}", toks.len()) });
