@@ -27,7 +27,7 @@ pub struct Linear {
     /// operand, evaluated by the first forward that reads it ([`crate::Model::materialize`]'s on
     /// the CPU), after which their products take it without a transpose and a contiguous node
     /// each. Remade whenever the weight may be replaced.
-    rows: Option<Array>,
+    stored: Option<Array>,
     bias: Option<Array>,
     /// An activation-quantised projection ([`crate::calibrate`]).
     act: Option<ActSite>,
@@ -107,11 +107,11 @@ impl Linear {
     }
     /// A dense weight given as `W^T` (`[in, out]`).
     fn new_transposed(wt: Array, bias: Option<Array>) -> Result<Self> {
-        Ok(Linear { batched: Some(wt.expand_dims(0)?), rows: Some(wt.swap_axes(0, 1)?), w: LinearWeight::Dense(wt), bias, act: None, lora: None, reduce: None })
+        Ok(Linear { batched: Some(wt.expand_dims(0)?), stored: Some(wt.swap_axes(0, 1)?), w: LinearWeight::Dense(wt), bias, act: None, lora: None, reduce: None })
     }
     /// A quantized `[out, in]` weight.
     pub fn quantized(q: Quantized, bias: Option<Array>) -> Self {
-        Linear { w: LinearWeight::Quantized(q), batched: None, rows: None, bias, act: None, lora: None, reduce: None }
+        Linear { w: LinearWeight::Quantized(q), batched: None, stored: None, bias, act: None, lora: None, reduce: None }
     }
     /// `prefix.weight` of shape `[out, in]` (or its quantized form, dequantized at load when the
     /// load options ask) and, if `bias`, `prefix.bias`; with `prefix.lora_a`/`prefix.lora_b`
@@ -191,8 +191,8 @@ impl Linear {
             None => None,
         };
         let x = xq.as_ref().unwrap_or(x);
-        let rows = |wt: &Array| -> Result<Array> {
-            match &self.rows {
+        let stored = |wt: &Array| -> Result<Array> {
+            match &self.stored {
                 Some(r) => Ok(r.clone()),
                 None => Ok(wt.swap_axes(0, 1)?),
             }
@@ -201,13 +201,13 @@ impl Linear {
             // bf16 weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
             // product of the upcast operands (MLX's CPU bf16 matmul is 10-20x slower than f32)
             (LinearWeight::Dense(wt), Some(few)) if wt.dtype() == DType::BF16 => match few {
-                true => x.cpu_matmul_bf16(&rows(wt)?)?,
+                true => x.cpu_matmul_bf16(&stored(wt)?)?,
                 false => x.astype(DType::F32)?.matmul(&wt.astype(DType::F32)?)?.astype(x.dtype())?,
             },
             // f32 weights on the CPU, few rows: our kernel reads each weight row once for all of
             // them (the BLAS product of a few rows repacks the whole weight: 2 rows cost 1.7x
             // one, a speculative verify step more than a plain step)
-            (LinearWeight::Dense(wt), Some(true)) if wt.dtype() == DType::F32 => x.cpu_matmul_f32(&rows(wt)?)?,
+            (LinearWeight::Dense(wt), Some(true)) if wt.dtype() == DType::F32 => x.cpu_matmul_f32(&stored(wt)?)?,
             // few rows on a GPU: our kernel (Array::matmul_weight_t), MLX's matmul otherwise
             (LinearWeight::Dense(wt), None) => x.matmul_weight_t_held(wt, self.batched.as_ref())?,
             (LinearWeight::Dense(wt), _) => x.matmul_weight_t(wt)?,
@@ -746,7 +746,7 @@ impl super::LayerArrays for Linear {
             f(w);
             // the view follows the weight (a checkpointed layer's copy reads its inputs)
             self.batched = w.expand_dims(0).ok();
-            self.rows = w.swap_axes(0, 1).ok();
+            self.stored = w.swap_axes(0, 1).ok();
         }
         if let Some(b) = &mut self.bias {
             f(b);
