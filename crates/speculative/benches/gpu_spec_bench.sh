@@ -116,15 +116,15 @@ run() { env ${VARS:-} "$G/${BIN:-generate}" --model "$P/target" --prompt-ids "$I
     [ -z "${FEWROW:-}" ] || echo "draft$k+$FEWROW $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels "$FEWROW")"
     [ -z "${BUCKET:-}" ] || echo "draft$k+bucket$BUCKET $(run --draft-model "$P/draft" --draft-tokens "$k" --key-bucket "$BUCKET")"
   done
-  for e in ${ENVS:-}; do
-    ev=$(echo "$e" | tr , " ")
-    echo "plain[$e] $(VARS=$ev run)"
-    for k in "${KS[@]}"; do echo "draft$k[$e] $(VARS=$ev run --draft-model "$P/draft" --draft-tokens "$k")"; done
-  done
+  # plain decoding and each fixed depth again, labelled [$1] (under the caller's VARS or BIN)
+  variant() {
+    echo "plain[$1] $(run)"
+    for k in "${KS[@]}"; do echo "draft$k[$1] $(run --draft-model "$P/draft" --draft-tokens "$k")"; done
+  }
+  for e in ${ENVS:-}; do VARS=$(echo "$e" | tr , " ") variant "$e"; done
   for b in ${ALT:-}; do
     xz -dkf "$G/$b.xz" 2>/dev/null; chmod +x "$G/$b"
-    echo "plain[$b] $(BIN=$b run)"
-    for k in "${KS[@]}"; do echo "draft$k[$b] $(BIN=$b run --draft-model "$P/draft" --draft-tokens "$k")"; done
+    BIN=$b variant "$b"
   done
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   [ -z "${USELESS:-}" ] || echo "useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"

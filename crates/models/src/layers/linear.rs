@@ -208,8 +208,10 @@ impl Linear {
             // them (the BLAS product of a few rows repacks the whole weight: 2 rows cost 1.7x
             // one, a speculative verify step more than a plain step)
             (LinearWeight::Dense(wt), Some(true)) if wt.dtype() == DType::F32 => x.cpu_matmul_f32(&stored(wt)?)?,
-            // few rows on a GPU: our kernel (Array::matmul_weight_t), MLX's matmul otherwise
+            // on a GPU: few rows by our kernel when it is on, MLX's matmul otherwise, a
+            // `[1, L, in]` input against the held `[1, in, out]` view (Array::matmul_weight_t_held)
             (LinearWeight::Dense(wt), None) => x.matmul_weight_t_held(wt, self.batched.as_ref())?,
+            // the CPU's other float products (many rows, or dtypes its kernels lack)
             (LinearWeight::Dense(wt), _) => x.matmul_weight_t(wt)?,
             // packed weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
             // product of the weight dequantized on the fly ([`dequantize_f32`]; MLX's CPU
