@@ -97,6 +97,9 @@ impl Drafter for TimedDrafter {
     fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&mlx_array::Array>) -> MResult<()> {
         self.inner.draft_ahead(history, drafts, steps, until)
     }
+    fn runs_ahead(&self) -> bool {
+        self.inner.runs_ahead()
+    }
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.inner.skipped(history, window)
     }
@@ -214,10 +217,7 @@ fn main() -> Res<()> {
     let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
     if let Some(n) = cli.draft_ahead {
-        if n != mlx_speculative::DraftAhead::Steps(0) && mlx_speculative::draft_kind(std::path::Path::new(&cli.draft))? != mlx_speculative::DraftKind::Model {
-            return Err("--draft-ahead runs a plain draft model ahead; this draft reads the target's states".into());
-        }
-        dec = dec.with_draft_ahead(n);
+        dec = dec.with_draft_ahead(n)?;
     }
     let prompt = match &cli.chat {
         Some(text) => {

@@ -218,13 +218,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut spec = match (&cli.draft_model, cli.mtp) {
         (Some(d), _) => {
-            if cli.draft_ahead.is_some_and(|a| a != mlx_speculative::DraftAhead::Steps(0)) {
-                if mlx_speculative::draft_kind(d)? != mlx_speculative::DraftKind::Model {
-                    return Err("--draft-ahead runs a plain draft model ahead; this draft reads the target's states".into());
-                }
-                if cli.temperature > 0.0 {
-                    return Err("--draft-ahead runs ahead at --temperature 0 only".into());
-                }
+            if cli.draft_ahead.is_some_and(|a| a != mlx_speculative::DraftAhead::Steps(0)) && cli.temperature > 0.0 {
+                return Err("--draft-ahead runs ahead at --temperature 0 only".into());
             }
             let drafter = mlx_speculative::load_drafter_for(d, &opts, &model)?;
             let k = cli.draft_tokens.map(|k| k as usize);
@@ -233,7 +228,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 DraftDepth::Adaptive => mlx_speculative::SpeculativeDecoder::adaptive(drafter, k),
             };
             Some(match cli.draft_ahead {
-                Some(n) => s.with_draft_ahead(n),
+                Some(n) => s.with_draft_ahead(n)?,
                 None => s,
             })
         }

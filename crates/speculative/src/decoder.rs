@@ -136,9 +136,9 @@ impl SpeculativeDecoder {
                 .map_or(depth, |m| depth.clamp(1, m.max(1))),
         );
         SpeculativeDecoder {
+            ahead: Self::draft_ahead_for(drafter.as_ref()),
             drafter,
             depth,
-            ahead: Self::default_draft_ahead(),
             catch_up_window: Some(Self::CATCH_UP_WINDOW),
             policy: None,
             outweighed: None,
@@ -158,9 +158,9 @@ impl SpeculativeDecoder {
         let max = max.unwrap_or_else(|| drafter.default_depth()).max(1);
         let max = drafter.max_depth().map_or(max, |m| max.min(m.max(1)));
         SpeculativeDecoder {
+            ahead: Self::draft_ahead_for(drafter.as_ref()),
             drafter,
             depth: Depth::Adaptive(max),
-            ahead: Self::default_draft_ahead(),
             catch_up_window: Some(Self::CATCH_UP_WINDOW),
             policy: None,
             outweighed: None,
@@ -178,10 +178,17 @@ impl SpeculativeDecoder {
     /// sampling without penalties): on a GPU the host builds them while the device runs the
     /// verify forward, which otherwise leaves the host idle; the next cycle starts from them
     /// when the target accepts every draft and the drafter guessed its token.
-    /// `DraftAhead::Steps(0)`: off.
-    pub fn with_draft_ahead(mut self, ahead: DraftAhead) -> Self {
+    /// `DraftAhead::Steps(0)`: off. Any other value with a drafter that cannot run ahead
+    /// ([`Drafter::runs_ahead`]: one that reads the target's states) is
+    /// [`ModelError::UnsupportedOption`].
+    pub fn with_draft_ahead(mut self, ahead: DraftAhead) -> Result<Self> {
+        if ahead != DraftAhead::Steps(0) && !self.drafter.runs_ahead() {
+            return Err(ModelError::UnsupportedOption(format!(
+                "drafting ahead ({ahead}): only a plain draft model runs ahead; this drafter reads the target's states"
+            )));
+        }
         self.ahead = ahead;
-        self
+        Ok(self)
     }
 
     /// [`SpeculativeDecoder::with_catch_up_window`]'s default: tokens of context a draft model
@@ -199,12 +206,21 @@ impl SpeculativeDecoder {
         self
     }
 
-    /// [`SpeculativeDecoder::with_draft_ahead`]'s default: until the verify's result is ready
-    /// on a GPU (measured on CUDA against 2 and 8 forwards, BENCHMARKS.md), none on the CPU,
-    /// where the verify forward occupies the cores the drafts would run on.
+    /// [`SpeculativeDecoder::with_draft_ahead`]'s default for a drafter that runs ahead
+    /// ([`Drafter::runs_ahead`]; none for others): until the verify's result is ready on a GPU
+    /// (measured on CUDA against 2 and 8 forwards, BENCHMARKS.md), none on the CPU, where the
+    /// verify forward occupies the cores the drafts would run on.
     pub fn default_draft_ahead() -> DraftAhead {
         if mlx_array::default_device().is_ok_and(|d| d == mlx_array::Device::Gpu) {
             DraftAhead::UntilVerified
+        } else {
+            DraftAhead::Steps(0)
+        }
+    }
+
+    fn draft_ahead_for(drafter: &dyn Drafter) -> DraftAhead {
+        if drafter.runs_ahead() {
+            Self::default_draft_ahead()
         } else {
             DraftAhead::Steps(0)
         }

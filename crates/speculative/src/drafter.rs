@@ -89,6 +89,12 @@ pub trait Drafter: Send {
     fn draft_ahead(&mut self, _history: &[u32], _drafts: &[u32], _steps: usize, _until: Option<&Array>) -> Result<()> {
         Ok(())
     }
+    /// Whether [`Drafter::draft_ahead`] drafts anything: a drafter that overrides it says so
+    /// here, and [`crate::SpeculativeDecoder::with_draft_ahead`] refuses to run ahead with one
+    /// that does not. Default: `false`.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
     /// A plain stretch of adaptive depth ran: `history` grew past what the drafter has seen.
     /// A drafter that catches up over skipped tokens through its own forwards (a draft model)
     /// lacking more than `window` of them starts over from the last `window` tokens of
@@ -497,6 +503,9 @@ impl Drafter for DraftModel {
         Ok(draft)
     }
 
+    fn runs_ahead(&self) -> bool {
+        true
+    }
     fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&Array>) -> Result<()> {
         let Some((&newest, fed)) = drafts.split_last() else {
             return Ok(());

@@ -19,7 +19,7 @@ fn speculative(
     depth: usize,
     ahead: DraftAhead,
 ) -> (Vec<u32>, mlx_models::SpeculativeStats, usize) {
-    let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth)).with_draft_ahead(ahead);
+    let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(draft)), Some(depth)).with_draft_ahead(ahead).unwrap();
     run_spec(
         target,
         &mut spec,

@@ -330,6 +330,9 @@ impl mlx_speculative::Drafter for Shared {
     fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&mlx_array::Array>) -> mlx_models::Result<()> {
         self.0.lock().unwrap().draft_ahead(history, drafts, steps, until)
     }
+    fn runs_ahead(&self) -> bool {
+        self.0.lock().unwrap().runs_ahead()
+    }
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.0.lock().unwrap().skipped(history, window)
     }
@@ -445,7 +448,7 @@ fn drafting_ahead_changes_no_output() {
             for depth in [1, 3, 5] {
                 for ahead in [1, 3] {
                     let d = Arc::new(Mutex::new(DraftModel::new(load(draft, kv.clone()))));
-                    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(depth)).with_draft_ahead(DraftAhead::Steps(ahead));
+                    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(depth)).with_draft_ahead(DraftAhead::Steps(ahead)).unwrap();
                     let label = format!("{kv:?} {draft} depth {depth}, {ahead} ahead");
                     let st = check_identity(&target, &mut spec, &prompt, &want, &label);
                     let reused = d.lock().unwrap().reused_drafts();
@@ -462,17 +465,20 @@ fn drafting_ahead_changes_no_output() {
             }
         }
     }
+    // a draft model takes the library's default (until verified on a GPU, none on the CPU)
+    let spec = SpeculativeDecoder::new(Box::new(DraftModel::new(load("qwen3_untied", KvCacheMode::Flat))), Some(3));
+    assert_eq!(spec.draft_ahead(), SpeculativeDecoder::default_draft_ahead());
     // until the verify's result is ready: as many forwards as the timing allows
     let target = load("qwen3_untied", KvCacheMode::Flat);
     let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 30);
     for (draft, depth) in [("qwen3_untied", 3), ("qwen3_untied_q8g32", 5)] {
-        let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(load(draft, KvCacheMode::Flat))), Some(depth)).with_draft_ahead(DraftAhead::UntilVerified);
+        let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(load(draft, KvCacheMode::Flat))), Some(depth)).with_draft_ahead(DraftAhead::UntilVerified).unwrap();
         check_identity(&target, &mut spec, &prompt, &want, &format!("{draft} depth {depth}, until verified"));
     }
     let target = load("qwen3_5", KvCacheMode::Flat);
     let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 24);
     let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_5", KvCacheMode::Flat))));
-    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3)).with_draft_ahead(DraftAhead::Steps(3));
+    let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3)).with_draft_ahead(DraftAhead::Steps(3)).unwrap();
     check_identity(&target, &mut spec, &prompt, &want, "qwen3_5 self-draft, 3 ahead");
     assert_eq!(d.lock().unwrap().reused_drafts(), 0, "a recurrent draft does not run ahead");
 }

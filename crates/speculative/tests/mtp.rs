@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use mlx_array::Array;
 use mlx_models::{KvCacheMode, Logits};
-use mlx_speculative::{MtpDrafter, SpeculativeDecoder};
+use mlx_speculative::{DraftAhead, MtpDrafter, SpeculativeDecoder};
 use std::path::PathBuf;
 
 /// The tiny checkpoint `name` with the fixture's `mtp-drafter/` sidecar, in a temporary directory.
@@ -166,6 +166,13 @@ fn mtp_after_warm_up_matches_plain_decoding() {
         assert_eq!(got, want, "{:?}", spec.depth());
         assert_eq!(offset, prompt.len() + want.len());
     }
+    // the head reads the verify's hidden states: it cannot draft ahead of them, and says so
+    let spec = SpeculativeDecoder::new(Box::new(MtpDrafter::new(target.clone()).unwrap()), Some(3));
+    assert_eq!(spec.draft_ahead(), DraftAhead::Steps(0));
+    let e = spec.with_draft_ahead(DraftAhead::UntilVerified).err().expect("refused").to_string();
+    assert!(e.contains("runs ahead"), "{e}");
+    let spec = SpeculativeDecoder::new(Box::new(MtpDrafter::new(target.clone()).unwrap()), Some(3));
+    assert!(spec.with_draft_ahead(DraftAhead::Steps(0)).is_ok());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
