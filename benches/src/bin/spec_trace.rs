@@ -53,7 +53,7 @@ struct Cli {
     /// Only the per-run totals.
     #[arg(long)]
     quiet: bool,
-    /// Draft forwards run ahead while the target verifies: a number or `until-verified`
+    /// Draft forwards run ahead while the target verifies: a number, `until-verified` or `background`
     /// (default: the library's, `SpeculativeDecoder::default_draft_ahead`).
     #[arg(long)]
     draft_ahead: Option<mlx_speculative::DraftAhead>,
@@ -94,11 +94,14 @@ impl Drafter for TimedDrafter {
     fn target_positions_run(&self) -> usize {
         self.inner.target_positions_run()
     }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&mlx_array::Array>) -> MResult<()> {
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> MResult<()> {
         self.inner.draft_ahead(history, drafts, steps, until)
     }
     fn runs_ahead(&self) -> bool {
         self.inner.runs_ahead()
+    }
+    fn settle(&mut self) -> MResult<()> {
+        self.inner.settle()
     }
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.inner.skipped(history, window)

@@ -248,6 +248,13 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     mlx_rs::transforms::async_eval(arrays.iter().map(|a| &a.inner)).op("async_eval")
 }
 
+/// Wait for the work this thread queued on MLX's default stream (of the default device): its
+/// arrays are then computed, and arrays that were only queued ([`async_eval`]) can be read or
+/// used from another thread. Lazy arrays never queued still belong to this thread.
+pub fn synchronize() -> Result<()> {
+    crate::ffi::status("synchronize", || unsafe { mlx_sys::mlx_synchronize_default() })
+}
+
 /// Waits for the thread's queued MLX work when the thread's locals are destroyed.
 struct WaitOnExit;
 

@@ -32,7 +32,7 @@ pub mod libmlx;
 pub mod ops;
 pub mod random;
 
-pub use array::{async_eval, eval, graph_nodes, wait_for_queued_work_at_exit, Array};
+pub use array::{async_eval, eval, graph_nodes, synchronize, wait_for_queued_work_at_exit, Array};
 pub use device::{default_device, gpu_available, memory, set_default_device, with_device, with_stream, Device, Stream};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

@@ -108,9 +108,11 @@ struct Cli {
     #[arg(long, value_enum, default_value = "auto", requires = "speculation")]
     speculative_warm_up: WarmUp,
     /// Draft-model forwards run ahead while the target verifies, at temperature 0
-    /// (`SpeculativeDecoder::with_draft_ahead`): a number, or `until-verified` (until the
-    /// verify's result is ready, at most the depth + 1); default: until-verified on a GPU, 0 on
-    /// the CPU.
+    /// (`SpeculativeDecoder::with_draft_ahead`): a number, `until-verified` (until the
+    /// verify's result is ready, at most the depth + 1) or `background` (the draft model on a
+    /// thread of its own, drafting from each proposal until the next, at most the depth + 1,
+    /// while this thread builds the verify forward); default: until-verified on a GPU, 0 on the
+    /// CPU.
     /// Anything but 0 is refused for other draft kinds and at temperature > 0, where nothing
     /// runs ahead.
     #[arg(long, requires = "draft_model")]

@@ -44,6 +44,10 @@ pub enum ModelError {
     /// Privacy-filter labels, calibration or options.
     #[error(transparent)]
     Privacy(#[from] crate::privacy::PrivacyError),
+    /// A thread running part of the work (a draft model drafting in the background) stopped
+    /// before answering: it panicked.
+    #[error("worker thread: {0}")]
+    Worker(String),
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

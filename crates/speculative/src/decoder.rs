@@ -85,17 +85,23 @@ pub enum DraftAhead {
     /// one the next cycle needs when the guesses hold, so on a device whose verify outlasts
     /// the host's work on it this only stops at the verdict.
     UntilVerified,
+    /// The drafter on a thread of its own ([`crate::Background`]): from each proposal it
+    /// drafts ahead, at most the cycle's depth + 1 forwards, until it is asked for the next
+    /// proposal, while this thread builds and runs the verify forward. The two graphs are then
+    /// built in parallel rather than one after the other.
+    Background,
 }
 
 impl std::str::FromStr for DraftAhead {
     type Err = ModelError;
 
-    /// A number of steps, or `until-verified`.
+    /// A number of steps, `until-verified` or `background`.
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "until-verified" => Ok(DraftAhead::UntilVerified),
+            "background" => Ok(DraftAhead::Background),
             n => n.parse().map(DraftAhead::Steps).map_err(|_| {
-                ModelError::InvalidInput(format!("draft ahead: {n:?} is neither a number of forwards nor until-verified"))
+                ModelError::InvalidInput(format!("draft ahead: {n:?} is neither a number of forwards, until-verified nor background"))
             }),
         }
     }
@@ -106,6 +112,7 @@ impl std::fmt::Display for DraftAhead {
         match self {
             DraftAhead::Steps(n) => write!(f, "{n}"),
             DraftAhead::UntilVerified => f.write_str("until-verified"),
+            DraftAhead::Background => f.write_str("background"),
         }
     }
 }
@@ -113,7 +120,7 @@ impl std::fmt::Display for DraftAhead {
 /// Speculative decoding with one drafter; give it to [`mlx_models::Generator::with_speculator`]
 /// or [`mlx_models::ChatSession::set_speculator`].
 pub struct SpeculativeDecoder {
-    drafter: Box<dyn Drafter>,
+    drafter: Slot,
     depth: Depth,
     ahead: DraftAhead,
     catch_up_window: Option<usize>,
@@ -137,7 +144,7 @@ impl SpeculativeDecoder {
         );
         SpeculativeDecoder {
             ahead: Self::draft_ahead_for(drafter.as_ref()),
-            drafter,
+            drafter: Slot::Here(drafter),
             depth,
             catch_up_window: Some(Self::CATCH_UP_WINDOW),
             policy: None,
@@ -159,7 +166,7 @@ impl SpeculativeDecoder {
         let max = drafter.max_depth().map_or(max, |m| max.min(m.max(1)));
         SpeculativeDecoder {
             ahead: Self::draft_ahead_for(drafter.as_ref()),
-            drafter,
+            drafter: Slot::Here(drafter),
             depth: Depth::Adaptive(max),
             catch_up_window: Some(Self::CATCH_UP_WINDOW),
             policy: None,
@@ -187,6 +194,12 @@ impl SpeculativeDecoder {
                 "drafting ahead ({ahead}): only a plain draft model runs ahead; this drafter reads the target's states"
             )));
         }
+        // the drafter moves to its thread, or back
+        self.drafter = match (std::mem::replace(&mut self.drafter, Slot::Moving), ahead == DraftAhead::Background) {
+            (Slot::Here(d), true) => Slot::Thread(crate::Background::spawn(d)?),
+            (Slot::Thread(b), false) => Slot::Here(b.into_inner()?),
+            (slot, _) => slot,
+        };
         self.ahead = ahead;
         Ok(self)
     }
@@ -283,8 +296,9 @@ impl SpeculativeDecoder {
         }
     }
 
+    /// The drafter ([`crate::Background`] while it drafts on a thread of its own).
     pub fn drafter(&self) -> &dyn Drafter {
-        self.drafter.as_ref()
+        &*self.drafter
     }
 
     /// No drafts this cycle: one plain step through the target.
@@ -415,6 +429,10 @@ impl Speculator for SpeculativeDecoder {
             self.counters.record(0, 0);
             return self.plain_step(model, cache, history, sampler);
         }
+        if self.ahead == DraftAhead::Background && cfg.is_greedy() && !reads_history(&cfg) && drafts.len() == k {
+            // the thread drafts while this one builds the verify forward
+            self.drafter.draft_ahead(history, drafts, k + 1, None)?;
+        }
         let tracked = self.target.as_mut().expect("set above");
         tracked.snapshot(cache);
         let mut seq = Vec::with_capacity(drafts.len() + 1);
@@ -441,9 +459,12 @@ impl Speculator for SpeculativeDecoder {
         let lp = verifier_rows(sampler, &logits, &rows)?;
         let verdict: Verdict = if cfg.is_greedy() {
             let (best, picked) = greedy_picks(&lp, drafts)?;
-            let (steps, until) = match self.ahead {
+            let ready = || best.is_available();
+            let (steps, until): (usize, Option<&dyn Fn() -> bool>) = match self.ahead {
                 DraftAhead::Steps(n) => (n, None),
-                DraftAhead::UntilVerified => (k + 1, Some(&best)),
+                DraftAhead::UntilVerified => (k + 1, Some(&ready)),
+                // already drafting, on its thread
+                DraftAhead::Background => (0, None),
             };
             if steps > 0 && !reads_history(&cfg) && drafts.len() == k {
                 mlx_array::async_eval(&[&best, &picked])?;
@@ -521,6 +542,38 @@ impl Speculator for SpeculativeDecoder {
         }
         if let Some(p) = &mut self.policy {
             p.observe_plain(n, secs);
+        }
+    }
+}
+
+/// Where the drafter runs: on the decoder's thread, or on one of its own
+/// ([`DraftAhead::Background`]).
+enum Slot {
+    Here(Box<dyn Drafter>),
+    Thread(crate::Background),
+    /// Only while [`SpeculativeDecoder::with_draft_ahead`] moves it (a failed move drops the
+    /// decoder with it).
+    Moving,
+}
+
+impl std::ops::Deref for Slot {
+    type Target = dyn Drafter;
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Slot::Here(d) => d.as_ref(),
+            Slot::Thread(b) => b,
+            Slot::Moving => unreachable!("the drafter is only moving inside with_draft_ahead"),
+        }
+    }
+}
+
+impl std::ops::DerefMut for Slot {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        match self {
+            Slot::Here(d) => d.as_mut(),
+            Slot::Thread(b) => b,
+            Slot::Moving => unreachable!("the drafter is only moving inside with_draft_ahead"),
         }
     }
 }

@@ -81,12 +81,12 @@ pub trait Drafter: Send {
     /// at temperature 0 without penalties: draft up to `steps` forwards past `history` and
     /// `drafts` (the last [`Drafter::propose`]'s arguments and result) as if the target accepts
     /// every draft and its own token is the drafter's next guess, so that the host works
-    /// while the device verifies; with `until` (an array of the verify's result, queued), stop
-    /// before a forward once it is ready ([`Array::is_available`]). A later `propose` whose
+    /// while the device verifies; with `until`, stop before a forward once it returns true
+    /// (the verify's result is ready: [`Array::is_available`]). A later `propose` whose
     /// history the guesses continue starts from them; one that departs from them rolls them
     /// back. Default: nothing (drafters that read the verdict's hidden states cannot run ahead
     /// of it).
-    fn draft_ahead(&mut self, _history: &[u32], _drafts: &[u32], _steps: usize, _until: Option<&Array>) -> Result<()> {
+    fn draft_ahead(&mut self, _history: &[u32], _drafts: &[u32], _steps: usize, _until: Option<&dyn Fn() -> bool>) -> Result<()> {
         Ok(())
     }
     /// Whether [`Drafter::draft_ahead`] drafts anything: a drafter that overrides it says so
@@ -113,6 +113,13 @@ pub trait Drafter: Send {
     /// proposal does not catch up over the prompt ([`mlx_models::Speculator::prefill`]).
     /// Default: nothing.
     fn prefill(&mut self, _history: &[u32]) -> Result<()> {
+        Ok(())
+    }
+    /// Compute every lazy array the drafter keeps (its cache, pending guesses, its RNG key)
+    /// and wait for its queued work, so that it can move to another thread: MLX evaluates an
+    /// array only on the thread that made it ([`crate::Background`] settles a drafter before
+    /// it moves in either direction). Default: nothing (a drafter keeping no arrays of its own).
+    fn settle(&mut self) -> Result<()> {
         Ok(())
     }
     /// The verdict on the last proposals.
@@ -179,6 +186,14 @@ pub(crate) struct SeededKey {
 impl SeededKey {
     pub(crate) fn new(salt: u64) -> Self {
         SeededKey { salt, key: None }
+    }
+
+    /// Compute the current key ([`Drafter::settle`]).
+    pub(crate) fn eval(&self) -> Result<()> {
+        match &self.key {
+            Some((_, k)) => Ok(k.as_array().eval()?),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn get(&mut self, cfg: &SamplingConfig) -> Result<&mut Key> {
@@ -506,7 +521,7 @@ impl Drafter for DraftModel {
     fn runs_ahead(&self) -> bool {
         true
     }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&Array>) -> Result<()> {
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> Result<()> {
         let Some((&newest, fed)) = drafts.split_last() else {
             return Ok(());
         };
@@ -524,7 +539,7 @@ impl Drafter for DraftModel {
         let mut guesses = Vec::with_capacity(steps);
         let mut cur = row(&[newest])?;
         for i in 0..steps {
-            if until.is_some_and(Array::is_available) {
+            if until.is_some_and(|ready| ready()) {
                 break;
             }
             let logits = self.last_logits(&cur)?;
@@ -543,6 +558,15 @@ impl Drafter for DraftModel {
         let guesses = concatenate(&guesses.iter().collect::<Vec<_>>(), 0)?;
         self.ahead = Some(Ahead { base, guesses });
         Ok(())
+    }
+
+    fn settle(&mut self) -> Result<()> {
+        if let Some(a) = &self.ahead {
+            a.guesses.eval()?;
+        }
+        self.cache.eval_with(&[])?;
+        self.key.eval()?;
+        Ok(mlx_array::synchronize()?)
     }
 
     fn skipped(&mut self, history: &[u32], window: usize) {

@@ -38,6 +38,7 @@
 //! ```
 mod adaptive;
 mod assistant;
+mod background;
 mod block;
 mod decoder;
 mod drafter;
@@ -48,6 +49,7 @@ pub mod verify;
 
 pub use adaptive::Adaptive;
 pub use assistant::AssistantDrafter;
+pub use background::Background;
 pub use block::{create_random_block_draft, BlockConfig, BlockDrafter, BlockNet, BlockTrace};
 pub use decoder::{Depth, DraftAhead, SpeculativeDecoder};
 pub use drafter::{Draft, DraftModel, Drafter, Feedback};

@@ -93,10 +93,12 @@ fn greedy_identity_over_caches_drafts_and_depths() {
         };
         for d in drafts {
             let depth = rng.range(1, 6);
-            // draft forwards run ahead while the target verifies: a fixed number, or until
-            // the verify's result is ready (the GPU default; a number that varies with timing)
-            let ahead = match rng.range(0, 4) {
+            // draft forwards run ahead while the target verifies: a fixed number, until the
+            // verify's result is ready (the GPU default; a number that varies with timing), or
+            // on the draft's own thread (as many as it runs before the next proposal)
+            let ahead = match rng.range(0, 5) {
                 4 => DraftAhead::UntilVerified,
+                5 => DraftAhead::Background,
                 n => DraftAhead::Steps(n),
             };
             let label = format!("target {t} {kv:?}, draft {d}, depth {depth}, {ahead} ahead");
@@ -143,7 +145,8 @@ fn greedy_identity_over_caches_drafts_and_depths() {
 
 /// A prompt longer than a paged block and depths that make every cycle's rollback end at a
 /// different offset within the blocks; drafts from a disagreeing model, on a paged cache of its
-/// own, two of them drafting ahead (its guesses roll back across blocks too).
+/// own, three of them drafting ahead (its guesses roll back across blocks too), one on its own
+/// thread.
 #[test]
 fn paged_rollbacks_across_block_boundaries() {
     let mut rng = Rng(7);
@@ -151,7 +154,7 @@ fn paged_rollbacks_across_block_boundaries() {
         let target = load("qwen3_untied", paged(bs));
         let (prompt, want) = gapped_greedy(&target, &mut rng, 13, 40);
         let ahead_cases = [(2, 0), (3, 0), (5, 0), (3, 2)].map(|(d, a)| (d, DraftAhead::Steps(a)));
-        for (depth, ahead) in ahead_cases.into_iter().chain([(5, DraftAhead::UntilVerified)]) {
+        for (depth, ahead) in ahead_cases.into_iter().chain([(5, DraftAhead::UntilVerified), (5, DraftAhead::Background)]) {
             let (got, stats, _) = speculative(
                 &target,
                 load("qwen3_untied_q8g32", paged(bs)),

@@ -327,11 +327,14 @@ impl mlx_speculative::Drafter for Shared {
     fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
         self.0.lock().unwrap().propose(history, k, s)
     }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&mlx_array::Array>) -> mlx_models::Result<()> {
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
         self.0.lock().unwrap().draft_ahead(history, drafts, steps, until)
     }
     fn runs_ahead(&self) -> bool {
         self.0.lock().unwrap().runs_ahead()
+    }
+    fn settle(&mut self) -> mlx_models::Result<()> {
+        self.0.lock().unwrap().settle()
     }
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.0.lock().unwrap().skipped(history, window)
@@ -518,6 +521,85 @@ fn proposals_after_drafting_ahead_are_a_fresh_drafters() {
     }
 }
 
+/// A draft model on its own thread (`DraftAhead::Background`) drafts there, from each proposal
+/// until the next, and the output is plain greedy decoding's over flat and paged caches, at
+/// several depths, with a self-draft (always accepted) and a disagreeing 8-bit draft. Moving
+/// the drafter there after it drafted on this thread, and back, keeps it working; errors come
+/// back typed.
+#[test]
+fn drafting_in_the_background_changes_no_output() {
+    use mlx_speculative::{Background, Draft, Drafter};
+    use std::sync::{Arc, Mutex};
+    /// A draft model recording the threads it proposed and drafted ahead on.
+    struct Where(DraftModel, Arc<Mutex<Vec<Option<String>>>>);
+    impl Where {
+        fn note(&self) {
+            self.1.lock().unwrap().push(std::thread::current().name().map(str::to_string));
+        }
+    }
+    impl Drafter for Where {
+        fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<Draft> {
+            self.note();
+            self.0.propose(history, k, s)
+        }
+        fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
+            self.note();
+            self.0.draft_ahead(history, drafts, steps, until)
+        }
+        fn runs_ahead(&self) -> bool {
+            self.0.runs_ahead()
+        }
+        fn settle(&mut self) -> mlx_models::Result<()> {
+            self.0.settle()
+        }
+        fn vocab_size(&self) -> usize {
+            self.0.vocab_size()
+        }
+        fn default_depth(&self) -> usize {
+            self.0.default_depth()
+        }
+    }
+    let mut rng = Rng(37);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let target = load("qwen3_untied", kv.clone());
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 12, 30);
+        for draft in ["qwen3_untied", "qwen3_untied_q8g32"] {
+            for depth in [1, 3, 5] {
+                let threads = Arc::new(Mutex::new(Vec::new()));
+                let d = Where(DraftModel::new(load(draft, kv.clone())), threads.clone());
+                // first on this thread, 3 forwards ahead: guesses left pending move with it
+                let label = format!("{kv:?} {draft} depth {depth}");
+                let mut spec = SpeculativeDecoder::new(Box::new(d), Some(depth)).with_draft_ahead(DraftAhead::Steps(3)).unwrap();
+                check_identity(&target, &mut spec, &prompt, &want, &format!("{label}, 3 ahead"));
+                threads.lock().unwrap().clear();
+                let mut spec = spec.with_draft_ahead(DraftAhead::Background).unwrap();
+                let label = format!("{label}, in the background");
+                let st = check_identity(&target, &mut spec, &prompt, &want, &label);
+                if draft == "qwen3_untied" {
+                    assert!(st.acceptance_by_position.iter().all(|&a| a == 1.0), "{label}: a self-draft is always accepted");
+                }
+                let seen = std::mem::take(&mut *threads.lock().unwrap());
+                assert!(seen.len() >= 2 * st.cycles.saturating_sub(1), "{label}: proposals and drafting ahead: {}", seen.len());
+                assert!(seen.iter().all(|t| t.as_deref() == Some("mlx-draft")), "{label}: {seen:?}");
+                // back on this thread, drafting ahead until verified
+                let mut spec = spec.with_draft_ahead(DraftAhead::UntilVerified).unwrap();
+                check_identity(&target, &mut spec, &prompt, &want, &format!("{label}, moved back"));
+                let here = std::thread::current().name().map(str::to_string);
+                let seen = threads.lock().unwrap();
+                assert!(!seen.is_empty() && seen.iter().all(|t| *t == here), "{label}, moved back: {seen:?}");
+            }
+        }
+    }
+    // a proposal's error crosses the thread typed
+    let model = load("qwen3", KvCacheMode::Flat);
+    let vocab = model.info().vocab_size as u32;
+    let mut b = Background::spawn(Box::new(DraftModel::new(model.clone()))).unwrap();
+    let e = b.propose(&[1, vocab + 5], 2, &SamplingConfig::greedy()).err().expect("refused").to_string();
+    assert!(e.contains("outside the draft model's vocabulary"), "{e}");
+    assert_eq!(b.propose(&[1, 2, 3], 2, &SamplingConfig::greedy()).unwrap().tokens.len(), 2);
+    assert!(b.into_inner().is_ok());
+}
+
 /// `draft_ahead` with `until` runs no forward once that array is ready, and every forward
 /// while it is not (a lazy array never evaluated): the next proposal then reuses none of the
 /// guesses, or all of them but the guess of the target's token.
@@ -535,7 +617,7 @@ fn drafting_ahead_stops_once_the_verdict_is_ready() {
     for (until, reused) in [(&ready, 0), (&pending, 3)] {
         let mut a = DraftModel::new(model.clone());
         let drafts = a.propose(&history, 4, &greedy).unwrap().tokens;
-        a.draft_ahead(&history, &drafts, 4, Some(until)).unwrap();
+        a.draft_ahead(&history, &drafts, 4, Some(&|| until.is_available())).unwrap();
         let base: Vec<u32> = history.iter().chain(&drafts).copied().collect();
         let guess = DraftModel::new(model.clone()).propose(&base, 1, &greedy).unwrap().tokens[0];
         let next = [base, vec![guess]].concat();

@@ -1,0 +1,218 @@
+//! A drafter on a thread of its own ([`crate::DraftAhead::Background`]): it drafts ahead from
+//! each proposal while the caller's thread builds and runs the verify forward, so that the two
+//! graphs are built in parallel instead of one after the other.
+//!
+//! MLX gives each thread its own default stream, and a lazy array can only be evaluated on the
+//! thread that made it: only token ids and evaluated arrays cross between the threads. The
+//! drafter's model arrays are computed at load ([`mlx_models::Model::materialize`]); a drafter
+//! that reads the target's states (its cache, hidden states or taps) cannot move, and
+//! [`Background::spawn`] refuses it.
+use crate::drafter::{Draft, Drafter, Feedback};
+use mlx_models::{Cache, ModelError, Result};
+use sampling::SamplingConfig;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Work for the drafter's thread. Jobs with a `reply` are answered in order; the others report
+/// an error at the next answer.
+enum Job {
+    Propose { history: Vec<u32>, k: usize, cfg: SamplingConfig, reply: SyncSender<Result<Draft>> },
+    Ahead { history: Vec<u32>, drafts: Vec<u32>, steps: usize },
+    Feedback { history: Vec<u32>, drafts: Vec<u32>, accepted: usize, next: u32 },
+    Skipped { history: Vec<u32>, window: usize },
+    Reserve(usize),
+    Prefill { history: Vec<u32>, reply: SyncSender<Result<()>> },
+    TargetPositions { reply: SyncSender<usize> },
+}
+
+/// What the drafter says of itself that does not change (asked once, before it moves).
+struct Fixed {
+    vocab: usize,
+    depth: usize,
+    max_depth: Option<usize>,
+    weight_bytes: Option<u64>,
+}
+
+/// A [`Drafter`] that runs ahead ([`Drafter::runs_ahead`]) moved to a thread of its own.
+/// Proposals and the prefill wait for the thread; drafting ahead does not: the thread drafts
+/// from the last proposal until it is next asked for an answer (or `steps` forwards), while the
+/// caller goes on. Output is the drafter's own: the thread only changes when its work runs.
+pub struct Background {
+    jobs: Option<Sender<Job>>,
+    /// Jobs with a reply sent so far: drafting ahead stops before a forward once the thread
+    /// has one waiting.
+    asked: Arc<AtomicUsize>,
+    thread: Option<JoinHandle<Result<Box<dyn Drafter>>>>,
+    fixed: Fixed,
+}
+
+impl Background {
+    /// Move `inner` to a new thread. [`ModelError::UnsupportedOption`] for a drafter that does
+    /// not run ahead or that reads the target's states.
+    pub fn spawn(mut inner: Box<dyn Drafter>) -> Result<Self> {
+        if !inner.runs_ahead() || inner.wants_target_hidden() || !inner.target_taps().is_empty() {
+            return Err(ModelError::UnsupportedOption(
+                "drafting in the background: only a plain draft model runs on a thread of its own; this drafter reads the target's states".into(),
+            ));
+        }
+        inner.settle()?;
+        let fixed = Fixed {
+            vocab: inner.vocab_size(),
+            depth: inner.default_depth(),
+            max_depth: inner.max_depth(),
+            weight_bytes: inner.weight_bytes(),
+        };
+        let (tx, rx) = channel();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let seen = asked.clone();
+        let thread = std::thread::Builder::new()
+            .name("mlx-draft".into())
+            .spawn(move || serve(inner, rx, seen))
+            .map_err(|e| ModelError::Worker(format!("cannot start the draft thread: {e}")))?;
+        Ok(Background { jobs: Some(tx), asked, thread: Some(thread), fixed })
+    }
+
+    /// Stop the thread and take the drafter back, settled ([`Drafter::settle`]) in the state
+    /// its last job left it.
+    pub fn into_inner(mut self) -> Result<Box<dyn Drafter>> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<Box<dyn Drafter>> {
+        // drafting ahead stops at its next forward; the thread ends once the queue is empty
+        self.asked.fetch_add(1, Ordering::AcqRel);
+        self.jobs = None;
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(ModelError::Worker("the draft thread panicked".into())),
+            None => Err(ModelError::Worker("the draft thread was already stopped".into())),
+        }
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        self.jobs
+            .as_ref()
+            .and_then(|j| j.send(job).ok())
+            .ok_or_else(|| ModelError::Worker("the draft thread stopped (it panicked)".into()))
+    }
+
+    /// Send a job with a reply and wait for it.
+    fn ask<T>(&self, job: impl FnOnce(SyncSender<T>) -> Job) -> Result<T> {
+        let (tx, rx) = sync_channel(1);
+        self.asked.fetch_add(1, Ordering::AcqRel);
+        self.send(job(tx))?;
+        rx.recv().map_err(|_| ModelError::Worker("the draft thread stopped (it panicked)".into()))
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        // nothing to report to: a drafter that failed to settle is dropped all the same
+        let _ = self.stop();
+    }
+}
+
+/// The drafter's thread: jobs in order until the sender is gone; returns the drafter, settled.
+fn serve(mut inner: Box<dyn Drafter>, jobs: Receiver<Job>, asked: Arc<AtomicUsize>) -> Result<Box<dyn Drafter>> {
+    let mut seen = 0;
+    // an error of a job without a reply, for the next answer
+    let mut deferred: Option<ModelError> = None;
+    while let Ok(job) = jobs.recv() {
+        match job {
+            Job::Propose { history, k, cfg, reply } => {
+                seen += 1;
+                let r = match deferred.take() {
+                    Some(e) => Err(e),
+                    None => inner.propose(&history, k, &cfg),
+                };
+                let _ = reply.send(r);
+            }
+            Job::Prefill { history, reply } => {
+                seen += 1;
+                let r = match deferred.take() {
+                    Some(e) => Err(e),
+                    None => inner.prefill(&history),
+                };
+                let _ = reply.send(r);
+            }
+            Job::TargetPositions { reply } => {
+                seen += 1;
+                let _ = reply.send(inner.target_positions_run());
+            }
+            Job::Ahead { history, drafts, steps } => {
+                let stop = || asked.load(Ordering::Acquire) > seen;
+                if let Err(e) = inner.draft_ahead(&history, &drafts, steps, Some(&stop)) {
+                    deferred.get_or_insert(e);
+                }
+            }
+            Job::Feedback { history, drafts, accepted, next } => {
+                let f = Feedback { history: &history, drafts: &drafts, accepted, next, hidden: None, taps: &[] };
+                if let Err(e) = inner.feedback(&f) {
+                    deferred.get_or_insert(e);
+                }
+            }
+            Job::Skipped { history, window } => inner.skipped(&history, window),
+            Job::Reserve(n) => inner.reserve(n),
+        }
+    }
+    if let Some(e) = deferred {
+        return Err(e);
+    }
+    inner.settle()?;
+    Ok(inner)
+}
+
+impl Drafter for Background {
+    fn propose(&mut self, history: &[u32], k: usize, sampling: &SamplingConfig) -> Result<Draft> {
+        self.ask(|reply| Job::Propose { history: history.to_vec(), k, cfg: sampling.clone(), reply })?
+    }
+    /// The target's cache stays on the caller's thread: [`Drafter::propose`] (a drafter that
+    /// reads it cannot be moved here).
+    fn propose_on(&mut self, history: &[u32], k: usize, sampling: &SamplingConfig, _target_cache: &mut Cache) -> Result<Draft> {
+        self.propose(history, k, sampling)
+    }
+    fn target_positions_run(&self) -> usize {
+        // a counter: a thread that stopped has run nothing more (its error comes with the
+        // next proposal)
+        self.ask(|reply| Job::TargetPositions { reply }).unwrap_or(0)
+    }
+    /// Queued for the thread, which drafts until it is next asked for an answer or `steps`
+    /// forwards have run; returns at once (`until` is the thread's own: its next question).
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, _until: Option<&dyn Fn() -> bool>) -> Result<()> {
+        self.send(Job::Ahead { history: history.to_vec(), drafts: drafts.to_vec(), steps })
+    }
+    fn runs_ahead(&self) -> bool {
+        true
+    }
+    /// The drafter stays on its thread: nothing of it is lazy on this one.
+    fn settle(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn skipped(&mut self, history: &[u32], window: usize) {
+        // a thread that stopped reports it at the next answer
+        let _ = self.send(Job::Skipped { history: history.to_vec(), window });
+    }
+    fn reserve(&mut self, positions: usize) {
+        let _ = self.send(Job::Reserve(positions));
+    }
+    fn prefill(&mut self, history: &[u32]) -> Result<()> {
+        self.ask(|reply| Job::Prefill { history: history.to_vec(), reply })?
+    }
+    fn feedback(&mut self, f: &Feedback<'_>) -> Result<()> {
+        self.send(Job::Feedback { history: f.history.to_vec(), drafts: f.drafts.to_vec(), accepted: f.accepted, next: f.next })
+    }
+    fn weight_bytes(&self) -> Option<u64> {
+        self.fixed.weight_bytes
+    }
+    fn vocab_size(&self) -> usize {
+        self.fixed.vocab
+    }
+    fn default_depth(&self) -> usize {
+        self.fixed.depth
+    }
+    fn max_depth(&self) -> Option<usize> {
+        self.fixed.max_depth
+    }
+}
