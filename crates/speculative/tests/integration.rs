@@ -202,22 +202,27 @@ fn adaptive_depth_turns_a_useless_draft_off() {
 
 /// With a catch-up window, a draft model that skipped more than the window in a plain stretch
 /// starts over from the window: adaptive depth with a useless draft (probes after stretches of
-/// 16 cycles and more) keeps plain decoding's tokens, and the draft restarts.
+/// 16 cycles and more) keeps plain decoding's tokens, and the draft restarts, on the decoder's
+/// thread and on its own.
 #[test]
 fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
     use std::sync::{Arc, Mutex};
     let target = load("qwen3", KvCacheMode::Flat);
     let mut rng = Rng(8);
     let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 48);
-    let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
-    let mut spec = SpeculativeDecoder::adaptive(Box::new(Shared(d.clone())), Some(6)).with_catch_up_window(Some(4));
-    let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
-    assert_eq!(got, want);
-    assert!(st.depth_mean < 1.0, "{st:?}");
-    assert!(d.lock().unwrap().restarts() > 0, "{st:?}");
-    // a second generation with the same decoder starts from the whole prompt again
-    let (got, _, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
-    assert_eq!(got, want);
+    // on this thread, and on the draft's own (skipped stretches and proposals cross to it)
+    for ahead in [DraftAhead::Steps(0), DraftAhead::Background] {
+        let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
+        let spec = SpeculativeDecoder::adaptive(Box::new(Shared(d.clone())), Some(6)).with_catch_up_window(Some(4));
+        let mut spec = spec.with_draft_ahead(ahead).unwrap();
+        let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
+        assert_eq!(got, want, "{ahead}");
+        assert!(st.depth_mean < 1.0, "{ahead}: {st:?}");
+        assert!(d.lock().unwrap().restarts() > 0, "{ahead}: {st:?}");
+        // a second generation with the same decoder starts from the whole prompt again
+        let (got, _, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
+        assert_eq!(got, want, "{ahead}");
+    }
 }
 
 /// [`Drafter::skipped`]: a draft model lacking at most the window catches up; lacking more, its
@@ -590,6 +595,22 @@ fn drafting_in_the_background_changes_no_output() {
             }
         }
     }
+    // sampling at temperature > 0 on the draft's thread draws what it draws on this one (the
+    // draft's key moves with it; the draft distributions cross evaluated): seeded runs agree
+    let target = load("qwen3_untied", KvCacheMode::Flat);
+    let (prompt, _) = gapped_greedy(&target, &mut rng, 12, 4);
+    let sampled = SamplingConfig { temperature: 1.0, top_k: 6, seed: Some(13), ..SamplingConfig::greedy() };
+    let runs: Vec<_> = [DraftAhead::Steps(0), DraftAhead::Background]
+        .into_iter()
+        .map(|ahead| {
+            let d = DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat));
+            let mut spec = SpeculativeDecoder::new(Box::new(d), Some(3)).with_draft_ahead(ahead).unwrap();
+            let (got, st, _) = run_spec(&target, &mut spec, &prompt, gen_cfg(30, sampled.clone()));
+            assert!(st.cycles > 0 && st.accepted_mean > 0.0, "{ahead}: {st:?}");
+            got
+        })
+        .collect();
+    assert_eq!(runs[0], runs[1], "sampled on this thread and on the draft's");
     // a proposal's error crosses the thread typed
     let model = load("qwen3", KvCacheMode::Flat);
     let vocab = model.info().vocab_size as u32;
