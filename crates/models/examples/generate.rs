@@ -111,7 +111,7 @@ struct Cli {
     /// (`SpeculativeDecoder::with_draft_ahead`): a number, `until-verified` (until the
     /// verify's result is ready, at most the depth + 1) or `background` (the draft model on a
     /// thread of its own, drafting from each proposal until the next, at most the depth + 1,
-    /// while this thread builds the verify forward); default: until-verified on a GPU, 0 on the
+    /// while this thread builds the verify forward); default: background on a GPU, 0 on the
     /// CPU.
     /// Anything but 0 is refused for other draft kinds and at temperature > 0, where nothing
     /// runs ahead.

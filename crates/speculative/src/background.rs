@@ -12,7 +12,7 @@ use mlx_models::{Cache, ModelError, Result};
 use sampling::SamplingConfig;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 /// Work for the drafter's thread. Jobs with a `reply` are answered in order; the others report
@@ -51,13 +51,23 @@ pub struct Background {
 impl Background {
     /// Move `inner` to a new thread. [`ModelError::UnsupportedOption`] for a drafter that does
     /// not run ahead or that reads the target's states.
-    pub fn spawn(mut inner: Box<dyn Drafter>) -> Result<Self> {
+    pub fn spawn(inner: Box<dyn Drafter>) -> Result<Self> {
+        Self::try_spawn(inner).map_err(|(e, _)| e)
+    }
+
+    /// [`Background::spawn`], handing the drafter back with the error.
+    pub(crate) fn try_spawn(mut inner: Box<dyn Drafter>) -> std::result::Result<Self, (ModelError, Box<dyn Drafter>)> {
         if !inner.runs_ahead() || inner.wants_target_hidden() || !inner.target_taps().is_empty() {
-            return Err(ModelError::UnsupportedOption(
-                "drafting in the background: only a plain draft model runs on a thread of its own; this drafter reads the target's states".into(),
+            return Err((
+                ModelError::UnsupportedOption(
+                    "drafting in the background: only a plain draft model runs on a thread of its own; this drafter reads the target's states".into(),
+                ),
+                inner,
             ));
         }
-        inner.settle()?;
+        if let Err(e) = inner.settle() {
+            return Err((e, inner));
+        }
         let fixed = Fixed {
             vocab: inner.vocab_size(),
             depth: inner.default_depth(),
@@ -67,11 +77,25 @@ impl Background {
         let (tx, rx) = channel();
         let asked = Arc::new(AtomicUsize::new(0));
         let seen = asked.clone();
-        let thread = std::thread::Builder::new()
-            .name("mlx-draft".into())
-            .spawn(move || serve(inner, rx, seen))
-            .map_err(|e| ModelError::Worker(format!("cannot start the draft thread: {e}")))?;
-        Ok(Background { jobs: Some(tx), asked, thread: Some(thread), fixed })
+        // handed over through a slot, so that a thread that cannot start gives it back
+        let slot = Arc::new(Mutex::new(Some(inner)));
+        let handed = slot.clone();
+        let started = std::thread::Builder::new().name("mlx-draft".into()).spawn(move || {
+            match handed.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                Some(inner) => serve(inner, rx, seen),
+                None => Err(ModelError::Worker("the draft thread found no drafter".into())),
+            }
+        });
+        match started {
+            Ok(thread) => Ok(Background { jobs: Some(tx), asked, thread: Some(thread), fixed }),
+            Err(e) => {
+                let e = ModelError::Worker(format!("cannot start the draft thread: {e}"));
+                match slot.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                    Some(inner) => Err((e, inner)),
+                    None => Err((e, Box::new(Lost))),
+                }
+            }
+        }
     }
 
     /// Stop the thread and take the drafter back, settled ([`Drafter::settle`]) in the state
@@ -214,5 +238,24 @@ impl Drafter for Background {
     }
     fn max_depth(&self) -> Option<usize> {
         self.fixed.max_depth
+    }
+}
+
+/// What is left of a drafter whose thread panicked: every proposal is a
+/// [`ModelError::Worker`] error.
+pub(crate) struct Lost;
+
+impl Drafter for Lost {
+    fn propose(&mut self, _history: &[u32], _k: usize, _sampling: &SamplingConfig) -> Result<Draft> {
+        Err(ModelError::Worker("the drafter was lost: its thread panicked".into()))
+    }
+    fn prefill(&mut self, _history: &[u32]) -> Result<()> {
+        Err(ModelError::Worker("the drafter was lost: its thread panicked".into()))
+    }
+    fn vocab_size(&self) -> usize {
+        0
+    }
+    fn default_depth(&self) -> usize {
+        1
     }
 }

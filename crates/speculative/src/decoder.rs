@@ -194,14 +194,32 @@ impl SpeculativeDecoder {
                 "drafting ahead ({ahead}): only a plain draft model runs ahead; this drafter reads the target's states"
             )));
         }
-        // the drafter moves to its thread, or back
-        self.drafter = match (std::mem::replace(&mut self.drafter, Slot::Moving), ahead == DraftAhead::Background) {
-            (Slot::Here(d), true) => Slot::Thread(crate::Background::spawn(d)?),
-            (Slot::Thread(b), false) => Slot::Here(b.into_inner()?),
-            (slot, _) => slot,
-        };
         self.ahead = ahead;
+        self.place()?;
         Ok(self)
+    }
+
+    /// Move the drafter to its own thread for [`DraftAhead::Background`], or back for the
+    /// others (done at once by [`SpeculativeDecoder::with_draft_ahead`], at the first prefill
+    /// or cycle for the default).
+    fn place(&mut self) -> Result<()> {
+        let want = self.ahead == DraftAhead::Background;
+        if matches!(self.drafter, Slot::Thread(_)) == want {
+            return Ok(());
+        }
+        // a drafter lost on the way (its thread panicked) leaves one that reports it
+        let lost: Box<dyn Drafter> = Box::new(crate::background::Lost);
+        self.drafter = match std::mem::replace(&mut self.drafter, Slot::Here(lost)) {
+            Slot::Here(d) => match crate::Background::try_spawn(d) {
+                Ok(b) => Slot::Thread(b),
+                Err((e, d)) => {
+                    self.drafter = Slot::Here(d);
+                    return Err(e);
+                }
+            },
+            Slot::Thread(b) => Slot::Here(b.into_inner()?),
+        };
+        Ok(())
     }
 
     /// [`SpeculativeDecoder::with_catch_up_window`]'s default: tokens of context a draft model
@@ -220,12 +238,13 @@ impl SpeculativeDecoder {
     }
 
     /// [`SpeculativeDecoder::with_draft_ahead`]'s default for a drafter that runs ahead
-    /// ([`Drafter::runs_ahead`]; none for others): until the verify's result is ready on a GPU
-    /// (measured on CUDA against 2 and 8 forwards, BENCHMARKS.md), none on the CPU, where the
-    /// verify forward occupies the cores the drafts would run on.
+    /// ([`Drafter::runs_ahead`]; none for others): on a GPU the drafter on a thread of its own
+    /// (measured on CUDA against drafting until verified, whose cycles took a third longer,
+    /// BENCHMARKS.md), none on the CPU, where the verify forward occupies the cores the drafts
+    /// would run on.
     pub fn default_draft_ahead() -> DraftAhead {
         if mlx_array::default_device().is_ok_and(|d| d == mlx_array::Device::Gpu) {
-            DraftAhead::UntilVerified
+            DraftAhead::Background
         } else {
             DraftAhead::Steps(0)
         }
@@ -360,6 +379,7 @@ impl Speculator for SpeculativeDecoder {
     }
 
     fn prefill(&mut self, model: &Model, history: &[u32]) -> Result<()> {
+        self.place()?;
         // a drafter adaptive depth leaves out never drafts: nothing to run the prompt for
         if self.leaves_out(model) {
             return Ok(());
@@ -385,6 +405,7 @@ impl Speculator for SpeculativeDecoder {
                 "a speculative cycle must produce at least one token".into(),
             ));
         }
+        self.place()?;
         let cfg = sampler.config().clone();
         let vocab = model.info().vocab_size;
         if !cfg.is_greedy() && self.drafter.vocab_size() != vocab {
@@ -551,9 +572,6 @@ impl Speculator for SpeculativeDecoder {
 enum Slot {
     Here(Box<dyn Drafter>),
     Thread(crate::Background),
-    /// Only while [`SpeculativeDecoder::with_draft_ahead`] moves it (a failed move drops the
-    /// decoder with it).
-    Moving,
 }
 
 impl std::ops::Deref for Slot {
@@ -563,7 +581,6 @@ impl std::ops::Deref for Slot {
         match self {
             Slot::Here(d) => d.as_ref(),
             Slot::Thread(b) => b,
-            Slot::Moving => unreachable!("the drafter is only moving inside with_draft_ahead"),
         }
     }
 }
@@ -573,7 +590,6 @@ impl std::ops::DerefMut for Slot {
         match self {
             Slot::Here(d) => d.as_mut(),
             Slot::Thread(b) => b,
-            Slot::Moving => unreachable!("the drafter is only moving inside with_draft_ahead"),
         }
     }
 }

@@ -12,9 +12,10 @@
 //! [`load_drafter_for`] reads the kind from the draft's config.json.
 //!
 //! At temperature 0 a draft model also drafts ahead while the target verifies
-//! ([`SpeculativeDecoder::with_draft_ahead`], on a GPU by default until the verify's result is
-//! ready, [`DraftAhead::UntilVerified`]): the host, otherwise idle during the verify forward,
-//! runs the next cycle's first draft forwards on the guess that every draft is accepted.
+//! ([`SpeculativeDecoder::with_draft_ahead`]; on a GPU by default on a thread of its own,
+//! [`DraftAhead::Background`], which builds its graphs while this thread builds and runs the
+//! verify forward): the next cycle's first draft forwards run on the guess that every draft is
+//! accepted.
 //!
 //! Rollback works with every cache: flat and paged K/V are trimmed; rotating (sliding-window)
 //! K/V and recurrent state (GatedDeltaNet, LFM2's short conv) return to a snapshot taken before

@@ -619,6 +619,29 @@ fn drafting_in_the_background_changes_no_output() {
     assert!(e.contains("outside the draft model's vocabulary"), "{e}");
     assert_eq!(b.propose(&[1, 2, 3], 2, &SamplingConfig::greedy()).unwrap().tokens.len(), 2);
     assert!(b.into_inner().is_ok());
+    // a drafter that panics on its thread: typed errors, no panic here, and no hang at drop
+    struct Panics;
+    impl Drafter for Panics {
+        fn propose(&mut self, _: &[u32], _: usize, _: &SamplingConfig) -> mlx_models::Result<Draft> {
+            panic!("a drafter's bug")
+        }
+        fn runs_ahead(&self) -> bool {
+            true
+        }
+        fn vocab_size(&self) -> usize {
+            8
+        }
+        fn default_depth(&self) -> usize {
+            2
+        }
+    }
+    let mut b = Background::spawn(Box::new(Panics)).unwrap();
+    let e = b.propose(&[1, 2], 2, &SamplingConfig::greedy()).err().expect("no answer").to_string();
+    assert!(e.contains("worker thread"), "{e}");
+    assert!(b.propose(&[1, 2], 2, &SamplingConfig::greedy()).is_err());
+    assert!(b.into_inner().err().expect("lost").to_string().contains("panicked"));
+    let spec = SpeculativeDecoder::new(Box::new(Panics), Some(2)).with_draft_ahead(DraftAhead::Background).unwrap();
+    drop(spec);
 }
 
 /// `draft_ahead` with `until` runs no forward once that array is ready, and every forward
