@@ -593,3 +593,38 @@ impl std::ops::DerefMut for Slot {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DraftModel;
+    use mlx_models::{load_model, GenerateConfig, LoadOptions};
+
+    fn tiny(name: &str) -> Model {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny").join(name);
+        load_model(dir, &LoadOptions::default()).unwrap().into_lm().unwrap()
+    }
+
+    /// A decoder whose default is the draft's own thread (as on a GPU) moves the drafter there at
+    /// its first prefill, not at construction, and decodes what the drafter on this thread does
+    /// (the same verify steps: equal whatever the logits' near-ties).
+    #[test]
+    fn the_default_thread_is_taken_at_the_first_prefill() {
+        let target = tiny("qwen3");
+        let prompt = [5u32, 17, 230, 99, 4, 61, 8];
+        let cfg = || GenerateConfig { max_new_tokens: 12, sampling: sampling::SamplingConfig::greedy(), ..Default::default() };
+        let run = |spec: &mut SpeculativeDecoder| -> Vec<u32> {
+            let mut cache = target.new_cache();
+            let gen = mlx_models::generate(&target, &mut cache, &prompt, cfg()).unwrap().with_speculator(spec);
+            gen.map(|t| t.unwrap().id).collect()
+        };
+        let mut here = SpeculativeDecoder::new(Box::new(DraftModel::new(tiny("qwen3"))), Some(3)).with_draft_ahead(DraftAhead::Steps(0)).unwrap();
+        let want = run(&mut here);
+        assert_eq!(want.len(), 12);
+        let mut spec = SpeculativeDecoder::new(Box::new(DraftModel::new(tiny("qwen3"))), Some(3));
+        spec.ahead = DraftAhead::Background;
+        assert!(matches!(spec.drafter, Slot::Here(_)), "not moved at construction");
+        assert_eq!(run(&mut spec), want);
+        assert!(matches!(spec.drafter, Slot::Thread(_)), "moved at the first prefill");
+    }
+}
