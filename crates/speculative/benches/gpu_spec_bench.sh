@@ -129,13 +129,15 @@ run() { env ${VARS:-} "$G/${BIN:-generate}" --model "$P/target" --prompt-ids "$I
   [ -z "${ADAPTIVE:-}" ] || echo "adaptive$ADAPTIVE $(run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
   [ -z "${USELESS:-}" ] || echo "useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"
   echo "plain2 $(run)"
-  # ROUNDS=N: N - 1 more rounds of the useless draft (or K = the largest) against plain decoding,
-  # fresh processes each, interleaved (the spread between processes)
+  # ROUNDS=N: N - 1 more rounds of the useless draft (or K = the largest, once per AHEAD value)
+  # against plain decoding, fresh processes each, interleaved (the spread between processes)
   for r in $(seq 2 "${ROUNDS:-1}"); do
     if [ -n "${USELESS:-}" ]; then
       echo "round$r useless-adaptive$USELESS $(run --draft-model "$P/useless" --draft-tokens "$USELESS" --draft-depth adaptive)"
     else
-      echo "round$r draft${KS[-1]} $(run --draft-model "$P/draft" --draft-tokens "${KS[-1]}")"
+      k=${KS[-1]}
+      for a in $(echo "${AHEAD:-}" | tr , " "); do echo "round$r draft$k-ahead$a $(run --draft-model "$P/draft" --draft-tokens "$k" --draft-ahead "$a")"; done
+      [ -n "${AHEAD:-}" ] || echo "round$r draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
     fi
     echo "round$r plain $(run)"
   done
