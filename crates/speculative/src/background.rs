@@ -147,19 +147,11 @@ fn serve(mut inner: Box<dyn Drafter>, jobs: Receiver<Job>, asked: Arc<AtomicUsiz
         match job {
             Job::Propose { history, k, cfg, reply } => {
                 seen += 1;
-                let r = match deferred.take() {
-                    Some(e) => Err(e),
-                    None => inner.propose(&history, k, &cfg),
-                };
-                let _ = reply.send(r);
+                let _ = reply.send(or_deferred(&mut deferred, || inner.propose(&history, k, &cfg)));
             }
             Job::Prefill { history, reply } => {
                 seen += 1;
-                let r = match deferred.take() {
-                    Some(e) => Err(e),
-                    None => inner.prefill(&history),
-                };
-                let _ = reply.send(r);
+                let _ = reply.send(or_deferred(&mut deferred, || inner.prefill(&history)));
             }
             Job::TargetPositions { reply } => {
                 seen += 1;
@@ -186,6 +178,14 @@ fn serve(mut inner: Box<dyn Drafter>, jobs: Receiver<Job>, asked: Arc<AtomicUsiz
     }
     inner.settle()?;
     Ok(inner)
+}
+
+/// The error a job without a reply left for the next answer, else `job`'s answer.
+fn or_deferred<T>(deferred: &mut Option<ModelError>, job: impl FnOnce() -> Result<T>) -> Result<T> {
+    match deferred.take() {
+        Some(e) => Err(e),
+        None => job(),
+    }
 }
 
 impl Drafter for Background {

@@ -450,7 +450,9 @@ impl Speculator for SpeculativeDecoder {
             self.counters.record(0, 0);
             return self.plain_step(model, cache, history, sampler);
         }
-        if self.ahead == DraftAhead::Background && cfg.is_greedy() && !reads_history(&cfg) && drafts.len() == k {
+        // drafting ahead guesses greedy drafts without penalties, from a whole proposal
+        let may_draft_ahead = cfg.is_greedy() && !reads_history(&cfg) && drafts.len() == k;
+        if self.ahead == DraftAhead::Background && may_draft_ahead {
             // the thread drafts while this one builds the verify forward
             self.drafter.draft_ahead(history, drafts, k + 1, None)?;
         }
@@ -487,7 +489,7 @@ impl Speculator for SpeculativeDecoder {
                 // already drafting, on its thread
                 DraftAhead::Background => (0, None),
             };
-            if steps > 0 && !reads_history(&cfg) && drafts.len() == k {
+            if steps > 0 && may_draft_ahead {
                 mlx_array::async_eval(&[&best, &picked])?;
                 self.drafter.draft_ahead(history, drafts, steps, until)?;
             }
