@@ -129,6 +129,12 @@ pub trait Speculator: Send {
     /// A plain stretch of `n` tokens that took `secs` has ended: the cache holds `history` but its
     /// newest token, as after a cycle.
     fn resume(&mut self, _history: &[u32], _n: usize, _secs: f64) {}
+    /// A token of a plain stretch was produced (`history` ends with it) and `left` more are to
+    /// come before [`Speculator::resume`] (asked for all but the stretch's last token; the cache
+    /// holds `history` but its newest token, or all of it). Default: nothing.
+    fn plain_progress(&mut self, _history: &[u32], _left: usize) -> Result<()> {
+        Ok(())
+    }
     /// The history may reach `positions` tokens in this generation (asked after
     /// [`Speculator::start`], with what the target's flat cache was sized for): a speculator
     /// with flat K/V storage of its own sizes it likewise ([`Cache::reserve`]) when it next runs.
@@ -443,6 +449,8 @@ impl<'a> Generator<'a> {
             if spec.plain_left == 0 {
                 let secs = spec.plain_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
                 spec.speculator.resume(&self.history, spec.plain_len, secs);
+            } else {
+                spec.speculator.plain_progress(&self.history, spec.plain_left)?;
             }
         }
         // Queue the next step before handing this token out (pipelining); a stop token is fed

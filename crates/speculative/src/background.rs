@@ -22,6 +22,7 @@ enum Job {
     Ahead { history: Vec<u32>, drafts: Vec<u32>, steps: usize },
     Feedback { history: Vec<u32>, drafts: Vec<u32>, accepted: usize, next: u32 },
     Skipped { history: Vec<u32>, window: usize },
+    CatchUp { history: Vec<u32>, window: usize },
     Reserve(usize),
     Prefill { history: Vec<u32>, reply: SyncSender<Result<()>> },
     TargetPositions { reply: SyncSender<usize> },
@@ -36,7 +37,7 @@ struct Fixed {
 }
 
 /// A [`Drafter`] that runs ahead ([`Drafter::runs_ahead`]) moved to a thread of its own.
-/// Proposals and the prefill wait for the thread; drafting ahead does not: the thread drafts
+/// Proposals and the prefill wait for the thread; drafting ahead and catching up do not: the thread drafts
 /// from the last proposal until it is next asked for an answer (or `steps` forwards), while the
 /// caller goes on. Output is the drafter's own: the thread only changes when its work runs.
 pub struct Background {
@@ -170,6 +171,11 @@ fn serve(mut inner: Box<dyn Drafter>, jobs: Receiver<Job>, asked: Arc<AtomicUsiz
                 }
             }
             Job::Skipped { history, window } => inner.skipped(&history, window),
+            Job::CatchUp { history, window } => {
+                if let Err(e) = inner.catch_up(&history, window) {
+                    deferred.get_or_insert(e);
+                }
+            }
             Job::Reserve(n) => inner.reserve(n),
         }
     }
@@ -217,6 +223,10 @@ impl Drafter for Background {
     fn skipped(&mut self, history: &[u32], window: usize) {
         // a thread that stopped reports it at the next answer
         let _ = self.send(Job::Skipped { history: history.to_vec(), window });
+    }
+    /// Queued for the thread: its forwards run beside the target's plain steps.
+    fn catch_up(&mut self, history: &[u32], window: usize) -> Result<()> {
+        self.send(Job::CatchUp { history: history.to_vec(), window })
     }
     fn reserve(&mut self, positions: usize) {
         let _ = self.send(Job::Reserve(positions));

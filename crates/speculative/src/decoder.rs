@@ -225,6 +225,9 @@ impl SpeculativeDecoder {
     /// [`SpeculativeDecoder::with_catch_up_window`]'s default: tokens of context a draft model
     /// keeps across a plain stretch of adaptive depth.
     pub const CATCH_UP_WINDOW: usize = 64;
+    /// Tokens of a plain stretch between two catch-ups of a drafter on its own thread
+    /// ([`Speculator::plain_progress`]): the most a probe after a stretch catches up over then.
+    pub const CATCH_UP_EVERY: usize = 8;
 
     /// After a plain stretch of adaptive depth, a drafter lacking more than `window` tokens
     /// starts over from the last `window` of the history instead of catching up over the whole
@@ -549,6 +552,27 @@ impl Speculator for SpeculativeDecoder {
             return usize::MAX;
         }
         self.policy.as_ref().map_or(0, crate::Adaptive::plain_run)
+    }
+
+    /// With the drafter on its own thread, every [`SpeculativeDecoder::CATCH_UP_EVERY`] tokens
+    /// (at most half the window) of the stretch's last catch-up window (all of the stretch
+    /// without one) are run into its context
+    /// beside the target's steps ([`Drafter::catch_up`]): the probe after the stretch then has
+    /// at most that many left to catch up over, not the window.
+    fn plain_progress(&mut self, history: &[u32], left: usize) -> Result<()> {
+        // every CATCH_UP_EVERY tokens, more often in a shorter window
+        let every = self.catch_up_window.map_or(Self::CATCH_UP_EVERY, |w| Self::CATCH_UP_EVERY.min(w / 2).max(1));
+        if !matches!(self.drafter, Slot::Thread(_)) || left % every != 0 {
+            return Ok(());
+        }
+        // the part of the window the stretch has produced (a context starts over where the
+        // stretch's end would start it)
+        let window = match self.catch_up_window {
+            Some(w) if left >= w => return Ok(()),
+            Some(w) => w - left,
+            None => usize::MAX,
+        };
+        self.drafter.catch_up(history, window)
     }
 
     fn resume(&mut self, history: &[u32], n: usize, secs: f64) {

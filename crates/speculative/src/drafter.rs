@@ -103,6 +103,17 @@ pub trait Drafter: Send {
     /// output exact whatever the drafts). Default: nothing (drafters that read the target's
     /// states do not catch up).
     fn skipped(&mut self, _history: &[u32], _window: usize) {}
+    /// A plain stretch is under way and `history` holds its tokens so far: a drafter that
+    /// catches up over skipped tokens runs all but the newest now (queued), as its next
+    /// proposal would, so that the probe after the stretch has little left to catch up over.
+    /// `window` is as in [`Drafter::skipped`], counted in tokens of the history so far: the
+    /// decoder passes the part of its window the stretch has produced, so that a context
+    /// starts over where the stretch's end would start it. Only worth it where the forwards
+    /// run beside the target's steps ([`crate::Background`]); the decoder asks nothing else.
+    /// Default: nothing.
+    fn catch_up(&mut self, _history: &[u32], _window: usize) -> Result<()> {
+        Ok(())
+    }
     /// The history may reach `positions` tokens in this generation
     /// ([`mlx_models::Speculator::reserve`]): a drafter with flat K/V storage of its own sizes
     /// it for them ([`Cache::reserve`]) when it next runs, so that it does not regrow while
@@ -303,6 +314,8 @@ pub struct DraftModel {
     restarts: usize,
     /// Positions to size the cache's flat storage for ([`Drafter::reserve`]).
     reserve: usize,
+    /// Tokens run by [`Drafter::catch_up`], over its life.
+    caught_up: usize,
 }
 
 /// Greedy guesses drawn by [`Drafter::draft_ahead`], not yet read on the host.
@@ -337,6 +350,7 @@ impl DraftModel {
             restart: None,
             restarts: 0,
             reserve: 0,
+            caught_up: 0,
         }
     }
 
@@ -355,6 +369,11 @@ impl DraftModel {
     /// ([`Drafter::skipped`]), over this drafter's life.
     pub fn restarts(&self) -> usize {
         self.restarts
+    }
+
+    /// Tokens run during plain stretches ([`Drafter::catch_up`]), over this drafter's life.
+    pub fn caught_up(&self) -> usize {
+        self.caught_up
     }
 
     /// A typed error for a token outside the draft's vocabulary.
@@ -576,6 +595,21 @@ impl Drafter for DraftModel {
         let held = self.tracked.tokens.iter().zip(ctx).take_while(|(a, b)| a == b).count();
         let lacking = ctx.len() - held;
         self.restart = (held > 0 && lacking > window).then(|| history.len() - window);
+    }
+
+    fn catch_up(&mut self, history: &[u32], window: usize) -> Result<()> {
+        let Some((_, before)) = history.split_last() else { return Ok(()) };
+        self.check_vocab(history)?;
+        self.resolve_ahead()?;
+        // a window too short to be fed from: its start would be taken as a context of nothing
+        // (a new history) at the next proposal
+        if window <= 1 {
+            return Ok(());
+        }
+        self.skipped(before, window - 1);
+        let rest = self.hold_prefix(before)?;
+        self.caught_up += rest.len();
+        self.feed(&rest)
     }
 
     fn reserve(&mut self, positions: usize) {

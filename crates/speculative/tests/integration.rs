@@ -219,6 +219,9 @@ fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
         assert_eq!(got, want, "{ahead}");
         assert!(st.depth_mean < 1.0, "{ahead}: {st:?}");
         assert!(d.lock().unwrap().restarts() > 0, "{ahead}: {st:?}");
+        // on its own thread the draft runs the stretches' last tokens beside the target's steps
+        let caught_up = d.lock().unwrap().caught_up();
+        assert_eq!(caught_up > 0, ahead == DraftAhead::Background, "{ahead}: {caught_up} tokens caught up in stretches");
         // a second generation with the same decoder starts from the whole prompt again
         let (got, _, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
         assert_eq!(got, want, "{ahead}");
@@ -263,6 +266,56 @@ fn a_draft_model_skipping_a_stretch_restarts_from_the_window() {
         let other = toks(60);
         assert_eq!(a.propose(&other, 3, &greedy).unwrap().tokens, fresh(&other), "{kv:?}");
         assert_eq!(a.restarts(), 1, "{kv:?}");
+    }
+}
+
+/// [`Drafter::catch_up`] during a plain stretch (as the decoder asks it of a drafter on its own
+/// thread: every few tokens of the window's part the stretch has produced) leaves the probe
+/// after the stretch drafting what catching up at the probe does: the same tokens and draft
+/// probabilities, and a context started over at the same place, with only the tokens since
+/// the last catch-up left to run. Flat and paged draft caches; stretches within the window and
+/// longer; a window of 1 token runs nothing.
+#[test]
+fn catching_up_during_a_stretch_drafts_what_the_probe_would() {
+    use mlx_speculative::Drafter;
+    let sampling = SamplingConfig { temperature: 1.0, seed: Some(4), ..SamplingConfig::greedy() };
+    let mut rng = Rng(38);
+    for kv in [KvCacheMode::Flat, paged(4)] {
+        let model = load("qwen3", kv.clone());
+        let vocab = model.info().vocab_size;
+        let (mut during, mut after) = (DraftModel::new(model.clone()), DraftModel::new(model.clone()));
+        let mut history = rng.tokens(20, vocab);
+        for d in [&mut during, &mut after] {
+            d.propose(&history, 3, &sampling).unwrap();
+        }
+        let (window, every) = (12, 4);
+        for (stretch, restarts) in [(10, 0), (30, 1), (7, 1)] {
+            let label = format!("{kv:?}, a stretch of {stretch}");
+            let base = history.len();
+            history.extend(rng.tokens(stretch, vocab));
+            let before = during.caught_up();
+            // the decoder's calls: `left` tokens to come, within the window, every 4
+            for left in (1..stretch).rev().filter(|l| l % every == 0 && *l < window) {
+                during.catch_up(&history[..base + stretch - left], window - left).unwrap();
+            }
+            for d in [&mut during, &mut after] {
+                d.skipped(&history, window);
+            }
+            let fed = during.caught_up() - before;
+            // all but the tokens since the last catch-up (and the stretch's last) of the window
+            assert!(fed > 0 && fed + every + 1 >= stretch.min(window), "{label}: {fed} run");
+            let (a, b) = (during.propose(&history, 3, &sampling).unwrap(), after.propose(&history, 3, &sampling).unwrap());
+            assert_eq!(a.tokens, b.tokens, "{label}");
+            let r = rel(&a.logprobs.unwrap().exp().unwrap(), &b.logprobs.unwrap().exp().unwrap());
+            assert!(r < 1e-5, "{label}: draft probabilities differ by {r}");
+            assert_eq!((during.restarts(), after.restarts()), (restarts, restarts), "{label}");
+            history.extend_from_slice(&a.tokens[..1]);
+        }
+        // a window of 1 token (the stretch's last to come): nothing to run from it
+        let before = (during.caught_up(), during.cache().offset());
+        history.extend(rng.tokens(40, vocab));
+        during.catch_up(&history, 1).unwrap();
+        assert_eq!((during.caught_up(), during.cache().offset()), before, "{kv:?}");
     }
 }
 
@@ -343,6 +396,9 @@ impl mlx_speculative::Drafter for Shared {
     }
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.0.lock().unwrap().skipped(history, window)
+    }
+    fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
+        self.0.lock().unwrap().catch_up(history, window)
     }
     fn reserve(&mut self, positions: usize) {
         self.0.lock().unwrap().reserve(positions)
