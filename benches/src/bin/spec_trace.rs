@@ -106,6 +106,9 @@ impl Drafter for TimedDrafter {
     fn skipped(&mut self, history: &[u32], window: usize) {
         self.inner.skipped(history, window)
     }
+    fn catch_up(&mut self, history: &[u32], window: usize) -> MResult<()> {
+        self.inner.catch_up(history, window)
+    }
     fn reserve(&mut self, positions: usize) {
         self.inner.reserve(positions)
     }
@@ -198,6 +201,9 @@ impl Speculator for Tracer<'_> {
     }
     fn plain_tokens(&mut self, history: &[u32]) -> usize {
         self.inner.plain_tokens(history)
+    }
+    fn plain_progress(&mut self, history: &[u32], left: usize) -> MResult<()> {
+        self.inner.plain_progress(history, left)
     }
     fn resume(&mut self, history: &[u32], n: usize, secs: f64) {
         let s = &mut self.totals.stretches;
