@@ -226,7 +226,7 @@ impl SpeculativeDecoder {
     /// keeps across a plain stretch of adaptive depth.
     pub const CATCH_UP_WINDOW: usize = 64;
     /// Tokens of a plain stretch between two catch-ups of a drafter on its own thread
-    /// ([`Speculator::plain_progress`]): the most a probe after a stretch catches up over then.
+    /// ([`Speculator::plain_progress`]).
     pub const CATCH_UP_EVERY: usize = 8;
 
     /// After a plain stretch of adaptive depth, a drafter lacking more than `window` tokens
@@ -556,13 +556,16 @@ impl Speculator for SpeculativeDecoder {
 
     /// With the drafter on its own thread, every [`SpeculativeDecoder::CATCH_UP_EVERY`] tokens
     /// (at most half the window) of the stretch's last catch-up window (all of the stretch
-    /// without one) are run into its context
-    /// beside the target's steps ([`Drafter::catch_up`]): the probe after the stretch then has
-    /// at most that many left to catch up over, not the window.
+    /// without one) are run into its context beside the target's steps ([`Drafter::catch_up`]),
+    /// the last time with one token to come: the probe after the stretch then catches up over
+    /// 2 tokens, not the window.
     fn plain_progress(&mut self, history: &[u32], left: usize) -> Result<()> {
-        // every CATCH_UP_EVERY tokens, more often in a shorter window
+        // every CATCH_UP_EVERY tokens (more often in a shorter window), the last with one token
+        // to come: the probe's first draft forward then runs 2 tokens whatever the stretch's
+        // length, a shape the warm-up ran (a new number of rows costs libmlx one-time work
+        // at its first use)
         let every = self.catch_up_window.map_or(Self::CATCH_UP_EVERY, |w| Self::CATCH_UP_EVERY.min(w / 2).max(1));
-        if !matches!(self.drafter, Slot::Thread(_)) || left % every != 0 {
+        if !matches!(self.drafter, Slot::Thread(_)) || left % every != 1 % every {
             return Ok(());
         }
         // the part of the window the stretch has produced (a context starts over where the
