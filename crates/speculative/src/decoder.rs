@@ -228,6 +228,14 @@ impl SpeculativeDecoder {
     /// Tokens of a plain stretch between two catch-ups of a drafter on its own thread
     /// ([`Speculator::plain_progress`]).
     pub const CATCH_UP_EVERY: usize = 8;
+    /// Tokens of a plain stretch still to come at its last catch-up
+    /// ([`Speculator::plain_progress`]). The probe after the stretch then runs these and the
+    /// newest token in its first draft forward: always that many rows, a shape
+    /// [`SpeculativeDecoder::warm_up`] runs (on CUDA the first forward of a new number of rows
+    /// costs libmlx one-time work: on H100s a probe's draft took 25-33 ms in a process's first
+    /// generation, 7-9 ms in its second), and the last catch-up has that many target steps to
+    /// finish in (the probe waits for it: 12-15 ms with one step against 7-9 ms with eight).
+    pub const CATCH_UP_LEAD: usize = 3;
 
     /// After a plain stretch of adaptive depth, a drafter lacking more than `window` tokens
     /// starts over from the last `window` of the history instead of catching up over the whole
@@ -285,17 +293,24 @@ impl SpeculativeDecoder {
         let depth = self.depth;
         let mut sampler = Sampler::new(sampling::SamplingConfig::greedy())
             .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-        let mut run = |me: &mut Self, d: usize| -> Result<()> {
+        let mut run = |me: &mut Self, d: usize, history: &[u32]| -> Result<()> {
             me.depth = Depth::Fixed(d);
             me.start();
             // the generator's invariant: the cache holds the history but its last token
             let mut cache = target.new_cache();
-            let first = crate::tracked::row(&[0])?;
+            let first = crate::tracked::row(&history[..history.len() - 1])?;
             let out = target.forward(&first, &mut cache, Logits::Last, false)?;
             cache.eval_with(&out.logits.iter().collect::<Vec<_>>())?;
-            me.cycle(target, &mut cache, &[0, 0], &mut sampler, d + 1).map(|_| ())
+            me.cycle(target, &mut cache, history, &mut sampler, d + 1).map(|_| ())
         };
-        let result = depths.into_iter().filter(|&d| d > 0).try_for_each(|d| run(self, d));
+        let result = depths.into_iter().filter(|&d| d > 0).try_for_each(|d| run(self, d, &[0, 0])).and_then(|()| {
+            // a probe after a plain stretch with the drafter on its own thread: its first draft
+            // forward runs the tokens after the last catch-up (a history the draft holds none of)
+            match depth {
+                Depth::Adaptive(_) if !left_out && matches!(self.drafter, Slot::Thread(_)) => run(self, 1, &[1; Self::CATCH_UP_LEAD + 1]),
+                _ => Ok(()),
+            }
+        });
         self.depth = depth;
         self.start();
         result
@@ -557,15 +572,13 @@ impl Speculator for SpeculativeDecoder {
     /// With the drafter on its own thread, every [`SpeculativeDecoder::CATCH_UP_EVERY`] tokens
     /// (at most half the window) of the stretch's last catch-up window (all of the stretch
     /// without one) are run into its context beside the target's steps ([`Drafter::catch_up`]),
-    /// the last time with one token to come: the probe after the stretch then catches up over
-    /// 2 tokens, not the window.
+    /// the last time with [`SpeculativeDecoder::CATCH_UP_LEAD`] tokens to come: the probe after
+    /// the stretch then catches up over that many and the newest token, not the window.
     fn plain_progress(&mut self, history: &[u32], left: usize) -> Result<()> {
-        // every CATCH_UP_EVERY tokens (more often in a shorter window), the last with one token
-        // to come: the probe's first draft forward then runs 2 tokens whatever the stretch's
-        // length, a shape the warm-up ran (a new number of rows costs libmlx one-time work
-        // at its first use)
+        // every CATCH_UP_EVERY tokens (more often in a shorter window), the last with
+        // CATCH_UP_LEAD tokens to come
         let every = self.catch_up_window.map_or(Self::CATCH_UP_EVERY, |w| Self::CATCH_UP_EVERY.min(w / 2).max(1));
-        if !matches!(self.drafter, Slot::Thread(_)) || left % every != 1 % every {
+        if !matches!(self.drafter, Slot::Thread(_)) || left % every != Self::CATCH_UP_LEAD % every {
             return Ok(());
         }
         // the part of the window the stretch has produced (a context starts over where the

@@ -215,6 +215,10 @@ fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
         let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
         let spec = SpeculativeDecoder::adaptive(Box::new(Shared(d.clone())), Some(6)).with_catch_up_window(Some(4));
         let mut spec = spec.with_draft_ahead(ahead).unwrap();
+        // warmed up as on a GPU (on the draft's thread: a probe's first draft forward too)
+        spec.warm_up(&target).unwrap();
+        let warm = d.lock().unwrap().proposals();
+        assert_eq!(warm, 6 + usize::from(ahead == DraftAhead::Background), "{ahead}: a cycle per depth (and a probe's on the thread)");
         let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
         assert_eq!(got, want, "{ahead}");
         assert!(st.depth_mean < 1.0, "{ahead}: {st:?}");
@@ -270,8 +274,8 @@ fn a_draft_model_skipping_a_stretch_restarts_from_the_window() {
 }
 
 /// [`Drafter::catch_up`] during a plain stretch (as the decoder asks it of a drafter on its own
-/// thread: every few tokens of the window's part the stretch has produced, the last with one
-/// token to come) leaves the probe
+/// thread: every few tokens of the window's part the stretch has produced, the last with a few
+/// tokens to come) leaves the probe
 /// after the stretch drafting what catching up at the probe does: the same tokens and draft
 /// probabilities, and a context started over at the same place, with only the tokens since
 /// the last catch-up left to run. Flat and paged draft caches; stretches within the window and
@@ -289,22 +293,22 @@ fn catching_up_during_a_stretch_drafts_what_the_probe_would() {
         for d in [&mut during, &mut after] {
             d.propose(&history, 3, &sampling).unwrap();
         }
-        let (window, every) = (12, 4);
+        let (window, every, lead) = (12, 4, 3);
         for (stretch, restarts) in [(10, 0), (30, 1), (7, 1)] {
             let label = format!("{kv:?}, a stretch of {stretch}");
             let base = history.len();
             history.extend(rng.tokens(stretch, vocab));
             let before = during.caught_up();
             // the decoder's calls: `left` tokens to come, within the window, every 4
-            for left in (1..stretch).rev().filter(|l| l % every == 1 && *l < window) {
+            for left in (1..stretch).rev().filter(|l| l % every == lead && *l < window) {
                 during.catch_up(&history[..base + stretch - left], window - left).unwrap();
             }
             for d in [&mut during, &mut after] {
                 d.skipped(&history, window);
             }
             let fed = during.caught_up() - before;
-            // the window but the stretch's last two tokens (the probe runs them)
-            assert_eq!(fed + 2, stretch.min(window), "{label}");
+            // the window but the last catch-up's lead and the newest token (the probe runs them)
+            assert_eq!(fed + lead + 1, stretch.min(window), "{label}");
             let (a, b) = (during.propose(&history, 3, &sampling).unwrap(), after.propose(&history, 3, &sampling).unwrap());
             assert_eq!(a.tokens, b.tokens, "{label}");
             let r = rel(&a.logprobs.unwrap().exp().unwrap(), &b.logprobs.unwrap().exp().unwrap());
