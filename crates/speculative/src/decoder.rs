@@ -279,7 +279,9 @@ impl SpeculativeDecoder {
     /// generation: on a GPU, cuBLAS algorithm selection, CUDA graph instantiation and kernel
     /// compilation for the verify forward of each depth's rows, the verifier's ops over them and
     /// the drafter's own steps (in a fresh process 55-75 ms in the first cycle of a generation on
-    /// an H100, then more at each new depth). Leaves the decoder as [`Speculator::start`] does;
+    /// an H100, then more at each new depth). With adaptive depth and the drafter on its own
+    /// thread, also the first draft forward of a probe after a plain stretch
+    /// ([`SpeculativeDecoder::CATCH_UP_LEAD`] + 1 rows). Leaves the decoder as [`Speculator::start`] does;
     /// the drafter keeps no state that a later generation does not replace. Sampling at
     /// temperature > 0 runs other verifier ops, which are not warmed.
     pub fn warm_up(&mut self, target: &Model) -> Result<()> {
