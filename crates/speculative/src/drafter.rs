@@ -600,12 +600,12 @@ impl Drafter for DraftModel {
     fn catch_up(&mut self, history: &[u32], window: usize) -> Result<()> {
         let Some((_, before)) = history.split_last() else { return Ok(()) };
         self.check_vocab(history)?;
-        self.resolve_ahead()?;
         // a window too short to be fed from: its start would be taken as a context of nothing
         // (a new history) at the next proposal
         if window <= 1 {
             return Ok(());
         }
+        self.resolve_ahead()?;
         self.skipped(before, window - 1);
         let rest = self.hold_prefix(before)?;
         self.caught_up += rest.len();

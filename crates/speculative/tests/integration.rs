@@ -275,11 +275,10 @@ fn a_draft_model_skipping_a_stretch_restarts_from_the_window() {
 
 /// [`Drafter::catch_up`] during a plain stretch (as the decoder asks it of a drafter on its own
 /// thread: every few tokens of the window's part the stretch has produced, the last with a few
-/// tokens to come) leaves the probe
-/// after the stretch drafting what catching up at the probe does: the same tokens and draft
-/// probabilities, and a context started over at the same place, with only the tokens since
-/// the last catch-up left to run. Flat and paged draft caches; stretches within the window and
-/// longer; a window of 1 token runs nothing.
+/// tokens to come) leaves the probe after the stretch drafting what catching up at the probe
+/// does: the same tokens and draft probabilities, and a context started over at the same
+/// place, with only the tokens since the last catch-up left to run. Flat and paged draft
+/// caches; stretches within the window and longer; a window of 1 token runs nothing.
 #[test]
 fn catching_up_during_a_stretch_drafts_what_the_probe_would() {
     use mlx_speculative::Drafter;
