@@ -203,32 +203,37 @@ fn adaptive_depth_turns_a_useless_draft_off() {
 /// With a catch-up window, a draft model that skipped more than the window in a plain stretch
 /// starts over from the window: adaptive depth with a useless draft (probes after stretches of
 /// 16 cycles and more) keeps plain decoding's tokens, and the draft restarts, on the decoder's
-/// thread and on its own.
+/// thread and on its own (where it catches up during the stretches). A flat Qwen3 target with
+/// a quantized draft, and a paged Qwen3.5 one (recurrent layers) with a recurrent draft (LFM2's
+/// conv state: rolled back from a snapshot, not trimmed).
 #[test]
 fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
     use std::sync::{Arc, Mutex};
-    let target = load("qwen3", KvCacheMode::Flat);
     let mut rng = Rng(8);
-    let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 48);
-    // on this thread, and on the draft's own (skipped stretches and proposals cross to it)
-    for ahead in [DraftAhead::Steps(0), DraftAhead::Background] {
-        let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
-        let spec = SpeculativeDecoder::adaptive(Box::new(Shared(d.clone())), Some(6)).with_catch_up_window(Some(4));
-        let mut spec = spec.with_draft_ahead(ahead).unwrap();
-        // warmed up as on a GPU (on the draft's thread: a probe's first draft forward too)
-        spec.warm_up(&target).unwrap();
-        let warm = d.lock().unwrap().proposals();
-        assert_eq!(warm, 6 + usize::from(ahead == DraftAhead::Background), "{ahead}: a cycle per depth (and a probe's on the thread)");
-        let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
-        assert_eq!(got, want, "{ahead}");
-        assert!(st.depth_mean < 1.0, "{ahead}: {st:?}");
-        assert!(d.lock().unwrap().restarts() > 0, "{ahead}: {st:?}");
-        // on its own thread the draft runs the stretches' last tokens beside the target's steps
-        let caught_up = d.lock().unwrap().caught_up();
-        assert_eq!(caught_up > 0, ahead == DraftAhead::Background, "{ahead}: {caught_up} tokens caught up in stretches");
-        // a second generation with the same decoder starts from the whole prompt again
-        let (got, _, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
-        assert_eq!(got, want, "{ahead}");
+    for (t, kv, draft) in [("qwen3", KvCacheMode::Flat, "qwen3_untied_q8g32"), ("qwen3_5", paged(4), "lfm2")] {
+        let target = load(t, kv.clone());
+        let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 48);
+        // on this thread, and on the draft's own (skipped stretches and proposals cross to it)
+        for ahead in [DraftAhead::Steps(0), DraftAhead::Background] {
+            let label = format!("{t} {kv:?}, {draft}, {ahead}");
+            let d = Arc::new(Mutex::new(DraftModel::new(load(draft, KvCacheMode::Flat))));
+            let spec = SpeculativeDecoder::adaptive(Box::new(Shared(d.clone())), Some(6)).with_catch_up_window(Some(4));
+            let mut spec = spec.with_draft_ahead(ahead).unwrap();
+            // warmed up as on a GPU (on the draft's thread: a probe's first draft forward too)
+            spec.warm_up(&target).unwrap();
+            let warm = d.lock().unwrap().proposals();
+            assert_eq!(warm, 6 + usize::from(ahead == DraftAhead::Background), "{label}: a cycle per depth (and a probe's on the thread)");
+            let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
+            assert_eq!(got, want, "{label}");
+            assert!(st.depth_mean < 1.0, "{label}: {st:?}");
+            assert!(d.lock().unwrap().restarts() > 0, "{label}: {st:?}");
+            // on its own thread the draft runs the stretches' last tokens beside the target's steps
+            let caught_up = d.lock().unwrap().caught_up();
+            assert_eq!(caught_up > 0, ahead == DraftAhead::Background, "{label}: {caught_up} tokens caught up in stretches");
+            // a second generation with the same decoder starts from the whole prompt again
+            let (got, _, _) = run_spec(&target, &mut spec, &prompt, cfg(48, vec![]));
+            assert_eq!(got, want, "{label}");
+        }
     }
 }
 
