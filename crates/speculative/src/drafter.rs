@@ -394,13 +394,15 @@ impl DraftModel {
     fn hold_prefix(&mut self, before: &[u32]) -> Result<Vec<u32>> {
         let model = self.model.clone();
         let fresh = || model.new_cache();
-        let mut held = self.tracked.rollback(&mut self.cache, context(self.start, before), Some(&fresh))?;
         // a context sharing nothing with `before` from its start (a new generation, or a
-        // history shorter than the window's start): the whole history
-        if held == 0 && self.start > 0 {
+        // history shorter than the window's start): the whole history (a rollback to nothing
+        // can also be a recurrent cache restored to its window's start, which keeps the window)
+        let ctx = context(self.start, before);
+        let shared = self.tracked.tokens.iter().zip(ctx).take_while(|(a, b)| a == b).count();
+        if shared == 0 && self.start > 0 {
             self.start = 0;
-            held = self.tracked.rollback(&mut self.cache, before, Some(&fresh))?;
         }
+        let mut held = self.tracked.rollback(&mut self.cache, context(self.start, before), Some(&fresh))?;
         // a window after a plain stretch: start over from it
         if let Some(from) = self.restart.take().filter(|&f| f > self.start + held && f < before.len()) {
             self.cache = fresh();

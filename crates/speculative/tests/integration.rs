@@ -240,14 +240,15 @@ fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
 /// [`Drafter::skipped`]: a draft model lacking at most the window catches up; lacking more, its
 /// next proposal is a fresh drafter's on the window alone (the history's last `window` tokens),
 /// and later ones continue that context; a new history (a new generation) starts over from
-/// its beginning. Flat and paged draft caches.
+/// its beginning. Flat and paged draft caches, and a recurrent draft (LFM2's conv state: its
+/// rollback to the window's start restores a snapshot, and the window's context goes on).
 #[test]
 fn a_draft_model_skipping_a_stretch_restarts_from_the_window() {
     use mlx_speculative::Drafter;
     let greedy = SamplingConfig::greedy();
     let mut rng = Rng(34);
-    for kv in [KvCacheMode::Flat, paged(4)] {
-        let model = load("qwen3", kv.clone());
+    for (name, kv) in [("qwen3", KvCacheMode::Flat), ("qwen3", paged(4)), ("lfm2", KvCacheMode::Flat)] {
+        let model = load(name, kv.clone());
         let vocab = model.info().vocab_size;
         let mut toks = |n: usize| rng.tokens(n, vocab);
         let fresh = |h: &[u32]| DraftModel::new(model.clone()).propose(h, 3, &greedy).unwrap().tokens;
@@ -257,24 +258,25 @@ fn a_draft_model_skipping_a_stretch_restarts_from_the_window() {
         // a stretch of 6 within a window of 8: caught up
         history.extend(toks(6));
         a.skipped(&history, 8);
-        assert_eq!(a.propose(&history, 3, &greedy).unwrap().tokens, fresh(&history), "{kv:?}");
-        assert_eq!(a.restarts(), 0, "{kv:?}");
+        assert_eq!(a.propose(&history, 3, &greedy).unwrap().tokens, fresh(&history), "{name} {kv:?}");
+        assert_eq!(a.restarts(), 0, "{name} {kv:?}");
         // a stretch of 12: the last 8 tokens only
         history.extend(toks(12));
         a.skipped(&history, 8);
         let from = history.len() - 8;
         let drafts = a.propose(&history, 3, &greedy).unwrap().tokens;
-        assert_eq!(drafts, fresh(&history[from..]), "{kv:?}");
-        assert_ne!(drafts, fresh(&history), "{kv:?}: the window must draft differently here");
-        assert_eq!(a.restarts(), 1, "{kv:?}");
-        // two drafts accepted and the target's own token: the window's context goes on
-        history.extend_from_slice(&drafts[..2]);
+        assert_eq!(drafts, fresh(&history[from..]), "{name} {kv:?}");
+        assert_ne!(drafts, fresh(&history), "{name} {kv:?}: the window must draft differently here");
+        assert_eq!(a.restarts(), 1, "{name} {kv:?}");
+        // one draft accepted and the target's own token (a recurrent draft rolls its second
+        // back from the snapshot at the window's start): the window's context goes on
+        history.extend_from_slice(&drafts[..1]);
         history.extend(toks(1));
-        assert_eq!(a.propose(&history, 3, &greedy).unwrap().tokens, fresh(&history[from..]), "{kv:?}");
+        assert_eq!(a.propose(&history, 3, &greedy).unwrap().tokens, fresh(&history[from..]), "{name} {kv:?}");
         // a new generation, longer than the window's start: its whole history
         let other = toks(60);
-        assert_eq!(a.propose(&other, 3, &greedy).unwrap().tokens, fresh(&other), "{kv:?}");
-        assert_eq!(a.restarts(), 1, "{kv:?}");
+        assert_eq!(a.propose(&other, 3, &greedy).unwrap().tokens, fresh(&other), "{name} {kv:?}");
+        assert_eq!(a.restarts(), 1, "{name} {kv:?}");
     }
 }
 
@@ -325,6 +327,53 @@ fn catching_up_during_a_stretch_drafts_what_the_probe_would() {
         history.extend(rng.tokens(40, vocab));
         during.catch_up(&history, 1).unwrap();
         assert_eq!((during.caught_up(), during.cache().offset()), before, "{kv:?}");
+    }
+}
+
+/// [`Drafter::catch_up`] at random cadences (windows of 2-20 tokens, a catch-up every 1 to
+/// half the window, the last 0 to `every - 1` tokens before the stretch's end, as the decoder
+/// places them) over random stretches, each probe's drafts partly accepted: the probes draft
+/// what catching up at the probe does and restart at the same places. Flat and paged draft
+/// caches, and a recurrent draft (LFM2's conv state, rolled back from snapshots).
+#[test]
+fn catching_up_at_random_cadences_drafts_what_the_probe_would() {
+    use mlx_speculative::Drafter;
+    let sampling = SamplingConfig { temperature: 1.0, seed: Some(6), ..SamplingConfig::greedy() };
+    let mut rng = Rng(41);
+    for (name, kv) in [("qwen3", KvCacheMode::Flat), ("qwen3", paged(4)), ("lfm2", KvCacheMode::Flat)] {
+        let model = load(name, kv.clone());
+        let vocab = model.info().vocab_size;
+        let (mut during, mut after) = (DraftModel::new(model.clone()), DraftModel::new(model.clone()));
+        let n = rng.range(4, 20);
+        let mut history = rng.tokens(n, vocab);
+        for round in 0..6 {
+            let (window, stretch) = (rng.range(2, 20), rng.range(1, 40));
+            let every = rng.range(1, (window / 2).max(1));
+            let lead = rng.range(0, every - 1);
+            let label = format!("{name} {kv:?}, round {round}: a stretch of {stretch}, window {window}, every {every}, lead {lead}");
+            let a = during.propose(&history, 3, &sampling).unwrap();
+            let b = after.propose(&history, 3, &sampling).unwrap();
+            assert_eq!(a.tokens, b.tokens, "{label}: the proposal before the stretch");
+            // some drafts accepted, then the target's own token, then the stretch
+            let accepted = rng.range(0, 3);
+            history.extend_from_slice(&a.tokens[..accepted]);
+            history.extend(rng.tokens(1, vocab));
+            let base = history.len();
+            history.extend(rng.tokens(stretch, vocab));
+            for left in (1..stretch).rev().filter(|l| l % every == lead % every && *l < window) {
+                during.catch_up(&history[..base + stretch - left], window - left).unwrap();
+            }
+            for d in [&mut during, &mut after] {
+                d.skipped(&history, window);
+            }
+            let (a, b) = (during.propose(&history, 3, &sampling).unwrap(), after.propose(&history, 3, &sampling).unwrap());
+            assert_eq!(a.tokens, b.tokens, "{label}");
+            let r = rel(&a.logprobs.unwrap().exp().unwrap(), &b.logprobs.unwrap().exp().unwrap());
+            assert!(r < 1e-5, "{label}: draft probabilities differ by {r}");
+            assert_eq!(during.restarts(), after.restarts(), "{label}");
+            history.extend_from_slice(&a.tokens[..1]);
+        }
+        assert!(during.caught_up() > 0, "{name} {kv:?}");
     }
 }
 
