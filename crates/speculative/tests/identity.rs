@@ -291,3 +291,56 @@ fn greedy_tokens_and_logprobs_match_plain() {
         }
     }
 }
+
+/// Adaptive depth keeps plain greedy decoding's tokens whatever it decides: random maximum
+/// depths (1-6), catch-up windows (2-16) and drafting ahead (none, 2 forwards, until verified,
+/// the draft's own thread, where the draft catches up during plain stretches), drafts lighter
+/// than their targets (so adaptive depth asks them) over flat, paged and recurrent targets and
+/// drafts. Pairs settle on plain decoding (stretches, probes and window restarts run).
+#[test]
+fn adaptive_identity_over_caches_windows_and_threads() {
+    const N: usize = 48;
+    let mut rng = Rng(43);
+    let cases: Vec<(&str, KvCacheMode, Vec<&str>)> = vec![
+        ("qwen3", KvCacheMode::Flat, vec!["qwen3_untied_q8g32", "llama_q4"]),
+        ("qwen3", paged(4), vec!["lfm2_moe_q4", "qwen3_untied_q8g32"]),
+        ("qwen3_5", KvCacheMode::Flat, vec!["lfm2", "qwen3"]),
+        ("qwen3_5", paged(4), vec!["llama"]),
+        // quantized drafts of their targets: drafts accepted now and then (on the CPU these
+        // tiny pairs still settle on plain decoding, by their cycle times)
+        ("qwen3_untied", paged(4), vec!["qwen3_untied_q8g32"]),
+        ("lfm2_moe", KvCacheMode::Flat, vec!["lfm2_moe_q4"]),
+    ];
+    let mut settled_plain = 0;
+    let mut failures = Vec::new();
+    for (t, kv, drafts) in cases {
+        let target = load(t, kv.clone());
+        let len = rng.range(12, 30);
+        let (prompt, want) = gapped_greedy(&target, &mut rng, len, N);
+        for d in drafts {
+            let (max, window) = (rng.range(1, 6), rng.range(2, 16));
+            let ahead = match rng.range(0, 3) {
+                0 => DraftAhead::Steps(0),
+                1 => DraftAhead::Steps(2),
+                2 => DraftAhead::UntilVerified,
+                _ => DraftAhead::Background,
+            };
+            let label = format!("target {t} {kv:?}, draft {d}, adaptive up to {max}, window {window}, {ahead} ahead");
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let spec = SpeculativeDecoder::adaptive(Box::new(DraftModel::new(load(d, KvCacheMode::Flat))), Some(max));
+                let mut spec = spec.with_catch_up_window(Some(window)).with_draft_ahead(ahead).unwrap();
+                let (got, stats, offset) = run_spec(&target, &mut spec, &prompt, gen_cfg(N, sampling::SamplingConfig::greedy()));
+                assert_eq!(got, want, "{label}");
+                assert_eq!(offset, prompt.len() + N, "{label}: the cache holds the prompt and every token");
+                eprintln!("{label}: {stats:?}");
+                stats.depth_mean
+            }));
+            match run {
+                Ok(depth) => settled_plain += usize::from(depth < 1.0),
+                Err(e) => failures.push(format!("{label}: {}", panic_message(e))),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} pair(s) failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(settled_plain > 0, "no pair settled on plain decoding: stretches were never exercised");
+}
