@@ -2,7 +2,8 @@
 //! with a draft model at a fixed or adaptive depth, repeated `--runs` times in one process (the
 //! first run pays one-time costs of new shapes), printing each cycle's history length, drafts,
 //! accepted drafts, the drafter's time (its `propose`, evaluated; drafting ahead runs later in
-//! the cycle, outside it) and the whole cycle's time,
+//! the cycle, outside it) and the whole cycle's time (and after a plain stretch the catch-ups
+//! a drafter on its own thread ran during it, with their time there),
 //! each plain stretch of adaptive depth, and per run the totals by kind and the fastest,
 //! quartile, median and slowest speculative cycle (steadier than the rate where the host's
 //! speed drifts):
@@ -72,10 +73,15 @@ struct Cli {
 /// The drafter's time of its last proposal, shared with the tracer.
 type Clock = Arc<Mutex<Option<f64>>>;
 
-/// A drafter that times each proposal.
+/// Catch-ups during plain stretches since the last cycle: calls and the drafter's seconds in
+/// them (on its own thread: building and queueing the forwards).
+type CatchUps = Arc<Mutex<(usize, f64)>>;
+
+/// A drafter that times each proposal and each catch-up.
 struct TimedDrafter {
     inner: Box<dyn Drafter>,
     last: Clock,
+    catch_ups: CatchUps,
 }
 
 impl Drafter for TimedDrafter {
@@ -107,7 +113,11 @@ impl Drafter for TimedDrafter {
         self.inner.skipped(history, window)
     }
     fn catch_up(&mut self, history: &[u32], window: usize) -> MResult<()> {
-        self.inner.catch_up(history, window)
+        let t = Instant::now();
+        self.inner.catch_up(history, window)?;
+        let mut c = self.catch_ups.lock().expect("catch-ups");
+        *c = (c.0 + 1, c.1 + t.elapsed().as_secs_f64());
+        Ok(())
     }
     fn reserve(&mut self, positions: usize) {
         self.inner.reserve(positions)
@@ -153,6 +163,7 @@ struct Totals {
 struct Tracer<'a> {
     inner: &'a mut SpeculativeDecoder,
     clock: Clock,
+    catch_ups: CatchUps,
     quiet: bool,
     totals: Totals,
 }
@@ -177,8 +188,11 @@ impl Speculator for Tracer<'_> {
             self.totals.spec_secs.push(secs);
         }
         self.totals.draft_secs += draft;
+        // a proposal waits for the drafter's earlier jobs: every catch-up before it is counted
+        let (calls, caught) = std::mem::take(&mut *self.catch_ups.lock().expect("catch-ups"));
         if !self.quiet {
-            println!("cycle at {}: {drafts} drafts, {} tokens, draft {:.2} ms, cycle {:.2} ms", history.len(), out.len(), draft * 1e3, secs * 1e3);
+            let after = if calls > 0 { format!(" (after {calls} catch-ups taking {:.2} ms on the drafter's thread)", caught * 1e3) } else { String::new() };
+            println!("cycle at {}: {drafts} drafts, {} tokens, draft {:.2} ms, cycle {:.2} ms{after}", history.len(), out.len(), draft * 1e3, secs * 1e3);
         }
         Ok(out)
     }
@@ -222,8 +236,9 @@ fn main() -> Res<()> {
     }
     let (opts, _) = cli.m.load_options()?;
     let target = mlx_models::load_model(&cli.m.model, &opts)?.into_lm()?;
-    let clock: Clock = Arc::default();
-    let drafter = Box::new(TimedDrafter { inner: mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?, last: clock.clone() });
+    let (clock, catch_ups): (Clock, CatchUps) = Default::default();
+    let inner = mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?;
+    let drafter = Box::new(TimedDrafter { inner, last: clock.clone(), catch_ups: catch_ups.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
     if let Some(n) = cli.draft_ahead {
         dec = dec.with_draft_ahead(n)?;
@@ -255,7 +270,7 @@ fn main() -> Res<()> {
         };
         let mut cache = target.new_cache();
         let mut ids = Vec::new();
-        let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), quiet: cli.quiet, totals: Totals::default() };
+        let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), catch_ups: catch_ups.clone(), quiet: cli.quiet, totals: Totals::default() };
         let t = Instant::now();
         let mut gen = generate(&target, &mut cache, &prompt, cfg)?.with_speculator(&mut tracer);
         let mut n = 0;
