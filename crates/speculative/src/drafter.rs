@@ -397,9 +397,7 @@ impl DraftModel {
         // a context sharing nothing with `before` from its start (a new generation, or a
         // history shorter than the window's start): the whole history (a rollback to nothing
         // can also be a recurrent cache restored to its window's start, which keeps the window)
-        let ctx = context(self.start, before);
-        let shared = self.tracked.tokens.iter().zip(ctx).take_while(|(a, b)| a == b).count();
-        if shared == 0 && self.start > 0 {
+        if self.start > 0 && self.tracked.common_prefix(context(self.start, before)) == 0 {
             self.start = 0;
         }
         let mut held = self.tracked.rollback(&mut self.cache, context(self.start, before), Some(&fresh))?;
@@ -594,7 +592,7 @@ impl Drafter for DraftModel {
         // the context the cache may hold: `tracked` over the history from `start` (drafts past
         // it are rolled back at the next proposal)
         let ctx = context(self.start, history);
-        let held = self.tracked.tokens.iter().zip(ctx).take_while(|(a, b)| a == b).count();
+        let held = self.tracked.common_prefix(ctx);
         let lacking = ctx.len() - held;
         self.restart = (held > 0 && lacking > window).then(|| history.len() - window);
     }

@@ -90,12 +90,7 @@ impl Tracked {
         want: &[u32],
         fresh: Option<&dyn Fn() -> Cache>,
     ) -> Result<usize> {
-        let common = self
-            .tokens
-            .iter()
-            .zip(want)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = self.common_prefix(want);
         if common < self.tokens.len() {
             let drop = self.tokens.len() - common;
             if cache.can_trim(drop) {
@@ -119,6 +114,11 @@ impl Tracked {
             }
         }
         Ok(self.tokens.len())
+    }
+
+    /// How many leading tokens of `want` the cache holds (before any rollback).
+    pub(crate) fn common_prefix(&self, want: &[u32]) -> usize {
+        self.tokens.iter().zip(want).take_while(|(a, b)| a == b).count()
     }
 
     /// `toks` were run through the model after the held tokens.
