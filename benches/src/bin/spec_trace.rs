@@ -77,11 +77,16 @@ type Clock = Arc<Mutex<Option<f64>>>;
 /// them (on its own thread: building and queueing the forwards).
 type CatchUps = Arc<Mutex<(usize, f64)>>;
 
+/// The drafter's last agreement report ([`Drafter::agreement`]): tokens measured, tokens agreed
+/// and the seconds the caller waited for it.
+type Agreement = Arc<Mutex<Option<(usize, usize, f64)>>>;
+
 /// A drafter that times each proposal and each catch-up.
 struct TimedDrafter {
     inner: Box<dyn Drafter>,
     last: Clock,
     catch_ups: CatchUps,
+    agreement: Agreement,
 }
 
 impl Drafter for TimedDrafter {
@@ -118,6 +123,16 @@ impl Drafter for TimedDrafter {
         let mut c = self.catch_ups.lock().expect("catch-ups");
         *c = (c.0 + 1, c.1 + t.elapsed().as_secs_f64());
         Ok(())
+    }
+    fn measures_agreement(&self) -> bool {
+        self.inner.measures_agreement()
+    }
+    fn agreement(&mut self) -> MResult<Vec<bool>> {
+        let t = Instant::now();
+        let agreed = self.inner.agreement()?;
+        let n = agreed.iter().filter(|&&a| a).count();
+        *self.agreement.lock().expect("agreement") = Some((agreed.len(), n, t.elapsed().as_secs_f64()));
+        Ok(agreed)
     }
     fn reserve(&mut self, positions: usize) {
         self.inner.reserve(positions)
@@ -164,6 +179,7 @@ struct Tracer<'a> {
     inner: &'a mut SpeculativeDecoder,
     clock: Clock,
     catch_ups: CatchUps,
+    agreement: Agreement,
     quiet: bool,
     totals: Totals,
 }
@@ -214,7 +230,11 @@ impl Speculator for Tracer<'_> {
         self.inner.stats()
     }
     fn plain_tokens(&mut self, history: &[u32]) -> usize {
-        self.inner.plain_tokens(history)
+        let n = self.inner.plain_tokens(history);
+        if let Some((measured, agreed, secs)) = self.agreement.lock().expect("agreement").take().filter(|_| !self.quiet) {
+            println!("agreement at {}: {agreed} of {measured} caught-up tokens (waited {:.2} ms); next stretch {n} tokens", history.len(), secs * 1e3);
+        }
+        n
     }
     fn plain_progress(&mut self, history: &[u32], left: usize) -> MResult<()> {
         self.inner.plain_progress(history, left)
@@ -236,9 +256,9 @@ fn main() -> Res<()> {
     }
     let (opts, _) = cli.m.load_options()?;
     let target = mlx_models::load_model(&cli.m.model, &opts)?.into_lm()?;
-    let (clock, catch_ups): (Clock, CatchUps) = Default::default();
+    let (clock, catch_ups, agreement): (Clock, CatchUps, Agreement) = Default::default();
     let inner = mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?;
-    let drafter = Box::new(TimedDrafter { inner, last: clock.clone(), catch_ups: catch_ups.clone() });
+    let drafter = Box::new(TimedDrafter { inner, last: clock.clone(), catch_ups: catch_ups.clone(), agreement: agreement.clone() });
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
     if let Some(n) = cli.draft_ahead {
         dec = dec.with_draft_ahead(n)?;
@@ -270,7 +290,7 @@ fn main() -> Res<()> {
         };
         let mut cache = target.new_cache();
         let mut ids = Vec::new();
-        let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), catch_ups: catch_ups.clone(), quiet: cli.quiet, totals: Totals::default() };
+        let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), catch_ups: catch_ups.clone(), agreement: agreement.clone(), quiet: cli.quiet, totals: Totals::default() };
         let t = Instant::now();
         let mut gen = generate(&target, &mut cache, &prompt, cfg)?.with_speculator(&mut tracer);
         let mut n = 0;

@@ -131,7 +131,9 @@ pub trait Speculator: Send {
     fn resume(&mut self, _history: &[u32], _n: usize, _secs: f64) {}
     /// A token of a plain stretch was produced (`history` ends with it) and `left` more are to
     /// come before [`Speculator::resume`] (asked for all but the stretch's last token; the cache
-    /// holds `history` but its newest token, or all of it). Default: nothing.
+    /// holds `history` but its newest token, or all of it). Not asked during a stretch that
+    /// runs to the generation's end ([`GenerateConfig::max_new_tokens`]), which no cycle
+    /// follows. Default: nothing.
     fn plain_progress(&mut self, _history: &[u32], _left: usize) -> Result<()> {
         Ok(())
     }
@@ -202,6 +204,9 @@ struct SpecState<'a> {
     plain_left: usize,
     plain_len: usize,
     plain_started: Option<Instant>,
+    /// The stretch runs to the generation's end ([`GenerateConfig::max_new_tokens`]): no cycle
+    /// follows it, so [`Speculator::plain_progress`] is not asked.
+    plain_final: bool,
 }
 
 /// New tokens a generation sizes its flat K/V storage for up front ([`Cache::reserve`]); a
@@ -277,7 +282,7 @@ impl<'a> Generator<'a> {
     pub fn with_speculator(mut self, speculator: &'a mut dyn Speculator) -> Self {
         speculator.start();
         speculator.reserve(self.reserved);
-        self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false, plain_left: 0, plain_len: 0, plain_started: None });
+        self.spec = Some(SpecState { speculator, queue: Default::default(), unsettled: false, plain_left: 0, plain_len: 0, plain_started: None, plain_final: false });
         self
     }
     /// The prompt holds the (expanded) tokens of `media`, in order: it is prefilled in one call
@@ -449,7 +454,7 @@ impl<'a> Generator<'a> {
             if spec.plain_left == 0 {
                 let secs = spec.plain_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
                 spec.speculator.resume(&self.history, spec.plain_len, secs);
-            } else {
+            } else if !spec.plain_final {
                 spec.speculator.plain_progress(&self.history, spec.plain_left)?;
             }
         }
@@ -504,7 +509,7 @@ impl<'a> Generator<'a> {
         if n == 0 {
             return Ok(false);
         }
-        (spec.plain_left, spec.plain_len, spec.plain_started) = (n, n, Some(Instant::now()));
+        (spec.plain_left, spec.plain_len, spec.plain_started, spec.plain_final) = (n, n, Some(Instant::now()), n == max);
         // the cache holds the history but its newest token, and nothing rolled back
         spec.unsettled = false;
         let last = *self.history.last().ok_or_else(|| ModelError::Cache("a plain stretch needs a history (internal error)".into()))?;

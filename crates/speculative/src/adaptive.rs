@@ -41,6 +41,16 @@
 //! the stretch, so without it probing a close call every [`Adaptive::PROBE`] cycles taxes every
 //! plain token by the draft's cost per caught-up token). The decoder bounds each catching up
 //! by a window ([`crate::SpeculativeDecoder::with_catch_up_window`]), so the gaps stop growing.
+//!
+//! A drafter that catches up during plain stretches on a thread of its own measures its
+//! agreement with the stretch's tokens for free ([`crate::Drafter::agreement`]: whether its
+//! greedy guess after each token was the next one), and the decoder hands it over after each
+//! stretch ([`Adaptive::observe_agreement`]): it counts as verdicts of cycles at the maximum
+//! depth, and a stretch over which no depth could have given [`Adaptive::MARGIN`] tokens a
+//! cycle skips the probe due after it. Such a generation also opens with a plain stretch
+//! ([`Adaptive::with_opening`], the calibration step) instead of the first cycle: a draft that
+//! agrees with none of its tokens never drafts, and one that agrees explores at the maximum
+//! depth at once.
 
 /// The adaptive depth policy of one generation.
 #[derive(Debug, Clone)]
@@ -77,6 +87,11 @@ pub struct Adaptive {
     /// Fewest cycles until the next probe for the last stretch's catching up
     /// ([`Adaptive::PROBE_BUDGET`] of the plain steps in between), until that probe is placed.
     catch_gap: usize,
+    /// The generation opens with a plain stretch whose agreement decides exploring
+    /// ([`Adaptive::with_opening`]).
+    opening: bool,
+    /// Exploring cycles so far.
+    explored: usize,
 }
 
 impl Adaptive {
@@ -112,6 +127,8 @@ impl Adaptive {
     /// Far probes (to the maximum depth) only while the first draft's acceptance (an EMA from
     /// 0.5) is at least this: one cycle that accepts nothing stops them until drafts agree again.
     pub const FAR_PROBE_ACCEPT: f64 = 0.4;
+    /// Cycles of the opening plain stretch ([`Adaptive::with_opening`]).
+    pub const OPENING: usize = 8;
 
     pub fn new(max: usize) -> Self {
         let max = max.max(1);
@@ -133,7 +150,19 @@ impl Adaptive {
             after_stretch: false,
             again: None,
             catch_gap: 0,
+            opening: false,
+            explored: 0,
         }
+    }
+
+    /// Open with a plain stretch of [`Adaptive::OPENING`] cycles instead of a speculative
+    /// cycle, for a drafter that measures its agreement with the target's tokens while the
+    /// stretch runs (a draft model catching up on a thread of its own,
+    /// [`crate::Drafter::agreement`]): [`Adaptive::observe_agreement`] then decides whether
+    /// exploring is worth its cycles. The stretch is the calibration step.
+    pub fn with_opening(mut self) -> Self {
+        self.opening = true;
+        self
     }
 
     /// The depth the policy currently settles on (probes aside).
@@ -176,11 +205,15 @@ impl Adaptive {
     /// The depth of the next cycle.
     pub fn next_depth(&mut self) -> usize {
         self.cycles += 1;
-        if self.cycles == 1 {
-            return Self::FIRST_DEPTH.min(self.max);
-        }
-        if self.exploring && self.cycles <= Self::EXPLORE {
-            return self.max;
+        if self.exploring {
+            self.explored += 1;
+            // after an opening stretch whose drafts agreed, the first cycle goes deep at once
+            if self.explored == 1 && !self.opening {
+                return Self::FIRST_DEPTH.min(self.max);
+            }
+            if self.explored <= Self::EXPLORE {
+                return self.max;
+            }
         }
         self.exploring = false;
         if self.time[0].is_none() {
@@ -237,10 +270,18 @@ impl Adaptive {
             .fold(0, |b, d| if self.score(d) > self.score(b) { d } else { b })
     }
 
+    /// Whether the next cycles are the opening stretch ([`Adaptive::with_opening`]).
+    pub fn opens(&self) -> bool {
+        self.opening && self.cycles == 0
+    }
+
     /// How many of the next cycles are plain steps for sure: past exploring and calibrating, with
     /// plain decoding the best measured choice, the cycles before the next probe. A caller may run them as one plain stretch and report it with
     /// [`Adaptive::observe_plain`].
     pub fn plain_run(&self) -> usize {
+        if self.opens() {
+            return Self::OPENING;
+        }
         if self.exploring || self.again.is_some() || self.time[0].is_none() || self.best() != 0 || self.best_around(0) != 0 {
             return 0;
         }
@@ -296,6 +337,53 @@ impl Adaptive {
         1.0 / self.first_ema.max(Self::MIN_PROBE_ACCEPT)
     }
 
+    /// Verdicts on the first `judged` draft positions of a cycle, `accepted` of them kept (a
+    /// miss at position `accepted` when it is judged).
+    fn judge(&mut self, judged: usize, accepted: usize) {
+        for i in 0..judged.min(self.max) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            self.judged[i] += 1;
+            let alpha = Self::ALPHA.max(1.0 / (self.judged[i] as f64 + Self::ACCEPT_PRIOR_WEIGHT));
+            self.accept[i] += alpha * (hit - self.accept[i]);
+            if i == 0 {
+                self.first_ema += Self::ALPHA * (hit - self.first_ema);
+            }
+        }
+    }
+
+    /// The drafter's agreement over the plain stretch that just ended
+    /// ([`crate::Drafter::agreement`]: for a run of history tokens, whether its greedy guess
+    /// after each was the next one), asked before the next cycle. It is read as the verdicts of
+    /// cycles at the maximum depth drafting from those tokens one after another (each from the
+    /// token after the last one's verdict), which update the acceptance estimates. When those
+    /// cycles would have given fewer than [`Adaptive::MARGIN`] tokens each, no depth could
+    /// have beaten plain decoding over the stretch whatever its cycle time (a cycle costs at
+    /// least a plain step: [`Adaptive::rate`]): a probe due now is not run, and the next one
+    /// comes as a probe from plain decoding's would (spaced by the first draft's acceptance);
+    /// after the opening stretch ([`Adaptive::with_opening`]) exploring is skipped. Empty:
+    /// nothing learned.
+    pub fn observe_agreement(&mut self, agreed: &[bool]) {
+        if agreed.is_empty() {
+            return;
+        }
+        let (mut at, mut cycles, mut tokens) = (0, 0usize, 0usize);
+        while at < agreed.len() {
+            let run = agreed[at..].iter().take(self.max).take_while(|&&a| a).count();
+            // a run reaching the end of what was measured has no verdict on the position after it
+            let judged = if run < self.max && at + run < agreed.len() { run + 1 } else { run };
+            self.judge(judged, run);
+            cycles += 1;
+            tokens += run + 1;
+            at += run + 1;
+        }
+        if tokens as f64 >= Self::MARGIN * cycles as f64 {
+            return;
+        }
+        self.exploring = false;
+        self.depth = 0;
+        self.next_probe = self.cycles + 1 + (Self::PROBE as f64 * self.acceptance_scale()).ceil() as usize;
+    }
+
     /// A cycle at depth `d` took `secs` and `accepted` of its drafts were accepted.
     pub fn observe(&mut self, d: usize, accepted: usize, secs: f64) {
         let ema = |old: Option<f64>, x: f64| {
@@ -315,15 +403,7 @@ impl Adaptive {
                 self.timed[d] += 1;
             }
         }
-        for i in 0..d.min(accepted + 1).min(self.max) {
-            let hit = if i < accepted { 1.0 } else { 0.0 };
-            self.judged[i] += 1;
-            let alpha = Self::ALPHA.max(1.0 / (self.judged[i] as f64 + Self::ACCEPT_PRIOR_WEIGHT));
-            self.accept[i] += alpha * (hit - self.accept[i]);
-            if i == 0 {
-                self.first_ema += Self::ALPHA * (hit - self.first_ema);
-            }
-        }
+        self.judge(d.min(accepted + 1), accepted);
         // once every depth has been timed, a probe's catching up over the stretch before it is
         // budgeted whatever the depth (the estimates then say where speculation stands; probes
         // only refresh them): the next stretch, as long, costs as much again
@@ -677,6 +757,87 @@ mod tests {
         assert!(unbounded > windowed + 0.05, "time per token {unbounded} without a window, {windowed} with");
         let short = close_call_cost(256, 64);
         assert!(short < 1.10, "time per token {short} over 256 tokens");
+    }
+
+    /// An opening stretch ([`Adaptive::with_opening`]) whose tokens the draft agreed with goes
+    /// to the maximum depth at once (the stretch was the calibration step); one it agreed with
+    /// nowhere settles on plain decoding without a speculative cycle.
+    #[test]
+    fn the_opening_stretch_decides_exploring() {
+        let mut a = Adaptive::new(4).with_opening();
+        assert!(a.opens());
+        assert_eq!(a.plain_run(), Adaptive::OPENING);
+        a.observe_plain(Adaptive::OPENING, Adaptive::OPENING as f64);
+        assert!(!a.opens());
+        a.observe_agreement(&[true, true, true, false, true]);
+        assert_eq!(a.plain_run(), 0);
+        assert_eq!(a.next_depth(), 4, "exploring at the maximum depth");
+        a.observe(4, 4, 3.0);
+        assert_eq!(a.next_depth(), 4);
+        // the same opening agreed with nowhere
+        let mut a = Adaptive::new(4).with_opening();
+        a.observe_plain(Adaptive::OPENING, Adaptive::OPENING as f64);
+        a.observe_agreement(&[false; 5]);
+        // five misses: the first draft's acceptance EMA is 0.5 * 0.75^5
+        let n = a.plain_run();
+        assert_eq!(n, (Adaptive::PROBE as f64 / (0.5 * 0.75f64.powi(5))).ceil() as usize);
+        // without an opening, nothing is measured before the first cycle
+        let mut a = Adaptive::new(4);
+        assert_eq!(a.plain_run(), 0);
+        a.observe_agreement(&[]);
+        assert_eq!(a.next_depth(), Adaptive::FIRST_DEPTH);
+    }
+
+    /// A draft whose agreement over each stretch is nil is never asked to draft: each probe due
+    /// is skipped, and the gaps grow to the floor of the first draft's acceptance
+    /// ([`Adaptive::MIN_PROBE_ACCEPT`]); once it agrees over a stretch, the next cycle probes.
+    /// Agreement whose cycles give [`Adaptive::MARGIN`] tokens or more is no reason to skip.
+    #[test]
+    fn stretches_without_agreement_skip_their_probes() {
+        let mut a = Adaptive::new(6).with_opening();
+        let mut done = 0;
+        for _ in 0..8 {
+            let n = a.plain_run();
+            assert!(n > 0, "after {done} tokens");
+            a.observe_plain(n, n as f64);
+            done += n;
+            a.observe_agreement(&vec![false; n.min(60)]);
+        }
+        assert_eq!(a.plain_run(), (Adaptive::PROBE as f64 / Adaptive::MIN_PROBE_ACCEPT).ceil() as usize, "after {done} tokens");
+        let n = a.plain_run();
+        a.observe_plain(n, n as f64);
+        // one agreement in 20 tokens: 19 cycles for 20 tokens, 1.05 a cycle
+        let mut agreed = vec![false; 20];
+        agreed[7] = true;
+        a.observe_agreement(&agreed);
+        assert_eq!(a.plain_run(), 0, "not hopeless: the probe runs");
+        assert!(a.next_depth() > 0);
+        // a draft that misses the opening but agrees later: probed after that stretch
+        let mut a = Adaptive::new(6).with_opening();
+        a.observe_plain(Adaptive::OPENING, Adaptive::OPENING as f64);
+        a.observe_agreement(&[false; 5]);
+        let n = a.plain_run();
+        a.observe_plain(n, n as f64);
+        a.observe_agreement(&[true; 30]);
+        assert_eq!(a.plain_run(), 0);
+        assert!(a.next_depth() > 0);
+    }
+
+    /// Agreement is read as cycles at the maximum depth: a run of agreements is that many
+    /// accepted drafts and the miss after it, a run cut by the end of what was measured no miss.
+    #[test]
+    fn agreement_reads_as_cycles_at_the_maximum_depth() {
+        let mut a = Adaptive::new(3);
+        // cycles: T T T (3 accepted, the maximum: no verdict on a 4th; the target's token skips
+        // the next position), F (0 accepted), T F (1), T T (2, cut by the end)
+        a.observe_agreement(&[true, true, true, true, false, true, false, true, true]);
+        assert_eq!(a.judged, vec![4, 3, 1]);
+        // position 0: 3 hits of 4 verdicts
+        let mut b = Adaptive::new(3);
+        for (judged, accepted) in [(3, 3), (1, 0), (2, 1), (2, 2)] {
+            b.judge(judged, accepted);
+        }
+        assert_eq!(a.accept, b.accept);
     }
 
     #[test]

@@ -26,6 +26,7 @@ enum Job {
     Reserve(usize),
     Prefill { history: Vec<u32>, reply: SyncSender<Result<()>> },
     TargetPositions { reply: SyncSender<usize> },
+    Agreement { reply: SyncSender<Result<Vec<bool>>> },
 }
 
 /// What the drafter says of itself that does not change (asked once, before it moves).
@@ -34,6 +35,7 @@ struct Fixed {
     depth: usize,
     max_depth: Option<usize>,
     weight_bytes: Option<u64>,
+    measures_agreement: bool,
 }
 
 /// A [`Drafter`] that runs ahead ([`Drafter::runs_ahead`]) moved to a thread of its own.
@@ -74,6 +76,7 @@ impl Background {
             depth: inner.default_depth(),
             max_depth: inner.max_depth(),
             weight_bytes: inner.weight_bytes(),
+            measures_agreement: inner.measures_agreement(),
         };
         let (tx, rx) = channel();
         let asked = Arc::new(AtomicUsize::new(0));
@@ -154,6 +157,10 @@ fn serve(mut inner: Box<dyn Drafter>, jobs: Receiver<Job>, asked: Arc<AtomicUsiz
                 seen += 1;
                 let _ = reply.send(or_deferred(&mut deferred, || inner.prefill(&history)));
             }
+            Job::Agreement { reply } => {
+                seen += 1;
+                let _ = reply.send(or_deferred(&mut deferred, || inner.agreement()));
+            }
             Job::TargetPositions { reply } => {
                 seen += 1;
                 let _ = reply.send(inner.target_positions_run());
@@ -227,6 +234,13 @@ impl Drafter for Background {
     /// Queued for the thread: its forwards run beside the target's plain steps.
     fn catch_up(&mut self, history: &[u32], window: usize) -> Result<()> {
         self.send(Job::CatchUp { history: history.to_vec(), window })
+    }
+    fn measures_agreement(&self) -> bool {
+        self.fixed.measures_agreement
+    }
+    /// Waits for the thread's queue (the catch-ups measured).
+    fn agreement(&mut self) -> Result<Vec<bool>> {
+        self.ask(|reply| Job::Agreement { reply })?
     }
     fn reserve(&mut self, positions: usize) {
         let _ = self.send(Job::Reserve(positions));

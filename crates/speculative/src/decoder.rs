@@ -131,6 +131,12 @@ pub struct SpeculativeDecoder {
     target: Option<Tracked>,
     key: SeededKey,
     counters: Counters,
+    /// A plain stretch ended with the drafter catching up on its own thread: its agreement
+    /// ([`Drafter::agreement`]) goes to the policy before the next cycle.
+    agreement_due: bool,
+    /// An error of the drafter met where none can be returned ([`Speculator::plain_tokens`]),
+    /// for the next cycle.
+    deferred: Option<ModelError>,
 }
 
 impl SpeculativeDecoder {
@@ -152,6 +158,8 @@ impl SpeculativeDecoder {
             target: None,
             key: SeededKey::new(2),
             counters: Counters::default(),
+            agreement_due: false,
+            deferred: None,
         }
     }
 
@@ -174,6 +182,8 @@ impl SpeculativeDecoder {
             target: None,
             key: SeededKey::new(2),
             counters: Counters::default(),
+            agreement_due: false,
+            deferred: None,
         }
     }
 
@@ -385,12 +395,19 @@ impl SpeculativeDecoder {
 }
 
 impl Speculator for SpeculativeDecoder {
+    /// With adaptive depth and a drafter that measures its agreement while it catches up on
+    /// its own thread, the generation opens with a plain stretch ([`crate::Adaptive::with_opening`]):
+    /// a draft that agrees with none of its tokens never drafts, where a speculative opening
+    /// cycle would first wait for the draft's prefill of the prompt.
     fn start(&mut self) {
         self.target = None;
+        let opens = self.ahead == DraftAhead::Background && self.drafter.measures_agreement();
         self.policy = match self.depth {
+            Depth::Adaptive(max) if opens => Some(crate::Adaptive::new(max).with_opening()),
             Depth::Adaptive(max) => Some(crate::Adaptive::new(max)),
             Depth::Fixed(_) => None,
         };
+        self.agreement_due = false;
         self.counters = Counters::default();
     }
 
@@ -415,6 +432,9 @@ impl Speculator for SpeculativeDecoder {
         sampler: &mut Sampler,
         max: usize,
     ) -> Result<Vec<Token>> {
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
+        }
         let Some((&last, before)) = history.split_last() else {
             return Err(ModelError::InvalidInput(
                 "a speculative cycle needs a non-empty history".into(),
@@ -559,14 +579,34 @@ impl Speculator for SpeculativeDecoder {
     }
 
     /// With adaptive depth settled on plain decoding, the cycles until its next probe (all the
-    /// rest for a drafter it leaves out); none for drafters that follow the target's hidden
-    /// states (they need every step's).
+    /// rest for a drafter it leaves out), or its opening stretch; none for drafters that follow
+    /// the target's hidden states (they need every step's). After a stretch during which the
+    /// drafter caught up on its own thread, the policy first reads its agreement over the
+    /// stretch ([`crate::Adaptive::observe_agreement`]).
     fn plain_tokens(&mut self, _history: &[u32]) -> usize {
-        if self.target.is_none() || self.drafter.wants_target_hidden() || !self.drafter.target_taps().is_empty() {
+        if self.drafter.wants_target_hidden() || !self.drafter.target_taps().is_empty() {
+            return 0;
+        }
+        let opening = self.policy.as_ref().is_some_and(crate::Adaptive::opens);
+        if self.target.is_none() && !opening {
             return 0;
         }
         if matches!(self.depth, Depth::Adaptive(_)) && matches!(self.outweighed, Some((_, true))) {
             return usize::MAX;
+        }
+        if std::mem::take(&mut self.agreement_due) {
+            match self.drafter.agreement() {
+                Ok(agreed) => {
+                    if let Some(p) = &mut self.policy {
+                        p.observe_agreement(&agreed);
+                    }
+                }
+                // the next cycle reports it
+                Err(e) => {
+                    self.deferred = Some(e);
+                    return 0;
+                }
+            }
         }
         self.policy.as_ref().map_or(0, crate::Adaptive::plain_run)
     }
@@ -577,6 +617,9 @@ impl Speculator for SpeculativeDecoder {
     /// the last time with [`SpeculativeDecoder::CATCH_UP_LEAD`] tokens to come: the probe after
     /// the stretch then catches up over that many and the newest token, not the window.
     fn plain_progress(&mut self, history: &[u32], left: usize) -> Result<()> {
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
+        }
         // every CATCH_UP_EVERY tokens (more often in a shorter window), the last with
         // CATCH_UP_LEAD tokens to come
         let every = self.catch_up_window.map_or(Self::CATCH_UP_EVERY, |w| Self::CATCH_UP_EVERY.min(w / 2).max(1));
@@ -607,6 +650,7 @@ impl Speculator for SpeculativeDecoder {
         }
         if let Some(p) = &mut self.policy {
             p.observe_plain(n, secs);
+            self.agreement_due = matches!(self.drafter, Slot::Thread(_)) && self.drafter.measures_agreement();
         }
     }
 }

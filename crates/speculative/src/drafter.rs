@@ -114,6 +114,20 @@ pub trait Drafter: Send {
     fn catch_up(&mut self, _history: &[u32], _window: usize) -> Result<()> {
         Ok(())
     }
+    /// Whether [`Drafter::agreement`] measures anything. Default: `false`.
+    fn measures_agreement(&self) -> bool {
+        false
+    }
+    /// What [`Drafter::catch_up`] has learned since the last call (or the last
+    /// [`Drafter::prefill`]), in order: for each history token it ran, whether its greedy guess
+    /// after that token was the history's next one, that is, whether a proposal from there
+    /// would have had its first draft accepted at temperature 0 without penalties
+    /// (teacher-forced agreement, measured for the price of the catch-up's logits). A run of
+    /// agreements from a position is how many drafts a proposal from there would have had
+    /// accepted. Waits for the catch-ups queued so far. Default: nothing measured (empty).
+    fn agreement(&mut self) -> Result<Vec<bool>> {
+        Ok(Vec::new())
+    }
     /// The history may reach `positions` tokens in this generation
     /// ([`mlx_models::Speculator::reserve`]): a drafter with flat K/V storage of its own sizes
     /// it for them ([`Cache::reserve`]) when it next runs, so that it does not regrow while
@@ -316,6 +330,9 @@ pub struct DraftModel {
     reserve: usize,
     /// Tokens run by [`Drafter::catch_up`], over its life.
     caught_up: usize,
+    /// [`Drafter::catch_up`]'s greedy guesses (`[n]` u32, not yet read) and the history tokens
+    /// that followed, for [`Drafter::agreement`].
+    guessed: Vec<(Array, Vec<u32>)>,
 }
 
 /// Greedy guesses drawn by [`Drafter::draft_ahead`], not yet read on the host.
@@ -351,6 +368,7 @@ impl DraftModel {
             restarts: 0,
             reserve: 0,
             caught_up: 0,
+            guessed: Vec::new(),
         }
     }
 
@@ -424,6 +442,22 @@ impl DraftModel {
             self.tracked.fed(piece);
         }
         self.cache.async_eval_with(&[])
+    }
+
+    /// [`DraftModel::feed`] with logits: each piece's greedy guesses are kept with `next` (the
+    /// token after each of `toks`) for [`Drafter::agreement`].
+    fn feed_guessing(&mut self, toks: &[u32], next: &[u32]) -> Result<()> {
+        debug_assert_eq!(toks.len(), next.len());
+        let piece = self.catch_up_pieces.unwrap_or(toks.len()).max(1);
+        for (p, n) in toks.chunks(piece).zip(next.chunks(piece)) {
+            let out = forward(&self.model, &mut self.cache, &row(p)?, Logits::All, false)?;
+            let logits = out.logits.ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?;
+            let guesses = logits.reshape(&[p.len() as i32, -1])?.argmax(-1, false)?.astype(DType::U32)?;
+            self.tracked.fed(p);
+            self.cache.async_eval_with(&[&guesses])?;
+            self.guessed.push((guesses, n.to_vec()));
+        }
+        Ok(())
     }
 
     /// One forward of `toks` (`[1, L]`) into the draft's cache: the last position's logits,
@@ -609,7 +643,23 @@ impl Drafter for DraftModel {
         self.skipped(before, window - 1);
         let rest = self.hold_prefix(before)?;
         self.caught_up += rest.len();
-        self.feed(&rest)
+        // the token after each: the rest of `rest`, then the history's newest
+        let next: Vec<u32> = history[history.len() - rest.len()..].to_vec();
+        self.feed_guessing(&rest, &next)
+    }
+
+    fn measures_agreement(&self) -> bool {
+        true
+    }
+
+    fn agreement(&mut self) -> Result<Vec<bool>> {
+        let guessed = std::mem::take(&mut self.guessed);
+        mlx_array::eval(&guessed.iter().map(|(g, _)| g).collect::<Vec<_>>())?;
+        let mut agreed = Vec::new();
+        for (g, next) in guessed {
+            agreed.extend(g.to_vec::<u32>()?.iter().zip(&next).map(|(g, n)| g == n));
+        }
+        Ok(agreed)
     }
 
     fn reserve(&mut self, positions: usize) {
@@ -618,6 +668,8 @@ impl Drafter for DraftModel {
 
     fn prefill(&mut self, history: &[u32]) -> Result<()> {
         self.check_vocab(history)?;
+        // a new history: what catching up learned of the last one is stale
+        self.guessed.clear();
         // guesses drawn ahead in an earlier generation: the cache holds them
         self.resolve_ahead()?;
         let rest = self.hold_prefix(history)?;

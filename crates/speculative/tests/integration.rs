@@ -237,6 +237,82 @@ fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
     }
 }
 
+/// With adaptive depth and the draft model on its own thread, a generation opens with a plain
+/// stretch during which the draft catches up and measures its agreement: a self-draft (its
+/// weights not weighed against the target's, so that adaptive depth asks it) then drafts the
+/// maximum depth from its first proposal, where on the decoder's thread its first proposal is
+/// one draft; a draft agreeing nowhere is never asked to draft. Output is plain greedy
+/// decoding's.
+#[test]
+fn an_opening_stretch_decides_exploring_on_the_drafts_thread() {
+    use mlx_speculative::{Draft, Drafter};
+    use std::sync::{Arc, Mutex};
+    /// A draft model recording the depth of each proposal, its weight unknown.
+    struct Counted(DraftModel, Arc<Mutex<Vec<usize>>>);
+    impl Drafter for Counted {
+        fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<Draft> {
+            self.1.lock().unwrap().push(k);
+            self.0.propose(history, k, s)
+        }
+        fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
+            self.0.draft_ahead(history, drafts, steps, until)
+        }
+        fn runs_ahead(&self) -> bool {
+            self.0.runs_ahead()
+        }
+        fn settle(&mut self) -> mlx_models::Result<()> {
+            self.0.settle()
+        }
+        fn skipped(&mut self, history: &[u32], window: usize) {
+            self.0.skipped(history, window)
+        }
+        fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
+            self.0.catch_up(history, window)
+        }
+        fn measures_agreement(&self) -> bool {
+            self.0.measures_agreement()
+        }
+        fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
+            self.0.agreement()
+        }
+        fn reserve(&mut self, positions: usize) {
+            self.0.reserve(positions)
+        }
+        fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
+            self.0.prefill(history)
+        }
+        fn vocab_size(&self) -> usize {
+            self.0.vocab_size()
+        }
+        fn default_depth(&self) -> usize {
+            self.0.default_depth()
+        }
+    }
+    let mut rng = Rng(45);
+    let target = load("qwen3", KvCacheMode::Flat);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 64);
+    for (draft, ahead) in [("qwen3", DraftAhead::Background), ("qwen3", DraftAhead::Steps(0)), ("qwen3_untied_q8g32", DraftAhead::Background)] {
+        let label = format!("{draft}, {ahead}");
+        let depths = Arc::new(Mutex::new(Vec::new()));
+        let d = Counted(DraftModel::new(load(draft, KvCacheMode::Flat)), depths.clone());
+        let mut spec = SpeculativeDecoder::adaptive(Box::new(d), Some(4)).with_draft_ahead(ahead).unwrap();
+        let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(64, vec![]));
+        assert_eq!(got, want, "{label}");
+        let depths = depths.lock().unwrap().clone();
+        match (draft, ahead) {
+            ("qwen3", DraftAhead::Background) => {
+                assert_eq!(depths.first(), Some(&4), "{label}: {depths:?}");
+                assert!(st.acceptance_by_position.iter().all(|&a| a == 1.0), "{label}: {st:?}");
+            }
+            ("qwen3", _) => assert_eq!(depths.first(), Some(&mlx_speculative::Adaptive::FIRST_DEPTH), "{label}: {depths:?}"),
+            _ => {
+                assert!(depths.is_empty(), "{label}: {depths:?}");
+                assert_eq!((st.cycles, st.depth_mean), (64 - 1, 0.0), "{label}: {st:?}");
+            }
+        }
+    }
+}
+
 /// [`Drafter::skipped`]: a draft model lacking at most the window catches up; lacking more, its
 /// next proposal is a fresh drafter's on the window alone (the history's last `window` tokens),
 /// and later ones continue that context; a new history (a new generation) starts over from
@@ -377,6 +453,56 @@ fn catching_up_at_random_cadences_drafts_what_the_probe_would() {
     }
 }
 
+/// [`Drafter::agreement`]: after catch-ups over a stretch (at the decoder's cadence, in pieces
+/// and whole), whether the draft's greedy guess after each caught-up token was the next one, as
+/// the draft model's own forward over the whole history says. The stretch is the draft's own
+/// greedy continuation (agreed throughout), then random tokens; flat and paged caches and a
+/// recurrent draft. Asking again gives nothing new, and a new prefill forgets what was measured.
+#[test]
+fn catching_up_measures_the_drafts_agreement() {
+    use mlx_models::Logits;
+    use mlx_speculative::Drafter;
+    let mut rng = Rng(44);
+    for (name, kv) in [("qwen3", KvCacheMode::Flat), ("qwen3", paged(4)), ("lfm2", KvCacheMode::Flat)] {
+        let model = load(name, kv.clone());
+        let vocab = model.info().vocab_size;
+        let (prompt, own) = gapped_greedy(&model, &mut rng, 10, 12);
+        let mut history = prompt.clone();
+        history.extend_from_slice(&own);
+        history.extend(rng.tokens(14, vocab));
+        for pieces in [None, Some(3)] {
+            let label = format!("{name} {kv:?}, pieces {pieces:?}");
+            let mut d = DraftModel::new(model.clone()).with_catch_up_pieces(pieces);
+            d.prefill(&prompt).unwrap();
+            // every 5 tokens of the stretch, the last with 2 to come
+            let cuts: Vec<usize> = (prompt.len() + 2..history.len() - 2).step_by(5).collect();
+            for &cut in &cuts {
+                d.catch_up(&history[..cut], 64).unwrap();
+            }
+            let agreed = d.agreement().unwrap();
+            // the tokens from the prompt's end to the last catch-up's but its newest
+            let last = *cuts.last().unwrap();
+            assert_eq!(agreed.len(), last - 1 - prompt.len(), "{label}");
+            let mut cache = model.new_cache();
+            let logits = model
+                .forward(&mlx_array::Array::from_slice(&history[..last - 1], &[1, last - 1]).unwrap(), &mut cache, Logits::All, false)
+                .unwrap()
+                .logits
+                .unwrap();
+            let guesses = ids(&logits.reshape(&[(last - 1) as i32, -1]).unwrap().argmax(-1, false).unwrap());
+            let want: Vec<bool> = (prompt.len()..last - 1).map(|p| guesses[p] == history[p + 1]).collect();
+            assert_eq!(agreed, want, "{label}");
+            // the draft's own greedy tokens agree, the random ones mostly not
+            assert!(agreed[..own.len() - 1].iter().all(|&a| a), "{label}: {agreed:?}");
+            assert!(agreed[own.len()..].iter().filter(|&&a| a).count() < 3, "{label}: {agreed:?}");
+            assert!(d.agreement().unwrap().is_empty(), "{label}: asked again");
+            d.catch_up(&history, 64).unwrap();
+            d.prefill(&history[..5]).unwrap();
+            assert!(d.agreement().unwrap().is_empty(), "{label}: after a new prefill");
+        }
+    }
+}
+
 /// A draft model's catching up in pieces (as on a GPU) drafts what catching up in one forward
 /// does: the same draft distributions (within f32 rounding of attention split over pieces) and
 /// tokens, for the opening catch-up over a whole prompt and for one over a long gap of tokens
@@ -457,6 +583,12 @@ impl mlx_speculative::Drafter for Shared {
     }
     fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
         self.0.lock().unwrap().catch_up(history, window)
+    }
+    fn measures_agreement(&self) -> bool {
+        self.0.lock().unwrap().measures_agreement()
+    }
+    fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
+        self.0.lock().unwrap().agreement()
     }
     fn reserve(&mut self, positions: usize) {
         self.0.lock().unwrap().reserve(positions)
