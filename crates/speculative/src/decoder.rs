@@ -291,7 +291,9 @@ impl SpeculativeDecoder {
     /// the drafter's own steps (in a fresh process 55-75 ms in the first cycle of a generation on
     /// an H100, then more at each new depth). With adaptive depth and the drafter on its own
     /// thread, also the first draft forward of a probe after a plain stretch
-    /// ([`SpeculativeDecoder::CATCH_UP_LEAD`] + 1 rows). Leaves the decoder as [`Speculator::start`] does;
+    /// ([`SpeculativeDecoder::CATCH_UP_LEAD`] + 1 rows), and, for a drafter that measures its
+    /// agreement, the catch-ups of the opening stretch and of a whole
+    /// [`SpeculativeDecoder::CATCH_UP_EVERY`] tokens. Leaves the decoder as [`Speculator::start`] does;
     /// the drafter keeps no state that a later generation does not replace. Sampling at
     /// temperature > 0 runs other verifier ops, which are not warmed.
     pub fn warm_up(&mut self, target: &Model) -> Result<()> {
@@ -316,12 +318,23 @@ impl SpeculativeDecoder {
             me.cycle(target, &mut cache, history, &mut sampler, d + 1).map(|_| ())
         };
         let result = depths.into_iter().filter(|&d| d > 0).try_for_each(|d| run(self, d, &[0, 0])).and_then(|()| {
+            if !matches!(depth, Depth::Adaptive(_)) || left_out || !matches!(self.drafter, Slot::Thread(_)) {
+                return Ok(());
+            }
             // a probe after a plain stretch with the drafter on its own thread: its first draft
             // forward runs the tokens after the last catch-up (a history the draft holds none of)
-            match depth {
-                Depth::Adaptive(_) if !left_out && matches!(self.drafter, Slot::Thread(_)) => run(self, 1, &[1; Self::CATCH_UP_LEAD + 1]),
-                _ => Ok(()),
+            run(self, 1, &[1; Self::CATCH_UP_LEAD + 1])?;
+            if !self.drafter.measures_agreement() {
+                return Ok(());
             }
+            // catch-ups with their guesses: the opening stretch's (the tokens before its lead)
+            // and a whole spacing's
+            let opening = crate::Adaptive::OPENING - Self::CATCH_UP_LEAD;
+            let history = vec![2u32; 2 + opening + Self::CATCH_UP_EVERY];
+            self.drafter.prefill(&history[..1])?;
+            self.drafter.catch_up(&history[..2 + opening], Self::CATCH_UP_WINDOW)?;
+            self.drafter.catch_up(&history, Self::CATCH_UP_WINDOW)?;
+            self.drafter.agreement().map(|_| ())
         });
         self.depth = depth;
         self.start();
