@@ -274,8 +274,9 @@ fn main() -> Res<()> {
         let t = Instant::now();
         dec.warm_up(&target)?;
         println!("warm-up: {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
-        // what the warm-up's catch-ups measured is no generation's
+        // the warm-up's catch-ups and what they measured are no generation's
         agreement.lock().expect("agreement").take();
+        *catch_ups.lock().expect("catch-ups") = (0, 0.0);
     }
     println!("device {:?}, depth {} ({}), draft ahead {}, {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, dec.draft_ahead(), cli.new);
     for run in 0..cli.runs {
