@@ -313,6 +313,66 @@ fn an_opening_stretch_decides_exploring_on_the_drafts_thread() {
     }
 }
 
+/// A drafter whose agreement cannot be read (its thread fails) ends the generation with that
+/// error, typed, at the cycle after the opening stretch: the tokens before it are plain greedy
+/// decoding's.
+#[test]
+fn an_agreement_that_fails_ends_the_generation_with_its_error() {
+    use mlx_speculative::{Draft, Drafter};
+    struct Fails(DraftModel);
+    impl Drafter for Fails {
+        fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<Draft> {
+            self.0.propose(history, k, s)
+        }
+        fn runs_ahead(&self) -> bool {
+            true
+        }
+        fn settle(&mut self) -> mlx_models::Result<()> {
+            self.0.settle()
+        }
+        fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
+            self.0.catch_up(history, window)
+        }
+        fn measures_agreement(&self) -> bool {
+            true
+        }
+        fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
+            Err(mlx_models::ModelError::Worker("no agreement today".into()))
+        }
+        fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
+            self.0.prefill(history)
+        }
+        fn vocab_size(&self) -> usize {
+            self.0.vocab_size()
+        }
+        fn default_depth(&self) -> usize {
+            self.0.default_depth()
+        }
+    }
+    let mut rng = Rng(46);
+    let target = load("qwen3", KvCacheMode::Flat);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 24);
+    let d = Fails(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat)));
+    let mut spec = SpeculativeDecoder::adaptive(Box::new(d), Some(4)).with_draft_ahead(DraftAhead::Background).unwrap();
+    let mut cache = target.new_cache();
+    let gen = generate(&target, &mut cache, &prompt, cfg(24, vec![])).unwrap().with_speculator(&mut spec);
+    let mut got = Vec::new();
+    let mut error = None;
+    for t in gen {
+        match t {
+            Ok(t) => got.push(t.id),
+            Err(e) => {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let e = error.expect("the generation reports the drafter's error");
+    assert!(e.contains("no agreement today"), "{e}");
+    // the first token and the opening stretch
+    assert_eq!(got, want[..1 + mlx_speculative::Adaptive::OPENING], "{e}");
+}
+
 /// [`Drafter::skipped`]: a draft model lacking at most the window catches up; lacking more, its
 /// next proposal is a fresh drafter's on the window alone (the history's last `window` tokens),
 /// and later ones continue that context; a new history (a new generation) starts over from
