@@ -237,6 +237,57 @@ fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
     }
 }
 
+/// A draft model recording the depth of each proposal, its weight unknown (adaptive depth then
+/// asks a self-draft), and with `agreement_fails` an error for its agreement.
+struct Recorded {
+    inner: DraftModel,
+    depths: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
+    agreement_fails: bool,
+}
+
+impl mlx_speculative::Drafter for Recorded {
+    fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
+        self.depths.lock().unwrap().push(k);
+        self.inner.propose(history, k, s)
+    }
+    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
+        self.inner.draft_ahead(history, drafts, steps, until)
+    }
+    fn runs_ahead(&self) -> bool {
+        self.inner.runs_ahead()
+    }
+    fn settle(&mut self) -> mlx_models::Result<()> {
+        self.inner.settle()
+    }
+    fn skipped(&mut self, history: &[u32], window: usize) {
+        self.inner.skipped(history, window)
+    }
+    fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
+        self.inner.catch_up(history, window)
+    }
+    fn measures_agreement(&self) -> bool {
+        self.inner.measures_agreement()
+    }
+    fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
+        if self.agreement_fails {
+            return Err(mlx_models::ModelError::Worker("no agreement today".into()));
+        }
+        self.inner.agreement()
+    }
+    fn reserve(&mut self, positions: usize) {
+        self.inner.reserve(positions)
+    }
+    fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
+        self.inner.prefill(history)
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn default_depth(&self) -> usize {
+        self.inner.default_depth()
+    }
+}
+
 /// With adaptive depth and the draft model on its own thread, a generation opens with a plain
 /// stretch during which the draft catches up and measures its agreement: a self-draft (its
 /// weights not weighed against the target's, so that adaptive depth asks it) then drafts the
@@ -245,56 +296,14 @@ fn adaptive_depth_with_a_catch_up_window_keeps_the_output() {
 /// decoding's.
 #[test]
 fn an_opening_stretch_decides_exploring_on_the_drafts_thread() {
-    use mlx_speculative::{Draft, Drafter};
     use std::sync::{Arc, Mutex};
-    /// A draft model recording the depth of each proposal, its weight unknown.
-    struct Counted(DraftModel, Arc<Mutex<Vec<usize>>>);
-    impl Drafter for Counted {
-        fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<Draft> {
-            self.1.lock().unwrap().push(k);
-            self.0.propose(history, k, s)
-        }
-        fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
-            self.0.draft_ahead(history, drafts, steps, until)
-        }
-        fn runs_ahead(&self) -> bool {
-            self.0.runs_ahead()
-        }
-        fn settle(&mut self) -> mlx_models::Result<()> {
-            self.0.settle()
-        }
-        fn skipped(&mut self, history: &[u32], window: usize) {
-            self.0.skipped(history, window)
-        }
-        fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
-            self.0.catch_up(history, window)
-        }
-        fn measures_agreement(&self) -> bool {
-            self.0.measures_agreement()
-        }
-        fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
-            self.0.agreement()
-        }
-        fn reserve(&mut self, positions: usize) {
-            self.0.reserve(positions)
-        }
-        fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
-            self.0.prefill(history)
-        }
-        fn vocab_size(&self) -> usize {
-            self.0.vocab_size()
-        }
-        fn default_depth(&self) -> usize {
-            self.0.default_depth()
-        }
-    }
     let mut rng = Rng(45);
     let target = load("qwen3", KvCacheMode::Flat);
     let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 64);
     for (draft, ahead) in [("qwen3", DraftAhead::Background), ("qwen3", DraftAhead::Steps(0)), ("qwen3_untied_q8g32", DraftAhead::Background)] {
         let label = format!("{draft}, {ahead}");
         let depths = Arc::new(Mutex::new(Vec::new()));
-        let d = Counted(DraftModel::new(load(draft, KvCacheMode::Flat)), depths.clone());
+        let d = Recorded { inner: DraftModel::new(load(draft, KvCacheMode::Flat)), depths: depths.clone(), agreement_fails: false };
         let mut spec = SpeculativeDecoder::adaptive(Box::new(d), Some(4)).with_draft_ahead(ahead).unwrap();
         let (got, st, _) = run_spec(&target, &mut spec, &prompt, cfg(64, vec![]));
         assert_eq!(got, want, "{label}");
@@ -318,41 +327,10 @@ fn an_opening_stretch_decides_exploring_on_the_drafts_thread() {
 /// decoding's.
 #[test]
 fn an_agreement_that_fails_ends_the_generation_with_its_error() {
-    use mlx_speculative::{Draft, Drafter};
-    struct Fails(DraftModel);
-    impl Drafter for Fails {
-        fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<Draft> {
-            self.0.propose(history, k, s)
-        }
-        fn runs_ahead(&self) -> bool {
-            true
-        }
-        fn settle(&mut self) -> mlx_models::Result<()> {
-            self.0.settle()
-        }
-        fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
-            self.0.catch_up(history, window)
-        }
-        fn measures_agreement(&self) -> bool {
-            true
-        }
-        fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
-            Err(mlx_models::ModelError::Worker("no agreement today".into()))
-        }
-        fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
-            self.0.prefill(history)
-        }
-        fn vocab_size(&self) -> usize {
-            self.0.vocab_size()
-        }
-        fn default_depth(&self) -> usize {
-            self.0.default_depth()
-        }
-    }
     let mut rng = Rng(46);
     let target = load("qwen3", KvCacheMode::Flat);
     let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 24);
-    let d = Fails(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat)));
+    let d = Recorded { inner: DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat)), depths: Default::default(), agreement_fails: true };
     let mut spec = SpeculativeDecoder::adaptive(Box::new(d), Some(4)).with_draft_ahead(DraftAhead::Background).unwrap();
     let mut cache = target.new_cache();
     let gen = generate(&target, &mut cache, &prompt, cfg(24, vec![])).unwrap().with_speculator(&mut spec);
