@@ -325,3 +325,32 @@ fn main() -> Res<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `TimedDrafter` passes every call on: what the drafter says of itself, and the catch-ups
+    /// and agreement of a draft model on its own thread (a wrapper that let one fall to the
+    /// trait's default would switch that behaviour off in the traces without a word).
+    #[test]
+    fn the_timed_drafter_passes_every_call_on() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crates/models/tests/fixtures/tiny/qwen3");
+        let model = mlx_models::load_model(&dir, &Default::default()).unwrap().into_lm().unwrap();
+        let inner = mlx_speculative::DraftModel::new(model.clone());
+        let facts = |d: &dyn Drafter| (d.runs_ahead(), d.measures_agreement(), d.weight_bytes(), d.vocab_size(), d.default_depth(), d.max_depth(), d.wants_target_hidden(), d.target_taps().to_vec());
+        let want = facts(&inner);
+        let (last, catch_ups, agreement): (Clock, CatchUps, Agreement) = Default::default();
+        let mut timed = TimedDrafter { inner: Box::new(inner), last: last.clone(), catch_ups: catch_ups.clone(), agreement: agreement.clone() };
+        assert_eq!(facts(&timed), want);
+        let history: Vec<u32> = (1..30).collect();
+        timed.prefill(&history[..10]).unwrap();
+        timed.catch_up(&history[..20], 64).unwrap();
+        assert_eq!(catch_ups.lock().unwrap().0, 1);
+        assert_eq!(timed.agreement().unwrap().len(), 9, "the catch-up's tokens, measured by the draft model");
+        assert_eq!(agreement.lock().unwrap().map(|(n, _, _)| n), Some(9));
+        let draft = timed.propose(&history, 3, &SamplingConfig::greedy()).unwrap();
+        assert_eq!(draft.tokens.len(), 3);
+        assert!(last.lock().unwrap().is_some());
+    }
+}
