@@ -431,33 +431,28 @@ impl DraftModel {
         Ok(context(self.start, before)[held..].to_vec())
     }
 
-    /// Run `toks` into the cache without logits, in pieces of [`DraftModel::with_catch_up_pieces`]
-    /// (queued, not waited for).
-    fn feed(&mut self, toks: &[u32]) -> Result<()> {
+    /// Run `toks` into the cache in pieces of [`DraftModel::with_catch_up_pieces`] (queued, not
+    /// waited for): without logits, or with `next` (the token after each of `toks`) keeping each
+    /// piece's greedy guesses for [`Drafter::agreement`].
+    fn feed(&mut self, toks: &[u32], next: Option<&[u32]>) -> Result<()> {
         if toks.is_empty() {
             return Ok(());
         }
-        for piece in toks.chunks(self.catch_up_pieces.unwrap_or(toks.len())) {
-            forward(&self.model, &mut self.cache, &row(piece)?, Logits::None, false)?;
-            self.tracked.fed(piece);
-        }
-        self.cache.async_eval_with(&[])
-    }
-
-    /// [`DraftModel::feed`] with logits: each piece's greedy guesses are kept with `next` (the
-    /// token after each of `toks`) for [`Drafter::agreement`].
-    fn feed_guessing(&mut self, toks: &[u32], next: &[u32]) -> Result<()> {
-        debug_assert_eq!(toks.len(), next.len());
-        let piece = self.catch_up_pieces.unwrap_or(toks.len()).max(1);
-        for (p, n) in toks.chunks(piece).zip(next.chunks(piece)) {
-            let out = forward(&self.model, &mut self.cache, &row(p)?, Logits::All, false)?;
-            let logits = out.logits.ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?;
-            let guesses = logits.reshape(&[p.len() as i32, -1])?.argmax(-1, false)?.astype(DType::U32)?;
+        debug_assert!(next.is_none_or(|n| n.len() == toks.len()));
+        let piece = self.catch_up_pieces.unwrap_or(toks.len());
+        let logits = if next.is_some() { Logits::All } else { Logits::None };
+        let from = self.guessed.len();
+        for (i, p) in toks.chunks(piece).enumerate() {
+            let out = forward(&self.model, &mut self.cache, &row(p)?, logits, false)?;
             self.tracked.fed(p);
-            self.cache.async_eval_with(&[&guesses])?;
-            self.guessed.push((guesses, n.to_vec()));
+            if let Some(next) = next {
+                let logits = out.logits.ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?;
+                let guesses = logits.reshape(&[p.len() as i32, -1])?.argmax(-1, false)?.astype(DType::U32)?;
+                self.guessed.push((guesses, next[i * piece..i * piece + p.len()].to_vec()));
+            }
         }
-        Ok(())
+        let guesses: Vec<&Array> = self.guessed[from..].iter().map(|(g, _)| g).collect();
+        self.cache.async_eval_with(&guesses)
     }
 
     /// One forward of `toks` (`[1, L]`) into the draft's cache: the last position's logits,
@@ -546,7 +541,7 @@ impl Drafter for DraftModel {
             first.push(last);
             // all but the last piece (1..=piece tokens) fed ahead of the first draw
             let head = self.catch_up_pieces.map_or(0, |p| (first.len() - 1) / p * p);
-            self.feed(&first[..head])?;
+            self.feed(&first[..head], None)?;
             first.drain(..head);
             first
         };
@@ -645,7 +640,7 @@ impl Drafter for DraftModel {
         self.caught_up += rest.len();
         // the token after each: the rest of `rest`, then the history's newest
         let next: Vec<u32> = history[history.len() - rest.len()..].to_vec();
-        self.feed_guessing(&rest, &next)
+        self.feed(&rest, Some(&next))
     }
 
     fn measures_agreement(&self) -> bool {
@@ -673,7 +668,7 @@ impl Drafter for DraftModel {
         // guesses drawn ahead in an earlier generation: the cache holds them
         self.resolve_ahead()?;
         let rest = self.hold_prefix(history)?;
-        self.feed(&rest)
+        self.feed(&rest, None)
     }
 
     fn weight_bytes(&self) -> Option<u64> {
