@@ -337,7 +337,7 @@ mod tests {
     fn the_timed_drafter_passes_every_call_on() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crates/models/tests/fixtures/tiny/qwen3");
         let model = mlx_models::load_model(&dir, &Default::default()).unwrap().into_lm().unwrap();
-        let inner = mlx_speculative::DraftModel::new(model.clone());
+        let inner = mlx_speculative::DraftModel::new(model);
         let facts = |d: &dyn Drafter| (d.runs_ahead(), d.measures_agreement(), d.weight_bytes(), d.vocab_size(), d.default_depth(), d.max_depth(), d.wants_target_hidden(), d.target_taps().to_vec());
         let want = facts(&inner);
         let (last, catch_ups, agreement): (Clock, CatchUps, Agreement) = Default::default();

@@ -148,19 +148,7 @@ impl SpeculativeDecoder {
                 .max_depth()
                 .map_or(depth, |m| depth.clamp(1, m.max(1))),
         );
-        SpeculativeDecoder {
-            ahead: Self::draft_ahead_for(drafter.as_ref()),
-            drafter: Slot::Here(drafter),
-            depth,
-            catch_up_window: Some(Self::CATCH_UP_WINDOW),
-            policy: None,
-            outweighed: None,
-            target: None,
-            key: SeededKey::new(2),
-            counters: Counters::default(),
-            agreement_due: false,
-            deferred: None,
-        }
+        Self::with_depth(drafter, depth)
     }
 
     /// Adaptive depth ([`crate::Adaptive`]) up to `max` drafts per cycle (`None`: the drafter's
@@ -172,10 +160,15 @@ impl SpeculativeDecoder {
     pub fn adaptive(drafter: Box<dyn Drafter>, max: Option<usize>) -> Self {
         let max = max.unwrap_or_else(|| drafter.default_depth()).max(1);
         let max = drafter.max_depth().map_or(max, |m| max.min(m.max(1)));
+        Self::with_depth(drafter, Depth::Adaptive(max))
+    }
+
+    /// A decoder drafting `depth` with `drafter`, every other setting at its default.
+    fn with_depth(drafter: Box<dyn Drafter>, depth: Depth) -> Self {
         SpeculativeDecoder {
             ahead: Self::draft_ahead_for(drafter.as_ref()),
             drafter: Slot::Here(drafter),
-            depth: Depth::Adaptive(max),
+            depth,
             catch_up_window: Some(Self::CATCH_UP_WINDOW),
             policy: None,
             outweighed: None,
