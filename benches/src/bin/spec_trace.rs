@@ -11,8 +11,13 @@
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
 //!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up] [--draft-ahead N|until-verified]
-//!            [--plain] [--chat TEXT]
+//!            [--plain] [--chat TEXT] [--prompt-step N]
 //! ```
+//!
+//! `--prompt-step N` lengthens each run's prompt by N ids over the run before (run r prompts with
+//! `--prompt` + r N ids): with N past the first run's last position, no later run repeats a
+//! history length of an earlier one, so what a later run saves over the first is not a cache of
+//! shapes seen before.
 //!
 //! `--chat TEXT` prompts with TEXT as a user message in the target's chat template (natural
 //! text) instead of `--prompt` ids.
@@ -68,6 +73,9 @@ struct Cli {
     /// Prompt with this user message in the target's chat template instead of --prompt ids.
     #[arg(long)]
     chat: Option<String>,
+    /// Each run's prompt is this many ids longer than the run before's (not with --chat).
+    #[arg(long, default_value_t = 0)]
+    prompt_step: usize,
 }
 
 /// The drafter's time of its last proposal, shared with the tracer.
@@ -254,6 +262,9 @@ fn main() -> Res<()> {
     if cli.depth == 0 || cli.new < 2 || cli.m.prompt == 0 {
         return Err("--depth and --prompt must be positive and --new at least 2".into());
     }
+    if cli.chat.is_some() && cli.prompt_step > 0 {
+        return Err("--prompt-step lengthens --prompt ids, not a --chat prompt".into());
+    }
     let (opts, _) = cli.m.load_options()?;
     let target = mlx_models::load_model(&cli.m.model, &opts)?.into_lm()?;
     let (clock, catch_ups, agreement): (Clock, CatchUps, Agreement) = Default::default();
@@ -263,12 +274,14 @@ fn main() -> Res<()> {
     if let Some(n) = cli.draft_ahead {
         dec = dec.with_draft_ahead(n)?;
     }
-    let prompt = match &cli.chat {
-        Some(text) => {
-            let format = mlx_models::chat::ChatFormat::from_dir(std::path::Path::new(&cli.m.model))?;
-            format.render(&[mlx_models::chat::ChatMessage::user(text.as_str())], &Default::default())?.ids
-        }
-        None => shared::prompt_ids(cli.m.prompt, target.info().vocab_size),
+    let prompt_of = |run: usize| -> Res<Vec<u32>> {
+        Ok(match &cli.chat {
+            Some(text) => {
+                let format = mlx_models::chat::ChatFormat::from_dir(std::path::Path::new(&cli.m.model))?;
+                format.render(&[mlx_models::chat::ChatMessage::user(text.as_str())], &Default::default())?.ids
+            }
+            None => shared::prompt_ids(cli.m.prompt + run * cli.prompt_step, target.info().vocab_size),
+        })
     };
     if cli.warm_up {
         let t = Instant::now();
@@ -280,6 +293,10 @@ fn main() -> Res<()> {
     }
     println!("device {:?}, depth {} ({}), draft ahead {}, {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, dec.draft_ahead(), cli.new);
     for run in 0..cli.runs {
+        let prompt = prompt_of(run)?;
+        if cli.prompt_step > 0 {
+            println!("prompt of run {run}: {} ids", prompt.len());
+        }
         let cfg = GenerateConfig { max_new_tokens: cli.new, sampling: SamplingConfig::greedy(), ..Default::default() };
         let plain = if cli.plain {
             let mut cache = target.new_cache();

@@ -16,6 +16,9 @@
 # draft at adaptive depth, cycle by cycle, each generation after a plain one. GROWTH=1 adds `verify_probe
 # --growth` on the target in fresh processes, without and with `--prewarm` (one-row steps across
 # the flat K/V growth at 256 and 512 positions).
+# SHIFT=N (with TRACE=1) adds `spec_trace --runs 3 --prompt-step N` at the largest K: each run
+# after the first at history lengths no earlier run had (N past the first run's last position),
+# so a later run's saving over the first is no cache of repeated shapes (OUT/trace_shift.log).
 #
 # ENVS="A=1 B=2,C=3" runs plain decoding and each fixed-depth line again per entry, with that
 # entry's variables (comma-separated) set for the process: libmlx's own knobs
@@ -151,6 +154,10 @@ if [ -n "${TRACE:-}" ]; then
     echo "spec_trace K=${KS[-1]} ahead=$a: $(grep '^run' "$OUT/trace_k${KS[-1]}_$a.log" | tr '\n' ' ')"
     [ -z "${BUCKET:-}" ] || echo "spec_trace K=${KS[-1]} ahead=$a bucket=$BUCKET: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet --key-bucket "$BUCKET" "$@" | grep '^run' | tr '\n' ' ')"
   done 2>&1 | tee "$OUT/trace.log"
+  if [ -n "${SHIFT:-}" ]; then
+    "$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 3 --prompt 32 --prompt-step "$SHIFT" --warm-up > "$OUT/trace_shift.log" 2>&1
+    echo "spec_trace K=${KS[-1]} prompt-step $SHIFT: $(grep -E '^(prompt of|run)' "$OUT/trace_shift.log" | tr '\n' ' ')"
+  fi 2>&1 | tee -a "$OUT/trace.log"
   # with USELESS=K: where adaptive depth's time goes with the useless draft, cycle by cycle
   # (plain run first in the same process; full trace in trace_useless.log)
   if [ -n "${USELESS:-}" ]; then
