@@ -98,6 +98,7 @@ struct TimedDrafter {
 }
 
 impl Drafter for TimedDrafter {
+    mlx_speculative::forward_drafter!(inner; except propose, propose_on, catch_up, agreement);
     fn propose(&mut self, history: &[u32], k: usize, sampling: &SamplingConfig) -> MResult<Draft> {
         let t = Instant::now();
         let d = self.inner.propose(history, k, sampling)?;
@@ -110,21 +111,6 @@ impl Drafter for TimedDrafter {
         *self.last.lock().expect("clock") = Some(t.elapsed().as_secs_f64());
         Ok(d)
     }
-    fn target_positions_run(&self) -> usize {
-        self.inner.target_positions_run()
-    }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> MResult<()> {
-        self.inner.draft_ahead(history, drafts, steps, until)
-    }
-    fn runs_ahead(&self) -> bool {
-        self.inner.runs_ahead()
-    }
-    fn settle(&mut self) -> MResult<()> {
-        self.inner.settle()
-    }
-    fn skipped(&mut self, history: &[u32], window: usize) {
-        self.inner.skipped(history, window)
-    }
     fn catch_up(&mut self, history: &[u32], window: usize) -> MResult<()> {
         let t = Instant::now();
         self.inner.catch_up(history, window)?;
@@ -132,42 +118,12 @@ impl Drafter for TimedDrafter {
         *c = (c.0 + 1, c.1 + t.elapsed().as_secs_f64());
         Ok(())
     }
-    fn measures_agreement(&self) -> bool {
-        self.inner.measures_agreement()
-    }
     fn agreement(&mut self) -> MResult<Vec<bool>> {
         let t = Instant::now();
         let agreed = self.inner.agreement()?;
         let n = agreed.iter().filter(|&&a| a).count();
         *self.agreement.lock().expect("agreement") = Some((agreed.len(), n, t.elapsed().as_secs_f64()));
         Ok(agreed)
-    }
-    fn reserve(&mut self, positions: usize) {
-        self.inner.reserve(positions)
-    }
-    fn prefill(&mut self, history: &[u32]) -> MResult<()> {
-        self.inner.prefill(history)
-    }
-    fn feedback(&mut self, f: &Feedback<'_>) -> MResult<()> {
-        self.inner.feedback(f)
-    }
-    fn wants_target_hidden(&self) -> bool {
-        self.inner.wants_target_hidden()
-    }
-    fn target_taps(&self) -> &[usize] {
-        self.inner.target_taps()
-    }
-    fn weight_bytes(&self) -> Option<u64> {
-        self.inner.weight_bytes()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn default_depth(&self) -> usize {
-        self.inner.default_depth()
-    }
-    fn max_depth(&self) -> Option<usize> {
-        self.inner.max_depth()
     }
 }
 

@@ -43,6 +43,7 @@ mod background;
 mod block;
 mod decoder;
 mod drafter;
+mod forward;
 mod load;
 mod mtp;
 mod tracked;
@@ -57,3 +58,10 @@ pub use drafter::{Draft, DraftModel, Drafter, Feedback};
 pub use load::{draft_kind, embedded_draft_dir, load_drafter, load_drafter_for, DraftKind};
 pub use mtp::MtpDrafter;
 pub use verify::Verdict;
+
+/// What [`forward_drafter!`]'s expansion names, for crates that do not depend on these.
+#[doc(hidden)]
+pub mod __macro_support {
+    pub use mlx_models::{Cache, Result};
+    pub use sampling::SamplingConfig;
+}

@@ -246,27 +246,14 @@ struct Recorded {
 }
 
 impl mlx_speculative::Drafter for Recorded {
+    mlx_speculative::forward_drafter!(inner; except propose, propose_on, agreement, weight_bytes);
     fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
         self.depths.lock().unwrap().push(k);
         self.inner.propose(history, k, s)
     }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
-        self.inner.draft_ahead(history, drafts, steps, until)
-    }
-    fn runs_ahead(&self) -> bool {
-        self.inner.runs_ahead()
-    }
-    fn settle(&mut self) -> mlx_models::Result<()> {
-        self.inner.settle()
-    }
-    fn skipped(&mut self, history: &[u32], window: usize) {
-        self.inner.skipped(history, window)
-    }
-    fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
-        self.inner.catch_up(history, window)
-    }
-    fn measures_agreement(&self) -> bool {
-        self.inner.measures_agreement()
+    fn propose_on(&mut self, history: &[u32], k: usize, s: &SamplingConfig, target: &mut mlx_models::Cache) -> mlx_models::Result<mlx_speculative::Draft> {
+        self.depths.lock().unwrap().push(k);
+        self.inner.propose_on(history, k, s, target)
     }
     fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
         if self.agreement_fails {
@@ -274,17 +261,8 @@ impl mlx_speculative::Drafter for Recorded {
         }
         self.inner.agreement()
     }
-    fn reserve(&mut self, positions: usize) {
-        self.inner.reserve(positions)
-    }
-    fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
-        self.inner.prefill(history)
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn default_depth(&self) -> usize {
-        self.inner.default_depth()
+    fn weight_bytes(&self) -> Option<u64> {
+        None
     }
 }
 
@@ -827,25 +805,18 @@ fn drafting_in_the_background_changes_no_output() {
         }
     }
     impl Drafter for Where {
+        mlx_speculative::forward_drafter!(0; except propose, propose_on, draft_ahead);
         fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<Draft> {
             self.note();
             self.0.propose(history, k, s)
         }
+        fn propose_on(&mut self, history: &[u32], k: usize, s: &SamplingConfig, target: &mut mlx_models::Cache) -> mlx_models::Result<Draft> {
+            self.note();
+            self.0.propose_on(history, k, s, target)
+        }
         fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
             self.note();
             self.0.draft_ahead(history, drafts, steps, until)
-        }
-        fn runs_ahead(&self) -> bool {
-            self.0.runs_ahead()
-        }
-        fn settle(&mut self) -> mlx_models::Result<()> {
-            self.0.settle()
-        }
-        fn vocab_size(&self) -> usize {
-            self.0.vocab_size()
-        }
-        fn default_depth(&self) -> usize {
-            self.0.default_depth()
         }
     }
     let mut rng = Rng(37);
