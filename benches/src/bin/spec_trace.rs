@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
-//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up] [--draft-ahead N|until-verified]
+//!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up [--warm-up-cycles N]] [--draft-ahead N|until-verified]
 //!            [--plain] [--chat TEXT] [--prompt-step N]
 //! ```
 //!
@@ -26,7 +26,7 @@
 //! the same process, and prints the ratio of their decode rates and whether the tokens agree:
 //! the steady-state comparison (from the second run on, neither pays first-use costs).
 use mlx_models::{generate, Cache, GenerateConfig, Model, Result as MResult, SpeculativeStats, Speculator, Token};
-use mlx_speculative::{Draft, Drafter, Feedback, SpeculativeDecoder};
+use mlx_speculative::{Draft, Drafter, SpeculativeDecoder};
 use sampling::{Sampler, SamplingConfig};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -66,6 +66,10 @@ struct Cli {
     /// Warm the decoder up first (`SpeculativeDecoder::warm_up`; its time is printed).
     #[arg(long)]
     warm_up: bool,
+    /// Cycles of the warm-up at the deepest depth (`SpeculativeDecoder::with_warm_up_cycles`;
+    /// default the library's). Needs --warm-up.
+    #[arg(long, requires = "warm_up", value_parser = clap::value_parser!(u32).range(1..))]
+    warm_up_cycles: Option<u32>,
     /// Before each speculative run, a plain greedy run of the same prompt (ratio and token
     /// agreement printed).
     #[arg(long)]
@@ -229,6 +233,9 @@ fn main() -> Res<()> {
     let mut dec = if cli.adaptive { SpeculativeDecoder::adaptive(drafter, Some(cli.depth)) } else { SpeculativeDecoder::new(drafter, Some(cli.depth)) };
     if let Some(n) = cli.draft_ahead {
         dec = dec.with_draft_ahead(n)?;
+    }
+    if let Some(n) = cli.warm_up_cycles {
+        dec = dec.with_warm_up_cycles(n as usize);
     }
     let prompt_of = |run: usize| -> Res<Vec<u32>> {
         Ok(match &cli.chat {

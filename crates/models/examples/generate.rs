@@ -107,6 +107,11 @@ struct Cli {
     /// fall outside it: auto (on a GPU), on or off.
     #[arg(long, value_enum, default_value = "auto", requires = "speculation")]
     speculative_warm_up: WarmUp,
+    /// Cycles the warm-up runs at the deepest depth after a short prompt, one after another as
+    /// in a generation (`SpeculativeDecoder::with_warm_up_cycles`; default the library's,
+    /// `SpeculativeDecoder::WARM_UP_CYCLES`).
+    #[arg(long, requires = "speculation", value_parser = clap::value_parser!(u32).range(1..))]
+    speculative_warm_up_cycles: Option<u32>,
     /// Draft-model forwards run ahead while the target verifies, at temperature 0
     /// (`SpeculativeDecoder::with_draft_ahead`): a number, `until-verified` (until the
     /// verify's result is ready, at most the depth + 1) or `background` (the draft model on a
@@ -243,9 +248,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         (None, false) => None,
     };
+    if let Some(n) = cli.speculative_warm_up_cycles {
+        spec = spec.map(|s| s.with_warm_up_cycles(n as usize));
+    }
     if let Some(s) = spec.as_mut() {
         let gpu = mlx_array::default_device()? != mlx_array::Device::Cpu;
-        if cli.speculative_warm_up == WarmUp::On || (cli.speculative_warm_up == WarmUp::Auto && gpu) {
+        let warm = cli.speculative_warm_up == WarmUp::On || (cli.speculative_warm_up == WarmUp::Auto && gpu);
+        if !warm && cli.speculative_warm_up_cycles.is_some() {
+            return Err("--speculative-warm-up-cycles needs a warm-up (--speculative-warm-up on, or auto on a GPU)".into());
+        }
+        if warm {
             let t = std::time::Instant::now();
             s.warm_up(&model)?;
             if !quiet {

@@ -27,6 +27,9 @@
 # ALT="NAME.." runs plain decoding and each fixed-depth line again with each NAME.xz staged next to
 # `generate.xz` (another build of it: an A/B of two commits in one run).
 #
+# WARMUPS="1 16" runs each fixed-depth line again per count with `--speculative-warm-up-cycles N`
+# (the warm-up's cycles at the deepest depth, one after another; default the library's).
+#
 # BUCKET=N runs each fixed-depth line again with `--key-bucket N` (few-query attention's keys
 # padded to a multiple of N: one shape of its products per N positions).
 #
@@ -118,6 +121,7 @@ run() { env ${VARS:-} "$G/${BIN:-generate}" --model "$P/target" --prompt-ids "$I
     [ -n "${AHEAD:-}" ] || echo "draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
     [ -z "${FEWROW:-}" ] || echo "draft$k+$FEWROW $(run --draft-model "$P/draft" --draft-tokens "$k" --cuda-few-row-kernels "$FEWROW")"
     [ -z "${BUCKET:-}" ] || echo "draft$k+bucket$BUCKET $(run --draft-model "$P/draft" --draft-tokens "$k" --key-bucket "$BUCKET")"
+    for w in ${WARMUPS:-}; do echo "draft$k+warmup$w $(run --draft-model "$P/draft" --draft-tokens "$k" --speculative-warm-up-cycles "$w")"; done
   done
   # plain decoding and each fixed depth again, labelled [$1] (under the caller's VARS or BIN)
   variant() {

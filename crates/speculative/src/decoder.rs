@@ -137,6 +137,8 @@ pub struct SpeculativeDecoder {
     /// An error of the drafter met where none can be returned ([`Speculator::plain_tokens`]),
     /// for the next cycle.
     deferred: Option<ModelError>,
+    /// Cycles [`SpeculativeDecoder::warm_up`] runs at the deepest depth.
+    warm_up_cycles: usize,
 }
 
 impl SpeculativeDecoder {
@@ -177,7 +179,16 @@ impl SpeculativeDecoder {
             counters: Counters::default(),
             agreement_due: false,
             deferred: None,
+            warm_up_cycles: Self::WARM_UP_CYCLES,
         }
+    }
+
+    /// [`SpeculativeDecoder::warm_up`]'s cycles at the deepest depth, after a prompt of
+    /// [`SpeculativeDecoder::WARM_UP_PROMPT`] tokens (at least 1; default
+    /// [`SpeculativeDecoder::WARM_UP_CYCLES`]).
+    pub fn with_warm_up_cycles(mut self, cycles: usize) -> Self {
+        self.warm_up_cycles = cycles.max(1);
+        self
     }
 
     pub fn depth(&self) -> Depth {
@@ -276,13 +287,22 @@ impl SpeculativeDecoder {
         self.ahead
     }
 
-    /// Run one greedy cycle at every depth this decoder may draft (its fixed depth; every depth
+    /// Default of [`SpeculativeDecoder::with_warm_up_cycles`].
+    pub const WARM_UP_CYCLES: usize = 8;
+    /// The prompt length of [`SpeculativeDecoder::warm_up`]'s run at the deepest depth.
+    pub const WARM_UP_PROMPT: usize = 32;
+
+    /// Run greedy cycles at every depth this decoder may draft (its fixed depth; every depth
     /// up to the maximum when adaptive) on a throwaway cache of `target`, so that what a new
     /// shape costs the first time it runs is paid here rather than in the first cycles of a
     /// generation: on a GPU, cuBLAS algorithm selection, CUDA graph instantiation and kernel
     /// compilation for the verify forward of each depth's rows, the verifier's ops over them and
     /// the drafter's own steps (in a fresh process 55-75 ms in the first cycle of a generation on
-    /// an H100, then more at each new depth). With adaptive depth and the drafter on its own
+    /// an H100, then more at each new depth). The deepest depth runs as a generation does: the
+    /// drafter's prefill of a [`SpeculativeDecoder::WARM_UP_PROMPT`]-token prompt, then
+    /// [`SpeculativeDecoder::with_warm_up_cycles`] cycles one after another (drafting ahead
+    /// from one into the next); every other depth one cycle. With adaptive depth and the
+    /// drafter on its own
     /// thread, also the first draft forward of a probe after a plain stretch
     /// ([`SpeculativeDecoder::CATCH_UP_LEAD`] + 1 rows), and, for a drafter that measures its
     /// agreement, the catch-ups of the opening stretch and of a whole
@@ -297,38 +317,56 @@ impl SpeculativeDecoder {
             Depth::Adaptive(_) if left_out => Vec::new(),
             Depth::Adaptive(max) => (1..=max).collect(),
         };
+        let deepest = depths.iter().copied().max().unwrap_or(0);
         let depth = self.depth;
         let mut sampler = Sampler::new(sampling::SamplingConfig::greedy())
             .map_err(|e| ModelError::InvalidInput(e.to_string()))?;
-        let mut run = |me: &mut Self, d: usize, history: &[u32]| -> Result<()> {
+        // `prompt` into a fresh cache and (with `prefill`) the drafter's prefill, then `cycles`
+        // cycles as the generator runs them (its invariant: the cache holds the history but its
+        // last token)
+        let mut run = |me: &mut Self, d: usize, prompt: &[u32], prefill: bool, cycles: usize| -> Result<()> {
             me.depth = Depth::Fixed(d);
             me.start();
-            // the generator's invariant: the cache holds the history but its last token
+            me.reserve(prompt.len() + 1 + cycles * (d + 1));
             let mut cache = target.new_cache();
-            let first = crate::tracked::row(&history[..history.len() - 1])?;
-            let out = target.forward(&first, &mut cache, Logits::Last, false)?;
+            let out = target.forward(&crate::tracked::row(prompt)?, &mut cache, Logits::Last, false)?;
             cache.eval_with(&out.logits.iter().collect::<Vec<_>>())?;
-            me.cycle(target, &mut cache, history, &mut sampler, d + 1).map(|_| ())
+            if prefill {
+                <Self as Speculator>::prefill(me, target, prompt)?;
+            }
+            let mut history = prompt.to_vec();
+            history.push(prompt[prompt.len() - 1]);
+            for _ in 0..cycles {
+                let toks = me.cycle(target, &mut cache, &history, &mut sampler, d + 1)?;
+                history.extend(toks.iter().map(|t| t.id));
+            }
+            Ok(())
         };
-        let result = depths.into_iter().filter(|&d| d > 0).try_for_each(|d| run(self, d, &[0, 0])).and_then(|()| {
-            if !matches!(depth, Depth::Adaptive(_)) || left_out || !matches!(self.drafter, Slot::Thread(_)) {
-                return Ok(());
-            }
-            // a probe after a plain stretch with the drafter on its own thread: its first draft
-            // forward runs the tokens after the last catch-up (a history the draft holds none of)
-            run(self, 1, &[1; Self::CATCH_UP_LEAD + 1])?;
-            if !self.drafter.measures_agreement() {
-                return Ok(());
-            }
-            // catch-ups with their guesses: the opening stretch's (the tokens before its lead)
-            // and a whole spacing's
-            let opening = crate::Adaptive::OPENING - Self::CATCH_UP_LEAD;
-            let history = vec![2u32; 2 + opening + Self::CATCH_UP_EVERY];
-            self.drafter.prefill(&history[..1])?;
-            self.drafter.catch_up(&history[..2 + opening], Self::CATCH_UP_WINDOW)?;
-            self.drafter.catch_up(&history, Self::CATCH_UP_WINDOW)?;
-            self.drafter.agreement().map(|_| ())
-        });
+        let prompt: Vec<u32> = (0..Self::WARM_UP_PROMPT as u32).map(|i| i % 2).collect();
+        let cycles = self.warm_up_cycles;
+        let result = depths
+            .into_iter()
+            .filter(|&d| d > 0)
+            .try_for_each(|d| if d == deepest { run(self, d, &prompt, true, cycles) } else { run(self, d, &[0], true, 1) })
+            .and_then(|()| {
+                if !matches!(depth, Depth::Adaptive(_)) || left_out || !matches!(self.drafter, Slot::Thread(_)) {
+                    return Ok(());
+                }
+                // a probe after a plain stretch with the drafter on its own thread: its first draft
+                // forward runs the tokens after the last catch-up (a history the draft holds none of)
+                run(self, 1, &[1; Self::CATCH_UP_LEAD], false, 1)?;
+                if !self.drafter.measures_agreement() {
+                    return Ok(());
+                }
+                // catch-ups with their guesses: the opening stretch's (the tokens before its lead)
+                // and a whole spacing's
+                let opening = crate::Adaptive::OPENING - Self::CATCH_UP_LEAD;
+                let history = vec![2u32; 2 + opening + Self::CATCH_UP_EVERY];
+                self.drafter.prefill(&history[..1])?;
+                self.drafter.catch_up(&history[..2 + opening], Self::CATCH_UP_WINDOW)?;
+                self.drafter.catch_up(&history, Self::CATCH_UP_WINDOW)?;
+                self.drafter.agreement().map(|_| ())
+            });
         self.depth = depth;
         self.start();
         result

@@ -577,6 +577,40 @@ fn warming_up_changes_no_output() {
     }
 }
 
+/// At a fixed depth `warm_up` runs [`SpeculativeDecoder::with_warm_up_cycles`] cycles (at
+/// least one) one after another, as a generation does: each drafts from the history the one
+/// before grew, starting from the drafts it ran ahead. The generation after it is plain greedy decoding's.
+#[test]
+fn warming_up_runs_its_cycles_one_after_another() {
+    use std::sync::{Arc, Mutex};
+    let mut rng = Rng(47);
+    let target = load("qwen3", KvCacheMode::Flat);
+    let (prompt, want) = gapped_greedy(&target, &mut rng, 10, 20);
+    for (cycles, proposals) in [(0, 1), (1, 1), (5, 5)] {
+        let draft = Arc::new(Mutex::new(DraftModel::new(load("qwen3", KvCacheMode::Flat))));
+        let mut spec = SpeculativeDecoder::new(Box::new(Shared(draft.clone())), Some(3))
+            .with_draft_ahead(DraftAhead::Steps(4))
+            .unwrap()
+            .with_warm_up_cycles(cycles);
+        spec.warm_up(&target).unwrap();
+        let (made, reused, held) = {
+            let d = draft.lock().unwrap();
+            (d.proposals(), d.reused_drafts(), d.cache().offset())
+        };
+        assert_eq!(made, proposals, "{cycles} cycles asked");
+        // a self-draft's every draft is accepted: each cycle adds 4 tokens to the history the
+        // next one drafts from
+        let grown = SpeculativeDecoder::WARM_UP_PROMPT + 4 * (proposals - 1);
+        assert!(held >= grown, "{cycles} cycles asked: the draft holds {held} positions, under {grown}");
+        if proposals == 1 {
+            assert_eq!(reused, 0, "{cycles} cycles asked");
+        } else {
+            assert!(reused > 0, "{cycles} cycles asked: no cycle started from drafts run ahead");
+        }
+        check_identity(&target, &mut spec, &prompt, &want, &format!("after {cycles} warm-up cycles"));
+    }
+}
+
 
 /// A [`DraftModel`] the test keeps a handle on, to read its counters after a generation.
 struct Shared(std::sync::Arc<std::sync::Mutex<DraftModel>>);
