@@ -27,7 +27,7 @@
 # ALT="NAME.." runs plain decoding and each fixed-depth line again with each NAME.xz staged next to
 # `generate.xz` (another build of it: an A/B of two commits in one run).
 #
-# WARMUPS="1 16" runs each fixed-depth line again per count with `--speculative-warm-up-cycles N`
+# WARMUPS="1 8" runs each fixed-depth line again per count with `--speculative-warm-up-cycles N`
 # (the warm-up's cycles at the deepest depth, one after another; default the library's).
 #
 # BUCKET=N runs each fixed-depth line again with `--key-bucket N` (few-query attention's keys

@@ -287,10 +287,11 @@ impl SpeculativeDecoder {
         self.ahead
     }
 
-    /// Default of [`SpeculativeDecoder::with_warm_up_cycles`].
-    pub const WARM_UP_CYCLES: usize = 8;
+    /// Default of [`SpeculativeDecoder::with_warm_up_cycles`]: the second cycle starts from
+    /// the drafts the first ran ahead, as every later cycle of a generation does.
+    pub const WARM_UP_CYCLES: usize = 2;
     /// The prompt length of [`SpeculativeDecoder::warm_up`]'s run at the deepest depth.
-    pub const WARM_UP_PROMPT: usize = 32;
+    pub const WARM_UP_PROMPT: usize = 16;
 
     /// Run greedy cycles at every depth this decoder may draft (its fixed depth; every depth
     /// up to the maximum when adaptive) on a throwaway cache of `target`, so that what a new
