@@ -303,13 +303,12 @@ impl SpeculativeDecoder {
     /// drafter's prefill of a [`SpeculativeDecoder::WARM_UP_PROMPT`]-token prompt, then
     /// [`SpeculativeDecoder::with_warm_up_cycles`] cycles one after another (drafting ahead
     /// from one into the next); every other depth one cycle. With adaptive depth and the
-    /// drafter on its own
-    /// thread, also the first draft forward of a probe after a plain stretch
-    /// ([`SpeculativeDecoder::CATCH_UP_LEAD`] + 1 rows), and, for a drafter that measures its
-    /// agreement, the catch-ups of the opening stretch and of a whole
-    /// [`SpeculativeDecoder::CATCH_UP_EVERY`] tokens. Leaves the decoder as [`Speculator::start`] does;
-    /// the drafter keeps no state that a later generation does not replace. Sampling at
-    /// temperature > 0 runs other verifier ops, which are not warmed.
+    /// drafter on its own thread, also the first draft forward of a probe after a plain
+    /// stretch ([`SpeculativeDecoder::CATCH_UP_LEAD`] + 1 rows), and, for a drafter that
+    /// measures its agreement, the catch-ups of the opening stretch and of a whole
+    /// [`SpeculativeDecoder::CATCH_UP_EVERY`] tokens. Leaves the decoder as
+    /// [`Speculator::start`] does; the drafter keeps no state that a later generation does not
+    /// replace. Sampling at temperature > 0 runs other verifier ops, which are not warmed.
     pub fn warm_up(&mut self, target: &Model) -> Result<()> {
         // a drafter adaptive depth leaves out needs no warming
         let left_out = self.leaves_out(target);
