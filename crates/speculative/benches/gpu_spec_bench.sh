@@ -19,6 +19,10 @@
 # SHIFT=N (with TRACE=1) adds `spec_trace --runs 3 --prompt-step N` at the largest K: each run
 # after the first at history lengths no earlier run had (N past the first run's last position),
 # so a later run's saving over the first is no cache of repeated shapes (OUT/trace_shift.log).
+# PLAINFIRST=1 (with TRACE=1) adds `spec_trace --plain` at the largest K: a plain generation
+# before each speculative one in the process, so the first speculative generation follows a
+# busy GPU and host (OUT/trace_plainfirst.log): what it still loses to the second is the
+# speculative path's own first use.
 #
 # ENVS="A=1 B=2,C=3" runs plain decoding and each fixed-depth line again per entry, with that
 # entry's variables (comma-separated) set for the process: libmlx's own knobs
@@ -158,6 +162,10 @@ if [ -n "${TRACE:-}" ]; then
     echo "spec_trace K=${KS[-1]} ahead=$a: $(grep '^run' "$OUT/trace_k${KS[-1]}_$a.log" | tr '\n' ' ')"
     [ -z "${BUCKET:-}" ] || echo "spec_trace K=${KS[-1]} ahead=$a bucket=$BUCKET: $("$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --quiet --key-bucket "$BUCKET" "$@" | grep '^run' | tr '\n' ' ')"
   done 2>&1 | tee "$OUT/trace.log"
+  if [ -n "${PLAINFIRST:-}" ]; then
+    "$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 2 --prompt 32 --warm-up --plain > "$OUT/trace_plainfirst.log" 2>&1
+    echo "spec_trace K=${KS[-1]} --plain: $(grep -E '^(plain run|run [0-9]+ against|run [0-9]+ speculative cycle)' "$OUT/trace_plainfirst.log" | tr '\n' ' ')"
+  fi 2>&1 | tee -a "$OUT/trace.log"
   if [ -n "${SHIFT:-}" ]; then
     "$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --new "$NEW" --runs 3 --prompt 32 --prompt-step "$SHIFT" --warm-up > "$OUT/trace_shift.log" 2>&1
     echo "spec_trace K=${KS[-1]} prompt-step $SHIFT: $(grep -E '^(prompt of|run)' "$OUT/trace_shift.log" | tr '\n' ' ')"
