@@ -258,18 +258,23 @@ impl<D: crate::Drafter + ?Sized> crate::Drafter for Box<D> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod probe {
     use crate::{Draft, Drafter, Feedback};
-    use mlx_models::{Cache, CacheSpec, Result};
+    use mlx_models::{Cache, Result};
     use sampling::SamplingConfig;
     use std::sync::{Arc, Mutex};
 
-    /// A drafter answering every call as no trait default does, noting each call.
-    struct Probe(Arc<Mutex<Vec<&'static str>>>);
+    /// A drafter answering every call as no trait default does, noting each call (with
+    /// `reads_target`, one that reads the target's states; without, one that may move to a
+    /// thread of its own).
+    pub(crate) struct Probe {
+        pub(crate) calls: Arc<Mutex<Vec<&'static str>>>,
+        pub(crate) reads_target: bool,
+    }
 
     impl Probe {
         fn note(&self, call: &'static str) {
-            self.0.lock().unwrap().push(call);
+            self.calls.lock().unwrap().push(call);
         }
     }
 
@@ -326,11 +331,15 @@ mod tests {
         }
         fn wants_target_hidden(&self) -> bool {
             self.note("wants_target_hidden");
-            true
+            self.reads_target
         }
         fn target_taps(&self) -> &[usize] {
             self.note("target_taps");
-            &[1, 2]
+            if self.reads_target {
+                &[1, 2]
+            } else {
+                &[]
+            }
         }
         fn weight_bytes(&self) -> Option<u64> {
             self.note("weight_bytes");
@@ -349,6 +358,15 @@ mod tests {
             Some(5)
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::probe::Probe;
+    use crate::{Drafter, Feedback};
+    use mlx_models::{Cache, CacheSpec};
+    use sampling::SamplingConfig;
+    use std::sync::{Arc, Mutex};
 
     /// Every method of `d`, each answer checked against [`Probe`]'s but `vocab_size`'s (returned).
     fn call_everything(d: &mut dyn Drafter) -> usize {
@@ -403,15 +421,15 @@ mod tests {
     #[test]
     fn every_call_is_passed_on_but_those_excepted() {
         let calls = Arc::new(Mutex::new(Vec::new()));
-        let mut named = Named { inner: Probe(calls.clone()) };
+        let mut named = Named { inner: Probe { calls: calls.clone(), reads_target: true } };
         assert_eq!(call_everything(&mut named), 11);
         assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), EVERY_CALL);
 
-        let mut boxed = Boxed(Box::new(Probe(calls.clone())));
+        let mut boxed = Boxed(Box::new(Probe { calls: calls.clone(), reads_target: true }));
         assert_eq!(call_everything(&mut boxed), 99);
         assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), EVERY_CALL[..18]);
 
-        let mut in_a_box: Box<dyn Drafter> = Box::new(Named { inner: Probe(calls.clone()) });
+        let mut in_a_box: Box<dyn Drafter> = Box::new(Named { inner: Probe { calls: calls.clone(), reads_target: true } });
         assert_eq!(call_everything(&mut in_a_box), 11);
         assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), EVERY_CALL);
     }
