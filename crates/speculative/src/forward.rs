@@ -260,7 +260,7 @@ impl<D: crate::Drafter + ?Sized> crate::Drafter for Box<D> {
 #[cfg(test)]
 pub(crate) mod probe {
     use crate::{Draft, Drafter, Feedback};
-    use mlx_models::{Cache, Result};
+    use mlx_models::{Cache, CacheSpec, Result};
     use sampling::SamplingConfig;
     use std::sync::{Arc, Mutex};
 
@@ -358,22 +358,16 @@ pub(crate) mod probe {
             Some(5)
         }
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::probe::Probe;
-    use crate::{Drafter, Feedback};
-    use mlx_models::{Cache, CacheSpec};
-    use sampling::SamplingConfig;
-    use std::sync::{Arc, Mutex};
-
-    /// Every method of `d`, each answer checked against [`Probe`]'s but `vocab_size`'s (returned).
-    fn call_everything(d: &mut dyn Drafter) -> usize {
+    /// Every method of `d`, each answer checked against a [`Probe`]'s (`reads_target` as
+    /// the probe's; `propose_on` answering as the probe's `propose` with `plain_propose_on`)
+    /// but `vocab_size`'s, which is returned.
+    pub(crate) fn call_everything(d: &mut dyn Drafter, reads_target: bool, plain_propose_on: bool) -> usize {
         let greedy = SamplingConfig::greedy();
         assert_eq!(d.propose(&[1], 2, &greedy).unwrap().tokens, [5, 5]);
         let mut cache = Cache::new(&CacheSpec { layers: Vec::new() });
-        assert_eq!(d.propose_on(&[1], 2, &greedy, &mut cache).unwrap().tokens, [6, 6]);
+        let on = if plain_propose_on { 5 } else { 6 };
+        assert_eq!(d.propose_on(&[1], 2, &greedy, &mut cache).unwrap().tokens, [on, on]);
         assert_eq!(d.target_positions_run(), 9);
         d.draft_ahead(&[1], &[5, 5], 2, None).unwrap();
         assert!(d.runs_ahead());
@@ -385,13 +379,21 @@ mod tests {
         d.prefill(&[1]).unwrap();
         d.settle().unwrap();
         d.feedback(&Feedback { history: &[1], drafts: &[5, 5], accepted: 1, next: 4, hidden: None, taps: &[] }).unwrap();
-        assert!(d.wants_target_hidden());
-        assert_eq!(d.target_taps(), [1, 2]);
+        assert_eq!(d.wants_target_hidden(), reads_target);
+        assert_eq!(d.target_taps(), if reads_target { &[1, 2][..] } else { &[] });
         assert_eq!(d.weight_bytes(), Some(7));
         assert_eq!(d.default_depth(), 3);
         assert_eq!(d.max_depth(), Some(5));
         d.vocab_size()
     }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::probe::{call_everything, Probe};
+    use crate::Drafter;
+    use std::sync::{Arc, Mutex};
 
     const EVERY_CALL: [&str; 19] = [
         "propose", "propose_on", "target_positions_run", "draft_ahead", "runs_ahead", "skipped", "catch_up",
@@ -422,15 +424,15 @@ mod tests {
     fn every_call_is_passed_on_but_those_excepted() {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let mut named = Named { inner: Probe { calls: calls.clone(), reads_target: true } };
-        assert_eq!(call_everything(&mut named), 11);
+        assert_eq!(call_everything(&mut named, true, false), 11);
         assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), EVERY_CALL);
 
         let mut boxed = Boxed(Box::new(Probe { calls: calls.clone(), reads_target: true }));
-        assert_eq!(call_everything(&mut boxed), 99);
+        assert_eq!(call_everything(&mut boxed, true, false), 99);
         assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), EVERY_CALL[..18]);
 
         let mut in_a_box: Box<dyn Drafter> = Box::new(Named { inner: Probe { calls: calls.clone(), reads_target: true } });
-        assert_eq!(call_everything(&mut in_a_box), 11);
+        assert_eq!(call_everything(&mut in_a_box, true, false), 11);
         assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), EVERY_CALL);
     }
 }
