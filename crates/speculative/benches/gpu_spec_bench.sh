@@ -26,7 +26,9 @@
 #
 # ENVS="A=1 B=2,C=3" runs plain decoding and each fixed-depth line again per entry, with that
 # entry's variables (comma-separated) set for the process: libmlx's own knobs
-# (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER), read at its first use.
+# (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER, MLX_CUDA_GRAPH_CACHE_SIZE),
+# read at its first use, or the CUDA driver's (CUDA_MODULE_LOADING=EAGER: every kernel loaded at
+# start-up instead of at its first launch).
 #
 # ALT="NAME.." runs plain decoding and each fixed-depth line again with each NAME.xz staged next to
 # `generate.xz` (another build of it: an A/B of two commits in one run).
