@@ -237,14 +237,17 @@ fn main() -> Res<()> {
     if let Some(n) = cli.warm_up_cycles {
         dec = dec.with_warm_up_cycles(n as usize);
     }
-    let prompt_of = |run: usize| -> Res<Vec<u32>> {
-        Ok(match &cli.chat {
-            Some(text) => {
-                let format = mlx_models::chat::ChatFormat::from_dir(std::path::Path::new(&cli.m.model))?;
-                format.render(&[mlx_models::chat::ChatMessage::user(text.as_str())], &Default::default())?.ids
-            }
-            None => shared::prompt_ids(cli.m.prompt + run * cli.prompt_step, target.info().vocab_size),
-        })
+    // a chat prompt is rendered once: every run takes it as it is (no --prompt-step)
+    let chat = match &cli.chat {
+        Some(text) => {
+            let format = mlx_models::chat::ChatFormat::from_dir(std::path::Path::new(&cli.m.model))?;
+            Some(format.render(&[mlx_models::chat::ChatMessage::user(text.as_str())], &Default::default())?.ids)
+        }
+        None => None,
+    };
+    let prompt_of = |run: usize| match &chat {
+        Some(ids) => ids.clone(),
+        None => shared::prompt_ids(cli.m.prompt + run * cli.prompt_step, target.info().vocab_size),
     };
     if cli.warm_up {
         let t = Instant::now();
@@ -256,7 +259,7 @@ fn main() -> Res<()> {
     }
     println!("device {:?}, depth {} ({}), draft ahead {}, {} new tokens", mlx_array::default_device()?, cli.depth, if cli.adaptive { "adaptive" } else { "fixed" }, dec.draft_ahead(), cli.new);
     for run in 0..cli.runs {
-        let prompt = prompt_of(run)?;
+        let prompt = prompt_of(run);
         if cli.prompt_step > 0 {
             println!("prompt of run {run}: {} ids", prompt.len());
         }

@@ -612,7 +612,6 @@ fn warming_up_runs_its_cycles_one_after_another() {
     }
 }
 
-
 /// A [`DraftModel`] the test keeps a handle on, to read its counters after a generation.
 struct Shared(std::sync::Arc<std::sync::Mutex<DraftModel>>);
 
