@@ -27,6 +27,24 @@ pub struct CacheSpec {
 /// Growth step of flat caches, in positions (as mlx-lm's KVCache).
 const STEP: usize = 256;
 
+/// Positions flat storage holds past its whole [`STEP`]s ([`flat_capacity`]).
+///
+/// libmlx 0.32's CUDA attention sends a single query whose keys are a slice of a buffer of a
+/// multiple of 256 positions, once there are 256 keys or more, to cuDNN. cuDNN builds a graph
+/// for every buffer size at its first use, and each call pays cuDNN's host set-up. Storage of
+/// `n * STEP + SPARE` positions keeps one-query steps on libmlx's vector kernel instead: on an
+/// H100 the first step past 256 keys no longer stalls (a speculative cycle there took 99 ms, now
+/// 22-31), and fresh-process decoding of a Qwen3-8B-shaped model went from 143-144 to 152-154
+/// tok/s (BENCHMARKS.md, "CUDA, the 8B/0.6B pair").
+const SPARE: usize = 8;
+
+/// The positions a flat cache allocates when it must hold `positions` (a reserve or a step
+/// past its storage): whole 256-position steps (as mlx-lm's KVCache) plus [`SPARE`], never a
+/// multiple of 256.
+pub fn flat_capacity(positions: usize) -> usize {
+    positions.div_ceil(STEP) * STEP + SPARE
+}
+
 /// K/V storage of one attention layer.
 #[derive(Clone)]
 pub struct KvCache {
@@ -79,7 +97,7 @@ impl KvCache {
     /// Flat storage for at least `positions` (and the reserve), in whole steps, keeping the
     /// held positions; `k`, `v` give the shape and dtype when there is none yet.
     fn grow_to(&mut self, positions: usize, k: &Array, v: &Array) -> Result<()> {
-        let grow = positions.max(self.reserve).div_ceil(STEP) * STEP - self.offset;
+        let grow = flat_capacity(positions.max(self.reserve)) - self.offset;
         let (keys, values) = (self.keys.take(), self.values.take());
         self.keys = Some(grow_axis2(keys, k, grow, self.offset)?);
         self.values = Some(grow_axis2(values, v, grow, self.offset)?);
@@ -403,22 +421,39 @@ mod tests {
             assert_eq!(a.0.to_vec::<f32>().unwrap(), b.0.to_vec::<f32>().unwrap(), "keys after chunk {i}");
             assert_eq!(a.1.to_vec::<f32>().unwrap(), b.1.to_vec::<f32>().unwrap(), "values after chunk {i}");
             if reserved.offset() <= 300 {
-                assert_eq!(cap(&reserved), 512, "one allocation for the reserve (300 rounded up to the step)");
+                assert_eq!(cap(&reserved), 520, "one allocation for the reserve (300 rounded up to the step, and the spare 8)");
             }
         }
         assert_eq!(reserved.offset(), 374);
-        assert_eq!(cap(&reserved), 512);
+        assert_eq!(cap(&reserved), 520);
         // past the reserve: grows as an unreserved cache
         let (k, v) = (chunk(200, 7), chunk(200, 8));
         reserved.update_and_fetch(&k, &v).unwrap();
-        assert_eq!(cap(&reserved), 768);
+        assert_eq!(cap(&reserved), 776);
         // reserving a written cache grows it at once, keeping its positions
         let held = grown.span(0, grown.offset()).unwrap().unwrap();
         grown.reserve(1000).unwrap();
-        assert_eq!(cap(&grown), 1024);
+        assert_eq!(cap(&grown), 1032);
         let again = grown.span(0, grown.offset()).unwrap().unwrap();
         assert_eq!(held.0.to_vec::<f32>().unwrap(), again.0.to_vec::<f32>().unwrap());
         assert_eq!(held.1.to_vec::<f32>().unwrap(), again.1.to_vec::<f32>().unwrap());
+    }
+
+    /// Flat storage, grown step by step or reserved, is never a whole number of 256-position
+    /// steps (libmlx's CUDA attention would send one query over it to cuDNN, see [`SPARE`]),
+    /// and holds what it was grown for.
+    #[test]
+    fn flat_storage_is_never_whole_steps() {
+        let kv = |l: usize| Array::zeros(&[1, 1, l, 2], DType::F32).unwrap();
+        let mut c = KvCache::new(None);
+        for n in [1usize, 255, 1, 7, 256, 300] {
+            c.update_and_fetch(&kv(n), &kv(n)).unwrap();
+            let cap = c.keys.as_ref().unwrap().dim(2).unwrap();
+            assert!(cap % 256 != 0 && cap >= c.offset(), "{} positions in storage of {cap}", c.offset());
+        }
+        for p in [1usize, 255, 256, 257, 4096] {
+            assert!(flat_capacity(p) >= p && flat_capacity(p) % 256 != 0, "{p} positions: {}", flat_capacity(p));
+        }
     }
 
     /// A rotating cache (ring buffer for single steps, concatenation for chunks, trims) gives

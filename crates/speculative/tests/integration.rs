@@ -658,11 +658,12 @@ impl mlx_speculative::Drafter for Shared {
 }
 
 /// [`Drafter::reserve`]: a draft model's flat cache is allocated once for the positions asked
-/// (rounded up to the 256-position step) and drafts as an unreserved one does (same tokens and
+/// ([`mlx_models::kv::flat_capacity`]) and drafts as an unreserved one does (same tokens and
 /// draft probabilities through growth past 256 positions); a generation asks its speculator
 /// for what it sized the target's flat cache for (prompt + new tokens + 32).
 #[test]
 fn a_draft_cache_is_sized_as_the_generation_asks() {
+    use mlx_models::kv::flat_capacity;
     use mlx_speculative::Drafter;
     use std::sync::{Arc, Mutex};
     let capacity = |d: &DraftModel| d.cache().arrays()[0].dim(2).unwrap();
@@ -679,8 +680,10 @@ fn a_draft_cache_is_sized_as_the_generation_asks() {
         assert_eq!(a.tokens, b.tokens, "history of {end}");
         let r = rel(&a.logprobs.unwrap().exp().unwrap(), &b.logprobs.unwrap().exp().unwrap());
         assert!(r < 1e-6, "history of {end}: draft probabilities differ by {r}");
-        assert_eq!(capacity(&reserved), 768, "history of {end}: one allocation for 600 positions");
-        assert_eq!(capacity(&plain), if end + 2 <= 256 { 256 } else { 512 }, "history of {end}");
+        assert_eq!(capacity(&reserved), flat_capacity(600), "history of {end}: one allocation for 600 positions");
+        // unreserved: a first step's storage, then grown for what it holds
+        let first = flat_capacity(1);
+        assert_eq!(capacity(&plain), if end + 2 <= first { first } else { flat_capacity(end + 2) }, "history of {end}");
     }
     // through a generation: 12 prompt tokens and up to 300 new ones (344 positions: 512)
     let target = load("qwen3_untied", KvCacheMode::Flat);
@@ -691,7 +694,7 @@ fn a_draft_cache_is_sized_as_the_generation_asks() {
     let gen = generate(&target, &mut cache, &prompt, gen_cfg(300, SamplingConfig::greedy())).unwrap().with_speculator(&mut spec);
     let got = gen.take(10).map(|t| t.unwrap().id).count();
     assert_eq!(got, 10);
-    assert_eq!(capacity(&d.lock().unwrap()), 512, "the draft's cache is sized for the generation");
+    assert_eq!(capacity(&d.lock().unwrap()), flat_capacity(344), "the draft's cache is sized for the generation");
 }
 
 /// [`Drafter::prefill`]: a draft model that ran the prompt with the target (whole, or in
