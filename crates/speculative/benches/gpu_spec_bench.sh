@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped):
 #
-#   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [ENVS="A=1 B=2,C=3"] [ALT=NAME..] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [ENVS="A=1 B=2,C=3"] [ALT=NAME.. [ALTROUNDS=N]] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
@@ -32,6 +32,10 @@
 #
 # ALT="NAME.." runs plain decoding and each fixed-depth line again with each NAME.xz staged next to
 # `generate.xz` (another build of it: an A/B of two commits in one run).
+#
+# ALTROUNDS=N (with ALT) then runs N interleaved rounds of plain decoding, the largest K and (with
+# ADAPTIVE=K) adaptive depth, for `generate` and each ALT build in turn, fresh processes each
+# (an A/B of two builds across the spread between processes).
 #
 # WARMUPS="1 8" runs each fixed-depth line again per count with `--speculative-warm-up-cycles N`
 # (the warm-up's cycles at the deepest depth, one after another; default the library's).
@@ -153,6 +157,13 @@ run() { env ${VARS:-} "$G/${BIN:-generate}" --model "$P/target" --prompt-ids "$I
       [ -n "${AHEAD:-}" ] || echo "round$r draft$k $(run --draft-model "$P/draft" --draft-tokens "$k")"
     fi
     echo "round$r plain $(run)"
+  done
+  for r in $(seq 1 "${ALTROUNDS:-0}"); do
+    for b in generate ${ALT:-}; do
+      echo "alt-round$r plain[$b] $(BIN=$b run)"
+      echo "alt-round$r draft${KS[-1]}[$b] $(BIN=$b run --draft-model "$P/draft" --draft-tokens "${KS[-1]}")"
+      [ -z "${ADAPTIVE:-}" ] || echo "alt-round$r adaptive$ADAPTIVE[$b] $(BIN=$b run --draft-model "$P/draft" --draft-tokens "$ADAPTIVE" --draft-depth adaptive)"
+    done
   done
 } 2>&1 | tee "$OUT/ours.log"
 if [ -n "${TRACE:-}" ]; then
