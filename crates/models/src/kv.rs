@@ -28,19 +28,20 @@ pub struct CacheSpec {
 const STEP: usize = 256;
 
 /// Positions flat storage holds past its whole [`STEP`]s ([`flat_capacity`]).
-///
-/// libmlx 0.32's CUDA attention sends a single query whose keys are a slice of a buffer of a
-/// multiple of 256 positions, once there are 256 keys or more, to cuDNN. cuDNN builds a graph
-/// for every buffer size at its first use, and each call pays cuDNN's host set-up. Storage of
-/// `n * STEP + SPARE` positions keeps one-query steps on libmlx's vector kernel instead: on an
-/// H100 the first step past 256 keys no longer stalls (a speculative cycle there took 99 ms, now
-/// 22-31), and fresh-process decoding of a Qwen3-8B-shaped model went from 143-144 to 152-154
-/// tok/s (BENCHMARKS.md, "CUDA, the 8B/0.6B pair").
 const SPARE: usize = 8;
 
 /// The positions a flat cache allocates when it must hold `positions` (a reserve or a step
-/// past its storage): whole 256-position steps (as mlx-lm's KVCache) plus [`SPARE`], never a
-/// multiple of 256.
+/// past its storage): whole 256-position steps (as mlx-lm's KVCache) plus 8, never a multiple
+/// of 256.
+///
+/// libmlx 0.32's CUDA attention sends a single query whose keys are a slice of a buffer of a
+/// multiple of 256 positions, once there are 256 keys or more, to cuDNN. cuDNN builds a graph
+/// for every buffer size at its first use, and each call pays cuDNN's host set-up. The 8 spare
+/// positions keep one-query steps on libmlx's vector kernel instead: on an H100 the first step
+/// past 256 keys no longer stalls (a speculative cycle there took 99 ms, now 22-31), and
+/// fresh-process decoding of a Qwen3-8B-shaped model went from 143-144 to 152-154 tok/s
+/// (BENCHMARKS.md, "CUDA, the 8B/0.6B pair"). On the CPU the spare positions cost nothing
+/// measurable.
 pub fn flat_capacity(positions: usize) -> usize {
     positions.div_ceil(STEP) * STEP + SPARE
 }
@@ -440,7 +441,7 @@ mod tests {
     }
 
     /// Flat storage, grown step by step or reserved, is never a whole number of 256-position
-    /// steps (libmlx's CUDA attention would send one query over it to cuDNN, see [`SPARE`]),
+    /// steps (libmlx's CUDA attention would send one query over it to cuDNN, see [`flat_capacity`]),
     /// and holds what it was grown for.
     #[test]
     fn flat_storage_is_never_whole_steps() {
