@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device side of the GPU speculative benchmark (the `run` tool; STAGE holds the CUDA libmlx payload
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
-# `generate` example built here, stripped):
+# `generate` example built here, stripped, as generate.xz, or with other builds in bins*.tar.xz):
 #
 #   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [ENVS="A=1 B=2,C=3"] [ALT=NAME.. [ALTROUNDS=N]] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
@@ -71,9 +71,12 @@ OUT=${OUT:-/tmp/gpu-out}
 R=${MLXRT:-/tmp/mlxrt-spec}
 NEW=${NEW:-128}
 KS=("$@"); [ ${#KS[@]} -gt 0 ] || KS=(5 7)
+# builds staged together in one archive (one xz stream with a large dictionary, so a second
+# build of a binary adds little: `tar -cf - generate spec_trace old | xz -9e --lzma2=dict=128MiB`)
+for t in "$G"/bins*.tar.xz; do [ ! -e "$t" ] || tar -C "$G" -xJf "$t" || exit 3; done
 for x in TRACE:spec_trace GROWTH:verify_probe; do
   v=${x%%:*} b=${x#*:}
-  [ -z "${!v:-}" ] || [ -f "$G/$b.xz" ] || { echo "$v=1 needs $b staged (MLX_LM=0 PROBES=$b prepare_gpu_spec.sh)" >&2; exit 2; }
+  [ -z "${!v:-}" ] || [ -f "$G/$b.xz" ] || [ -f "$G/$b" ] || { echo "$v=1 needs $b staged (MLX_LM=0 PROBES=$b prepare_gpu_spec.sh)" >&2; exit 2; }
 done
 mkdir -p "$OUT" "$R/mlx/lib"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.log"
