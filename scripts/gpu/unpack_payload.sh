@@ -5,8 +5,10 @@
 # (with STAGE/crt.tar.xz's nvidia/cu13/include/crt added where the image lacks it).
 unpack_payload() {
   local g=$1 r=$2 sp d t
+  # never through a link (one to a build's CPU libmlx would be overwritten by the CUDA one)
+  [ ! -L "$r/mlx" ] && [ ! -L "$r/mlx/lib" ] || { echo "unpack_payload: $r/mlx/lib is a link; not writing through it" >&2; return 3; }
   mkdir -p "$r/mlx/lib"
-  xz -dc "$g/libmlx.so.xz" > "$r/mlx/lib/libmlx.so" || return 3
+  xz -dc "$g/libmlx.so.xz" > "$r/mlx/lib/libmlx.so.part" && mv -f "$r/mlx/lib/libmlx.so.part" "$r/mlx/lib/libmlx.so" || return 3
   for t in include cudalibs; do tar -C "$r" -xJf "$g/$t.tar.xz" || return 3; done
   sp=$(python3 -c "import site; print(site.getsitepackages()[0])")
   [ -d "$sp/nvidia/cu13/lib" ] || for d in /opt/torch/.venv/lib/python3*/site-packages; do [ -d "$d/nvidia/cu13/lib" ] && sp=$d; done
