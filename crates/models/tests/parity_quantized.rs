@@ -55,6 +55,26 @@ fn quantized_checkpoints_match_mlx_lm_dequantized_at_load() {
     }
 }
 
+/// Prompts of 9 to [`mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS`] tokens run the packed
+/// weights' products by the CPU kernels in one forward (longer ones dequantize every weight): the
+/// logits of prefixes of such lengths are mlx-lm's for the same positions of its 72-token prompt,
+/// within 1e-4 relative.
+#[test]
+fn short_prefills_match_mlx_lm() {
+    let most = mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS;
+    for (name, _) in FIXTURES {
+        let r = reference(name);
+        let model = load_model(fixture(name), &LoadOptions { quantized: QuantizedWeights::Keep, ..test_load_options() }).unwrap().into_lm().unwrap();
+        let prompt = ids(&r["input_ids"]);
+        let want = r["logits"].to_vec::<f32>().unwrap();
+        let vocab = want.len() / prompt.len();
+        for n in [9, 40, most] {
+            let e = rel_err(&full_logits(&model, &prompt[..n]).concat(), &want[..n * vocab]);
+            assert!(e < 1e-4, "{name}: a {n}-token prefill's logits rel err {e}");
+        }
+    }
+}
+
 /// Our `quantize` of each fixture's source equals mlx-lm's output tensor for tensor, bit for bit
 /// (in mlx-lm's layout where its model stores tensors differently, as Gemma 4's experts), and
 /// writes the same `quantization` entries.

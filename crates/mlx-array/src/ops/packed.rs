@@ -15,10 +15,19 @@ use crate::error::{Error, Result};
 use crate::{Array, DType, QuantMode, Quantized};
 use std::ffi::CStr;
 
-/// Inputs of at most this many rows (tokens) go to the packed kernels in the model layers; more
-/// rows keep MLX's own products (compute-bound there). Measured with `cargo bench -p mlx-array
-/// --bench packed_matmul` (BENCHMARKS.md, "Packed CPU kernels").
+/// Inputs of at most this many rows (tokens) go to the float (bf16, f32) kernels in the model
+/// layers; more rows keep MLX's own products (compute-bound there). Measured with `cargo bench
+/// -p mlx-array --bench packed_matmul` (BENCHMARKS.md, "Packed CPU kernels").
 pub const CPU_PACKED_MAX_ROWS: usize = 8;
+
+/// Inputs of at most this many rows (tokens) go to the kernels for quantized weights (affine 4
+/// and 8-bit, mxfp4) in the model layers; more rows run an f32 product over the weight
+/// dequantized on the fly. The kernels read the packed weight again for every 4 input rows,
+/// but dequantizing every weight costs more up to about 100 rows: a forward of SmolLM2-135M
+/// 4-bit g64 in f32 on 2 cores took 34 / 47 / 88 / 176 ms for 9 / 16 / 32 / 64 rows by the
+/// kernels against 196 / 127 / 161 / 242 through the dequantized weights, 344 against 385 at
+/// 112 and 400 against 384 at 128 (BENCHMARKS.md, "Packed CPU kernels").
+pub const CPU_PACKED_QUANTIZED_MAX_ROWS: usize = 64;
 
 const KIND_BF16: i32 = 0;
 const KIND_AFFINE4: i32 = 1;

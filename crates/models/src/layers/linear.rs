@@ -197,7 +197,11 @@ impl Linear {
                 None => Ok(wt.swap_axes(0, 1)?),
             }
         };
-        let y = match (&self.w, cpu_rows(x)) {
+        let limit = match &self.w {
+            LinearWeight::Dense(_) => mlx_array::ops::CPU_PACKED_MAX_ROWS,
+            LinearWeight::Quantized(_) => mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS,
+        };
+        let y = match (&self.w, cpu_rows(x, limit)) {
             // bf16 weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
             // product of the upcast operands (MLX's CPU bf16 matmul is 10-20x slower than f32)
             (LinearWeight::Dense(wt), Some(few)) if wt.dtype() == DType::BF16 => match few {
@@ -282,10 +286,12 @@ pub(crate) fn dequantize_f32(q: &mlx_array::Quantized) -> Result<Array> {
     Ok(q.dequantize(Some(DType::F32))?)
 }
 
-/// On the CPU: whether the input `x` has few enough rows (tokens) for the packed-weight kernels
-/// ([`mlx_array::ops::CPU_PACKED_MAX_ROWS`]: decode and short prefills). `None` off the CPU.
-fn cpu_rows(x: &Array) -> Option<bool> {
-    super::runs_on_cpu().then_some(rows_of(x) <= mlx_array::ops::CPU_PACKED_MAX_ROWS)
+/// On the CPU: whether the input `x` has at most `limit` rows (tokens), the most the CPU kernels
+/// take for the weight's kind ([`mlx_array::ops::CPU_PACKED_MAX_ROWS`] for float weights,
+/// [`mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS`] for packed ones: decode and short
+/// prefills). `None` off the CPU.
+fn cpu_rows(x: &Array, limit: usize) -> Option<bool> {
+    super::runs_on_cpu().then_some(rows_of(x) <= limit)
 }
 
 /// Rows of `x` `[..., in]`: the product of its leading dimensions.
@@ -490,12 +496,13 @@ impl FusedLinear {
     }
 
     /// `silu(gate(x)) * up(x)` in one CPU primitive, for a packed `[gate; up]` pair
-    /// ([`FusedLinear::load_packed`]) and inputs of few rows on the CPU; `None` otherwise.
+    /// ([`FusedLinear::load_packed`]) and inputs of at most
+    /// [`mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS`] rows on the CPU; `None` otherwise.
     pub(crate) fn swiglu_packed(&self, x: &Array) -> Result<Option<Array>> {
         let FusedLinear::Fused { lin, splits } = self else { return Ok(None) };
         let LinearWeight::Quantized(q) = &lin.w else { return Ok(None) };
         let halves = splits.len() == 1 && 2 * splits[0] == lin.out_dim();
-        if !halves || lin.bias.is_some() || lin.act.is_some() || lin.lora.is_some() || lin.reduce.is_some() || cpu_rows(x) != Some(true) {
+        if !halves || lin.bias.is_some() || lin.act.is_some() || lin.lora.is_some() || lin.reduce.is_some() || cpu_rows(x, mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS) != Some(true) {
             return Ok(None);
         }
         Ok(Some(q.cpu_swiglu(x)?))
