@@ -227,6 +227,8 @@ fn every_kernel_and_instruction_set_matches_f64_and_mlx() {
                 (5, 4, 100),
                 (4, 7, 577),
                 (8, 3, 1030),
+                (13, 6, 200),
+                (64, 3, 577),
             ] {
                 check_bf16(m, n, k, (m * 1000 + n * 10 + k) as u64);
                 check_f32(m, n, k, (m * 1000 + n * 10 + k) as u64 + 7);
@@ -246,6 +248,8 @@ fn every_kernel_and_instruction_set_matches_f64_and_mlx() {
                         (3, 7, 5 * gs),
                         (2, 3, 576),
                         (5, 2, 2 * gs),
+                        (13, 3, 2 * gs),
+                        (64, 2, 576),
                     ] {
                         if k % gs == 0 {
                             check_quantized(mode, sdt, m, n, k, (n * 31 + k) as u64);
@@ -310,9 +314,10 @@ fn wide_ranges_zeros_and_infinities_in_x() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
-    /// Random shapes: M 1..9, N 1..40, K any (bf16) or any multiple of the group size.
+    /// Random shapes: M 1..=64 (the most rows the model layers give the kernels), N 1..40, K any
+    /// (bf16) or any multiple of the group size.
     #[test]
-    fn random_shapes(m in 1usize..9, n in 1usize..40, groups in 1usize..12, extra in 0usize..40, mode_i in 0usize..8, seed in 0u64..1000) {
+    fn random_shapes(m in 1usize..65, n in 1usize..40, groups in 1usize..12, extra in 0usize..40, mode_i in 0usize..8, seed in 0u64..1000) {
         with_device(Device::Cpu, || {
             if mode_i == 7 {
                 check_bf16(m, n, groups * 32 + extra, seed);

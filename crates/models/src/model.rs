@@ -45,7 +45,7 @@ pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["qwen3", "llama", "qwen2", "gemm
 pub enum QuantizedWeights {
     /// [`QuantizedWeights::Keep`] on the GPU, and on the CPU when every quantized layer is in a
     /// format the CPU packed kernels take (affine 4 or 8-bit, mxfp4: decode reads the packed
-    /// bytes, see [`mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS`] and BENCHMARKS.md, "Packed CPU
+    /// bytes, see [`mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS`] and BENCHMARKS.md, "Packed CPU
     /// kernels"); otherwise on the CPU [`QuantizedWeights::Dequantize`], as MLX's own CPU
     /// quantized matmul is slower than an f32 product over the dequantized weight.
     #[default]

@@ -55,13 +55,13 @@ fn quantized_checkpoints_match_mlx_lm_dequantized_at_load() {
     }
 }
 
-/// Prompts of 9 to [`mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS`] tokens run the packed
+/// Prompts of 9 to [`mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS`] tokens run the packed
 /// weights' products by the CPU kernels in one forward (longer ones dequantize every weight): the
 /// logits of prefixes of such lengths are mlx-lm's for the same positions of its 72-token prompt,
 /// within 1e-4 relative.
 #[test]
 fn short_prefills_match_mlx_lm() {
-    let most = mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS;
+    let most = mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS;
     for (name, _) in FIXTURES {
         let r = reference(name);
         let model = load_model(fixture(name), &LoadOptions { quantized: QuantizedWeights::Keep, ..test_load_options() }).unwrap().into_lm().unwrap();

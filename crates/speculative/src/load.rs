@@ -107,11 +107,11 @@ fn load(dir: &Path, opts: &LoadOptions, target: Option<&Model>) -> Result<Box<dy
             };
             let draft = DraftModel::new(load_model(dir, &opts)?.into_lm()?);
             // On the CPU a packed (quantized) draft catches up in pieces of at most
-            // CPU_PACKED_QUANTIZED_MAX_ROWS tokens: its packed kernels take them, where a longer
+            // CPU_PACKED_NARROW_MAX_ROWS tokens: its packed kernels take them, where a longer
             // forward dequantizes every weight (pieces win below ~100 tokens, see the constant)
             let packed = quantized_draft && opts.quantized != QuantizedWeights::Dequantize;
             Ok(Box::new(if packed && !gpu {
-                draft.with_catch_up_pieces(Some(mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS))
+                draft.with_catch_up_pieces(Some(mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS))
             } else {
                 draft
             }))

@@ -17,7 +17,7 @@ pub use index::scatter_rows;
 pub use linalg::gather_mm;
 pub use math::where_;
 pub use nn::{gpu_attention_key_bucket, heads, mlx_ops_only, set_gpu_attention_key_bucket, AttentionMask, GPU_PRODUCT_ATTENTION_MAX_QUERIES, HeadGroup, MlxOpsScope, RopeConfig};
-pub use packed::{cpu_kernels_isa, cpu_kernels_threads, cpu_packed_supports, set_cpu_kernels_isa, CPU_PACKED_MAX_ROWS, CPU_PACKED_QUANTIZED_MAX_ROWS};
+pub use packed::{cpu_kernels_isa, cpu_kernels_threads, cpu_packed_supports, set_cpu_kernels_isa, CPU_PACKED_MAX_ROWS, CPU_PACKED_NARROW_MAX_ROWS};
 pub use quant::{gather_qmm, QuantMode, Quantized};
 pub use shape::{concatenate, stack};
 

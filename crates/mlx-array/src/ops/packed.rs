@@ -15,19 +15,20 @@ use crate::error::{Error, Result};
 use crate::{Array, DType, QuantMode, Quantized};
 use std::ffi::CStr;
 
-/// Inputs of at most this many rows (tokens) go to the float (bf16, f32) kernels in the model
-/// layers; more rows keep MLX's own products (compute-bound there). Measured with `cargo bench
-/// -p mlx-array --bench packed_matmul` (BENCHMARKS.md, "Packed CPU kernels").
+/// Inputs of at most this many rows (tokens) go to the f32 kernel in the model layers; more rows
+/// keep MLX's own products (OpenBLAS, compute-bound there). Measured with `cargo bench -p
+/// mlx-array --bench packed_matmul` (BENCHMARKS.md, "Packed CPU kernels").
 pub const CPU_PACKED_MAX_ROWS: usize = 8;
 
-/// Inputs of at most this many rows (tokens) go to the kernels for quantized weights (affine 4
-/// and 8-bit, mxfp4) in the model layers; more rows run an f32 product over the weight
-/// dequantized on the fly. The kernels read the packed weight again for every 4 input rows,
-/// but dequantizing every weight costs more up to about 100 rows: a forward of SmolLM2-135M
-/// 4-bit g64 in f32 on 2 cores took 34 / 47 / 88 / 176 ms for 9 / 16 / 32 / 64 rows by the
-/// kernels against 196 / 127 / 161 / 242 through the dequantized weights, 344 against 385 at
-/// 112 and 400 against 384 at 128 (BENCHMARKS.md, "Packed CPU kernels").
-pub const CPU_PACKED_QUANTIZED_MAX_ROWS: usize = 64;
+/// Inputs of at most this many rows (tokens) go to the kernels for weights stored narrower than
+/// f32 (bf16, affine 4 and 8-bit, mxfp4) in the model layers; more rows run an f32 product over
+/// the weight converted to f32 in full on every call. The kernels read the weight again for
+/// every 4 input rows, but the conversion costs more up to about 64-100 rows. One forward of
+/// SmolLM2-135M on 2 cores (BENCHMARKS.md, "Packed CPU kernels"): 4-bit g64 weights (f32
+/// compute) 34 / 47 / 88 / 176 ms for 9 / 16 / 32 / 64 rows by the kernels against 196 / 127 /
+/// 161 / 242 converted, 400 against 384 at 128; bf16 weights (bf16 compute) 68 / 97 / 189 / 396
+/// against 193 / 186 / 261 / 428, 502 against 470 at 80.
+pub const CPU_PACKED_NARROW_MAX_ROWS: usize = 64;
 
 const KIND_BF16: i32 = 0;
 const KIND_AFFINE4: i32 = 1;

@@ -198,12 +198,13 @@ impl Linear {
             }
         };
         let limit = match &self.w {
-            LinearWeight::Dense(_) => mlx_array::ops::CPU_PACKED_MAX_ROWS,
-            LinearWeight::Quantized(_) => mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS,
+            LinearWeight::Dense(wt) if wt.dtype() != DType::BF16 => mlx_array::ops::CPU_PACKED_MAX_ROWS,
+            _ => mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS,
         };
         let y = match (&self.w, cpu_rows(x, limit)) {
-            // bf16 weights on the CPU: our kernel for few rows; more rows run the f32 BLAS
-            // product of the upcast operands (MLX's CPU bf16 matmul is 10-20x slower than f32)
+            // bf16 weights on the CPU: our kernel for up to CPU_PACKED_NARROW_MAX_ROWS rows; more
+            // rows run the f32 BLAS product of the upcast operands (MLX's CPU bf16 matmul is
+            // 10-20x slower than f32)
             (LinearWeight::Dense(wt), Some(few)) if wt.dtype() == DType::BF16 => match few {
                 true => x.cpu_matmul_bf16(&stored(wt)?)?,
                 false => x.astype(DType::F32)?.matmul(&wt.astype(DType::F32)?)?.astype(x.dtype())?,
@@ -287,8 +288,8 @@ pub(crate) fn dequantize_f32(q: &mlx_array::Quantized) -> Result<Array> {
 }
 
 /// On the CPU: whether the input `x` has at most `limit` rows (tokens), the most the CPU kernels
-/// take for the weight's kind ([`mlx_array::ops::CPU_PACKED_MAX_ROWS`] for float weights,
-/// [`mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS`] for packed ones: decode and short
+/// take for the weight's kind ([`mlx_array::ops::CPU_PACKED_MAX_ROWS`] for f32 weights,
+/// [`mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS`] for bf16 and packed ones: decode and short
 /// prefills). `None` off the CPU.
 fn cpu_rows(x: &Array, limit: usize) -> Option<bool> {
     super::runs_on_cpu().then_some(rows_of(x) <= limit)
@@ -497,12 +498,12 @@ impl FusedLinear {
 
     /// `silu(gate(x)) * up(x)` in one CPU primitive, for a packed `[gate; up]` pair
     /// ([`FusedLinear::load_packed`]) and inputs of at most
-    /// [`mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS`] rows on the CPU; `None` otherwise.
+    /// [`mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS`] rows on the CPU; `None` otherwise.
     pub(crate) fn swiglu_packed(&self, x: &Array) -> Result<Option<Array>> {
         let FusedLinear::Fused { lin, splits } = self else { return Ok(None) };
         let LinearWeight::Quantized(q) = &lin.w else { return Ok(None) };
         let halves = splits.len() == 1 && 2 * splits[0] == lin.out_dim();
-        if !halves || lin.bias.is_some() || lin.act.is_some() || lin.lora.is_some() || lin.reduce.is_some() || cpu_rows(x, mlx_array::ops::CPU_PACKED_QUANTIZED_MAX_ROWS) != Some(true) {
+        if !halves || lin.bias.is_some() || lin.act.is_some() || lin.lora.is_some() || lin.reduce.is_some() || cpu_rows(x, mlx_array::ops::CPU_PACKED_NARROW_MAX_ROWS) != Some(true) {
             return Ok(None);
         }
         Ok(Some(q.cpu_swiglu(x)?))
