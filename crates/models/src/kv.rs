@@ -46,6 +46,17 @@ pub fn flat_capacity(positions: usize) -> usize {
     positions.div_ceil(STEP) * STEP + SPARE
 }
 
+/// The slots a rotating cache of window `window` allocates when it must hold `held` positions:
+/// [`flat_capacity`] up to the window plus [`SPARE`] (plus one where that would be a whole
+/// number of steps), never a multiple of 256. Slots past the window stay unused: one-query steps
+/// read a slice of the first `window`, so that libmlx's CUDA attention keeps them on its vector
+/// kernel (cuDNN takes head sizes up to 128 in bf16 and f16, as Gemma 3 27B's sliding layers
+/// with their 1024-position window), as it does for flat storage.
+pub fn rotating_capacity(held: usize, window: usize) -> usize {
+    let full = window + SPARE + usize::from((window + SPARE) % STEP == 0);
+    flat_capacity(held).min(full)
+}
+
 /// K/V storage of one attention layer.
 #[derive(Clone)]
 pub struct KvCache {
@@ -139,12 +150,13 @@ impl KvCache {
             None => p - start,
             Some(r) => (r + p - start) % w,
         };
-        let (a, n, cap) = (slot(from), to - from, k.dim(2)?);
+        // the slots in use (`w` once the ring is full; storage may hold spare ones past them)
+        let (a, n, used) = (slot(from), to - from, self.held);
         let part = |x: &Array| -> Result<Array> {
-            if a + n <= cap {
+            if a + n <= used {
                 return Ok(x.slice_axis(2, a, a + n)?);
             }
-            Ok(ops::concatenate(&[&x.slice_axis(2, a, cap)?, &x.slice_axis(2, 0, a + n - cap)?], 2)?)
+            Ok(ops::concatenate(&[&x.slice_axis(2, a, used)?, &x.slice_axis(2, 0, a + n - used)?], 2)?)
         };
         Ok(Some((part(k)?, part(v)?)))
     }
@@ -214,7 +226,7 @@ impl KvCache {
                 let cap = self.keys.as_ref().map_or(Ok(0), |a| a.dim(2))?;
                 if self.held + 1 > cap {
                     // grow_axis2 keeps the first `held` slots and appends `grow` fresh ones
-                    let grow = (self.held + STEP).min(w).max(self.held + 1) - self.held;
+                    let grow = rotating_capacity(self.held + 1, w) - self.held;
                     let (keys, values) = (self.keys.take(), self.values.take());
                     self.keys = Some(grow_axis2(keys, k, grow, self.held)?);
                     self.values = Some(grow_axis2(values, v, grow, self.held)?);
@@ -454,6 +466,34 @@ mod tests {
         }
         for p in [1usize, 255, 256, 257, 4096] {
             assert!(flat_capacity(p) >= p && flat_capacity(p) % 256 != 0, "{p} positions: {}", flat_capacity(p));
+        }
+    }
+
+    /// Rotating storage, grown step by step up to its window, after a prefill, and as a full
+    /// ring, is never a whole number of 256-position steps ([`rotating_capacity`]), and one-query
+    /// steps get exactly the held positions (the window once full).
+    #[test]
+    fn rotating_storage_is_never_whole_steps() {
+        let kv = |l: usize| Array::zeros(&[1, 1, l, 2], DType::F32).unwrap();
+        for w in [4usize, 248, 256, 504, 520, 1024] {
+            for prefill in [0usize, 300] {
+                let mut c = KvCache::new(Some(w));
+                if prefill > 0 {
+                    c.update_and_fetch(&kv(prefill), &kv(prefill)).unwrap();
+                }
+                for _ in 0..w + 3 {
+                    let (k, v) = c.update_and_fetch(&kv(1), &kv(1)).unwrap();
+                    let held = c.stored();
+                    assert!(held == c.offset().min(w) && k.dim(2).unwrap() == held && v.dim(2).unwrap() == held, "window {w}: {held} held at {}", c.offset());
+                    let cap = c.keys.as_ref().unwrap().dim(2).unwrap();
+                    assert!(cap % 256 != 0 && cap >= held && cap <= w + 9, "window {w}, prefill {prefill}: {held} held in storage of {cap}");
+                    mlx_array::eval(&[&c.keys.clone().unwrap(), &c.values.clone().unwrap()]).unwrap();
+                }
+            }
+        }
+        for (held, w) in [(1usize, 4usize), (1, 1024), (257, 1024), (1024, 1024), (248, 248), (504, 504)] {
+            let cap = rotating_capacity(held, w);
+            assert!(cap >= held && cap % 256 != 0, "{held} of window {w}: {cap}");
         }
     }
 
