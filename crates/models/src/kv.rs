@@ -47,7 +47,7 @@ pub fn flat_capacity(positions: usize) -> usize {
 }
 
 /// The slots a rotating cache of window `window` allocates when it must hold `held` positions:
-/// [`flat_capacity`] up to the window plus [`SPARE`] (plus one where that would be a whole
+/// [`flat_capacity`] up to the window plus 8 (plus one where that would be a whole
 /// number of steps), never a multiple of 256. Slots past the window stay unused: one-query steps
 /// read a slice of the first `window`, so that libmlx's CUDA attention keeps them on its vector
 /// kernel (cuDNN takes head sizes up to 128 in bf16 and f16, as Gemma 3 27B's sliding layers
