@@ -487,7 +487,7 @@ mod tests {
                     assert!(held == c.offset().min(w) && k.dim(2).unwrap() == held && v.dim(2).unwrap() == held, "window {w}: {held} held at {}", c.offset());
                     let cap = c.keys.as_ref().unwrap().dim(2).unwrap();
                     assert!(cap % 256 != 0 && cap >= held && cap <= w + 9, "window {w}, prefill {prefill}: {held} held in storage of {cap}");
-                    mlx_array::eval(&[&c.keys.clone().unwrap(), &c.values.clone().unwrap()]).unwrap();
+                    mlx_array::eval(&c.arrays().collect::<Vec<_>>()).unwrap();
                 }
             }
         }

@@ -702,7 +702,7 @@ fn a_draft_cache_is_sized_as_the_generation_asks() {
         let first = flat_capacity(1);
         assert_eq!(capacity(&plain), if end + 2 <= first { first } else { flat_capacity(end + 2) }, "history of {end}");
     }
-    // through a generation: 12 prompt tokens and up to 300 new ones (344 positions: 512)
+    // through a generation: 12 prompt tokens and up to 300 new ones (344 positions: `flat_capacity(344)`, 520)
     let target = load("qwen3_untied", KvCacheMode::Flat);
     let d = Arc::new(Mutex::new(DraftModel::new(load("qwen3_untied_q8g32", KvCacheMode::Flat))));
     let mut spec = SpeculativeDecoder::new(Box::new(Shared(d.clone())), Some(3));
