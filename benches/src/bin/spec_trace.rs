@@ -25,6 +25,11 @@
 //! `--plain` runs a plain greedy generation of the same prompt before each speculative one, in
 //! the same process, and prints the ratio of their decode rates and whether the tokens agree:
 //! the steady-state comparison (from the second run on, neither pays first-use costs).
+//!
+//! `--overlap SECONDS` runs no generation: it measures whether the draft's forwards and the
+//! target's verify forward of `--depth` + 1 rows run side by side on threads of their own (as
+//! `DraftAhead::Background` runs them), against two loads that tell the host from the device
+//! (`benches/src/overlap.rs`).
 use mlx_models::{generate, Cache, GenerateConfig, Model, Result as MResult, SpeculativeStats, Speculator, Token};
 use mlx_speculative::{Draft, Drafter, SpeculativeDecoder};
 use sampling::{Sampler, SamplingConfig};
@@ -33,6 +38,9 @@ use std::time::Instant;
 
 #[path = "../shared.rs"]
 mod shared;
+
+#[path = "../overlap.rs"]
+mod overlap;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -80,6 +88,11 @@ struct Cli {
     /// Each run's prompt is this many ids longer than the run before's (not with --chat).
     #[arg(long, default_value_t = 0)]
     prompt_step: usize,
+    /// Instead of generations: time the draft's proposals of --depth tokens and the target's
+    /// verify forward of --depth + 1 rows, each alone and side by side on threads of their own
+    /// for this many seconds (and against a device-heavy and a host-heavy load).
+    #[arg(long, conflicts_with_all = ["adaptive", "draft_ahead", "warm_up", "plain", "chat", "prompt_step", "runs", "new", "quiet"])]
+    overlap: Option<f64>,
 }
 
 /// The drafter's time of its last proposal, shared with the tracer.
@@ -226,6 +239,11 @@ fn main() -> Res<()> {
         return Err("--prompt-step lengthens --prompt ids, not a --chat prompt".into());
     }
     let (opts, _) = cli.m.load_options()?;
+    if let Some(window) = cli.overlap {
+        let args = overlap::OverlapArgs { target: cli.m.model.clone(), draft: cli.draft.clone(), opts, prompt: cli.m.prompt, depth: cli.depth, rows: cli.depth + 1, window };
+        println!("device {:?}", mlx_array::default_device()?);
+        return Ok(overlap::run(args)?);
+    }
     let target = mlx_models::load_model(&cli.m.model, &opts)?.into_lm()?;
     let (clock, catch_ups, agreement): (Clock, CatchUps, Agreement) = Default::default();
     let inner = mlx_speculative::load_drafter_for(std::path::Path::new(&cli.draft), &opts, &target)?;

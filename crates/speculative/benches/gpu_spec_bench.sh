@@ -3,7 +3,7 @@
 # of scripts/gpu/stage_payload.sh, the mlx 0.32.2 cp312 and mlx-lm 0.32.2 wheels, and the
 # `generate` example built here, stripped, as generate.xz, or with other builds in bins*.tar.xz):
 #
-#   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [ENVS="A=1 B=2,C=3"] [ALT=NAME.. [ALTROUNDS=N]] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [GROWTH=1] \
+#   STAGE=DIR [CHECKS=1] [PAIR=0] [TF32S="1 0"] [ROUNDS=N] [NEW=N] [ADAPTIVE=K] [USELESS=K] [ENVS="A=1 B=2,C=3"] [ALT=NAME.. [ALTROUNDS=N]] [BUCKET=N] [FEWROW=MODE] [AHEAD=N,..] [TRACE=1] [OVERLAP=S] [GROWTH=1] \
 #     bash crates/speculative/benches/gpu_spec_bench.sh [K...]   # default K: 5 7
 #
 # ADAPTIVE=K adds adaptive depth up to K with the pair's draft; USELESS=K the same with the
@@ -19,6 +19,10 @@
 # SHIFT=N (with TRACE=1) adds `spec_trace --runs 3 --prompt-step N` at the largest K: each run
 # after the first at history lengths no earlier run had (N past the first run's last position),
 # so a later run's saving over the first is no cache of repeated shapes (OUT/trace_shift.log).
+# OVERLAP=S adds `spec_trace --overlap S` at the largest K: the draft's proposals and the target's
+# verify forward each alone, then side by side on threads of their own for S seconds, and the
+# draft beside a device-heavy and a host-heavy load (OUT/overlap.log: which of the two makes
+# them take turns).
 # PLAINFIRST=1 (with TRACE=1) adds `spec_trace --plain` at the largest K: a plain generation
 # before each speculative one in the process, so the first speculative generation follows a
 # busy GPU and host (OUT/trace_plainfirst.log): what it still loses to the second is the
@@ -74,7 +78,7 @@ KS=("$@"); [ ${#KS[@]} -gt 0 ] || KS=(5 7)
 # builds staged together in one archive (one xz stream with a large dictionary, so a second
 # build of a binary adds little: `tar -cf - generate spec_trace old | xz -9e --lzma2=dict=128MiB`)
 for t in "$G"/bins*.tar.xz; do [ ! -e "$t" ] || tar -C "$G" -xJf "$t" || exit 3; done
-for x in TRACE:spec_trace GROWTH:verify_probe; do
+for x in TRACE:spec_trace OVERLAP:spec_trace GROWTH:verify_probe; do
   v=${x%%:*} b=${x#*:}
   [ -z "${!v:-}" ] || [ -f "$G/$b.xz" ] || [ -f "$G/$b" ] || { echo "$v=1 needs $b staged (MLX_LM=0 PROBES=$b prepare_gpu_spec.sh)" >&2; exit 2; }
 done
@@ -192,6 +196,10 @@ if [ -n "${TRACE:-}" ]; then
     "$G/spec_trace" --model "$P/target" --draft "$P/useless" --depth "$USELESS" --adaptive --new "$NEW" --runs 2 --prompt 32 --warm-up --plain > "$OUT/trace_useless.log" 2>&1
     grep -E "^(warm-up|cycle|plain stretch|run)" "$OUT/trace_useless.log" | cut -c1-200 | head -40
   fi
+fi
+if [ -n "${OVERLAP:-}" ]; then
+  xz -dkf "$G/spec_trace.xz" 2>/dev/null; chmod +x "$G/spec_trace"
+  "$G/spec_trace" --model "$P/target" --draft "$P/draft" --depth "${KS[-1]}" --prompt 64 --overlap "$OVERLAP" 2>&1 | tee "$OUT/overlap.log"
 fi
 if [ -n "${GROWTH:-}" ]; then
   xz -dkf "$G/verify_probe.xz" 2>/dev/null; chmod +x "$G/verify_probe"
