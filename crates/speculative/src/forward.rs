@@ -55,6 +55,35 @@
 /// }
 /// ```
 ///
+/// A drafter shared behind a lock (`Mutex<D>` or `Arc<Mutex<D>>` in `$field`) is passed each
+/// call under the lock with `lock $field`. `target_taps` answers with a borrow the lock's guard
+/// cannot hand out, so it must be listed and written by hand (the macro refuses otherwise):
+///
+/// ```
+/// use mlx_speculative::{forward_drafter, DraftModel, Drafter};
+/// use std::sync::{Arc, Mutex};
+/// /// One draft model for several decoders, one at a time.
+/// struct Shared(Arc<Mutex<DraftModel>>);
+///
+/// impl Drafter for Shared {
+///     forward_drafter!(lock 0; except target_taps);
+///     fn target_taps(&self) -> &[usize] {
+///         &[] // a draft model reads none of the target's layers
+///     }
+/// }
+/// ```
+///
+/// A lock poisoned by a panic is taken over as it is (`PoisonError::into_inner`).
+///
+/// ```compile_fail
+/// use mlx_speculative::{forward_drafter, DraftModel, Drafter};
+/// use std::sync::Mutex;
+/// struct Open(Mutex<DraftModel>);
+/// impl Drafter for Open {
+///     forward_drafter!(lock 0); // target_taps cannot be passed on
+/// }
+/// ```
+///
 /// A wrapper written by hand takes the trait's default for any method it leaves out, which
 /// silently switches that behaviour off (a drafter's agreement, its drafting ahead); with the
 /// macro a method added to the trait is passed on as well.
@@ -63,7 +92,26 @@ macro_rules! forward_drafter {
     ($field:tt) => {
         $crate::__forward_drafter!([] (field $field));
     };
+    (lock $field:tt; except $($skip:ident),* $(,)?) => {
+        $crate::__drafter_if_listed!(target_taps [$($skip)*] {} {
+            compile_error!("forward_drafter!(lock ..): `target_taps` answers with a borrow that cannot outlive the lock: list it after `except` and write it by hand");
+        });
+        $crate::__forward_drafter_checked!([$($skip)*] (lock $field));
+    };
+    (lock $field:tt) => {
+        compile_error!("forward_drafter!(lock ..): `target_taps` answers with a borrow that cannot outlive the lock: list it after `except` and write it by hand");
+    };
     ($field:tt; except $($skip:ident),* $(,)?) => {
+        $crate::__forward_drafter_checked!([$($skip)*] (field $field));
+    };
+}
+
+/// [`forward_drafter!`]'s `except` list checked (every name a method; `propose` intercepted
+/// only with `propose_on`), then its body.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __forward_drafter_checked {
+    ([$($skip:ident)*] $to:tt) => {
         $($crate::__drafter_method_is!($skip $skip {} {
             compile_error!(concat!("forward_drafter!: `", stringify!($skip), "` is no Drafter method"));
         });)*
@@ -74,7 +122,7 @@ macro_rules! forward_drafter {
                 compile_error!("forward_drafter!: a wrapper intercepting `propose` intercepts `propose_on` too");
             });
         } {});
-        $crate::__forward_drafter!([$($skip)*] (field $field));
+        $crate::__forward_drafter!([$($skip)*] $to);
     };
 }
 
@@ -182,11 +230,18 @@ macro_rules! __forward_drafter {
     };
 }
 
-/// [`forward_drafter!`]'s helper: the drafter calls are passed to, `(field F)` (`self.F`) or
-/// `(deref)` (`**self`, for a box).
+/// [`forward_drafter!`]'s helper: the drafter calls are passed to, `(field F)` (`self.F`),
+/// `(lock F)` (what `self.F.lock()` guards, for the length of the call) or `(deref)` (`**self`,
+/// for a box).
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __drafter_inner {
+    (mut $s:ident (lock $f:tt)) => {
+        &mut *$s.$f.lock().unwrap_or_else(::std::sync::PoisonError::into_inner)
+    };
+    (ref $s:ident (lock $f:tt)) => {
+        &*$s.$f.lock().unwrap_or_else(::std::sync::PoisonError::into_inner)
+    };
     (mut $s:ident (field $f:tt)) => {
         &mut $s.$f
     };
@@ -416,6 +471,37 @@ mod tests {
         fn vocab_size(&self) -> usize {
             99
         }
+    }
+
+    struct Locked(Arc<Mutex<Probe>>);
+
+    impl Drafter for Locked {
+        forward_drafter!(lock 0; except target_taps);
+        fn target_taps(&self) -> &[usize] {
+            &[]
+        }
+    }
+
+    /// `forward_drafter!(lock ..)` passes every call but `target_taps` on under the lock, and
+    /// takes over a lock a panic poisoned.
+    #[test]
+    fn a_locked_drafter_is_passed_every_call_but_target_taps() {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let shared = Arc::new(Mutex::new(Probe { calls: calls.clone(), reads_target: false }));
+        let mut locked = Locked(shared.clone());
+        assert_eq!(call_everything(&mut locked, false, false), 11);
+        let every: Vec<&str> = EVERY_CALL.iter().copied().filter(|&c| c != "target_taps").collect();
+        assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), every);
+
+        let poisoner = shared.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = poisoner.lock().unwrap();
+            panic!("poisons the lock");
+        })
+        .join();
+        assert!(shared.is_poisoned());
+        assert_eq!(locked.vocab_size(), 11);
+        assert_eq!(std::mem::take(&mut *calls.lock().unwrap()), ["vocab_size"]);
     }
 
     /// `forward_drafter!` passes every call on, from a named field or a boxed one in a tuple

@@ -613,64 +613,14 @@ fn warming_up_runs_its_cycles_one_after_another() {
 }
 
 /// A [`DraftModel`] the test keeps a handle on, to read its counters after a generation. Every
-/// method is passed on but `target_taps` (a slice borrowed through the lock; a draft model has
-/// none, the trait's default).
+/// method is passed on under the lock but `target_taps` (a slice the lock cannot lend; a draft
+/// model has none).
 struct Shared(std::sync::Arc<std::sync::Mutex<DraftModel>>);
 
 impl mlx_speculative::Drafter for Shared {
-    fn propose(&mut self, history: &[u32], k: usize, s: &SamplingConfig) -> mlx_models::Result<mlx_speculative::Draft> {
-        self.0.lock().unwrap().propose(history, k, s)
-    }
-    fn propose_on(&mut self, history: &[u32], k: usize, s: &SamplingConfig, target: &mut mlx_models::Cache) -> mlx_models::Result<mlx_speculative::Draft> {
-        self.0.lock().unwrap().propose_on(history, k, s, target)
-    }
-    fn target_positions_run(&self) -> usize {
-        self.0.lock().unwrap().target_positions_run()
-    }
-    fn feedback(&mut self, f: &mlx_speculative::Feedback<'_>) -> mlx_models::Result<()> {
-        self.0.lock().unwrap().feedback(f)
-    }
-    fn wants_target_hidden(&self) -> bool {
-        self.0.lock().unwrap().wants_target_hidden()
-    }
-    fn max_depth(&self) -> Option<usize> {
-        self.0.lock().unwrap().max_depth()
-    }
-    fn draft_ahead(&mut self, history: &[u32], drafts: &[u32], steps: usize, until: Option<&dyn Fn() -> bool>) -> mlx_models::Result<()> {
-        self.0.lock().unwrap().draft_ahead(history, drafts, steps, until)
-    }
-    fn runs_ahead(&self) -> bool {
-        self.0.lock().unwrap().runs_ahead()
-    }
-    fn settle(&mut self) -> mlx_models::Result<()> {
-        self.0.lock().unwrap().settle()
-    }
-    fn skipped(&mut self, history: &[u32], window: usize) {
-        self.0.lock().unwrap().skipped(history, window)
-    }
-    fn catch_up(&mut self, history: &[u32], window: usize) -> mlx_models::Result<()> {
-        self.0.lock().unwrap().catch_up(history, window)
-    }
-    fn measures_agreement(&self) -> bool {
-        self.0.lock().unwrap().measures_agreement()
-    }
-    fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
-        self.0.lock().unwrap().agreement()
-    }
-    fn reserve(&mut self, positions: usize) {
-        self.0.lock().unwrap().reserve(positions)
-    }
-    fn prefill(&mut self, history: &[u32]) -> mlx_models::Result<()> {
-        self.0.lock().unwrap().prefill(history)
-    }
-    fn weight_bytes(&self) -> Option<u64> {
-        self.0.lock().unwrap().weight_bytes()
-    }
-    fn vocab_size(&self) -> usize {
-        self.0.lock().unwrap().vocab_size()
-    }
-    fn default_depth(&self) -> usize {
-        self.0.lock().unwrap().default_depth()
+    mlx_speculative::forward_drafter!(lock 0; except target_taps);
+    fn target_taps(&self) -> &[usize] {
+        &[] // a draft model reads none of the target's layers
     }
 }
 
