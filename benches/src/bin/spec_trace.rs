@@ -128,17 +128,17 @@ impl Drafter for TimedDrafter {
         *self.last.lock().expect("clock") = Some(t.elapsed().as_secs_f64());
         Ok(d)
     }
-    fn catch_up(&mut self, history: &[u32], window: usize) -> MResult<()> {
+    fn catch_up(&mut self, history: &[u32], window: usize, sampling: &SamplingConfig) -> MResult<()> {
         let t = Instant::now();
-        self.inner.catch_up(history, window)?;
+        self.inner.catch_up(history, window, sampling)?;
         let mut c = self.catch_ups.lock().expect("catch-ups");
         *c = (c.0 + 1, c.1 + t.elapsed().as_secs_f64());
         Ok(())
     }
-    fn agreement(&mut self) -> MResult<Vec<bool>> {
+    fn agreement(&mut self) -> MResult<Vec<mlx_speculative::Agreed>> {
         let t = Instant::now();
         let agreed = self.inner.agreement()?;
-        let n = agreed.iter().filter(|&&a| a).count();
+        let n = agreed.iter().filter(|a| a.guessed).count();
         *self.agreement.lock().expect("agreement") = Some((agreed.len(), n, t.elapsed().as_secs_f64()));
         Ok(agreed)
     }
@@ -346,7 +346,7 @@ mod tests {
         assert_eq!(facts(&timed), want);
         let history: Vec<u32> = (1..30).collect();
         timed.prefill(&history[..10]).unwrap();
-        timed.catch_up(&history[..20], 64).unwrap();
+        timed.catch_up(&history[..20], 64, &SamplingConfig::greedy()).unwrap();
         assert_eq!(catch_ups.lock().unwrap().0, 1);
         assert_eq!(timed.agreement().unwrap().len(), 9, "the catch-up's tokens, measured by the draft model");
         assert_eq!(agreement.lock().unwrap().map(|(n, _, _)| n), Some(9));

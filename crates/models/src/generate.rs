@@ -129,6 +129,11 @@ pub trait Speculator: Send {
     /// A plain stretch of `n` tokens that took `secs` has ended: the cache holds `history` but its
     /// newest token, as after a cycle.
     fn resume(&mut self, _history: &[u32], _n: usize, _secs: f64) {}
+    /// A token of a plain stretch was sampled (`history` ends with it) with log-prob `logprob`
+    /// under the target's processed distribution of `sampling`: asked for every token of a
+    /// stretch, before [`Speculator::plain_progress`] or [`Speculator::resume`]. Default:
+    /// nothing.
+    fn plain_sampled(&mut self, _history: &[u32], _logprob: f32, _sampling: &SamplingConfig) {}
     /// A token of a plain stretch was produced (`history` ends with it) and `left` more are to
     /// come before [`Speculator::resume`] (asked for all but the stretch's last token; the cache
     /// holds `history` but its newest token, or all of it). Not asked during a stretch that
@@ -450,6 +455,7 @@ impl<'a> Generator<'a> {
         let guard = self.guard.push(id);
         let plain = self.spec.as_ref().map_or(0, |s| s.plain_left);
         if let Some(spec) = self.spec.as_mut().filter(|_| plain > 0) {
+            spec.speculator.plain_sampled(&self.history, logprob, self.sampler.config());
             spec.plain_left -= 1;
             if spec.plain_left == 0 {
                 let secs = spec.plain_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());

@@ -44,7 +44,9 @@
 //!
 //! A drafter that catches up during plain stretches on a thread of its own measures its
 //! agreement with the stretch's tokens for free ([`crate::Drafter::agreement`]: whether its
-//! greedy guess after each token was the next one), and the decoder hands it over after each
+//! greedy guess after each token was the next one; at temperature > 0 a draw accepted with
+//! probability `min(1, q(x) / p(x))` from the draft's and the target's log-probs of the sampled
+//! token, whose mean is rejection sampling's acceptance), and the decoder hands it over after each
 //! stretch ([`Adaptive::observe_agreement`]): it counts as verdicts of cycles at the maximum
 //! depth, and a stretch over which no depth could have given [`Adaptive::MARGIN`] tokens a
 //! cycle skips the probe due after it. Such a generation also opens with a plain stretch
@@ -352,8 +354,9 @@ impl Adaptive {
     }
 
     /// The drafter's agreement over the plain stretch that just ended
-    /// ([`crate::Drafter::agreement`]: for a run of history tokens, whether its greedy guess
-    /// after each was the next one), asked before the next cycle. It is read as the verdicts of
+    /// ([`crate::Drafter::agreement`] as the decoder weighs it: for a run of history tokens,
+    /// whether a draft from each would have been accepted), asked before the next cycle. It is
+    /// read as the verdicts of
     /// cycles at the maximum depth drafting from those tokens one after another (each from the
     /// token after the last one's verdict), which update the acceptance estimates. When those
     /// cycles would have given fewer than [`Adaptive::MARGIN`] tokens each, no depth could

@@ -7,7 +7,7 @@
 //! drafter's model arrays are computed at load ([`mlx_models::Model::materialize`]); a drafter
 //! that reads the target's states (its cache, hidden states or taps) cannot move, and
 //! [`Background::spawn`] refuses it.
-use crate::drafter::{Draft, Drafter, Feedback};
+use crate::drafter::{Agreed, Draft, Drafter, Feedback};
 use mlx_models::{Cache, ModelError, Result};
 use sampling::SamplingConfig;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,11 +22,11 @@ enum Job {
     Ahead { history: Vec<u32>, drafts: Vec<u32>, steps: usize },
     Feedback { history: Vec<u32>, drafts: Vec<u32>, accepted: usize, next: u32 },
     Skipped { history: Vec<u32>, window: usize },
-    CatchUp { history: Vec<u32>, window: usize },
+    CatchUp { history: Vec<u32>, window: usize, cfg: SamplingConfig },
     Reserve(usize),
     Prefill { history: Vec<u32>, reply: SyncSender<Result<()>> },
     TargetPositions { reply: SyncSender<usize> },
-    Agreement { reply: SyncSender<Result<Vec<bool>>> },
+    Agreement { reply: SyncSender<Result<Vec<Agreed>>> },
 }
 
 /// What the drafter says of itself that does not change (asked once, before it moves).
@@ -178,8 +178,8 @@ fn serve(mut inner: Box<dyn Drafter>, jobs: Receiver<Job>, asked: Arc<AtomicUsiz
                 }
             }
             Job::Skipped { history, window } => inner.skipped(&history, window),
-            Job::CatchUp { history, window } => {
-                if let Err(e) = inner.catch_up(&history, window) {
+            Job::CatchUp { history, window, cfg } => {
+                if let Err(e) = inner.catch_up(&history, window, &cfg) {
                     deferred.get_or_insert(e);
                 }
             }
@@ -232,14 +232,14 @@ impl Drafter for Background {
         let _ = self.send(Job::Skipped { history: history.to_vec(), window });
     }
     /// Queued for the thread: its forwards run beside the target's plain steps.
-    fn catch_up(&mut self, history: &[u32], window: usize) -> Result<()> {
-        self.send(Job::CatchUp { history: history.to_vec(), window })
+    fn catch_up(&mut self, history: &[u32], window: usize, sampling: &SamplingConfig) -> Result<()> {
+        self.send(Job::CatchUp { history: history.to_vec(), window, cfg: sampling.clone() })
     }
     fn measures_agreement(&self) -> bool {
         self.fixed.measures_agreement
     }
     /// Waits for the thread's queue (the catch-ups measured).
-    fn agreement(&mut self) -> Result<Vec<bool>> {
+    fn agreement(&mut self) -> Result<Vec<Agreed>> {
         self.ask(|reply| Job::Agreement { reply })?
     }
     fn reserve(&mut self, positions: usize) {

@@ -16,6 +16,22 @@ pub struct Draft {
     pub logprobs: Option<Array>,
 }
 
+/// A drafter's agreement with one history token ([`Drafter::agreement`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Agreed {
+    /// The token's index in the history.
+    pub position: usize,
+    /// Whether the drafter's greedy guess from the tokens before it was this token: whether a
+    /// proposal from there would have had its first draft accepted at temperature 0 without
+    /// penalties. A run of these from a position is how many drafts it would have had accepted.
+    pub guessed: bool,
+    /// At temperature > 0 (the sampling settings of [`Drafter::catch_up`]): the drafter's
+    /// log-prob of the token under its processed distribution, `log q(x)`. With the target's
+    /// own `log p(x)` of the sampled token, `min(1, q(x) / p(x))` is an unbiased estimate of
+    /// the probability that a draft from there is accepted (`sum_y min(p(y), q(y))`).
+    pub logprob: Option<f32>,
+}
+
 /// What the target decided about the last proposals, for drafters that learn from it.
 pub struct Feedback<'a> {
     /// The history the proposals followed (ending with the token the target had not seen).
@@ -108,10 +124,12 @@ pub trait Drafter: Send {
     /// proposal would, so that the probe after the stretch has little left to catch up over.
     /// `window` is as in [`Drafter::skipped`], counted in tokens of the history so far: the
     /// decoder passes the part of its window the stretch has produced, so that a context
-    /// starts over where the stretch's end would start it. Only worth it where the forwards
-    /// run beside the target's steps ([`crate::Background`]); the decoder asks nothing else.
-    /// Default: nothing.
-    fn catch_up(&mut self, _history: &[u32], _window: usize) -> Result<()> {
+    /// starts over where the stretch's end would start it. `sampling` is the target's sampler
+    /// settings: at temperature > 0 a drafter that measures its agreement
+    /// ([`Drafter::agreement`]) notes its processed log-prob of each next token under them.
+    /// Only worth it where the forwards run beside the target's steps ([`crate::Background`]);
+    /// the decoder asks nothing else. Default: nothing.
+    fn catch_up(&mut self, _history: &[u32], _window: usize, _sampling: &SamplingConfig) -> Result<()> {
         Ok(())
     }
     /// Whether [`Drafter::agreement`] measures anything. Default: `false`.
@@ -119,13 +137,11 @@ pub trait Drafter: Send {
         false
     }
     /// What [`Drafter::catch_up`] has learned since the last call (or the last
-    /// [`Drafter::prefill`]), in order: for each history token it ran, whether its greedy guess
-    /// after that token was the history's next one, that is, whether a proposal from there
-    /// would have had its first draft accepted at temperature 0 without penalties
-    /// (teacher-forced agreement, measured for the price of the catch-up's logits). A run of
-    /// agreements from a position is how many drafts a proposal from there would have had
-    /// accepted. Waits for the catch-ups queued so far. Default: nothing measured (empty).
-    fn agreement(&mut self) -> Result<Vec<bool>> {
+    /// [`Drafter::prefill`]), in order: for each history token it ran, an [`Agreed`] on the
+    /// history's next token (teacher-forced agreement, measured for the price of the
+    /// catch-up's logits). Waits for the catch-ups queued so far. Default: nothing measured
+    /// (empty).
+    fn agreement(&mut self) -> Result<Vec<Agreed>> {
         Ok(Vec::new())
     }
     /// The history may reach `positions` tokens in this generation
@@ -330,9 +346,29 @@ pub struct DraftModel {
     reserve: usize,
     /// Tokens run by [`Drafter::catch_up`], over its life.
     caught_up: usize,
-    /// [`Drafter::catch_up`]'s greedy guesses (`[n]` u32, not yet read) and the history tokens
-    /// that followed, for [`Drafter::agreement`].
-    guessed: Vec<(Array, Vec<u32>)>,
+    /// [`Drafter::catch_up`]'s pieces, not yet read, for [`Drafter::agreement`].
+    guessed: Vec<Guessed>,
+}
+
+/// What a catch-up's agreement is measured against ([`DraftModel::feed`]).
+struct Next<'a> {
+    /// The history: the tokens after those fed start at `at`.
+    history: &'a [u32],
+    at: usize,
+    /// The target's sampler settings.
+    sampling: &'a SamplingConfig,
+}
+
+/// One piece of a catch-up, for [`Drafter::agreement`].
+struct Guessed {
+    /// The history index of `next[0]`.
+    at: usize,
+    /// `[n]` u32: the greedy guess after each token of the piece.
+    guesses: Array,
+    /// The history's next tokens.
+    next: Vec<u32>,
+    /// At temperature > 0, `[n]` f32: the processed log-prob of each next token.
+    logprobs: Option<Array>,
 }
 
 /// Greedy guesses drawn by [`Drafter::draft_ahead`], not yet read on the host.
@@ -432,27 +468,45 @@ impl DraftModel {
     }
 
     /// Run `toks` into the cache in pieces of [`DraftModel::with_catch_up_pieces`] (queued, not
-    /// waited for): without logits, or with `next` (the token after each of `toks`) keeping each
-    /// piece's greedy guesses for [`Drafter::agreement`].
-    fn feed(&mut self, toks: &[u32], next: Option<&[u32]>) -> Result<()> {
+    /// waited for): without logits, or with `next` (the history tokens after `toks`) keeping
+    /// each piece's greedy guesses, and at temperature > 0 its processed log-probs of the next
+    /// tokens, for [`Drafter::agreement`].
+    fn feed(&mut self, toks: &[u32], next: Option<Next<'_>>) -> Result<()> {
         if toks.is_empty() {
             return Ok(());
         }
-        debug_assert!(next.is_none_or(|n| n.len() == toks.len()));
+        debug_assert!(next.as_ref().is_none_or(|n| n.at + toks.len() <= n.history.len()));
         let piece = self.catch_up_pieces.unwrap_or(toks.len());
         let logits = if next.is_some() { Logits::All } else { Logits::None };
+        let sampler = match &next {
+            Some(n) if !n.sampling.is_greedy() => Some(sampler_for(n.sampling)?),
+            _ => None,
+        };
         let from = self.guessed.len();
         for (i, p) in toks.chunks(piece).enumerate() {
             let out = forward(&self.model, &mut self.cache, &row(p)?, logits, false)?;
             self.tracked.fed(p);
-            if let Some(next) = next {
+            if let Some(n) = &next {
                 let logits = out.logits.ok_or_else(|| ModelError::Cache("draft forward returned no logits".into()))?;
-                let guesses = logits.reshape(&[p.len() as i32, -1])?.argmax(-1, false)?.astype(DType::U32)?;
-                self.guessed.push((guesses, next[i * piece..i * piece + p.len()].to_vec()));
+                let rows = logits.reshape(&[p.len() as i32, -1])?;
+                let at = n.at + i * piece;
+                let following = n.history[at..at + p.len()].to_vec();
+                let logprobs = match &sampler {
+                    Some(sampler) => {
+                        // each row's history: the tokens before its next one
+                        let hists: Vec<&[u32]> = if reads_history(n.sampling) { (0..p.len()).map(|r| &n.history[..at + r]).collect() } else { Vec::new() };
+                        let lp = sampler.distribution(&rows, &hists).map_err(|e| ModelError::InvalidInput(e.to_string()))?;
+                        let idx = Array::from_slice(&following, &[p.len(), 1])?;
+                        Some(lp.take_along_axis(&idx, -1)?.reshape(&[-1])?)
+                    }
+                    None => None,
+                };
+                let guesses = rows.argmax(-1, false)?.astype(DType::U32)?;
+                self.guessed.push(Guessed { at, guesses, next: following, logprobs });
             }
         }
-        let guesses: Vec<&Array> = self.guessed[from..].iter().map(|(g, _)| g).collect();
-        self.cache.async_eval_with(&guesses)
+        let queued: Vec<&Array> = self.guessed[from..].iter().flat_map(|g| std::iter::once(&g.guesses).chain(g.logprobs.iter())).collect();
+        self.cache.async_eval_with(&queued)
     }
 
     /// One forward of `toks` (`[1, L]`) into the draft's cache: the last position's logits,
@@ -626,7 +680,7 @@ impl Drafter for DraftModel {
         self.restart = (held > 0 && lacking > window).then(|| history.len() - window);
     }
 
-    fn catch_up(&mut self, history: &[u32], window: usize) -> Result<()> {
+    fn catch_up(&mut self, history: &[u32], window: usize, sampling: &SamplingConfig) -> Result<()> {
         let Some((_, before)) = history.split_last() else { return Ok(()) };
         self.check_vocab(history)?;
         // a window too short to be fed from: its start would be taken as a context of nothing
@@ -639,20 +693,23 @@ impl Drafter for DraftModel {
         let rest = self.hold_prefix(before)?;
         self.caught_up += rest.len();
         // the token after each: the rest of `rest`, then the history's newest
-        let next: Vec<u32> = history[history.len() - rest.len()..].to_vec();
-        self.feed(&rest, Some(&next))
+        let next = Next { history, at: history.len() - rest.len(), sampling };
+        self.feed(&rest, Some(next))
     }
 
     fn measures_agreement(&self) -> bool {
         true
     }
 
-    fn agreement(&mut self) -> Result<Vec<bool>> {
+    fn agreement(&mut self) -> Result<Vec<Agreed>> {
         let guessed = std::mem::take(&mut self.guessed);
-        mlx_array::eval(&guessed.iter().map(|(g, _)| g).collect::<Vec<_>>())?;
+        mlx_array::eval(&guessed.iter().flat_map(|g| std::iter::once(&g.guesses).chain(g.logprobs.iter())).collect::<Vec<_>>())?;
         let mut agreed = Vec::new();
-        for (g, next) in guessed {
-            agreed.extend(g.to_vec::<u32>()?.iter().zip(&next).map(|(g, n)| g == n));
+        for g in guessed {
+            let lps = g.logprobs.as_ref().map(|l| l.to_vec::<f32>()).transpose()?;
+            for (i, (guess, next)) in g.guesses.to_vec::<u32>()?.iter().zip(&g.next).enumerate() {
+                agreed.push(Agreed { position: g.at + i, guessed: guess == next, logprob: lps.as_ref().map(|l| l[i]) });
+            }
         }
         Ok(agreed)
     }

@@ -163,8 +163,8 @@ macro_rules! __forward_drafter {
             }
         });
         $crate::__forward_drafter_unless!(catch_up [$($skip)*] {
-            fn catch_up(&mut self, history: &[u32], window: usize) -> $crate::__macro_support::Result<()> {
-                $crate::Drafter::catch_up($crate::__drafter_inner!(mut self $to), history, window)
+            fn catch_up(&mut self, history: &[u32], window: usize, sampling: &$crate::__macro_support::SamplingConfig) -> $crate::__macro_support::Result<()> {
+                $crate::Drafter::catch_up($crate::__drafter_inner!(mut self $to), history, window, sampling)
             }
         });
         $crate::__forward_drafter_unless!(measures_agreement [$($skip)*] {
@@ -173,7 +173,7 @@ macro_rules! __forward_drafter {
             }
         });
         $crate::__forward_drafter_unless!(agreement [$($skip)*] {
-            fn agreement(&mut self) -> $crate::__macro_support::Result<Vec<bool>> {
+            fn agreement(&mut self) -> $crate::__macro_support::Result<Vec<$crate::Agreed>> {
                 $crate::Drafter::agreement($crate::__drafter_inner!(mut self $to))
             }
         });
@@ -314,7 +314,7 @@ impl<D: crate::Drafter + ?Sized> crate::Drafter for Box<D> {
 
 #[cfg(test)]
 pub(crate) mod probe {
-    use crate::{Draft, Drafter, Feedback};
+    use crate::{Agreed, Draft, Drafter, Feedback};
     use mlx_models::{Cache, CacheSpec, Result};
     use sampling::SamplingConfig;
     use std::sync::{Arc, Mutex};
@@ -357,7 +357,7 @@ pub(crate) mod probe {
         fn skipped(&mut self, _: &[u32], _: usize) {
             self.note("skipped");
         }
-        fn catch_up(&mut self, _: &[u32], _: usize) -> Result<()> {
+        fn catch_up(&mut self, _: &[u32], _: usize, _: &SamplingConfig) -> Result<()> {
             self.note("catch_up");
             Ok(())
         }
@@ -365,9 +365,9 @@ pub(crate) mod probe {
             self.note("measures_agreement");
             true
         }
-        fn agreement(&mut self) -> Result<Vec<bool>> {
+        fn agreement(&mut self) -> Result<Vec<Agreed>> {
             self.note("agreement");
-            Ok(vec![true, false])
+            Ok(vec![Agreed { position: 1, guessed: true, logprob: None }, Agreed { position: 2, guessed: false, logprob: Some(-0.5) }])
         }
         fn reserve(&mut self, _: usize) {
             self.note("reserve");
@@ -427,9 +427,10 @@ pub(crate) mod probe {
         d.draft_ahead(&[1], &[5, 5], 2, None).unwrap();
         assert!(d.runs_ahead());
         d.skipped(&[1, 2], 4);
-        d.catch_up(&[1, 2], 4).unwrap();
+        d.catch_up(&[1, 2], 4, &greedy).unwrap();
         assert!(d.measures_agreement());
-        assert_eq!(d.agreement().unwrap(), [true, false]);
+        let agreed = d.agreement().unwrap();
+        assert_eq!(agreed.iter().map(|a| (a.position, a.guessed, a.logprob)).collect::<Vec<_>>(), [(1, true, None), (2, false, Some(-0.5))]);
         d.reserve(64);
         d.prefill(&[1]).unwrap();
         d.settle().unwrap();

@@ -54,7 +54,7 @@ pub use assistant::AssistantDrafter;
 pub use background::Background;
 pub use block::{create_random_block_draft, BlockConfig, BlockDrafter, BlockNet, BlockTrace};
 pub use decoder::{Depth, DraftAhead, SpeculativeDecoder};
-pub use drafter::{Draft, DraftModel, Drafter, Feedback};
+pub use drafter::{Agreed, Draft, DraftModel, Drafter, Feedback};
 pub use load::{draft_kind, embedded_draft_dir, load_drafter, load_drafter_for, DraftKind};
 pub use mtp::MtpDrafter;
 pub use verify::Verdict;

@@ -256,7 +256,7 @@ impl mlx_speculative::Drafter for Recorded {
         self.depths.lock().unwrap().push(k);
         self.inner.propose_on(history, k, s, target)
     }
-    fn agreement(&mut self) -> mlx_models::Result<Vec<bool>> {
+    fn agreement(&mut self) -> mlx_models::Result<Vec<mlx_speculative::Agreed>> {
         if self.agreement_fails {
             return Err(mlx_models::ModelError::Worker("no agreement today".into()));
         }
@@ -297,6 +297,49 @@ fn an_opening_stretch_decides_exploring_on_the_drafts_thread() {
                 assert!(depths.is_empty(), "{label}: {depths:?}");
                 assert_eq!((st.cycles, st.depth_mean), (64 - 1, 0.0), "{label}: {st:?}");
             }
+        }
+    }
+}
+
+/// A [`Recorded`] draft whose agreement keeps only the greedy guesses (no log-probs), as the
+/// decoder weighed agreement before temperature > 0 took the draft's log-probs into account.
+struct GuessesOnly(Recorded);
+
+impl mlx_speculative::Drafter for GuessesOnly {
+    mlx_speculative::forward_drafter!(0; except agreement);
+    fn agreement(&mut self) -> mlx_models::Result<Vec<mlx_speculative::Agreed>> {
+        let mut agreed = self.0.agreement()?;
+        for a in &mut agreed {
+            a.logprob = None;
+        }
+        Ok(agreed)
+    }
+}
+
+/// At temperature > 0 the opening stretch's agreement weighs the draft's log-prob of each
+/// sampled token against the target's: a self-draft (q = p, every draft accepted by rejection
+/// sampling) then explores at the maximum depth from its first proposal, where its greedy
+/// guesses alone (the tiny model at temperature 4: the sampled token is rarely the argmax)
+/// leave it out of the opening.
+#[test]
+fn at_temperature_above_zero_the_opening_weighs_the_drafts_log_probs() {
+    use std::sync::{Arc, Mutex};
+    let mut rng = Rng(47);
+    let target = load("qwen3", KvCacheMode::Flat);
+    let prompt = rng.tokens(10, target.info().vocab_size);
+    let sampled = SamplingConfig { temperature: 4.0, seed: Some(11), ..SamplingConfig::greedy() };
+    for log_probs in [true, false] {
+        let depths = Arc::new(Mutex::new(Vec::new()));
+        let d = Recorded { inner: DraftModel::new(load("qwen3", KvCacheMode::Flat)), depths: depths.clone(), agreement_fails: false };
+        let d: Box<dyn mlx_speculative::Drafter> = if log_probs { Box::new(d) } else { Box::new(GuessesOnly(d)) };
+        let mut spec = SpeculativeDecoder::adaptive(d, Some(4)).with_draft_ahead(DraftAhead::Background).unwrap();
+        let (got, st, _) = run_spec(&target, &mut spec, &prompt, gen_cfg(40, sampled.clone()));
+        assert_eq!(got.len(), 40);
+        let depths = depths.lock().unwrap().clone();
+        if log_probs {
+            assert_eq!(depths.first(), Some(&4), "with log-probs: {depths:?} {st:?}");
+        } else {
+            assert_ne!(depths.first(), Some(&4), "guesses only: {depths:?} {st:?}");
         }
     }
 }
@@ -400,7 +443,7 @@ fn catching_up_during_a_stretch_drafts_what_the_probe_would() {
             let before = during.caught_up();
             // the decoder's calls: `left` tokens to come, within the window, every 4
             for left in (1..stretch).rev().filter(|l| l % every == lead && *l < window) {
-                during.catch_up(&history[..base + stretch - left], window - left).unwrap();
+                during.catch_up(&history[..base + stretch - left], window - left, &sampling).unwrap();
             }
             for d in [&mut during, &mut after] {
                 d.skipped(&history, window);
@@ -418,7 +461,7 @@ fn catching_up_during_a_stretch_drafts_what_the_probe_would() {
         // a window of 1 token (the stretch's last to come): nothing to run from it
         let before = (during.caught_up(), during.cache().offset());
         history.extend(rng.tokens(40, vocab));
-        during.catch_up(&history, 1).unwrap();
+        during.catch_up(&history, 1, &sampling).unwrap();
         assert_eq!((during.caught_up(), during.cache().offset()), before, "{kv:?}");
     }
 }
@@ -454,7 +497,7 @@ fn catching_up_at_random_cadences_drafts_what_the_probe_would() {
             let base = history.len();
             history.extend(rng.tokens(stretch, vocab));
             for left in (1..stretch).rev().filter(|l| l % every == lead % every && *l < window) {
-                during.catch_up(&history[..base + stretch - left], window - left).unwrap();
+                during.catch_up(&history[..base + stretch - left], window - left, &sampling).unwrap();
             }
             for d in [&mut during, &mut after] {
                 d.skipped(&history, window);
@@ -475,6 +518,10 @@ fn catching_up_at_random_cadences_drafts_what_the_probe_would() {
 /// the draft model's own forward over the whole history says. The stretch is the draft's own
 /// greedy continuation (agreed throughout), then random tokens; flat and paged caches and a
 /// recurrent draft. Asking again gives nothing new, and a new prefill forgets what was measured.
+/// At temperature > 0 each caught-up token also carries the draft's log-prob of the next one
+/// under the processed distribution (temperature, top-k and a repetition penalty that reads
+/// each row's history), as the sampler's own distribution over the whole-history forward gives
+/// it, within 1e-5.
 #[test]
 fn catching_up_measures_the_drafts_agreement() {
     use mlx_models::Logits;
@@ -494,9 +541,11 @@ fn catching_up_measures_the_drafts_agreement() {
             // every 5 tokens of the stretch, the last with 2 to come
             let cuts: Vec<usize> = (prompt.len() + 2..history.len() - 2).step_by(5).collect();
             for &cut in &cuts {
-                d.catch_up(&history[..cut], 64).unwrap();
+                d.catch_up(&history[..cut], 64, &SamplingConfig::greedy()).unwrap();
             }
-            let agreed = d.agreement().unwrap();
+            let measured = d.agreement().unwrap();
+            assert!(measured.iter().all(|a| a.logprob.is_none()), "{label}: greedy catch-ups note no log-probs");
+            let agreed: Vec<bool> = measured.iter().map(|a| a.guessed).collect();
             // the tokens from the prompt's end to the last catch-up's but its newest
             let last = *cuts.last().unwrap();
             assert_eq!(agreed.len(), last - 1 - prompt.len(), "{label}");
@@ -513,9 +562,30 @@ fn catching_up_measures_the_drafts_agreement() {
             assert!(agreed[..own.len() - 1].iter().all(|&a| a), "{label}: {agreed:?}");
             assert!(agreed[own.len()..].iter().filter(|&&a| a).count() < 3, "{label}: {agreed:?}");
             assert!(d.agreement().unwrap().is_empty(), "{label}: asked again");
-            d.catch_up(&history, 64).unwrap();
+            d.catch_up(&history, 64, &SamplingConfig::greedy()).unwrap();
             d.prefill(&history[..5]).unwrap();
             assert!(d.agreement().unwrap().is_empty(), "{label}: after a new prefill");
+
+            // at temperature > 0: the processed log-prob of each next token
+            let sampled = SamplingConfig { temperature: 0.7, top_k: 40, repetition_penalty: 1.3, seed: Some(3), ..SamplingConfig::greedy() };
+            let mut d = DraftModel::new(model.clone()).with_catch_up_pieces(pieces);
+            d.prefill(&prompt).unwrap();
+            for &cut in &cuts {
+                d.catch_up(&history[..cut], 64, &sampled).unwrap();
+            }
+            let measured = d.agreement().unwrap();
+            assert_eq!(measured.iter().map(|a| (a.position, a.guessed)).collect::<Vec<_>>(), (prompt.len() + 1..last).zip(want.iter().copied()).collect::<Vec<_>>(), "{label}");
+            let sampler = sampling::Sampler::new(sampled.clone()).unwrap();
+            let rows = logits.reshape(&[(last - 1) as i32, -1]).unwrap();
+            for a in &measured {
+                let row = rows.slice_axis(0, a.position - 1, a.position).unwrap();
+                let lp = sampler.distribution(&row, &[&history[..a.position]]).unwrap().to_vec_f32().unwrap();
+                let want = lp[history[a.position] as usize];
+                let got = a.logprob.unwrap_or(f32::NAN);
+                let close = (got == want) || (got - want).abs() <= 1e-5 * want.abs().max(1.0);
+                assert!(close, "{label}: position {}: log q {got} against {want}", a.position);
+            }
+            assert!(measured.iter().any(|a| a.logprob.is_some_and(f32::is_finite)), "{label}: some next token within the top 40");
         }
     }
 }
