@@ -118,8 +118,10 @@ struct Cli {
     /// thread of its own, drafting from each proposal until the next, at most the depth + 1,
     /// while this thread builds the verify forward); default: background on a GPU, 0 on the
     /// CPU.
-    /// Anything but 0 is refused for other draft kinds and at temperature > 0, where nothing
-    /// runs ahead.
+    /// Anything but 0 is refused for other draft kinds. At temperature > 0 nothing is drafted
+    /// ahead: `background` still moves the draft model to its own thread (its catch-ups during
+    /// adaptive depth's plain stretches, and their agreement, run there, as on a GPU by
+    /// default), and a number or `until-verified` is refused.
     #[arg(long, requires = "draft_model")]
     draft_ahead: Option<mlx_speculative::DraftAhead>,
     /// MTP drafts per cycle (default: adaptive, up to 5).
@@ -225,8 +227,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut spec = match (&cli.draft_model, cli.mtp) {
         (Some(d), _) => {
-            if cli.draft_ahead.is_some_and(|a| a != mlx_speculative::DraftAhead::Steps(0)) && cli.temperature > 0.0 {
-                return Err("--draft-ahead runs ahead at --temperature 0 only".into());
+            let ahead = cli.draft_ahead.is_some_and(|a| !matches!(a, mlx_speculative::DraftAhead::Steps(0) | mlx_speculative::DraftAhead::Background));
+            if ahead && cli.temperature > 0.0 {
+                return Err("--draft-ahead drafts ahead at --temperature 0 only (`background` is taken at any temperature)".into());
             }
             let drafter = mlx_speculative::load_drafter_for(d, &opts, &model)?;
             let k = cli.draft_tokens.map(|k| k as usize);
