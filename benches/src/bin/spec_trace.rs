@@ -11,7 +11,7 @@
 //! ```text
 //! spec_trace --model TARGET --draft DRAFT [--depth 7] [--adaptive] [--new 256] [--runs 2]
 //!            [--prompt 32] [--dtype bf16] [--kv flat] [--quiet] [--warm-up [--warm-up-cycles N]] [--draft-ahead N|until-verified]
-//!            [--plain] [--chat TEXT] [--prompt-step N]
+//!            [--plain] [--chat TEXT] [--prompt-step N] [--temperature T [--seed S]]
 //! ```
 //!
 //! `--prompt-step N` lengthens each run's prompt by N ids over the run before (run r prompts with
@@ -21,6 +21,12 @@
 //!
 //! `--chat TEXT` prompts with TEXT as a user message in the target's chat template (natural
 //! text) instead of `--prompt` ids.
+//!
+//! `--temperature T` samples every run at T (seeded by `--seed`). With the draft model on its
+//! own thread, each agreement line then gives, beside the greedy guesses, the mean of
+//! `min(1, q(x) / p(x))` over the caught-up tokens (the draft's and the target's log-probs of
+//! each sampled token): the acceptance estimate adaptive depth draws its verdicts from, to
+//! hold against the cycles' acceptance by position printed after each run.
 //!
 //! `--plain` runs a plain greedy generation of the same prompt before each speculative one, in
 //! the same process, and prints the ratio of their decode rates and whether the tokens agree:
@@ -88,10 +94,17 @@ struct Cli {
     /// Each run's prompt is this many ids longer than the run before's (not with --chat).
     #[arg(long, default_value_t = 0)]
     prompt_step: usize,
+    /// Sampling temperature of every run (0: greedy). Above 0 the runs are seeded by --seed,
+    /// and the plain run's tokens are not expected to be the speculative run's.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sampler seed of every run (with --temperature above 0).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Instead of generations: time the draft's proposals of --depth tokens and the target's
     /// verify forward of --depth + 1 rows, each alone and side by side on threads of their own
     /// for this many seconds (and against a device-heavy and a host-heavy load).
-    #[arg(long, conflicts_with_all = ["adaptive", "draft_ahead", "warm_up", "plain", "chat", "prompt_step", "runs", "new", "quiet"])]
+    #[arg(long, conflicts_with_all = ["adaptive", "draft_ahead", "warm_up", "plain", "chat", "prompt_step", "runs", "new", "quiet", "temperature", "seed"])]
     overlap: Option<f64>,
 }
 
@@ -102,9 +115,9 @@ type Clock = Arc<Mutex<Option<f64>>>;
 /// them (on its own thread: building and queueing the forwards).
 type CatchUps = Arc<Mutex<(usize, f64)>>;
 
-/// The drafter's last agreement report ([`Drafter::agreement`]): tokens measured, tokens agreed
-/// and the seconds the caller waited for it.
-type Agreement = Arc<Mutex<Option<(usize, usize, f64)>>>;
+/// The drafter's last agreement report ([`Drafter::agreement`]) and the seconds the caller
+/// waited for it.
+type Agreement = Arc<Mutex<Option<(Vec<mlx_speculative::Agreed>, f64)>>>;
 
 /// A drafter that times each proposal and each catch-up.
 struct TimedDrafter {
@@ -138,8 +151,7 @@ impl Drafter for TimedDrafter {
     fn agreement(&mut self) -> MResult<Vec<mlx_speculative::Agreed>> {
         let t = Instant::now();
         let agreed = self.inner.agreement()?;
-        let n = agreed.iter().filter(|a| a.guessed).count();
-        *self.agreement.lock().expect("agreement") = Some((agreed.len(), n, t.elapsed().as_secs_f64()));
+        *self.agreement.lock().expect("agreement") = Some((agreed.clone(), t.elapsed().as_secs_f64()));
         Ok(agreed)
     }
 }
@@ -163,11 +175,14 @@ struct Tracer<'a> {
     agreement: Agreement,
     quiet: bool,
     totals: Totals,
+    /// The target's log-prob of each plain-stretch token, by history index.
+    sampled: std::collections::BTreeMap<usize, f32>,
 }
 
 impl Speculator for Tracer<'_> {
     fn start(&mut self) {
         self.totals = Totals::default();
+        self.sampled.clear();
         self.inner.start()
     }
     fn cycle(&mut self, model: &Model, cache: &mut Cache, history: &[u32], sampler: &mut Sampler, max: usize) -> MResult<Vec<Token>> {
@@ -212,10 +227,27 @@ impl Speculator for Tracer<'_> {
     }
     fn plain_tokens(&mut self, history: &[u32]) -> usize {
         let n = self.inner.plain_tokens(history);
-        if let Some((measured, agreed, secs)) = self.agreement.lock().expect("agreement").take().filter(|_| !self.quiet) {
-            println!("agreement at {}: {agreed} of {measured} caught-up tokens (waited {:.2} ms); next stretch {n} tokens", history.len(), secs * 1e3);
+        if let Some((agreed, secs)) = self.agreement.lock().expect("agreement").take().filter(|_| !self.quiet) {
+            let guessed = agreed.iter().filter(|a| a.guessed).count();
+            // at temperature > 0: the mean of min(1, q(x) / p(x)) over the tokens whose both
+            // log-probs are known, the estimate of a first draft's acceptance the decoder draws from
+            let weighed: Vec<f64> = agreed
+                .iter()
+                .filter_map(|a| Some(f64::from(a.logprob? - *self.sampled.get(&a.position)?).exp().min(1.0)))
+                .collect();
+            let weighed = match weighed.len() {
+                0 => String::new(),
+                m => format!("; min(1, q/p) mean {:.3} over {m}", weighed.iter().sum::<f64>() / m as f64),
+            };
+            println!("agreement at {}: {guessed} of {} caught-up tokens guessed{weighed} (waited {:.2} ms); next stretch {n} tokens", history.len(), agreed.len(), secs * 1e3);
         }
         n
+    }
+    fn plain_sampled(&mut self, history: &[u32], logprob: f32, sampling: &SamplingConfig) {
+        if !history.is_empty() {
+            self.sampled.insert(history.len() - 1, logprob);
+        }
+        self.inner.plain_sampled(history, logprob, sampling)
     }
     fn plain_progress(&mut self, history: &[u32], left: usize) -> MResult<()> {
         self.inner.plain_progress(history, left)
@@ -281,7 +313,8 @@ fn main() -> Res<()> {
         if cli.prompt_step > 0 {
             println!("prompt of run {run}: {} ids", prompt.len());
         }
-        let cfg = GenerateConfig { max_new_tokens: cli.new, sampling: SamplingConfig::greedy(), ..Default::default() };
+        let sampling = SamplingConfig { temperature: cli.temperature, seed: Some(cli.seed), ..SamplingConfig::greedy() };
+        let cfg = GenerateConfig { max_new_tokens: cli.new, sampling, ..Default::default() };
         let plain = if cli.plain {
             let mut cache = target.new_cache();
             let mut gen = generate(&target, &mut cache, &prompt, cfg.clone())?;
@@ -294,7 +327,7 @@ fn main() -> Res<()> {
         };
         let mut cache = target.new_cache();
         let mut ids = Vec::new();
-        let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), catch_ups: catch_ups.clone(), agreement: agreement.clone(), quiet: cli.quiet, totals: Totals::default() };
+        let mut tracer = Tracer { inner: &mut dec, clock: clock.clone(), catch_ups: catch_ups.clone(), agreement: agreement.clone(), quiet: cli.quiet, totals: Totals::default(), sampled: Default::default() };
         let t = Instant::now();
         let mut gen = generate(&target, &mut cache, &prompt, cfg)?.with_speculator(&mut tracer);
         let mut n = 0;
@@ -305,6 +338,7 @@ fn main() -> Res<()> {
         let perf = gen.performance();
         drop(gen);
         let secs = t.elapsed().as_secs_f64();
+        let st = tracer.stats();
         let Totals { spec, plain_cycles, stretches, draft_secs, mut spec_secs } = tracer.totals;
         println!(
             "run {run}: {n} tokens in {secs:.3} s, decode {:.1} tok/s; speculative cycles {} ({:.1} ms, {} tokens; drafter {:.1} ms), plain cycles {} ({:.1} ms, {} tokens), plain stretches {} ({:.1} ms, {} tokens)",
@@ -318,6 +352,8 @@ fn main() -> Res<()> {
             spec_secs.sort_by(f64::total_cmp);
             let at = |q: f64| spec_secs[((spec_secs.len() - 1) as f64 * q).round() as usize] * 1e3;
             println!("run {run} speculative cycle times: fastest {:.2} ms, quartile {:.2}, median {:.2}, slowest {:.2} ({:.2} tokens a cycle)", at(0.0), at(0.25), at(0.5), at(1.0), spec.2 as f64 / spec.0 as f64);
+            let by: Vec<String> = st.acceptance_by_position.iter().map(|a| format!("{a:.3}")).collect();
+            println!("run {run} acceptance by position [{}], {:.2} drafts accepted a cycle", by.join(", "), st.accepted_mean);
         }
         if let Some((toks, rate)) = plain {
             let same = toks.iter().zip(&ids).take_while(|(a, b)| a == b).count();
@@ -349,7 +385,7 @@ mod tests {
         timed.catch_up(&history[..20], 64, &SamplingConfig::greedy()).unwrap();
         assert_eq!(catch_ups.lock().unwrap().0, 1);
         assert_eq!(timed.agreement().unwrap().len(), 9, "the catch-up's tokens, measured by the draft model");
-        assert_eq!(agreement.lock().unwrap().map(|(n, _, _)| n), Some(9));
+        assert_eq!(agreement.lock().unwrap().as_ref().map(|(a, _)| a.len()), Some(9));
         let draft = timed.propose(&history, 3, &SamplingConfig::greedy()).unwrap();
         assert_eq!(draft.tokens.len(), 3);
         assert!(last.lock().unwrap().is_some());
