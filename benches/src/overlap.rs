@@ -124,17 +124,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median ms of `f` over `n` calls after one untimed call.
-fn median_of(n: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
-    f()?;
-    let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t = Instant::now();
-        f()?;
-        v.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    Ok(median(v))
-}
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -171,7 +160,7 @@ fn target_work(dir: String, opts: LoadOptions, prompt: usize, rows: usize) -> Re
         cache.eval_with(&[&logits]).map_err(err)?;
         cache.trim(rows).map_err(err)
     });
-    let alone = median_of(5, &mut verify)?;
+    let alone = super::shared::median_ms(1, 5, &mut verify)?;
 
     // large products: the largest square size one product of which takes at most a quarter
     // of the verify, as many of them as take about its time
@@ -180,7 +169,7 @@ fn target_work(dir: String, opts: LoadOptions, prompt: usize, rows: usize) -> Re
     for s in [256usize, 512, 1024, 2048, 4096, 8192] {
         let (x, w) = (normal(&[s, s], dtype, &key).map_err(err)?, normal(&[s, s], dtype, &key).map_err(err)?.mul_scalar(1.0 / (s as f32).sqrt()).map_err(err)?);
         mlx_array::eval(&[&x, &w]).map_err(err)?;
-        let one = median_of(3, || x.matmul(&w).and_then(|y| y.eval()).map_err(err))?;
+        let one = super::shared::median_ms(1, 3, || x.matmul(&w).and_then(|y| y.eval()).map_err(err))?;
         if chosen.is_some() && one > alone / 4.0 {
             break;
         }
@@ -205,7 +194,7 @@ fn target_work(dir: String, opts: LoadOptions, prompt: usize, rows: usize) -> Re
         }
         y.eval().map_err(err)
     };
-    let per = median_of(3, || chain(2000))? / 2000.0;
+    let per = super::shared::median_ms(1, 3, || chain(2000))? / 2000.0;
     let m = ((alone / per).round() as usize).max(1);
     let adds: Work = Box::new(move || chain(m));
     Ok(vec![

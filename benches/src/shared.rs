@@ -28,6 +28,22 @@ pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// The index of the first largest value (NaN never wins).
+/// The median of `iters` (at least 1) timings of `f` in ms, after `warm` untimed calls.
+#[allow(dead_code)]
+pub fn median_ms<E>(warm: usize, iters: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    for _ in 0..warm {
+        f()?;
+    }
+    let mut v = Vec::with_capacity(iters.max(1));
+    for _ in 0..iters.max(1) {
+        let t = std::time::Instant::now();
+        f()?;
+        v.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
 #[allow(dead_code)]
 pub fn argmax(v: &[f32]) -> usize {
     v.iter().enumerate().fold(0, |best, (j, &x)| if x > v[best] { j } else { best })

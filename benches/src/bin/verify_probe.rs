@@ -137,17 +137,8 @@ fn compare_rows(model: &mlx_models::Model, cache: &mut mlx_models::Cache, next: 
 const MODES: [CudaFewRowKernels; 2] = [CudaFewRowKernels::Off, CudaFewRowKernels::On];
 
 /// The median of `iters` timings of `f` in ms, after two untimed calls.
-fn median_ms(iters: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
-    f()?;
-    f()?;
-    let mut v = Vec::with_capacity(iters);
-    for _ in 0..iters.max(1) {
-        let t = Instant::now();
-        f()?;
-        v.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    v.sort_by(f64::total_cmp);
-    Ok(v[v.len() / 2])
+fn median_ms(iters: usize, f: impl FnMut() -> Res<()>) -> Res<f64> {
+    shared::median_ms(2, iters, f)
 }
 
 fn usize_field(cfg: &serde_json::Value, k: &str) -> Res<usize> {
