@@ -385,6 +385,12 @@ impl SpeculativeDecoder {
         result
     }
 
+    /// Whether adaptive depth reads the drafter's agreement after each plain stretch: a drafter
+    /// on its own thread that measures it ([`Drafter::measures_agreement`]).
+    fn reads_agreement(&self) -> bool {
+        self.policy.is_some() && matches!(self.drafter, Slot::Thread(_)) && self.drafter.measures_agreement()
+    }
+
     /// The seed of the draws in [`SpeculativeDecoder::verdicts`] (each generation starts from it).
     const COIN_SEED: u64 = 0x5eed_a9e5_d7af_7e01;
 
@@ -730,8 +736,7 @@ impl Speculator for SpeculativeDecoder {
             self.sampled = Some(sampling.clone());
         }
         // weighed against the drafter's agreement after the stretch
-        let measured = self.policy.is_some() && matches!(self.drafter, Slot::Thread(_)) && self.drafter.measures_agreement();
-        if measured && !sampling.is_greedy() && !history.is_empty() {
+        if self.reads_agreement() && !sampling.is_greedy() && !history.is_empty() {
             self.target_logprobs.insert(history.len() - 1, logprob);
         }
     }
@@ -750,8 +755,8 @@ impl Speculator for SpeculativeDecoder {
         }
         if let Some(p) = &mut self.policy {
             p.observe_plain(n, secs);
-            self.agreement_due = matches!(self.drafter, Slot::Thread(_)) && self.drafter.measures_agreement();
         }
+        self.agreement_due = self.reads_agreement();
     }
 }
 
