@@ -98,9 +98,9 @@ struct Cli {
     /// and the plain run's tokens are not expected to be the speculative run's.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// Sampler seed of every run (with --temperature above 0).
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampler seed of every run (default 0; only with --temperature above 0).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Instead of generations: time the draft's proposals of --depth tokens and the target's
     /// verify forward of --depth + 1 rows, each alone and side by side on threads of their own
     /// for this many seconds (and against a device-heavy and a host-heavy load).
@@ -267,6 +267,9 @@ fn main() -> Res<()> {
     if cli.depth == 0 || cli.new < 2 || cli.m.prompt == 0 {
         return Err("--depth and --prompt must be positive and --new at least 2".into());
     }
+    if cli.seed.is_some() && cli.temperature == 0.0 {
+        return Err("--seed seeds sampling: it needs --temperature above 0".into());
+    }
     if cli.chat.is_some() && cli.prompt_step > 0 {
         return Err("--prompt-step lengthens --prompt ids, not a --chat prompt".into());
     }
@@ -313,7 +316,7 @@ fn main() -> Res<()> {
         if cli.prompt_step > 0 {
             println!("prompt of run {run}: {} ids", prompt.len());
         }
-        let sampling = SamplingConfig { temperature: cli.temperature, seed: Some(cli.seed), ..SamplingConfig::greedy() };
+        let sampling = SamplingConfig { temperature: cli.temperature, seed: Some(cli.seed.unwrap_or(0)), ..SamplingConfig::greedy() };
         let cfg = GenerateConfig { max_new_tokens: cli.new, sampling, ..Default::default() };
         let plain = if cli.plain {
             let mut cache = target.new_cache();
